@@ -1,0 +1,115 @@
+"""``ptdp`` command line: train, plan, simulate, preprocess."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError, add_config_arguments, config_from_args, validate
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT with PTD-P (under torchrun, or launching workers itself)")
+    add_config_arguments(p)
+    launch = p.add_argument_group("launch")
+    launch.add_argument("--nproc-per-node", type=int, default=None,
+                        help="start this many local workers through torch.distributed.run")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart all workers up to K times when one fails (torchrun's elastic restart)")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        return _fail(str(e))
+    launching = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
+    world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    errors = validate(config, world_size)
+    if errors:
+        # Every rank rejects the configuration before any collective; only rank 0 speaks.
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in errors:
+                print(f"ptdp train: error: {line}", file=sys.stderr)
+        return 2
+    if launching:
+        from .launch import launch_workers
+
+        return launch_workers(args.nproc_per_node, args.max_restarts, _worker_argv(sys.argv))
+
+    from .data import DataError
+    from .training import train
+
+    try:
+        train(config)
+    except (ConfigError, DataError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The command line each worker runs: ours without the launcher's own flags."""
+    out, skip = [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--nproc-per-node", "--max-restarts"):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def _fail(message: str) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"ptdp: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _optional_parsers(sub) -> None:
+    """Sub-commands whose modules are optional extras of the package."""
+    try:
+        from .planner import add_plan_arguments, run_plan
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("plan", help="choose (t, p, d, b, v) for a model on a cluster")
+        add_plan_arguments(p)
+        p.set_defaults(run=run_plan)
+    try:
+        from .simulate import add_simulate_arguments, run_simulate
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("simulate", help="simulate a pipeline schedule and draw its timeline")
+        add_simulate_arguments(p)
+        p.set_defaults(run=run_simulate)
+    try:
+        from .data.preprocess import add_preprocess_arguments, run_preprocess
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("preprocess", help="tokenize JSONL into indexed .bin/.idx files")
+        add_preprocess_arguments(p)
+        p.set_defaults(run=run_preprocess)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ptdp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _optional_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""One validated configuration tree for a training run.
+
+Every field carries its Megatron-LM flag name in its metadata; the ``ptdp train`` parser, the
+``--config FILE.toml`` reader (same keys as the flags, dashes or underscores) and the validation all
+come from these dataclasses, so a flag is declared exactly once. :func:`validate` checks the whole tree
+against the world size before any process group exists and returns every problem as one line that names
+the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A problem with the user's configuration; the message is one line naming the flag."""
+
+
+def opt(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A dataclass field with its command-line flag (derived from the field name unless given)."""
+    metadata = {"help": help, "flag": flag, "argparse": argparse_kwargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(4, "number of transformer layers")
+    hidden_size: int = opt(128, "hidden size h")
+    num_attention_heads: int = opt(4, "attention heads a")
+    ffn_hidden_size: int | None = opt(None, "MLP hidden size (default 4h)")
+    seq_length: int = opt(128, "sequence length s")
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream and embeddings")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
+    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this (and of t)")
+    init_method_std: float = opt(0.02, "std of the normal initialisation")
+    layernorm_epsilon: float = opt(1e-5, "LayerNorm epsilon")
+    vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab_size(self, vocab_size: int, tp: int) -> int:
+        """Pad to a multiple of lcm(divisible_by, t), the same for every layout whose t divides it."""
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tp)
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "tensor-parallel size t (ranks adjacent, inside a node)")
+    pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size p")
+    virtual_pipeline_model_parallel_size: int | None = opt(None, "model chunks per pipeline rank v")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(None, "Megatron's alternative way to set v")
+    pipeline_schedule: str | None = opt(
+        None, "pipeline schedule (default: interleaved when v > 1, else 1f1b)",
+        choices=["gpipe", "1f1b", "interleaved"])
+    scatter_gather_tensors_in_pipeline: bool = opt(
+        True, "send 1/t of each boundary tensor and all-gather it in the TP group",
+        flag="--no-scatter-gather-tensors-in-pipeline")
+    distributed_timeout_minutes: float = opt(10.0, "process-group timeout, so a lost peer fails fast")
+
+    @property
+    def virtual_size(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def schedule(self) -> str:
+        return self.pipeline_schedule or ("interleaved" if self.virtual_size > 1 else "1f1b")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(6e-4, "peak learning rate")
+    min_lr: float = opt(6e-5, "learning rate at the end of the decay")
+    lr_warmup_iters: int = opt(10, "linear warm-up iterations")
+    lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["cosine", "linear", "constant"])
+    lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.95, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = opt(4, "micro-batch size b")
+    global_batch_size: int = opt(32, "global batch size B = b x microbatches x d")
+    train_iters: int = opt(100, "training iterations")
+    seed: int = opt(1234, "random seed: initialisation, data order and dropout")
+    log_interval: int = opt(10, "iterations between progress lines")
+    metrics_file: str | None = opt(None, "append one JSON object per iteration to this file")
+    grad_bucket_size_mb: float = opt(25.0, "data-parallel gradient all-reduce bucket size (MB)")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = opt([], "indexed dataset prefix(es), Megatron's [weight] prefix form; "
+                               "default: the embedded standard-library corpus", nargs="*")
+    split: str = opt("969,30,1", "train,valid,test proportions")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @classmethod
+    def section_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def sections(self) -> list[Any]:
+        return [getattr(self, name) for name in self.section_names()]
+
+    def num_microbatches(self, world_size: int) -> int:
+        dp = world_size // (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size)
+        return self.training.global_batch_size // (self.training.micro_batch_size * dp)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field; defaults are None so that a TOML file can sit under the command line."""
+    parser.add_argument("--config", help="TOML file with the same keys as the flags")
+    for name, section in zip(Config.section_names(), Config().sections(), strict=True):
+        group = parser.add_argument_group(name)
+        for f in dataclasses.fields(section):
+            kwargs = dict(f.metadata["argparse"])
+            help_text = f"{f.metadata['help']} (default: {_default(f)})"
+            if f.type in ("bool", bool):
+                action = "store_false" if _flag(f).startswith("--no-") else "store_true"
+                group.add_argument(_flag(f), dest=f.name, action=action, default=None, help=help_text)
+                continue
+            kwargs.setdefault("type", _scalar_type(f))
+            group.add_argument(_flag(f), dest=f.name, default=None, help=help_text, **kwargs)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _scalar_type(f: dataclasses.Field):
+    text = str(f.type)
+    for name, typ in (("int", int), ("float", float), ("str", str)):
+        if text.startswith(name) or f"[{name}]" in text:
+            return typ
+    return str
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Defaults, then the TOML file, then the command line."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        path = Path(args.config)
+        try:
+            with path.open("rb") as fh:
+                values = {k.replace("-", "_"): v for k, v in tomllib.load(fh).items()}
+        except OSError as e:
+            raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+    config = Config()
+    known: set[str] = set()
+    for section in config.sections():
+        for f in dataclasses.fields(section):
+            known.add(f.name)
+            if getattr(args, f.name, None) is not None:
+                setattr(section, f.name, getattr(args, f.name))
+            elif f.name in values:
+                setattr(section, f.name, values[f.name])
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config: unknown key(s) {', '.join(unknown)} in {args.config}")
+    return config
+
+
+def validate(config: Config, world_size: int) -> list[str]:
+    """Every problem with ``config`` for ``world_size`` processes, one actionable line each."""
+    m, par, tr, opt_ = config.model, config.parallel, config.training, config.optimizer
+    t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    errors: list[str] = []
+
+    def positive(flag: str, value: Any) -> bool:
+        if value is None or value <= 0:
+            errors.append(f"{flag} must be a positive integer, got {value}")
+            return False
+        return True
+
+    for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                        ("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p),
+                        ("--micro-batch-size", tr.micro_batch_size), ("--global-batch-size", tr.global_batch_size),
+                        ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
+                        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+        positive(flag, value)
+    if errors:
+        return errors
+    for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    if world_size % (t * p):
+        errors.append(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size = {t}x{p}; use a world size that is a multiple of {t * p}")
+        return errors
+    d = world_size // (t * p)
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                      f"{m.num_attention_heads}")
+    if m.num_attention_heads % t:
+        errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                      f"--tensor-model-parallel-size {t}; choose t that divides the head count")
+    if m.ffn_size % t:
+        errors.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        errors.append(f"--vocab-size must be positive, got {m.vocab_size}")
+    if tr.global_batch_size % (tr.micro_batch_size * d):
+        errors.append(
+            f"--global-batch-size {tr.global_batch_size} is not a multiple of --micro-batch-size x "
+            f"data-parallel size = {tr.micro_batch_size}x{d}; use a multiple of {tr.micro_batch_size * d}")
+        return errors
+    if par.num_layers_per_virtual_pipeline_stage is not None:
+        per = par.num_layers_per_virtual_pipeline_stage
+        if per <= 0 or m.num_layers % (per * p):
+            errors.append(f"--num-layers-per-virtual-pipeline-stage {per} must divide --num-layers "
+                          f"{m.num_layers} / --pipeline-model-parallel-size {p}")
+        elif par.virtual_pipeline_model_parallel_size not in (None, m.num_layers // (per * p)):
+            errors.append("give only one of --virtual-pipeline-model-parallel-size and "
+                          "--num-layers-per-virtual-pipeline-stage")
+        else:
+            par.virtual_pipeline_model_parallel_size = m.num_layers // (per * p)
+    v = par.virtual_size
+    if v < 1:
+        errors.append(f"--virtual-pipeline-model-parallel-size must be positive, got {v}")
+        return errors
+    if m.num_layers % (p * v):
+        errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
+                      f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
+    microbatches = tr.global_batch_size // (tr.micro_batch_size * d)
+    if par.schedule in ("gpipe", "1f1b") and v > 1:
+        errors.append(f"--pipeline-schedule {par.schedule} needs v = 1; use --pipeline-schedule interleaved "
+                      "with --virtual-pipeline-model-parallel-size")
+    if par.schedule == "interleaved" and microbatches % p:
+        errors.append(
+            f"--pipeline-schedule interleaved needs the number of microbatches ({microbatches} = "
+            f"--global-batch-size / (--micro-batch-size x d)) to be a multiple of "
+            f"--pipeline-model-parallel-size {p}")
+    if opt_.lr < 0 or opt_.min_lr < 0 or opt_.min_lr > opt_.lr:
+        errors.append(f"--min-lr {opt_.min_lr} must be between 0 and --lr {opt_.lr}")
+    if opt_.lr_warmup_iters < 0:
+        errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
+    if opt_.clip_grad < 0:
+        errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    return errors

@@ -1,0 +1,118 @@
+"""Tokenizers: byte-level (default, no training) and byte-level BPE (Hugging Face ``tokenizers``).
+
+Both satisfy the :class:`Tokenizer` protocol the model and trainer rely on: ``vocab_size`` is the real
+vocabulary (the model pads it for tensor parallelism itself), ``eod_id`` separates documents in the token
+stream, and ``decode`` never raises on a window that cuts a multi-byte character (errors="replace").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from ptdp.data.errors import DataError
+
+EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_SUFFIX = ".tokenizer.json"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte value; 256 is end-of-document. Needs no training and no files."""
+
+    vocab_size: int = 257
+    eod_id: int = 256
+    name = "byte"
+    fingerprint = "byte"  # equal fingerprints <=> identical vocabularies (checked when blending)
+
+    def encode(self, text: str) -> list[int]:
+        # "replace": json.loads can yield lone surrogates, which UTF-8 cannot encode.
+        return list(text.encode("utf-8", errors="replace"))
+
+    def encode_bytes(self, text: str) -> bytes:
+        """Fast path for preprocessing: the token ids as a bytes object (one byte per token)."""
+        return text.encode("utf-8", errors="replace")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """Byte-level BPE from Hugging Face ``tokenizers``; lossless on any text, eod = ``<|endoftext|>``."""
+
+    name = "bpe"
+
+    def __init__(self, hf_tokenizer) -> None:
+        self._tok = hf_tokenizer
+        eod = hf_tokenizer.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise DataError(
+                f"tokenizer has no {EOD_TOKEN} token; retrain it with `ptdp preprocess --tokenizer bpe`"
+            )
+        self.eod_id: int = eod
+        self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = hashlib.sha256(hf_tokenizer.to_str().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_file(cls, path: str) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return cls(HFTokenizer.from_file(path))
+        except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+            raise DataError(f"cannot load tokenizer {path} ({str(err).splitlines()[0]})") from None
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Train on ``texts``; the 256 byte symbols plus eod are always in the vocabulary."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise DataError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least 257")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOD_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def save(self, path: str) -> None:
+        """Write atomically so a reader never sees half a JSON file."""
+        tmp = f"{path}.tmp.{os.getpid()}"
+        self._tok.save(tmp)
+        os.replace(tmp, path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [enc.ids for enc in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # The ByteLevel decoder maps invalid UTF-8 to U+FFFD, matching ByteTokenizer; eod is skipped in both.
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(prefix: str) -> Tokenizer:
+    """The tokenizer a dataset was written with: BPE when ``PREFIX.tokenizer.json`` exists, else bytes."""
+    path = prefix + TOKENIZER_SUFFIX
+    if os.path.exists(path):
+        return BPETokenizer.from_file(path)
+    return ByteTokenizer()

@@ -1,0 +1,29 @@
+"""Start local workers through ``torch.distributed.run`` (torchrun), so ``ptdp train --nproc-per-node 8``
+works without typing torchrun, with its elastic restarts (``--max-restarts``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # One intra-op thread per worker unless the user chose: workers share the node's cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launcher_args = get_args_parser().parse_args([
+        "--standalone",  # rendezvous on a port the OS picks: concurrent jobs cannot collide
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}",
+        "--module", "ptdp", *worker_args,
+    ])
+    try:
+        run(launcher_args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"ptdp train: error: worker(s) failed with exit code {codes}; see their messages above",
+              file=sys.stderr)
+        return codes[0] if len(codes) == 1 and codes[0] > 0 else 1
+    return 0

@@ -1,0 +1,194 @@
+"""The GPT model (Megatron's GPT = the GPT-2 architecture) built from tensor-parallel layers.
+
+Read it top to bottom like nanoGPT: learned position embeddings, pre-LayerNorm blocks of causal
+self-attention and a GeLU MLP of ``ffn_hidden_size`` (4h), a final LayerNorm and logits tied to the input
+embedding. Tensor parallelism lives entirely inside the layers (``ptdp.tensor_parallel``); the model
+knows nothing about pipelines. A :class:`GPTModel` can be a *chunk* of the full model: the layers
+``[first_layer, first_layer + num_layers)``, with the embedding if it is the first chunk and the output
+layer if it is the last. Parameter names are the logical ones of the full model (``layers.7.mlp.fc1.weight``
+is layer 7 on whichever rank holds it), so checkpoints and exports do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    get_rng_tracker,
+    mask_padded_vocab,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from .tensor_parallel.mappings import group_size
+
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when p > 1
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention over this rank's a/t heads, through SDPA (flash kernels on GPU)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+        super().__init__()
+        h, a, t = cfg.hidden_size, cfg.num_attention_heads, group_size(tp_group)
+        self.local_heads, self.head_dim = a // t, h // a
+        self.dropout = cfg.attention_dropout
+        self.qkv = ColumnParallelLinear(h, h, tp_group=tp_group, fused=3, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(h, h, tp_group=tp_group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [b, s, 3 * h/t]: this rank's heads of q, then of k, then of v
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        dropout = self.dropout if self.training else 0.0
+        with get_rng_tracker().fork():  # heads are split across TP ranks: masks must differ per rank
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp_group=tp_group,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group=tp_group,
+                                     sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.attention = ParallelAttention(cfg, tp_group, sequence_parallel)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel)
+        self.hidden_dropout = cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        if self.sequence_parallel:  # each rank holds different tokens: independent masks
+            with get_rng_tracker().fork():
+                return F.dropout(x, self.hidden_dropout)
+        return F.dropout(x, self.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.input_layernorm(x)))
+        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, tp_group):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
+        self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
+
+
+class GPTModel(nn.Module):
+    """The full GPT, or one pipeline chunk of it (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int, *, tp_group=None,
+                 first_layer: int = 0, num_layers: int | None = None, pre_process: bool = True,
+                 post_process: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.tp_group = tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        num_layers = cfg.num_layers if num_layers is None else num_layers
+        self.embedding = GPTEmbedding(cfg, padded_vocab_size, tp_group) if pre_process else None
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, tp_group, self.sequence_parallel)
+            for i in range(first_layer, first_layer + num_layers)
+        })
+        if post_process:
+            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            if not pre_process:  # a separate stage: keep a copy of the tied embedding, synced by grads
+                self.output_layer = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
+        for name, param in self.named_parameters():
+            if self.sequence_parallel and "layernorm" in name:
+                param.sequence_parallel = True  # its grads are partial sums over this rank's tokens
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[b, s]`` (first chunk) or hidden states in; hidden states or this rank's logits out."""
+        if self.pre_process:
+            x = self.embedding(x)
+            if self.sequence_parallel:
+                x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        return mask_padded_vocab(F.linear(x, self.output_weight), self.vocab_size, self.tp_group)
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-parallel logits."""
+    return vocab_parallel_cross_entropy(logits, labels, tp_group).mean()
+
+
+def logical_name(name: str) -> str:
+    """The full-model name of a parameter (the last stage's tied copy is the input embedding)."""
+    return TIED_EMBEDDING if name == HEAD_COPY else name
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std: float, num_layers: int) -> None:
+    """Initialise every parameter as the full model would be, then keep this rank's piece.
+
+    Each full parameter is drawn from its own generator, seeded by (seed, logical name), so the full
+    model is the same whatever t, p and d are, and the two copies of the tied embedding start equal.
+    Only one full parameter exists at a time, so even a trillion-parameter model can start. Residual
+    output projections are scaled by 1/sqrt(2 * num_layers) as in GPT-2 and Megatron.
+    """
+    for name, param in model.named_parameters():
+        name = logical_name(name)
+        if "layernorm" in name:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+            continue
+        scaled = name.endswith(("attention.proj.weight", "mlp.fc2.weight"))
+        full_shape = list(param.shape)
+        parallel = getattr(param, "tensor_model_parallel", False)
+        if parallel:
+            full_shape[param.partition_dim] *= tp_size
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        full = torch.empty(full_shape, device=param.device)
+        full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
+        param.copy_(full.chunk(tp_size, param.partition_dim)[tp_rank] if parallel else full)
+        del full

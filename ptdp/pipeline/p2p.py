@@ -1,0 +1,113 @@
+"""Point-to-point transport between pipeline ranks: batched isend/irecv with early receives.
+
+The executor hands ``P2PComm`` the SEND/RECV actions it may issue now; they go out in ONE
+``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward, generalised), so a send and the
+receive that follows it are posted together. Sends are never waited on before the end of the schedule and
+receives only when their tensor is consumed, so communication overlaps compute. Messages between two ranks
+are matched first-in first-out, which the schedules guarantee (``schedules.check_deadlock_free``).
+
+``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
+1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
+§Communication per microbatch). Activations and their gradients have the same shape, so one packed shape
+serves both directions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ptdp.pipeline.schedules import Action
+
+Hook = Callable[[Tensor], Tensor]
+
+
+def message_key(action: Action) -> tuple[str, int, int]:
+    """Key under which a received tensor is consumed: ("F"|"B", microbatch, local chunk)."""
+    return action.op[-1], action.microbatch, action.chunk
+
+
+@dataclass
+class _Batch:
+    """Works of one batch_isend_irecv call; each work is waited exactly once (gloo hangs on a 2nd wait)."""
+
+    works: list
+    n_ops: int
+    waited: set[int] = field(default_factory=set)
+
+    def wait_for(self, index: int) -> None:
+        # NCCL coalesces a batch into one work; gloo returns one work per op.
+        i = index if len(self.works) == self.n_ops else 0
+        if i not in self.waited and i < len(self.works):
+            self.works[i].wait()
+            self.waited.add(i)
+
+    def completed(self, indices: range) -> bool:
+        return all(self.works[i].is_completed() for i in indices if i < len(self.works))
+
+
+@dataclass
+class PendingRecv:
+    """A posted receive: ``P2PComm.wait`` turns it into the (unpacked) tensor."""
+
+    buffer: Tensor
+    batch: _Batch
+    index: int
+
+
+@dataclass
+class P2PComm:
+    """Pipeline-parallel p2p over ``group``; ``pp_ranks[i]`` is the global rank of pipeline rank i.
+
+    ``shape``/``dtype``/``device`` describe the full activation; ``packed_shape`` what ``pack`` returns
+    (defaults to ``shape``). ``unpack`` restores the full tensor on the receiving side.
+    """
+
+    pp_ranks: Sequence[int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    group: dist.ProcessGroup | None = None
+    pack: Hook | None = None
+    unpack: Hook | None = None
+    packed_shape: tuple[int, ...] | None = None
+    _sends: list = field(default_factory=list, repr=False)
+
+    def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
+        """Post sends and receives in one batch; return {message_key: PendingRecv} for the receives."""
+        ops: list[dist.P2POp] = []
+        for action, tensor in sends:
+            payload = self.pack(tensor) if self.pack is not None else tensor
+            ops.append(dist.P2POp(dist.isend, payload.contiguous(), self.pp_ranks[action.peer], self.group))
+        buffers = []
+        for action in recvs:
+            buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
+            buffers.append((action, buf, len(ops)))
+            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], self.group))
+        if not ops:
+            return {}
+        self._reap_sends()
+        batch = _Batch(dist.batch_isend_irecv(ops), len(ops))
+        if sends:
+            self._sends.append((batch, [op.tensor for op in ops[: len(sends)]]))
+        return {message_key(a): PendingRecv(buf, batch, i) for a, buf, i in buffers}
+
+    def wait(self, pending: PendingRecv) -> Tensor:
+        """Block until a posted receive landed; return it unpacked."""
+        pending.batch.wait_for(pending.index)
+        return self.unpack(pending.buffer) if self.unpack is not None else pending.buffer
+
+    def wait_sends(self) -> None:
+        """Block until every send issued so far left (their buffers may then be freed)."""
+        for batch, sent in self._sends:
+            for i in range(len(sent)):
+                batch.wait_for(i)
+        self._sends.clear()
+
+    def _reap_sends(self) -> None:
+        # keep send buffers alive only until gloo/NCCL are done with them
+        self._sends = [(b, t) for b, t in self._sends if not b.completed(range(len(t)))]

@@ -1,0 +1,295 @@
+"""Pipeline schedules as data: one ``list[Action]`` per pipeline rank.
+
+A schedule is a pure function ``(p, v, m, rank) -> list[Action]``. Keeping schedules as plain data lets one
+executor (``ptdp.pipeline.executor.run_schedule``) run all of them, lets the simulator and the pictures
+consume exactly what runs, and lets tests check ordering, matching and deadlock freedom without processes.
+
+Vocabulary (Megatron-Core): ``p`` pipeline size, ``v`` model chunks per rank, ``m`` microbatches. Chunk ``c``
+on pipeline rank ``r`` is virtual stage ``c * p + r`` (rank 0 of p=4, v=2 holds stages 0 and 4). The
+schedules and their bubble/memory properties are in ptdp-facts.md, §Schedules.
+
+Communication actions are placed around the compute action they serve: ``RECV_*`` right before the compute
+that consumes it, ``SEND_*`` right after the compute that produced it. The executor posts receives earlier
+than their position (overlap) but never waits on a send, so a list is deadlock-free iff
+``check_deadlock_free`` drains it with non-blocking sends and blocking receives (FIFO per channel).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+COMPUTE_OPS = frozenset({"F", "B", "I", "W"})
+COMM_OPS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule. ``chunk`` is the LOCAL chunk index; ``peer`` only for SEND_*/RECV_*."""
+
+    op: str  # "F" | "B" | "I" | "W" | "SEND_F" | "RECV_F" | "SEND_B" | "RECV_B"
+    microbatch: int
+    chunk: int
+    peer: int | None = None
+
+    def __repr__(self) -> str:  # compact, so schedules print readably
+        peer = "" if self.peer is None else f"->{self.peer}" if self.op.startswith("SEND") else f"<-{self.peer}"
+        return f"{self.op}{self.microbatch}.{self.chunk}{peer}"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def virtual_stage(rank: int, chunk: int, p: int) -> int:
+    """Megatron's interleaved numbering: chunk ``c`` of pipeline rank ``r`` is stage ``c * p + r``."""
+    return chunk * p + rank
+
+
+def stage_location(stage: int, p: int) -> tuple[int, int]:
+    """Inverse of ``virtual_stage``: ``(rank, chunk)`` holding virtual stage ``stage``."""
+    return stage % p, stage // p
+
+
+def stage_peers(rank: int, chunk: int, p: int, v: int) -> tuple[int | None, int | None]:
+    """Pipeline ranks of the previous and next virtual stage (None at either end of the pipeline)."""
+    s = virtual_stage(rank, chunk, p)
+    prev_rank = stage_location(s - 1, p)[0] if s > 0 else None
+    next_rank = stage_location(s + 1, p)[0] if s < p * v - 1 else None
+    return prev_rank, next_rank
+
+
+def bubble_fraction_formula(p: int, v: int, m: int) -> float:
+    """Ideal bubble time over ideal compute time: (p-1)/(v*m), see ptdp-facts.md, §Schedules."""
+    return (p - 1) / (v * m)
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """Max number of (microbatch, chunk) pairs with F done and B/I not yet done: stashed activations."""
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for a in actions:
+        if a.op == "F":
+            live.add((a.microbatch, a.chunk))
+            peak = max(peak, len(live))
+        elif a.op in ("B", "I"):
+            live.discard((a.microbatch, a.chunk))
+    return peak
+
+
+def compute_only(actions: Sequence[Action]) -> list[Action]:
+    """The compute actions (F/B/I/W) of a schedule, in order: what the timing simulator needs."""
+    return [a for a in actions if a.op in COMPUTE_OPS]
+
+
+def _check_args(name: str, p: int, v: int, m: int, rank: int) -> None:
+    if p < 1 or v < 1:
+        raise ValueError(f"{name}: pipeline size p={p} and chunks v={v} must be >= 1")
+    if m < 1:
+        raise ValueError(
+            f"{name}: need at least 1 microbatch, got m={m}; raise --global-batch-size or lower --micro-batch-size"
+        )
+    if not 0 <= rank < p:
+        raise ValueError(f"{name}: rank {rank} outside pipeline of size {p}")
+
+
+def _with_comm(compute: list[Action], p: int, v: int, rank: int) -> list[Action]:
+    """Insert RECV before and SEND after each compute action that crosses a rank boundary.
+
+    When both neighbours of a virtual stage live on this rank (p == 1) nothing is sent: the executor hands
+    the tensor over locally.
+    """
+    out: list[Action] = []
+    for a in compute:
+        prev_rank, next_rank = stage_peers(rank, a.chunk, p, v)
+        prev_rank = None if prev_rank == rank else prev_rank
+        next_rank = None if next_rank == rank else next_rank
+        mb, c = a.microbatch, a.chunk
+        if a.op == "F":
+            if prev_rank is not None:
+                out.append(Action("RECV_F", mb, c, prev_rank))
+            out.append(a)
+            if next_rank is not None:
+                out.append(Action("SEND_F", mb, c, next_rank))
+        elif a.op in ("B", "I"):
+            if next_rank is not None:
+                out.append(Action("RECV_B", mb, c, next_rank))
+            out.append(a)
+            if prev_rank is not None:
+                out.append(Action("SEND_B", mb, c, prev_rank))
+        else:  # W: weight gradient only, no communication
+            out.append(a)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- schedules
+
+
+def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
+    """GPipe: all m forwards, then all m backwards. Stashes all m microbatches (ptdp-facts.md, §Schedules)."""
+    _check_args("gpipe", p, v, m, rank)
+    if v != 1:
+        raise ValueError(f"gpipe: needs one model chunk per rank (v=1), got v={v}; use 'interleaved' for v > 1")
+    compute = [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
+    return _with_comm(compute, p, v, rank)
+
+
+def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str]) -> list[Action]:
+    warmup = min(p - rank - 1, m)
+    compute = [Action("F", i, 0) for i in range(warmup)]
+    for i in range(m - warmup):
+        compute.append(Action("F", warmup + i, 0))
+        compute += [Action(op, i, 0) for op in backward_ops]
+    for i in range(m - warmup, m):
+        compute += [Action(op, i, 0) for op in backward_ops]
+    return compute
+
+
+def one_f_one_b(p: int, v: int, m: int, rank: int) -> list[Action]:
+    """1F1B (PipeDream-Flush): p-r-1 warm-up forwards, then F/B pairs, then cool-down backwards.
+
+    At most min(p - r, m) microbatches stashed on rank r (ptdp-facts.md, §Schedules).
+    """
+    _check_args("1f1b", p, v, m, rank)
+    if v != 1:
+        raise ValueError(f"1f1b: needs one model chunk per rank (v=1), got v={v}; use 'interleaved' for v > 1")
+    return _with_comm(_one_f_one_b_compute(p, m, rank, ["B"]), p, v, rank)
+
+
+def interleaved_warmup(p: int, v: int, m: int, rank: int) -> int:
+    """Megatron's warm-up forward count: (p-r-1)*2 + (v-1)*p, capped at m*v; all m*v when m == p."""
+    total = m * v
+    if m == p:
+        return total
+    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
+def _interleaved_chunk(k: int, p: int, v: int, forward: bool) -> int:
+    chunk = (k % (p * v)) // p
+    return chunk if forward else v - 1 - chunk
+
+
+def _interleaved_microbatch(k: int, p: int, v: int) -> int:
+    return (k // (p * v)) * p + k % p
+
+
+def interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: groups of p microbatches per chunk, bubble (p-1)/(v*m).
+
+    Virtual microbatch k runs forward on chunk (k mod p*v) div p and backward on v-1 minus that; see
+    ptdp-facts.md, §Schedules for the warm-up count.
+    """
+    _check_args("interleaved", p, v, m, rank)
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved: the number of microbatches ({m}) must be a multiple of the pipeline size ({p}); "
+            "adjust --global-batch-size / --micro-batch-size so that microbatches % pipeline size == 0"
+        )
+    total = m * v
+    warmup = interleaved_warmup(p, v, m, rank)
+
+    def fwd(k: int) -> Action:
+        return Action("F", _interleaved_microbatch(k, p, v), _interleaved_chunk(k, p, v, True))
+
+    def bwd(k: int) -> Action:
+        return Action("B", _interleaved_microbatch(k, p, v), _interleaved_chunk(k, p, v, False))
+
+    compute = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        compute += [fwd(warmup + k), bwd(k)]
+    compute += [bwd(k) for k in range(total - warmup, total)]
+    return _with_comm(compute, p, v, rank)
+
+
+def zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each B split into I (input grad) and W (weight grad).
+
+    Only I sits on the backward critical path, so gradients travel down the pipeline faster; rank r runs
+    W(i - r) right after I(i) and flushes its last r W's at the end, where 1F1B idles. With 1F1B's warm-up
+    the bubble drops from (p-1)(t_f+t_b) to (p-1)(t_f+t_i-t_w), a third with t_i = t_w = t_b/2. Microbatches
+    with F done and I pending stay 1F1B's (p-r); activations kept until W are at most p on every rank,
+    1F1B's peak on rank 0 (ptdp-facts.md, §Schedules).
+    """
+    _check_args("zb-h1", p, v, m, rank)
+    if v != 1:
+        raise ValueError(f"zb-h1: needs one model chunk per rank (v=1), got v={v}")
+    lag = min(rank, m)
+    compute: list[Action] = []
+    next_w = 0
+    for a in _one_f_one_b_compute(p, m, rank, ["I"]):
+        compute.append(a)
+        if a.op == "I" and a.microbatch >= lag:
+            compute.append(Action("W", next_w, 0))
+            next_w += 1
+    compute += [Action("W", i, 0) for i in range(next_w, m)]
+    return _with_comm(compute, p, v, rank)
+
+
+SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+}
+
+
+def build_schedule(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    """Look up a schedule by name (``SCHEDULES``) and build rank ``rank``'s action list."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](p, v, m, rank)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int) -> None:
+    """Run all ranks' lists against each other; raise AssertionError on deadlock or a mismatched message.
+
+    Model of the executor: sends never block (isend), a receive blocks until the peer's matching send was
+    issued, and messages between two ranks are matched first-in first-out (as gloo and NCCL do for one tag).
+    Compute actions check their data dependencies, including local hand-offs when p == 1.
+    """
+    channels: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
+    done: set[tuple[str, int, int]] = set()  # (op, microbatch, virtual stage) finished anywhere
+    pos = [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(schedules[r]):
+                a = schedules[r][pos[r]]
+                s = virtual_stage(r, a.chunk, p)
+                if a.op.startswith("SEND"):
+                    kind = a.op[-1]
+                    dst_stage = s + 1 if kind == "F" else s - 1
+                    assert a.peer == stage_location(dst_stage, p)[0], f"rank {r}: {a} has wrong peer"
+                    channels.setdefault((r, a.peer), deque()).append((kind, a.microbatch, dst_stage))
+                elif a.op.startswith("RECV"):
+                    q = channels.get((a.peer, r))
+                    if not q:
+                        break  # blocked
+                    got = q.popleft()
+                    assert got == (a.op[-1], a.microbatch, s), f"rank {r}: {a} matched message {got} instead"
+                else:
+                    if not _deps_met(a, s, p, v, done):
+                        break
+                    done.add((a.op, a.microbatch, s))
+                pos[r] += 1
+                progress = True
+    stuck = {r: schedules[r][pos[r]] for r in range(p) if pos[r] < len(schedules[r])}
+    assert not stuck, f"deadlock: ranks blocked at {stuck}"
+    leftover = {k: list(q) for k, q in channels.items() if q}
+    assert not leftover, f"messages never received: {leftover}"
+
+
+def _deps_met(a: Action, s: int, p: int, v: int, done: set[tuple[str, int, int]]) -> bool:
+    last = p * v - 1
+    mb = a.microbatch
+    if a.op == "F":
+        return s == 0 or ("F", mb, s - 1) in done
+    forward_done = ("F", mb, s) in done
+    if a.op == "W":
+        return ("I", mb, s) in done
+    downstream = s == last or ("B", mb, s + 1) in done or ("I", mb, s + 1) in done
+    return forward_done and downstream

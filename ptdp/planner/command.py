@@ -1,0 +1,183 @@
+"""``ptdp plan``: evaluate one PTD-P layout, or search for the fastest that fits. Wired into ptdp/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ptdp.hardware import ACCELERATORS, GIB
+from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
+from ptdp.planner.spec import (
+    MODEL_PRESETS,
+    RECOMPUTE_CHOICES,
+    ClusterSpec,
+    GPTSpec,
+    ParallelConfig,
+    TrainingSpec,
+)
+
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``ptdp plan`` (Megatron names). Giving both t and p evaluates that layout; else search."""
+    m = parser.add_argument_group("model (or --model PRESET)")
+    m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape; explicit flags override it")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size",
+                 "--ffn-hidden-size"):
+        m.add_argument(flag, type=int)
+    m.add_argument("--global-batch-size", type=int)
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
+    c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
+    c.add_argument("--gpus-per-node", type=int, help="default: the GPU's server (8)")
+    c.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU per direction (NVLink); default per GPU")
+    c.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU per direction (network); default per GPU")
+    c.add_argument("--precision", choices=("fp16", "bf16"), default="fp16",
+                   help="fp16: 20 B/param, fp16 grads (the paper); bf16: 18 B/param, fp32 main grads")
+    c.add_argument("--overlap-grad-reduce", action="store_true", help="overlap DP reduction with the backward")
+    p = parser.add_argument_group("layout (each given flag pins that dimension of the search)")
+    p.add_argument("--tensor-model-parallel-size", type=int)
+    p.add_argument("--pipeline-model-parallel-size", type=int)
+    p.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--recompute-granularity", choices=RECOMPUTE_CHOICES)
+    p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--sequence-parallel", action="store_true")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--top", type=int, default=5, metavar="K", help="runners-up to show (default 5)")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _positive(args: argparse.Namespace, name: str) -> None:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+        raise _UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+
+
+def _model(args: argparse.Namespace) -> GPTSpec:
+    preset = MODEL_PRESETS.get(args.model) if args.model else None
+    values = {k: getattr(args, k) if getattr(args, k) is not None else getattr(preset, k, None)
+              for k in (*_MODEL_FLAGS, "ffn_hidden_size")}
+    for k in _MODEL_FLAGS:
+        if values[k] is None:
+            raise _UsageError(f"--{k.replace('_', '-')} is required (or pass --model gpt3-175b)")
+    if values["hidden_size"] % values["num_attention_heads"]:
+        raise _UsageError("--hidden-size must be divisible by --num-attention-heads")
+    return GPTSpec(**values)
+
+
+def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec]:
+    for name in (*_MODEL_FLAGS, "ffn_hidden_size", "global_batch_size", "gpus", "gpus_per_node",
+                 "intra_node_bandwidth", "inter_node_bandwidth", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "micro_batch_size", "top"):
+        _positive(args, name)
+    model = _model(args)
+    if args.global_batch_size is None:
+        if args.model != "gpt3-175b":
+            raise _UsageError("--global-batch-size is required")
+        args.global_batch_size = 1536
+    if args.gpus is None:
+        raise _UsageError("--gpus is required (total number of GPUs)")
+    gbps = 1e9
+    cluster = ClusterSpec.of(
+        args.gpu, args.gpus, args.gpus_per_node,
+        args.intra_node_bandwidth * gbps if args.intra_node_bandwidth else None,
+        args.inter_node_bandwidth * gbps if args.inter_node_bandwidth else None,
+    )
+    return model, cluster, TrainingSpec(args.global_batch_size, args.precision, args.overlap_grad_reduce)
+
+
+def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if cluster.num_gpus % (t * p):
+        raise _UsageError(f"--gpus {cluster.num_gpus} must be divisible by tensor x pipeline size {t}x{p}")
+    cfg = ParallelConfig(
+        t, p, cluster.num_gpus // (t * p), args.virtual_pipeline_model_parallel_size or 1, args.micro_batch_size or 1,
+        args.recompute_granularity or "none", bool(args.use_distributed_optimizer), args.sequence_parallel,
+    )
+    reason = invalid_reason(model, cfg, cluster, train)
+    if reason:
+        raise _UsageError(reason)
+    return evaluate(model, cfg, cluster, train)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan (table or ``--json``); 0 on success, 2 with one line on stderr for bad input."""
+    try:
+        model, cluster, train = _setup(args)
+        if args.tensor_model_parallel_size and args.pipeline_model_parallel_size:
+            best, runners, evaluated = _evaluate_one(args, model, cluster, train), [], 1
+        else:
+            pin = lambda v: None if v is None else [v]  # noqa: E731
+            configs = candidates(
+                model, cluster, train,
+                tensor_sizes=pin(args.tensor_model_parallel_size),
+                pipeline_sizes=pin(args.pipeline_model_parallel_size),
+                virtual_sizes=pin(args.virtual_pipeline_model_parallel_size),
+                micro_batch_sizes=pin(args.micro_batch_size),
+                recompute=pin(args.recompute_granularity) or RECOMPUTE_CHOICES,
+                distributed_optimizer=pin(args.use_distributed_optimizer) or (False, True),
+                sequence_parallel=args.sequence_parallel,
+            )
+            result = search(model, cluster, train, top=args.top, configs=configs)
+            if result.num_evaluated == 0:
+                raise _UsageError("no valid layout: check --gpus against the heads, layers and --global-batch-size")
+            best, runners, evaluated = result.best, result.runners_up, result.num_evaluated
+    except _UsageError as err:
+        print(f"ptdp plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = best.to_dict() if best is not None else {"fits": False}
+        if not (args.tensor_model_parallel_size and args.pipeline_model_parallel_size):
+            out["runners_up"] = [r.to_dict() for r in runners]
+            out["num_evaluated"] = evaluated
+        print(json.dumps(out, indent=2))
+        return 0
+    print(_table(model, cluster, train, best, runners, evaluated))
+    return 0
+
+
+_COLUMNS = ("t", "p", "d", "v", "b", "m", "recompute", "dist-opt", "iter s", "TFLOP/s", "MFU", "bubble", "GiB")
+
+
+def _row(rank: str, e: Estimate) -> list[str]:
+    c = e.config
+    return [rank, str(c.tensor_model_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
+            str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
+            c.recompute_granularity, "yes" if c.use_distributed_optimizer else "no", f"{e.iteration_time_s:.2f}",
+            f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.0%}", f"{e.bubble_fraction:.1%}", f"{e.memory.total / GIB:.1f}",
+            e.why_it_loses]
+
+
+def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate | None,
+           runners: list[Estimate], evaluated: int) -> str:
+    from ptdp.flops import parameter_count
+
+    params = parameter_count(model.num_layers, model.hidden_size, model.seq_length, model.vocab_size,
+                             model.ffn_hidden_size)
+    lines = [
+        f"model: {params / 1e9:.1f}B parameters, l={model.num_layers} h={model.hidden_size} "
+        f"a={model.num_attention_heads} s={model.seq_length} V={model.vocab_size}, global batch {train.global_batch_size}",
+        f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
+        f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
+        f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
+    ]
+    rows = [["", *_COLUMNS, "why it loses"]]
+    if best is not None:
+        rows.append(_row("best" if runners or evaluated > 1 else "", best))
+        if not best.fits:
+            rows[-1][-1] = f"does not fit: {best.memory.total / GIB:.0f} GiB > {best.memory_limit / GIB:.0f} GiB"
+    else:
+        lines.append("no layout fits in memory; closest:")
+    rows += [_row(f"#{i}", r) for i, r in enumerate(runners, start=2)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(cell.rjust(w) if i not in (0, len(r) - 1) else cell.ljust(w)
+                               for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)

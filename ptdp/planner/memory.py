@@ -1,0 +1,127 @@
+"""Memory per GPU: model states (weights, grads, optimizer) plus stashed activations, for the worst rank.
+
+Model states use Megatron's distributed-optimizer bytes/param table, activations Korthikanti et al.'s
+per-layer count (ptdp-facts.md, §Memory). Pipeline rank 0 holds the word + position embeddings and stashes
+the most microbatches; the last rank holds the (tied) output layer and the fp32 logits. Every other rank
+is dominated by rank 0, so the planner checks those two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.flops import layer_parameter_count
+from ptdp.planner.spec import GPTSpec, ParallelConfig
+
+# CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
+# typically 1-3 GiB on A100/H100 with NCCL); counted once per GPU.
+RUNTIME_OVERHEAD_BYTES = 2 * 1024**3
+
+# bytes/param: (without, with distributed optimizer as (replicated, sharded over d)) -- ptdp-facts.md, §Memory
+_STATE_BYTES = {"fp16": (20, 4, 16), "bf16": (18, 6, 12), "fp32": (16, 8, 8)}
+
+
+def model_state_bytes_per_param(precision: str, distributed_optimizer: bool, data_parallel_size: int) -> float:
+    """20 -> 4 + 16/d (fp16), 18 -> 6 + 12/d (bf16), 16 -> 8 + 8/d (fp32) with the distributed optimizer."""
+    full, replicated, sharded = _STATE_BYTES[precision]
+    return replicated + sharded / data_parallel_size if distributed_optimizer else float(full)
+
+
+def layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
+    """One layer's parameters on one tensor-parallel rank: weights and column-parallel biases split t ways.
+
+    Replicated: the row-parallel biases (2h) and the two LayerNorms (4h).
+    """
+    h, f = model.hidden_size, model.ffn
+    replicated = 6 * h
+    return (layer_parameter_count(h, f) - replicated) / t + replicated
+
+
+def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int) -> float:
+    """Parameters held by one GPU at ``pipeline_rank``, padding of the vocabulary ignored.
+
+    Rank 0: its layers + V·h/t word embedding + s·h positions; last rank: its layers + the tied output
+    layer's own copy V·h/t + final LayerNorm (when p == 1 the embedding serves both ends).
+    """
+    h = model.hidden_size
+    params = model.num_layers / p * layer_parameters_per_rank(model, t)
+    if pipeline_rank == 0:
+        params += model.vocab_size * h / t + model.seq_length * h
+    if pipeline_rank == p - 1:
+        params += 2 * h + (model.vocab_size * h / t if p > 1 else 0)
+    return params
+
+
+def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: bool = True) -> float:
+    """Activation bytes one layer keeps per microbatch at 16 bits (Korthikanti et al., ptdp-facts.md §Memory).
+
+    Without recomputation, t = 1: ``s·b·(18h + 4·ffn) + 5·a·s²·b`` (= s·b·h·(34 + 5as/h) for ffn = 4h).
+    Tensor parallelism splits all but ``10·s·b·h`` (LayerNorm inputs, the inputs of the QKV and first MLP
+    GEMMs and two dropout masks); sequence parallelism splits those too. Selective recomputation drops the
+    ``5·a·s²·b`` attention-core term. Full recomputation stashes only the layer input ``2·s·b·h`` (split t
+    ways under sequence parallelism) -- ``stashed=False`` gives the full working set one layer rebuilds.
+    """
+    s, b, h, a, t = model.seq_length, cfg.micro_batch_size, model.hidden_size, model.num_attention_heads, (
+        cfg.tensor_model_parallel_size
+    )
+    sp = cfg.sequence_parallel and t > 1
+    if stashed and cfg.recompute_granularity == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    replicated = 10 * s * b * h
+    split = s * b * (8 * h + 4 * model.ffn)
+    attention_core = 5 * a * s * s * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
+    return (replicated / (t if sp else 1)) + (split + attention_core) / t
+
+
+def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
+    """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
+
+    Closed form of ``ptdp.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
+    and ZB-H1 min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs
+    before its backward), capped at m·v.
+    """
+    if schedule == "gpipe":
+        return m * v
+    if schedule in ("1f1b", "zb-h1"):
+        return min(p - rank, m)
+    if schedule == "interleaved":
+        total = m * v
+        if m == p:
+            return total
+        return min((p - rank - 1) * 2 + (v - 1) * p + 1, total)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the fullest GPU, by kind."""
+
+    model_states: float
+    activations: float
+    overhead: float
+    pipeline_rank: int
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.overhead
+
+
+def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str) -> MemoryEstimate:
+    """Memory of the fullest GPU: max over pipeline rank 0 (embeddings, most stashes) and the last rank."""
+    t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    d, m = cfg.data_parallel_size, cfg.num_microbatches(global_batch_size)
+    per_param = model_state_bytes_per_param(precision, cfg.use_distributed_optimizer, d)
+    layers_per_chunk = model.num_layers / (p * v)
+    stash = activation_bytes_per_layer(model, cfg)
+    # a layer being recomputed or run in backward materialises its whole working set once
+    working = activation_bytes_per_layer(model, cfg, stashed=False) if cfg.recompute_granularity == "full" else 0.0
+    best: MemoryEstimate | None = None
+    for rank in sorted({0, p - 1}):
+        acts = activation_microbatches_in_flight(cfg.schedule, p, v, m, rank) * layers_per_chunk * stash + working
+        if rank == p - 1:  # fp32 logits for the vocab-parallel cross entropy, one microbatch
+            acts += 4 * model.seq_length * cfg.micro_batch_size * model.vocab_size / t
+        est = MemoryEstimate(parameters_per_rank(model, t, p, rank) * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best

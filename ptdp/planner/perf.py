@@ -1,0 +1,212 @@
+"""Iteration time of one PTD-P layout, from first principles.
+
+Per microbatch, the slowest pipeline stage (the last: its layers plus the logit layer) costs
+
+    T_mb = compute(GEMMs at a size-dependent fraction of peak + memory-bound elementwise ops)
+         + recomputation + tensor-parallel all-reduces + pipeline p2p          (nothing overlapped, as in
+                                                                             the paper's Megatron)
+and one iteration is
+
+    T = (m + (p-1)/v) · T_mb + exposed data-parallel gradient reduction + optimizer step
+
+i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3).
+Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
+in one server and otherwise at the per-GPU network bandwidth (Megatron orders ranks t fastest, then d, then p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.planner.memory import parameters_per_rank
+from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+
+# Large 16-bit GEMMs reach ~85-90% of the datasheet peak with cuBLAS on A100/H100; a dimension x only
+# fills the tensor-core tiles and SM waves in proportion x / (x + GEMM_HALF_DIM) (1024^3 -> ~69% of peak,
+# 8192^3 -> ~87%, a 128-wide attention head dimension -> half). These are hardware facts, not fitted.
+GEMM_MAX_EFFICIENCY = 0.9
+GEMM_HALF_DIM = 96
+# STREAM-like kernels reach ~80% of HBM bandwidth; NCCL reaches ~80% of NVLink / InfiniBand link rate.
+HBM_EFFICIENCY = 0.8
+LINK_EFFICIENCY = 0.8
+# per ring step latency of a collective (s): NVLink hop, network hop
+INTRA_NODE_LATENCY = 2e-6
+INTER_NODE_LATENCY = 8e-6
+BYTES_PER_ELEMENT = 2  # 16-bit activations
+
+
+def gemm_efficiency(m: float, n: float, k: float) -> float:
+    """Achieved fraction of peak of an (m x k) @ (k x n) GEMM; symmetric, so dgrad/wgrad match the forward."""
+    eff = GEMM_MAX_EFFICIENCY
+    for dim in (m, n, k):
+        eff *= dim / (dim + GEMM_HALF_DIM)
+    return eff
+
+
+def gemm_time(m: float, n: float, k: float, peak: float, batch: float = 1) -> float:
+    return 2 * m * n * k * batch / (peak * gemm_efficiency(m, n, k))
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds one pipeline rank spends per microbatch (all its v chunks), by kind."""
+
+    compute: float  # the layers' forward + backward GEMMs and elementwise ops
+    logits: float  # output layer + cross entropy, which only the last stage runs
+    recompute: float  # extra forward work of activation recomputation
+    tp_comm: float  # tensor-parallel all-reduces (or all-gather + reduce-scatter)
+    p2p: float  # pipeline sends/receives
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.logits + self.recompute + self.tp_comm + self.p2p
+
+
+def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> tuple[float, float, float]:
+    """(GEMM seconds excluding the attention core, attention-core seconds, elementwise seconds) per layer."""
+    peak, hbm = cluster.gpu.peak_flops, cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
+    t, b = cfg.tensor_model_parallel_size, cfg.micro_batch_size
+    h, f, s, a = model.hidden_size, model.ffn, model.seq_length, model.num_attention_heads
+    tokens = b * s
+    dense = (
+        gemm_time(tokens, 3 * h / t, h, peak)  # QKV (column parallel)
+        + gemm_time(tokens, h, h / t, peak)  # attention output projection (row parallel)
+        + gemm_time(tokens, f / t, h, peak)  # MLP h -> ffn (column parallel)
+        + gemm_time(tokens, h, f / t, peak)  # MLP ffn -> h (row parallel)
+    )
+    heads = b * a / t
+    core = gemm_time(s, s, h / a, peak, heads) + gemm_time(s, h / a, s, peak, heads)  # QK^T, scores @ V
+    # memory-bound ops, bytes moved: 2 LayerNorms (r+w: 8/elt) and 2 dropout+residual (r 2, w 1 + mask: 7/elt)
+    # on s·b·h (replicated over t unless sequence parallel), bias+GeLU on the ffn activations (4/elt), and
+    # the fused scale-mask-softmax + dropout on the a·s² scores (9/elt)
+    sp = cfg.sequence_parallel and t > 1
+    elementwise = (22 * tokens * h / (t if sp else 1) + 4 * tokens * f / t + 9 * heads * s * s) / hbm
+    return dense, core, elementwise
+
+
+def _link(cluster: ClusterSpec, group_spans_nodes: bool) -> tuple[float, float]:
+    if group_spans_nodes:
+        return cluster.inter_node_bandwidth * LINK_EFFICIENCY, INTER_NODE_LATENCY
+    return cluster.intra_node_bandwidth * LINK_EFFICIENCY, INTRA_NODE_LATENCY
+
+
+def ring_all_reduce_time(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: each rank sends and receives 2·(n-1)/n of the buffer in 2·(n-1) steps."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def tp_spans_nodes(cfg: ParallelConfig, cluster: ClusterSpec) -> bool:
+    return cfg.tensor_model_parallel_size > cluster.gpus_per_node
+
+
+def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> StageTimes:
+    """Per-microbatch times of the last pipeline rank (l/p layers + logits), the pipeline's slowest stage."""
+    t, p, v, b = (
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.virtual_pipeline_model_parallel_size,
+        cfg.micro_batch_size,
+    )
+    h, s, V = model.hidden_size, model.seq_length, model.vocab_size
+    tokens = b * s
+    layers = model.num_layers / p
+    dense, core, elementwise = _layer_forward_times(model, cfg, cluster)
+    forward = dense + core + elementwise
+    # backward = 2x forward GEMMs (dgrad + wgrad) and ~2x the elementwise traffic
+    logits = 3 * gemm_time(tokens, V / t, h, cluster.gpu.peak_flops)
+    cross_entropy = 3 * 4 * tokens * V / t / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)  # fp32 logits
+    compute = layers * 3 * forward
+    if cfg.recompute_granularity == "full":  # the whole forward once more
+        recompute = forward
+    elif cfg.recompute_granularity == "selective":  # only the attention core and its softmax/dropout
+        heads = b * model.num_attention_heads / t
+        recompute = core + 9 * heads * s * s / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+    else:
+        recompute = 0.0
+    recompute *= layers
+
+    # tensor parallel: 2 all-reduces of b·s·h in forward, 2 in backward, +2 when the forward is recomputed
+    # (sequence parallel swaps each for a reduce-scatter + all-gather: same volume)
+    bw, lat = _link(cluster, tp_spans_nodes(cfg, cluster))
+    collectives = 4 + (2 if cfg.recompute_granularity == "full" else 0)
+    tp_comm = layers * collectives * ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
+
+    # pipeline: per chunk, b·s·h forward and back; with t > 1 each rank sends 1/t of it (scatter/gather) and
+    # the receivers all-gather over NVLink, unless sequence parallel already keeps the activations split
+    p2p = 0.0
+    if p > 1:
+        bw, lat = _link(cluster, cfg.tensor_model_parallel_size * cfg.data_parallel_size * p > cluster.gpus_per_node)
+        message = tokens * h * BYTES_PER_ELEMENT
+        one_way = lat + message / t / bw
+        if t > 1 and not cfg.sequence_parallel:
+            ibw, ilat = _link(cluster, tp_spans_nodes(cfg, cluster))
+            one_way += (t - 1) * ilat + (t - 1) / t * message / ibw
+        p2p = 2 * v * one_way
+    return StageTimes(compute, logits + cross_entropy, recompute, tp_comm, p2p)
+
+
+@dataclass(frozen=True)
+class IterationTimes:
+    """Seconds of one iteration, by kind; ``total`` is the iteration time."""
+
+    compute: float
+    logits: float
+    recompute: float
+    tp_comm: float
+    p2p: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return sum(vars(self).values())
+
+
+def dp_spans_nodes(cfg: ParallelConfig, cluster: ClusterSpec) -> bool:
+    return cfg.tensor_model_parallel_size * cfg.data_parallel_size > cluster.gpus_per_node
+
+
+def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> IterationTimes:
+    """Iteration time = m·T_mb + bubble (p-1)/v·T_mb + exposed DP reduction + optimizer step."""
+    t, p, v, d = (
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.virtual_pipeline_model_parallel_size,
+        cfg.data_parallel_size,
+    )
+    m = cfg.num_microbatches(train.global_batch_size)
+    stage = stage_times(model, cfg, cluster)
+    bubble = (p - 1) / v * stage.total
+
+    # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
+    # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
+    # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
+    params = max(parameters_per_rank(model, t, p, r) for r in {0, p - 1})
+    grad_bytes = 2 if train.precision == "fp16" else 4
+    bw, lat = _link(cluster, dp_spans_nodes(cfg, cluster))
+    reduce = ring_all_reduce_time(params * grad_bytes, d, bw, lat)
+    gather = 0.0
+    if cfg.use_distributed_optimizer:  # reduce-scatter is half an all-reduce; all-gather 16-bit params
+        reduce /= 2
+        gather = ring_all_reduce_time(params * BYTES_PER_ELEMENT, d, bw, lat) / 2
+    if train.overlap_grad_reduce:
+        reduce = max(0.0, reduce - stage.compute * 2 / 3)  # the last microbatch's backward hides it
+    dp_comm = reduce + gather
+
+    # Adam is memory bound: per parameter read+write fp32 master, m and v (24 B), write the 16-bit copy
+    # (2 B), read the gradient twice (unscale/clip norm + update)
+    local_params = params / d if cfg.use_distributed_optimizer else params
+    optimizer = local_params * (26 + 2 * grad_bytes) / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+    return IterationTimes(
+        compute=m * stage.compute,
+        logits=m * stage.logits,
+        recompute=m * stage.recompute,
+        tp_comm=m * stage.tp_comm,
+        p2p=m * stage.p2p,
+        bubble=bubble,
+        dp_comm=dp_comm,
+        optimizer=optimizer,
+    )

@@ -1,0 +1,216 @@
+"""Evaluate a layout and search all valid layouts for the fastest one that fits in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from ptdp.flops import flops_per_iteration
+from ptdp.hardware import GIB
+from ptdp.pipeline.schedules import bubble_fraction_formula
+from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
+from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
+from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's verdict on one layout."""
+
+    config: ParallelConfig
+    num_microbatches: int
+    flops_per_iteration: int
+    times: IterationTimes
+    memory: MemoryEstimate
+    memory_limit: float
+    peak_flops: float
+    num_gpus: int
+    why_it_loses: str = field(default="", compare=False)
+
+    @property
+    def iteration_time_s(self) -> float:
+        return self.times.total
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Counted FLOPs (eq. 3, recomputation included when full) per second per GPU, as the paper reports."""
+        return self.flops_per_iteration / (self.iteration_time_s * self.num_gpus) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The paper's bubble: idle time over ideal time, (p-1)/(v·m)."""
+        c = self.config
+        return bubble_fraction_formula(c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
+                                       self.num_microbatches)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    def to_dict(self) -> dict:
+        """Flat JSON-ready summary (the ``ptdp plan --json`` fields)."""
+        out = asdict(self.config)
+        out.update(
+            num_microbatches=self.num_microbatches,
+            pipeline_schedule=self.config.schedule,
+            flops_per_iteration=self.flops_per_iteration,
+            iteration_time_s=self.iteration_time_s,
+            tflops_per_gpu=self.tflops_per_gpu,
+            mfu=self.mfu,
+            bubble_fraction=self.bubble_fraction,
+            memory_per_gpu_gib=self.memory.total / GIB,
+            memory_breakdown_gib={
+                "model_states": self.memory.model_states / GIB,
+                "activations": self.memory.activations / GIB,
+                "overhead": self.memory.overhead / GIB,
+            },
+            fits=self.fits,
+            time_breakdown_s=asdict(self.times),
+        )
+        if self.why_it_loses:
+            out["why_it_loses"] = self.why_it_loses
+        return out
+
+
+def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
+    """Time, throughput and memory of one layout (assumed valid: see ``is_valid``)."""
+    return Estimate(
+        config=cfg,
+        num_microbatches=cfg.num_microbatches(train.global_batch_size),
+        flops_per_iteration=flops_per_iteration(
+            model.num_layers, model.hidden_size, model.seq_length, model.vocab_size, train.global_batch_size,
+            recompute=cfg.recompute_granularity == "full", ffn_hidden_size=model.ffn_hidden_size,
+        ),
+        times=iteration_times(model, cfg, cluster, train),
+        memory=memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
+        memory_limit=cluster.gpu.memory_bytes,
+        peak_flops=cluster.gpu.peak_flops,
+        num_gpus=cluster.num_gpus,
+    )
+
+
+def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> str | None:
+    """Why Megatron would refuse this layout (naming the flag to change), or None if it is valid."""
+    t, p, d = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.data_parallel_size
+    v, b = cfg.virtual_pipeline_model_parallel_size, cfg.micro_batch_size
+    if min(t, p, d, v, b) < 1:
+        return "all parallel sizes and --micro-batch-size must be >= 1"
+    if t * p * d != cluster.num_gpus:
+        return f"--gpus {cluster.num_gpus} is not divisible by tensor x pipeline size {t}x{p}"
+    if model.num_attention_heads % t or model.hidden_size % t or model.ffn % t:
+        return f"--tensor-model-parallel-size {t} must divide the heads, hidden and ffn sizes"
+    if model.num_layers % (p * v):
+        return f"--num-layers {model.num_layers} must be divisible by pipeline x virtual size {p}x{v}"
+    if train.global_batch_size % (b * d):
+        return (f"--global-batch-size {train.global_batch_size} must be divisible by micro-batch x data-parallel"
+                f" size {b}x{d}")
+    m = cfg.num_microbatches(train.global_batch_size)
+    if v > 1 and (p < 2 or m % p):
+        return (f"--virtual-pipeline-model-parallel-size {v} needs pipeline size >= 2 and microbatches ({m}) "
+                f"divisible by the pipeline size ({p})")
+    if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
+        return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(
+    model: GPTSpec,
+    cluster: ClusterSpec,
+    train: TrainingSpec,
+    tensor_sizes: Sequence[int] | None = None,
+    pipeline_sizes: Sequence[int] | None = None,
+    virtual_sizes: Sequence[int] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    recompute: Sequence[str] = RECOMPUTE_CHOICES,
+    distributed_optimizer: Sequence[bool] = (False, True),
+    sequence_parallel: bool = False,
+) -> Iterator[ParallelConfig]:
+    """Every valid layout; a given sequence pins that dimension to its values."""
+    n = cluster.num_gpus
+    for t in tensor_sizes or _divisors(n):
+        for p in pipeline_sizes or _divisors(n // t if n % t == 0 else 1):
+            if n % (t * p):
+                continue
+            d = n // (t * p)
+            per_pipeline = train.global_batch_size // d if train.global_batch_size % d == 0 else 0
+            for b in micro_batch_sizes or _divisors(max(per_pipeline, 1)):
+                for v in virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
+                    for rc in recompute:
+                        for dopt in distributed_optimizer if d > 1 else distributed_optimizer[:1]:
+                            cfg = ParallelConfig(t, p, d, v, b, rc, dopt, sequence_parallel and t > 1)
+                            if invalid_reason(model, cfg, cluster, train) is None:
+                                yield cfg
+
+
+def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
+    """The one cost that grew most compared with ``best``, in words ("bubble 12%", "TP across nodes")."""
+    if not est.fits:
+        return f"does not fit: {est.memory.total / GIB:.0f} GiB > {est.memory_limit / GIB:.0f} GiB"
+    mine, theirs = asdict(est.times), asdict(best.times)
+    key = max(mine, key=lambda k: mine[k] - theirs[k])
+    share = mine[key] / est.iteration_time_s
+    cfg = est.config
+    if key == "bubble":
+        return f"bubble {est.bubble_fraction:.0%} (vs {best.bubble_fraction:.0%})"
+    if key == "tp_comm":
+        where = "TP across nodes" if tp_spans_nodes(cfg, cluster) else "TP all-reduce"
+        return f"{where}: {share:.0%} of time"
+    if key == "dp_comm":
+        where = " across nodes" if dp_spans_nodes(cfg, cluster) else ""
+        return f"DP gradient all-reduce{where}: {share:.0%} of time"
+    if key == "recompute":
+        return f"{cfg.recompute_granularity} recomputation: {share:.0%} of time"
+    if key == "p2p":
+        return f"pipeline p2p (v={cfg.virtual_pipeline_model_parallel_size}): {share:.0%} of time"
+    if key == "optimizer":
+        return f"optimizer step: {share:.0%} of time"
+    if key == "logits":
+        return f"output layer on the last stage: {share:.0%} of time"
+    return f"smaller per-GPU GEMMs (b={cfg.micro_batch_size}, t={cfg.tensor_model_parallel_size}): " \
+        f"compute {mine['compute'] / theirs['compute'] - 1:+.0%}"
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Estimate | None  # None when nothing fits
+    runners_up: list[Estimate]
+    num_evaluated: int
+
+
+def search(
+    model: GPTSpec,
+    cluster: ClusterSpec,
+    train: TrainingSpec,
+    top: int = 5,
+    configs: Iterable[ParallelConfig] | None = None,
+) -> SearchResult:
+    """Fastest layout that fits, plus the best layout of each other (t, p) ranked, each with why it loses.
+
+    Layouts that would be faster but do not fit come after the fitting ones.
+    """
+    configs = candidates(model, cluster, train) if configs is None else configs
+    estimates = [evaluate(model, c, cluster, train) for c in configs]
+    ranked = sorted(estimates, key=lambda e: (not e.fits, e.iteration_time_s))
+    best = ranked[0] if ranked and ranked[0].fits else None
+    seen: set[tuple[int, int]] = set()
+    if best is not None:
+        seen.add((best.config.tensor_model_parallel_size, best.config.pipeline_model_parallel_size))
+    runners: list[Estimate] = []
+    for est in ranked:
+        key = (est.config.tensor_model_parallel_size, est.config.pipeline_model_parallel_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        reference = best if best is not None else est
+        runners.append(replace(est, why_it_loses=why_it_loses(est, reference, cluster)))
+        if len(runners) >= top:
+            break
+    return SearchResult(best, runners, len(estimates))

@@ -1,0 +1,298 @@
+"""``ptdp simulate``: run the per-rank schedules through time and draw them like the paper's figures.
+
+A discrete-event model of exactly the action lists the executor runs (``ptdp.pipeline.schedules``):
+
+* a rank executes its list in order; F takes ``forward_time / v`` (times are per whole stage, a chunk is
+  1/v of it), B ``backward_time / v``, and for zero-bubble lists I and W split B (``weight_grad_fraction``);
+* SEND_* is non-blocking and posts at the sender's current time; RECV_* is posted (non-blocking) when the
+  rank reaches it and completes at max(posting, matching send + ``p2p_time``);
+* a compute action starts once the rank is free and its inputs are there: F needs the previous virtual
+  stage's F (received, or local when on the same rank), B/I need this stage's F and the next stage's B/I,
+  W needs its I.
+
+Bubble fraction follows the paper (ptdp-facts.md, §Schedules): idle time over busy time, so that GPipe and
+1F1B give (p-1)/m and interleaved (p-1)/(v·m) in the ideal case; ``idle_fraction`` is idle over total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ptdp.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    bubble_fraction_formula,
+    build_schedule,
+    stage_location,
+    virtual_stage,
+)
+
+COMPUTE_OPS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Box:
+    """One compute action placed in time."""
+
+    rank: int
+    op: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimulationResult:
+    schedule: str
+    p: int
+    v: int
+    m: int
+    timelines: list[list[Box]]  # per rank, in execution order
+    total_time: float
+    busy: list[float]  # per rank
+    peak_in_flight: list[int]  # per rank: (microbatch, chunk) activation stashes
+    formula: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.formula = bubble_fraction_formula(self.p, self.v, self.m)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle over busy time, summed over ranks: the paper's bubble fraction (p-1)/(v·m) when ideal."""
+        idle = sum(self.total_time - b for b in self.busy)
+        return idle / sum(self.busy)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Idle over total time, summed over ranks."""
+        return 1.0 - sum(self.busy) / (self.p * self.total_time)
+
+    def to_dict(self) -> dict:
+        return {
+            "pipeline_schedule": self.schedule,
+            "pipeline_model_parallel_size": self.p,
+            "virtual_pipeline_model_parallel_size": self.v,
+            "num_microbatches": self.m,
+            "total_time": self.total_time,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_fraction_formula": self.formula,
+            "idle_fraction": self.idle_fraction,
+            "peak_in_flight": self.peak_in_flight,
+            "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
+        }
+
+
+def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:
+    per_chunk_backward = backward_time / v
+    return {
+        "F": forward_time / v,
+        "B": per_chunk_backward,
+        "I": per_chunk_backward * (1 - weight_grad_fraction),
+        "W": per_chunk_backward * weight_grad_fraction,
+    }[op]
+
+
+def simulate(
+    schedule: str | Sequence[Sequence[Action]],
+    p: int,
+    v: int,
+    m: int,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    p2p_time: float = 0.0,
+    weight_grad_fraction: float = 0.5,
+) -> SimulationResult:
+    """Simulate a named schedule (built with ``build_schedule``) or given per-rank action lists.
+
+    Raises RuntimeError if the lists deadlock (an input that is never produced or sent).
+    """
+    name = schedule if isinstance(schedule, str) else "custom"
+    lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
+    last_stage = p * v - 1
+    pos, cursor = [0] * p, [0.0] * p
+    ends: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage) -> end time
+    sends: dict[tuple[str, int, int], float] = {}  # ("F"|"B", microbatch, destination stage) -> send time
+    posted: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, microbatch, stage) -> RECV post time
+    timelines: list[list[Box]] = [[] for _ in range(p)]
+
+    def arrival(rank: int, kind: str, mb: int, stage: int, producer: tuple[str, int, int]) -> float | None:
+        """When the input of (mb, stage) from ``producer`` is usable on ``rank``; None if not yet known."""
+        producer_rank = stage_location(producer[2], p)[0]
+        if producer_rank == rank:
+            return ends.get(producer)
+        sent = sends.get((kind, mb, stage))
+        if sent is None:
+            return None
+        return max(posted.get((rank, kind, mb, stage), 0.0), sent + p2p_time)
+
+    def ready_time(rank: int, a: Action, stage: int) -> float | None:
+        mb = a.microbatch
+        if a.op == "F":
+            return 0.0 if stage == 0 else arrival(rank, "F", mb, stage, ("F", mb, stage - 1))
+        if a.op == "W":
+            return ends.get(("I", mb, stage))
+        own_forward = ends.get(("F", mb, stage))
+        if own_forward is None or stage == last_stage:
+            return own_forward
+        grads = [arrival(rank, "B", mb, stage, (op, mb, stage + 1)) for op in ("B", "I")]
+        grads = [g for g in grads if g is not None]
+        return max(own_forward, min(grads)) if grads else None
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                stage = virtual_stage(r, a.chunk, p)
+                if a.op in ("SEND_F", "SEND_B"):
+                    kind = a.op[-1]
+                    sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
+                elif a.op in ("RECV_F", "RECV_B"):
+                    posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
+                else:
+                    ready = ready_time(r, a, stage)
+                    if ready is None:
+                        break
+                    start = max(cursor[r], ready)
+                    cursor[r] = start + _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
+                    ends[(a.op, a.microbatch, stage)] = cursor[r]
+                    timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
+                pos[r] += 1
+                progress = True
+    stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
+    if stuck:
+        raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
+    return SimulationResult(
+        schedule=name, p=p, v=v, m=m, timelines=timelines,
+        total_time=max(cursor),
+        busy=[sum(b.end - b.start for b in row) for row in timelines],
+        peak_in_flight=[_peak_in_flight(row) for row in timelines],
+    )
+
+
+def _peak_in_flight(row: Sequence[Box]) -> int:
+    """Most (microbatch, chunk) pairs with F finished and B/I not yet: the activations stashed over time."""
+    live, peak = 0, 0
+    for box in row:  # a rank runs one box at a time, so list order is time order
+        if box.op == "F":
+            live += 1
+            peak = max(peak, live)
+        elif box.op in ("B", "I"):
+            live -= 1
+    return peak
+
+
+# ------------------------------------------------------------------------------------------------ drawing
+
+_FORWARD = ("#1f5fa8", "#6fa8dc", "#a9cbeb", "#cfe2f3")  # one shade per chunk, dark first
+_BACKWARD = ("#2e8540", "#7cc48a", "#b5dfbd", "#d9efdc")
+_WEIGHT = ("#b8860b", "#e0b84f", "#f0d68f", "#f7e8c0")
+
+
+def draw(result: SimulationResult, out: str | Path) -> None:
+    """One row per rank (rank 0 on top), boxes numbered by microbatch (1-based, as in the paper) and shaded
+    by chunk; white gaps are the bubble. Format from the suffix (.png, .svg, .pdf)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    p, v = result.p, result.v
+    fig, ax = plt.subplots(figsize=(11, 0.42 * p + 1.1), dpi=100)
+    unit = min((b.end - b.start for row in result.timelines for b in row), default=1.0)
+    for row in result.timelines:
+        for b in row:
+            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD}.get(b.op, _WEIGHT)
+            ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=palette[b.chunk % len(palette)],
+                    edgecolor="black", linewidth=0.4)
+            if b.end - b.start >= 0.99 * unit:
+                ax.text((b.start + b.end) / 2, b.rank, str(b.microbatch + 1), ha="center", va="center",
+                        fontsize=6 if result.m * v > 16 else 7, color="white" if b.chunk == 0 else "black")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, result.total_time)
+    ax.set_xlabel("time")
+    ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
+                 f"of ideal time (formula (p-1)/(v·m) = {result.formula:.1%})", fontsize=9)
+    ops = sorted({b.op for row in result.timelines for b in row}, key="FIBW".index)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+    handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
+                     label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
+              ncol=min(len(handles), 6), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``ptdp simulate`` (times are per whole pipeline stage, in any unit)."""
+    parser.add_argument("--pipeline-schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=4, metavar="P")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1, metavar="V")
+    parser.add_argument("--num-microbatches", type=int, default=8, metavar="M")
+    parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
+    parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
+    parser.add_argument("--p2p-time", type=float, default=0.0, help="one send/receive (default 0)")
+    parser.add_argument("--out", help="draw the timeline to this .png / .svg / .pdf file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, timelines included")
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
+    for flag, value in (("--pipeline-model-parallel-size", p), ("--virtual-pipeline-model-parallel-size", v),
+                        ("--num-microbatches", m)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.forward_time <= 0 or args.backward_time <= 0:
+        return "--forward-time and --backward-time must be > 0"
+    if args.p2p_time < 0:
+        return f"--p2p-time must be >= 0, got {args.p2p_time}"
+    if args.pipeline_schedule != "interleaved" and v != 1:
+        return f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved"
+    if args.pipeline_schedule == "interleaved" and m % p:
+        return f"--num-microbatches {m} must be a multiple of --pipeline-model-parallel-size {p} for interleaved"
+    if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
+        return f"--out {args.out}: use a .png, .svg or .pdf file name"
+    return None
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Simulate, print a summary (or ``--json``) and optionally draw; 2 with one line on bad input."""
+    error = _usage_error(args)
+    if error is None:
+        try:
+            result = simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                              args.virtual_pipeline_model_parallel_size, args.num_microbatches,
+                              args.forward_time, args.backward_time, args.p2p_time)
+        except ValueError as err:
+            error = str(err)
+    if error is not None:
+        print(f"ptdp simulate: error: {error}", file=sys.stderr)
+        return 2
+    if args.out:
+        try:
+            draw(result, args.out)
+        except OSError as err:
+            print(f"ptdp simulate: error: --out {args.out}: {err.strerror}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"{result.schedule}: p={result.p} v={result.v} m={result.m}  total time {result.total_time:.3f}\n"
+              f"bubble fraction {result.bubble_fraction:.4f} (formula (p-1)/(v*m) = {result.formula:.4f}), "
+              f"idle {result.idle_fraction:.1%} of total\n"
+              f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}"
+              + (f"\nwrote {args.out}" if args.out else ""))
+    return 0

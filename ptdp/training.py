@@ -1,0 +1,197 @@
+"""The training loop: the PTD-P algorithm, one iteration at a time.
+
+    for each iteration:
+        forward and backward of the m microbatches (a pipeline schedule when p > 1)
+        all-reduce gradients over the data-parallel group; sync the tied embedding's two copies
+        clip the global gradient norm; AdamW step with Megatron's learning-rate schedule
+        log loss, lr, grad norm, throughput
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import flops, hardware
+from .config import Config
+from .data import build_datasets, get_microbatch
+from .model import GPTModel, init_parameters, language_model_loss
+from .optim import GradBuckets, build_optimizer, clip_grad_norm, learning_rate
+from .parallel import ParallelDims, ParallelState, init_distributed
+from .tensor_parallel import model_parallel_seed
+from .tensor_parallel.mappings import all_reduce, group_size
+
+
+@dataclass
+class Trainer:
+    """Everything one rank holds: its process groups, model chunks, data, gradients and optimizer."""
+
+    config: Config
+    state: ParallelState
+    chunks: list[GPTModel]
+    data: object
+    grads: GradBuckets
+    optimizer: torch.optim.Optimizer
+    num_microbatches: int
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+
+def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, padded_vocab_size: int) -> list[GPTModel]:
+    """This rank's model chunks: virtual stage ``c·p + pp_rank`` holds the c-th group of layers.
+
+    Layers are split evenly over the p·v virtual stages (Megatron's interleaved assignment: with p=4,
+    v=2 and 8 layers, rank 0 holds layers 0 and 4); the embedding goes on virtual stage 0 and the output
+    layer on the last one.
+    """
+    m, p, v = config.model, state.dims.pp, config.parallel.virtual_size
+    per_stage = m.num_layers // (p * v)
+    chunks = []
+    for c in range(v):
+        stage = c * p + state.pp_rank
+        chunk = GPTModel(
+            m, vocab_size, padded_vocab_size, tp_group=state.tp_group,
+            first_layer=stage * per_stage, num_layers=per_stage,
+            pre_process=stage == 0, post_process=stage == p * v - 1,
+        ).to(state.device)
+        init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
+        if chunk.post_process and not chunk.pre_process:
+            chunk.output_layer.weight.is_embedding_copy = True
+        chunks.append(chunk)
+    return chunks
+
+
+def setup(config: Config) -> Trainer:
+    par, tr = config.parallel, config.training
+    rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
+    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    state = ParallelState(dims, rank, device)
+    model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
+    data = build_datasets(config.data.data_path or None, config.data.split, config.model.seq_length, tr.seed)
+    vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
+    padded = config.model.padded_vocab_size(vocab_size, dims.tp)
+    chunks = build_model_chunks(config, state, vocab_size, padded)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = GradBuckets(params, state.dp_group, int(tr.grad_bucket_size_mb * 2**20))
+    optimizer = build_optimizer(params, config.optimizer)
+    return Trainer(config, state, chunks, data, grads, optimizer, config.num_microbatches(world_size))
+
+
+def load_microbatch(trainer: Trainer, iteration: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels of one microbatch of this rank's data-parallel slice of global batch ``iteration``."""
+    tr, state = trainer.config.training, trainer.state
+    sample = get_microbatch(trainer.data.train, iteration - 1, tr.global_batch_size, state.dp_rank,
+                            state.dims.dp, tr.micro_batch_size, microbatch).to(state.device)
+    return sample[:, :-1], sample[:, 1:]
+
+
+def forward_backward(trainer: Trainer, iteration: int) -> torch.Tensor:
+    """Forward and backward of all microbatches; returns the mean loss (on the last stage, else 0)."""
+    (chunk,) = trainer.chunks
+    m = trainer.num_microbatches
+    total = torch.zeros((), device=trainer.state.device)
+    for j in range(m):
+        tokens, labels = load_microbatch(trainer, iteration, j)
+        loss = language_model_loss(chunk(tokens), labels, trainer.state.tp_group)
+        (loss / m).backward()
+        total += loss.detach()
+    return total / m
+
+
+def sync_embedding_grads(trainer: Trainer) -> None:
+    """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does."""
+    state = trainer.state
+    if state.embedding_group is None:
+        return
+    for chunk in trainer.chunks:
+        if chunk.pre_process or chunk.post_process:
+            all_reduce(chunk.output_weight.grad, state.embedding_group)
+
+
+def train_step(trainer: Trainer, iteration: int) -> dict:
+    cfg, state = trainer.config, trainer.state
+    lr = learning_rate(iteration, cfg.optimizer, cfg.training.train_iters)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+    trainer.grads.zero()
+    loss = forward_backward(trainer, iteration)
+    trainer.grads.all_reduce()
+    sync_embedding_grads(trainer)
+    grad_norm = clip_grad_norm(trainer.params, cfg.optimizer.clip_grad, state.tp_rank,
+                               [state.tp_group, state.pp_group])
+    trainer.optimizer.step()
+    # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas.
+    if group_size(state.pp_group) > 1:
+        dist.all_reduce(loss, group=state.pp_group)
+    if group_size(state.dp_group) > 1:
+        dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm}
+
+
+def train(config: Config) -> list[dict]:
+    """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record)."""
+    trainer = setup(config)
+    tr, m = config.training, config.model
+    for chunk in trainer.chunks:
+        chunk.train()
+    vocab = trainer.chunks[-1].vocab_size
+    iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
+                                                tr.global_batch_size, recompute=False,
+                                                ffn_hidden_size=m.ffn_hidden_size)
+    peak = hardware.peak_flops_for_current_device()
+    is_logger = trainer.state.rank == 0
+    metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
+    start = time.perf_counter()
+    try:
+        for iteration in range(1, tr.train_iters + 1):
+            t0 = time.perf_counter()
+            record = train_step(trainer, iteration)
+            elapsed = time.perf_counter() - t0
+            achieved = iteration_flops / elapsed / trainer.state.dims.world_size
+            record = {
+                "iteration": iteration, **record, "iteration_time_s": elapsed,
+                "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
+                "tflops_per_gpu": achieved / 1e12, "mfu": achieved / peak if peak else None,
+                "consumed_samples": iteration * tr.global_batch_size,
+            }
+            trainer.metrics.append(record)
+            if metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            if is_logger and (iteration % tr.log_interval == 0 or iteration == tr.train_iters):
+                print(progress_line(record, tr.train_iters, time.perf_counter() - start), flush=True)
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    return trainer.metrics
+
+
+def progress_line(record: dict, train_iters: int, wall_s: float) -> str:
+    """Megatron-style progress line, plus tokens/s and an ETA."""
+    it = record["iteration"]
+    eta = wall_s / it * (train_iters - it)
+    return (f" iteration {it:8d}/{train_iters:8d} | consumed samples: {record['consumed_samples']:10d} | "
+            f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
+            f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
+            f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
+            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}")
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, minutes = divmod(minutes, 60)
+    return f"{h}:{minutes:02d}:{s:02d}"
+
+
+def log_error(message: str) -> None:
+    print(f"ptdp train: error: {message}", file=sys.stderr, flush=True)

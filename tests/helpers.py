@@ -1,0 +1,68 @@
+"""Shared helpers: run ``ptdp train`` as real processes, and spawn ranks for unit tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+# A tiny GPT that every layout in the tests can split: 4 layers, 4 heads, dropout off.
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--lr", "1e-3",
+        "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_ptdp(args: list[str], timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m ptdp ARGS`` to completion (never hangs: a timeout fails the test)."""
+    proc = subprocess.run([sys.executable, "-m", "ptdp", *args], capture_output=True, text=True,
+                          timeout=timeout, env=worker_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ptdp {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY) -> list[dict]:
+    """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records."""
+    metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
+    launch = [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
+    run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)])
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo processes (file:// rendezvous)."""
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    for _ in range(600):  # 5-minute ceiling: a hung collective fails the test instead of blocking CI
+        if ctx.join(timeout=0.5):
+            return
+    for p in ctx.processes:
+        p.kill()
+    raise AssertionError("spawned ranks did not finish in time")

@@ -1,0 +1,197 @@
+"""run_schedule on real gloo processes equals the single-process model: losses and every gradient.
+
+One spawn per pipeline size runs every (schedule, v, m) config in sequence and saves its results; the
+parametrised tests compare them with the dense reference. p == 1 runs in-process (no communication).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from ptdp.pipeline.executor import ModuleStage, run_schedule
+from ptdp.pipeline.p2p import P2PComm
+from ptdp.pipeline.schedules import build_schedule, peak_in_flight
+
+HIDDEN, MICRO_BATCH = 8, 2
+
+# (name, schedule, v, m, hooks, recv_lookahead)
+CONFIGS = {
+    2: [
+        ("gpipe-m3", "gpipe", 1, 3, False, 1),
+        ("gpipe-m1", "gpipe", 1, 1, False, 1),
+        ("1f1b-m5", "1f1b", 1, 5, False, 1),
+        ("1f1b-lookahead0", "1f1b", 1, 4, False, 0),
+        ("interleaved-v2-m4", "interleaved", 2, 4, False, 1),
+        ("interleaved-v2-m2", "interleaved", 2, 2, False, 1),
+        ("interleaved-v3-all-recvs-early", "interleaved", 3, 6, False, 10**6),
+        ("zb-h1-m4", "zb-h1", 1, 4, False, 1),
+        ("interleaved-hooks", "interleaved", 2, 4, True, 1),
+    ],
+    4: [
+        ("gpipe-m6", "gpipe", 1, 6, False, 1),
+        ("gpipe-m8", "gpipe", 1, 8, False, 1),
+        ("1f1b-m8", "1f1b", 1, 8, False, 1),
+        ("1f1b-m2", "1f1b", 1, 2, False, 1),
+        ("interleaved-v2-m8", "interleaved", 2, 8, False, 1),
+        ("interleaved-v2-m4", "interleaved", 2, 4, False, 1),
+        ("zb-h1-m6", "zb-h1", 1, 6, False, 1),
+        ("1f1b-hooks", "1f1b", 1, 5, True, 1),
+    ],
+}
+
+
+def make_model(n_stages: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(n_stages)])
+
+
+def make_data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(m, MICRO_BATCH, HIDDEN, generator=g), torch.randn(m, MICRO_BATCH, HIDDEN, generator=g)
+
+
+def make_loss_fn(targets: torch.Tensor):
+    m = targets.shape[0]
+    return lambda y, mb: ((y - targets[mb]) ** 2).mean() / m
+
+
+def reference(n_stages: int, m: int) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Dense single-process forward/backward over all microbatches: the ground truth."""
+    model = make_model(n_stages)
+    inputs, targets = make_data(m)
+    loss_fn = make_loss_fn(targets)
+    losses = []
+    for mb in range(m):
+        loss = loss_fn(model(inputs[mb]), mb)
+        loss.backward()
+        losses.append(loss.item())
+    return losses, [[q.grad.clone() for q in block.parameters()] for block in model]
+
+
+def run_rank(rank: int, p: int, schedule: str, v: int, m: int, comm: P2PComm | None, lookahead: int = 1):
+    """Build this rank's chunks of the reference model and run its schedule; return (stats, grads)."""
+    model = make_model(p * v)
+    inputs, targets = make_data(m)
+    chunks = [model[c * p + rank] for c in range(v)]
+    stage = ModuleStage(chunks, rank, p, v, first_input=lambda mb: inputs[mb], loss_fn=make_loss_fn(targets))
+    actions = build_schedule(schedule, p, v, m, rank)
+    stats = run_schedule(actions, stage, comm, recv_lookahead=lookahead)
+    grads = {c * p + rank: [q.grad.clone() for q in chunks[c].parameters()] for c in range(v)}
+    return actions, stats, grads
+
+
+def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
+                            timeout=timedelta(seconds=30))
+    try:
+        for name, schedule, v, m, hooks, lookahead in CONFIGS[p]:
+            calls = {"pack": 0, "unpack": 0}
+
+            def pack(t, calls=calls):
+                calls["pack"] += 1
+                return torch.stack([2 * t, -t])  # a different shape and both halves needed to undo it
+
+            def unpack(u, calls=calls):
+                calls["unpack"] += 1
+                return (u[0] / 2 - u[1]) / 2
+
+            comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN), pack=pack if hooks else None,
+                           unpack=unpack if hooks else None,
+                           packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None)
+            actions, stats, grads = run_rank(rank, p, schedule, v, m, comm, lookahead)
+            n_send = sum(a.op.startswith("SEND") for a in actions)
+            n_recv = sum(a.op.startswith("RECV") for a in actions)
+            torch.save({"stats": stats, "grads": grads, "expected_peak": peak_in_flight(actions),
+                        "calls": calls, "n_send": n_send, "n_recv": n_recv},
+                       Path(out_dir) / f"{name}.rank{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(p: int, tmp: Path) -> Path:
+    ctx = mp.spawn(_worker, args=(p, str(tmp / "store"), str(tmp)), nprocs=p, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"pipeline workers (p={p}) did not finish in time")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[int, Path]:
+    return {p: _spawn(p, tmp_path_factory.mktemp(f"pp{p}")) for p in CONFIGS}
+
+
+CASES = [(p, *cfg) for p, cfgs in CONFIGS.items() for cfg in cfgs]
+
+
+@pytest.mark.parametrize("p,name,schedule,v,m,hooks,lookahead", CASES, ids=[f"p{c[0]}-{c[1]}" for c in CASES])
+def test_matches_single_process(results, p, name, schedule, v, m, hooks, lookahead):
+    ref_losses, ref_grads = reference(p * v, m)
+    got_grads = {}
+    for rank in range(p):
+        res = torch.load(results[p] / f"{name}.rank{rank}.pt", weights_only=False)
+        got_grads.update(res["grads"])
+        stats = res["stats"]
+        assert stats.peak_in_flight == res["expected_peak"]
+        assert stats.peak_saved_bytes > 0
+        assert stats.busy_s > 0 and stats.wall_s >= stats.busy_s
+        if hooks:  # applied on both sides, once per message
+            assert res["calls"] == {"pack": res["n_send"], "unpack": res["n_recv"]}
+        if rank == (p * v - 1) % p:
+            assert sorted(stats.losses) == list(range(m))
+            torch.testing.assert_close(list(stats.losses.values()), ref_losses, rtol=1e-6, atol=0)
+        else:
+            assert stats.losses == {}
+    assert sorted(got_grads) == list(range(p * v))
+    for s in range(p * v):
+        torch.testing.assert_close(got_grads[s], ref_grads[s], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("schedule,v,m", [("gpipe", 1, 3), ("1f1b", 1, 2), ("interleaved", 3, 2),
+                                          ("interleaved", 2, 1), ("zb-h1", 1, 3)])
+def test_single_rank_hands_tensors_over_locally(schedule, v, m):
+    ref_losses, ref_grads = reference(v, m)
+    _, stats, grads = run_rank(0, 1, schedule, v, m, comm=None)
+    torch.testing.assert_close(list(stats.losses.values()), ref_losses, rtol=1e-6, atol=0)
+    for s in range(v):
+        torch.testing.assert_close(grads[s], ref_grads[s], rtol=1e-6, atol=1e-9)
+
+
+def test_saved_bytes_follow_in_flight_microbatches():
+    """Rank 0 of p=4, m=8: GPipe stashes 8 microbatches, 1F1B 4, so twice the saved activation bytes."""
+    m, p = 8, 4
+
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        model = make_model(p)
+        inputs, targets = make_data(m)
+        stage = ModuleStage([model[0]], 0, p, 1, lambda mb, x=inputs: x[mb], make_loss_fn(targets))
+        compute = [a for a in build_schedule(schedule, p, 1, m, 0) if a.op in ("F", "B")]
+        grads = iter(  # rank 0 alone: feed fake output gradients instead of receiving them
+            [torch.ones(MICRO_BATCH, HIDDEN)] * m)
+        orig_backward = stage.backward
+        stage.backward = lambda c, mb, g, _b=orig_backward, _g=grads: _b(c, mb, next(_g))
+        stats = run_schedule(compute, stage, comm=None)
+        peaks[schedule] = (stats.peak_in_flight, stats.peak_saved_bytes)
+    assert peaks["gpipe"][0] == 8 and peaks["1f1b"][0] == 4
+    assert peaks["gpipe"][1] == 2 * peaks["1f1b"][1]
+
+
+def test_comm_actions_without_comm_is_an_error():
+    with pytest.raises(ValueError, match="no comm"):
+        run_rank(0, 2, "1f1b", 1, 2, comm=None)
