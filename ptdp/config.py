@@ -110,12 +110,24 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoint flags (Megatron's names); the format and the checks live in ``ptdp.checkpointing``."""
+
+    save: str | None = opt(None, "save checkpoints to DIR/iter_NNNNNNN (atomically) and point DIR/latest at them")
+    save_interval: int | None = opt(None, "save every N iterations (a final checkpoint is always saved)")
+    load: str | None = opt(None, "resume from DIR/latest, in any layout (a DIR without `latest` starts fresh)")
+    exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
+    keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
     def section_names(cls) -> list[str]:
@@ -268,4 +280,8 @@ def validate(config: Config, world_size: int) -> list[str]:
         errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    if not errors:  # --save/--load paths and the checkpoint itself (checksums, model shape)
+        from .checkpointing.validation import checkpoint_errors
+
+        errors += checkpoint_errors(config, world_size)
     return errors

@@ -20,13 +20,17 @@ import torch.distributed as dist
 from torch import nn
 
 from . import flops, hardware
+from .checkpointing import CheckpointManager
 from .config import Config
 from .data import build_datasets, get_microbatch
 from .model import GPTModel, init_parameters, language_model_loss
 from .optim import GradBuckets, build_optimizer, clip_grad_norm, learning_rate
 from .parallel import ParallelDims, ParallelState, init_distributed
+from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
+from .pipeline.p2p import P2PComm
+from .pipeline.schedules import Action, bubble_fraction_formula, build_schedule
 from .tensor_parallel import model_parallel_seed
-from .tensor_parallel.mappings import all_reduce, group_size
+from .tensor_parallel.mappings import all_gather, all_reduce, group_size, split
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Trainer:
     grads: GradBuckets
     optimizer: torch.optim.Optimizer
     num_microbatches: int
+    schedule: list[Action]
+    comm: P2PComm | None
     metrics: list[dict] = field(default_factory=list)
 
     @property
@@ -84,7 +90,30 @@ def setup(config: Config) -> Trainer:
     params = [p for chunk in chunks for p in chunk.parameters()]
     grads = GradBuckets(params, state.dp_group, int(tr.grad_bucket_size_mb * 2**20))
     optimizer = build_optimizer(params, config.optimizer)
-    return Trainer(config, state, chunks, data, grads, optimizer, config.num_microbatches(world_size))
+    m = config.num_microbatches(world_size)
+    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
+    return Trainer(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
+
+
+def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
+    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s, h]``.
+
+    With t > 1 the scatter/gather optimisation (paper §4.1) sends only this TP rank's 1/t slice of the
+    hidden dimension (every TP rank holds the same full tensor) and all-gathers it inside the receiving
+    stage's TP group, cutting inter-node traffic t-fold.
+    """
+    if state.dims.pp == 1:
+        return None
+    m, tr = config.model, config.training
+    shape = (tr.micro_batch_size, m.seq_length, m.hidden_size)
+    t, tp_group = state.dims.tp, state.tp_group
+    scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1
+    return P2PComm(
+        pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
+        pack=(lambda x: split(x, tp_group, -1)) if scatter_gather else None,
+        unpack=(lambda x: all_gather(x, tp_group, -1)) if scatter_gather else None,
+        packed_shape=(*shape[:-1], shape[-1] // t) if scatter_gather else None,
+    )
 
 
 def load_microbatch(trainer: Trainer, iteration: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,17 +124,28 @@ def load_microbatch(trainer: Trainer, iteration: int, microbatch: int) -> tuple[
     return sample[:, :-1], sample[:, 1:]
 
 
-def forward_backward(trainer: Trainer, iteration: int) -> torch.Tensor:
-    """Forward and backward of all microbatches; returns the mean loss (on the last stage, else 0)."""
-    (chunk,) = trainer.chunks
-    m = trainer.num_microbatches
-    total = torch.zeros((), device=trainer.state.device)
-    for j in range(m):
-        tokens, labels = load_microbatch(trainer, iteration, j)
-        loss = language_model_loss(chunk(tokens), labels, trainer.state.tp_group)
-        (loss / m).backward()
-        total += loss.detach()
-    return total / m
+def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, ScheduleStats]:
+    """Forward and backward of all m microbatches by this rank's pipeline schedule.
+
+    Returns the mean loss (non-zero on the last stage only) and what the executor measured. Each
+    microbatch's loss is scaled by 1/m, so the accumulated gradients are those of the mean loss.
+    """
+    state, m = trainer.state, trainer.num_microbatches
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batch(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if j not in batches:  # only the first and last stage ever ask
+            batches[j] = load_microbatch(trainer, iteration, j)
+        return batches[j]
+
+    def loss_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
+        return language_model_loss(logits, batch(j)[1], state.tp_group) / m
+
+    stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
+                        first_input=lambda j: batch(j)[0], loss_fn=loss_fn)
+    stats = run_schedule(trainer.schedule, stage, trainer.comm)
+    loss = torch.tensor(sum(stats.losses.values()), dtype=torch.float32, device=state.device)
+    return loss, stats
 
 
 def sync_embedding_grads(trainer: Trainer) -> None:
@@ -124,7 +164,7 @@ def train_step(trainer: Trainer, iteration: int) -> dict:
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     trainer.grads.zero()
-    loss = forward_backward(trainer, iteration)
+    loss, stats = forward_backward(trainer, iteration)
     trainer.grads.all_reduce()
     sync_embedding_grads(trainer)
     grad_norm = clip_grad_norm(trainer.params, cfg.optimizer.clip_grad, state.tp_rank,
@@ -135,12 +175,35 @@ def train_step(trainer: Trainer, iteration: int) -> dict:
         dist.all_reduce(loss, group=state.pp_group)
     if group_size(state.dp_group) > 1:
         dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm}
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm, **pipeline_metrics(trainer, stats)}
+
+
+def pipeline_metrics(trainer: Trainer, stats: ScheduleStats) -> dict:
+    """Worst-rank bubble (measured idle / busy time), in-flight microbatches and saved activation bytes.
+
+    The bubble is reported beside the formula (p-1)/(v*m) (ptdp-facts.md, §Schedules), so a user sees
+    what the pipeline really wastes.
+    """
+    state = trainer.state
+    worst = torch.tensor([stats.idle_s / max(stats.busy_s, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes],
+                         dtype=torch.float64, device=state.device)
+    if state.dims.world_size > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    bubble, in_flight, saved = worst.tolist()
+    return {
+        "bubble_fraction": bubble,
+        "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
+                                                          trainer.num_microbatches),
+        "peak_in_flight_microbatches": int(in_flight),
+        "peak_activation_bytes": int(saved),
+    }
 
 
 def train(config: Config) -> list[dict]:
     """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record)."""
     trainer = setup(config)
+    checkpoints = CheckpointManager(trainer)
+    first_iteration = checkpoints.resume() + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
     for chunk in trainer.chunks:
         chunk.train()
@@ -153,7 +216,8 @@ def train(config: Config) -> list[dict]:
     metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
     start = time.perf_counter()
     try:
-        for iteration in range(1, tr.train_iters + 1):
+        for iteration in range(first_iteration, tr.train_iters + 1):
+            checkpoints.before_iteration(iteration)
             t0 = time.perf_counter()
             record = train_step(trainer, iteration)
             elapsed = time.perf_counter() - t0
@@ -170,7 +234,11 @@ def train(config: Config) -> list[dict]:
                 metrics_file.flush()
             if is_logger and (iteration % tr.log_interval == 0 or iteration == tr.train_iters):
                 print(progress_line(record, tr.train_iters, time.perf_counter() - start), flush=True)
+            if checkpoints.after_iteration(iteration, record["loss"]):  # saves when due; NaN raises
+                break
+        checkpoints.finish()
     finally:
+        checkpoints.close()
         if metrics_file:
             metrics_file.close()
     return trainer.metrics

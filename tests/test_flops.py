@@ -3,7 +3,12 @@
 import pytest
 
 from ptdp.flops import flops_per_iteration, layer_forward_flops, parameter_count
-from ptdp.hardware import ACCELERATORS, accelerator, accelerator_for_device_name, peak_flops_for_current_device
+from ptdp.hardware import (
+    ACCELERATORS,
+    accelerator,
+    accelerator_for_device_name,
+    peak_flops_for_current_device,
+)
 
 # tiny GPT: l=2, h=4, s=8, V=16, B=1 (ffn = 4h = 16)
 # one layer forward: B·s·(24h² + 4sh) = 8·(384 + 128) = 4096
@@ -35,12 +40,12 @@ def test_ffn_generalisation_by_hand():
 
 
 def test_gpt3_175b_matches_eq3():
-    B, s, l, h, V = 1536, 2048, 96, 12288, 51200
-    eq3 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
-    got = flops_per_iteration(l, h, s, V, B, recompute=True)
+    B, s, layers, h, V = 1536, 2048, 96, 12288, 51200
+    eq3 = 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
+    got = flops_per_iteration(layers, h, s, V, B, recompute=True)
     assert got == pytest.approx(eq3, rel=1e-12)
-    no_recompute = 72 * B * s * l * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V
-    assert flops_per_iteration(l, h, s, V, B, recompute=False) == pytest.approx(no_recompute, rel=1e-12)
+    no_recompute = 72 * B * s * layers * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V
+    assert flops_per_iteration(layers, h, s, V, B, recompute=False) == pytest.approx(no_recompute, rel=1e-12)
 
 
 def test_parameter_count_by_hand():

@@ -1,0 +1,16 @@
+"""Checkpoints that reshard: save in one (t, p, d, v) layout, load in any other (docs/checkpoints.md).
+
+- ``storage``: the on-disk layout, atomic commits, ``latest``, sha256 checksums, pruning (no torch)
+- ``validation``: start-up checks of --save/--load and of the checkpoint itself (no torch)
+- ``state``: the logical state dict and its trip through ``torch.distributed.checkpoint``
+- ``manager``: the training loop's hooks (resume, interval/exit/SIGTERM saves, NaN guard)
+- ``full_model``: full tensors in one process, no process group (generate, Hugging Face import/export)
+"""
+
+from .full_model import read_full_model_state, write_full_model_state
+from .manager import CheckpointManager, NonFiniteLossError
+from .state import load_checkpoint, save_checkpoint
+from .storage import CheckpointError, read_latest
+
+__all__ = ["CheckpointError", "CheckpointManager", "NonFiniteLossError", "load_checkpoint", "read_full_model_state",
+           "read_latest", "save_checkpoint", "write_full_model_state"]

@@ -1,0 +1,101 @@
+"""The full (unsharded) model in one process, with no process group: for ``ptdp generate`` and for
+Hugging Face export/import. Names and shapes are the logical ones (``GPTModel`` built with t = 1), e.g.
+``layers.0.attention.qkv.weight`` is ``[3, h, h]`` (the q, k and v blocks) and
+``embedding.word_embeddings.weight`` is ``[padded_vocab, h]`` (rows past ``model.vocab_size`` are padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..config import Config
+from ..model import TIED_EMBEDDING, GPTModel
+from . import storage
+from .validation import model_shape
+
+
+def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full model tensors and the saved config (``Config.to_dict()`` form, ``model.vocab_size`` set to
+    the real vocabulary) of the checkpoint at ``path``: a ``--save`` directory (its ``latest``) or one
+    ``iter_*`` directory. Checksums are verified first.
+    """
+    directory = storage.resolve(path)
+    if directory is None:
+        raise storage.CheckpointError(f"{path} holds no checkpoint yet (no {storage.LATEST} file)")
+    storage.verify_checksums(directory)
+    info = storage.read_info(directory)
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(tensors, checkpoint_id=directory, no_dist=True)
+    config = info["config"]
+    config["model"]["vocab_size"] = info["model"]["vocab_size"]
+    return {key.removeprefix("model."): value for key, value in tensors.items()}, config
+
+
+def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict) -> Path:
+    """Write ``tensors`` (full, logical names) as the iteration-0 checkpoint of ``path``, loadable by
+    ``--load`` in any layout; it holds no optimizer state, so AdamW starts fresh. ``config_dict`` is a
+    ``Config.to_dict()`` or just its ``model`` section; ``model.vocab_size`` defaults to the embedding's
+    rows, and an unpadded embedding is padded with zero rows.
+    """
+    config = _config_from_dict(config_dict)
+    model_cfg = config.model
+    embedding = tensors.get(TIED_EMBEDDING)
+    if embedding is None:
+        raise ValueError(f"write_full_model_state: no {TIED_EMBEDDING} among the tensors")
+    vocab = model_cfg.vocab_size or embedding.shape[0]
+    padded = model_cfg.padded_vocab_size(vocab, 1)
+    model_cfg.vocab_size = vocab
+    with torch.device("meta"):
+        expected = {name: p.shape for name, p in GPTModel(model_cfg, vocab, padded).named_parameters()}
+    tensors = dict(tensors)
+    if embedding.shape[0] == vocab < padded:
+        tensors[TIED_EMBEDDING] = torch.cat([embedding, embedding.new_zeros(padded - vocab, embedding.shape[1])])
+    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"write_full_model_state: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ValueError(f"write_full_model_state: {name} has shape {tuple(tensors[name].shape)}, "
+                             f"the config says {tuple(shape)}")
+    state = {f"model.{name}": tensors[name].detach().to("cpu", torch.float32).contiguous() for name in expected}
+    root = Path(path)
+    tmp = storage.prepare_temporary(root, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp, no_dist=True)
+    storage.write_info(tmp, {
+        "iteration": 0, "consumed_samples": 0, "model": model_shape(model_cfg, vocab, padded),
+        "layout": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+                   "virtual_pipeline_model_parallel_size": 1, "pipeline_schedule": "1f1b"},
+        "contents": ["model"], "config": config.to_dict(),
+    })
+    return storage.commit(root, 0)
+
+
+def _config_from_dict(config_dict: dict) -> Config:
+    sections = config_dict if "model" in config_dict else {"model": config_dict}
+    config = Config()
+    for section_name, values in sections.items():
+        section = getattr(config, section_name, None)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise ValueError(f"write_full_model_state: unknown config section {section_name!r}")
+        known = {f.name for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key in known:
+                setattr(section, key, value)
+            elif section_name != "model" or key not in ("ffn_size", "padded_vocab_size"):
+                raise ValueError(f"write_full_model_state: unknown config key {section_name}.{key}")
+    return config

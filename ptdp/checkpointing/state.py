@@ -1,0 +1,229 @@
+"""What a checkpoint holds and how it goes through ``torch.distributed.checkpoint`` (DCP).
+
+The saved state is the *logical* model: one entry per full parameter, keyed by its layout-independent
+name (``model.layers.3.mlp.fc1.weight``), whatever t, p, d and v were. Each rank hands DCP its local
+piece as a ``DTensor`` on its tensor-parallel sub-mesh, ``Shard(param.partition_dim)`` for split
+parameters, a plain tensor for replicated ones; DCP records the global shape and each chunk's offset,
+keeps one copy of what DP replicas (and TP ranks, for replicated tensors) hold alike, and on load reads
+exactly the region every rank of the *new* layout asks for. That is the whole resharding story.
+
+Keys::
+
+    model.<logical name>                      parameters (the tied embedding once: logical_name)
+    optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
+    rng.rank<k>.{default,<tracker stream>}    per-rank generator states (same layout only)
+
+The iteration, LR schedule and data position are not tensors: the LR and the samples of an iteration are
+pure functions of the iteration (``optim.learning_rate``, ``data/microbatch.py``), which ``ptdp.json``
+records. RNG states only make sense on the rank that drew them, so they are restored only when t, p, d
+and v are unchanged; in another layout every rank re-seeds from (seed, iteration) instead (exact anyway
+with dropout off). Loading never unpickles anything but DCP's own metadata.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ..model import logical_name
+from ..tensor_parallel import random as tp_random
+from . import storage
+from .validation import model_mismatch, model_shape
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _layout(trainer) -> dict:
+    dims, par = trainer.state.dims, trainer.config.parallel
+    return {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
+            "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
+            "pipeline_schedule": par.schedule}
+
+
+def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
+    """(logical name, parameter) for every local parameter, the last stage's tied copy included."""
+    for chunk in trainer.chunks:
+        for name, param in chunk.named_parameters():
+            yield logical_name(name), param
+
+
+def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
+    """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor."""
+    if mesh is None or mesh.size() == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
+
+
+def _tp_mesh(trainer):
+    return None if trainer.state.mesh is None else trainer.state.mesh["tp"]
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter, create: bool) -> dict | None:
+    """AdamW's per-parameter state; ``create`` fills it as AdamW's first step would (for loading into)."""
+    state = optimizer.state[param]
+    if not state and create:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state or None
+
+
+# TODO(distributed optimizer): with --use-distributed-optimizer each DP rank owns a slice of the flat
+# gradient buffer, not whole parameters. Plug in here by returning, per parameter, the DP rank's piece as a
+# DTensor on the (dp, tp) sub-mesh (or all-gathering it over DP first); the keys stay the same, so
+# checkpoints stay interchangeable between the two optimizers.
+def _optimizer_entries(trainer, create: bool) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
+    for name, param in named_parameters(trainer):
+        state = _adam_state(trainer.optimizer, param, create)
+        if state is None:
+            continue
+        for key in ADAM_STATE:
+            yield f"optimizer.{name}.{key}", state[key], param
+
+
+def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
+    tracker = tp_random.get_rng_tracker()
+    states = {"default": tp_random._get_state(tracker.device)}
+    states.update(tracker.get_states())
+    return {f"rng.rank{rank}.{name}": state for name, state in states.items()}
+
+
+def save_state_dict(trainer) -> dict[str, torch.Tensor]:
+    """This rank's contribution to the checkpoint (tensors share storage with the live ones)."""
+    mesh = _tp_mesh(trainer)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in named_parameters(trainer):
+        if not getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
+            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+    for key, tensor, param in _optimizer_entries(trainer, create=False):
+        if not getattr(param, "is_embedding_copy", False):
+            out[key] = tensor if key.endswith(".step") else _as_global(tensor, param, mesh)
+    out.update(_rng_entries(trainer.state.rank))
+    return out
+
+
+def save_checkpoint(trainer, iteration: int) -> Path:
+    """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it)."""
+    ck, state = trainer.config.checkpoint, trainer.state
+    root = Path(ck.save)
+    is_writer = state.rank == 0
+    if is_writer:
+        tmp = storage.prepare_temporary(root, iteration)
+    _barrier(trainer)
+    tmp = storage.temporary_dir(root, iteration)
+    has_optimizer = any(True for _ in _optimizer_entries(trainer, create=False))
+    _dcp_save(save_state_dict(trainer), tmp)
+    _test_crash_in_save(iteration)
+    final = storage.iteration_dir(root, iteration)
+    if is_writer:
+        storage.write_info(tmp, {
+            "iteration": iteration,
+            "consumed_samples": iteration * trainer.config.training.global_batch_size,
+            "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
+            "layout": _layout(trainer),
+            "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
+            "config": trainer.config.to_dict(),
+        })
+        storage.commit(root, iteration, ck.keep_last)
+    _barrier(trainer)  # nobody moves on (or exits) before `latest` names the new checkpoint
+    return final
+
+
+def load_checkpoint(trainer, path: str | Path) -> int:
+    """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
+    iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
+    """
+    directory = storage.resolve(path)
+    if directory is None:
+        return 0
+    storage.verify_checksums(directory)  # a no-op when the start-up check already did it
+    info = storage.read_info(directory)
+    problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
+                             trainer.state.dims.tp)
+    if problem:
+        raise storage.CheckpointError(f"--load {directory}: {problem}")
+    saved_keys = set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+    mesh = _tp_mesh(trainer)
+    request: dict[str, torch.Tensor] = {}
+    targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
+
+    def want(key: str, live: torch.Tensor, param: nn.Parameter, shard: bool = True) -> None:
+        targets.append((key, live))
+        if key not in request:  # a rank holding both copies of the tied embedding reads it once
+            request[key] = _as_global(torch.empty_like(live), param, mesh) if shard else torch.empty_like(live)
+
+    for name, param in named_parameters(trainer):
+        want(f"model.{name}", param.detach(), param)
+    if "optimizer" in info["contents"]:
+        for key, tensor, param in _optimizer_entries(trainer, create=True):
+            want(key, tensor, param, shard=not key.endswith(".step"))
+    same_layout = info["layout"] == _layout(trainer)
+    rng = _rng_entries(trainer.state.rank)
+    if same_layout and all(key in saved_keys for key in rng):
+        request.update({key: torch.empty_like(value) for key, value in rng.items()})
+    missing = sorted(set(request) - saved_keys)
+    if missing:
+        raise storage.CheckpointError(f"--load {directory}: the checkpoint has no {missing[0]} "
+                                      f"({len(missing)} entries missing); it was saved by another model")
+    _dcp_load(request, directory)
+    with torch.no_grad():
+        for key, live in targets:
+            loaded = request[key]
+            live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+    iteration = int(info["iteration"])
+    if same_layout and rng.keys() <= request.keys():
+        _restore_rng(trainer, {key.rsplit(".", 1)[1]: request[key] for key in rng})
+    else:
+        tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
+                                      trainer.state.pp_rank, trainer.state.device)
+    return iteration
+
+
+def reseed(seed: int, iteration: int) -> int:
+    """The seed every rank re-derives its generators from when resuming in another layout."""
+    return (seed * 1_000_003 + iteration) % (2**31)
+
+
+def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
+    tracker = tp_random.get_rng_tracker()
+    tp_random._set_state(states.pop("default"), tracker.device)
+    tracker.set_states(states)
+
+
+def _padded_vocab(trainer) -> int:
+    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, trainer.state.dims.tp)
+
+
+def _barrier(trainer) -> None:
+    if trainer.state.mesh is not None:
+        dist.barrier()
+
+
+def _dcp_save(state_dict: dict, directory: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state_dict, checkpoint_id=directory)
+
+
+def _dcp_load(state_dict: dict, directory: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state_dict, checkpoint_id=directory)
+
+
+def _test_crash_in_save(iteration: int) -> None:
+    """Test-only hook: ``PTDP_TEST_CRASH_IN_SAVE=N`` ends every rank after DCP wrote iteration N's files but
+    before the checkpoint is committed, as a crash mid-save would."""
+    import os
+
+    if os.environ.get("PTDP_TEST_CRASH_IN_SAVE") == str(iteration):
+        os._exit(17)
+
+

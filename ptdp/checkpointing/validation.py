@@ -1,0 +1,98 @@
+"""Start-up checks of the checkpoint flags: run by ``config.validate`` in the launcher and on every rank,
+before any process group exists, so a bad ``--save``/``--load`` or a corrupted checkpoint stops every
+rank with the same one-line message and none waits for another. No torch import here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import Config, ModelConfig
+from .storage import CheckpointError, read_info, resolve, verify_checksums
+
+# Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
+SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+               "num_attention_heads": "--num-attention-heads", "ffn_size": "--ffn-hidden-size",
+               "seq_length": "--seq-length"}
+
+
+def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> dict:
+    """What ``ptdp.json`` records about the model: the config plus the values derived from it."""
+    import dataclasses
+
+    return {**dataclasses.asdict(model), "ffn_size": model.ffn_size, "vocab_size": vocab_size,
+            "padded_vocab_size": padded_vocab_size}
+
+
+def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: int) -> str | None:
+    """One line naming every shape flag whose value differs from the checkpoint's, or None."""
+    diffs = [f"{flag} {saved[key]} there, {getattr(model, key)} here"
+             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != getattr(model, key)]
+    if vocab_size is not None and vocab_size != saved.get("vocab_size"):
+        diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
+    if diffs:
+        return "the checkpoint holds another model: " + "; ".join(diffs) + "; pass the checkpoint's values"
+    padded = model.padded_vocab_size(saved["vocab_size"], tp)
+    if padded != saved.get("padded_vocab_size"):
+        return (f"the checkpoint's vocabulary is padded to {saved.get('padded_vocab_size')} rows but "
+                f"--make-vocab-size-divisible-by {model.make_vocab_size_divisible_by} with "
+                f"--tensor-model-parallel-size {tp} pads it to {padded}; choose values that give "
+                f"{saved.get('padded_vocab_size')}")
+    return None
+
+
+def checkpoint_errors(config: Config, world_size: int) -> list[str]:
+    """Every problem with the checkpoint flags, one line each (empty when there is nothing to check)."""
+    ck = config.checkpoint
+    errors = []
+    for flag, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval),
+                        ("--keep-last", ck.keep_last)):
+        if value is not None and value <= 0:
+            errors.append(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (("--save-interval", ck.save_interval), ("--keep-last", ck.keep_last)):
+        if value is not None and not ck.save:
+            errors.append(f"{flag} needs --save DIR, the directory to write checkpoints to")
+    if errors:
+        return errors
+    if ck.save:
+        errors += _save_errors(Path(ck.save))
+    if ck.load and not errors:
+        errors += _load_errors(config, Path(ck.load))
+    return errors
+
+
+def _save_errors(path: Path) -> list[str]:
+    """Create the directory and write a probe file: the only reliable test (root ignores permissions)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except (FileExistsError, NotADirectoryError):
+        return [f"--save {path} is not a directory (a file is in the way); choose a directory path"]
+    except OSError as e:
+        return [f"--save {path} is not writable ({e.strerror}); choose a directory you can write to"]
+    return []
+
+
+def _load_errors(config: Config, path: Path) -> list[str]:
+    ck = config.checkpoint
+    if not path.exists():
+        if ck.save and Path(ck.save).resolve() == path.resolve():
+            return []  # `--save DIR --load DIR` before the first save: start fresh
+        return [f"--load {path} does not exist; give a directory written by --save (or the --save directory "
+                "itself, to resume a run that may not have saved yet)"]
+    if not path.is_dir():
+        return [f"--load {path} is not a directory; give a directory written by --save"]
+    try:
+        directory = resolve(path)
+        if directory is None:
+            return []  # no `latest` yet: nothing was saved, start fresh
+        verify_checksums(directory)
+        info = read_info(directory)
+    except CheckpointError as e:
+        return [str(e)]
+    problem = model_mismatch(info["model"], config.model, config.model.vocab_size,
+                             config.parallel.tensor_model_parallel_size)
+    return [f"--load {directory}: {problem}"] if problem else []
