@@ -27,7 +27,9 @@ def run_train(args: argparse.Namespace) -> int:
         return _fail(str(e))
     launching = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
-    errors = validate(config, world_size)
+    local_world_size = args.nproc_per_node if launching else int(
+        os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    errors = validate(config, world_size, local_world_size)
     if errors:
         # Every rank rejects the configuration before any collective; only rank 0 speaks.
         if int(os.environ.get("RANK", "0")) == 0:
@@ -44,9 +46,17 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         train(config)
-    except (ConfigError, DataError) as e:
-        return _fail(str(e))
-    return 0
+        code = 0
+    except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy
+        code = _fail(str(e))
+    # gloo aborts the process at exit ("terminate called without an active exception") when its process
+    # groups are left for the interpreter to tear down. Not after other errors: a lost peer can make the
+    # teardown wait, and the launcher restarts or stops the job anyway.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 def _worker_argv(argv: list[str]) -> list[str]:
@@ -96,6 +106,33 @@ def _optional_parsers(sub) -> None:
         p = sub.add_parser("preprocess", help="tokenize JSONL into indexed .bin/.idx files")
         add_preprocess_arguments(p)
         p.set_defaults(run=run_preprocess)
+    try:
+        from .hf import add_export_arguments, add_import_arguments, run_export, run_import
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face GPT-2 model")
+        add_export_arguments(p)
+        p.set_defaults(run=run_export)
+        p = sub.add_parser("import", help="write a Hugging Face GPT-2 model as a ptdp checkpoint")
+        add_import_arguments(p)
+        p.set_defaults(run=run_import)
+    try:
+        from .observability.timeline import add_timeline_arguments, run_timeline
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("timeline", help="merge the per-rank Chrome traces of a --timeline run")
+        add_timeline_arguments(p)
+        p.set_defaults(run=run_timeline)
+    try:
+        from .generate import add_generate_arguments, run_generate
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("generate", help="continue a prompt with a checkpoint (any layout, one process)")
+        add_generate_arguments(p)
+        p.set_defaults(run=run_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,15 @@ class ModelConfig:
     init_method_std: float = opt(0.02, "std of the normal initialisation")
     layernorm_epsilon: float = opt(1e-5, "LayerNorm epsilon")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
+    recompute_granularity: str | None = opt(
+        None, "activation recomputation: full (whole layers) or selective (attention core only)",
+        choices=["full", "selective"])
+    recompute_method: str | None = opt(
+        None, "with full: uniform (units of --recompute-num-layers layers) or block (only the first "
+        "--recompute-num-layers layers of each chunk); default uniform", choices=["uniform", "block"])
+    recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers "
+                                           "per chunk (block); default 1")
+    compile: bool = opt(False, "fuse bias-GeLU and bias-dropout-add with torch.compile (eager if it fails)")
 
     @property
     def ffn_size(self) -> int:
@@ -67,6 +76,8 @@ class ParallelConfig:
         True, "send 1/t of each boundary tensor and all-gather it in the TP group",
         flag="--no-scatter-gather-tensors-in-pipeline")
     distributed_timeout_minutes: float = opt(10.0, "process-group timeout, so a lost peer fails fast")
+    sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
+                                  "(needs t > 1)")
 
     @property
     def virtual_size(self) -> int:
@@ -89,6 +100,8 @@ class OptimizerConfig:
     adam_beta2: float = opt(0.95, "AdamW beta2")
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+    use_distributed_optimizer: bool = opt(
+        False, "ZeRO-1: shard fp32 main weights and Adam state over the data-parallel group")
 
 
 @dataclass
@@ -100,6 +113,30 @@ class TrainingConfig:
     log_interval: int = opt(10, "iterations between progress lines")
     metrics_file: str | None = opt(None, "append one JSON object per iteration to this file")
     grad_bucket_size_mb: float = opt(25.0, "data-parallel gradient all-reduce bucket size (MB)")
+    eval_interval: int | None = opt(None, "compute the validation loss every N iterations and at the end")
+    eval_iters: int = opt(10, "global batches of the validation split per evaluation")
+    overlap_grad_reduce: bool = opt(
+        False, "reduce each gradient bucket asynchronously during the last microbatch's backward")
+    tensorboard_dir: str | None = opt(None, "write loss, lr, grad norm, throughput, memory as TensorBoard "
+                                      "scalars here (rank 0)")
+    timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
+                               "of the first --timeline-iters iterations")
+    timeline_iters: int = opt(3, "iterations the --timeline records")
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """16-bit parameters and activations with fp32 main weights (Megatron's flags); see ``ptdp.optim``."""
+
+    bf16: bool = opt(False, "bf16 parameters and activations, fp32 main weights and gradients")
+    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights")
+    loss_scale: float | None = opt(None, "static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = opt(2.0**32, "initial dynamic fp16 loss scale")
+    min_loss_scale: float = opt(1.0, "lower bound of the dynamic fp16 loss scale")
+    loss_scale_window: int = opt(1000, "clean iterations before the dynamic loss scale doubles")
+    hysteresis: int = opt(2, "overflows tolerated before the dynamic loss scale halves")
+    accumulate_allreduce_grads_in_fp32: bool = opt(
+        False, "accumulate and all-reduce fp16 gradients in fp32 (always on with --bf16)")
 
 
 @dataclass
@@ -128,6 +165,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
 
     @classmethod
     def section_names(cls) -> list[str]:
@@ -203,8 +241,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-def validate(config: Config, world_size: int) -> list[str]:
-    """Every problem with ``config`` for ``world_size`` processes, one actionable line each."""
+def validate(config: Config, world_size: int, local_world_size: int | None = None) -> list[str]:
+    """Every problem with ``config`` for ``world_size`` processes (``local_world_size`` of them on each
+    node, when known), one actionable line each."""
     m, par, tr, opt_ = config.model, config.parallel, config.training, config.optimizer
     t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     errors: list[str] = []
@@ -266,6 +305,9 @@ def validate(config: Config, world_size: int) -> list[str]:
         errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
                       f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
     microbatches = tr.global_batch_size // (tr.micro_batch_size * d)
+    if v > 1 and p == 1:
+        errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; "
+                      "model chunks interleave across pipeline ranks")
     if par.schedule in ("gpipe", "1f1b") and v > 1:
         errors.append(f"--pipeline-schedule {par.schedule} needs v = 1; use --pipeline-schedule interleaved "
                       "with --virtual-pipeline-model-parallel-size")
@@ -274,14 +316,47 @@ def validate(config: Config, world_size: int) -> list[str]:
             f"--pipeline-schedule interleaved needs the number of microbatches ({microbatches} = "
             f"--global-batch-size / (--micro-batch-size x d)) to be a multiple of "
             f"--pipeline-model-parallel-size {p}")
+    if par.sequence_parallel and t == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t")
+    elif par.sequence_parallel and m.seq_length % t:
+        errors.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {t}, "
+                      "which --sequence-parallel needs; choose a multiple of t")
+    from .recompute import recompute_errors
+
+    errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
+                               m.num_layers // (p * v))
     if opt_.lr < 0 or opt_.min_lr < 0 or opt_.min_lr > opt_.lr:
         errors.append(f"--min-lr {opt_.min_lr} must be between 0 and --lr {opt_.lr}")
     if opt_.lr_warmup_iters < 0:
         errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    errors += _precision_errors(config.precision)
+    if tr.eval_interval is not None and tr.eval_interval <= 0 or tr.eval_iters <= 0:
+        errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")
+    if local_world_size and local_world_size % t:  # TP groups are adjacent ranks: keep them on NVLink
+        errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
+                      "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
+                      f"a node: choose t dividing {local_world_size}")
+    from .observability import observability_errors
+
+    errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
     if not errors:  # --save/--load paths and the checkpoint itself (checksums, model shape)
         from .checkpointing.validation import checkpoint_errors
 
         errors += checkpoint_errors(config, world_size)
+    return errors
+
+
+def _precision_errors(mp: MixedPrecisionConfig) -> list[str]:
+    errors = []
+    if mp.bf16 and mp.fp16:
+        errors.append("--bf16 and --fp16 are exclusive; give one of them")
+    if mp.loss_scale is not None and (not mp.fp16 or mp.loss_scale <= 0):
+        errors.append(f"--loss-scale {mp.loss_scale} needs --fp16 and a positive value")
+    if mp.initial_loss_scale <= 0 or mp.min_loss_scale <= 0 or mp.min_loss_scale > mp.initial_loss_scale:
+        errors.append(f"--min-loss-scale {mp.min_loss_scale} must be positive and at most --initial-loss-scale "
+                      f"{mp.initial_loss_scale}")
+    if mp.loss_scale_window < 1 or mp.hysteresis < 1:
+        errors.append(f"--loss-scale-window {mp.loss_scale_window} and --hysteresis {mp.hysteresis} must be >= 1")
     return errors

@@ -4,10 +4,12 @@ works without typing torchrun, with its elastic restarts (``--max-restarts``).""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -26,4 +28,8 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         print(f"ptdp train: error: worker(s) failed with exit code {codes}; see their messages above",
               file=sys.stderr)
         return codes[0] if len(codes) == 1 and codes[0] > 0 else 1
+    except SignalException as e:  # e.g. a scheduler's pre-emption: the workers save on SIGTERM
+        print(f"ptdp train: stopped by signal {e.sigval}; the workers saved a checkpoint if --save was set",
+              file=sys.stderr)
+        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     return 0

@@ -3,7 +3,10 @@
 Read it top to bottom like nanoGPT: learned position embeddings, pre-LayerNorm blocks of causal
 self-attention and a GeLU MLP of ``ffn_hidden_size`` (4h), a final LayerNorm and logits tied to the input
 embedding. Tensor parallelism lives entirely inside the layers (``ptdp.tensor_parallel``); the model
-knows nothing about pipelines. A :class:`GPTModel` can be a *chunk* of the full model: the layers
+knows nothing about pipelines. Under sequence parallelism the residual stream between layers is
+``[b, s/t, h]``: LayerNorm and dropout each work on this rank's tokens only. Biases are returned by the
+linears and fused into the next element-wise op (``ptdp.fused``); activation recomputation
+(``ptdp.recompute``) wraps either whole layers or only the attention core. A :class:`GPTModel` can be a *chunk* of the full model: the layers
 ``[first_layer, first_layer + num_layers)``, with the embedding if it is the first chunk and the output
 layer if it is the last. Parameter names are the logical ones of the full model (``layers.7.mlp.fc1.weight``
 is layer 7 on whichever rank holds it), so checkpoints and exports do not depend on the layout.
@@ -11,14 +14,18 @@ is layer 7 on whichever rank holds it), so checkpoints and exports do not depend
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .fused import FusedOps, fused_ops
+from .recompute import checkpoint, recompute_plan
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,59 +46,77 @@ HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's a/t heads, through SDPA (flash kernels on GPU)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, fuse_bias: bool):
         super().__init__()
         h, a, t = cfg.hidden_size, cfg.num_attention_heads, group_size(tp_group)
         self.local_heads, self.head_dim = a // t, h // a
         self.dropout = cfg.attention_dropout
+        self.recompute_core = cfg.recompute_granularity == "selective"
         self.qkv = ColumnParallelLinear(h, h, tp_group=tp_group, fused=3, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(h, h, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                      skip_bias_add=fuse_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output, or with ``fuse_bias`` the output before its bias and the bias (see TransformerLayer)."""
         qkv = self.qkv(x)  # [b, s, 3 * h/t]: this rank's heads of q, then of k, then of v
+        # selective recomputation: the core holds the a·s² activations but costs few FLOPs to redo
+        y = checkpoint(self.core, qkv) if self.recompute_core and torch.is_grad_enabled() else self.core(qkv)
+        return self.proj(y)
+
+    def core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) with dropout, times V, for this rank's heads; [b, s, h/t] out."""
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         dropout = self.dropout if self.training else 0.0
         with get_rng_tracker().fork():  # heads are split across TP ranks: masks must differ per rank
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps):
         super().__init__()
+        # Eagerly, the bias is cheapest inside the GEMM (addmm); compiled, it fuses with the GeLU.
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp_group=tp_group,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, skip_bias_add=ops.compiled)
         self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group=tp_group,
-                                     sequence_parallel=sequence_parallel)
+                                     sequence_parallel=sequence_parallel, skip_bias_add=ops.compiled)
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output, or (compiled ops) the output before its bias and the bias."""
+        h = self.ops.bias_gelu(*self.fc1(x)) if self.ops.compiled else F.gelu(self.fc1(x), approximate="tanh")
+        return self.fc2(h)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: x + drop(attn(ln(x))), then x + drop(mlp(ln(x)))."""
+    """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias).
 
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool):
+    Under ``--compile`` the output biases of attention and MLP arrive separately and are added inside
+    ``bias_dropout_add``, one fused kernel (``ptdp.fused``); eagerly they are already inside the GEMM.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps):
         super().__init__()
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attention = ParallelAttention(cfg, tp_group, sequence_parallel)
+        self.attention = ParallelAttention(cfg, tp_group, sequence_parallel, fuse_bias=ops.compiled)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel)
+        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, ops)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
+        self.ops = ops
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0.0:
-            return x
-        if self.sequence_parallel:  # each rank holds different tokens: independent masks
+    def _bias_dropout_add(self, out, residual: torch.Tensor) -> torch.Tensor:
+        y, bias = out if isinstance(out, tuple) else (out, None)
+        training = self.training and self.hidden_dropout > 0.0
+        if training and self.sequence_parallel:  # each rank holds different tokens: independent masks
             with get_rng_tracker().fork():
-                return F.dropout(x, self.hidden_dropout)
-        return F.dropout(x, self.hidden_dropout)
+                return self.ops.bias_dropout_add(y, bias, residual, self.hidden_dropout, training)
+        return self.ops.bias_dropout_add(y, bias, residual, self.hidden_dropout, training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_layernorm(x)))
-        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = self._bias_dropout_add(self.attention(self.input_layernorm(x)), x)
+        return self._bias_dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
 
 
 class GPTEmbedding(nn.Module):
@@ -119,16 +144,20 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         num_layers = cfg.num_layers if num_layers is None else num_layers
+        ops = fused_ops(cfg.compile)
         self.embedding = GPTEmbedding(cfg, padded_vocab_size, tp_group) if pre_process else None
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, tp_group, self.sequence_parallel)
+            str(i): TransformerLayer(cfg, tp_group, self.sequence_parallel, ops)
             for i in range(first_layer, first_layer + num_layers)
         })
+        self.recompute_plan = recompute_plan(num_layers, cfg.recompute_granularity, cfg.recompute_method,
+                                             cfg.recompute_num_layers)
         if post_process:
             self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
             if not pre_process:  # a separate stage: keep a copy of the tied embedding, synced by grads
                 self.output_layer = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
         for name, param in self.named_parameters():
+            param.no_weight_decay = name.endswith("bias") or "layernorm" in name  # Megatron's rule
             if self.sequence_parallel and "layernorm" in name:
                 param.sequence_parallel = True  # its grads are partial sums over this rank's tokens
 
@@ -142,8 +171,10 @@ class GPTModel(nn.Module):
             x = self.embedding(x)
             if self.sequence_parallel:
                 x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        for layer in self.layers.values():
-            x = layer(x)
+        layers = list(self.layers.values())
+        for span, recompute in self.recompute_plan:  # full recomputation: a unit keeps only its input
+            unit = functools.partial(run_layers, [layers[i] for i in span])
+            x = checkpoint(unit, x) if recompute and torch.is_grad_enabled() else unit(x)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
@@ -151,7 +182,15 @@ class GPTModel(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if group_size(self.tp_group) == 1:  # one rank: skip the padding rows instead of masking them
+            return F.linear(x, self.output_weight[: self.vocab_size])
         return mask_padded_vocab(F.linear(x, self.output_weight), self.vocab_size, self.tp_group)
+
+
+def run_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -98,7 +98,9 @@ class ParallelState:
 def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:
     """Join the job described by torchrun's environment (or run alone), returning (rank, world, device).
 
-    The process-group timeout makes a lost peer fail fast instead of hanging forever.
+    The process-group timeout makes a lost peer fail fast instead of hanging forever. Keys go under a
+    prefix per torchrun restart: the launcher's store outlives a failed attempt, and a restarted rank
+    must never read the address of a peer from the attempt before (it would connect to a dead port).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -110,5 +112,9 @@ def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.dev
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"ptdp/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return rank, world_size, device

@@ -23,12 +23,16 @@ from . import flops, hardware
 from .checkpointing import CheckpointManager
 from .config import Config
 from .data import build_datasets, get_microbatch
+from .evaluation import evaluate, perplexity
 from .model import GPTModel, init_parameters, language_model_loss
-from .optim import GradBuckets, build_optimizer, clip_grad_norm, learning_rate
+from .observability.observer import RunObserver
+from .observability.timeline import Timeline, span
+from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, setup_optimizer
 from .parallel import ParallelDims, ParallelState, init_distributed
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
 from .pipeline.p2p import P2PComm
 from .pipeline.schedules import Action, bubble_fraction_formula, build_schedule
+from .sequence_parallel import all_reduce_sequence_parallel_grads
 from .tensor_parallel import model_parallel_seed
 from .tensor_parallel.mappings import all_gather, all_reduce, group_size, split
 
@@ -42,11 +46,13 @@ class Trainer:
     chunks: list[GPTModel]
     data: object
     grads: GradBuckets
-    optimizer: torch.optim.Optimizer
+    optimizer: MegatronOptimizer
     num_microbatches: int
     schedule: list[Action]
     comm: P2PComm | None
     metrics: list[dict] = field(default_factory=list)
+    timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
+    peak_activation_bytes: int | None = None  # measured in the first iteration of the run
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -69,8 +75,10 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
             m, vocab_size, padded_vocab_size, tp_group=state.tp_group,
             first_layer=stage * per_stage, num_layers=per_stage,
             pre_process=stage == 0, post_process=stage == p * v - 1,
+            sequence_parallel=config.parallel.sequence_parallel,
         ).to(state.device)
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
+        chunk.to(params_dtype(config))  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if chunk.post_process and not chunk.pre_process:
             chunk.output_layer.weight.is_embedding_copy = True
         chunks.append(chunk)
@@ -88,8 +96,8 @@ def setup(config: Config) -> Trainer:
     padded = config.model.padded_vocab_size(vocab_size, dims.tp)
     chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
-    grads = GradBuckets(params, state.dp_group, int(tr.grad_bucket_size_mb * 2**20))
-    optimizer = build_optimizer(params, config.optimizer)
+    shared_embedding = [c.output_weight for c in chunks if dims.pp > 1 and (c.pre_process or c.post_process)]
+    grads, optimizer = setup_optimizer(params, config, state, shared_embedding)
     m = config.num_microbatches(world_size)
     schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
     return Trainer(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
@@ -105,11 +113,14 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
     if state.dims.pp == 1:
         return None
     m, tr = config.model, config.training
-    shape = (tr.micro_batch_size, m.seq_length, m.hidden_size)
     t, tp_group = state.dims.tp, state.tp_group
-    scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1
+    # Under sequence parallelism the boundary is [b, s/t, h], already split: scatter/gather is implied.
+    sequence_parallel = config.parallel.sequence_parallel and t > 1
+    shape = (tr.micro_batch_size, m.seq_length // t if sequence_parallel else m.seq_length, m.hidden_size)
+    scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1 and not sequence_parallel
     return P2PComm(
         pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
+        dtype=params_dtype(config),
         pack=(lambda x: split(x, tp_group, -1)) if scatter_gather else None,
         unpack=(lambda x: all_gather(x, tp_group, -1)) if scatter_gather else None,
         packed_shape=(*shape[:-1], shape[-1] // t) if scatter_gather else None,
@@ -128,9 +139,11 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
     """Forward and backward of all m microbatches by this rank's pipeline schedule.
 
     Returns the mean loss (non-zero on the last stage only) and what the executor measured. Each
-    microbatch's loss is scaled by 1/m, so the accumulated gradients are those of the mean loss.
+    microbatch's loss is scaled by 1/m, so the accumulated gradients are those of the mean loss, and by
+    the fp16 loss scale (a power of two, divided out of the returned loss exactly).
     """
     state, m = trainer.state, trainer.num_microbatches
+    scale = trainer.optimizer.loss_scale
     batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def batch(j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,12 +152,19 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
         return batches[j]
 
     def loss_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
-        return language_model_loss(logits, batch(j)[1], state.tp_group) / m
+        loss = language_model_loss(logits, batch(j)[1], state.tp_group) / m
+        return loss * scale if scale != 1.0 else loss
 
     stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
                         first_input=lambda j: batch(j)[0], loss_fn=loss_fn)
-    stats = run_schedule(trainer.schedule, stage, trainer.comm)
-    loss = torch.tensor(sum(stats.losses.values()), dtype=torch.float32, device=state.device)
+    recorder = trainer.timeline.record if trainer.timeline else None
+    # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
+    count = trainer.peak_activation_bytes is None
+    stats = run_schedule(trainer.schedule, stage, trainer.comm, recorder=recorder, count_saved_bytes=count)
+    if count:
+        trainer.peak_activation_bytes = stats.peak_saved_bytes
+    stats.peak_saved_bytes = trainer.peak_activation_bytes
+    loss = torch.tensor(sum(stats.losses.values()) / scale, dtype=torch.float32, device=state.device)
     return loss, stats
 
 
@@ -155,7 +175,7 @@ def sync_embedding_grads(trainer: Trainer) -> None:
         return
     for chunk in trainer.chunks:
         if chunk.pre_process or chunk.post_process:
-            all_reduce(chunk.output_weight.grad, state.embedding_group)
+            all_reduce(chunk.output_weight.main_grad, state.embedding_group)  # fp32 with --bf16
 
 
 def train_step(trainer: Trainer, iteration: int) -> dict:
@@ -163,19 +183,23 @@ def train_step(trainer: Trainer, iteration: int) -> dict:
     lr = learning_rate(iteration, cfg.optimizer, cfg.training.train_iters)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    trainer.grads.zero()
+    trainer.grads.start_iteration(trainer.num_microbatches)  # zero; --overlap-grad-reduce counts backwards
     loss, stats = forward_backward(trainer, iteration)
-    trainer.grads.all_reduce()
-    sync_embedding_grads(trainer)
-    grad_norm = clip_grad_norm(trainer.params, cfg.optimizer.clip_grad, state.tp_rank,
-                               [state.tp_group, state.pp_group])
-    trainer.optimizer.step()
+    with span(trainer.timeline, "dp_grad_all_reduce"):
+        trainer.grads.finish_grad_sync()  # all-reduce, or reduce-scatter with --use-distributed-optimizer
+    with span(trainer.timeline, "embedding_grad_sync"):
+        sync_embedding_grads(trainer)
+    with span(trainer.timeline, "sequence_parallel_grad_all_reduce"):
+        all_reduce_sequence_parallel_grads(trainer.params, state.tp_group)
+    with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, AdamW, ZeRO-1 all-gather
+        grad_norm, _ = trainer.optimizer.step()
     # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas.
     if group_size(state.pp_group) > 1:
         dist.all_reduce(loss, group=state.pp_group)
     if group_size(state.dp_group) > 1:
         dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm, **pipeline_metrics(trainer, stats)}
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
+            "skipped_iterations": trainer.optimizer.skipped_iterations, **pipeline_metrics(trainer, stats)}
 
 
 def pipeline_metrics(trainer: Trainer, stats: ScheduleStats) -> dict:
@@ -209,15 +233,18 @@ def train(config: Config) -> list[dict]:
         chunk.train()
     vocab = trainer.chunks[-1].vocab_size
     iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                                tr.global_batch_size, recompute=False,
+                                                tr.global_batch_size, recompute=m.recompute_granularity == "full",
                                                 ffn_hidden_size=m.ffn_hidden_size)
     peak = hardware.peak_flops_for_current_device()
     is_logger = trainer.state.rank == 0
     metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
+    observer = RunObserver(config, trainer.state.rank, trainer.state.dims.world_size, first_iteration)
+    trainer.timeline = observer.timeline
     start = time.perf_counter()
     try:
         for iteration in range(first_iteration, tr.train_iters + 1):
             checkpoints.before_iteration(iteration)
+            observer.begin_iteration(iteration)
             t0 = time.perf_counter()
             record = train_step(trainer, iteration)
             elapsed = time.perf_counter() - t0
@@ -228,26 +255,43 @@ def train(config: Config) -> list[dict]:
                 "tflops_per_gpu": achieved / 1e12, "mfu": achieved / peak if peak else None,
                 "consumed_samples": iteration * tr.global_batch_size,
             }
+            if tr.eval_interval and (iteration % tr.eval_interval == 0 or iteration == tr.train_iters):
+                record.update(validation_record(trainer, iteration, is_logger))
             trainer.metrics.append(record)
+            observer.log(record)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
             if is_logger and (iteration % tr.log_interval == 0 or iteration == tr.train_iters):
-                print(progress_line(record, tr.train_iters, time.perf_counter() - start), flush=True)
+                print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
+                      flush=True)
             if checkpoints.after_iteration(iteration, record["loss"]):  # saves when due; NaN raises
                 break
         checkpoints.finish()
+        observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
     finally:
+        observer.close()
         checkpoints.close()
         if metrics_file:
             metrics_file.close()
     return trainer.metrics
 
 
-def progress_line(record: dict, train_iters: int, wall_s: float) -> str:
-    """Megatron-style progress line, plus tokens/s and an ETA."""
+def validation_record(trainer: Trainer, iteration: int, is_logger: bool) -> dict:
+    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample)."""
+    if trainer.data.valid is None:
+        return {}
+    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters)
+    if is_logger:
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+              f"lm loss PPL: {perplexity(loss):.6E}", flush=True)
+    return {"val_loss": loss, "val_ppl": perplexity(loss)}
+
+
+def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1) -> str:
+    """Megatron-style progress line, plus tokens/s and an ETA (from the iterations this run has done)."""
     it = record["iteration"]
-    eta = wall_s / it * (train_iters - it)
+    eta = wall_s / (it - first_iteration + 1) * (train_iters - it)
     return (f" iteration {it:8d}/{train_iters:8d} | consumed samples: {record['consumed_samples']:10d} | "
             f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
             f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "

@@ -21,7 +21,13 @@ from ptdp.planner import (
     search,
 )
 from ptdp.planner.memory import activation_bytes_per_layer, model_state_bytes_per_param
-from ptdp.planner.perf import gemm_efficiency, ring_all_reduce_time, stage_times
+from ptdp.planner.perf import (
+    dp_link,
+    gemm_efficiency,
+    grad_accumulation_bytes_per_param,
+    ring_all_reduce_time,
+    stage_times,
+)
 from ptdp.planner.search import invalid_reason
 
 A100_1024 = ClusterSpec.of("a100-80gb", 1024)
@@ -89,6 +95,27 @@ def test_perf_pieces_by_hand():
     # ring: 2(n-1)/n of 100 bytes at 10 B/s plus 2(n-1) latencies
     assert ring_all_reduce_time(100, 4, 10.0, 0.5) == pytest.approx(2 * 3 * 0.5 + 1.5 * 100 / 10)
     assert ring_all_reduce_time(100, 1, 10.0, 0.5) == 0.0
+
+
+def test_grad_accumulation_and_dp_link_by_hand():
+    # main_grad.add_(grad): read the 16-bit grad, read + write the buffer (fp16 2 B, fp32 main grads 4 B)
+    assert grad_accumulation_bytes_per_param("fp16") == 6
+    assert grad_accumulation_bytes_per_param("bf16") == 10
+    st = stage_times(GPT3_175B, ParallelConfig(8, 8, 16, 1, 1, "full"), A100_1024)
+    params_last = 12 * (12 * 12288**2 + 13 * 12288) / 8 + 51200 * 12288 / 8  # 12 layers + tied output copy
+    assert st.grad_accum == pytest.approx(params_last * 6 / (2.039e12 * 0.8), rel=2e-3)
+    # DP ring spanning servers: t=1 puts 8 members per server on 8 NICs (capped at NVLink), t=8 one NIC
+    assert dp_link(ParallelConfig(1, 1, 32), ClusterSpec.of("a100-80gb", 32))[0] == pytest.approx(0.8 * 200e9)
+    assert dp_link(ParallelConfig(8, 1, 4), ClusterSpec.of("a100-80gb", 32))[0] == pytest.approx(0.8 * 25e9)
+    assert dp_link(ParallelConfig(2, 1, 4), ClusterSpec.of("a100-80gb", 8))[0] == pytest.approx(0.8 * 300e9)
+
+
+def test_slowest_stage_sets_the_pace():
+    # p=64 with 2 layers per stage: the last stage's logit layer outweighs the first stage's embedding
+    model = GPTSpec(num_layers=128, hidden_size=25600, num_attention_heads=160, seq_length=2048, vocab_size=51200)
+    st = stage_times(model, ParallelConfig(8, 64, 6, 1, 1, "full"), ClusterSpec.of("a100-80gb", 3072))
+    logit_gemms = 3 * 2 * 2048 * 25600 * 51200 / 8 / 312e12
+    assert st.logits > logit_gemms
 
 
 def test_iteration_time_composition():

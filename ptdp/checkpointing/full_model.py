@@ -31,17 +31,19 @@ def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     storage.verify_checksums(directory)
     info = storage.read_info(directory)
     metadata = dcp.FileSystemReader(directory).read_metadata()
-    tensors = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
+    # The fp32 master weights of a 16-bit run are the truth; the model's 16-bit copy otherwise.
+    saved = metadata.state_dict_metadata
+    names = [key.removeprefix("model.") for key, meta in saved.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)]
+    sources = {name: f"optimizer.{name}.main_param" if f"optimizer.{name}.main_param" in saved else f"model.{name}"
+               for name in names}
+    tensors = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype) for key in sources.values()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
         dcp.load(tensors, checkpoint_id=directory, no_dist=True)
     config = info["config"]
     config["model"]["vocab_size"] = info["model"]["vocab_size"]
-    return {key.removeprefix("model."): value for key, value in tensors.items()}, config
+    return {name: tensors[key] for name, key in sources.items()}, config
 
 
 def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict) -> Path:

@@ -69,6 +69,9 @@ class CheckpointManager:
         stop = signalled or bool(exit_interval and iteration % exit_interval == 0)
         if self.ck.save and (stop or (save_interval and iteration % save_interval == 0)):
             self.save(iteration)
+        if signalled and self.trainer.state.rank == 0:
+            print(f" SIGTERM received: stopping after iteration {iteration}"
+                  + (" (checkpoint saved)" if self.ck.save else " (no --save, nothing saved)"), flush=True)
         return stop
 
     def finish(self) -> None:

@@ -11,6 +11,7 @@ Keys::
 
     model.<logical name>                      parameters (the tied embedding once: logical_name)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
+    optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
     rng.rank<k>.{default,<tracker stream>}    per-rank generator states (same layout only)
 
 The iteration, LR schedule and data position are not tensors: the LR and the samples of an iteration are
@@ -38,6 +39,7 @@ from . import storage
 from .validation import model_mismatch, model_shape
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
 
 
 def _layout(trainer) -> dict:
@@ -65,27 +67,26 @@ def _tp_mesh(trainer):
     return None if trainer.state.mesh is None else trainer.state.mesh["tp"]
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, param: nn.Parameter, create: bool) -> dict | None:
-    """AdamW's per-parameter state; ``create`` fills it as AdamW's first step would (for loading into)."""
-    state = optimizer.state[param]
-    if not state and create:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state or None
+def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """The logical per-parameter optimizer state, ``{param: {exp_avg, exp_avg_sq, step[, main_param]}}``,
+    each tensor shaped like its (local TP piece of the) parameter; empty before the first step.
+
+    ``ptdp.optim``'s optimizers provide it (the distributed optimizer gathers its DP shards, a collective,
+    so every rank calls this exactly once per save); a bare ``torch.optim.AdamW`` is read directly.
+    """
+    if hasattr(optimizer, "state_per_param"):
+        return optimizer.state_per_param()
+    return {p: {k: s[k] for k in ADAM_STATE} for p, s in optimizer.state.items() if s}
 
 
-# TODO(distributed optimizer): with --use-distributed-optimizer each DP rank owns a slice of the flat
-# gradient buffer, not whole parameters. Plug in here by returning, per parameter, the DP rank's piece as a
-# DTensor on the (dp, tp) sub-mesh (or all-gathering it over DP first); the keys stay the same, so
-# checkpoints stay interchangeable between the two optimizers.
-def _optimizer_entries(trainer, create: bool) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
-    for name, param in named_parameters(trainer):
-        state = _adam_state(trainer.optimizer, param, create)
-        if state is None:
-            continue
-        for key in ADAM_STATE:
-            yield f"optimizer.{name}.{key}", state[key], param
+def load_optimizer_state(optimizer, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+    """Inverse of :func:`optimizer_state` (each rank keeps what it owns; no communication)."""
+    if hasattr(optimizer, "load_state_per_param"):
+        optimizer.load_state_per_param(states)
+        return
+    for param, state in states.items():  # torch AdamW's own layout: a float32 scalar step
+        optimizer.state[param] = {"step": state["step"].to(torch.float32).reshape(()).clone(),
+                                  **{k: state[k].detach().clone() for k in ADAM_STATE if k != "step"}}
 
 
 def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
@@ -98,13 +99,14 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
 def save_state_dict(trainer) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones)."""
     mesh = _tp_mesh(trainer)
+    optim = optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
-        if not getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
-            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
-    for key, tensor, param in _optimizer_entries(trainer, create=False):
-        if not getattr(param, "is_embedding_copy", False):
-            out[key] = tensor if key.endswith(".step") else _as_global(tensor, param, mesh)
+        if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
+            continue
+        out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+        for key, tensor in optim.get(param, {}).items():
+            out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
     out.update(_rng_entries(trainer.state.rank))
     return out
 
@@ -118,8 +120,9 @@ def save_checkpoint(trainer, iteration: int) -> Path:
         tmp = storage.prepare_temporary(root, iteration)
     _barrier(trainer)
     tmp = storage.temporary_dir(root, iteration)
-    has_optimizer = any(True for _ in _optimizer_entries(trainer, create=False))
-    _dcp_save(save_state_dict(trainer), tmp)
+    state_dict = save_state_dict(trainer)
+    has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
+    _dcp_save(state_dict, tmp)
     _test_crash_in_save(iteration)
     final = storage.iteration_dir(root, iteration)
     if is_writer:
@@ -130,6 +133,7 @@ def save_checkpoint(trainer, iteration: int) -> Path:
             "layout": _layout(trainer),
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
             "config": trainer.config.to_dict(),
+            "grad_scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) else None,
         })
         storage.commit(root, iteration, ck.keep_last)
     _barrier(trainer)  # nobody moves on (or exits) before `latest` names the new checkpoint
@@ -159,11 +163,16 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         if key not in request:  # a rank holding both copies of the tied embedding reads it once
             request[key] = _as_global(torch.empty_like(live), param, mesh) if shard else torch.empty_like(live)
 
+    optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     for name, param in named_parameters(trainer):
         want(f"model.{name}", param.detach(), param)
-    if "optimizer" in info["contents"]:
-        for key, tensor, param in _optimizer_entries(trainer, create=True):
-            want(key, tensor, param, shard=not key.endswith(".step"))
+        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] else ():
+            key = f"optimizer.{name}.{field}"
+            if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
+                live = torch.zeros((), dtype=torch.float32) if field == "step" else torch.empty_like(
+                    param, dtype=torch.float32)
+                optim.setdefault(param, {})[field] = live
+                want(key, live, param, shard=field != "step")
     same_layout = info["layout"] == _layout(trainer)
     rng = _rng_entries(trainer.state.rank)
     if same_layout and all(key in saved_keys for key in rng):
@@ -177,10 +186,19 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for key, live in targets:
             loaded = request[key]
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+        for param, state in optim.items():  # fp32 weights from the fp32 master copy of a 16-bit run
+            if "main_param" in state and param.dtype == torch.float32:
+                param.copy_(state["main_param"])
+    if hasattr(trainer.optimizer, "reload_model_params"):  # master weights := the loaded model weights
+        trainer.optimizer.reload_model_params()
+    if optim:
+        load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+    if info.get("grad_scaler") and _grad_scaler(trainer):
+        _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
         _restore_rng(trainer, {key.rsplit(".", 1)[1]: request[key] for key in rng})
-    else:
+    elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
         tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
                                       trainer.state.pp_rank, trainer.state.device)
     return iteration
@@ -199,6 +217,11 @@ def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
 
 def _padded_vocab(trainer) -> int:
     return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, trainer.state.dims.tp)
+
+
+def _grad_scaler(trainer):
+    """The fp16 loss scaler, if the optimizer has one (its few numbers go to ``ptdp.json``)."""
+    return getattr(trainer.optimizer, "scaler", None)
 
 
 def _barrier(trainer) -> None:

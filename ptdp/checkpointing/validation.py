@@ -27,8 +27,11 @@ def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> 
 
 def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: int) -> str | None:
     """One line naming every shape flag whose value differs from the checkpoint's, or None."""
-    diffs = [f"{flag} {saved[key]} there, {getattr(model, key)} here"
-             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != getattr(model, key)]
+    diffs = [f"{flag} {saved.get(key)} there, {getattr(model, key)} here"
+             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != getattr(model, key)
+             # a default ffn size (4h) follows --hidden-size: name only the flag the user changed
+             and not (key == "ffn_size" and model.ffn_hidden_size is None and saved.get("ffn_hidden_size") is None
+                      and saved.get("hidden_size") != model.hidden_size)]
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
     if diffs:

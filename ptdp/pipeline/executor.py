@@ -9,6 +9,7 @@ implementation of a stage: one ``nn.Module`` per local model chunk.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,9 @@ class ModuleStage:
 class _SavedBytes:
     """Bytes of tensors autograd saves for backward, per (microbatch, chunk), one entry per storage.
 
+    A storage counts in full even when only a view of it is saved (SDPA saves q, k and v as views of the
+    fused qkv output): the whole storage stays alive until the backward.
+
     Parameters (and their views) are excluded: they are resident anyway, only activations count.
     """
 
@@ -140,7 +144,7 @@ class _SavedBytes:
 
         def pack(t: Tensor) -> Tensor:
             ptr = t.untyped_storage().data_ptr()
-            nbytes = t.numel() * t.element_size()  # a view of a big buffer holds only its own bytes live
+            nbytes = t.untyped_storage().nbytes()  # a saved view keeps its whole storage alive
             if ptr not in self._ignore and nbytes > ledger.get(ptr, 0):
                 self.current += nbytes - ledger.get(ptr, 0)
                 ledger[ptr] = nbytes
@@ -157,13 +161,18 @@ def run_schedule(
     actions: Sequence[Action],
     stage: PipelineStage,
     comm: P2PComm | None = None,
-    recv_lookahead: int = 1,
+    recv_lookahead: int = 2,
+    recorder: Callable[[str, str, float, float, dict], None] | None = None,
+    count_saved_bytes: bool = True,
 ) -> ScheduleStats:
     """Run one rank's action list. ``comm`` may be None only if the list has no SEND/RECV (p == 1).
 
     Receives needed by the next ``recv_lookahead`` compute actions are posted before the current compute
     runs; sends go out at the first compute boundary after their action. Tensors between two virtual
-    stages on the same rank (p == 1 with v > 1) are handed over locally.
+    stages on the same rank (p == 1 with v > 1) are handed over locally. ``recorder(name, category, start,
+    end, args)``, if given, hears of every compute action and every wait (``ptdp.observability.timeline``).
+    ``count_saved_bytes=False`` skips the saved-tensor hooks (``peak_saved_bytes`` is then 0): the
+    accounting costs a Python call per saved tensor, and its answer is the same every iteration.
     """
     if comm is None and any(a.op not in COMPUTE_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
@@ -178,11 +187,19 @@ def run_schedule(
     send_pos = recv_pos = 0
     start = time.perf_counter()
 
+    def timed(name: str, category: str, t0: float, mb: int | None = None, chunk: int | None = None) -> float:
+        """Seconds since ``t0``, told to the recorder as one event."""
+        t1 = time.perf_counter()
+        if recorder is not None:
+            recorder(name, category, t0, t1, {} if mb is None else {"microbatch": mb, "chunk": chunk})
+        return t1 - t0
+
     def take(key: tuple[str, int, int]) -> Tensor | None:
         if key in pending:
             t0 = time.perf_counter()
             tensor = comm.wait(pending.pop(key))
-            stats.idle_s += time.perf_counter() - t0
+            what = "wait_recv_activation" if key[0] == "F" else "wait_recv_grad"
+            stats.idle_s += timed(what, "p2p", t0, key[1], key[2])
             return tensor
         return inbox.pop(key, None)
 
@@ -212,9 +229,9 @@ def run_schedule(
         if a.op == "F":
             x = take(("F", mb, c))
             t0 = time.perf_counter()
-            with saved.hooks((mb, c)):
+            with saved.hooks((mb, c)) if count_saved_bytes else contextlib.nullcontext():
                 y = stage.forward(c, mb, x)
-            stats.busy_s += time.perf_counter() - t0
+            stats.busy_s += timed("forward", "compute", t0, mb, c)
             live.add((mb, c))
             stats.peak_in_flight = max(stats.peak_in_flight, len(live))
             deliver("F", mb, c, y)
@@ -226,19 +243,19 @@ def run_schedule(
                 saved.free((mb, c))
             else:
                 dx = stage.backward_input(c, mb, g)
-            stats.busy_s += time.perf_counter() - t0
+            stats.busy_s += timed("backward" if a.op == "B" else "backward_input", "compute", t0, mb, c)
             live.discard((mb, c))
             deliver("B", mb, c, dx)
         elif a.op == "W":
             t0 = time.perf_counter()
             stage.backward_weight(c, mb)
-            stats.busy_s += time.perf_counter() - t0
+            stats.busy_s += timed("backward_weight", "compute", t0, mb, c)
             saved.free((mb, c))
 
     if comm is not None:
         t0 = time.perf_counter()
         comm.wait_sends()
-        stats.idle_s += time.perf_counter() - t0
+        stats.idle_s += timed("wait_sends", "p2p", t0)
     if outbox or pending:
         raise RuntimeError(f"run_schedule: unsent {sorted(outbox)} / unconsumed {sorted(pending)} tensors")
     stats.wall_s = time.perf_counter() - start

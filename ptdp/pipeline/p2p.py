@@ -109,5 +109,12 @@ class P2PComm:
         self._sends.clear()
 
     def _reap_sends(self) -> None:
-        # keep send buffers alive only until gloo/NCCL are done with them
-        self._sends = [(b, t) for b, t in self._sends if not b.completed(range(len(t)))]
+        # keep send buffers alive only until gloo/NCCL are done with them; still wait each work once
+        keep = []
+        for batch, sent in self._sends:
+            if batch.completed(range(len(sent))):
+                for i in range(len(sent)):
+                    batch.wait_for(i)
+            else:
+                keep.append((batch, sent))
+        self._sends = keep

@@ -1,17 +1,21 @@
 """Iteration time of one PTD-P layout, from first principles.
 
-Per microbatch, the slowest pipeline stage (the last: its layers plus the logit layer) costs
+Per microbatch, the slowest pipeline stage (the last: its layers plus the logit layer, or the first: its
+layers plus the embedding) costs
 
     T_mb = compute(GEMMs at a size-dependent fraction of peak + memory-bound elementwise ops)
-         + recomputation + tensor-parallel all-reduces + pipeline p2p          (nothing overlapped, as in
+         + recomputation + tensor-parallel all-reduces + pipeline p2p
+         + adding the microbatch's weight gradients into the gradient buffer    (nothing overlapped, as in
                                                                              the paper's Megatron)
 and one iteration is
 
-    T = (m + (p-1)/v) · T_mb + exposed data-parallel gradient reduction + optimizer step
+    T = (m + (p-1)/v) · T_mb + tied-embedding all-reduce + exposed data-parallel reduction + optimizer step
 
 i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3).
 Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
-in one server and otherwise at the per-GPU network bandwidth (Megatron orders ranks t fastest, then d, then p).
+in one server and otherwise over the network (Megatron orders ranks t fastest, then d, then p). Every
+constant below is a hardware or implementation fact with its source; none is fitted to the paper's
+measurements (docs/planner.md compares the result with them).
 """
 
 from __future__ import annotations
@@ -52,14 +56,15 @@ class StageTimes:
     """Seconds one pipeline rank spends per microbatch (all its v chunks), by kind."""
 
     compute: float  # the layers' forward + backward GEMMs and elementwise ops
-    logits: float  # output layer + cross entropy, which only the last stage runs
+    logits: float  # output layer + cross entropy (last stage) or embedding lookup + its dense grad (first)
     recompute: float  # extra forward work of activation recomputation
     tp_comm: float  # tensor-parallel all-reduces (or all-gather + reduce-scatter)
     p2p: float  # pipeline sends/receives
+    grad_accum: float = 0.0  # adding this microbatch's weight gradients into the gradient buffer
 
     @property
     def total(self) -> float:
-        return self.compute + self.logits + self.recompute + self.tp_comm + self.p2p
+        return self.compute + self.logits + self.recompute + self.tp_comm + self.p2p + self.grad_accum
 
 
 def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> tuple[float, float, float]:
@@ -101,8 +106,17 @@ def tp_spans_nodes(cfg: ParallelConfig, cluster: ClusterSpec) -> bool:
     return cfg.tensor_model_parallel_size > cluster.gpus_per_node
 
 
-def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> StageTimes:
-    """Per-microbatch times of the last pipeline rank (l/p layers + logits), the pipeline's slowest stage."""
+def grad_accumulation_bytes_per_param(precision: str) -> int:
+    """HBM bytes per parameter per microbatch of Megatron's ``main_grad.add_(param.grad)`` backward hook.
+
+    The weight-gradient GEMM writes a fresh 16-bit ``param.grad``; the hook reads it (2 B) and reads and
+    writes the gradient buffer (fp16: 2 + 2 B; fp32 main grads with bf16: 4 + 4 B).
+    """
+    return 2 + 2 * (2 if precision == "fp16" else 4)
+
+
+def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str, rank: int) -> StageTimes:
+    """Per-microbatch times of ``rank``: its l/p layers, plus the embedding (rank 0) / logits (rank p-1)."""
     t, p, v, b = (
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
@@ -110,28 +124,39 @@ def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> St
         cfg.micro_batch_size,
     )
     h, s, V = model.hidden_size, model.seq_length, model.vocab_size
+    hbm = cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
     tokens = b * s
     layers = model.num_layers / p
     dense, core, elementwise = _layer_forward_times(model, cfg, cluster)
     forward = dense + core + elementwise
     # backward = 2x forward GEMMs (dgrad + wgrad) and ~2x the elementwise traffic
-    logits = 3 * gemm_time(tokens, V / t, h, cluster.gpu.peak_flops)
-    cross_entropy = 3 * 4 * tokens * V / t / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)  # fp32 logits
     compute = layers * 3 * forward
     if cfg.recompute_granularity == "full":  # the whole forward once more
         recompute = forward
     elif cfg.recompute_granularity == "selective":  # only the attention core and its softmax/dropout
         heads = b * model.num_attention_heads / t
-        recompute = core + 9 * heads * s * s / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+        recompute = core + 9 * heads * s * s / hbm
     else:
         recompute = 0.0
     recompute *= layers
 
     # tensor parallel: 2 all-reduces of b·s·h in forward, 2 in backward, +2 when the forward is recomputed
-    # (sequence parallel swaps each for a reduce-scatter + all-gather: same volume)
+    # (sequence parallel swaps each for a reduce-scatter + all-gather: same volume); the vocab-parallel
+    # embedding all-reduces its output (forward), the logit layer its input gradient (backward)
     bw, lat = _link(cluster, tp_spans_nodes(cfg, cluster))
-    collectives = 4 + (2 if cfg.recompute_granularity == "full" else 0)
-    tp_comm = layers * collectives * ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
+    collectives = layers * (4 + (2 if cfg.recompute_granularity == "full" else 0))
+    ends = 0.0
+    if rank == 0:
+        collectives += 1
+        # lookup writes b·s·h (2 B) and its backward zero-fills the dense V/t x h gradient, then scatters
+        ends += (2 * tokens * h + 2 * V * h / t + 4 * tokens * h) / hbm
+    if rank == p - 1:
+        collectives += 1
+        ends += 3 * gemm_time(tokens, V / t, h, cluster.gpu.peak_flops)
+        # vocab-parallel cross entropy on fp32 logits: ~15 passes of 4 B (cast, max, subtract, exp, sum,
+        # normalise; backward: softmax minus one-hot, scale, cast back to 16 bits)
+        ends += 15 * 4 * tokens * V / t / hbm
+    tp_comm = collectives * ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
 
     # pipeline: per chunk, b·s·h forward and back; with t > 1 each rank sends 1/t of it (scatter/gather) and
     # the receivers all-gather over NVLink, unless sequence parallel already keeps the activations split
@@ -144,7 +169,18 @@ def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> St
             ibw, ilat = _link(cluster, tp_spans_nodes(cfg, cluster))
             one_way += (t - 1) * ilat + (t - 1) / t * message / ibw
         p2p = 2 * v * one_way
-    return StageTimes(compute, logits + cross_entropy, recompute, tp_comm, p2p)
+
+    grad_accum = parameters_per_rank(model, t, p, rank) * grad_accumulation_bytes_per_param(precision) / hbm
+    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum)
+
+
+def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
+    """Per-microbatch times of the pipeline's slowest stage: the first or the last (ptdp-facts.md §Schedules).
+
+    In 1F1B every stage waits on its neighbours' blocking sends, so the slowest stage sets the pace.
+    """
+    p = cfg.pipeline_model_parallel_size
+    return max((_stage(model, cfg, cluster, precision, r) for r in {0, p - 1}), key=lambda st: st.total)
 
 
 @dataclass(frozen=True)
@@ -156,6 +192,7 @@ class IterationTimes:
     recompute: float
     tp_comm: float
     p2p: float
+    grad_accum: float
     bubble: float
     dp_comm: float
     optimizer: float
@@ -169,6 +206,35 @@ def dp_spans_nodes(cfg: ParallelConfig, cluster: ClusterSpec) -> bool:
     return cfg.tensor_model_parallel_size * cfg.data_parallel_size > cluster.gpus_per_node
 
 
+def dp_link(cfg: ParallelConfig, cluster: ClusterSpec) -> tuple[float, float]:
+    """(bytes/s per GPU, latency per ring step) of the data-parallel all-reduce.
+
+    Ranks go t fastest, then d, so a server holds k = gpus_per_node / t consecutive members of each
+    data-parallel group. NCCL builds one ring per NIC and hops between servers once per ring, so a group
+    spanning servers moves its data over its k members' k NICs: k x the per-GPU network bandwidth, at
+    most NVLink's. With t = 8 (k = 1) that is one NIC per GPU, as before.
+    """
+    if not dp_spans_nodes(cfg, cluster):
+        return _link(cluster, False)
+    members_per_node = max(1, min(cfg.data_parallel_size, cluster.gpus_per_node // cfg.tensor_model_parallel_size))
+    bandwidth = min(cluster.intra_node_bandwidth, members_per_node * cluster.inter_node_bandwidth)
+    return bandwidth * LINK_EFFICIENCY, INTER_NODE_LATENCY
+
+
+# Megatron's fp16 optimizer step, HBM bytes per local parameter: copy the 16-bit grad into the fp32 main
+# grad (r 2, w 4; bf16 main grads are already fp32: 0), unscale + inf check (r 4, w 4), grad-norm for
+# clipping (r 4), Adam (r param, grad, m, v: 16; w param, m, v: 12), copy to the 16-bit weights (r 4, w 2)
+# and zero the gradient buffer (w grad_bytes).
+OPTIMIZER_BYTES_PER_PARAM = 8 + 4 + 28 + 6
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """HBM bytes the optimizer step moves per local parameter (see OPTIMIZER_BYTES_PER_PARAM)."""
+    grad_bytes = 2 if precision == "fp16" else 4
+    copy = 6 if precision == "fp16" else 0
+    return OPTIMIZER_BYTES_PER_PARAM + copy + grad_bytes
+
+
 def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> IterationTimes:
     """Iteration time = m·T_mb + bubble (p-1)/v·T_mb + exposed DP reduction + optimizer step."""
     t, p, v, d = (
@@ -178,7 +244,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         cfg.data_parallel_size,
     )
     m = cfg.num_microbatches(train.global_batch_size)
-    stage = stage_times(model, cfg, cluster)
+    stage = stage_times(model, cfg, cluster, train.precision)
     bubble = (p - 1) / v * stage.total
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
@@ -186,7 +252,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
     params = max(parameters_per_rank(model, t, p, r) for r in {0, p - 1})
     grad_bytes = 2 if train.precision == "fp16" else 4
-    bw, lat = _link(cluster, dp_spans_nodes(cfg, cluster))
+    bw, lat = dp_link(cfg, cluster)
     reduce = ring_all_reduce_time(params * grad_bytes, d, bw, lat)
     gather = 0.0
     if cfg.use_distributed_optimizer:  # reduce-scatter is half an all-reduce; all-gather 16-bit params
@@ -194,18 +260,24 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         gather = ring_all_reduce_time(params * BYTES_PER_ELEMENT, d, bw, lat) / 2
     if train.overlap_grad_reduce:
         reduce = max(0.0, reduce - stage.compute * 2 / 3)  # the last microbatch's backward hides it
-    dp_comm = reduce + gather
+    # with p > 1 the first and last stage each hold the tied word embedding and all-reduce its gradient
+    # (V·h/t) between them after the flush, across servers, before the data-parallel step
+    embedding = 0.0
+    if p > 1:
+        ebw, elat = _link(cluster, t * d * p > cluster.gpus_per_node)
+        embedding = ring_all_reduce_time(model.vocab_size * model.hidden_size / t * grad_bytes, 2, ebw, elat)
+    dp_comm = reduce + gather + embedding
 
-    # Adam is memory bound: per parameter read+write fp32 master, m and v (24 B), write the 16-bit copy
-    # (2 B), read the gradient twice (unscale/clip norm + update)
     local_params = params / d if cfg.use_distributed_optimizer else params
-    optimizer = local_params * (26 + 2 * grad_bytes) / (cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+    optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
+        cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
     return IterationTimes(
         compute=m * stage.compute,
         logits=m * stage.logits,
         recompute=m * stage.recompute,
         tp_comm=m * stage.tp_comm,
         p2p=m * stage.p2p,
+        grad_accum=m * stage.grad_accum,
         bubble=bubble,
         dp_comm=dp_comm,
         optimizer=optimizer,

@@ -174,6 +174,8 @@ def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
         return f"optimizer step: {share:.0%} of time"
     if key == "logits":
         return f"output layer on the last stage: {share:.0%} of time"
+    if key == "grad_accum":
+        return f"per-microbatch gradient accumulation (b={cfg.micro_batch_size}): {share:.0%} of time"
     return f"smaller per-GPU GEMMs (b={cfg.micro_batch_size}, t={cfg.tensor_model_parallel_size}): " \
         f"compute {mine['compute'] / theirs['compute'] - 1:+.0%}"
 

@@ -43,13 +43,16 @@ class ColumnParallelLinear(nn.Module):
     shape ``[fused, output_size, input_size]`` split along dim 1, so each rank gets its own heads of all
     three and the split stays contiguous (a plain ``[3h, h]`` weight would need a strided split).
     With ``sequence_parallel`` the input arrives split along the sequence and is all-gathered here.
+    ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
-                 gather_output: bool = False, fused: int = 1, sequence_parallel: bool = False):
+                 gather_output: bool = False, fused: int = 1, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_out = _divide(output_size, group_size(tp_group), "output size")
         shape = (local_out, input_size) if fused == 1 else (fused, local_out, input_size)
@@ -63,6 +66,8 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         weight = self.weight.flatten(0, -2)
         bias = None if self.bias is None else self.bias.flatten()
+        if self.skip_bias_add:
+            return F.linear(x, weight), bias
         y = F.linear(x, weight, bias)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
@@ -72,13 +77,15 @@ class RowParallelLinear(nn.Module):
 
     The bias is added once, after the reduction (it is replicated, not split). With
     ``sequence_parallel`` the reduction is a reduce-scatter along the sequence instead of an all-reduce.
+    ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, skip_bias_add: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_in = _divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_parallel(nn.Parameter(torch.empty(output_size, local_in)), 1)
@@ -89,11 +96,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        if group_size(self.tp_group) == 1 and not self.skip_bias_add:
+            return F.linear(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
         return y if self.bias is None else y + self.bias
 
 

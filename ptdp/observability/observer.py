@@ -1,0 +1,75 @@
+"""``RunObserver``: the training loop's one handle on TensorBoard, the timeline and the summary.
+
+``ptdp.training.train`` calls ``begin_iteration(i)`` before each step, ``log(record)`` after it and
+``finish(...)`` after the loop; every rank calls all three (the timeline is per rank and its merge needs a
+barrier), while TensorBoard and the printed summary are rank 0's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..config import Config
+from .summary import run_summary, summary_line
+from .timeline import Timeline, merge_timelines
+
+
+class RunObserver:
+    def __init__(self, config: Config, rank: int, world_size: int, first_iteration: int):
+        tr = config.training
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.timeline = None
+        if tr.timeline:
+            self.timeline = Timeline(tr.timeline, rank, tr.timeline_iters, first_iteration)
+        self._timeline_saved = False
+        self.tensorboard = None
+        if tr.tensorboard_dir and rank == 0:
+            from .tensorboard import TensorBoardLogger
+
+            self.tensorboard = TensorBoardLogger(tr.tensorboard_dir)
+
+    def begin_iteration(self, iteration: int) -> None:
+        if self.timeline is None:
+            return
+        if iteration == self.timeline.last + 1:  # recorded enough: write now, not at the end of a long run
+            self.save_timeline()
+        self.timeline.begin_iteration(iteration)
+
+    def log(self, record: dict) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
+
+    def save_timeline(self) -> None:
+        """Every rank writes its trace; after a barrier rank 0 merges them (same iteration on every rank)."""
+        if self.timeline is None or self._timeline_saved:
+            return
+        self.timeline.iteration = None  # stop recording
+        self.timeline.save()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            path = merge_timelines(self.timeline.directory)
+            print(f" timeline of iterations {self.timeline.first}-{self.timeline.last}: {path} "
+                  "(open in https://ui.perfetto.dev)", flush=True)
+        self._timeline_saved = True
+
+    def finish(self, records: list[dict], wall_s: float, iteration_flops: float,
+               last_saved: int | None) -> dict:
+        """Write the timeline (if not yet) and print the summary on rank 0; returns the summary."""
+        self.save_timeline()
+        tr, ck = self.config.training, self.config.checkpoint
+        checkpoint = None
+        if ck.save and last_saved is not None:
+            checkpoint = str(Path(ck.save) / f"iter_{last_saved:07d}")  # storage.iteration_dir's name
+        summary = run_summary(records, wall_s, self.world_size, iteration_flops,
+                              tr.global_batch_size * self.config.model.seq_length, checkpoint)
+        if self.rank == 0 and records:
+            print(summary_line(summary), flush=True)
+        return summary
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None

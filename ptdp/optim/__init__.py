@@ -1,0 +1,20 @@
+"""Gradients and the optimizer step (``from ptdp.optim import ...``).
+
+``grad_buffer``: flat per-bucket gradient buffers, DP reduction (overlapped with the backward if asked);
+``optimizer``: fp32 / mixed-precision / distributed (ZeRO-1) AdamW; ``grad_scaler``: fp16 loss scaling;
+``clip_grads``: the global norm; ``lr_schedule``: Megatron's learning rate; ``setup``: building it all
+from a :class:`~ptdp.config.Config`.
+"""
+
+from .clip_grads import clip_grad_norm, clip_grads, counts_in_grad_norm, global_grad_norm
+from .grad_buffer import Bucket, GradBuckets
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .lr_schedule import learning_rate
+from .optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
+from .setup import params_dtype, setup_optimizer
+
+__all__ = [
+    "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
+    "MegatronOptimizer", "build_optimizer", "clip_grad_norm", "clip_grads", "counts_in_grad_norm",
+    "global_grad_norm", "learning_rate", "params_dtype", "setup_optimizer",
+]

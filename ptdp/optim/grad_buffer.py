@@ -1,0 +1,186 @@
+"""Flat gradient (and parameter) buffers, reduced over the data-parallel group bucket by bucket.
+
+Megatron's ``ParamAndGradBuffer``: every parameter's gradient ``param.main_grad`` is a view into one
+flat buffer per bucket, so the data-parallel reduction is one collective per bucket, and gradient
+accumulation over microbatches happens in place. With 16-bit parameters and ``grad_dtype=float32``
+(``--accumulate-allreduce-grads-in-fp32``, always on with ``--bf16``) autograd's 16-bit ``param.grad``
+is added into the fp32 ``main_grad`` by a post-accumulate hook after each microbatch; otherwise
+``param.grad`` *is* ``main_grad`` and autograd accumulates straight into the buffer.
+
+With the distributed optimizer (ZeRO-1) each bucket is padded to a multiple of d and DP rank r owns the
+contiguous ``r``-th 1/d of it: the bucket is reduce-scattered instead of all-reduced, and the updated
+parameters come back through an all-gather of the flat parameter buffer (``param.data`` is a view into
+it). See ptdp-facts.md, §Communication ("one all-reduce, or reduce-scatter + all-gather") and §Memory.
+
+With ``overlap_grad_reduce`` a bucket's collective is launched asynchronously from the backward hook as
+soon as every parameter in it has received its gradient of the iteration's *last* microbatch (the
+hooks count backward passes per parameter), so the DP communication hides behind the remaining backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..tensor_parallel.mappings import group_rank, group_size
+
+
+@dataclass
+class Bucket:
+    """A flat run of parameters; ``offsets[i]`` is where ``params[i]`` starts in ``grad_data``."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    grad_data: torch.Tensor  # padded to a multiple of the shard count
+    param_data: torch.Tensor | None  # model parameters as one flat buffer (distributed optimizer)
+    shard_start: int  # this rank's owned range [shard_start, shard_end) of the buffer
+    shard_end: int
+    pending: int = 0  # parameters still waiting for their last-microbatch gradient
+    handle: dist.Work | None = None
+    shard_out: torch.Tensor | None = field(default=None, repr=False)  # reduce-scatter output
+
+
+class GradBuckets:
+    """Gradient buffers for ``params``, averaged over ``dp_group`` (all-reduce, or reduce-scatter with
+    ``distributed_optimizer``). ``separate`` parameters (the shared embedding) get a bucket of their own,
+    so the first and last pipeline stage shard them the same way (Megatron does the same)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], dp_group, bucket_bytes: int, *,
+                 grad_dtype: torch.dtype | None = None, distributed_optimizer: bool = False,
+                 param_buffer: bool = False, overlap_grad_reduce: bool = False,
+                 separate: Iterable[nn.Parameter] = ()):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp_group = dp_group
+        self.dp_size = group_size(dp_group)
+        self.distributed_optimizer = distributed_optimizer
+        self.shard_count = self.dp_size if distributed_optimizer else 1
+        self.shard_index = group_rank(dp_group) if distributed_optimizer else 0
+        self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size > 1
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self._backward_count: dict[nn.Parameter, int] = {}
+        self._expected_backwards: int | None = None
+        separate_ids = {id(p) for p in separate}
+        # Megatron fills buckets in reverse order: the last layers' grads are ready first, so go first.
+        run: list[nn.Parameter] = []
+        for p in reversed(self.params):
+            if id(p) in separate_ids:
+                self._make_bucket(run, grad_dtype, param_buffer)
+                self._make_bucket([p], grad_dtype, param_buffer)
+                run = []
+                continue
+            run.append(p)
+            if sum(q.numel() * q.element_size() for q in run) >= bucket_bytes:
+                self._make_bucket(run, grad_dtype, param_buffer)
+                run = []
+        self._make_bucket(run, grad_dtype, param_buffer)
+        self.buffers = [b.grad_data for b in self.buckets]  # kept for callers of the old API
+        self._copy_to_main = {p for p in self.params if p.main_grad.dtype != p.dtype}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
+                       if p in self._copy_to_main or self.overlap_grad_reduce]
+
+    def _make_bucket(self, params: list[nn.Parameter], grad_dtype: torch.dtype | None, param_buffer: bool) -> None:
+        if not params:
+            return
+        first = params[0]
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // self.shard_count) * self.shard_count
+        grad_data = torch.zeros(padded, dtype=grad_dtype or first.dtype, device=first.device)
+        param_data = torch.zeros(padded, dtype=first.dtype, device=first.device) if param_buffer else None
+        shard = padded // self.shard_count
+        bucket = Bucket(list(params), [], grad_data, param_data, self.shard_index * shard,
+                        (self.shard_index + 1) * shard)
+        offset = 0
+        for p in params:
+            bucket.offsets.append(offset)
+            p.main_grad = grad_data[offset:offset + p.numel()].view_as(p)
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
+            if param_data is not None:
+                view = param_data[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            offset += p.numel()
+            self._bucket_of[p] = bucket
+        if self.distributed_optimizer and self.dp_size > 1:
+            bucket.shard_out = torch.empty(shard, dtype=grad_data.dtype, device=grad_data.device)
+        self.buckets.append(bucket)
+
+    # -- one iteration ---------------------------------------------------------------------------------
+
+    def start_iteration(self, num_microbatches: int) -> None:
+        """Zero the gradients; the hooks launch a bucket's reduction on its ``num_microbatches``-th backward."""
+        self.zero()
+        self._expected_backwards = num_microbatches
+        self._backward_count = dict.fromkeys(self.params, 0)
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad_data.zero_()
+            bucket.handle = None
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param in self._copy_to_main:  # this microbatch's 16-bit grad -> the fp32 main_grad
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if not self.overlap_grad_reduce or self._expected_backwards is None:
+            return
+        self._backward_count[param] += 1
+        if self._backward_count[param] == self._expected_backwards:
+            bucket = self._bucket_of[param]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Average over DP (the loss is a mean over the global batch) with one async collective."""
+        if self.dp_size == 1 or bucket.handle is not None:
+            return
+        bucket.grad_data.div_(self.dp_size)
+        if self.distributed_optimizer:
+            bucket.handle = dist.reduce_scatter_single(bucket.shard_out, bucket.grad_data, group=self.dp_group,
+                                                       async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets the hooks did not (all of them without overlap) and wait for every one.
+
+        Afterwards ``main_grad`` holds the DP average: everywhere after an all-reduce, and on this rank's
+        shard only after a reduce-scatter (the rest of the buffer is stale and must not be read).
+        """
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                continue
+            bucket.handle.wait()
+            if bucket.shard_out is not None:
+                bucket.grad_data[bucket.shard_start:bucket.shard_end].copy_(bucket.shard_out)
+        self._expected_backwards = None
+
+    def all_reduce(self) -> None:
+        """The whole DP reduction at once (the pre-overlap API): same as :meth:`finish_grad_sync`."""
+        self.finish_grad_sync()
+
+    def launched(self) -> list[bool]:
+        """Per bucket, whether its reduction is already in flight (tests check the overlap with it)."""
+        return [b.handle is not None for b in self.buckets]
+
+    # -- distributed optimizer: parameters back from their owners ---------------------------------------
+
+    def all_gather_params(self) -> None:
+        """Every DP rank's updated shard of every parameter bucket, to every DP rank."""
+        if not self.distributed_optimizer or self.dp_size == 1:
+            return
+        handles = []
+        for b in self.buckets:
+            own = b.param_data[b.shard_start:b.shard_end].clone()
+            handles.append(dist.all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
+        for handle in handles:
+            handle.wait()

@@ -1,0 +1,258 @@
+"""The optimizer step: unscale (fp16), global-norm clip, AdamW, and hand the new weights to the model.
+
+Two implementations behind one interface (Megatron-Core's ``MegatronOptimizer`` family):
+
+* :class:`FP32Optimizer`: fp32 parameters, no master copy; ``torch.optim.AdamW`` steps the model
+  parameters themselves, whose ``.grad`` are the all-reduced bucket views.
+* :class:`DistributedOptimizer`: fp32 *main* parameters separate from the model's (16-bit, or fp32 views
+  of the flat parameter buffer). With ``--use-distributed-optimizer`` (ZeRO-1) each DP rank holds only
+  the main parameters, gradients and Adam state of its 1/d shard of every bucket, steps them, and the
+  buckets are all-gathered; without it (``--bf16``/``--fp16`` alone) the "shard" is the whole bucket,
+  which is Megatron's ``Float16OptimizerWithFloat16Params``. Either way AdamW itself is
+  ``torch.optim.AdamW`` on the main-parameter pieces, so its arithmetic is torch's to the bit.
+
+Weight decay applies to matrices only (not biases, not LayerNorm), as Megatron does. Memory per
+parameter: ptdp-facts.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/d bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OptimizerConfig
+from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm
+from .grad_buffer import Bucket, GradBuckets
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def decays(param: nn.Parameter) -> bool:
+    """Weight decay on weight matrices only: not biases (the fused qkv bias is 2-D), not LayerNorm."""
+    return not getattr(param, "no_weight_decay", param.dim() < 2)
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """Plain AdamW over whole parameters with Megatron's decay groups (the reference the others match)."""
+    return adamw([p for p in params if decays(p)], [p for p in params if not decays(p)], cfg)
+
+
+class MegatronOptimizer:
+    """``step()``: unscale and check for overflow (fp16), clip the global norm, AdamW, publish weights.
+
+    ``norm_groups`` are the process groups the squared-norm partial sums are added over: TP and PP when
+    DP replicas hold equal grads, the whole world when DP ranks hold disjoint shards.
+    """
+
+    def __init__(self, optimizer: torch.optim.AdamW, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+                 scaler: ConstantGradScaler | DynamicGradScaler | None):
+        self.optimizer, self.cfg, self.tp_rank = optimizer, cfg, tp_rank
+        self.norm_groups, self.scaler = norm_groups, scaler
+        self.skipped_iterations = 0  # fp16 overflows so far
+        self.successful_steps = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before the backward (1.0 unless --fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The gradients AdamW will read (set as its params' ``.grad``) and whether each counts in the norm."""
+        raise NotImplementedError
+
+    def _publish_params(self) -> None:
+        """Make the model parameters equal the updated main parameters (on every DP rank)."""
+
+    @torch.no_grad()
+    def step(self) -> tuple[float, bool]:
+        """One update from the DP-reduced ``main_grad`` buffers; returns (grad norm, skipped)."""
+        grads, counted = self._main_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        if self.scaler is not None and self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)  # a power of two: exact
+        norm = global_grad_norm([g for g, c in zip(grads, counted, strict=True) if c], self.norm_groups, device)
+        if self.scaler is not None:
+            found_inf = not math.isfinite(norm)  # the all-reduced norm: every rank agrees
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.skipped_iterations += 1
+                return norm, True
+        clip_grads(grads, self.cfg.clip_grad, norm)
+        self.optimizer.step()
+        self.successful_steps += 1
+        self._publish_params()
+        return norm, False
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """fp32 training without a master copy: AdamW on the model parameters (their grads are bucket views)."""
+
+    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, tp_rank: int, norm_groups: list):
+        self.params = [p for p in params if p.requires_grad]
+        super().__init__(build_optimizer(self.params, cfg), cfg, tp_rank, norm_groups, None)
+
+    @property
+    def state(self):
+        """torch's per-parameter AdamW state, keyed by model parameter (what checkpointing reads)."""
+        return self.optimizer.state
+
+    def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        return [p.grad for p in self.params], [counts_in_grad_norm(p, self.tp_rank) for p in self.params]
+
+    def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """{param: {"exp_avg", "exp_avg_sq", "step"}} (empty before the first step)."""
+        return {p: {k: self.optimizer.state[p][k] for k in (*ADAM_KEYS, "step")}
+                for p in self.params if self.optimizer.state.get(p)}
+
+    def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        for p in self.params:
+            if p in states:
+                self.optimizer.state[p] = _adam_state(states[p], lambda t, p=p: t.reshape(p.shape))
+
+
+def _adam_state(state: dict[str, torch.Tensor], piece) -> dict[str, torch.Tensor]:
+    """torch AdamW's state layout (float32 scalar ``step``) from a logical per-parameter state."""
+    out = {"step": torch.tensor(float(state["step"]), dtype=torch.float32)}
+    for key in ADAM_KEYS:
+        out[key] = piece(state[key]).detach().to(torch.float32).clone()
+    return out
+
+
+@dataclass
+class ShardPiece:
+    """The part ``[start, end)`` (bucket coordinates) of ``param`` that lies in this rank's shard."""
+
+    param: nn.Parameter
+    bucket: Bucket
+    start: int
+    end: int
+    param_offset: int  # where the param starts in the bucket
+    main: torch.Tensor  # fp32 main parameter piece, 1-D
+
+    @property
+    def model_view(self) -> torch.Tensor:
+        return self.bucket.param_data[self.start:self.end]
+
+    @property
+    def grad_view(self) -> torch.Tensor:
+        return self.bucket.grad_data[self.start:self.end]
+
+    def of(self, logical: torch.Tensor) -> torch.Tensor:
+        """This piece's elements of a full tensor shaped like ``param``."""
+        lo = self.start - self.param_offset
+        return logical.reshape(-1)[lo:lo + self.end - self.start]
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """fp32 main parameters and Adam state for this rank's shard of every bucket (see the module doc).
+
+    The checkpoint code reads and writes the *logical* state with :meth:`state_per_param` and
+    :meth:`load_state_per_param` (collectives over DP when sharded), so checkpoints do not depend on d.
+    """
+
+    def __init__(self, grads: GradBuckets, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+                 scaler: ConstantGradScaler | DynamicGradScaler | None):
+        if any(b.param_data is None for b in grads.buckets):
+            raise ValueError("DistributedOptimizer needs GradBuckets(..., param_buffer=True)")
+        self.grads = grads
+        self.pieces: list[ShardPiece] = []
+        for bucket in grads.buckets:
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                start, end = max(offset, bucket.shard_start), min(offset + param.numel(), bucket.shard_end)
+                if start >= end:
+                    continue
+                model = bucket.param_data[start:end]
+                main = model if model.dtype == torch.float32 else model.detach().float()  # fp32: update in place
+                self.pieces.append(ShardPiece(param, bucket, start, end, offset, main))
+        decay = [x.main for x in self.pieces if decays(x.param)]
+        no_decay = [x.main for x in self.pieces if not decays(x.param)]
+        super().__init__(adamw(decay, no_decay, cfg), cfg, tp_rank, norm_groups, scaler)
+        self.adam_steps = 0  # AdamW's step count, the same on every rank (some may own no piece)
+
+    def _publish_params(self) -> None:
+        self.adam_steps += 1
+        for x in self.pieces:
+            if x.main.data_ptr() != x.model_view.data_ptr():
+                x.model_view.copy_(x.main)
+        self.grads.all_gather_params()
+
+    @property
+    def state(self):
+        raise AttributeError("DistributedOptimizer keeps Adam state per shard; use state_per_param() and "
+                             "load_state_per_param() for the logical per-parameter state")
+
+    def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        for x in self.pieces:  # fp32 grads: a view (no copy); 16-bit grads: an fp32 copy
+            grad = x.grad_view
+            x.main.grad = grad if grad.dtype == torch.float32 else grad.float()
+        return [x.main.grad for x in self.pieces], [counts_in_grad_norm(x.param, self.tp_rank) for x in self.pieces]
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Main parameters := model parameters (after the checkpoint code loaded the model's weights)."""
+        for x in self.pieces:
+            x.main.copy_(x.model_view)
+
+    @torch.no_grad()
+    def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """{param: {"exp_avg", "exp_avg_sq", "main_param" (fp32, param-shaped), "step"}} for every
+        parameter of this rank, gathered over DP; empty before the first step. Collective over DP."""
+        if self.adam_steps == 0:
+            return {}
+        step = torch.tensor(float(self.adam_steps), dtype=torch.float32)
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for bucket in self.grads.buckets:
+            full = {k: torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
+                    for k in (*ADAM_KEYS, "main_param")}
+            for x in self.pieces:
+                if x.bucket is bucket:
+                    full["main_param"][x.start:x.end] = x.main
+                    state = self.optimizer.state.get(x.main)
+                    for k in ADAM_KEYS:
+                        if state:
+                            full[k][x.start:x.end] = state[k]
+            if self.grads.shard_count > 1:
+                handles = [dist.all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
+                                                  group=self.grads.dp_group, async_op=True) for t in full.values()]
+                for handle in handles:
+                    handle.wait()
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                out[param] = {k: t[offset:offset + param.numel()].view_as(param) for k, t in full.items()}
+                out[param]["step"] = step.clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`state_per_param` (each rank keeps its shard; no communication). With a
+        ``main_param`` entry the fp32 main weights (and this rank's piece of the model's) are restored too."""
+        steps = {int(s["step"]) for s in states.values()}
+        if len(steps) > 1:
+            raise ValueError(f"load_state_per_param: parameters at different Adam steps {sorted(steps)}")
+        self.adam_steps = steps.pop() if steps else self.adam_steps
+        for x in self.pieces:
+            state = states.get(x.param)
+            if state is None:
+                continue
+            self.optimizer.state[x.main] = _adam_state(state, x.of)
+            if "main_param" in state:
+                x.main.copy_(x.of(state["main_param"]))
+                if x.main.data_ptr() != x.model_view.data_ptr():
+                    x.model_view.copy_(x.main)

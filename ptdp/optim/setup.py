@@ -1,0 +1,54 @@
+"""Build the gradient buffers and the optimizer that ``--bf16/--fp16``, ``--use-distributed-optimizer``
+and ``--overlap-grad-reduce`` ask for."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config, MixedPrecisionConfig
+from .grad_buffer import GradBuckets
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    """The model's parameter (and activation) dtype."""
+    mp = config.precision
+    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32
+
+
+def grad_dtype(config: Config) -> torch.dtype:
+    """fp32 main grads unless fp16 without --accumulate-allreduce-grads-in-fp32 (Megatron's default)."""
+    mp = config.precision
+    return torch.float16 if mp.fp16 and not mp.accumulate_allreduce_grads_in_fp32 else torch.float32
+
+
+def grad_scaler(mp: MixedPrecisionConfig) -> ConstantGradScaler | DynamicGradScaler | None:
+    if not mp.fp16:
+        return None
+    if mp.loss_scale is not None:
+        return ConstantGradScaler(mp.loss_scale)
+    return DynamicGradScaler(mp.initial_loss_scale, mp.min_loss_scale, mp.loss_scale_window, mp.hysteresis)
+
+
+def setup_optimizer(params: list[nn.Parameter], config: Config, state,
+                    shared_embedding: list[nn.Parameter] = ()) -> tuple[GradBuckets, MegatronOptimizer]:
+    """Gradient buffers and optimizer for this rank's ``params`` (already in :func:`params_dtype`).
+
+    ``state`` is the rank's ``ParallelState``; ``shared_embedding`` the copies of the tied embedding on
+    the first and last stage (their own bucket, so that both stages shard them alike).
+    """
+    tr, distributed = config.training, config.optimizer.use_distributed_optimizer
+    main_params = distributed or params_dtype(config) != torch.float32
+    grads = GradBuckets(params, state.dp_group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
+                        distributed_optimizer=distributed, param_buffer=main_params,
+                        overlap_grad_reduce=tr.overlap_grad_reduce, separate=shared_embedding)
+    if not main_params:
+        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
+    # Sharded: every DP rank holds different elements, so the norm is summed over the whole world.
+    sharded = distributed and state.dims.dp > 1
+    norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
+    return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
+                                       grad_scaler(config.precision))

@@ -1,0 +1,77 @@
+"""--overlap-grad-reduce: bucket reductions start inside the last microbatch's backward, same numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import losses, spawn, train_metrics
+from torch import nn
+
+from ptdp.optim import GradBuckets
+
+RTOL = 1e-4
+
+
+def deep_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).to(dtype)
+
+
+def _check_launch_points(rank: int, world: int, dtype: torch.dtype, distributed_optimizer: bool) -> None:
+    model = deep_model(dtype)
+    plain_model = copy.deepcopy(model)
+    kwargs = dict(grad_dtype=torch.float32, distributed_optimizer=distributed_optimizer, param_buffer=True)
+    # one bucket per layer (weight + bias: 72 elements), the last layer's first (Megatron's reverse order)
+    layer_bytes = 72 * model[0].weight.element_size()
+    overlapped = GradBuckets(list(model.parameters()), dist.group.WORLD, layer_bytes, overlap_grad_reduce=True,
+                             **kwargs)
+    plain = GradBuckets(list(plain_model.parameters()), dist.group.WORLD, layer_bytes, **kwargs)
+    assert len(overlapped.buckets) == 4
+    seen: list[list[bool]] = []  # launch state when the first layer's weight (the last grad) arrives
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(overlapped.launched()))
+    torch.manual_seed(1 + rank)
+    inputs = [torch.randn(3, 8, dtype=dtype) for _ in range(3)]
+    for grads, net in ((overlapped, model), (plain, plain_model)):
+        grads.start_iteration(len(inputs))
+        for x in inputs:
+            (net(x).float().square().mean() / len(inputs)).backward()
+            if grads is overlapped and len(seen) < len(inputs):
+                assert overlapped.launched() == [False] * 4, "launched before the last microbatch"
+        grads.finish_grad_sync()
+    # Microbatches 1 and 2: nothing in flight. Last: the later layers' buckets are already reducing while
+    # the backward is still computing the first layer's gradients.
+    assert seen[0] == seen[1] == [False] * 4
+    assert seen[2][:3] == [True, True, True]
+    for a, b in zip(overlapped.buckets, plain.buckets, strict=True):
+        own = slice(a.shard_start, a.shard_end)
+        assert torch.equal(a.grad_data[own], b.grad_data[own])
+
+
+def _check_both_paths(rank: int, world: int) -> None:
+    _check_launch_points(rank, world, torch.float32, distributed_optimizer=False)  # all-reduce
+    _check_launch_points(rank, world, torch.bfloat16, distributed_optimizer=True)  # fp32 main grads, reduce-scatter
+
+
+def test_buckets_launch_during_last_backward(tmp_path):
+    spawn(_check_both_paths, 2, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
+
+
+LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, []),
+    (8, [*LAYOUT_2222, "--use-distributed-optimizer"]),
+], ids=["d2", "t2p2d2v2-distopt"])
+def test_overlap_matches_single_process(tmp_path, reference, nproc, extra):
+    extra = ["--overlap-grad-reduce", "--grad-bucket-size-mb", "0.01", *extra]
+    assert losses(train_metrics(tmp_path, nproc, extra)) == pytest.approx(reference, rel=RTOL)

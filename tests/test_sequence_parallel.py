@@ -1,0 +1,87 @@
+"""Sequence parallelism: same losses as one process, alone and inside a (t, p, d, v) = (2, 2, 2, 2) pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import losses, spawn, train_metrics
+
+from ptdp.config import Config, validate
+from ptdp.model import GPTModel, init_parameters, language_model_loss
+from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
+from ptdp.tensor_parallel import model_parallel_seed
+
+RTOL = 1e-4
+LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
+
+
+def test_t2_matches_single_process(tmp_path, reference):
+    extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert losses(train_metrics(tmp_path, 2, extra)) == pytest.approx(reference, rel=RTOL)
+
+
+def test_interleaved_2222_matches_single_process(tmp_path, reference):
+    assert losses(train_metrics(tmp_path, 8, LAYOUT_2222)) == pytest.approx(reference, rel=RTOL)
+
+
+def test_interleaved_2222_with_full_recompute_matches_single_process(tmp_path, reference):
+    extra = LAYOUT_2222 + ["--recompute-granularity", "full"]
+    assert losses(train_metrics(tmp_path, 8, extra)) == pytest.approx(reference, rel=RTOL)
+
+
+def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
+    """t=2 with sequence parallelism: after the all-reduce, LayerNorm/bias grads equal one process's."""
+    from ptdp.config import ModelConfig
+
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for name, group, sp in (("full", None, False), ("sp", dist.group.WORLD, True)):
+        model = GPTModel(cfg, 50, 64, tp_group=group, sequence_parallel=sp)
+        init_parameters(model, seed=3, tp_rank=rank if group else 0, tp_size=world_size if group else 1,
+                        std=0.02, num_layers=cfg.num_layers)
+        model_parallel_seed(1, rank if group else 0, 0, torch.device("cpu"))
+        language_model_loss(model(tokens[:, :-1]), tokens[:, 1:], group).backward()
+        if sp:
+            all_reduce_sequence_parallel_grads(model.parameters(), group)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()
+                       if not getattr(p, "tensor_model_parallel", False)}
+    marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+    assert len(marked) == 2 * 6 + 2  # per layer: 2 LayerNorms x (weight, bias) + 2 row-parallel biases
+    for n, g in grads["full"].items():
+        torch.testing.assert_close(grads["sp"][n], g, rtol=1e-5, atol=1e-7, msg=n)
+    torch.save(True, f"{out}.{rank}")
+
+
+def test_replicated_grads_after_all_reduce_equal_single_process(tmp_path):
+    spawn(_layernorm_grads, 2, tmp_path, str(tmp_path / "ok"))
+    assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
+
+
+def _errors(world: int, **parallel) -> list[str]:
+    config = Config()
+    config.parallel = dataclasses.replace(config.parallel, **parallel)
+    return validate(config, world)
+
+
+def test_needs_tensor_parallelism():
+    errors = _errors(1, sequence_parallel=True)
+    assert errors == ["--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t"]
+
+
+def test_sequence_must_split_evenly():
+    config = Config()
+    config.model.seq_length, config.model.num_attention_heads = 127, 4
+    config.parallel.tensor_model_parallel_size, config.parallel.sequence_parallel = 2, True
+    errors = validate(config, 2)
+    assert len(errors) == 1 and "--seq-length 127 is not divisible" in errors[0], errors
