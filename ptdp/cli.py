@@ -1,8 +1,9 @@
-"""``ptdp`` command line: train, plan, simulate, preprocess."""
+"""``ptdp`` command line: train, plan, simulate, preprocess, generate, export, import, timeline."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -80,66 +81,36 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _optional_parsers(sub) -> None:
-    """Sub-commands whose modules are optional extras of the package."""
-    try:
-        from .planner import add_plan_arguments, run_plan
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("plan", help="choose (t, p, d, b, v) for a model on a cluster")
-        add_plan_arguments(p)
-        p.set_defaults(run=run_plan)
-    try:
-        from .simulate import add_simulate_arguments, run_simulate
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("simulate", help="simulate a pipeline schedule and draw its timeline")
-        add_simulate_arguments(p)
-        p.set_defaults(run=run_simulate)
-    try:
-        from .data.preprocess import add_preprocess_arguments, run_preprocess
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("preprocess", help="tokenize JSONL into indexed .bin/.idx files")
-        add_preprocess_arguments(p)
-        p.set_defaults(run=run_preprocess)
-    try:
-        from .hf import add_export_arguments, add_import_arguments, run_export, run_import
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face GPT-2 model")
-        add_export_arguments(p)
-        p.set_defaults(run=run_export)
-        p = sub.add_parser("import", help="write a Hugging Face GPT-2 model as a ptdp checkpoint")
-        add_import_arguments(p)
-        p.set_defaults(run=run_import)
-    try:
-        from .observability.timeline import add_timeline_arguments, run_timeline
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("timeline", help="merge the per-rank Chrome traces of a --timeline run")
-        add_timeline_arguments(p)
-        p.set_defaults(run=run_timeline)
-    try:
-        from .generate import add_generate_arguments, run_generate
-    except ImportError:
-        pass
-    else:
-        p = sub.add_parser("generate", help="continue a prompt with a checkpoint (any layout, one process)")
-        add_generate_arguments(p)
-        p.set_defaults(run=run_generate)
+# Sub-commands besides train: (name, module, its add-arguments function, its run function, help).
+_COMMANDS = [
+    ("plan", ".planner", "add_plan_arguments", "run_plan", "choose (t, p, d, b, v) for a model on a cluster"),
+    ("simulate", ".simulate", "add_simulate_arguments", "run_simulate",
+     "simulate a pipeline schedule and draw its timeline"),
+    ("preprocess", ".data.preprocess", "add_preprocess_arguments", "run_preprocess",
+     "tokenize JSONL into indexed .bin/.idx files"),
+    ("generate", ".generate", "add_generate_arguments", "run_generate",
+     "continue a prompt with a checkpoint (any layout, one process)"),
+    ("export", ".hf", "add_export_arguments", "run_export",
+     "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
+    ("import", ".hf", "add_import_arguments", "run_import", "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+    ("timeline", ".observability.timeline", "add_timeline_arguments", "run_timeline",
+     "merge the per-rank Chrome traces of a --timeline run"),
+]
+
+
+def _other_parsers(sub) -> None:
+    for name, module_name, add_arguments, run, help_text in _COMMANDS:
+        module = importlib.import_module(module_name, __package__)
+        p = sub.add_parser(name, help=help_text)
+        getattr(module, add_arguments)(p)
+        p.set_defaults(run=getattr(module, run))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ptdp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    _optional_parsers(sub)
+    _other_parsers(sub)
     return parser
 
 
