@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,7 +302,3 @@ def _duration(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, minutes = divmod(minutes, 60)
     return f"{h}:{minutes:02d}:{s:02d}"
-
-
-def log_error(message: str) -> None:
-    print(f"ptdp train: error: {message}", file=sys.stderr, flush=True)

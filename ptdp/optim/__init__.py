@@ -6,7 +6,7 @@
 from a :class:`~ptdp.config.Config`.
 """
 
-from .clip_grads import clip_grad_norm, clip_grads, counts_in_grad_norm, global_grad_norm
+from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm
 from .grad_buffer import Bucket, GradBuckets
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .lr_schedule import learning_rate
@@ -15,6 +15,6 @@ from .setup import params_dtype, setup_optimizer
 
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
-    "MegatronOptimizer", "build_optimizer", "clip_grad_norm", "clip_grads", "counts_in_grad_norm",
+    "MegatronOptimizer", "build_optimizer", "clip_grads", "counts_in_grad_norm",
     "global_grad_norm", "learning_rate", "params_dtype", "setup_optimizer",
 ]

@@ -45,11 +45,3 @@ def clip_grads(grads: Sequence[torch.Tensor], max_norm: float, norm: float) -> N
     if max_norm > 0 and norm > max_norm:
         torch._foreach_mul_(list(grads), max_norm / (norm + 1e-6))
 
-
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_rank: int, model_parallel_groups) -> float:
-    """Global L2 norm of ``param.grad`` across ``model_parallel_groups``, then clip; returns the norm."""
-    params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm([p.grad for p in params if counts_in_grad_norm(p, tp_rank)],
-                            model_parallel_groups, params[0].device)
-    clip_grads([p.grad for p in params], max_norm, norm)
-    return norm
