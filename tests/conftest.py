@@ -13,3 +13,11 @@ def _shared_corpus_cache(tmp_path_factory):
     if "PTDP_CACHE_DIR" not in os.environ:
         os.environ["PTDP_CACHE_DIR"] = str(tmp_path_factory.mktemp("ptdp-cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> list[float]:
+    """Single-process losses of the TINY model: what every parallel layout must reproduce."""
+    from helpers import losses, train_metrics
+
+    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))

@@ -15,6 +15,10 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--lr", "1e-3",
         "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
 
+# (t, p, d, v) = (2, 2, 2, 2) with the interleaved schedule, on 8 processes: every parallelism at once.
+LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
+
 
 def worker_env() -> dict[str, str]:
     env = dict(os.environ)

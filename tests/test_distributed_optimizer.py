@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import losses, spawn, train_metrics
+from helpers import LAYOUT_2222, losses, spawn, train_metrics
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -96,15 +96,6 @@ def _check_with_and_without_overlap(rank: int, world: int) -> None:
 
 def test_sharded_adamw_equals_torch_adamw(tmp_path):
     spawn(_check_with_and_without_overlap, 2, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
-
-
-LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-               "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
 
 
 @pytest.mark.parametrize("nproc,layout", [(2, []), (8, LAYOUT_2222)], ids=["d2", "t2p2d2v2"])

@@ -4,14 +4,10 @@ overflows are skipped, counted and back the loss scale off."""
 from __future__ import annotations
 
 import pytest
-from helpers import losses, run_ptdp, train_metrics
+from helpers import LAYOUT_2222, losses, run_ptdp, train_metrics
 
 STEPS = ["--train-iters", "20", "--lr", "3e-3"]
 TRACK = 0.02  # 16-bit rounding: within 2% of fp32 over 20 steps
-LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-               "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
-
-
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
     return losses(train_metrics(tmp_path_factory.mktemp("fp32"), 1, STEPS))

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import losses, spawn, train_metrics
+from helpers import LAYOUT_2222, losses, spawn, train_metrics
 from torch import nn
 
 from ptdp.optim import GradBuckets
@@ -57,15 +57,6 @@ def _check_both_paths(rank: int, world: int) -> None:
 
 def test_buckets_launch_during_last_backward(tmp_path):
     spawn(_check_both_paths, 2, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
-
-
-LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-               "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
 
 
 @pytest.mark.parametrize("nproc,extra", [

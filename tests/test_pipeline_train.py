@@ -9,11 +9,6 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
-
-
-@pytest.fixture(scope="module")
 def reference_8_layers(tmp_path_factory):
     return losses(train_metrics(tmp_path_factory.mktemp("ref8"), 1, ["--num-layers", "8"]))
 

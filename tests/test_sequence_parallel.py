@@ -19,11 +19,6 @@ LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
                "--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
-
-
 def test_t2_matches_single_process(tmp_path, reference):
     extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     assert losses(train_metrics(tmp_path, 2, extra)) == pytest.approx(reference, rel=RTOL)

@@ -8,11 +8,6 @@ from helpers import losses, train_metrics
 RTOL = 1e-4  # fp32: TP splits sums across ranks, so the last bits differ
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
-
-
 @pytest.mark.parametrize("t,d", [(2, 1), (4, 1), (1, 2), (2, 2)])
 def test_tensor_and_data_parallel_match_single_process(tmp_path, reference, t, d):
     got = losses(train_metrics(tmp_path, t * d, ["--tensor-model-parallel-size", str(t)]))
