@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,24 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_ptdp(args: list[str], timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def run_command(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``command`` to completion; on timeout kill its whole process group (the launcher's workers
+    too, so a hung run leaves nothing behind) and fail the test."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m ptdp ARGS`` to completion (never hangs: a timeout fails the test)."""
-    proc = subprocess.run([sys.executable, "-m", "ptdp", *args], capture_output=True, text=True,
-                          timeout=timeout, env=worker_env())
+    proc = run_command([sys.executable, "-m", "ptdp", *args], timeout, {**worker_env(), **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"ptdp {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

@@ -7,12 +7,11 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, losses, train_metrics, worker_env
+from helpers import TINY, losses, run_ptdp, train_metrics
 
 from ptdp.checkpointing import CheckpointError, read_full_model_state, read_latest, write_full_model_state
 from ptdp.checkpointing.validation import checkpoint_errors
@@ -26,8 +25,7 @@ EIGHT_LAYERS = [*SIX, "--num-layers", "8"]  # so that p x v = 4 x 2 splits it
 
 def run(args: list[str], env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """``python -m ptdp ARGS`` with extra environment variables; never hangs (timeout fails the test)."""
-    return subprocess.run([sys.executable, "-m", "ptdp", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**worker_env(), **(env or {})})
+    return run_ptdp(args, timeout=timeout, check=False, env=env)
 
 
 def records(path: Path) -> list[dict]:
