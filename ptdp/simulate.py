@@ -247,6 +247,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p2p-time", type=float, default=0.0, help="one send/receive (default 0)")
     parser.add_argument("--out", help="draw the timeline to this .png / .svg / .pdf file")
     parser.add_argument("--json", action="store_true", help="print one JSON object, timelines included")
+    parser.add_argument("--comm-trace", metavar="FILE.json",
+                        help="write the p2p calls and waits the executor makes for this schedule and check "
+                             "them against the NCCL model (exit 1 naming the stuck ranks if they can hang)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="with --comm-trace: the forward-only list of evaluation")
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
@@ -263,6 +268,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved"
     if args.pipeline_schedule == "interleaved" and m % p:
         return f"--num-microbatches {m} must be a multiple of --pipeline-model-parallel-size {p} for interleaved"
+    if args.forward_only and not args.comm_trace:
+        return "--forward-only needs --comm-trace FILE.json"
     if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         return f"--out {args.out}: use a .png, .svg or .pdf file name"
     return None
@@ -271,6 +278,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate, print a summary (or ``--json``) and optionally draw; 2 with one line on bad input."""
     error = _usage_error(args)
+    if error is None and args.comm_trace:
+        return run_comm_trace(args)
     if error is None:
         try:
             result = simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
@@ -296,3 +305,35 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}"
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
+
+
+def run_comm_trace(args: argparse.Namespace) -> int:
+    """``--comm-trace``: record the executor's calls, write them, print the NCCL model's verdict.
+
+    0 when deadlock-free under both send models, 1 naming the stuck ranks otherwise, 2 on bad input.
+    """
+    from ptdp.pipeline.nccl_model import check_all_send_models, record_comm_trace, write_trace
+
+    name, p = args.pipeline_schedule, args.pipeline_model_parallel_size
+    v, m = args.virtual_pipeline_model_parallel_size, args.num_microbatches
+    try:
+        trace = record_comm_trace(name, p, v, m, args.forward_only)
+        write_trace(trace, args.comm_trace)
+    except ValueError as err:
+        print(f"ptdp simulate: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"ptdp simulate: error: --comm-trace {args.comm_trace}: {err.strerror}", file=sys.stderr)
+        return 2
+    verdicts = check_all_send_models(trace)
+    what = f"{name} p={p} v={v} m={m}{' forward-only' if args.forward_only else ''}"
+    issues = sum("issue" in e for events in trace["ranks"] for e in events)
+    if not any(verdicts.values()):
+        print(f"{what}: deadlock-free under the NCCL model ({' and '.join(verdicts)}); "
+              f"{issues} batched p2p calls; wrote {args.comm_trace}")
+        return 0
+    for model, problems in verdicts.items():
+        for problem in problems:
+            print(f"{what} ({model}): {problem}")
+    print(f"wrote {args.comm_trace}")
+    return 1

@@ -1,16 +1,17 @@
 """The one loop over a pipeline schedule: ``run_schedule(actions, stage, comm)``.
 
 Schedules are data (``ptdp.pipeline.schedules``); this module runs any such list on a ``PipelineStage``
-(what to compute) and a ``P2PComm`` (how tensors travel). Receives are posted ahead of the compute that
-needs them (``recv_lookahead`` compute actions early) together with the pending sends in one batched call,
-and waited on only when consumed, so transfers overlap compute. ``ModuleStage`` is the autograd
-implementation of a stage: one ``nn.Module`` per local model chunk.
+(what to compute) and a ``P2PComm`` (how tensors travel). The list says where communication happens:
+each run of consecutive SEND/RECV actions is ONE batched p2p call, issued where it stands, and a received
+tensor is waited on only by the compute that consumes it. The lists are placed so that this cannot hang
+under NCCL's ordering (``schedules.place_communication``, checked by ``nccl_model``), and transfers overlap
+the computes between a message's post and its consumer. ``ModuleStage`` is the autograd implementation of a
+stage: one ``nn.Module`` per local model chunk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
 from ptdp.pipeline.schedules import COMPUTE_OPS, Action, virtual_stage
 
@@ -44,14 +46,47 @@ class PipelineStage(Protocol):
 
 @dataclass
 class ScheduleStats:
-    """What one rank measured while running its schedule."""
+    """What one rank measured while running its schedule.
+
+    Times are read lazily: on a GPU they are CUDA events (``ptdp.observability.clock``), read when
+    ``busy_s``/``idle_s``/``wall_s`` are first asked for, after the caller's one sync of the iteration.
+    ``losses`` are detached tensors on the stage's device: reading them is the caller's sync.
+    """
 
     peak_in_flight: int = 0  # (microbatch, chunk) pairs with F done and B/I not yet done, at once
     peak_saved_bytes: int = 0  # bytes saved for backward (saved_tensors_hooks), peak over the schedule
-    busy_s: float = 0.0  # time in F/B/I/W
-    idle_s: float = 0.0  # time blocked waiting for communication
-    wall_s: float = 0.0
-    losses: dict[int, float] = field(default_factory=dict)  # per microbatch, last virtual stage only
+    losses: dict[int, Tensor] = field(default_factory=dict)  # per microbatch, last virtual stage only
+    _spans: list = field(default_factory=list, repr=False)  # (category, start mark, end mark); [0] = whole
+    _times: tuple[float, float, float] | None = field(default=None, repr=False)
+
+    def _resolve(self) -> tuple[float, float, float]:
+        """(busy, idle, wall) seconds."""
+        if self._times is None:
+            if not self._spans:
+                return (0.0, 0.0, 0.0)
+            took = [(category, seconds(start, end)) for category, start, end in self._spans[1:]]
+            self._times = (sum(s for c, s in took if c == "compute"), sum(s for c, s in took if c == "p2p"),
+                           seconds(*self._spans[0][1:]))
+            self._spans = []
+        return self._times
+
+    @property
+    def busy_s(self) -> float:
+        """Time in F/B/I/W."""
+        return self._resolve()[0]
+
+    @property
+    def idle_s(self) -> float:
+        """Time the compute stream (CPU: the host) waited for communication."""
+        return self._resolve()[1]
+
+    @property
+    def wall_s(self) -> float:
+        return self._resolve()[2]
+
+    def __getstate__(self) -> dict:  # CUDA events don't pickle: keep the numbers
+        self._resolve()
+        return {**self.__dict__, "_spans": []}
 
 
 class ModuleStage:
@@ -161,45 +196,43 @@ def run_schedule(
     actions: Sequence[Action],
     stage: PipelineStage,
     comm: P2PComm | None = None,
-    recv_lookahead: int = 2,
     recorder: Callable[[str, str, float, float, dict], None] | None = None,
     count_saved_bytes: bool = True,
 ) -> ScheduleStats:
     """Run one rank's action list. ``comm`` may be None only if the list has no SEND/RECV (p == 1).
 
-    Receives needed by the next ``recv_lookahead`` compute actions are posted before the current compute
-    runs; sends go out at the first compute boundary after their action. Tensors between two virtual
-    stages on the same rank (p == 1 with v > 1) are handed over locally. ``recorder(name, category, start,
-    end, args)``, if given, hears of every compute action and every wait (``ptdp.observability.timeline``).
+    Each run of consecutive SEND/RECV actions goes out as one batched call where it stands in the list;
+    a receive is waited on right before the compute that consumes it; sends are waited on at the end.
+    Tensors between two virtual stages on the same rank (no SEND/RECV between them) are handed over
+    locally. ``recorder(name, category, start, end, args)``, if given, hears of every compute action and
+    every wait (``ptdp.observability.timeline``), with ``Clock`` marks.
     ``count_saved_bytes=False`` skips the saved-tensor hooks (``peak_saved_bytes`` is then 0): the
     accounting costs a Python call per saved tensor, and its answer is the same every iteration.
     """
     if comm is None and any(a.op not in COMPUTE_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
+    params = stage.parameters() if hasattr(stage, "parameters") else []
+    clock = Clock(params[0].device if params else "cpu")
     stats = ScheduleStats()
-    saved = _SavedBytes(stage)
+    spans = stats._spans = [("schedule", clock.mark(), None)]
+    saved = _SavedBytes(stage) if count_saved_bytes else None
     sent_keys = {message_key(a) for a in actions if a.op.startswith("SEND")}
-    compute_at = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
     inbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, microbatch, consumer chunk) -> tensor
     outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, microbatch, producer chunk) -> tensor
     pending: dict[tuple[str, int, int], PendingRecv] = {}
     live: set[tuple[int, int]] = set()
-    send_pos = recv_pos = 0
-    start = time.perf_counter()
 
-    def timed(name: str, category: str, t0: float, mb: int | None = None, chunk: int | None = None) -> float:
-        """Seconds since ``t0``, told to the recorder as one event."""
-        t1 = time.perf_counter()
+    def span(name: str, category: str, start: Mark, mb: int | None = None, chunk: int | None = None) -> None:
+        end = clock.mark()
+        spans.append((category, start, end))
         if recorder is not None:
-            recorder(name, category, t0, t1, {} if mb is None else {"microbatch": mb, "chunk": chunk})
-        return t1 - t0
+            recorder(name, category, start, end, {} if mb is None else {"microbatch": mb, "chunk": chunk})
 
     def take(key: tuple[str, int, int]) -> Tensor | None:
         if key in pending:
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             tensor = comm.wait(pending.pop(key))
-            what = "wait_recv_activation" if key[0] == "F" else "wait_recv_grad"
-            stats.idle_s += timed(what, "p2p", t0, key[1], key[2])
+            span("wait_recv_activation" if key[0] == "F" else "wait_recv_grad", "p2p", t0, key[1], key[2])
             return tensor
         return inbox.pop(key, None)
 
@@ -213,52 +246,53 @@ def run_schedule(
             if consumer >= 0:  # a stage-0 input grad has no consumer
                 inbox[kind, mb, consumer] = tensor
 
-    for k in range(len(compute_at) + 1):
-        idx = compute_at[k] if k < len(compute_at) else len(actions)
-        ahead = k + recv_lookahead
-        horizon = max(compute_at[ahead] if ahead < len(compute_at) else len(actions), idx)
-        sends = [(a, outbox.pop(message_key(a))) for a in actions[send_pos:idx] if a.op.startswith("SEND")]
-        recvs = [a for a in actions[recv_pos:horizon] if a.op.startswith("RECV")]
-        send_pos, recv_pos = idx + 1, max(recv_pos, horizon)
-        if sends or recvs:
-            pending.update(comm.issue(sends, recvs))
-        if idx == len(actions):
-            break
-        a = actions[idx]
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        if a.op not in COMPUTE_OPS:  # one batched call for this run of SEND/RECV actions
+            j = i
+            while j < len(actions) and actions[j].op not in COMPUTE_OPS:
+                j += 1
+            batch = actions[i:j]
+            sends = [(s, outbox.pop(message_key(s))) for s in batch if s.op.startswith("SEND")]
+            pending.update(comm.issue(sends, [r for r in batch if r.op.startswith("RECV")]))
+            i = j
+            continue
         mb, c = a.microbatch, a.chunk
+        hooks = saved.hooks((mb, c)) if saved is not None else contextlib.nullcontext()
         if a.op == "F":
             x = take(("F", mb, c))
-            t0 = time.perf_counter()
-            with saved.hooks((mb, c)) if count_saved_bytes else contextlib.nullcontext():
+            t0 = clock.mark()
+            with hooks:
                 y = stage.forward(c, mb, x)
-            stats.busy_s += timed("forward", "compute", t0, mb, c)
+            span("forward", "compute", t0, mb, c)
             live.add((mb, c))
             stats.peak_in_flight = max(stats.peak_in_flight, len(live))
             deliver("F", mb, c, y)
         elif a.op in ("B", "I"):
             g = take(("B", mb, c))
-            t0 = time.perf_counter()
-            if a.op == "B":
-                dx = stage.backward(c, mb, g)
+            t0 = clock.mark()
+            dx = stage.backward(c, mb, g) if a.op == "B" else stage.backward_input(c, mb, g)
+            span("backward" if a.op == "B" else "backward_input", "compute", t0, mb, c)
+            if a.op == "B" and saved is not None:
                 saved.free((mb, c))
-            else:
-                dx = stage.backward_input(c, mb, g)
-            stats.busy_s += timed("backward" if a.op == "B" else "backward_input", "compute", t0, mb, c)
             live.discard((mb, c))
             deliver("B", mb, c, dx)
         elif a.op == "W":
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             stage.backward_weight(c, mb)
-            stats.busy_s += timed("backward_weight", "compute", t0, mb, c)
-            saved.free((mb, c))
+            span("backward_weight", "compute", t0, mb, c)
+            if saved is not None:
+                saved.free((mb, c))
+        i += 1
 
     if comm is not None:
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         comm.wait_sends()
-        stats.idle_s += timed("wait_sends", "p2p", t0)
+        span("wait_sends", "p2p", t0)
     if outbox or pending:
         raise RuntimeError(f"run_schedule: unsent {sorted(outbox)} / unconsumed {sorted(pending)} tensors")
-    stats.wall_s = time.perf_counter() - start
-    stats.peak_saved_bytes = saved.peak
-    stats.losses = {mb: float(loss) for mb, loss in sorted(getattr(stage, "losses", {}).items())}
+    spans[0] = ("schedule", spans[0][1], clock.mark())
+    stats.peak_saved_bytes = saved.peak if saved is not None else 0
+    stats.losses = dict(sorted(getattr(stage, "losses", {}).items()))
     return stats

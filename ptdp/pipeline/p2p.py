@@ -1,10 +1,11 @@
-"""Point-to-point transport between pipeline ranks: batched isend/irecv with early receives.
+"""Point-to-point transport between pipeline ranks: one ``dist.batch_isend_irecv`` per run of SEND/RECV.
 
-The executor hands ``P2PComm`` the SEND/RECV actions it may issue now; they go out in ONE
-``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward, generalised), so a send and the
-receive that follows it are posted together. Sends are never waited on before the end of the schedule and
-receives only when their tensor is consumed, so communication overlaps compute. Messages between two ranks
-are matched first-in first-out, which the schedules guarantee (``schedules.check_deadlock_free``).
+The executor hands ``P2PComm`` each run of consecutive SEND/RECV actions of its list; they go out in ONE
+``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward and its 4-op interleaved batch,
+generalised), so a send and the receives that stand beside it are posted together. Where the list puts
+them is what makes NCCL safe (``schedules.place_communication``; ``nccl_model`` checks the calls made
+here). Sends are waited on at the end of the schedule and receives when their tensor is consumed, so
+communication overlaps compute. Messages between two ranks are matched first-in first-out.
 
 ``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
 1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,

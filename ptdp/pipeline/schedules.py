@@ -16,6 +16,7 @@ than their position (overlap) but never waits on a send, so a list is deadlock-f
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -93,35 +94,6 @@ def _check_args(name: str, p: int, v: int, m: int, rank: int) -> None:
         raise ValueError(f"{name}: rank {rank} outside pipeline of size {p}")
 
 
-def _with_comm(compute: list[Action], p: int, v: int, rank: int) -> list[Action]:
-    """Insert RECV before and SEND after each compute action that crosses a rank boundary.
-
-    When both neighbours of a virtual stage live on this rank (p == 1) nothing is sent: the executor hands
-    the tensor over locally.
-    """
-    out: list[Action] = []
-    for a in compute:
-        prev_rank, next_rank = stage_peers(rank, a.chunk, p, v)
-        prev_rank = None if prev_rank == rank else prev_rank
-        next_rank = None if next_rank == rank else next_rank
-        mb, c = a.microbatch, a.chunk
-        if a.op == "F":
-            if prev_rank is not None:
-                out.append(Action("RECV_F", mb, c, prev_rank))
-            out.append(a)
-            if next_rank is not None:
-                out.append(Action("SEND_F", mb, c, next_rank))
-        elif a.op in ("B", "I"):
-            if next_rank is not None:
-                out.append(Action("RECV_B", mb, c, next_rank))
-            out.append(a)
-            if prev_rank is not None:
-                out.append(Action("SEND_B", mb, c, prev_rank))
-        else:  # W: weight gradient only, no communication
-            out.append(a)
-    return out
-
-
 # -------------------------------------------------------------------------------------------- schedules
 
 
@@ -131,7 +103,7 @@ def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
     if v != 1:
         raise ValueError(f"gpipe: needs one model chunk per rank (v=1), got v={v}; use 'interleaved' for v > 1")
     compute = [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-    return _with_comm(compute, p, v, rank)
+    return compute
 
 
 def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str]) -> list[Action]:
@@ -153,7 +125,7 @@ def one_f_one_b(p: int, v: int, m: int, rank: int) -> list[Action]:
     _check_args("1f1b", p, v, m, rank)
     if v != 1:
         raise ValueError(f"1f1b: needs one model chunk per rank (v=1), got v={v}; use 'interleaved' for v > 1")
-    return _with_comm(_one_f_one_b_compute(p, m, rank, ["B"]), p, v, rank)
+    return _one_f_one_b_compute(p, m, rank, ["B"])
 
 
 def interleaved_warmup(p: int, v: int, m: int, rank: int) -> int:
@@ -198,7 +170,7 @@ def interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
     for k in range(total - warmup):
         compute += [fwd(warmup + k), bwd(k)]
     compute += [bwd(k) for k in range(total - warmup, total)]
-    return _with_comm(compute, p, v, rank)
+    return compute
 
 
 def zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
@@ -222,7 +194,7 @@ def zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
             compute.append(Action("W", next_w, 0))
             next_w += 1
     compute += [Action("W", i, 0) for i in range(next_w, m)]
-    return _with_comm(compute, p, v, rank)
+    return compute
 
 
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
@@ -233,11 +205,111 @@ SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
 }
 
 
-def build_schedule(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
-    """Look up a schedule by name (``SCHEDULES``) and build rank ``rank``'s action list."""
+def build_schedule(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False) -> list[Action]:
+    """Rank ``rank``'s action list of schedule ``name`` (``SCHEDULES``): its compute order with the
+    communication placed by ``place_communication`` over all ranks' lists.
+
+    ``forward_only`` keeps the forwards (evaluation) and places communication for that list anew: a
+    training list with its backwards struck out is not NCCL-safe (its batches were cut for the backwards).
+    """
+    return list(_cached_schedule(name, p, v, m, forward_only)[rank]) if 0 <= rank < p else _bad_rank(
+        name, p, v, m, rank)
+
+
+def _bad_rank(name: str, p: int, v: int, m: int, rank: int) -> list[Action]:
+    _check_args(name, p, v, m, rank)
+    raise AssertionError("unreachable")
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_schedule(name: str, p: int, v: int, m: int, forward_only: bool) -> tuple[tuple[Action, ...], ...]:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](p, v, m, rank)
+    computes = [SCHEDULES[name](p, v, m, r) for r in range(p)]
+    if forward_only:
+        computes = [[a for a in c if a.op == "F"] for c in computes]
+    return tuple(tuple(r) for r in place_communication(computes, p, v))
+
+
+# -------------------------------------------------------------------------------------- communication
+
+# Relative cost of each compute action in the timing that orders communication (t_b = 2 t_f, I + W = B).
+TICKS = {"F": 2, "B": 4, "I": 2, "W": 2}
+
+
+def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int) -> list[list[tuple[int, int]]]:
+    """(start, end) of every compute action when each rank runs its list in order as soon as the action's
+    inputs exist (``TICKS`` costs, free communication). Raises ValueError if the lists cannot finish."""
+    last = p * v - 1
+    end: dict[tuple[str, int, int], int] = {}  # (op, microbatch, virtual stage)
+    times: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    clock, pos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(computes[r]):
+                a = computes[r][pos[r]]
+                s, mb = virtual_stage(r, a.chunk, p), a.microbatch
+                if a.op == "F":
+                    deps = [("F", mb, s - 1)] if s > 0 else []
+                elif a.op == "W":
+                    deps = [("I", mb, s)]
+                else:
+                    grad = ("B", mb, s + 1) if ("B", mb, s + 1) in end else ("I", mb, s + 1)
+                    deps = [("F", mb, s)] + ([grad] if s < last else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([clock[r], *(end[d] for d in deps)])
+                clock[r] = end[a.op, mb, s] = start + TICKS[a.op]
+                times[r].append((start, clock[r]))
+                pos[r] += 1
+                progress = True
+    stuck = {r: computes[r][pos[r]] for r in range(p) if pos[r] < len(computes[r])}
+    if stuck:
+        raise ValueError(f"schedule cannot finish: ranks wait forever at {stuck}")
+    return times
+
+
+def place_communication(computes: Sequence[Sequence[Action]], p: int, v: int) -> list[list[Action]]:
+    """Insert every SEND/RECV into the ranks' compute lists so that no NCCL ordering can deadlock.
+
+    NCCL runs a rank's batched p2p calls in issue order on one stream, a batch starts only once the
+    compute before it ran, and a send may wait for its receive (ptdp-facts.md, §NCCL). So each message
+    gets one global time, the end of the compute that produces it in ``compute_times``, and BOTH ends post
+    it at that time: the sender right after the producing compute, the receiver after its computes that
+    started before that time (and before any that starts later, its consumer included). Consecutive
+    SEND/RECV actions become one batched call (``executor.run_schedule``).
+
+    Why this cannot hang: every rank posts messages in increasing time, and a batch holding the messages of
+    time T depends only on computes that started before T, whose inputs are messages of times before T.
+    Induction over T: the messages of the earliest unfinished time are posted on both ends (nothing they
+    wait for is later), and a send meets its receive, whether sends complete on their own or wait for
+    their receive. FIFO matching per channel holds because both ends order by the same time. Transfers
+    overlap compute: a receive is posted when its tensor is sent and waited on only by its consumer.
+    ``ptdp.pipeline.nccl_model`` checks the calls the executor actually makes against this argument.
+    """
+    times = compute_times(computes, p, v)
+    last = p * v - 1
+    events: list[list[tuple[int, int, int, Action]]] = [
+        [(start, 1, i, a) for i, (a, (start, _)) in enumerate(zip(computes[r], times[r]))] for r in range(p)
+    ]
+    for r in range(p):
+        for a, (_, end) in zip(computes[r], times[r]):
+            s, mb = virtual_stage(r, a.chunk, p), a.microbatch
+            if a.op == "F" and s < last:
+                kind, dst = "F", s + 1
+            elif a.op in ("B", "I") and s > 0:
+                kind, dst = "B", s - 1
+            else:
+                continue
+            q, dst_chunk = stage_location(dst, p)
+            if q == r:
+                continue  # the next virtual stage lives on this rank: handed over locally
+            order = 0 if kind == "F" else 1  # any fixed order: both ends sort by (time, kind, stage)
+            events[r].append((end, 0, order * 4 * p * v + s, Action(f"SEND_{kind}", mb, a.chunk, q)))
+            events[q].append((end, 0, order * 4 * p * v + s, Action(f"RECV_{kind}", mb, dst_chunk, r)))
+    return [[a for *_, a in sorted(rank_events, key=lambda e: e[:3])] for rank_events in events]
 
 
 # ------------------------------------------------------------------------------------------- validation

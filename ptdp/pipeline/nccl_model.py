@@ -1,0 +1,301 @@
+"""A model of NCCL's point-to-point semantics, run on the calls the real executor makes.
+
+gloo forgives orderings that hang NCCL, so no CPU test can show an NCCL deadlock; this model can. It
+takes a *comm trace*: per pipeline rank, the host-ordered events that ``executor.run_schedule`` produced
+through ``RecordingComm`` (a transport that records instead of sending):
+
+    {"issue": [{"op": "send"|"recv", "peer": q, "msg": [kind, microbatch, sender_stage]}, ...]}
+    {"wait": i}                          the compute stream waits for this rank's i-th issue
+    {"compute": [op, microbatch, local_chunk]}
+
+and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
+
+* a rank's issues run on one NCCL stream in issue order: issue i starts once issue i-1 completed and the
+  compute stream has run everything the host put on it before issue i;
+* a receive completes once the peer's matching send is running (its issue started); a send completes on
+  its own (``sends_wait_for_receive=False``) or only once its receive is posted (``True``: NCCL promises
+  no buffering); an issue (one Work) completes when all its operations did;
+* ``wait`` makes the compute stream, not the host, wait for a whole issue;
+* messages between two ranks match first-in first-out.
+
+It also checks that every matched pair carries the same message and that a compute never consumes a
+received tensor whose issue it has not waited for. ``check_trace`` returns the problems found (none:
+deadlock-free); ``ptdp simulate --comm-trace`` writes the trace and prints the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ptdp.pipeline.executor import run_schedule
+from ptdp.pipeline.schedules import Action, build_schedule, stage_location, virtual_stage
+
+SEND_MODELS = {"sends complete on their own": False, "sends wait for their receive": True}
+
+
+# ------------------------------------------------------------------------------------------- recording
+
+
+@dataclass
+class _Posted:
+    issue: int
+
+
+@dataclass
+class RecordingComm:
+    """Stands in for ``P2PComm``: records each batched call and each wait as a trace event."""
+
+    rank: int
+    p: int
+    events: list[dict] = field(default_factory=list)
+    _issues: int = 0
+    _send_issues: list[int] = field(default_factory=list)
+
+    def _msg(self, action: Action) -> list:
+        stage = virtual_stage(self.rank, action.chunk, self.p)
+        kind = action.op[-1]
+        if action.op.startswith("RECV"):  # the sender's stage: one before (activation) or after (gradient)
+            stage = stage - 1 if kind == "F" else stage + 1
+        return [kind, action.microbatch, stage]
+
+    def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
+        ops = [{"op": "send", "peer": a.peer, "msg": self._msg(a)} for a, _ in sends]
+        ops += [{"op": "recv", "peer": a.peer, "msg": self._msg(a)} for a in recvs]
+        if not ops:
+            return {}
+        index = self._issues
+        self._issues += 1
+        self.events.append({"issue": ops})
+        if sends:
+            self._send_issues.append(index)
+        return {(a.op[-1], a.microbatch, a.chunk): _Posted(index) for a in recvs}
+
+    def wait(self, pending: _Posted) -> Tensor:
+        self.events.append({"wait": pending.issue})
+        return torch.zeros(1)
+
+    def wait_sends(self) -> None:
+        for index in self._send_issues:
+            self.events.append({"wait": index})
+        self._send_issues.clear()
+
+
+class _TraceStage:
+    """A pipeline stage that computes nothing and records what the executor asks it to compute."""
+
+    def __init__(self, rank: int, p: int, v: int, events: list[dict]) -> None:
+        self.rank, self.p, self.v, self.events = rank, p, v, events
+        self.losses: dict[int, Tensor] = {}
+
+    def _record(self, op: str, chunk: int, microbatch: int) -> int:
+        self.events.append({"compute": [op, microbatch, chunk]})
+        return virtual_stage(self.rank, chunk, self.p)
+
+    def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
+        last = self._record("F", chunk, microbatch) == self.p * self.v - 1
+        return None if last else torch.zeros(1)
+
+    def _backward(self, op: str, chunk: int, microbatch: int) -> Tensor | None:
+        return None if self._record(op, chunk, microbatch) == 0 else torch.zeros(1)
+
+    def backward(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
+        return self._backward("B", chunk, microbatch)
+
+    def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
+        return self._backward("I", chunk, microbatch)
+
+    def backward_weight(self, chunk: int, microbatch: int) -> None:
+        self._record("W", chunk, microbatch)
+
+
+def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
+                      lists: Sequence[Sequence[Action]] | None = None) -> dict:
+    """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
+    recording transport; return the comm trace (module docstring)."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    ranks = []
+    for r in range(p):
+        events: list[dict] = []
+        run_schedule(lists[r], _TraceStage(r, p, v, events), RecordingComm(r, p, events),
+                     count_saved_bytes=False)
+        ranks.append(events)
+    return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "ranks": ranks}
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+@dataclass
+class _Rank:
+    stream: list[Any]  # compute-stream items in host order: ("compute", ...) or ("wait", issue)
+    issues: list[list[dict]]  # ops of each issue
+    after: list[int]  # stream items the host had put before each issue
+    done: int = 0  # stream items completed
+    started: int = 0  # issues started (in order)
+    completed: int = 0  # issues completed (in order too: an issue starts only after the one before)
+
+
+def _describe(op: dict) -> str:
+    kind, mb, stage = op["msg"]
+    what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}"
+    return f"{op['op']} {what} {'to' if op['op'] == 'send' else 'from'} rank {op['peer']}"
+
+
+def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
+    """Play ``trace`` under the NCCL model (module docstring); return the problems (empty: deadlock-free)."""
+    p = trace["p"]
+    ranks = [_split(events) for events in trace["ranks"]]
+    problems: list[str] = []
+    match = _match(ranks, problems)
+    problems += _unwaited_consumers(trace, ranks)
+
+    def op_done(r: int, i: int, k: int) -> bool:
+        partner = match.get((r, i, k))
+        if partner is None:
+            return False
+        q, j, _ = partner
+        if ranks[r].issues[i][k]["op"] == "send" and not sends_wait_for_receive:
+            return True
+        return ranks[q].started > j  # the peer's matching operation is posted and running
+
+    def complete(r: int, i: int) -> bool:
+        rk = ranks[r]
+        while rk.completed < rk.started and all(
+                op_done(r, rk.completed, k) for k in range(len(rk.issues[rk.completed]))):
+            rk.completed += 1
+        return i < rk.completed
+
+    progress = True
+    while progress:
+        progress = False
+        for r, rk in enumerate(ranks):
+            while True:
+                moved = False
+                i = rk.started
+                if i < len(rk.issues) and rk.done >= rk.after[i] and (i == 0 or complete(r, i - 1)):
+                    rk.started += 1
+                    moved = True
+                while rk.done < len(rk.stream):
+                    item = rk.stream[rk.done]
+                    if item[0] != "compute" and not complete(r, item[1]):
+                        break
+                    rk.done += 1
+                    moved = True
+                if not moved:
+                    break
+                progress = True
+    for r, rk in enumerate(ranks):
+        if rk.done == len(rk.stream) and all(complete(r, i) for i in range(len(rk.issues))):
+            continue
+        if rk.done < len(rk.stream):
+            item = rk.stream[rk.done]
+            where = f"its compute stream waits for issue #{item[1]}"
+        else:
+            where = "its last issues never complete"
+        first = next((i for i in range(len(rk.issues)) if not complete(r, i)), None)
+        if first is None:
+            why = "no such issue was made"
+        elif rk.started <= first:
+            why = f"issue #{first} cannot start (issue #{first - 1} incomplete or compute not reached)"
+        else:
+            stuck = [_describe(op) for k, op in enumerate(rk.issues[first]) if not op_done(r, first, k)]
+            why = f"issue #{first} waits on: {'; '.join(stuck)}"
+        problems.append(f"deadlock: rank {r} of {p}: {where}; {why}")
+    return problems
+
+
+def _split(events: Sequence[dict]) -> _Rank:
+    stream: list[Any] = []
+    issues: list[list[dict]] = []
+    after: list[int] = []
+    for event in events:
+        if "issue" in event:
+            issues.append(event["issue"])
+            after.append(len(stream))
+        elif "wait" in event:
+            stream.append(("wait", event["wait"]))
+        else:
+            stream.append(("compute", *event["compute"]))
+    return _Rank(stream, issues, after)
+
+
+def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """Pair the n-th send from r to q with the n-th receive on q from r (FIFO per channel)."""
+    queues: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}
+    for r, rk in enumerate(ranks):
+        for i, ops in enumerate(rk.issues):
+            for k, op in enumerate(ops):
+                src, dst = (r, op["peer"]) if op["op"] == "send" else (op["peer"], r)
+                queues.setdefault((op["op"], src, dst), []).append((r, i, k))
+    match = {}
+    for (op, src, dst), ends in queues.items():
+        if op != "send":
+            continue
+        recvs = queues.get(("recv", src, dst), [])
+        for a, b in zip(ends, recvs):
+            sent, got = ranks[a[0]].issues[a[1]][a[2]]["msg"], ranks[b[0]].issues[b[1]][b[2]]["msg"]
+            if list(sent) != list(got):
+                problems.append(f"mismatch: rank {dst} issue #{b[1]} expects {got} from rank {src}, "
+                                f"whose issue #{a[1]} sends {sent} (FIFO order differs)")
+            match[a], match[b] = b, a
+        if len(ends) != len(recvs):
+            problems.append(f"unmatched: {len(ends)} sends from rank {src} to rank {dst}, {len(recvs)} receives")
+    for (op, src, dst), recvs in queues.items():
+        if op == "recv" and ("send", src, dst) not in queues:
+            problems.append(f"unmatched: rank {dst} receives {len(recvs)} messages rank {src} never sends")
+    return match
+
+
+def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
+    """A compute that reads a received tensor must come after a wait on the issue that received it."""
+    p, last = trace["p"], trace["p"] * trace["v"] - 1
+    problems = []
+    for r, events in enumerate(trace["ranks"]):
+        where: dict[tuple, int] = {}  # message -> issue that receives it
+        waited: set[int] = set()
+        issue = 0
+        for event in events:
+            if "issue" in event:
+                for op in event["issue"]:
+                    if op["op"] == "recv":
+                        where[tuple(op["msg"])] = issue
+                issue += 1
+            elif "wait" in event:
+                waited.add(event["wait"])
+            else:
+                op, mb, chunk = event["compute"]
+                s = virtual_stage(r, chunk, p)
+                if op == "F" and s > 0:
+                    needed = ("F", mb, s - 1)
+                elif op in ("B", "I") and s < last:
+                    needed = ("B", mb, s + 1)
+                else:
+                    continue
+                if stage_location(needed[2], p)[0] != r and where.get(needed) not in waited:
+                    problems.append(f"race: rank {r} computes {op}{mb} on chunk {chunk} before waiting for "
+                                    f"its input {list(needed)}")
+    return problems
+
+
+def check_all_send_models(trace: dict) -> dict[str, list[str]]:
+    """``check_trace`` under both send models, keyed by ``SEND_MODELS`` names."""
+    return {name: check_trace(trace, waits) for name, waits in SEND_MODELS.items()}
+
+
+def write_trace(trace: dict, path: str | Path) -> None:
+    """The trace as JSON, one line per event so a user can read it (atomic: temp file, then rename)."""
+    path = Path(path)
+    head = {k: trace[k] for k in ("schedule", "p", "v", "m", "forward_only")}
+    rows = ",\n".join(
+        "  [\n" + ",\n".join("    " + json.dumps(e) for e in events) + "\n  ]" for events in trace["ranks"])
+    text = json.dumps(head)[:-1] + ',\n "ranks": [\n' + rows + "\n ]}\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
