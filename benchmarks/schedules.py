@@ -82,7 +82,7 @@ def _ours(name: str, rank: int, p: int, v: int, m: int, t_f: float, args) -> flo
 
     def step() -> None:
         stage = ModuleStage(chunks, rank, p, v, lambda mb: x[mb], lambda y, mb: (y**2).mean() / m)
-        run_schedule(actions, stage, comm, recv_lookahead=args.recv_lookahead)
+        run_schedule(actions, stage, comm)
 
     return _timed(step, args.repeats, args.warmup)
 
@@ -135,13 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--schedules", nargs="+", default=list(TORCH_SCHEDULES), choices=list(TORCH_SCHEDULES))
-    parser.add_argument("--recv-lookahead", type=int, default=2,
-                        help="post receives this many compute actions ahead (run_schedule's recv_lookahead)")
     parser.add_argument("--json", action="store_true", help="print one JSON object keyed by schedule")
     args = parser.parse_args(argv)
-    if args.p < 2 or args.m < 1 or args.v < 1 or args.t_f <= 0 or args.repeats < 1 or args.recv_lookahead < 0:
-        print("benchmarks/schedules.py: need --p >= 2, --m >= 1, --v >= 1, --t-f > 0, --repeats >= 1, "
-              "--recv-lookahead >= 0",
+    if args.p < 2 or args.m < 1 or args.v < 1 or args.t_f <= 0 or args.repeats < 1:
+        print("benchmarks/schedules.py: need --p >= 2, --m >= 1, --v >= 1, --t-f > 0, --repeats >= 1",
               file=sys.stderr)
         return 2
     if "interleaved" in args.schedules and args.m % args.p:
@@ -166,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"p={args.p} m={args.m} t_f={args.t_f * 1e3:.0f}ms t_b={2 * args.t_f * 1e3:.0f}ms "
-          f"recv_lookahead={args.recv_lookahead}, median of {args.repeats} after {args.warmup} warm-up")
+          f"NCCL-safe placement, median of {args.repeats} after {args.warmup} warm-up")
     print(f"{'schedule':<12} {'v':>2} {'ideal s':>8} {'ours s':>8} {'torch s':>8} {'ours/ideal':>11} "
           f"{'torch/ideal':>12} {'ours/torch':>11}")
     for name, r in report.items():

@@ -8,6 +8,7 @@ import os
 import sys
 
 from .config import ConfigError, add_config_arguments, config_from_args, validate
+from .errors import print_error
 
 
 def _train_parser(sub) -> None:
@@ -31,11 +32,15 @@ def run_train(args: argparse.Namespace) -> int:
     local_world_size = args.nproc_per_node if launching else int(
         os.environ.get("LOCAL_WORLD_SIZE", world_size))
     errors = validate(config, world_size, local_world_size)
+    if not errors:  # --save/--load and the checkpoint itself (checksums, model shape); not in ptdp.config,
+        from .checkpointing.validation import checkpoint_errors  # which must not import checkpointing
+
+        errors = checkpoint_errors(config, world_size)
     if errors:
         # Every rank rejects the configuration before any collective; only rank 0 speaks.
         if int(os.environ.get("RANK", "0")) == 0:
             for line in errors:
-                print(f"ptdp train: error: {line}", file=sys.stderr)
+                print_error("train", line)
         return 2
     if launching:
         from .launch import launch_workers
@@ -77,7 +82,7 @@ def _worker_argv(argv: list[str]) -> list[str]:
 
 def _fail(message: str) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"ptdp: error: {message}", file=sys.stderr)
+        print_error(None, message)
     return 2
 
 

@@ -22,9 +22,10 @@ class ConfigError(Exception):
     """A problem with the user's configuration; the message is one line naming the flag."""
 
 
-def opt(default: Any, help: str, flag: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A dataclass field with its command-line flag (derived from the field name unless given)."""
-    metadata = {"help": help, "flag": flag, "argparse": argparse_kwargs}
+def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
+    """A dataclass field with its command-line flag (derived from the field name unless given) and any
+    older spellings of it (``aliases``: flags and TOML keys that Megatron-LM still accepts)."""
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "argparse": argparse_kwargs}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -41,7 +42,24 @@ class ModelConfig:
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this (and of t)")
     init_method_std: float = opt(0.02, "std of the normal initialisation")
-    layernorm_epsilon: float = opt(1e-5, "LayerNorm epsilon")
+    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon", aliases=("--layernorm-epsilon",))
+    # Llama-family options (Megatron-LM's flags); the defaults are the GPT-2 architecture above.
+    position_embedding_type: str = opt("learned_absolute", "learned_absolute (GPT-2) or rope (rotary, Llama)",
+                                       choices=["learned_absolute", "rope"])
+    rotary_base: float = opt(10000.0, "RoPE base (theta) of the rotation frequencies")
+    rotary_percent: float = opt(1.0, "fraction of each head's dimensions that RoPE rotates")
+    use_rope_scaling: bool = opt(False, "Llama 3.1's RoPE frequency scaling (low/high frequency factors 1/4, "
+                                 "original context 8192)")
+    rope_scaling_factor: float = opt(8.0, "Llama 3.1 RoPE scaling factor (with --use-rope-scaling)")
+    normalization: str = opt("LayerNorm", "LayerNorm (GPT-2) or RMSNorm (Llama)", choices=["LayerNorm", "RMSNorm"])
+    swiglu: bool = opt(False, "SwiGLU MLP down(silu(gate(x)) * up(x)); default --ffn-hidden-size becomes "
+                       "int(8h/3 / 64) * 64")
+    group_query_attention: bool = opt(False, "grouped-query attention: --num-query-groups K/V heads")
+    num_query_groups: int = opt(1, "key/value head groups G with --group-query-attention (t must divide G)")
+    untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead of the input "
+                                                    "embedding")
+    disable_bias_linear: bool = opt(False, "no biases in the attention and MLP linears (Llama)")
+    kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
         None, "activation recomputation: full (whole layers) or selective (attention core only)",
@@ -51,11 +69,32 @@ class ModelConfig:
         "--recompute-num-layers layers of each chunk); default uniform", choices=["uniform", "block"])
     recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers "
                                            "per chunk (block); default 1")
-    compile: bool = opt(False, "fuse bias-GeLU and bias-dropout-add with torch.compile (eager if it fails)")
+    compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
+                        "bias-dropout-add); eager if it fails")
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """Megatron's default: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64 (same params)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: G with --group-query-attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
 
     def padded_vocab_size(self, vocab_size: int, tp: int) -> int:
         """Pad to a multiple of lcm(divisible_by, t), the same for every layout whose t divides it."""
@@ -76,6 +115,9 @@ class ParallelConfig:
         True, "send 1/t of each boundary tensor and all-gather it in the TP group",
         flag="--no-scatter-gather-tensors-in-pipeline")
     distributed_timeout_minutes: float = opt(10.0, "process-group timeout, so a lost peer fails fast")
+    hang_timeout_s: float = opt(300.0, "a rank without progress for this long is a hang: every rank's last "
+                                "communication operations are written to the --save directory, the stopped "
+                                "rank(s) named, and the job exits so the launcher restarts it (0 disables)")
     sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
                                   "(needs t > 1)")
 
@@ -97,7 +139,7 @@ class OptimizerConfig:
     lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
     weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and LayerNorm)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
-    adam_beta2: float = opt(0.95, "AdamW beta2")
+    adam_beta2: float = opt(0.999, "AdamW beta2 (Megatron-LM's default; GPT-3 recipes set 0.95)")
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
     use_distributed_optimizer: bool = opt(
@@ -155,6 +197,7 @@ class CheckpointConfig:
     load: str | None = opt(None, "resume from DIR/latest, in any layout (a DIR without `latest` starts fresh)")
     exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
+    async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
 
 
 @dataclass
@@ -189,6 +232,10 @@ def _flag(f: dataclasses.Field) -> str:
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are None so that a TOML file can sit under the command line."""
     parser.add_argument("--config", help="TOML file with the same keys as the flags")
+    from .presets import MODEL_PRESETS
+
+    parser.add_argument("--model", choices=list(MODEL_PRESETS), help="a named model shape (ptdp/presets.py); "
+                        "flags given explicitly override it")
     for name, section in zip(Config.section_names(), Config().sections(), strict=True):
         group = parser.add_argument_group(name)
         for f in dataclasses.fields(section):
@@ -199,7 +246,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(_flag(f), dest=f.name, action=action, default=None, help=help_text)
                 continue
             kwargs.setdefault("type", _scalar_type(f))
-            group.add_argument(_flag(f), dest=f.name, default=None, help=help_text, **kwargs)
+            group.add_argument(_flag(f), *f.metadata["aliases"], dest=f.name, default=None, help=help_text,
+                               **kwargs)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -227,6 +275,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
     config = Config()
+    for f in dataclasses.fields(ModelConfig):  # older TOML spellings (layernorm-epsilon = norm-epsilon)
+        for alias in f.metadata["aliases"]:
+            if alias[2:].replace("-", "_") in values:
+                values.setdefault(f.name, values.pop(alias[2:].replace("-", "_")))
+    preset = getattr(args, "model", None) or values.pop("model", None)
+    if preset is not None:  # --model NAME: under the TOML file and the flags
+        from .presets import MODEL_PRESETS
+
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"--model {preset!r} is not a preset; choose one of {', '.join(MODEL_PRESETS)}")
+        for key, value in MODEL_PRESETS[preset].items():
+            setattr(config.model, key, value)
     known: set[str] = set()
     for section in config.sections():
         for f in dataclasses.fields(section):
@@ -280,6 +340,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
                       f"--tensor-model-parallel-size {t}; choose t that divides the head count")
     if m.ffn_size % t:
         errors.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}")
+    errors += _llama_errors(m, t)
     if m.vocab_size is not None and m.vocab_size <= 0:
         errors.append(f"--vocab-size must be positive, got {m.vocab_size}")
     if tr.global_batch_size % (tr.micro_batch_size * d):
@@ -329,6 +390,14 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--min-lr {opt_.min_lr} must be between 0 and --lr {opt_.lr}")
     if opt_.lr_warmup_iters < 0:
         errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
+    if opt_.lr_decay_iters is not None and opt_.lr_decay_iters <= 0:
+        errors.append(f"--lr-decay-iters must be a positive integer, got {opt_.lr_decay_iters}")
+    elif opt_.lr_decay_iters is not None and opt_.lr_warmup_iters > opt_.lr_decay_iters:
+        errors.append(f"--lr-warmup-iters {opt_.lr_warmup_iters} is larger than --lr-decay-iters "
+                      f"{opt_.lr_decay_iters}; the decay would start before the warm-up ends (Megatron refuses "
+                      "it too): lower --lr-warmup-iters or raise --lr-decay-iters")
+    if par.hang_timeout_s < 0:
+        errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
     errors += _precision_errors(config.precision)
@@ -341,10 +410,36 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from .observability import observability_errors
 
     errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
-    if not errors:  # --save/--load paths and the checkpoint itself (checksums, model shape)
-        from .checkpointing.validation import checkpoint_errors
+    # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
+    # caller runs after this (``ptdp train`` does): importing it here would make config and
+    # checkpointing import each other.
+    return errors
 
-        errors += checkpoint_errors(config, world_size)
+
+def _llama_errors(m: ModelConfig, t: int) -> list[str]:
+    """The Llama-family flags: head shapes RoPE and grouped-query attention can split over t ranks."""
+    errors = []
+    if m.kv_channels is not None and m.kv_channels <= 0:
+        errors.append(f"--kv-channels must be a positive integer, got {m.kv_channels}")
+        return errors
+    if not m.norm_epsilon > 0:
+        errors.append(f"--norm-epsilon must be > 0, got {m.norm_epsilon}")
+    if m.group_query_attention:
+        g, a = m.num_query_groups, m.num_attention_heads
+        if g <= 0 or a % g:
+            errors.append(f"--num-query-groups {g} must be positive and divide --num-attention-heads {a}")
+        elif g % t:
+            errors.append(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {t}; each "
+                          "tensor-parallel rank needs whole key/value groups: choose t dividing G")
+    if m.position_embedding_type == "rope":
+        rotary = int(m.head_dim * m.rotary_percent)
+        if not 0.0 < m.rotary_percent <= 1.0 or rotary < 2 or rotary % 2:
+            errors.append(f"--rotary-percent {m.rotary_percent} of the head dimension {m.head_dim} must rotate "
+                          "a positive even number of dimensions (0 < percent <= 1)")
+        if not m.rotary_base > 0:
+            errors.append(f"--rotary-base must be > 0, got {m.rotary_base}")
+    if m.use_rope_scaling and (m.position_embedding_type != "rope" or not m.rope_scaling_factor > 0):
+        errors.append("--use-rope-scaling needs --position-embedding-type rope and --rope-scaling-factor > 0")
     return errors
 
 

@@ -1,8 +1,8 @@
 """Validation loss with every parallel layout: the training schedule's forward half, without gradients.
 
-The forward-only action list is the training list with its backward actions removed: forward
-dependencies and each rank's forward order are unchanged, so it is as deadlock-free as the list it came
-from, and the one executor runs it.
+The forward-only action list is the training schedule's forwards, in the same order, with communication
+placed for that list (``build_schedule(..., forward_only=True)``): striking the backwards out of the
+training list would keep batches cut for them, which NCCL can hang on. The one executor runs it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,8 @@ from torch import Tensor, nn
 from .data import get_microbatch
 from .model import language_model_loss
 from .pipeline.executor import run_schedule
-from .pipeline.schedules import Action, virtual_stage
+from .pipeline.schedules import build_schedule, virtual_stage
 from .tensor_parallel.mappings import group_size
-
-FORWARD_OPS = frozenset({"F", "RECV_F", "SEND_F"})
-
-
-def forward_only(actions: Sequence[Action]) -> list[Action]:
-    return [a for a in actions if a.op in FORWARD_OPS]
 
 
 class ForwardOnlyStage:
@@ -50,7 +44,8 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
-    actions = forward_only(trainer.schedule)
+    par = trainer.config.parallel
+    actions = build_schedule(par.schedule, state.dims.pp, par.virtual_size, m, state.pp_rank, forward_only=True)
     for chunk in trainer.chunks:
         chunk.eval()
     total = 0.0

@@ -14,22 +14,58 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
 * a backward pass costs twice its forward; full activation recomputation runs the layers' forward once
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
+
+Llama-family options (keyword arguments, all defaulting to GPT-2; ptdp-facts.md §Llama-family layers),
+with ``q = a·d`` query/output width (``d`` = ``kv_channels``, default h/a, so q = h) and ``k = G·d`` the key
+and value width of G query groups (G = a without GQA):
+
+* attention projections ``2·B·s·h·(2q + 2k)``: Q and output ``h × q`` each, K and V ``h × k`` each;
+  with q = h, k = h·G/a that is ``2·B·s·h·(2h + 2h·G/a)``;
+* scores and values ``4·B·s²·q``;
+* SwiGLU MLP ``6·B·s·h·ffn`` (gate, up and down, three ``h × ffn`` GEMMs) instead of ``4·B·s·h·ffn``;
+* RMSNorm, rotary embeddings and the element-wise ops are not counted (as LayerNorm and GeLU are not);
+  an untied output layer costs the same logit FLOPs as a tied one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def _ffn(hidden_size: int, ffn_hidden_size: int | None) -> int:
     return 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
 
 
-def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None) -> int:
+def _widths(h: int, num_attention_heads: int | None, num_query_groups: int | None,
+            kv_channels: int | None) -> tuple[int, int]:
+    """(q, k): query/output projection width a·d and key/value width G·d."""
+    if num_attention_heads is None:
+        return h, h
+    d = kv_channels or h // num_attention_heads
+    return num_attention_heads * d, (num_query_groups or num_attention_heads) * d
+
+
+def architecture(model: Any) -> dict[str, Any]:
+    """The keyword arguments below for a ``ModelConfig`` or a planner ``GPTSpec`` (same field names)."""
+    gqa = getattr(model, "group_query_attention", True)
+    return {
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": getattr(model, "num_query_groups", None) if gqa else None,
+        "kv_channels": getattr(model, "kv_channels", None), "swiglu": getattr(model, "swiglu", False),
+    }
+
+
+def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
+                        num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                        kv_channels: int | None = None, swiglu: bool = False) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
-    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``; equals the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h.
+    ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
+    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h.
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
-    return tokens * (8 * h * h + 4 * h * f + 4 * seq_length * h)
+    q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
+    return tokens * (2 * h * (2 * q + 2 * k) + (6 if swiglu else 4) * h * f + 4 * seq_length * q)
 
 
 def logit_forward_flops(hidden_size: int, vocab_size: int, tokens: int) -> int:
@@ -45,6 +81,7 @@ def flops_per_iteration(
     global_batch_size: int,
     recompute: bool,
     ffn_hidden_size: int | None = None,
+    **arch: Any,
 ) -> int:
     """FLOPs of one training iteration (forward + backward [+ recomputed forward]) over the global batch.
 
@@ -55,17 +92,27 @@ def flops_per_iteration(
     """
     tokens = global_batch_size * seq_length
     layer_passes = 4 if recompute else 3
-    layers = num_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size)
+    layers = num_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size,
+                                                             **arch)
     return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
-def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None) -> int:
+def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
+                          num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                          kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
+                          normalization: str = "LayerNorm") -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
-    Equals the paper's ``12h² + 13h`` when ffn = 4h.
+    Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
+    2k + h`` biases), MLP ``2·h·ffn`` or with SwiGLU ``3·h·ffn`` weights (+ ``ffn + h``, SwiGLU ``2·ffn +
+    h`` biases), and two norms of ``2h`` (LayerNorm) or ``h`` (RMSNorm: no bias).
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
-    return 4 * h * h + 2 * h * f + f + 9 * h
+    q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
+    weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
+    biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
+    norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
+    return weights + biases + norms
 
 
 def parameter_count(
@@ -74,10 +121,28 @@ def parameter_count(
     seq_length: int,
     vocab_size: int,
     ffn_hidden_size: int | None = None,
+    *,
+    untied: bool = False,
+    rope: bool = False,
+    **layer: Any,
 ) -> int:
     """Parameters ``P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`` (ptdp-facts.md, §FLOPs).
 
     Layers plus word embeddings ``V·h`` (tied with the output layer) plus learned positions ``s·h``.
-    Like the paper, the final LayerNorm (2h) is not counted.
+    Like the paper, the final LayerNorm (2h) is not counted. An untied output layer adds ``V·h``; rotary
+    positions (``rope``) have no ``s·h`` table; ``layer`` goes to :func:`layer_parameter_count`.
     """
-    return num_layers * layer_parameter_count(hidden_size, ffn_hidden_size) + (vocab_size + seq_length) * hidden_size
+    embeddings = (2 if untied else 1) * vocab_size * hidden_size + (0 if rope else seq_length * hidden_size)
+    return num_layers * layer_parameter_count(hidden_size, ffn_hidden_size, **layer) + embeddings
+
+
+def model_parameter_count(model: Any, vocab_size: int | None = None) -> int:
+    """:func:`parameter_count` of a ``ModelConfig`` or ``GPTSpec`` (vocabulary unpadded, final norm not counted)."""
+    arch = architecture(model)
+    return parameter_count(
+        model.num_layers, model.hidden_size, model.seq_length, vocab_size or model.vocab_size,
+        getattr(model, "ffn_size", None) or getattr(model, "ffn", None),
+        untied=getattr(model, "untie_embeddings_and_output_weights", False),
+        rope=getattr(model, "position_embedding_type", "learned_absolute") == "rope",
+        bias=not getattr(model, "disable_bias_linear", False),
+        normalization=getattr(model, "normalization", "LayerNorm"), **arch)

@@ -79,3 +79,38 @@ def _probe(ops: FusedOps) -> None:
         bias = torch.zeros(4, requires_grad=True)
         out = ops.bias_dropout_add(ops.bias_gelu(y, bias), bias, y, 0.1, True)
         out.sum().backward()
+
+
+def compile_layers(layers, sample_shape: tuple[int, ...], dtype) -> bool:
+    """``--compile`` on a GPU: ``torch.compile`` each transformer layer (as torchtitan does per block), so
+    Inductor fuses LayerNorm, bias, GeLU, dropout and residual adds around the GEMMs and attention.
+
+    Only on CUDA: on the CPU the fused element-wise ops above are compiled instead (Inductor's C++ code for
+    whole layers gains little there and takes minutes to build), so CPU numbers stay what they were.
+    Layers share one compiled graph (parameters are graph inputs). The forward and backward are compiled
+    now, on a throw-away input of the training shape ``sample_shape`` under ``fork_rng``, so a failure
+    shows here: then every layer runs eagerly after a one-line warning. Returns whether layers compiled.
+    """
+    layers = list(layers)
+    params = [p for layer in layers for p in layer.parameters()]
+    if not layers or not params or not params[0].is_cuda:
+        return False
+    device = params[0].device
+    try:
+        for layer in layers:
+            layer.compile()
+        with torch.random.fork_rng(devices=[device]), torch.enable_grad():
+            x = torch.randn(sample_shape, device=device, dtype=dtype, requires_grad=True)
+            layers[0](x).float().sum().backward()
+        for p in params:
+            p.grad = None
+        return True
+    except Exception as e:  # a compiler failure must never stop training: run the layers eagerly
+        for layer in layers:
+            layer._compiled_call_impl = None
+        for p in params:
+            p.grad = None
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        warnings.warn(f"--compile: compiling the transformer layers failed ({reason}); running them eagerly",
+                      stacklevel=2)
+        return False

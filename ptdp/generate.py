@@ -106,6 +106,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "default: a fresh random seed)")
     parser.add_argument("--tokenizer-prefix", default=None, help="use PREFIX.tokenizer.json (or the byte "
                         "tokenizer when there is none) instead of the checkpoint's --data-path")
+    parser.add_argument("--tokenizer-file", default=None, help="use this tokenizer.json (e.g. a Llama "
+                        "model's Hugging Face tokenizer; the prompt starts with its BOS token)")
     return parser
 
 
@@ -136,7 +138,7 @@ def generate_text(args: argparse.Namespace) -> str:
         raise GenerateError(f"--load {args.load}: the checkpoint holds no model weights; point --load at a "
                             "checkpoint saved by `ptdp train --save` or `ptdp import`")
     model = full_model_from_state(tensors, config)
-    tokenizer = checkpoint_tokenizer(config, args.tokenizer_prefix)
+    tokenizer = checkpoint_tokenizer(config, args.tokenizer_prefix, getattr(args, "tokenizer_file", None))
     if tokenizer.vocab_size > model.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's model only "
                             f"{model.vocab_size}; pass the run's --tokenizer-prefix")
@@ -155,6 +157,8 @@ def generate_text(args: argparse.Namespace) -> str:
 def check_arguments(args: argparse.Namespace) -> None:
     if not args.load:
         raise GenerateError("--load is required: give the checkpoint DIR written by `ptdp train --save DIR`")
+    if args.tokenizer_prefix and getattr(args, "tokenizer_file", None):
+        raise GenerateError("--tokenizer-prefix and --tokenizer-file are exclusive; give one of them")
     if args.max_new_tokens < 0:
         raise GenerateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     sampling = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
@@ -169,13 +173,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise GenerateError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def checkpoint_tokenizer(config: dict, override: str | None) -> Tokenizer:
-    """The tokenizer of ``override`` or of the run's first ``--data-path`` prefix; bytes by default."""
+def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str | None = None) -> Tokenizer:
+    """The tokenizer of ``tokenizer_file``, of ``override`` (a prefix) or of the run's first ``--data-path``
+    prefix; bytes by default."""
     from .data import ByteTokenizer, DataError, load_tokenizer
     from .data.builder import _strip_suffix, parse_data_path
-    from .data.tokenizer import TOKENIZER_SUFFIX
+    from .data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer
 
     try:
+        if tokenizer_file:
+            if not os.path.isfile(tokenizer_file):
+                raise GenerateError(f"--tokenizer-file {tokenizer_file} does not exist; give a tokenizer.json")
+            return BPETokenizer.from_file(tokenizer_file)
         if override:
             return load_tokenizer(_strip_suffix(override))
         data_path = config.get("data", {}).get("data_path") or []

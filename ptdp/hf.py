@@ -1,5 +1,7 @@
 """Hugging Face ``transformers`` GPT-2 export and import: ``ptdp export`` / ``ptdp import``.
 
+(Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf_llama``; this module dispatches.)
+
 ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
 ptdp/model.py), so conversion is a renaming plus three layout changes:
 
@@ -65,9 +67,18 @@ class HFError(ConfigError):
 
 def model_config_from_dict(config_dict: dict) -> ModelConfig:
     """The ``ModelConfig`` of a saved config (``Config.to_dict()`` form or just its ``model`` section)."""
-    values = config_dict.get("model", config_dict)
+    values = dict(config_dict.get("model", config_dict))
+    if "layernorm_epsilon" in values:  # checkpoints written before --norm-epsilon
+        values.setdefault("norm_epsilon", values.pop("layernorm_epsilon"))
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def is_gpt2(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
+    return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
+            and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
+            and not cfg.disable_bias_linear and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
 
 
 def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -> GPTModel:
@@ -109,7 +120,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
     return {
         "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_length, "n_embd": cfg.hidden_size,
         "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layernorm_epsilon,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_epsilon,
         "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
         "attn_pdrop": cfg.attention_dropout,
         "initializer_range": cfg.init_method_std, "tie_word_embeddings": True,
@@ -120,6 +131,11 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
 
 def _eod_id(config_dict: dict, vocab: int) -> int | None:
     """The end-of-document id of the run's tokenizer (the byte tokenizer's 256 by default), if knowable."""
+    tokenizer = _tokenizer(config_dict, vocab)
+    return None if tokenizer is None else tokenizer.eod_id
+
+
+def _tokenizer(config_dict: dict, vocab: int):
     from .data import ByteTokenizer, load_tokenizer
     from .data.builder import _strip_suffix, parse_data_path
 
@@ -129,7 +145,7 @@ def _eod_id(config_dict: dict, vocab: int) -> int | None:
         tokenizer = load_tokenizer(_strip_suffix(prefixes[0])) if prefixes else ByteTokenizer()
     except Exception:  # the data may live elsewhere now; the ids stay valid, only eos is unknown
         return None
-    return tokenizer.eod_id if tokenizer.vocab_size == vocab else None
+    return tokenizer if tokenizer.vocab_size == vocab else None
 
 
 def export_hf(load: str | Path, out: str | Path) -> Path:
@@ -139,10 +155,22 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
+    from . import hf_llama
+
+    if hf_llama.is_llama(cfg):
+        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
+        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
+        state = hf_llama.to_hf_state(tensors, cfg)
+        hf_config = transformers.LlamaConfig(**hf_llama.hf_config_kwargs(cfg, bos, eos))
+    elif is_gpt2(cfg):
+        state = to_hf_state(tensors, cfg)
+        hf_config = transformers.GPT2Config(**hf_config_dict(cfg, _eod_id(config_dict, cfg.vocab_size)))
+    else:
+        raise HFError(f"--load {load}: the model is neither GPT-2 nor a Llama (rope + RMSNorm + SwiGLU, no "
+                      "biases, --rotary-percent 1); Hugging Face export supports those two")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    safetensors_torch.save_file(to_hf_state(tensors, cfg), str(out / HF_WEIGHTS), metadata={"format": "pt"})
-    hf_config = transformers.GPT2Config(**hf_config_dict(cfg, _eod_id(config_dict, cfg.vocab_size)))
+    safetensors_torch.save_file(state, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     hf_config.save_pretrained(str(out))
     return out
 
@@ -178,7 +206,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     """ptdp's model flags for an HF GPT-2 ``config.json``; refuses variants ptdp does not compute."""
     if hf_config.get("model_type") != "gpt2":
         raise HFError(f"--in: config.json has model_type {hf_config.get('model_type')!r}; "
-                      "only 'gpt2' models import")
+                      "only 'gpt2' and 'llama' models import")
     by_layer_idx = hf_config.get("scale_attn_by_inverse_layer_idx", False)
     checks = [
         ("activation_function", hf_config.get("activation_function", "gelu_new") in TANH_GELUS, "gelu_new"),
@@ -196,7 +224,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
         ffn_hidden_size=hf_config.get("n_inner") or 4 * n_embd, seq_length=hf_config["n_positions"],
         hidden_dropout=hf_config.get("resid_pdrop", 0.1), attention_dropout=hf_config.get("attn_pdrop", 0.1),
         init_method_std=hf_config.get("initializer_range", 0.02),
-        layernorm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5), vocab_size=hf_config["vocab_size"],
+        norm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5), vocab_size=hf_config["vocab_size"],
     )
 
 
@@ -213,7 +241,16 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
                       "save_pretrained(..., safe_serialization=True)")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(safetensors_torch.load_file(str(file)))
+        try:
+            tensors.update(safetensors_torch.load_file(str(file)))
+        except FileNotFoundError:
+            raise HFError(f"--in {directory}: {file.name} is missing (named by {HF_INDEX})") from None
+        except Exception as e:  # safetensors' SafetensorError (not importable by name in every version)
+            if type(e).__name__ != "SafetensorError" and not isinstance(e, (OSError, ValueError)):
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HFError(f"--in {directory}: {file} is corrupted or truncated ({reason}); export the model "
+                          "again with save_pretrained(..., safe_serialization=True)") from None
     return tensors
 
 
@@ -229,17 +266,39 @@ def import_hf(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfi
             from None
     except json.JSONDecodeError as e:
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
-    cfg = model_config_from_hf(hf_config)
-    tensors = from_hf_state(read_hf_tensors(directory), cfg)
+    if hf_config.get("model_type") == "llama":
+        from . import hf_llama
+
+        cfg = hf_llama.model_config_from_hf(hf_config)
+        tensors = hf_llama.from_hf_state(read_hf_tensors(directory), cfg)
+    else:
+        cfg = model_config_from_hf(hf_config)
+        tensors = from_hf_state(read_hf_tensors(directory), cfg)
     path = write_full_model_state(save, tensors, {"model": dataclasses.asdict(cfg)})
     return path, cfg
 
 
+# Fields that decide what the imported model computes: ``ptdp train --load`` must be given the same.
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "norm_epsilon",
+                "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
+                "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
+                "disable_bias_linear", "kv_channels")
+
+
 def train_flags(cfg: ModelConfig) -> str:
-    """The ``ptdp train`` flags that load an imported model (the checkpoint's shape flags)."""
-    return (f"--num-layers {cfg.num_layers} --hidden-size {cfg.hidden_size} --num-attention-heads "
-            f"{cfg.num_attention_heads} --ffn-hidden-size {cfg.ffn_size} --seq-length {cfg.seq_length} "
-            f"--layernorm-epsilon {cfg.layernorm_epsilon}")
+    """The ``ptdp train`` flags that load an imported model (its shape flags, the Llama options if any)."""
+    default = ModelConfig()
+    flags = []
+    for name in _MODEL_FLAGS:
+        value = cfg.ffn_size if name == "ffn_hidden_size" else getattr(cfg, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None and (name in _MODEL_FLAGS[:6] or value != getattr(default, name)):
+            flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    if cfg.rope_scaling_factor == default.rope_scaling_factor and "--use-rope-scaling" not in flags:
+        flags = [f for f in flags if not f.startswith("--rope-scaling-factor")]
+    return " ".join(flags)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -259,13 +318,15 @@ def _require_hf(need_transformers: bool = True):
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
-    parser.add_argument("--format", default="hf", choices=["hf"], help="output format (Hugging Face GPT-2)")
+    parser.add_argument("--format", default="hf", choices=["hf"],
+                        help="output format (Hugging Face GPT-2 or Llama, whichever the model is)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", default="hf", choices=["hf"], help="input format (Hugging Face GPT-2)")
+    parser.add_argument("--format", default="hf", choices=["hf"],
+                        help="input format (Hugging Face GPT-2 or Llama: model_type gpt2 or llama)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")
@@ -276,19 +337,19 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         out = export_hf(args.load, args.out)
-    except HFError as e:
-        return _fail("export", str(e))
     except CheckpointError as e:
         return _fail("export", f"--load {args.load}: {e}")
-    print(f"wrote {out}/config.json and {out}/{HF_WEIGHTS}: GPT2LMHeadModel.from_pretrained({str(out)!r})")
+    except ConfigError as e:
+        return _fail("export", str(e))
+    print(f"wrote {out}/config.json and {out}/{HF_WEIGHTS}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
 def run_import(args: argparse.Namespace) -> int:
     try:
         path, cfg = import_hf(args.input, args.save)
-    except (HFError, KeyError) as e:
-        return _fail("import", str(e) if isinstance(e, HFError) else f"--in: config.json lacks {e}")
+    except (ConfigError, KeyError) as e:
+        return _fail("import", str(e) if isinstance(e, ConfigError) else f"--in: config.json lacks {e}")
     except ValueError as e:  # shapes that contradict config.json
         return _fail("import", f"--in {args.input}: {e}")
     print(f"wrote {path}; continue training with: ptdp train --load {args.save} {train_flags(cfg)}")
@@ -296,5 +357,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def _fail(command: str, message: str) -> int:
-    print(f"ptdp {command}: error: {message}", file=sys.stderr)
+    from .errors import error_line
+
+    sys.stderr.write(error_line(command, message))
     return 2

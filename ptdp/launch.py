@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from .errors import print_error
+
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -25,9 +27,11 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         run(launcher_args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
-        print(f"ptdp train: error: worker(s) failed with exit code {codes}; see their messages above",
-              file=sys.stderr)
-        return codes[0] if len(codes) == 1 and codes[0] > 0 else 1
+        print_error("train", f"worker(s) failed with exit code {codes}; see their messages above")
+        # Negative codes are signals, mostly the launcher's own SIGTERM to the workers still running when
+        # the first one failed: the workers' own exit code (2: bad input on every rank) is the answer.
+        exited = {code for code in codes if code > 0}
+        return exited.pop() if len(exited) == 1 else 1
     except SignalException as e:  # e.g. a scheduler's pre-emption: the workers save on SIGTERM
         print(f"ptdp train: stopped by signal {e.sigval}; the workers saved a checkpoint if --save was set",
               file=sys.stderr)

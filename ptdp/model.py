@@ -10,10 +10,19 @@ linears and fused into the next element-wise op (``ptdp.fused``); activation rec
 ``[first_layer, first_layer + num_layers)``, with the embedding if it is the first chunk and the output
 layer if it is the last. Parameter names are the logical ones of the full model (``layers.7.mlp.fc1.weight``
 is layer 7 on whichever rank holds it), so checkpoints and exports do not depend on the layout.
+
+The Llama family is the same model with five options (Megatron's flags, ``ModelConfig``): rotary instead
+of learned positions (``ptdp.rotary``, applied to each rank's own heads), RMSNorm instead of LayerNorm,
+a SwiGLU MLP whose gate and up projections are one column-parallel weight ``[2, ffn, h]`` (so each rank
+holds the same rows of both whatever t is), grouped-query attention (G key/value heads; the QKV weight is
+``[(a + 2G)·d, h]`` in Megatron's order, per group its a/G query heads then its key and its value head, so
+t splits it into whole groups), and no linear biases with an output layer ``lm_head`` untied from the
+embedding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
@@ -26,6 +35,7 @@ from torch import nn
 from .config import ModelConfig
 from .fused import FusedOps, fused_ops
 from .recompute import checkpoint, recompute_plan
+from .rotary import RotaryEmbedding
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -33,27 +43,46 @@ from .tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     get_rng_tracker,
-    mask_padded_vocab,
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from .tensor_parallel.cross_entropy import mask_padded_vocab_
 from .tensor_parallel.mappings import group_size
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when p > 1
 
 
+def norm(cfg: ModelConfig) -> nn.Module:
+    """``--normalization``: LayerNorm (GPT-2) or RMSNorm (Llama: no bias, no mean subtraction)."""
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
 class ParallelAttention(nn.Module):
-    """Causal self-attention over this rank's a/t heads, through SDPA (flash kernels on GPU)."""
+    """Causal self-attention over this rank's a/t query heads (and G/t key/value groups with GQA), through
+    SDPA (flash kernels on GPU); rotary positions, when on, rotate this rank's q and k heads."""
 
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, fuse_bias: bool):
         super().__init__()
-        h, a, t = cfg.hidden_size, cfg.num_attention_heads, group_size(tp_group)
-        self.local_heads, self.head_dim = a // t, h // a
+        h, a, t, d = cfg.hidden_size, cfg.num_attention_heads, group_size(tp_group), cfg.head_dim
+        self.local_heads, self.head_dim = a // t, d
+        self.grouped = cfg.group_query_attention
+        self.local_groups, self.heads_per_group = cfg.query_groups // t, a // cfg.query_groups
         self.dropout = cfg.attention_dropout
         self.recompute_core = cfg.recompute_granularity == "selective"
-        self.qkv = ColumnParallelLinear(h, h, tp_group=tp_group, fused=3, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        self.rotary = (RotaryEmbedding(d, cfg.rotary_percent, cfg.rotary_base,
+                                       cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
+                       if cfg.position_embedding_type == "rope" else None)
+        bias = cfg.add_bias_linear
+        if self.grouped:  # per group: its a/G query heads, its key head, its value head (Megatron's order)
+            self.qkv = ColumnParallelLinear(h, (a + 2 * cfg.query_groups) * d, tp_group=tp_group, bias=bias,
+                                            sequence_parallel=sequence_parallel)
+        else:  # [3, a·d, h]: all q heads, all k heads, all v heads
+            self.qkv = ColumnParallelLinear(h, a * d, tp_group=tp_group, fused=3, bias=bias,
+                                            sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(a * d, h, tp_group=tp_group, bias=bias, sequence_parallel=sequence_parallel,
                                       skip_bias_add=fuse_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -64,28 +93,47 @@ class ParallelAttention(nn.Module):
         return self.proj(y)
 
     def core(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) with dropout, times V, for this rank's heads; [b, s, h/t] out."""
+        """softmax(QK^T / sqrt(d)) with dropout, times V, for this rank's heads; [b, s, a·d/t] out."""
         b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.grouped:
+            groups = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+            q = groups[:, :, :, :-2].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+            k, v = groups[:, :, :, -2].transpose(1, 2), groups[:, :, :, -1].transpose(1, 2)
+        else:
+            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
+            k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
         dropout = self.dropout if self.training else 0.0
-        with get_rng_tracker().fork():  # heads are split across TP ranks: masks must differ per rank
+        # Heads are split across TP ranks: masks must differ per rank. Without dropout no stream is
+        # needed, and swapping generator states would split a compiled layer into pieces (graph breaks).
+        with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
 
 class ParallelMLP(nn.Module):
+    """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]."""
+
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps):
         super().__init__()
+        self.swiglu = cfg.swiglu
+        fuse = ops.compiled and not cfg.swiglu and cfg.add_bias_linear
         # Eagerly, the bias is cheapest inside the GEMM (addmm); compiled, it fuses with the GeLU.
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp_group=tp_group,
-                                        sequence_parallel=sequence_parallel, skip_bias_add=ops.compiled)
-        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group=tp_group,
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp_group=tp_group, fused=2 if cfg.swiglu else 1,
+                                        bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                                        skip_bias_add=fuse)
+        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group=tp_group, bias=cfg.add_bias_linear,
                                      sequence_parallel=sequence_parallel, skip_bias_add=ops.compiled)
-        self.ops = ops
+        self.ops, self.fuse = ops, fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The output, or (compiled ops) the output before its bias and the bias."""
-        h = self.ops.bias_gelu(*self.fc1(x)) if self.ops.compiled else F.gelu(self.fc1(x), approximate="tanh")
+        if self.swiglu:  # this rank's gate rows, then its up rows (fc1's weight is [2, ffn/t, h] here)
+            gate, up = self.fc1(x).chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        h = self.ops.bias_gelu(*self.fc1(x)) if self.fuse else F.gelu(self.fc1(x), approximate="tanh")
         return self.fc2(h)
 
 
@@ -98,9 +146,9 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.input_layernorm = norm(cfg)
         self.attention = ParallelAttention(cfg, tp_group, sequence_parallel, fuse_bias=ops.compiled)
-        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.post_attention_layernorm = norm(cfg)
         self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, ops)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
@@ -123,12 +171,15 @@ class GPTEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, tp_group):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
-        self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.position_embeddings = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                                    if cfg.position_embedding_type == "learned_absolute" else None)  # else RoPE
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.dropout(x)
 
 
 class GPTModel(nn.Module):
@@ -153,8 +204,10 @@ class GPTModel(nn.Module):
         self.recompute_plan = recompute_plan(num_layers, cfg.recompute_granularity, cfg.recompute_method,
                                              cfg.recompute_num_layers)
         if post_process:
-            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-            if not pre_process:  # a separate stage: keep a copy of the tied embedding, synced by grads
+            self.final_layernorm = norm(cfg)
+            if not cfg.tied_embeddings:  # its own [V, h] weight, split by vocabulary rows like the embedding
+                self.lm_head = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
+            elif not pre_process:  # a separate stage: keep a copy of the tied embedding, synced by grads
                 self.output_layer = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
         for name, param in self.named_parameters():
             param.no_weight_decay = name.endswith("bias") or "layernorm" in name  # Megatron's rule
@@ -163,6 +216,8 @@ class GPTModel(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
+        if not self.cfg.tied_embeddings:
+            return self.lm_head.weight
         return self.embedding.word_embeddings.weight if self.pre_process else self.output_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,9 +237,8 @@ class GPTModel(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        if group_size(self.tp_group) == 1:  # one rank: skip the padding rows instead of masking them
-            return F.linear(x, self.output_weight[: self.vocab_size])
-        return mask_padded_vocab(F.linear(x, self.output_weight), self.vocab_size, self.tp_group)
+        # The padded vocabulary even at t=1: an aligned GEMM (N = 50304, not 50257), padding masked in place.
+        return mask_padded_vocab_(F.linear(x, self.output_weight), self.vocab_size, self.tp_group)
 
 
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -193,9 +247,11 @@ def run_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Mean next-token cross-entropy of vocabulary-parallel logits."""
-    return vocab_parallel_cross_entropy(logits, labels, tp_group).mean()
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                        inplace_backward: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-parallel logits (overwrites fp32 ``logits``: see
+    ``vocab_parallel_cross_entropy``, also for ``inplace_backward``)."""
+    return vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward).mean()
 
 
 def logical_name(name: str) -> str:
@@ -225,9 +281,11 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std
         parallel = getattr(param, "tensor_model_parallel", False)
         if parallel:
             full_shape[param.partition_dim] *= tp_size
-        generator = torch.Generator(device=param.device)
+        # Drawn on the CPU whatever the device: CPU and CUDA generators give different numbers, and the
+        # model must be the same on every device (a CUDA run reproduces a CPU run; checkpoints move).
+        generator = torch.Generator()
         generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-        full = torch.empty(full_shape, device=param.device)
+        full = torch.empty(full_shape, device="cpu")
         full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
         param.copy_(full.chunk(tp_size, param.partition_dim)[tp_rank] if parallel else full)
         del full

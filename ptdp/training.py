@@ -23,7 +23,10 @@ from .checkpointing import CheckpointManager
 from .config import Config
 from .data import build_datasets, get_microbatch
 from .evaluation import evaluate, perplexity
+from .fused import compile_layers
 from .model import GPTModel, init_parameters, language_model_loss
+from .observability import flight_recorder
+from .observability.clock import Clock
 from .observability.observer import RunObserver
 from .observability.timeline import Timeline, span
 from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, setup_optimizer
@@ -70,15 +73,20 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
     chunks = []
     for c in range(v):
         stage = c * p + state.pp_rank
-        chunk = GPTModel(
-            m, vocab_size, padded_vocab_size, tp_group=state.tp_group,
-            first_layer=stage * per_stage, num_layers=per_stage,
-            pre_process=stage == 0, post_process=stage == p * v - 1,
-            sequence_parallel=config.parallel.sequence_parallel,
-        ).to(state.device)
+        with torch.device(state.device):  # built where it trains: no CPU copy, no host-to-device move
+            chunk = GPTModel(
+                m, vocab_size, padded_vocab_size, tp_group=state.tp_group,
+                first_layer=stage * per_stage, num_layers=per_stage,
+                pre_process=stage == 0, post_process=stage == p * v - 1,
+                sequence_parallel=config.parallel.sequence_parallel,
+            )
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
         chunk.to(params_dtype(config))  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
-        if chunk.post_process and not chunk.pre_process:
+        if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
+            seq = m.seq_length // state.dims.tp if chunk.sequence_parallel else m.seq_length
+            compile_layers(chunk.layers.values(), (config.training.micro_batch_size, seq, m.hidden_size),
+                           params_dtype(config))
+        if chunk.post_process and not chunk.pre_process and m.tied_embeddings:
             chunk.output_layer.weight.is_embedding_copy = True
         chunks.append(chunk)
     return chunks
@@ -95,7 +103,8 @@ def setup(config: Config) -> Trainer:
     padded = config.model.padded_vocab_size(vocab_size, dims.tp)
     chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
-    shared_embedding = [c.output_weight for c in chunks if dims.pp > 1 and (c.pre_process or c.post_process)]
+    shared_embedding = [c.output_weight for c in chunks if dims.pp > 1 and (c.pre_process or c.post_process)
+                        and config.model.tied_embeddings]
     grads, optimizer = setup_optimizer(params, config, state, shared_embedding)
     m = config.num_microbatches(world_size)
     schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
@@ -117,12 +126,18 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
     sequence_parallel = config.parallel.sequence_parallel and t > 1
     shape = (tr.micro_batch_size, m.seq_length // t if sequence_parallel else m.seq_length, m.hidden_size)
     scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1 and not sequence_parallel
+    # The split is of the flat tensor (Megatron's split_tensor_into_1d_equal_chunks): a contiguous view
+    # to send and one flat all-gather on arrival, no transposing copies (b·s·h is divisible by t, as h is).
+    numel = shape[0] * shape[1] * shape[2]
+    # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
+    # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
+    dist.all_reduce(torch.zeros(1, device=state.device), group=state.pp_group)
     return P2PComm(
         pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
         dtype=params_dtype(config),
-        pack=(lambda x: split(x, tp_group, -1)) if scatter_gather else None,
-        unpack=(lambda x: all_gather(x, tp_group, -1)) if scatter_gather else None,
-        packed_shape=(*shape[:-1], shape[-1] // t) if scatter_gather else None,
+        pack=(lambda x: split(x.reshape(-1), tp_group, 0)) if scatter_gather else None,
+        unpack=(lambda x: all_gather(x, tp_group, 0).view(shape)) if scatter_gather else None,
+        packed_shape=(numel // t,) if scatter_gather else None,
     )
 
 
@@ -130,8 +145,17 @@ def load_microbatch(trainer: Trainer, iteration: int, microbatch: int) -> tuple[
     """Inputs and labels of one microbatch of this rank's data-parallel slice of global batch ``iteration``."""
     tr, state = trainer.config.training, trainer.state
     sample = get_microbatch(trainer.data.train, iteration - 1, tr.global_batch_size, state.dp_rank,
-                            state.dims.dp, tr.micro_batch_size, microbatch).to(state.device)
+                            state.dims.dp, tr.micro_batch_size, microbatch)
+    sample = to_device(sample, state.device)
     return sample[:, :-1], sample[:, 1:]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting: to a GPU through pinned memory with
+    ``non_blocking=True`` (a pageable copy is a cudaStreamSynchronize); on the CPU, itself."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, ScheduleStats]:
@@ -150,8 +174,11 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
             batches[j] = load_microbatch(trainer, iteration, j)
         return batches[j]
 
+    # A split backward (zero-bubble I then W) walks the loss's graph twice: keep the saved softmax intact.
+    inplace = not any(a.op == "W" for a in trainer.schedule)
+
     def loss_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
-        loss = language_model_loss(logits, batch(j)[1], state.tp_group) / m
+        loss = language_model_loss(logits, batch(j)[1], state.tp_group, inplace_backward=inplace) / m
         return loss * scale if scale != 1.0 else loss
 
     stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
@@ -163,14 +190,25 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
     if count:
         trainer.peak_activation_bytes = stats.peak_saved_bytes
     stats.peak_saved_bytes = trainer.peak_activation_bytes
-    loss = torch.tensor(sum(stats.losses.values()) / scale, dtype=torch.float32, device=state.device)
-    return loss, stats
+    loss = total_loss(stats.losses, state.device)
+    return (loss / scale if scale != 1.0 else loss), stats
+
+
+def total_loss(losses: dict, device: torch.device) -> torch.Tensor:
+    """The sum of the microbatch losses as a 0-dim fp32 tensor on ``device``, without reading them on the
+    host: the executor keeps them as detached device tensors (plain floats are accepted too)."""
+    values = [losses[k] for k in sorted(losses)]
+    if not values:  # not the last stage
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack([v.reshape(()).float() for v in values]).sum()
+    return torch.tensor(float(sum(float(v) for v in values)), dtype=torch.float32, device=device)
 
 
 def sync_embedding_grads(trainer: Trainer) -> None:
     """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does."""
     state = trainer.state
-    if state.embedding_group is None:
+    if state.embedding_group is None or not trainer.config.model.tied_embeddings:
         return
     for chunk in trainer.chunks:
         if chunk.pre_process or chunk.post_process:
@@ -179,7 +217,9 @@ def sync_embedding_grads(trainer: Trainer) -> None:
 
 def train_step(trainer: Trainer, iteration: int) -> dict:
     cfg, state = trainer.config, trainer.state
-    lr = learning_rate(iteration, cfg.optimizer, cfg.training.train_iters)
+    # Megatron steps the LR schedule only on successful updates: an fp16 overflow skips the iteration and
+    # leaves the schedule where it was (skipped_iterations is restored from checkpoints).
+    lr = learning_rate(iteration - trainer.optimizer.skipped_iterations, cfg.optimizer, cfg.training.train_iters)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     trainer.grads.start_iteration(trainer.num_microbatches)  # zero; --overlap-grad-reduce counts backwards
@@ -194,25 +234,50 @@ def train_step(trainer: Trainer, iteration: int) -> dict:
         grad_norm, _ = trainer.optimizer.step()
     # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas.
     if group_size(state.pp_group) > 1:
+        flight_recorder.record("all_reduce", group=state.pp_group, tensor=loss, action="loss")
         dist.all_reduce(loss, group=state.pp_group)
     if group_size(state.dp_group) > 1:
+        flight_recorder.record("all_reduce", group=state.dp_group, tensor=loss, action="loss")
         dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
-            "skipped_iterations": trainer.optimizer.skipped_iterations, **pipeline_metrics(trainer, stats)}
+    # "loss" and "grad_norm" stay 0-dim device tensors: the host does not wait for the GPU here.
+    # read_records turns them into floats (and adds the pipeline metrics) once per logged iteration.
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
+            "skipped_iterations": trainer.optimizer.skipped_iterations, "schedule_stats": stats}
+
+
+def read_records(trainer: Trainer, records: list[dict]) -> list[dict]:
+    """``train_step`` records with their device scalars read, in ONE host-device sync for all of them.
+
+    The loop calls this on logged iterations only (and before checkpoints and evaluations), with every
+    record since the last call, so ``--log-interval N`` means one sync per N iterations.
+    """
+    scalars = [r[k] for r in records for k in ("loss", "grad_norm")]
+    if all(isinstance(v, torch.Tensor) for v in scalars):
+        values = torch.stack([v.reshape(()).to(torch.float64) for v in scalars]).tolist()
+    else:
+        values = [float(v) for v in scalars]
+    out = []
+    for i, r in enumerate(records):
+        stats = r.pop("schedule_stats", None)
+        r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
+        out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
+    return out
 
 
 def pipeline_metrics(trainer: Trainer, stats: ScheduleStats) -> dict:
     """Worst-rank bubble (measured idle / busy time), in-flight microbatches and saved activation bytes.
 
     The bubble is reported beside the formula (p-1)/(v*m) (ptdp-facts.md, §Schedules), so a user sees
-    what the pipeline really wastes.
+    what the pipeline really wastes. Read after the iteration's sync (CUDA-event timings are complete);
+    the worst rank is found with one small all-reduce (collective: every rank reads the same records).
     """
     state = trainer.state
-    worst = torch.tensor([stats.idle_s / max(stats.busy_s, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes],
-                         dtype=torch.float64, device=state.device)
+    row = [float(stats.idle_s) / max(float(stats.busy_s), 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
     if state.dims.world_size > 1:
+        worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    bubble, in_flight, saved = worst.tolist()
+        row = worst.tolist()
+    bubble, in_flight, saved = row
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
@@ -233,39 +298,74 @@ def train(config: Config) -> list[dict]:
     vocab = trainer.chunks[-1].vocab_size
     iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
                                                 tr.global_batch_size, recompute=m.recompute_granularity == "full",
-                                                ffn_hidden_size=m.ffn_hidden_size)
+                                                ffn_hidden_size=m.ffn_size, **flops.architecture(m))
+    # MFU counts the model's FLOPs only (no recomputation), tflops_per_gpu the paper's eq. (3) count.
+    model_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
+                                            tr.global_batch_size, recompute=False,
+                                            ffn_hidden_size=m.ffn_size, **flops.architecture(m))
     peak = hardware.peak_flops_for_current_device()
     is_logger = trainer.state.rank == 0
+    if tr.metrics_file and is_logger:
+        Path(tr.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
-    observer = RunObserver(config, trainer.state.rank, trainer.state.dims.world_size, first_iteration)
+    summary = startup_summary(trainer)
+    if is_logger:
+        print(summary, flush=True)
+    observer = RunObserver(config, trainer.state.rank, trainer.state.dims.world_size, first_iteration,
+                           trainer.state.device)
     trainer.timeline = observer.timeline
     start = time.perf_counter()
-    try:
-        for iteration in range(first_iteration, tr.train_iters + 1):
-            checkpoints.before_iteration(iteration)
-            observer.begin_iteration(iteration)
-            t0 = time.perf_counter()
-            record = train_step(trainer, iteration)
-            elapsed = time.perf_counter() - t0
-            achieved = iteration_flops / elapsed / trainer.state.dims.world_size
+    clock = Clock(trainer.state.device)  # CUDA events on a GPU: iteration times without a host sync
+    pending: list[tuple[float, float, dict]] = []  # (start mark, end mark, train_step record) not yet read
+
+    def flush(evaluate_at: int | None = None) -> dict:
+        """Read every pending record (one sync), finish, log and store them; the last one is returned."""
+        records = read_records(trainer, [r for _, _, r in pending])
+        for (t0, t1, _), record in zip(pending, records, strict=True):
+            elapsed = clock.seconds(t0, t1)
+            it = record.pop("iteration")
+            per_gpu = 1.0 / elapsed / trainer.state.dims.world_size
             record = {
-                "iteration": iteration, **record, "iteration_time_s": elapsed,
+                "iteration": it, **record, "iteration_time_s": elapsed,
                 "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
-                "tflops_per_gpu": achieved / 1e12, "mfu": achieved / peak if peak else None,
-                "consumed_samples": iteration * tr.global_batch_size,
+                "tflops_per_gpu": iteration_flops * per_gpu / 1e12,
+                "mfu": model_flops * per_gpu / peak if peak else None,
+                "consumed_samples": it * tr.global_batch_size,
             }
-            if tr.eval_interval and (iteration % tr.eval_interval == 0 or iteration == tr.train_iters):
-                record.update(validation_record(trainer, iteration, is_logger))
+            if it == evaluate_at:
+                record.update(validation_record(trainer, it, is_logger))
             trainer.metrics.append(record)
             observer.log(record)
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if is_logger and (iteration % tr.log_interval == 0 or iteration == tr.train_iters):
-                print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
-                      flush=True)
-            if checkpoints.after_iteration(iteration, record["loss"]):  # saves when due; NaN raises
+        if metrics_file:
+            metrics_file.flush()
+        pending.clear()
+        return trainer.metrics[-1]
+
+    try:
+        for iteration in range(first_iteration, tr.train_iters + 1):
+            checkpoints.before_iteration(iteration)
+            observer.begin_iteration(iteration)
+            t0 = clock.mark()
+            record = train_step(trainer, iteration)
+            # checkpoint_stall_s: the loop's stall for the save after the previous iteration (None: no save)
+            pending.append((t0, clock.mark(), {"iteration": iteration, **record,
+                                               "checkpoint_stall_s": checkpoints.pop_stall()}))
+            last = iteration == tr.train_iters
+            logged = iteration % tr.log_interval == 0 or last
+            evaluated = bool(tr.eval_interval) and (iteration % tr.eval_interval == 0 or last)
+            loss = None  # read on the host only when logged, evaluated or a checkpoint is due
+            if logged or evaluated or checkpoints.due(iteration):
+                record = flush(evaluate_at=iteration if evaluated else None)
+                loss = record["loss"]
+                if is_logger and logged:
+                    print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
+                          flush=True)
+            if checkpoints.after_iteration(iteration, loss):  # saves when due; NaN raises
                 break
+        if pending:  # stopped by SIGTERM between logged iterations
+            flush()
         checkpoints.finish()
         observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
     finally:
@@ -274,6 +374,33 @@ def train(config: Config) -> list[dict]:
         if metrics_file:
             metrics_file.close()
     return trainer.metrics
+
+
+def startup_summary(trainer: Trainer) -> str:
+    """One line saying what is being trained, and how: the family, parameters in total and on the fullest
+    rank, the layout, microbatches and tokens per iteration (collective: every rank calls it)."""
+    from .presets import model_family
+
+    cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
+    m = cfg.model
+    local = torch.tensor(float(sum(p.numel() for p in trainer.params)), dtype=torch.float64, device=state.device)
+    if state.dims.world_size > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    padded = m.padded_vocab_size(trainer.chunks[-1].vocab_size, state.dims.tp)
+    total = flops.model_parameter_count(m, padded) + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    tokens = cfg.training.global_batch_size * m.seq_length
+    return (f" model: {model_family(m)}, {_count(total)} parameters with the vocabulary padded to {padded} "
+            f"({_count(local.item())} on the fullest rank) | "
+            f"layout: t={state.dims.tp} p={state.dims.pp} d={state.dims.dp} v={par.virtual_size} "
+            f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
+            f"| tokens/iteration: {tokens}")
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
 
 
 def validation_record(trainer: Trainer, iteration: int, is_logger: bool) -> dict:

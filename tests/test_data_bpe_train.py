@@ -21,7 +21,8 @@ from ptdp.hf import full_model_from_state
 
 STDLIB_FILES = ("argparse.py", "textwrap.py", "json/decoder.py", "string.py")
 PROMPT = "def parse_args(self"
-TRAIN = [*TINY, "--train-iters", "30", "--lr", "1e-2", "--lr-warmup-iters", "3", "--log-interval", "10"]
+TRAIN = [*TINY, "--train-iters", "30", "--lr", "1e-2", "--lr-warmup-iters", "3", "--log-interval", "10",
+         "--adam-beta2", "0.95"]  # GPT-3's beta2: with it this tiny model's greedy text uses merged tokens
 
 
 def write_jsonl(path: Path) -> int:

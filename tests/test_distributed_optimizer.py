@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, losses, spawn, train_metrics
+from helpers import LAYOUT_2222, assert_same_training, losses, spawn, train_metrics
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -71,22 +71,22 @@ def _check_matches_torch_adamw(rank: int, world: int, overlap: bool) -> None:
     model = tiny_model()
     grads, opt = distributed_run(model, rank, 3, overlap)
     assert len(grads.buckets) > 2 and all(b.shard_end - b.shard_start == b.grad_data.numel() // 2 for b in grads.buckets)
-    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    initial = dict(tiny_model().named_parameters())
+    assert_same_training(dict(model.named_parameters()), dict(ref_model.named_parameters()), initial)
     # The logical state (gathered over DP) is torch's per-parameter AdamW state.
     states = opt.state_per_param()
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(states[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-8)
         assert float(states[p]["step"]) == float(ref_opt.state[q]["step"]) == 3.0
-        torch.testing.assert_close(states[p]["main_param"], q.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_training({n: states[p]["main_param"] for n, p in model.named_parameters()},
+                         dict(ref_model.named_parameters()), initial)
     # Resume from the logical state in a fresh optimizer: the next steps are torch's again.
     ref_model, _ = reference_run(5)
     resumed = copy.deepcopy(model)
     by_index = {i: states[p] for i, p in enumerate(model.parameters())}
     distributed_run(resumed, rank, 2, overlap, first_step=3, state=by_index)
-    for p, q in zip(resumed.parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_same_training(dict(resumed.named_parameters()), dict(ref_model.named_parameters()), initial)
 
 
 def _check_with_and_without_overlap(rank: int, world: int) -> None:

@@ -13,11 +13,13 @@ import math
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..observability import flight_recorder
 from .state import load_checkpoint, save_checkpoint
 from .storage import CheckpointError
 
@@ -34,6 +36,15 @@ class CheckpointManager:
         self.last_iteration: int | None = None  # the last iteration this process trained
         self._signalled = False
         self._previous = None
+        self._stall_s: float | None = None  # the loop's stall for the last save, until reported
+        self.last_stall_s: float | None = None
+        self.writer = None
+        self.watchdog = None
+        if self.ck.save:  # every rank alike: creating the writer's process group is collective
+            from .saver import CheckpointWriter
+
+            state = trainer.state
+            self.writer = CheckpointWriter(state.rank, state.dims.world_size, bool(getattr(self.ck, "async_save", False)))
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -41,6 +52,13 @@ class CheckpointManager:
         self._signalled = True  # acted on at the next iteration boundary, by every rank together
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.writer is not None and self.writer.in_flight:  # after an error: give a save in flight a chance
+            try:
+                self.writer.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - the error that brought us here matters more
+                pass
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
@@ -55,12 +73,32 @@ class CheckpointManager:
         return iteration
 
     def before_iteration(self, iteration: int) -> None:
+        flight_recorder.progress(iteration)
+        timeout = self.trainer.config.parallel.hang_timeout_s
+        if self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1:
+            # armed once training runs (start-up and loading are not watched); see flight_recorder
+            run_dir = self.ck.save or os.path.dirname(os.path.abspath(self.trainer.config.training.metrics_file
+                                                                      or "ptdp-run/x"))
+            self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
+                                                     self.trainer.state.dims.world_size, timeout)
         _test_kill_hook(self.trainer, iteration)
 
-    def after_iteration(self, iteration: int, loss: float) -> bool:
-        """Save when due; True when the run must stop now (exit interval or SIGTERM, after saving)."""
+    def due(self, iteration: int) -> bool:
+        """Whether ``iteration`` saves or stops by schedule (the same answer on every rank). The loop reads
+        the loss on the host for such iterations (and logged ones) only, so the NaN guard sees it before
+        any save, while other iterations run without waiting for the GPU."""
+        ck = self.ck
+        return bool(ck.exit_interval and iteration % ck.exit_interval == 0) or bool(
+            ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+
+    def after_iteration(self, iteration: int, loss: float | None) -> bool:
+        """Save when due; True when the run must stop now (exit interval or SIGTERM, after saving).
+
+        ``loss`` is None when the loop did not read it this iteration (see :meth:`due`): no NaN check then.
+        """
         self.last_iteration = iteration
-        signalled, nonfinite = self._agree(self._signalled, not math.isfinite(loss))
+        nonfinite = loss is not None and not math.isfinite(loss)
+        signalled, nonfinite = self._agree(self._signalled, nonfinite)
         if nonfinite:
             raise NonFiniteLossError(
                 f"the loss is {loss} at iteration {iteration}; stopped without saving (the last checkpoint is "
@@ -78,18 +116,37 @@ class CheckpointManager:
         """The final checkpoint at the end of training (as Megatron saves one), unless just saved."""
         if self.ck.save and self.last_iteration is not None and self.last_saved != self.last_iteration:
             self.save(self.last_iteration)
+        if self.writer is not None:
+            self.writer.wait()  # the last save is committed before train() returns
 
     def save(self, iteration: int) -> None:
-        path = save_checkpoint(self.trainer, iteration)
+        """Save ``iteration``; the loop stalls only for staging the copy with ``--async-save``."""
+        start = time.perf_counter()
+        flight_recorder.progress(iteration)  # a save is progress, not a hang (its collectives are DCP's)
+        save_checkpoint(self.trainer, iteration, self.writer, self._committed)
+        flight_recorder.progress(iteration)
+        self._stall_s = self.last_stall_s = time.perf_counter() - start
         self.last_saved = iteration
+
+    def _committed(self, iteration: int, path: Path, write_s: float) -> None:
         if self.trainer.state.rank == 0:
-            print(f" saved checkpoint {path}", flush=True)
+            stall = (f"; the loop stalled {self.last_stall_s:.3f} s" if self.writer.async_save and self.last_stall_s
+                     else "")
+            print(f" saved checkpoint {path} (written in {write_s:.3f} s{stall})", flush=True)
+
+    def pop_stall(self) -> float | None:
+        """Seconds the loop stalled for the save after the previous iteration (None when none): the
+        ``checkpoint_stall_s`` of the next metrics record."""
+        stall, self._stall_s = self._stall_s, None
+        return stall
 
     def _agree(self, *flags: bool) -> list[bool]:
         """The OR of each flag over all ranks (one tiny all-reduce; nothing to do in a single process)."""
+        if self.trainer.state.mesh is None:  # one process: no tensor, so no host-device sync either
+            return [bool(f) for f in flags]
         values = torch.tensor([float(f) for f in flags], device=self.trainer.state.device)
-        if self.trainer.state.mesh is not None:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, NaN)")
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
 
 

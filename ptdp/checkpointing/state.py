@@ -12,7 +12,10 @@ Keys::
     model.<logical name>                      parameters (the tied embedding once: logical_name)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
     optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
-    rng.rank<k>.{default,<tracker stream>}    per-rank generator states (same layout only)
+    rng.rank<k>.cpu.default                   per-rank CPU generator state (same layout only)
+    rng.rank<k>.<device type>.{default,<tracker stream>}   the device's generator and the tracker's
+                                              streams (same layout and same device type only: a CUDA
+                                              state is 16 bytes, a CPU one 5056)
 
 The iteration, LR schedule and data position are not tensors: the LR and the samples of an iteration are
 pure functions of the iteration (``optim.learning_rate``, ``data/microbatch.py``), which ``ptdp.json``
@@ -90,9 +93,15 @@ def load_optimizer_state(optimizer, states: dict[nn.Parameter, dict[str, torch.T
 
 
 def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's generator states, keyed by device type: a checkpoint resumed on another device type
+    has none of the new device's keys, so it re-seeds (as in another layout) instead of loading a CUDA
+    state into a CPU generator (or the reverse)."""
     tracker = tp_random.get_rng_tracker()
-    states = {"default": tp_random._get_state(tracker.device)}
-    states.update(tracker.get_states())
+    kind = tracker.device.type
+    states = {"cpu.default": torch.get_rng_state()}
+    if kind != "cpu":
+        states[f"{kind}.default"] = tp_random._get_state(tracker.device)
+    states.update({f"{kind}.{name}": state for name, state in tracker.get_states().items()})
     return {f"rng.rank{rank}.{name}": state for name, state in states.items()}
 
 
@@ -111,22 +120,23 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(trainer, iteration: int) -> Path:
-    """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it)."""
+def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Path:
+    """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it).
+
+    ``writer`` (a :class:`~.saver.CheckpointWriter`) decides whether the write happens now or in the
+    background (``--async-save``: this call then returns after copying the state, and ``on_commit(iteration,
+    path, write_seconds)`` runs once ``latest`` moved). Without one, the save is written inline.
+    """
+    from .saver import CheckpointWriter, stage
+
     ck, state = trainer.config.checkpoint, trainer.state
-    root = Path(ck.save)
-    is_writer = state.rank == 0
-    if is_writer:
-        tmp = storage.prepare_temporary(root, iteration)
-    _barrier(trainer)
-    tmp = storage.temporary_dir(root, iteration)
+    if writer is None:
+        writer = CheckpointWriter(state.rank, state.dims.world_size, async_save=False)
     state_dict = save_state_dict(trainer)
     has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
-    _dcp_save(state_dict, tmp)
-    _test_crash_in_save(iteration)
-    final = storage.iteration_dir(root, iteration)
-    if is_writer:
-        storage.write_info(tmp, {
+    info = None
+    if state.rank == 0:
+        info = {
             "iteration": iteration,
             "consumed_samples": iteration * trainer.config.training.global_batch_size,
             "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
@@ -134,10 +144,13 @@ def save_checkpoint(trainer, iteration: int) -> Path:
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
             "config": trainer.config.to_dict(),
             "grad_scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) else None,
-        })
-        storage.commit(root, iteration, ck.keep_last)
-    _barrier(trainer)  # nobody moves on (or exits) before `latest` names the new checkpoint
-    return final
+            # fp16 overflows so far: the LR schedule stands at iteration - skipped_iterations
+            "skipped_iterations": getattr(trainer.optimizer, "skipped_iterations", 0),
+        }
+    # A background write needs a private copy (the loop changes the live tensors at once); inline, none.
+    staged = stage(state_dict) if writer.async_save else state_dict
+    writer.submit(Path(ck.save), iteration, staged, info, ck.keep_last, on_commit)
+    return storage.iteration_dir(ck.save, iteration)
 
 
 def load_checkpoint(trainer, path: str | Path) -> int:
@@ -147,7 +160,10 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     directory = storage.resolve(path)
     if directory is None:
         return 0
-    storage.verify_checksums(directory)  # a no-op when the start-up check already did it
+    storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
+    from .saver import verify_data_files
+
+    verify_data_files(directory, trainer.state.rank, trainer.state.dims.world_size)  # each rank a share
     info = storage.read_info(directory)
     problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
                              trainer.state.dims.tp)
@@ -195,9 +211,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(trainer):
         _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
+    if hasattr(trainer.optimizer, "skipped_iterations"):
+        trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
-        _restore_rng(trainer, {key.rsplit(".", 1)[1]: request[key] for key in rng})
+        prefix = f"rng.rank{trainer.state.rank}."
+        _restore_rng(trainer, {key.removeprefix(prefix): request[key] for key in rng})
     elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
         tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
                                       trainer.state.pp_rank, trainer.state.device)
@@ -210,9 +229,13 @@ def reseed(seed: int, iteration: int) -> int:
 
 
 def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`_rng_entries` (names without the ``rng.rank<k>.`` prefix)."""
     tracker = tp_random.get_rng_tracker()
-    tp_random._set_state(states.pop("default"), tracker.device)
-    tracker.set_states(states)
+    kind = tracker.device.type
+    torch.set_rng_state(states.pop("cpu.default"))
+    if kind != "cpu":
+        tp_random._set_state(states.pop(f"{kind}.default"), tracker.device)
+    tracker.set_states({name.removeprefix(f"{kind}."): state for name, state in states.items()})
 
 
 def _padded_vocab(trainer) -> int:
@@ -229,24 +252,10 @@ def _barrier(trainer) -> None:
         dist.barrier()
 
 
-def _dcp_save(state_dict: dict, directory: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(state_dict, checkpoint_id=directory)
-
-
 def _dcp_load(state_dict: dict, directory: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state_dict, checkpoint_id=directory)
 
-
-def _test_crash_in_save(iteration: int) -> None:
-    """Test-only hook: ``PTDP_TEST_CRASH_IN_SAVE=N`` ends every rank after DCP wrote iteration N's files but
-    before the checkpoint is committed, as a crash mid-save would."""
-    import os
-
-    if os.environ.get("PTDP_TEST_CRASH_IN_SAVE") == str(iteration):
-        os._exit(17)
 
 

@@ -91,26 +91,93 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_checksums(directory: Path) -> None:
-    """Record the sha256 of every file in ``directory`` (written last, so its presence means complete)."""
+def checkpoint_files(directory: Path) -> list[Path]:
+    """Every file of a (temporary) checkpoint directory but the manifest, in a fixed order."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def fsync_and_hash(directory: Path, part: int = 0, parts: int = 1) -> list[str]:
+    """Make this rank's share (every ``parts``-th file from ``part``) of the directory's files durable and
+    return their manifest lines: hashing is split across ranks instead of one rank reading everything."""
     lines = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+    for path in checkpoint_files(directory)[part::parts]:
         _fsync(path)
         lines.append(f"{sha256_file(path)}  {path.relative_to(directory).as_posix()}\n")
+    return lines
+
+
+def write_checksums(directory: Path, lines: list[str] | None = None) -> None:
+    """Write the manifest (the lines of every rank's share, or of all files when not given) and fsync it;
+    it is written last, so its presence means the files it names were durable first."""
+    lines = fsync_and_hash(directory) if lines is None else lines
     target = directory / CHECKSUMS
-    target.write_text("".join(lines))
-    _fsync(target)
+    with target.open("w") as fh:
+        fh.write("".join(sorted(lines, key=lambda line: line.split("  ", 1)[1])))
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 _VERIFIED: dict[tuple[str, str], bool] = {}
+_DATA_SUFFIX = ".distcp"  # DCP's data files: the bulk, whose hashing is split across ranks
 
 
-def verify_checksums(directory: Path) -> None:
+def verify_checksums(directory: Path, hash_data: bool = True) -> None:
     """Raise :class:`CheckpointError` naming the first missing, truncated or corrupted file.
 
     Each process verifies a checkpoint once (the start-up check and the load share the result), so a
-    bad file is found on every rank before any collective and no rank waits for another.
+    bad file is found on every rank before any collective and no rank waits for another. With
+    ``hash_data=False`` the data files are only checked to exist (the ranks of a job hash them in shares
+    later, :func:`data_file_problem`); the small files are always hashed.
     """
+    for _, path, digest in _manifest(directory):
+        if not hash_data and path.name.endswith(_DATA_SUFFIX):
+            if not path.is_file():
+                raise CheckpointError(f"--load: checkpoint file {path} is missing; restore it or point "
+                                      f"{directory.parent / LATEST} at an older checkpoint")
+            continue
+        problem = _file_problem(directory, path, digest)
+        if problem:
+            raise CheckpointError(problem)
+    if hash_data:
+        _VERIFIED[_key(directory)] = True
+
+
+def data_file_problem(directory: Path, part: int, parts: int) -> tuple[int, str] | None:
+    """The first bad data file of share ``part`` of ``parts`` as (manifest line, message), or None."""
+    if _key(directory) in _VERIFIED:
+        return None
+    data = [entry for entry in _manifest(directory) if entry[1].name.endswith(_DATA_SUFFIX)]
+    for number, path, digest in data[part::parts]:
+        problem = _file_problem(directory, path, digest)
+        if problem:
+            return number, problem
+    return None
+
+
+def _key(directory: Path) -> tuple[str, str]:
+    try:
+        text = (directory / CHECKSUMS).read_bytes()
+    except OSError:
+        text = b""
+    return str(directory.resolve()), hashlib.sha256(text).hexdigest()
+
+
+def _file_problem(directory: Path, path: Path, digest: str) -> str | None:
+    try:
+        actual = sha256_file(path)
+    except FileNotFoundError:
+        return (f"--load: checkpoint file {path} is missing; restore it or point "
+                f"{directory.parent / LATEST} at an older checkpoint")
+    except OSError as e:
+        return f"--load: cannot read checkpoint file {path}: {e.strerror}"
+    if actual != digest:
+        return (f"--load: checkpoint file {path} is corrupted or truncated (sha256 mismatch); "
+                f"restore it or point {directory.parent / LATEST} at an older checkpoint")
+    return None
+
+
+def _manifest(directory: Path) -> list[tuple[int, Path, str]]:
+    """(line number, file, sha256) of every line of the manifest; a malformed manifest raises."""
     manifest = directory / CHECKSUMS
     try:
         text = manifest.read_text()
@@ -119,25 +186,15 @@ def verify_checksums(directory: Path) -> None:
                               "checkpoint; point --load at a directory saved by ptdp") from None
     except OSError as e:
         raise CheckpointError(f"--load: cannot read {manifest}: {e.strerror}") from None
-    key = (str(directory.resolve()), hashlib.sha256(text.encode()).hexdigest())
-    if key in _VERIFIED:
-        return
+    if _key(directory) in _VERIFIED:
+        return []
+    entries = []
     for number, line in enumerate(text.splitlines(), 1):
         digest, _, name = line.partition("  ")
         if len(digest) != 64 or not name or ".." in Path(name).parts:
             raise CheckpointError(f"--load: {manifest} line {number} is malformed; the checkpoint is corrupted")
-        path = directory / name
-        try:
-            actual = sha256_file(path)
-        except FileNotFoundError:
-            raise CheckpointError(f"--load: checkpoint file {path} is missing; restore it or point "
-                                  f"{directory.parent / LATEST} at an older checkpoint") from None
-        except OSError as e:
-            raise CheckpointError(f"--load: cannot read checkpoint file {path}: {e.strerror}") from None
-        if actual != digest:
-            raise CheckpointError(f"--load: checkpoint file {path} is corrupted or truncated (sha256 mismatch); "
-                                  f"restore it or point {directory.parent / LATEST} at an older checkpoint")
-    _VERIFIED[key] = True
+        entries.append((number, directory / name, digest))
+    return entries
 
 
 def read_info(directory: Path) -> dict:
@@ -165,11 +222,14 @@ def prepare_temporary(root: str | Path, iteration: int) -> Path:
     return tmp
 
 
-def commit(root: str | Path, iteration: int, keep_last: int | None = None) -> Path:
-    """Checksum the temporary directory, rename it into place, then move ``latest``, then prune."""
+def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines: list[str] | None = None,
+           before_latest=None) -> Path:
+    """Write the manifest (``lines``: every rank's fsynced share; all files hashed here when None), rename
+    the temporary directory into place, then move ``latest``, then prune. ``before_latest`` is a test hook
+    called between the rename and the move."""
     root = Path(root)
     tmp, final = temporary_dir(root, iteration), iteration_dir(root, iteration)
-    write_checksums(tmp)
+    write_checksums(tmp, lines)
     if final.exists():  # a complete save of this iteration from an earlier attempt; latest is not on it
         trash = root / f".trash-{final.name}"
         shutil.rmtree(trash, ignore_errors=True)
@@ -177,6 +237,8 @@ def commit(root: str | Path, iteration: int, keep_last: int | None = None) -> Pa
         shutil.rmtree(trash)
     os.rename(tmp, final)
     _fsync(root)
+    if before_latest is not None:
+        before_latest()
     latest_tmp = root / f".{LATEST}.tmp"
     latest_tmp.write_text(f"{iteration}\n")
     _fsync(latest_tmp)

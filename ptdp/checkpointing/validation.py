@@ -17,6 +17,14 @@ SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                "seq_length": "--seq-length"}
 
 
+# Architecture flags (the Llama options): another value means other parameters or another computation.
+ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "normalization": "--normalization",
+                      "swiglu": "--swiglu", "group_query_attention": "--group-query-attention",
+                      "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+                      "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+                      "disable_bias_linear": "--disable-bias-linear"}
+
+
 def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> dict:
     """What ``ptdp.json`` records about the model: the config plus the values derived from it."""
     import dataclasses
@@ -32,6 +40,11 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
              # a default ffn size (4h) follows --hidden-size: name only the flag the user changed
              and not (key == "ffn_size" and model.ffn_hidden_size is None and saved.get("ffn_hidden_size") is None
                       and saved.get("hidden_size") != model.hidden_size)]
+    default = ModelConfig()  # checkpoints from before the Llama options hold the GPT-2 defaults
+    diffs += [f"{flag} {saved.get(key, getattr(default, key))} there, {getattr(model, key)} here"
+              for key, flag in ARCHITECTURE_FLAGS.items()
+              if saved.get(key, getattr(default, key)) != getattr(model, key)
+              and (key != "num_query_groups" or model.group_query_attention)]
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
     if diffs:
@@ -61,7 +74,7 @@ def checkpoint_errors(config: Config, world_size: int) -> list[str]:
     if ck.save:
         errors += _save_errors(Path(ck.save))
     if ck.load and not errors:
-        errors += _load_errors(config, Path(ck.load))
+        errors += _load_errors(config, Path(ck.load), world_size)
     return errors
 
 
@@ -79,7 +92,7 @@ def _save_errors(path: Path) -> list[str]:
     return []
 
 
-def _load_errors(config: Config, path: Path) -> list[str]:
+def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
     ck = config.checkpoint
     if not path.exists():
         if ck.save and Path(ck.save).resolve() == path.resolve():
@@ -92,7 +105,9 @@ def _load_errors(config: Config, path: Path) -> list[str]:
         directory = resolve(path)
         if directory is None:
             return []  # no `latest` yet: nothing was saved, start fresh
-        verify_checksums(directory)
+        # One process hashes everything; the ranks of a job hash the data files in shares after start-up
+        # (saver.verify_data_files) instead of every rank reading every file.
+        verify_checksums(directory, hash_data=world_size == 1)
         info = read_info(directory)
     except CheckpointError as e:
         return [str(e)]

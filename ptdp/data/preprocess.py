@@ -30,12 +30,14 @@ CHUNK_BYTES = 1 << 20  # lines per task ~1 MB: big enough to amortise IPC, small
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, help="JSONL file(s), comma-separated")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    parser.add_argument("--tokenizer", choices=("byte", "bpe"), default=None,
+                        help="byte (default) or bpe (trained here, or the --tokenizer-file)")
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary to train (default 8192)")
     parser.add_argument(
         "--tokenizer-file",
         default=None,
-        help="reuse a trained BPE PREFIX.tokenizer.json (shared vocab for blends)",
+        help="use this tokenizer.json: a trained BPE PREFIX.tokenizer.json (shared vocab for blends) or a "
+        "Llama-style Hugging Face tokenizer.json (documents are BOS + text + EOS)",
     )
     parser.add_argument(
         "--json-keys", default="text", help="comma-separated keys whose text forms a document"
@@ -162,6 +164,8 @@ def run_preprocess(args: argparse.Namespace) -> int:
             return _fail(f"--input: cannot read {path} (no such readable file); check the path", 2)
     if args.workers < 1:
         return _fail(f"--workers must be >= 1, got {args.workers}", 2)
+    if args.tokenizer is None:  # a tokenizer file means BPE; otherwise bytes
+        args.tokenizer = "bpe" if args.tokenizer_file is not None else "byte"
     if args.tokenizer == "byte" and args.vocab_size is not None:
         return _fail("--vocab-size applies only to --tokenizer bpe (the byte tokenizer has 257 ids)", 2)
     if args.tokenizer_file is not None and (args.tokenizer != "bpe" or args.vocab_size is not None):

@@ -16,6 +16,10 @@ from ptdp.data.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_SUFFIX = ".tokenizer.json"
+# Special tokens of Llama-style ``tokenizer.json`` files (SentencePiece Llama 1/2, tiktoken Llama 3), in
+# order of preference: the document end is the EOS token, and each document starts with BOS.
+EOS_TOKENS = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
 @runtime_checkable
@@ -49,18 +53,24 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """Byte-level BPE from Hugging Face ``tokenizers``; lossless on any text, eod = ``<|endoftext|>``."""
+    """A Hugging Face ``tokenizers`` file: ptdp's byte-level BPE (eod = ``<|endoftext|>``, no BOS) or a
+    Llama-style ``tokenizer.json`` (eod = its EOS token, and BOS starts every encoded text, as Llama was
+    trained). ``bos_id`` is None when the file has no BOS token."""
 
     name = "bpe"
 
     def __init__(self, hf_tokenizer) -> None:
         self._tok = hf_tokenizer
-        eod = hf_tokenizer.token_to_id(EOD_TOKEN)
+        eod = next((i for i in map(hf_tokenizer.token_to_id, EOS_TOKENS) if i is not None), None)
         if eod is None:
             raise DataError(
-                f"tokenizer has no {EOD_TOKEN} token; retrain it with `ptdp preprocess --tokenizer bpe`"
+                f"tokenizer has no end-of-document token (one of {', '.join(EOS_TOKENS)}); retrain it with "
+                "`ptdp preprocess --tokenizer bpe` or use a Llama-style tokenizer.json"
             )
         self.eod_id: int = eod
+        self.bos_id: int | None = None
+        if hf_tokenizer.token_to_id(EOD_TOKEN) is None:  # ptdp's own BPE files never start with BOS
+            self.bos_id = next((i for i in map(hf_tokenizer.token_to_id, BOS_TOKENS) if i is not None), None)
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.fingerprint = hashlib.sha256(hf_tokenizer.to_str().encode()).hexdigest()[:16]
 
@@ -100,10 +110,14 @@ class BPETokenizer:
         os.replace(tmp, path)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._with_bos(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [enc.ids for enc in self._tok.encode_batch(texts)]
+        return [self._with_bos(enc.ids) for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        # explicit rather than through the file's post-processor, which only some files have
+        return ids if self.bos_id is None else [self.bos_id, *ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         # The ByteLevel decoder maps invalid UTF-8 to U+FFFD, matching ByteTokenizer; eod is skipped in both.

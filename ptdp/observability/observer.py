@@ -17,12 +17,12 @@ from .timeline import Timeline, merge_timelines
 
 
 class RunObserver:
-    def __init__(self, config: Config, rank: int, world_size: int, first_iteration: int):
+    def __init__(self, config: Config, rank: int, world_size: int, first_iteration: int, device: object = "cpu"):
         tr = config.training
         self.config, self.rank, self.world_size = config, rank, world_size
         self.timeline = None
-        if tr.timeline:
-            self.timeline = Timeline(tr.timeline, rank, tr.timeline_iters, first_iteration)
+        if tr.timeline:  # on a CUDA device the timeline records CUDA events (see timeline.py)
+            self.timeline = Timeline(tr.timeline, rank, tr.timeline_iters, first_iteration, device)
         self._timeline_saved = False
         self.tensorboard = None
         if tr.tensorboard_dir and rank == 0:

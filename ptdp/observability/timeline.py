@@ -8,7 +8,10 @@ gradient all-reduce, embedding sync, grad-norm, optimizer step). Rank 0 merges t
 as the gaps between a rank's compute events; ``ptdp timeline merge DIR`` redoes the merge by hand.
 
 Timestamps are wall-clock microseconds (``time.time`` anchored to ``perf_counter``), so the ranks of one
-machine line up exactly and those of several nodes as well as their clocks agree.
+machine line up exactly and those of several nodes as well as their clocks agree. On a CUDA device the
+events are CUDA events (``ptdp.observability.clock``): the host only launches the work, so host times would
+show launches, not the GPU's work; they are read when the trace is saved, anchored to the wall clock by
+one event recorded beside a host timestamp.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+
+from .clock import Clock, seconds
 
 # One row ("thread") per kind of work, so compute and waiting never overlap on one row.
 THREADS = {"compute": 0, "p2p": 1, "collective": 2}
@@ -34,15 +39,18 @@ class Timeline:
     """Events of one rank; records only while an iteration in ``[first, first + iterations)`` runs.
 
     ``record`` is the callback the pipeline executor takes (``run_schedule(..., recorder=...)``):
-    ``record(name, category, start, end, args)`` with ``perf_counter`` seconds.
+    ``record(name, category, start, end, args)`` with ``perf_counter`` seconds or CUDA events.
     """
 
-    def __init__(self, directory: str | Path, rank: int, iterations: int = 3, first_iteration: int = 1):
+    def __init__(self, directory: str | Path, rank: int, iterations: int = 3, first_iteration: int = 1,
+                 device: object = "cpu"):
         self.directory, self.rank = Path(directory), rank
         self.first, self.last = first_iteration, first_iteration + iterations - 1
         self.iteration: int | None = None
         self.events: list[dict] = []
         self._wall_offset_us = (time.time() - time.perf_counter()) * 1e6
+        self.clock = Clock(device)
+        self._anchor: tuple[object, float] | None = None  # (CUDA event, perf_counter at its record)
 
     @property
     def active(self) -> bool:
@@ -51,27 +59,42 @@ class Timeline:
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
-    def record(self, name: str, category: str, start: float, end: float, args: dict | None = None) -> None:
+    def record(self, name: str, category: str, start, end, args: dict | None = None) -> None:
+        """One event from ``start`` to ``end``: ``perf_counter`` seconds, or CUDA events (read at save)."""
         if not self.active:
             return
+        if not isinstance(start, int | float) and self._anchor is None:
+            self._anchor = (self.clock.mark(), time.perf_counter())
         self.events.append({
             "name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": THREADS.get(category, 0),
-            "ts": round(start * 1e6 + self._wall_offset_us, 3), "dur": round((end - start) * 1e6, 3),
-            "args": {"iteration": self.iteration, **(args or {})},
+            "ts": start, "dur": end, "args": {"iteration": self.iteration, **(args or {})},
         })
+
+    def _resolved(self) -> list[dict]:
+        """The events with their times in wall-clock microseconds (CUDA events read now)."""
+        out = []
+        for event in self.events:
+            start, end = event["ts"], event["dur"]
+            if not isinstance(start, int | float):  # CUDA events: seconds after the anchor event
+                anchor, host = self._anchor
+                start_s = host + seconds(anchor, start)
+                end, start = start_s + seconds(start, end), start_s
+            out.append({**event, "ts": round(start * 1e6 + self._wall_offset_us, 3),
+                        "dur": round((end - start) * 1e6, 3)})
+        return out
 
     @contextmanager
     def span(self, name: str, category: str = "collective", **args) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self.clock.mark()
         try:
             yield
         finally:
-            self.record(name, category, start, time.perf_counter(), args)
+            self.record(name, category, start, self.clock.mark(), args)
 
     def save(self) -> Path:
         path = rank_file(self.directory, self.rank)
         self.directory.mkdir(parents=True, exist_ok=True)
-        _write_json(path, {"traceEvents": _metadata(self.rank) + self.events, "displayTimeUnit": "ms"})
+        _write_json(path, {"traceEvents": _metadata(self.rank) + self._resolved(), "displayTimeUnit": "ms"})
         return path
 
 

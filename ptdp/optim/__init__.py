@@ -6,7 +6,7 @@
 from a :class:`~ptdp.config.Config`.
 """
 
-from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm
+from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
 from .grad_buffer import Bucket, GradBuckets
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .lr_schedule import learning_rate
@@ -16,5 +16,5 @@ from .setup import params_dtype, setup_optimizer
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
     "MegatronOptimizer", "build_optimizer", "clip_grads", "counts_in_grad_norm",
-    "global_grad_norm", "learning_rate", "params_dtype", "setup_optimizer",
+    "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "params_dtype", "setup_optimizer",
 ]

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.mappings import group_rank, group_size
+from ..observability import flight_recorder
+from ..tensor_parallel.mappings import all_gather_single, group_rank, group_size, reduce_scatter_single
 
 
 @dataclass
@@ -143,9 +144,10 @@ class GradBuckets:
             return
         bucket.grad_data.div_(self.dp_size)
         if self.distributed_optimizer:
-            bucket.handle = dist.reduce_scatter_single(bucket.shard_out, bucket.grad_data, group=self.dp_group,
+            bucket.handle = reduce_scatter_single(bucket.shard_out, bucket.grad_data, group=self.dp_group,
                                                        async_op=True)
         else:
+            flight_recorder.record("all_reduce", group=self.dp_group, tensor=bucket.grad_data, action="dp_grads")
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
@@ -181,6 +183,6 @@ class GradBuckets:
         handles = []
         for b in self.buckets:
             own = b.param_data[b.shard_start:b.shard_end].clone()
-            handles.append(dist.all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
+            handles.append(all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
         for handle in handles:
             handle.wait()

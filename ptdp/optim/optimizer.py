@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import OptimizerConfig
-from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm
+from ..tensor_parallel.mappings import all_gather_single
+from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm_tensor
 from .grad_buffer import Bucket, GradBuckets
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 
@@ -33,8 +33,14 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """torch's AdamW with Megatron's decay groups; ``fused=True`` (one kernel for all tensors) on CUDA.
+
+    On CPU torch's default implementation runs, so CPU numbers are what they always were.
+    """
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    fused = any(t.is_cuda for t in (*decay, *no_decay)) or None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                             fused=fused)
 
 
 def decays(param: nn.Parameter) -> bool:
@@ -58,6 +64,7 @@ class MegatronOptimizer:
                  scaler: ConstantGradScaler | DynamicGradScaler | None):
         self.optimizer, self.cfg, self.tp_rank = optimizer, cfg, tp_rank
         self.norm_groups, self.scaler = norm_groups, scaler
+        self.device = torch.device("cpu")  # the model's device (set by subclasses): where the norm lives
         self.skipped_iterations = 0  # fp16 overflows so far
         self.successful_steps = 0
 
@@ -82,15 +89,19 @@ class MegatronOptimizer:
         """Make the model parameters equal the updated main parameters (on every DP rank)."""
 
     @torch.no_grad()
-    def step(self) -> tuple[float, bool]:
-        """One update from the DP-reduced ``main_grad`` buffers; returns (grad norm, skipped)."""
+    def step(self) -> tuple[torch.Tensor, bool]:
+        """One update from the DP-reduced ``main_grad`` buffers; returns (grad norm, skipped).
+
+        The norm is a 0-dim device tensor and clipping happens on the device, so a bf16/fp32 step never
+        waits for the GPU; only fp16's overflow check reads the norm on the host (it decides the step).
+        """
         grads, counted = self._main_grads()
-        device = grads[0].device if grads else torch.device("cpu")
         if self.scaler is not None and self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)  # a power of two: exact
-        norm = global_grad_norm([g for g, c in zip(grads, counted, strict=True) if c], self.norm_groups, device)
+        counted_grads = [g for g, c in zip(grads, counted, strict=True) if c]
+        norm = global_grad_norm_tensor(counted_grads, self.norm_groups, self.device)
         if self.scaler is not None:
-            found_inf = not math.isfinite(norm)  # the all-reduced norm: every rank agrees
+            found_inf = not math.isfinite(norm.item())  # the all-reduced norm: every rank agrees
             self.scaler.update(found_inf)
             if found_inf:
                 self.skipped_iterations += 1
@@ -108,6 +119,7 @@ class FP32Optimizer(MegatronOptimizer):
     def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, tp_rank: int, norm_groups: list):
         self.params = [p for p in params if p.requires_grad]
         super().__init__(build_optimizer(self.params, cfg), cfg, tp_rank, norm_groups, None)
+        self.device = self.params[0].device if self.params else self.device
 
     @property
     def state(self):
@@ -125,14 +137,19 @@ class FP32Optimizer(MegatronOptimizer):
     def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         for p in self.params:
             if p in states:
-                self.optimizer.state[p] = _adam_state(states[p], lambda t, p=p: t.reshape(p.shape))
+                self.optimizer.state[p] = _adam_state(states[p], lambda t, p=p: t.reshape(p.shape), p.device)
 
 
-def _adam_state(state: dict[str, torch.Tensor], piece) -> dict[str, torch.Tensor]:
-    """torch AdamW's state layout (float32 scalar ``step``) from a logical per-parameter state."""
-    out = {"step": torch.tensor(float(state["step"]), dtype=torch.float32)}
+def _adam_state(state: dict[str, torch.Tensor], piece, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """torch AdamW's state layout (float32 scalar ``step``) from a logical per-parameter state.
+
+    ``device``: where the moments go and, for the fused (CUDA) AdamW, the ``step`` too (fused AdamW wants
+    it beside the parameter; the others want it on the CPU). A checkpoint read on another device lands right.
+    """
+    fused_step = device is not None and device.type != "cpu"
+    out = {"step": torch.tensor(float(state["step"]), dtype=torch.float32, device=device if fused_step else None)}
     for key in ADAM_KEYS:
-        out[key] = piece(state[key]).detach().to(torch.float32).clone()
+        out[key] = piece(state[key]).detach().to(device=device, dtype=torch.float32).clone()
     return out
 
 
@@ -185,6 +202,8 @@ class DistributedOptimizer(MegatronOptimizer):
         decay = [x.main for x in self.pieces if decays(x.param)]
         no_decay = [x.main for x in self.pieces if not decays(x.param)]
         super().__init__(adamw(decay, no_decay, cfg), cfg, tp_rank, norm_groups, scaler)
+        if grads.buckets:  # a rank owning no shard still needs its norm on the device NCCL reduces on
+            self.device = grads.buckets[0].grad_data.device
         self.adam_steps = 0  # AdamW's step count, the same on every rank (some may own no piece)
 
     def _publish_params(self) -> None:
@@ -230,7 +249,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         if state:
                             full[k][x.start:x.end] = state[k]
             if self.grads.shard_count > 1:
-                handles = [dist.all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
+                handles = [all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
                                                   group=self.grads.dp_group, async_op=True) for t in full.values()]
                 for handle in handles:
                     handle.wait()
@@ -251,7 +270,7 @@ class DistributedOptimizer(MegatronOptimizer):
             state = states.get(x.param)
             if state is None:
                 continue
-            self.optimizer.state[x.main] = _adam_state(state, x.of)
+            self.optimizer.state[x.main] = _adam_state(state, x.of, x.main.device)
             if "main_param" in state:
                 x.main.copy_(x.of(state["main_param"]))
                 if x.main.data_ptr() != x.model_view.data_ptr():

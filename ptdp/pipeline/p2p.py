@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ptdp.observability import flight_recorder
 from ptdp.pipeline.schedules import Action
 
 Hook = Callable[[Tensor], Tensor]
@@ -92,6 +93,9 @@ class P2PComm:
         if not ops:
             return {}
         self._reap_sends()
+        flight_recorder.record("batch_isend_irecv", group=self.group, peer=[op.peer for op in ops],
+                               tensor=[op.tensor for op in ops],
+                               action=" ".join(map(repr, [a for a, _ in sends] + list(recvs))))
         batch = _Batch(dist.batch_isend_irecv(ops), len(ops))
         if sends:
             self._sends.append((batch, [op.tensor for op in ops[: len(sends)]]))
@@ -99,6 +103,7 @@ class P2PComm:
 
     def wait(self, pending: PendingRecv) -> Tensor:
         """Block until a posted receive landed; return it unpacked."""
+        flight_recorder.record("p2p_wait", group=self.group, tensor=pending.buffer, action="recv")
         pending.batch.wait_for(pending.index)
         return self.unpack(pending.buffer) if self.unpack is not None else pending.buffer
 

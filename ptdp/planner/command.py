@@ -25,8 +25,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model (or --model PRESET)")
     m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape; explicit flags override it")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size",
-                 "--ffn-hidden-size"):
+                 "--ffn-hidden-size", "--kv-channels"):
         m.add_argument(flag, type=int)
+    m.add_argument("--group-query-attention", action="store_true", default=None, help="with --num-query-groups")
+    m.add_argument("--num-query-groups", type=int, help="key/value groups G (grouped-query attention)")
+    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
+        m.add_argument(flag, action="store_true", default=None)
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
     m.add_argument("--global-batch-size", type=int)
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
@@ -60,28 +66,40 @@ def _positive(args: argparse.Namespace, name: str) -> None:
         raise _UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
 
 
+_ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
+               "disable_bias_linear", "normalization", "position_embedding_type")
+
+
 def _model(args: argparse.Namespace) -> GPTSpec:
     preset = MODEL_PRESETS.get(args.model) if args.model else None
     values = {k: getattr(args, k) if getattr(args, k) is not None else getattr(preset, k, None)
-              for k in (*_MODEL_FLAGS, "ffn_hidden_size")}
+              for k in (*_MODEL_FLAGS, *_ARCH_FLAGS)}
     for k in _MODEL_FLAGS:
         if values[k] is None:
             raise _UsageError(f"--{k.replace('_', '-')} is required (or pass --model gpt3-175b)")
     if values["hidden_size"] % values["num_attention_heads"]:
         raise _UsageError("--hidden-size must be divisible by --num-attention-heads")
-    return GPTSpec(**values)
+    if args.group_query_attention and args.num_query_groups is None and values["num_query_groups"] is None:
+        raise _UsageError("--group-query-attention needs --num-query-groups G")
+    groups = values["num_query_groups"]
+    if groups is not None and (groups < 1 or values["num_attention_heads"] % groups):
+        raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads "
+                          f"{values['num_attention_heads']}")
+    return GPTSpec(**{k: v for k, v in values.items() if v is not None})
 
 
 def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec]:
-    for name in (*_MODEL_FLAGS, "ffn_hidden_size", "global_batch_size", "gpus", "gpus_per_node",
+    for name in (*_MODEL_FLAGS, "ffn_hidden_size", "kv_channels", "global_batch_size", "gpus", "gpus_per_node",
                  "intra_node_bandwidth", "inter_node_bandwidth", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "micro_batch_size", "top"):
         _positive(args, name)
     model = _model(args)
     if args.global_batch_size is None:
-        if args.model != "gpt3-175b":
+        from ptdp.presets import PLAN_GLOBAL_BATCH
+
+        if args.model not in PLAN_GLOBAL_BATCH:
             raise _UsageError("--global-batch-size is required")
-        args.global_batch_size = 1536
+        args.global_batch_size = PLAN_GLOBAL_BATCH[args.model]
     if args.gpus is None:
         raise _UsageError("--gpus is required (total number of GPUs)")
     gbps = 1e9
@@ -157,13 +175,17 @@ def _row(rank: str, e: Estimate) -> list[str]:
 
 def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate | None,
            runners: list[Estimate], evaluated: int) -> str:
-    from ptdp.flops import parameter_count
+    from ptdp.flops import model_parameter_count
 
-    params = parameter_count(model.num_layers, model.hidden_size, model.seq_length, model.vocab_size,
-                             model.ffn_hidden_size)
+    params = model_parameter_count(model)
+    llama = ""
+    if model.swiglu or model.num_query_groups or model.untie_embeddings_and_output_weights:
+        llama = (f" G={model.query_groups} ffn={model.ffn}{' SwiGLU' if model.swiglu else ''}"
+                 f"{' untied' if model.untie_embeddings_and_output_weights else ''}")
     lines = [
         f"model: {params / 1e9:.1f}B parameters, l={model.num_layers} h={model.hidden_size} "
-        f"a={model.num_attention_heads} s={model.seq_length} V={model.vocab_size}, global batch {train.global_batch_size}",
+        f"a={model.num_attention_heads}{llama} s={model.seq_length} V={model.vocab_size}, "
+        f"global batch {train.global_batch_size}",
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
         f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
@@ -180,4 +202,36 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     for r in rows:
         lines.append("  ".join(cell.rjust(w) if i not in (0, len(r) - 1) else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    if best is not None and best.fits:
+        lines += ["why:", *(f"  - {line}" for line in _reasoning(model, cluster, train, best, params))]
     return "\n".join(lines)
+
+
+def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
+    """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
+    from ptdp.planner.memory import model_state_bytes_per_param
+
+    c, mem, times = best.config, best.memory, best.times
+    t, p, d, v = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.data_parallel_size,
+                  c.virtual_pipeline_model_parallel_size)
+    states = params * model_state_bytes_per_param(train.precision, False, 1)
+    share = {k: getattr(times, k) / best.iteration_time_s for k in ("compute", "bubble", "tp_comm", "dp_comm")}
+    tp_where = "inside one server, on NVLink" if t <= cluster.gpus_per_node else "ACROSS servers"
+    return [
+        f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
+        f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
+        f"layout splits the weights over t·p = {t * p} GPUs"
+        f"{' and shards the optimizer state over d' if c.use_distributed_optimizer else ''}, just enough to fit "
+        "(takeaway 2)",
+        f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "
+        f"all-reduces cost {share['tp_comm']:.0%} of the iteration",
+        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches: bubble (p-1)/(v·m) = "
+        f"{best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
+        f"d = {d} data-parallel replicas take the rest of the {cluster.num_gpus} GPUs (takeaway 2); their gradient "
+        f"reduction costs {share['dp_comm']:.0%}"
+        + (" with the distributed optimizer sharding Adam state d ways" if c.use_distributed_optimizer else ""),
+        f"b = {c.micro_batch_size}, recompute {c.recompute_granularity}: {mem.total / GIB:.1f} GiB per GPU "
+        f"({mem.model_states / GIB:.1f} states + {mem.activations / GIB:.1f} activations + "
+        f"{mem.overhead / GIB:.1f} runtime) on pipeline rank {mem.pipeline_rank}; compute is "
+        f"{share['compute']:.0%} of the {best.iteration_time_s:.2f} s iteration",
+    ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.flops import layer_parameter_count
+from ptdp.flops import architecture, layer_parameter_count
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
@@ -27,28 +27,37 @@ def model_state_bytes_per_param(precision: str, distributed_optimizer: bool, dat
     return replicated + sharded / data_parallel_size if distributed_optimizer else float(full)
 
 
+def _norm_params(model: GPTSpec) -> int:
+    return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
+
+
 def layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     """One layer's parameters on one tensor-parallel rank: weights and column-parallel biases split t ways.
 
-    Replicated: the row-parallel biases (2h) and the two LayerNorms (4h).
+    Replicated: the row-parallel biases (2h, none with ``disable_bias_linear``) and the two norms (4h
+    LayerNorm, 2h RMSNorm).
     """
     h, f = model.hidden_size, model.ffn
-    replicated = 6 * h
-    return (layer_parameter_count(h, f) - replicated) / t + replicated
+    replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
+    total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
+                                  **architecture(model))
+    return (total - replicated) / t + replicated
 
 
 def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int) -> float:
     """Parameters held by one GPU at ``pipeline_rank``, padding of the vocabulary ignored.
 
-    Rank 0: its layers + V·h/t word embedding + s·h positions; last rank: its layers + the tied output
-    layer's own copy V·h/t + final LayerNorm (when p == 1 the embedding serves both ends).
+    Rank 0: its layers + V·h/t word embedding + s·h positions (none with rotary positions); last rank:
+    its layers + the output layer V·h/t (the tied embedding's own copy when p > 1; an untied output layer
+    always) + final norm (when p == 1 and tied, the embedding serves both ends).
     """
     h = model.hidden_size
     params = model.num_layers / p * layer_parameters_per_rank(model, t)
     if pipeline_rank == 0:
-        params += model.vocab_size * h / t + model.seq_length * h
+        params += model.vocab_size * h / t + (model.seq_length * h if model.position_embedding_type != "rope" else 0)
     if pipeline_rank == p - 1:
-        params += 2 * h + (model.vocab_size * h / t if p > 1 else 0)
+        untied = model.untie_embeddings_and_output_weights
+        params += _norm_params(model) + (model.vocab_size * h / t if p > 1 or untied else 0)
     return params
 
 
@@ -57,7 +66,10 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
 
     Without recomputation, t = 1: ``s·b·(18h + 4·ffn) + 5·a·s²·b`` (= s·b·h·(34 + 5as/h) for ffn = 4h).
     Tensor parallelism splits all but ``10·s·b·h`` (LayerNorm inputs, the inputs of the QKV and first MLP
-    GEMMs and two dropout masks); sequence parallelism splits those too. Selective recomputation drops the
+    GEMMs and two dropout masks); sequence parallelism splits those too. The split attention part is
+    ``2·s·b·(2q + 2k)`` (Q, K, V and the output projection's input, q = a·d, k = G·d: 8·s·b·h for GPT-2,
+    less with GQA); the MLP's ``4·ffn`` (GeLU input, fc2 input) becomes ``8·ffn`` with SwiGLU (gate, up,
+    silu(gate) and the product). RMSNorm keeps its input like LayerNorm; RoPE saves nothing extra. Selective recomputation drops the
     ``5·a·s²·b`` attention-core term. Full recomputation stashes only the layer input ``2·s·b·h`` (split t
     ways under sequence parallelism) -- ``stashed=False`` gives the full working set one layer rebuilds.
     """
@@ -68,7 +80,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     if stashed and cfg.recompute_granularity == "full":
         return 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h
-    split = s * b * (8 * h + 4 * model.ffn)
+    split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.ffn)
     attention_core = 5 * a * s * s * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 

@@ -72,20 +72,23 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
     peak, hbm = cluster.gpu.peak_flops, cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
     t, b = cfg.tensor_model_parallel_size, cfg.micro_batch_size
     h, f, s, a = model.hidden_size, model.ffn, model.seq_length, model.num_attention_heads
+    q, k = model.q_width, model.kv_width  # h and h for GPT-2; GQA shrinks K and V to G·d each
+    gate = 2 if model.swiglu else 1  # SwiGLU's fused gate + up GEMM is twice as wide
     tokens = b * s
     dense = (
-        gemm_time(tokens, 3 * h / t, h, peak)  # QKV (column parallel)
-        + gemm_time(tokens, h, h / t, peak)  # attention output projection (row parallel)
-        + gemm_time(tokens, f / t, h, peak)  # MLP h -> ffn (column parallel)
+        gemm_time(tokens, (q + 2 * k) / t, h, peak)  # QKV (column parallel)
+        + gemm_time(tokens, h, q / t, peak)  # attention output projection (row parallel)
+        + gemm_time(tokens, gate * f / t, h, peak)  # MLP h -> ffn (column parallel)
         + gemm_time(tokens, h, f / t, peak)  # MLP ffn -> h (row parallel)
     )
     heads = b * a / t
-    core = gemm_time(s, s, h / a, peak, heads) + gemm_time(s, h / a, s, peak, heads)  # QK^T, scores @ V
+    core = gemm_time(s, s, q / a, peak, heads) + gemm_time(s, q / a, s, peak, heads)  # QK^T, scores @ V
     # memory-bound ops, bytes moved: 2 LayerNorms (r+w: 8/elt) and 2 dropout+residual (r 2, w 1 + mask: 7/elt)
     # on s·b·h (replicated over t unless sequence parallel), bias+GeLU on the ffn activations (4/elt), and
     # the fused scale-mask-softmax + dropout on the a·s² scores (9/elt)
     sp = cfg.sequence_parallel and t > 1
-    elementwise = (22 * tokens * h / (t if sp else 1) + 4 * tokens * f / t + 9 * heads * s * s) / hbm
+    elementwise = (22 * tokens * h / (t if sp else 1) + (6 if model.swiglu else 4) * tokens * f / t
+                   + 9 * heads * s * s) / hbm  # SwiGLU: read gate and up, write the product
     return dense, core, elementwise
 
 
@@ -263,7 +266,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # with p > 1 the first and last stage each hold the tied word embedding and all-reduce its gradient
     # (V·h/t) between them after the flush, across servers, before the data-parallel step
     embedding = 0.0
-    if p > 1:
+    if p > 1 and not model.untie_embeddings_and_output_weights:
         ebw, elat = _link(cluster, t * d * p > cluster.gpus_per_node)
         embedding = ring_all_reduce_time(model.vocab_size * model.hidden_size / t * grad_bytes, 2, ebw, elat)
     dp_comm = reduce + gather + embedding

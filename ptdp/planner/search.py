@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from ptdp.flops import flops_per_iteration
+from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
 from ptdp.pipeline.schedules import bubble_fraction_formula
 from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
@@ -83,7 +83,7 @@ def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: T
         num_microbatches=cfg.num_microbatches(train.global_batch_size),
         flops_per_iteration=flops_per_iteration(
             model.num_layers, model.hidden_size, model.seq_length, model.vocab_size, train.global_batch_size,
-            recompute=cfg.recompute_granularity == "full", ffn_hidden_size=model.ffn_hidden_size,
+            recompute=cfg.recompute_granularity == "full", ffn_hidden_size=model.ffn, **architecture(model),
         ),
         times=iteration_times(model, cfg, cluster, train),
         memory=memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
@@ -103,6 +103,8 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return f"--gpus {cluster.num_gpus} is not divisible by tensor x pipeline size {t}x{p}"
     if model.num_attention_heads % t or model.hidden_size % t or model.ffn % t:
         return f"--tensor-model-parallel-size {t} must divide the heads, hidden and ffn sizes"
+    if model.query_groups % t:
+        return f"--tensor-model-parallel-size {t} must divide --num-query-groups {model.query_groups}"
     if model.num_layers % (p * v):
         return f"--num-layers {model.num_layers} must be divisible by pipeline x virtual size {p}x{v}"
     if train.global_batch_size % (b * d):

@@ -15,7 +15,13 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class GPTSpec:
-    """Shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise)."""
+    """Shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
+
+    The Llama-family fields carry ``ModelConfig``'s names (so ``ptdp.flops.architecture`` reads both):
+    ``num_query_groups`` G for grouped-query attention (None: one K/V head per query head), ``kv_channels``
+    the head dimension (None: h/a), ``swiglu`` three ffn matrices, an untied output layer, RMSNorm, rotary
+    positions (no s·h table) and no linear biases.
+    """
 
     num_layers: int
     hidden_size: int
@@ -23,14 +29,56 @@ class GPTSpec:
     seq_length: int
     vocab_size: int
     ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
+    disable_bias_linear: bool = False
 
     @property
     def ffn(self) -> int:
-        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def group_query_attention(self) -> bool:
+        return self.num_query_groups is not None
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def q_width(self) -> int:
+        """a·d: the query (and attention output) projection width."""
+        return self.num_attention_heads * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def kv_width(self) -> int:
+        """G·d: the key (and the value) projection width."""
+        return self.query_groups * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+
+    @classmethod
+    def from_preset(cls, values: dict) -> GPTSpec:
+        """The shape of a ``ptdp.presets`` entry (which holds ``ModelConfig`` field values)."""
+        known = {f for f in cls.__dataclass_fields__}
+        spec = {k: v for k, v in values.items() if k in known}
+        if not values.get("group_query_attention"):
+            spec.pop("num_query_groups", None)
+        return cls(**spec)
 
 
-GPT3_175B = GPTSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=51200)
-MODEL_PRESETS: dict[str, GPTSpec] = {"gpt3-175b": GPT3_175B}
+def _published_presets() -> dict[str, GPTSpec]:
+    from ptdp.presets import MODEL_PRESETS as ALL
+
+    return {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
+
+
+MODEL_PRESETS: dict[str, GPTSpec] = _published_presets()
+GPT3_175B = MODEL_PRESETS["gpt3-175b"]
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep both working (torch >= 2.4).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ..observability import flight_recorder
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``output`` := the group's ``input`` tensors concatenated along dim 0 (one flat collective).
+
+    torch >= 2.10 names it ``all_gather_single``; older versions (the package supports torch >= 2.4) only
+    have ``all_gather_into_tensor``. Looked up at call time, so every caller (TP, ZeRO-1) shares the
+    fallback and a test can hide the new name.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    flight_recorder.record("all_gather", group=group, tensor=input)
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``output`` := this rank's 1/n slice (dim 0) of the sum of the group's ``input``; see all_gather_single."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    flight_recorder.record("reduce_scatter", group=group, tensor=input)
+    return fn(output, input, group=group, async_op=async_op)
+
+
+_all_gather_single = all_gather_single  # the names this module used before
+_reduce_scatter_single = reduce_scatter_single
 
 
 def group_size(group) -> int:
@@ -26,32 +47,49 @@ def group_rank(group) -> int:
 
 def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) > 1:
+        flight_recorder.record("all_reduce", group=group, tensor=tensor)
         dist.all_reduce(tensor, group=group)
     return tensor
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Concatenate the group's tensors along ``dim`` (in rank order)."""
+    """Concatenate the group's tensors along ``dim`` (in rank order); the result is contiguous.
+
+    One flat collective into a rank-major buffer. When every dimension before ``dim`` has size 1 (dim 0,
+    or the sequence of a ``[1, s/t, h]`` activation) that buffer already is the concatenation; otherwise
+    one ``torch.cat`` lays the blocks out (not a transposing copy before and another after).
+    """
     world = group_size(group)
     if world == 1:
         return tensor
     dim = dim % tensor.dim()
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    shape = tensor.shape
+    flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(flat, tensor.contiguous().view(-1), group=group)
+    if all(n == 1 for n in shape[:dim]):
+        return flat.view(*shape[:dim], world * shape[dim], *shape[dim + 1:])
+    return torch.cat(flat.view(world, *shape).unbind(0), dim=dim)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Sum over the group and keep this rank's 1/t slice along ``dim``."""
+    """Sum over the group and keep this rank's 1/t slice along ``dim`` (contiguous).
+
+    The input is laid out rank-major for the flat collective: free when the dimensions before ``dim``
+    have size 1, one copy otherwise; the output needs no copy.
+    """
     world = group_size(group)
     if world == 1:
         return tensor
     dim = dim % tensor.dim()
-    moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    shape = tensor.shape
+    local = shape[dim] // world
+    if all(n == 1 for n in shape[:dim]):
+        blocks = tensor.contiguous()
+    else:
+        blocks = tensor.unflatten(dim, (world, local)).movedim(dim, 0).contiguous()
+    out = torch.empty((*shape[:dim], local, *shape[dim + 1:]), dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
+    return out
 
 
 def split(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:

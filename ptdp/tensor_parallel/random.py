@@ -39,10 +39,15 @@ class RNGStatesTracker:
         self.states: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, seed: int) -> None:
-        saved = _get_state(self.device)
-        torch.manual_seed(seed)
-        self.states[name] = _get_state(self.device)
-        _set_state(saved, self.device)
+        """A new stream seeded with ``seed``, drawn from a private generator of this tracker's device type.
+
+        ``torch.manual_seed`` would reseed every generator of the process (the CPU one and each GPU's),
+        not only the one this tracker swaps; a fresh ``torch.Generator`` gives the same state bytes and
+        touches nothing else.
+        """
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        self.states[name] = generator.get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:

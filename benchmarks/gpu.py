@@ -1,0 +1,272 @@
+"""ptdp on one GPU: model FLOPs utilisation of a 1.3B GPT, against a plain PyTorch loop and the planner.
+
+    python benchmarks/gpu.py --json                 # one JSON object on stdout
+    python benchmarks/gpu.py --iters 10 --micro-batch-size 8
+
+The GPT-3 1.3B shape (24 layers, h=2048, 16 heads, s=2048, V=50257) in bf16 with the best single-device
+settings: flash SDPA, fused AdamW, ``--compile`` (each transformer layer compiled), dropout off. It is
+trained for ``--warmup`` + ``--iters`` iterations by ptdp's own step (``ptdp.training.setup`` and
+``train_step`` at t = p = d = 1: pipeline executor, gradient buffers, bf16 optimizer with fp32 main
+weights and grads, device-side clipping) and by :func:`plain_step`, a plain PyTorch loop of the same
+model written below with no ptdp code. Reported: ``mfu`` (model FLOPs, no recomputation, over the GPU's
+dense bf16 peak, 989 TFLOP/s on an H100 SXM), ``tflops_per_gpu`` (the paper's eq. 3), tokens/s and peak
+memory of each, ``time_over_plain_pytorch`` (goals: MFU >= 0.50, ratio <= 1.02), and ``ptdp plan``'s
+estimate for the same case beside the measurement. Without a CUDA device it prints one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --------------------------------------------------------------------------------------- plain PyTorch
+# What a careful PyTorch user writes (nanoGPT-style) with the same kernels as ptdp: nn.Linear GEMMs,
+# F.scaled_dot_product_attention (flash, causal), tanh-GeLU, LayerNorm, a tied embedding with the
+# vocabulary padded to a multiple of 128 (50304, nanoGPT's trick; ptdp pads the same way), torch.compile
+# per block, fused AdamW. Mixed precision the usual PyTorch way, which is numerically what ptdp does:
+# fp32 master weights under torch.autocast(bf16) (the GEMMs and attention run in bf16 on bf16 copies of
+# the weights; the bf16 weight gradients are accumulated into fp32 .grad over the microbatches) and
+# fused AdamW on the fp32 weights. ptdp instead keeps bf16 weights plus separate fp32 main weights and
+# fp32 main grads; both read/write about the same bytes per parameter per microbatch.
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(h)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, microbatches, clip: float) -> torch.Tensor:
+    opt.zero_grad(set_to_none=False)
+    total = torch.zeros((), device="cuda")
+    for tokens, labels in microbatches:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(microbatches)
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+    opt.step()
+    return total
+
+
+def plain_setup(args, weight_decay: float):
+    with torch.device("cuda"):
+        model = PlainGPT(args.padded_vocab, args.seq, args.hidden, args.heads, args.layers)
+    if not args.no_compile:
+        for block in model.blocks:
+            block.compile()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-4, fused=True)
+    return model, opt
+
+
+# ---------------------------------------------------------------------------------------------- ptdp
+
+
+def ptdp_setup(args):
+    from ptdp.config import Config, validate
+    from ptdp.training import setup
+
+    c = Config()
+    m, tr, o = c.model, c.training, c.optimizer
+    m.num_layers, m.hidden_size, m.num_attention_heads = args.layers, args.hidden, args.heads
+    m.seq_length, m.vocab_size = args.seq, args.vocab
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.compile = not args.no_compile
+    c.precision.bf16 = True
+    tr.micro_batch_size, tr.global_batch_size = args.micro_batch_size, args.micro_batch_size * args.microbatches
+    tr.train_iters = 10**6
+    o.lr, o.lr_warmup_iters, o.lr_decay_style = 1e-4, 0, "constant"
+    errors = validate(c, 1)
+    if errors:
+        raise SystemExit("gpu.py: " + errors[0])
+    trainer = setup(c)
+    for chunk in trainer.chunks:
+        chunk.train()
+    return trainer
+
+
+def timed(step, first: int, iters: int) -> tuple[float, list]:
+    """Seconds per iteration over ``iters`` iterations (wall clock between two device syncs), and the
+    device scalars the steps returned (read after the timed window)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = [step(i) for i in range(first, first + iters)]
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters, outputs
+
+
+def measure_ptdp(args) -> dict:
+    from ptdp.training import read_records, train_step
+
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer = ptdp_setup(args)
+    setup_s = time.perf_counter() - start
+    for it in range(1, args.warmup + 1):  # compilation, allocator warm-up, the first AdamW step
+        train_step(trainer, it)
+    torch.cuda.synchronize()
+    times = []
+    losses: list[float] = []
+    for r in range(args.repeats):
+        seconds, records = timed(lambda i: train_step(trainer, i), args.warmup + 1 + r * args.iters, args.iters)
+        times.append(seconds)
+        losses += [rec["loss"] for rec in read_records(trainer, records)]
+    return {"iteration_s": statistics.median(times), "repeat_s": times, "setup_s": setup_s,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": losses[-1],
+            "params": sum(p.numel() for p in trainer.params), "vocab_padded": trainer.chunks[0].output_weight.shape[0]}
+
+
+def measure_plain(args, batches) -> dict:
+    from ptdp.config import OptimizerConfig
+
+    o = OptimizerConfig()  # ptdp's defaults: the same weight decay and clipping
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model, opt = plain_setup(args, o.weight_decay)
+
+    def step(i: int) -> torch.Tensor:
+        return plain_step(model, opt, batches(i), o.clip_grad)
+
+    setup_s = time.perf_counter() - start
+    for it in range(args.warmup):
+        step(it)
+    torch.cuda.synchronize()
+    times, losses = [], []
+    for r in range(args.repeats):
+        seconds, out = timed(step, args.warmup + r * args.iters, args.iters)
+        times.append(seconds)
+        losses += torch.stack(out).tolist()
+    return {"iteration_s": statistics.median(times), "repeat_s": times, "setup_s": setup_s,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": losses[-1]}
+
+
+def plan_estimate(args) -> dict:
+    """``ptdp plan`` for the same case: one GPU, t = p = d = 1, bf16, no recomputation."""
+    from ptdp import hardware
+    from ptdp.planner.search import evaluate
+    from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+
+    found = hardware.accelerator_for_device_name(torch.cuda.get_device_name())
+    gpu = found.name if found else "h100-80gb"
+    model = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    cfg = ParallelConfig(1, 1, 1, 1, args.micro_batch_size, "none", False, False)
+    est = evaluate(model, cfg, ClusterSpec.of(gpu, 1), TrainingSpec(args.micro_batch_size * args.microbatches, "bf16"))
+    return {"gpu": gpu, "iteration_s": est.iteration_time_s, "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
+            "memory_gib": est.memory.total / 2**30, "fits": est.fits}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="8 fits an 80 GB GPU (about 51 GiB)")
+    parser.add_argument("--microbatches", type=int, default=2, help="per iteration (global batch = b x this)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per repeat")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="eager layers (both loops)")
+    parser.add_argument("--skip-plain", action="store_true", help="measure ptdp only")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; nothing measured (run it on a GPU machine)")
+        return 0
+    args.padded_vocab = -(-args.vocab // 128) * 128
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 GEMMs (none in the hot path) may use TF32
+    from ptdp import flops, hardware
+
+    tokens = args.micro_batch_size * args.microbatches * args.seq
+    model_flops = flops.flops_per_iteration(args.layers, args.hidden, args.seq, args.vocab,
+                                            args.micro_batch_size * args.microbatches, recompute=False)
+    peak = hardware.peak_flops_for_current_device()
+
+    ptdp = measure_ptdp(args)
+    gc.collect()  # the ptdp trainer's memory goes back before the plain model is built
+    torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(0)
+    data = [[(lambda x: (x[:, :-1].cuda(), x[:, 1:].cuda()))(torch.randint(0, args.vocab, (args.micro_batch_size,
+                                                                                          args.seq + 1), generator=g))
+             for _ in range(args.microbatches)] for _ in range(4)]
+    plain = None if args.skip_plain else measure_plain(args, lambda i: data[i % len(data)])
+    for result in (ptdp, plain):
+        if result is None:
+            continue
+        result["tokens_per_s"] = tokens / result["iteration_s"]
+        result["tflops_per_gpu"] = model_flops / result["iteration_s"] / 1e12  # no recomputation: eq. 3's 72
+        result["mfu"] = model_flops / result["iteration_s"] / peak if peak else None
+    out = {
+        "benchmark": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
+                  "vocab": args.vocab, "micro_batch_size": args.micro_batch_size, "microbatches": args.microbatches,
+                  "params": ptdp["params"], "compile": not args.no_compile, "precision": "bf16"},
+        "ptdp": ptdp, "plain_pytorch": plain,
+        "mfu": ptdp["mfu"], "tflops_per_gpu": ptdp["tflops_per_gpu"], "tokens_per_s": ptdp["tokens_per_s"],
+        "peak_memory_gib": ptdp["peak_memory_gib"],
+        "time_over_plain_pytorch": ptdp["iteration_s"] / plain["iteration_s"] if plain else None,
+        "goals": {"mfu": 0.50, "time_over_plain_pytorch": 1.02},
+        "plan_estimate": plan_estimate(args),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    est = out["plan_estimate"]
+    print(f"{out['device']}, torch {out['torch']}: GPT {ptdp['params'] / 1e9:.2f}B, b={args.micro_batch_size}, "
+          f"m={args.microbatches}, s={args.seq}, bf16{', compiled' if not args.no_compile else ''}")
+    for name, r in (("ptdp", ptdp), ("plain PyTorch", plain)):
+        if r is not None:
+            mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+            print(f"  {name:14s} {r['iteration_s'] * 1e3:8.1f} ms/iteration  {r['tokens_per_s']:9.0f} tokens/s  "
+                  f"{r['tflops_per_gpu']:6.1f} TFLOP/s  MFU {mfu}  peak memory {r['peak_memory_gib']:.1f} GiB  "
+                  f"loss {r['final_loss']:.3f}")
+    if plain:
+        print(f"  time over plain PyTorch: {out['time_over_plain_pytorch']:.3f} (goal <= 1.02)")
+    print(f"  ptdp plan ({est['gpu']}): {est['iteration_s'] * 1e3:.1f} ms/iteration, "
+          f"{est['tflops_per_gpu']:.1f} TFLOP/s, MFU {est['mfu']:.3f}, {est['memory_gib']:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``--model NAME``: named model shapes for ``ptdp train`` and ``ptdp plan``.
+
+A preset is nothing but values of ``ModelConfig`` fields, i.e. of Megatron-LM flags, so it is applied
+under the TOML file and the command line: any flag given explicitly overrides it. The published shapes
+follow the models' own configurations (GPT-3 paper Table 2.1; Meta's Llama 2/3 ``params.json`` and the
+Hugging Face ``config.json`` of the same models). The ``tiny-*`` presets are the smallest models that
+every test layout can split (8 layers for p·v = 8, two KV groups for t = 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What every Llama shares: rotary positions, RMSNorm, SwiGLU, no biases, untied output, no dropout.
+_LLAMA: dict[str, Any] = {
+    "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+    "disable_bias_linear": True, "untie_embeddings_and_output_weights": True,
+    "hidden_dropout": 0.0, "attention_dropout": 0.0,
+}
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
+                  "vocab_size": 51200},
+    "llama2-7b": {**_LLAMA, "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                  "ffn_hidden_size": 11008, "seq_length": 4096, "vocab_size": 32000, "norm_epsilon": 1e-5,
+                  "rotary_base": 10000.0},
+    "llama3-8b": {**_LLAMA, "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                  "group_query_attention": True, "num_query_groups": 8, "ffn_hidden_size": 14336,
+                  "seq_length": 8192, "vocab_size": 128256, "norm_epsilon": 1e-5, "rotary_base": 500000.0},
+    "llama3-70b": {**_LLAMA, "num_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                   "group_query_attention": True, "num_query_groups": 8, "ffn_hidden_size": 28672,
+                   "seq_length": 8192, "vocab_size": 128256, "norm_epsilon": 1e-5, "rotary_base": 500000.0},
+    # test-sized models (the tokenizer decides the vocabulary)
+    "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+                 "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "tiny-llama": {**_LLAMA, "num_layers": 8, "hidden_size": 32, "num_attention_heads": 4,
+                   "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 64,
+                   "seq_length": 16, "norm_epsilon": 1e-6},
+}
+
+# Global batch sizes the planner assumes when --global-batch-size is not given (the papers' runs).
+PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512}
+
+
+def model_family(cfg: Any) -> str:
+    """A short name for the architecture a ``ModelConfig`` describes (for the start-up summary)."""
+    llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu)
+    if llama:
+        attention = f"GQA {cfg.query_groups} groups" if cfg.query_groups < cfg.num_attention_heads else "MHA"
+        return f"Llama ({attention}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"
+    if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu) == ("learned_absolute", "LayerNorm", False):
+        return "GPT-2"
+    return (f"GPT ({cfg.position_embedding_type} positions, {cfg.normalization}, "
+            f"{'SwiGLU' if cfg.swiglu else 'GeLU'} MLP)")

@@ -1,0 +1,75 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in the rotate-half convention of Megatron and HF.
+
+Each head's first ``rotary_dim = int(head_dim * rotary_percent)`` dimensions are cut into two halves
+(x1, x2) and rotated pairwise, dimension ``i`` with ``i + rotary_dim/2``, by the angle ``position ·
+inv_freq[i]`` with ``inv_freq[i] = base^(-2i/rotary_dim)``; the remaining dimensions pass unchanged.
+(Meta's original checkpoints pair *adjacent* dimensions instead; Hugging Face's converted checkpoints,
+which ``ptdp import`` reads, already use rotate-half.)
+
+RoPE needs no parameters and acts per head, so tensor parallelism needs nothing: each rank rotates its
+own heads. Attention always sees the whole sequence (sequence parallelism gathers it before the QKV
+GEMM), so positions are simply ``0 .. s-1``. The cos/sin tables are computed in fp32 whatever the model's
+dtype (as Megatron and HF do) and cached per (length, device), so a ``--bf16`` cast of the model cannot
+touch them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Llama 3.1's frequency scaling, as published (HF ``rope_type: llama3``; Megatron ``--use-rope-scaling``).
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def inverse_frequencies(rotary_dim: int, base: float, scaling_factor: float | None = None) -> torch.Tensor:
+    """``base^(-2i/rotary_dim)`` for i < rotary_dim/2, fp32; with ``scaling_factor`` the llama3 scaling.
+
+    Llama 3.1 keeps high frequencies (wavelength < original context / high factor), divides low ones
+    (wavelength > original context / low factor) by the factor, and interpolates smoothly between.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling_factor is None:
+        return inv_freq
+    low_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling_factor, inv_freq)
+    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
+    smoothed = (1 - smooth) * scaled / scaling_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables ``[s, rotary_dim]`` for positions 0..s-1, and their application to q and k.
+
+    A plain object, not a module: it holds no parameters and no buffers (see the module docstring).
+    """
+
+    def __init__(self, head_dim: int, rotary_percent: float, base: float, scaling_factor: float | None = None):
+        self.rotary_dim = int(head_dim * rotary_percent)
+        self.inv_freq = inverse_frequencies(self.rotary_dim, base, scaling_factor)
+        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, device)
+        if key not in self._cache:
+            positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+            freqs = torch.outer(positions, self.inv_freq.to(device))
+            angles = torch.cat([freqs, freqs], dim=-1)
+            self._cache[key] = (angles.cos(), angles.sin())
+        return self._cache[key]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it)."""
+        cos, sin = self.tables(x.shape[-2], x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated

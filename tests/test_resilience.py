@@ -1,0 +1,89 @@
+"""Issue 16: checkpoints that neither stall nor break, hang detection with a culprit, elastic restarts.
+
+All runs are real ``ptdp train`` processes of the tiny model; every run that is killed or hangs on purpose
+is bounded by ``run_command``'s timeout, which kills its whole process group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, losses, run_ptdp, train_metrics
+
+from ptdp.checkpointing import read_full_model_state, read_latest
+from ptdp.checkpointing.storage import verify_checksums
+
+SIX = [*TINY, "--train-iters", "6"]
+D2 = ["--nproc-per-node", "2"]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    """Six iterations on two data-parallel ranks, never interrupted, saving (inline) every 2 iterations."""
+    tmp = tmp_path_factory.mktemp("straight")
+    got = train_metrics(tmp, 2, ["--save", str(tmp / "ckpt"), "--save-interval", "2"], base=SIX)
+    return {"losses": losses(got), "records": got, "ckpt": tmp / "ckpt"}
+
+
+def test_async_save_writes_the_same_checkpoints_and_reports_the_stall(tmp_path, straight):
+    ckpt = tmp_path / "async"
+    got = train_metrics(tmp_path, 2, ["--save", str(ckpt), "--save-interval", "2", "--async-save"], base=SIX)
+    assert losses(got) == straight["losses"]  # saving in the background changes nothing in training
+    for run, root in ((got, ckpt), (straight["records"], straight["ckpt"])):
+        assert read_latest(root) == 6 and not list(root.glob(".tmp-*"))
+        stalls = {r["iteration"]: r["checkpoint_stall_s"] for r in run}
+        assert {i for i, s in stalls.items() if s is not None} == {3, 5}  # the saves after iterations 2 and 4
+    for iteration in (2, 4, 6):
+        verify_checksums(ckpt / f"iter_{iteration:07d}")  # every file durable and listed
+        a, _ = read_full_model_state(straight["ckpt"] / f"iter_{iteration:07d}")
+        b, _ = read_full_model_state(ckpt / f"iter_{iteration:07d}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # a copy, not the live tensors
+
+
+@pytest.mark.parametrize("point,extra", [
+    ("hashed", ["--async-save"]),  # rank 1 dies in the background write, after fsync and hashing
+    ("before-latest", []),  # rank 0 dies after the rename, before `latest` moves
+])
+def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, straight, point, extra):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    proc = run_ptdp(["train", *SIX, *D2, *extra, "--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
+                     "--save-interval", "2", "--metrics-file", str(metrics)],
+                    env={"PTDP_TEST_CRASH_IN_SAVE": f"4:{point}"}, check=False, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (ckpt / f".test-crashed-4-{point}").exists()  # the kill really happened
+    assert " loaded checkpoint" in proc.stdout and "at iteration 2" in proc.stdout  # never the partial save
+    assert "at iteration 4" not in proc.stdout
+    got = {}
+    for r in records(metrics):  # the restart logs iterations 3..6 again
+        got[r["iteration"]] = r["loss"]
+    assert [got[i] for i in range(1, 7)] == straight["losses"]  # same layout: bit for bit
+    assert read_latest(ckpt) == 6 and not list(ckpt.glob(".tmp-*"))
+    for iteration in (2, 4, 6):
+        verify_checksums(ckpt / f"iter_{iteration:07d}")
+
+
+def test_a_stopped_worker_is_named_and_the_job_restarts_with_the_same_losses(tmp_path, straight):
+    """SIGSTOP to rank 1 at iteration 4: rank 0 waits in a collective; within --hang-timeout-s its watchdog
+    names rank 1, writes every rank's last operations and exits; torchrun restarts from iteration 2."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    proc = run_ptdp(["train", *SIX, *D2, "--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
+                     "--save-interval", "2", "--hang-timeout-s", "5", "--metrics-file", str(metrics)],
+                    env={"PTDP_TEST_KILL_AT_ITERATION": "4:STOP"}, check=False, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hang = [line for line in proc.stderr.splitlines() if "hang:" in line]
+    assert len(hang) == 1 and "rank(s) 1 stopped responding" in hang[0] and "rank 0 waits in" in hang[0], hang
+    report = ckpt / "hang"
+    assert (report / "report-attempt0.txt").read_text().strip() in hang[0]
+    for rank in (0, 1):  # every rank's last operations, the stopped one's from its last heartbeat
+        ops = json.loads((report / f"rank{rank}-ops.json").read_text())
+        assert ops["rank"] == rank and ops["iteration"] >= 1
+    # the waiting rank names its last call; the stopped one may have stopped before a heartbeat with calls
+    assert json.loads((report / "rank0-ops.json").read_text())["ops"]
+    got = {r["iteration"]: r["loss"] for r in records(metrics)}
+    assert [got[i] for i in range(1, 7)] == straight["losses"]  # restarted from iteration 2: bit for bit
