@@ -13,6 +13,7 @@ from ptdp.pipeline.schedules import (
     build_schedule,
     check_deadlock_free,
     compute_only,
+    compute_times,
     interleaved_warmup,
     peak_in_flight,
     stage_peers,
@@ -119,31 +120,8 @@ def test_interleaved_follows_megatron(p, v, m):
 def makespan(schedules: list[list[Action]], p: int, v: int, t_f: float, t_b: float) -> float:
     """Unit-cost timing with free communication: each rank runs its list in order, waiting for inputs."""
     durations = {"F": t_f / v, "B": t_b / v, "I": t_b / (2 * v), "W": t_b / (2 * v)}
-    finish: dict[tuple[str, int, int], float] = {}
-    clock, pos = [0.0] * p, [0] * p
-    lists = [compute_only(s) for s in schedules]
-    last = p * v - 1
-    while any(pos[r] < len(lists[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                s, mb = virtual_stage(r, a.chunk, p), a.microbatch
-                if a.op == "F":
-                    deps = [("F", mb, s - 1)] if s > 0 else []
-                elif a.op == "W":
-                    deps = [("I", mb, s)]
-                else:
-                    down = [] if s == last else [("B", mb, s + 1) if ("B", mb, s + 1) in finish else ("I", mb, s + 1)]
-                    deps = [("F", mb, s), *down]
-                if any(d not in finish for d in deps):
-                    break
-                start = max([clock[r], *(finish[d] for d in deps)])
-                clock[r] = finish[a.op, mb, s] = start + durations[a.op]
-                pos[r] += 1
-                progressed = True
-        assert progressed
-    return max(clock)
+    times = compute_times([compute_only(s) for s in schedules], p, v, durations)
+    return max(end for row in times for _, end in row)
 
 
 @pytest.mark.parametrize("name,p,v,m", [c for c in CASES if c[0] != "zb-h1"], ids=[

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 COMPUTE_OPS = frozenset({"F", "B", "I", "W"})
@@ -237,12 +237,27 @@ def _cached_schedule(name: str, p: int, v: int, m: int, forward_only: bool) -> t
 TICKS = {"F": 2, "B": 4, "I": 2, "W": 2}
 
 
-def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int) -> list[list[tuple[int, int]]]:
+def input_dependencies(a: Action, s: int, last: int, done: Container[tuple[str, int, int]]
+                       ) -> list[tuple[str, int, int]]:
+    """The (op, microbatch, virtual stage) computes whose results action ``a`` on stage ``s`` consumes: the
+    previous stage's F for an F; this stage's F and the next stage's B (or, zero-bubble, I) for a B/I;
+    this stage's I for a W. ``last`` is the last virtual stage."""
+    mb = a.microbatch
+    if a.op == "F":
+        return [("F", mb, s - 1)] if s > 0 else []
+    if a.op == "W":
+        return [("I", mb, s)]
+    grad = ("B", mb, s + 1) if ("B", mb, s + 1) in done else ("I", mb, s + 1)
+    return [("F", mb, s)] + ([grad] if s < last else [])
+
+
+def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int,
+                  ticks: Mapping[str, float] = TICKS) -> list[list[tuple[float, float]]]:
     """(start, end) of every compute action when each rank runs its list in order as soon as the action's
-    inputs exist (``TICKS`` costs, free communication). Raises ValueError if the lists cannot finish."""
+    inputs exist (``ticks`` costs, free communication). Raises ValueError if the lists cannot finish."""
     last = p * v - 1
-    end: dict[tuple[str, int, int], int] = {}  # (op, microbatch, virtual stage)
-    times: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    end: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage)
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     clock, pos = [0] * p, [0] * p
     progress = True
     while progress:
@@ -250,18 +265,12 @@ def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int) -> list[
         for r in range(p):
             while pos[r] < len(computes[r]):
                 a = computes[r][pos[r]]
-                s, mb = virtual_stage(r, a.chunk, p), a.microbatch
-                if a.op == "F":
-                    deps = [("F", mb, s - 1)] if s > 0 else []
-                elif a.op == "W":
-                    deps = [("I", mb, s)]
-                else:
-                    grad = ("B", mb, s + 1) if ("B", mb, s + 1) in end else ("I", mb, s + 1)
-                    deps = [("F", mb, s)] + ([grad] if s < last else [])
+                s = virtual_stage(r, a.chunk, p)
+                deps = input_dependencies(a, s, last, end)
                 if any(d not in end for d in deps):
                     break
                 start = max([clock[r], *(end[d] for d in deps)])
-                clock[r] = end[a.op, mb, s] = start + TICKS[a.op]
+                clock[r] = end[a.op, a.microbatch, s] = start + ticks[a.op]
                 times[r].append((start, clock[r]))
                 pos[r] += 1
                 progress = True
@@ -344,7 +353,7 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int) -
                     got = q.popleft()
                     assert got == (a.op[-1], a.microbatch, s), f"rank {r}: {a} matched message {got} instead"
                 else:
-                    if not _deps_met(a, s, p, v, done):
+                    if any(d not in done for d in input_dependencies(a, s, p * v - 1, done)):
                         break
                     done.add((a.op, a.microbatch, s))
                 pos[r] += 1
@@ -354,14 +363,3 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int) -
     leftover = {k: list(q) for k, q in channels.items() if q}
     assert not leftover, f"messages never received: {leftover}"
 
-
-def _deps_met(a: Action, s: int, p: int, v: int, done: set[tuple[str, int, int]]) -> bool:
-    last = p * v - 1
-    mb = a.microbatch
-    if a.op == "F":
-        return s == 0 or ("F", mb, s - 1) in done
-    forward_done = ("F", mb, s) in done
-    if a.op == "W":
-        return ("I", mb, s) in done
-    downstream = s == last or ("B", mb, s + 1) in done or ("I", mb, s + 1) in done
-    return forward_done and downstream
