@@ -51,11 +51,12 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     return proc
 
 
-def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY) -> list[dict]:
+def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY,
+                  env: dict[str, str] | None = None) -> list[dict]:
     """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records."""
     metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
     launch = [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
-    run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)])
+    run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)], env=env)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -128,3 +129,16 @@ def initial_full_state(tensors: dict, config: dict) -> dict:
         init_parameters(model, config.get("training", {}).get("seed", 1234), 0, 1, model.cfg.init_method_std,
                         model.cfg.num_layers)
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def validated_config(args: list[str]):
+    """The ``Config`` of ``ptdp train`` flags, checked as at start-up (one process)."""
+    import argparse
+
+    from ptdp.config import add_config_arguments, config_from_args, validate
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    config = config_from_args(parser.parse_args(args))
+    assert not validate(config, 1)
+    return config

@@ -6,7 +6,6 @@ The GPU half (the same code on CUDA, bf16, sync-debug mode) is tests/test_gpu.py
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TINY, spawn
+from helpers import TINY, spawn, validated_config
 
-from ptdp.config import Config, add_config_arguments, config_from_args, validate
 from ptdp.tensor_parallel import random as tp_random
 from ptdp.tensor_parallel.cross_entropy import mask_padded_vocab_, vocab_parallel_cross_entropy
 
@@ -166,14 +164,6 @@ def test_rng_tracker_add_touches_no_other_generator():
 # ---------------------------------------------------------------------- host syncs in the steady state
 
 
-def _config(args: list[str]) -> Config:
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    config = config_from_args(parser.parse_args(args))
-    assert not validate(config, 1)
-    return config
-
-
 def _called_from_ptdp() -> bool:
     """Whether the tensor method was called by ptdp's own code (two frames up: ptdp -> patch -> here)."""
     return f"{Path('ptdp').as_posix()}/" in sys._getframe(2).f_code.co_filename.replace("\\", "/")
@@ -240,7 +230,7 @@ def _run_counting(monkeypatch, tmp_path: Path, log_interval: int, iters: int = 6
     args = [*TINY, "--train-iters", str(iters), "--log-interval", str(log_interval),
             "--metrics-file", str(tmp_path / "m.jsonl"), "--save", str(tmp_path / "ckpt"), "--save-interval", "100"]
     try:
-        records = training.train(_config(args))
+        records = training.train(validated_config(args))
     finally:
         counter.active = False
     return records, in_step, counter.calls

@@ -8,32 +8,20 @@ train on the CPU) or in-process through ``ptdp.training.train``.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY, losses, run_ptdp
+from helpers import TINY, losses, train_metrics, validated_config
 
-from ptdp.config import Config, ModelConfig, add_config_arguments, config_from_args, validate
+from ptdp.config import ModelConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU tier)")]
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 FP32 = {"rtol": 1e-4, "atol": 1e-5}  # CPU and CUDA kernels sum in different orders
-
-
-def train_metrics(tmp_path: Path, nproc: int, extra: list[str], env: dict[str, str] | None = None) -> list[dict]:
-    """``helpers.train_metrics`` with an environment (``CPU_ONLY`` trains on the CPU of a GPU machine)."""
-    import json
-    import os
-
-    assert nproc == 1  # one GPU: NCCL refuses two ranks on one device
-    metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
-    run_ptdp(["train", *TINY, *extra, "--metrics-file", str(metrics)], env=env)
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def _model_config(**overrides) -> ModelConfig:
@@ -173,14 +161,6 @@ def test_checkpoints_move_between_cuda_and_cpu(tmp_path):
         assert losses(first) + losses(resumed) == pytest.approx(reference, rel=1e-4)
 
 
-def _config(args: list[str]) -> Config:
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser)
-    config = config_from_args(parser.parse_args(args))
-    assert not validate(config, 1)
-    return config
-
-
 @pytest.mark.parametrize("extra", [[], ["--bf16"], ["--bf16", "--compile"], ["--bf16", "--use-distributed-optimizer"]],
                          ids=["fp32", "bf16", "bf16-compile", "bf16-zero1"])
 def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
@@ -212,7 +192,7 @@ def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
     monkeypatch.setattr(training, "read_records", read_records)
     monkeypatch.setattr(training.CheckpointManager, "finish", finish)
     try:
-        records = training.train(_config([*TINY, *extra, "--train-iters", "8", "--log-interval", "4",
+        records = training.train(validated_config([*TINY, *extra, "--train-iters", "8", "--log-interval", "4",
                                           "--save", str(Path(tmp_path) / "ckpt"), "--save-interval", "100"]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
