@@ -25,10 +25,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from overhead import PlainGPT  # the same nanoGPT-style model as the CPU overhead benchmark
 from torch import nn
 
 # --------------------------------------------------------------------------------------- plain PyTorch
-# What a careful PyTorch user writes (nanoGPT-style) with the same kernels as ptdp: nn.Linear GEMMs,
+# What a careful PyTorch user writes (nanoGPT-style, overhead.PlainGPT) with the same kernels as ptdp: nn.Linear GEMMs,
 # F.scaled_dot_product_attention (flash, causal), tanh-GeLU, LayerNorm, a tied embedding with the
 # vocabulary padded to a multiple of 128 (50304, nanoGPT's trick; ptdp pads the same way), torch.compile
 # per block, fused AdamW. Mixed precision the usual PyTorch way, which is numerically what ptdp does:
@@ -36,39 +37,6 @@ from torch import nn
 # the weights; the bf16 weight gradients are accumulated into fp32 .grad over the microbatches) and
 # fused AdamW on the fp32 weights. ptdp instead keeps bf16 weights plus separate fp32 main weights and
 # fp32 main grads; both read/write about the same bytes per parameter per microbatch.
-
-
-class Block(nn.Module):
-    def __init__(self, h: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-
-class PlainGPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)
 
 
 def plain_step(model: nn.Module, opt: torch.optim.Optimizer, microbatches, clip: float) -> torch.Tensor:
@@ -88,6 +56,9 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, microbatches, clip:
 def plain_setup(args, weight_decay: float):
     with torch.device("cuda"):
         model = PlainGPT(args.padded_vocab, args.seq, args.hidden, args.heads, args.layers)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
     if not args.no_compile:
         for block in model.blocks:
             block.compile()

@@ -56,7 +56,7 @@ class PlainGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied output embedding
