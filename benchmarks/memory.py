@@ -16,6 +16,12 @@ executor), at their peak over the schedule, on the worst rank. Beside it:
 
 Dropout is on (0.1), as in the formula, which counts the dropout masks.
 
+The zero-bubble and V schedules (issue 13) keep a stash from its F until its W (the executor frees saved
+bytes at B, or at W when the backward is split). ``stashed_ratio_to_1f1b`` is the prediction from the
+lists themselves: ``schedules.peak_stashed`` on the worst rank times the layers of a chunk, over 1F1B's;
+the papers claim zb-h1 ≈ 1x, zb-h2 ≈ 2x, zbv ≈ 1x, v-half ≈ 0.5x, v-min ≈ 0.33x (ptdp-facts.md, §Beyond
+the paper: zero-bubble and V schedules).
+
     python benchmarks/memory.py            # table
     python benchmarks/memory.py --json     # one JSON object keyed by case
 """
@@ -33,6 +39,7 @@ from pathlib import Path
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import ByteTokenizer
+from ptdp.pipeline.schedules import build_schedule, peak_stashed
 from ptdp.planner.memory import activation_bytes_per_layer, activation_microbatches_in_flight
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 
@@ -67,6 +74,11 @@ CASES = {
     "1f1b_recompute_selective": Case(recompute="selective"),
     "1f1b_tp2": Case(t=2, p=2),  # the baseline sequence parallelism is measured against
     "1f1b_sequence_parallel": Case(t=2, p=2, sequence_parallel=True),
+    "zb-h1": Case(schedule="zb-h1"),
+    "zb-h2": Case(schedule="zb-h2"),
+    "zbv": Case(v=2, schedule="zbv"),
+    "v-half": Case(v=2, schedule="v-half"),
+    "v-min": Case(v=2, schedule="v-min"),
 }
 
 
@@ -83,6 +95,14 @@ def measure(case: Case, workdir: Path) -> dict:
     if proc.returncode:
         raise SystemExit(f"memory.py: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(metrics.read_text().splitlines()[-1])
+
+
+def stashed_layers(case: Case) -> int:
+    """Worst rank's ``peak_stashed`` of the schedule's own lists, in layers (stashes x layers per chunk)."""
+    d = WORLD // (case.t * case.p)
+    m = GLOBAL_BATCH // (MICRO_BATCH * d)
+    peak = max(peak_stashed(build_schedule(case.schedule, case.p, case.v, m, r)) for r in range(case.p))
+    return peak * MODEL["num_layers"] // (case.p * case.v)
 
 
 def predictions(case: Case) -> dict:
@@ -128,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_over_formula": round(measured / pred["formula_bytes"], 3),
                 "measured_over_planner": round(measured / pred["planner_bytes"], 3),
                 "ratio_to_1f1b": None,
+                "stashed_layers": stashed_layers(case),
+                "stashed_ratio_to_1f1b": round(stashed_layers(case) / stashed_layers(CASES["1f1b"]), 3),
             }
     if "1f1b" in results:
         for r in results.values():
@@ -137,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model {MODEL}, b={MICRO_BATCH}, B={GLOBAL_BATCH}, {WORLD} processes, fp32, dropout 0.1")
     print(f"{'case':26s} {'t,p,d,v':>8s} {'in-flight':>9s} {'measured MB':>12s} {'formula MB':>11s} "
-          f"{'planner MB':>11s} {'/1f1b':>6s}")
+          f"{'planner MB':>11s} {'/1f1b':>6s} {'predicted':>9s}")
     for name, r in results.items():
         lay = r["layout"]
         print(f"{name:26s} {lay['t']},{lay['p']},{lay['d']},{lay['v']:>2} {r['peak_in_flight_microbatches']:9d} "
               f"{r['peak_activation_bytes'] / 1e6:12.3f} {r['formula_bytes'] / 1e6:11.3f} "
-              f"{r['planner_bytes'] / 1e6:11.3f} {r['ratio_to_1f1b'] or float('nan'):6.2f}")
+              f"{r['planner_bytes'] / 1e6:11.3f} {r['ratio_to_1f1b'] or float('nan'):6.2f} "
+              f"{r['stashed_ratio_to_1f1b']:9.2f}")
     return 0
 
 

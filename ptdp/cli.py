@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
 import sys
@@ -17,9 +18,28 @@ def _train_parser(sub) -> None:
     launch = p.add_argument_group("launch")
     launch.add_argument("--nproc-per-node", type=int, default=None,
                         help="start this many local workers through torch.distributed.run")
-    launch.add_argument("--max-restarts", type=int, default=0,
-                        help="restart all workers up to K times when one fails (torchrun's elastic restart)")
+    launch.add_argument("--max-restarts", type=int, default=None,
+                        help="restart all workers up to K times when one fails (torchrun's elastic restart; "
+                        "default 0, or 3 with --elastic / --nnodes MIN:MAX)")
+    launch.add_argument("--nnodes", default=None,
+                        help="nodes, N or MIN:MAX (torchrun's elastic agent: the job goes on with any number of "
+                        "agents in the range, d follows the world size); needs --rdzv-endpoint when MAX > 1")
+    launch.add_argument("--elastic", action="store_true",
+                        help="the world size may differ from the checkpoint's (one node: --nproc-per-node may "
+                        "change between relaunches): d follows it, t, p and the global batch are kept")
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the agents of a multi-node "
+                        "job meet (torchrun's c10d rendezvous)")
+    launch.add_argument("--rdzv-id", default=None, help="the job's rendezvous id, the same on every agent")
+    launch.add_argument("--rdzv-conf", default=None, help="torchrun's rendezvous options, e.g. "
+                        "last_call_timeout=5,join_timeout=600,keep_alive_interval=5")
+    launch.add_argument("--monitor-interval", type=float, default=None,
+                        help="seconds between the agent's checks of its workers (torchrun's flag)")
     p.set_defaults(run=run_train)
+
+
+# The launcher's flags, which the workers do not get (each takes a value).
+_LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+                   "--monitor-interval")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -31,6 +51,24 @@ def run_train(args: argparse.Namespace) -> int:
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = args.nproc_per_node if launching else int(
         os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    from .elastic import parse_nnodes, world_size_error
+
+    try:
+        nodes = parse_nnodes(args.nnodes)
+    except ValueError as e:
+        return _fail(str(e), "train")
+    elastic = args.elastic or nodes[0] != nodes[1]
+    if launching and nodes[1] > 1 and not args.rdzv_endpoint:
+        return _fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the agents meet", "train")
+    if launching and nodes[1] > 1:  # the workers check the world size they get; here: can any work?
+        world_size = next((n * args.nproc_per_node for n in range(nodes[0], nodes[1] + 1)
+                           if not validate(copy.deepcopy(config), n * args.nproc_per_node, local_world_size)),
+                          nodes[0] * args.nproc_per_node)
+    if elastic:  # one line naming the world sizes that would work, instead of what this one breaks
+        line = world_size_error(config, world_size, local_world_size, nodes=local_world_size != world_size
+                                or nodes[1] > 1)
+        if line:
+            return _fail(line, "train")
     errors = validate(config, world_size, local_world_size)
     if not errors:  # --save/--load and the checkpoint itself (checksums, model shape); not in ptdp.config,
         from .checkpointing.validation import checkpoint_errors  # which must not import checkpointing
@@ -45,7 +83,13 @@ def run_train(args: argparse.Namespace) -> int:
     if launching:
         from .launch import launch_workers
 
-        return launch_workers(args.nproc_per_node, args.max_restarts, _worker_argv(sys.argv))
+        rendezvous = None
+        if args.nnodes is not None or args.rdzv_endpoint:
+            rendezvous = {"nnodes": args.nnodes or "1", "rdzv_endpoint": args.rdzv_endpoint, "rdzv_id": args.rdzv_id,
+                          "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
+        restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
+        worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
+        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
 
     from .data import DataError
     from .training import train
@@ -73,16 +117,16 @@ def _worker_argv(argv: list[str]) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--nproc-per-node", "--max-restarts"):
+        if name in _LAUNCHER_FLAGS:
             skip = "=" not in arg
             continue
         out.append(arg)
     return out
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, command: str | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
-        print_error(None, message)
+        print_error(command, message)
     return 2
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .pipeline.schedules import V_SCHEDULES
+
 
 class ConfigError(Exception):
     """A problem with the user's configuration; the message is one line naming the flag."""
@@ -29,6 +31,7 @@ def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ..
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
 
 
 @dataclass
@@ -109,8 +112,13 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = opt(None, "model chunks per pipeline rank v")
     num_layers_per_virtual_pipeline_stage: int | None = opt(None, "Megatron's alternative way to set v")
     pipeline_schedule: str | None = opt(
-        None, "pipeline schedule (default: interleaved when v > 1, else 1f1b)",
-        choices=["gpipe", "1f1b", "interleaved"])
+        None, "pipeline schedule (default: interleaved when v > 1, else 1f1b). Bubble / activation memory "
+        "against 1F1B's (p-1)/m / 1x: gpipe (p-1)/m / m microbatches; interleaved (p-1)/(v·m) / a bit more; "
+        "zero-bubble (backward split into input and weight gradients): zb-h1 about a third of 1F1B's bubble "
+        "/ 1x; zb-h2 less bubble when weight gradients are cheap / about 2x; zbv (two chunks per rank in a "
+        "V, v=2) near zero / 1x; v-half about 1/2 the memory, bubble between zbv and 1F1B; v-min about 1/3 the "
+        "memory, more bubble than 1F1B",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "v-half", "v-min"])
     scatter_gather_tensors_in_pipeline: bool = opt(
         True, "send 1/t of each boundary tensor and all-gather it in the TP group",
         flag="--no-scatter-gather-tensors-in-pipeline")
@@ -120,10 +128,16 @@ class ParallelConfig:
                                 "rank(s) named, and the job exits so the launcher restarts it (0 disables)")
     sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
                                   "(needs t > 1)")
+    context_parallel_size: int = opt(1, "context-parallel size c: each sample's sequence split over c ranks "
+                                     "(2c load-balanced chunks; docs/context-parallel.md)")
+    cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
+                            "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
+                            choices=["p2p", "a2a", "allgather"])
 
     @property
     def virtual_size(self) -> int:
-        return self.virtual_pipeline_model_parallel_size or 1
+        """Model chunks per rank: the V schedules (zbv, v-half, v-min) always hold two."""
+        return self.virtual_pipeline_model_parallel_size or (2 if self.pipeline_schedule in V_SCHEDULES else 1)
 
     @property
     def schedule(self) -> str:
@@ -218,7 +232,8 @@ class Config:
         return [getattr(self, name) for name in self.section_names()]
 
     def num_microbatches(self, world_size: int) -> int:
-        dp = world_size // (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size)
+        par = self.parallel
+        dp = world_size // (par.tensor_model_parallel_size * par.context_parallel_size * par.pipeline_model_parallel_size)
         return self.training.global_batch_size // (self.training.micro_batch_size * dp)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -317,6 +332,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                         ("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p),
+                        ("--context-parallel-size", par.context_parallel_size),
                         ("--micro-batch-size", tr.micro_batch_size), ("--global-batch-size", tr.global_batch_size),
                         ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
                         ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
@@ -326,12 +342,16 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
             errors.append(f"{flag} must be in [0, 1), got {value}")
-    if world_size % (t * p):
+    c = par.context_parallel_size
+    if world_size % (t * c * p):
+        cp_text = " x --context-parallel-size" if c > 1 else ""
+        sizes = f"{t}x{c}x{p}" if c > 1 else f"{t}x{p}"
         errors.append(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-            f"--pipeline-model-parallel-size = {t}x{p}; use a world size that is a multiple of {t * p}")
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size{cp_text} x "
+            f"--pipeline-model-parallel-size = {sizes}; use a world size that is a multiple of {t * c * p}")
         return errors
-    d = world_size // (t * p)
+    d = world_size // (t * c * p)
+    errors += _context_parallel_errors(config)
     if m.hidden_size % m.num_attention_heads:
         errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
                       f"{m.num_attention_heads}")
@@ -366,10 +386,15 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
                       f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
     microbatches = tr.global_batch_size // (tr.micro_batch_size * d)
-    if v > 1 and p == 1:
+    if v > 1 and p == 1 and par.schedule not in V_SCHEDULES:
         errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; "
                       "model chunks interleave across pipeline ranks")
-    if par.schedule in ("gpipe", "1f1b") and v > 1:
+    if par.schedule in V_SCHEDULES and v != 2:
+        errors.append(f"--pipeline-schedule {par.schedule} places two model chunks per rank in a V: "
+                      f"leave out --virtual-pipeline-model-parallel-size or set it to 2 (got {v})")
+    if par.schedule in V_SCHEDULES and p == 1:
+        errors.append(f"--pipeline-schedule {par.schedule} needs --pipeline-model-parallel-size > 1")
+    if par.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2") and v > 1:
         errors.append(f"--pipeline-schedule {par.schedule} needs v = 1; use --pipeline-schedule interleaved "
                       "with --virtual-pipeline-model-parallel-size")
     if par.schedule == "interleaved" and microbatches % p:
@@ -413,6 +438,31 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.
+    return errors
+
+
+def _context_parallel_errors(config: Config) -> list[str]:
+    """``--context-parallel-size`` and ``--cp-comm-type``: the 2c load-balanced chunks must be equal
+    (ptdp-facts.md, §context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
+    kernels take no attention dropout (one mask over s/c tokens cannot reproduce the full mask)."""
+    m, par = config.model, config.parallel
+    c, t = par.context_parallel_size, par.tensor_model_parallel_size
+    if c == 1:
+        return []
+    errors = []
+    if m.seq_length % (2 * c):
+        errors.append(f"--context-parallel-size {c} needs --seq-length divisible by 2c = {2 * c} (the "
+                      f"sequence is cut into 2c equal chunks), got {m.seq_length}")
+    elif par.sequence_parallel and (m.seq_length // c) % t:
+        errors.append(f"--sequence-parallel with --context-parallel-size {c} needs --seq-length / c = "
+                      f"{m.seq_length // c} divisible by --tensor-model-parallel-size {t}")
+    if par.cp_comm_type == "a2a" and (m.num_attention_heads // t) % c:
+        errors.append(f"--cp-comm-type a2a needs the local heads --num-attention-heads / t = "
+                      f"{m.num_attention_heads // t} divisible by --context-parallel-size {c}; use p2p or "
+                      "allgather, or another c")
+    if m.attention_dropout > 0:
+        errors.append(f"--context-parallel-size {c} needs --attention-dropout 0 (the context-parallel "
+                      f"attention kernels take no dropout), got {m.attention_dropout}")
     return errors
 
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .data import get_microbatch
 from .model import language_model_loss
+from .observability import flight_recorder, straggler
 from .pipeline.executor import run_schedule
 from .pipeline.schedules import build_schedule, virtual_stage
 from .tensor_parallel.mappings import group_size
@@ -24,13 +25,14 @@ from .tensor_parallel.mappings import group_size
 class ForwardOnlyStage:
     """A pipeline stage that runs its chunks without autograd and keeps only the last stage's losses."""
 
-    def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, first_input, loss_fn):
-        self.chunks, self.rank, self.p = list(chunks), rank, p
+    def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, first_input, loss_fn,
+                 placement: str = "loop"):
+        self.chunks, self.rank, self.p, self.placement = list(chunks), rank, p, placement
         self.first_input, self.loss_fn = first_input, loss_fn
         self.losses: dict[int, Tensor] = {}
 
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
-        stage = virtual_stage(self.rank, chunk, self.p)
+        stage = virtual_stage(self.rank, chunk, self.p, self.placement)
         x = self.first_input(microbatch) if stage == 0 else input
         with torch.no_grad():
             y = self.chunks[chunk](x)
@@ -42,6 +44,8 @@ class ForwardOnlyStage:
 
 def evaluate(trainer, dataset, eval_iters: int) -> float:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
+    from .training import cp_shard
+
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
     par = trainer.config.parallel
@@ -51,6 +55,10 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
     total = 0.0
     try:
         for k in range(eval_iters):
+            # A heartbeat per batch: a long evaluation is progress, not a hang (--hang-timeout-s), whatever
+            # the layout (with p = 1 it issues no communication the flight recorder would see until the end).
+            flight_recorder.record("evaluation", action=f"validation batch {k + 1}/{eval_iters}")
+            straggler.test_delay(state.rank)  # test-only (PTDP_TEST_SLOW_RANK): a slow evaluation
             batches = {
                 j: get_microbatch(dataset, k, tr.global_batch_size, state.dp_rank, state.dims.dp,
                                   tr.micro_batch_size, j).to(state.device)
@@ -58,10 +66,11 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
             }
 
             def loss_fn(logits: Tensor, j: int, batches=batches) -> Tensor:
-                return language_model_loss(logits, batches[j][:, 1:], state.tp_group) / m
+                return language_model_loss(logits, cp_shard(batches[j][:, 1:], state), state.tp_group) / m
 
             stage = ForwardOnlyStage(trainer.chunks, state.pp_rank, state.dims.pp,
-                                     lambda j, batches=batches: batches[j][:, :-1], loss_fn)
+                                     lambda j, batches=batches: cp_shard(batches[j][:, :-1], state), loss_fn,
+                                     state.placement)
             run_schedule(actions, stage, trainer.comm)
             total += float(sum(stage.losses.values()))
     finally:
@@ -70,8 +79,9 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
     loss = torch.tensor(total / eval_iters, dtype=torch.float64, device=state.device)
     if group_size(state.pp_group) > 1:
         dist.all_reduce(loss, group=state.pp_group)
-    if group_size(state.dp_group) > 1:
-        dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
+    dp_cp = getattr(state, "dp_cp_group", state.dp_group)  # CP ranks: the same samples, other tokens
+    if group_size(dp_cp) > 1:
+        dist.all_reduce(loss.div_(group_size(dp_cp)), group=dp_cp)
     return loss.item()
 
 

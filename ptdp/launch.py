@@ -10,7 +10,26 @@ import sys
 from .errors import print_error
 
 
-def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str]) -> int:
+def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str, str] | None = None) -> list[str]:
+    """torchrun's own flags. ``rendezvous`` (``nnodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_conf``,
+    ``monitor_interval``) makes this agent one of several meeting through a c10d rendezvous: with
+    ``--nnodes MIN:MAX`` torchrun's elastic agent restarts the workers whenever a node is lost (a failure,
+    which counts against ``--max-restarts``) or one joins (which does not), and ptdp derives d from the new
+    world size (docs/multinode.md, §Elastic training). Without it, ``--standalone``: a rendezvous on a port
+    the OS picks, so concurrent jobs cannot collide."""
+    flags = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
+    if not rendezvous:
+        return ["--standalone", *flags]
+    flags += [f"--nnodes={rendezvous['nnodes']}", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint={rendezvous['rdzv_endpoint']}", f"--rdzv-id={rendezvous.get('rdzv_id') or 'ptdp'}"]
+    for key in ("rdzv_conf", "monitor_interval"):
+        if rendezvous.get(key):
+            flags.append(f"--{key.replace('_', '-')}={rendezvous[key]}")
+    return flags
+
+
+def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],
+                   rendezvous: dict[str, str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -18,11 +37,7 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
     # One intra-op thread per worker unless the user chose: workers share the node's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launcher_args = get_args_parser().parse_args([
-        "--standalone",  # rendezvous on a port the OS picks: concurrent jobs cannot collide
-        f"--nproc-per-node={nproc_per_node}",
-        f"--max-restarts={max_restarts}",
-        "--module", "ptdp", *worker_args,
-    ])
+        *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
     try:
         run(launcher_args)
     except ChildFailedError as e:

@@ -5,7 +5,10 @@ self-attention and a GeLU MLP of ``ffn_hidden_size`` (4h), a final LayerNorm and
 embedding. Tensor parallelism lives entirely inside the layers (``ptdp.tensor_parallel``); the model
 knows nothing about pipelines. Under sequence parallelism the residual stream between layers is
 ``[b, s/t, h]``: LayerNorm and dropout each work on this rank's tokens only. Biases are returned by the
-linears and fused into the next element-wise op (``ptdp.fused``); activation recomputation
+linears and fused into the next element-wise op (``ptdp.fused``). Under context parallelism (``cp_group``,
+``ptdp.context_parallel``) every tensor holds this CP rank's s/c tokens, the two load-balanced chunks of
+the sequence: positions (learned or rotary) are those tokens' real positions, and only the attention core
+talks to the other CP ranks; every other op is per token. Activation recomputation
 (``ptdp.recompute``) wraps either whole layers or only the attention core. A :class:`GPTModel` can be a *chunk* of the full model: the layers
 ``[first_layer, first_layer + num_layers)``, with the embedding if it is the first chunk and the output
 layer if it is the last. Parameter names are the logical ones of the full model (``layers.7.mlp.fc1.weight``
@@ -34,6 +37,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .fused import FusedOps, fused_ops
+from .norms import LayerNorm, RMSNorm
 from .recompute import checkpoint, recompute_plan
 from .rotary import RotaryEmbedding
 from .tensor_parallel import (
@@ -47,7 +51,8 @@ from .tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from .tensor_parallel.cross_entropy import mask_padded_vocab_
-from .tensor_parallel.mappings import group_size
+from .tensor_parallel.mappings import group_rank, group_size
+from .tensor_parallel.weight_grad import linear
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when p > 1
@@ -55,18 +60,21 @@ HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding
 
 def norm(cfg: ModelConfig) -> nn.Module:
     """``--normalization``: LayerNorm (GPT-2) or RMSNorm (Llama: no bias, no mean subtraction)."""
-    if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    if cfg.normalization == "RMSNorm":  # nn.RMSNorm / nn.LayerNorm with W-deferrable weight grads
+        return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's a/t query heads (and G/t key/value groups with GQA), through
     SDPA (flash kernels on GPU); rotary positions, when on, rotate this rank's q and k heads."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, fuse_bias: bool):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, fuse_bias: bool,
+                 cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         h, a, t, d = cfg.hidden_size, cfg.num_attention_heads, group_size(tp_group), cfg.head_dim
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
         self.local_heads, self.head_dim = a // t, d
         self.grouped = cfg.group_query_attention
         self.local_groups, self.heads_per_group = cfg.query_groups // t, a // cfg.query_groups
@@ -101,15 +109,21 @@ class ParallelAttention(nn.Module):
             k, v = groups[:, :, :, -2].transpose(1, 2), groups[:, :, :, -1].transpose(1, 2)
         else:
             q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+        if self.rotary is not None:  # at the real positions of this CP rank's tokens
+            q, k = self.rotary(q, self.cp_size, self.cp_rank), self.rotary(k, self.cp_size, self.cp_rank)
         if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
             k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
         dropout = self.dropout if self.training else 0.0
         # Heads are split across TP ranks: masks must differ per rank. Without dropout no stream is
         # needed, and swapping generator states would split a compiled layer into pieces (graph breaks).
         with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            if self.cp_size > 1:  # causal over the real positions of the load-balanced chunks
+                from .context_parallel import context_parallel_attention
+
+                y = context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                                               dropout_p=dropout)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
 
@@ -144,10 +158,12 @@ class TransformerLayer(nn.Module):
     ``bias_dropout_add``, one fused kernel (``ptdp.fused``); eagerly they are already inside the GEMM.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, ops: FusedOps, cp_group=None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.attention = ParallelAttention(cfg, tp_group, sequence_parallel, fuse_bias=ops.compiled)
+        self.attention = ParallelAttention(cfg, tp_group, sequence_parallel, fuse_bias=ops.compiled,
+                                           cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.post_attention_layernorm = norm(cfg)
         self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, ops)
         self.hidden_dropout = cfg.hidden_dropout
@@ -168,8 +184,9 @@ class TransformerLayer(nn.Module):
 
 
 class GPTEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, tp_group):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, tp_group, cp_group=None):
         super().__init__()
+        self.cp_size, self.cp_rank = group_size(cp_group), group_rank(cp_group)
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, tp_group=tp_group)
         self.position_embeddings = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
                                     if cfg.position_embedding_type == "learned_absolute" else None)  # else RoPE
@@ -178,7 +195,14 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            if self.cp_size > 1:  # this CP rank's tokens are chunks i and 2c-1-i of the sequence
+                from .context_parallel import load_balanced_positions
+
+                positions = load_balanced_positions(tokens.shape[1] * self.cp_size, self.cp_size, self.cp_rank,
+                                                    device=tokens.device)
+            else:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.position_embeddings(positions)
         return self.dropout(x)
 
 
@@ -187,7 +211,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int, *, tp_group=None,
                  first_layer: int = 0, num_layers: int | None = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False):
+                 post_process: bool = True, sequence_parallel: bool = False, cp_group=None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -196,9 +221,9 @@ class GPTModel(nn.Module):
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         num_layers = cfg.num_layers if num_layers is None else num_layers
         ops = fused_ops(cfg.compile)
-        self.embedding = GPTEmbedding(cfg, padded_vocab_size, tp_group) if pre_process else None
+        self.embedding = GPTEmbedding(cfg, padded_vocab_size, tp_group, cp_group) if pre_process else None
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, tp_group, self.sequence_parallel, ops)
+            str(i): TransformerLayer(cfg, tp_group, self.sequence_parallel, ops, cp_group, cp_comm_type)
             for i in range(first_layer, first_layer + num_layers)
         })
         self.recompute_plan = recompute_plan(num_layers, cfg.recompute_granularity, cfg.recompute_method,
@@ -238,7 +263,10 @@ class GPTModel(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         # The padded vocabulary even at t=1: an aligned GEMM (N = 50304, not 50257), padding masked in place.
-        return mask_padded_vocab_(F.linear(x, self.output_weight), self.vocab_size, self.tp_group)
+        # Its wgrad is deferrable to W, unless the weight is also this chunk's input embedding (tied): a
+        # deferred half would fire its grad hooks twice per microbatch (``weight_grad``).
+        gemm = F.linear if self.pre_process and self.cfg.tied_embeddings else linear
+        return mask_padded_vocab_(gemm(x, self.output_weight), self.vocab_size, self.tp_group)
 
 
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ inv_freq[i]`` with ``inv_freq[i] = base^(-2i/rotary_dim)``; the remaining dimens
 which ``ptdp import`` reads, already use rotate-half.)
 
 RoPE needs no parameters and acts per head, so tensor parallelism needs nothing: each rank rotates its
-own heads. Attention always sees the whole sequence (sequence parallelism gathers it before the QKV
-GEMM), so positions are simply ``0 .. s-1``. The cos/sin tables are computed in fp32 whatever the model's
+own heads. Attention sees the whole sequence (sequence parallelism gathers it before the QKV GEMM), so
+positions are simply ``0 .. s-1``, except under context parallelism: a CP rank holds two load-balanced
+chunks of the sequence, so its tables are at those tokens' real positions
+(``ptdp.context_parallel.load_balanced_positions``). The cos/sin tables are computed in fp32 whatever the model's
 dtype (as Megatron and HF do) and cached per (length, device), so a ``--bf16`` cast of the model cannot
 touch them.
 """
@@ -54,20 +56,29 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, rotary_percent: float, base: float, scaling_factor: float | None = None):
         self.rotary_dim = int(head_dim * rotary_percent)
         self.inv_freq = inverse_frequencies(self.rotary_dim, base, scaling_factor)
-        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_len, device)
+    def tables(self, seq_len: int, device: torch.device, cp_size: int = 1,
+               cp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for the ``seq_len`` local tokens: positions 0..s-1, or with ``cp_size`` > 1 the real
+        positions of CP rank ``cp_rank``'s chunks of a ``seq_len * cp_size`` sequence."""
+        key = (seq_len, device, cp_size, cp_rank)
         if key not in self._cache:
-            positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+            if cp_size > 1:
+                from .context_parallel import load_balanced_positions
+
+                positions = load_balanced_positions(seq_len * cp_size, cp_size, cp_rank, device=device).float()
+            else:
+                positions = torch.arange(seq_len, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, self.inv_freq.to(device))
             angles = torch.cat([freqs, freqs], dim=-1)
             self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it)."""
-        cos, sin = self.tables(x.shape[-2], x.device)
+    def __call__(self, x: torch.Tensor, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it); with
+        ``cp_size`` > 1 its s tokens are CP rank ``cp_rank``'s (see :meth:`tables`)."""
+        cos, sin = self.tables(x.shape[-2], x.device, cp_size, cp_rank)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         x1, x2 = rot.chunk(2, dim=-1)

@@ -28,6 +28,8 @@ from ptdp.pipeline.schedules import (
     Action,
     bubble_fraction_formula,
     build_schedule,
+    peak_stashed,
+    schedule_placement,
     stage_location,
     virtual_stage,
 )
@@ -56,11 +58,12 @@ class SimulationResult:
     timelines: list[list[Box]]  # per rank, in execution order
     total_time: float
     busy: list[float]  # per rank
-    peak_in_flight: list[int]  # per rank: (microbatch, chunk) activation stashes
+    peak_in_flight: list[int]  # per rank: (microbatch, chunk) pairs between F and B/I
+    peak_stashed: list[int] = field(default_factory=list)  # per rank: activation stashes kept until B or W
     formula: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.formula = bubble_fraction_formula(self.p, self.v, self.m)
+        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule)
 
     @property
     def bubble_fraction(self) -> float:
@@ -84,6 +87,7 @@ class SimulationResult:
             "bubble_fraction_formula": self.formula,
             "idle_fraction": self.idle_fraction,
             "peak_in_flight": self.peak_in_flight,
+            "peak_stashed": self.peak_stashed,
             "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
         }
 
@@ -114,6 +118,7 @@ def simulate(
     """
     name = schedule if isinstance(schedule, str) else "custom"
     lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
+    placement = schedule_placement(name)
     last_stage = p * v - 1
     pos, cursor = [0] * p, [0.0] * p
     ends: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage) -> end time
@@ -123,7 +128,7 @@ def simulate(
 
     def arrival(rank: int, kind: str, mb: int, stage: int, producer: tuple[str, int, int]) -> float | None:
         """When the input of (mb, stage) from ``producer`` is usable on ``rank``; None if not yet known."""
-        producer_rank = stage_location(producer[2], p)[0]
+        producer_rank = stage_location(producer[2], p, placement)[0]
         if producer_rank == rank:
             return ends.get(producer)
         sent = sends.get((kind, mb, stage))
@@ -150,7 +155,7 @@ def simulate(
         for r in range(p):
             while pos[r] < len(lists[r]):
                 a = lists[r][pos[r]]
-                stage = virtual_stage(r, a.chunk, p)
+                stage = virtual_stage(r, a.chunk, p, placement)
                 if a.op in ("SEND_F", "SEND_B"):
                     kind = a.op[-1]
                     sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
@@ -174,6 +179,7 @@ def simulate(
         total_time=max(cursor),
         busy=[sum(b.end - b.start for b in row) for row in timelines],
         peak_in_flight=[_peak_in_flight(row) for row in timelines],
+        peak_stashed=[peak_stashed(row) for row in lists],
     )
 
 
@@ -221,7 +227,7 @@ def draw(result: SimulationResult, out: str | Path) -> None:
     ax.set_xlim(0, result.total_time)
     ax.set_xlabel("time")
     ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
-                 f"of ideal time (formula (p-1)/(v·m) = {result.formula:.1%})", fontsize=9)
+                 f"of ideal time (formula {result.formula:.1%})", fontsize=9)
     ops = sorted({b.op for row in result.timelines for b in row}, key="FIBW".index)
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
@@ -240,7 +246,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ptdp simulate`` (times are per whole pipeline stage, in any unit)."""
     parser.add_argument("--pipeline-schedule", choices=sorted(SCHEDULES), default="1f1b")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4, metavar="P")
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1, metavar="V")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="V",
+                        help="chunks per rank (default 1; 2 for the V schedules zbv, v-half, v-min)")
     parser.add_argument("--num-microbatches", type=int, default=8, metavar="M")
     parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
     parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
@@ -255,6 +262,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
+    v_schedule = schedule_placement(args.pipeline_schedule) == "v"
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.virtual_pipeline_model_parallel_size = 2 if v_schedule else 1
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
     for flag, value in (("--pipeline-model-parallel-size", p), ("--virtual-pipeline-model-parallel-size", v),
                         ("--num-microbatches", m)):
@@ -264,7 +274,10 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--forward-time and --backward-time must be > 0"
     if args.p2p_time < 0:
         return f"--p2p-time must be >= 0, got {args.p2p_time}"
-    if args.pipeline_schedule != "interleaved" and v != 1:
+    if v_schedule and v != 2:
+        return f"--pipeline-schedule {args.pipeline_schedule} places two chunks per rank in a V: " \
+               f"--virtual-pipeline-model-parallel-size must be 2 (or left out), got {v}"
+    if args.pipeline_schedule != "interleaved" and not v_schedule and v != 1:
         return f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved"
     if args.pipeline_schedule == "interleaved" and m % p:
         return f"--num-microbatches {m} must be a multiple of --pipeline-model-parallel-size {p} for interleaved"
@@ -300,9 +313,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(f"{result.schedule}: p={result.p} v={result.v} m={result.m}  total time {result.total_time:.3f}\n"
-              f"bubble fraction {result.bubble_fraction:.4f} (formula (p-1)/(v*m) = {result.formula:.4f}), "
+              f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}), "
               f"idle {result.idle_fraction:.1%} of total\n"
-              f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}"
+              f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}\n"
+              f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}"
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
 

@@ -25,7 +25,7 @@ from .data import build_datasets, get_microbatch
 from .evaluation import evaluate, perplexity
 from .fused import compile_layers
 from .model import GPTModel, init_parameters, language_model_loss
-from .observability import flight_recorder
+from .observability import flight_recorder, straggler
 from .observability.clock import Clock
 from .observability.observer import RunObserver
 from .observability.timeline import Timeline, span
@@ -33,7 +33,13 @@ from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, 
 from .parallel import ParallelDims, ParallelState, init_distributed
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
 from .pipeline.p2p import P2PComm
-from .pipeline.schedules import Action, bubble_fraction_formula, build_schedule
+from .pipeline.schedules import (
+    Action,
+    bubble_fraction_formula,
+    build_schedule,
+    schedule_placement,
+    virtual_stage,
+)
 from .sequence_parallel import all_reduce_sequence_parallel_grads
 from .tensor_parallel import model_parallel_seed
 from .tensor_parallel.mappings import all_gather, all_reduce, group_size, split
@@ -62,28 +68,30 @@ class Trainer:
 
 
 def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, padded_vocab_size: int) -> list[GPTModel]:
-    """This rank's model chunks: virtual stage ``c·p + pp_rank`` holds the c-th group of layers.
+    """This rank's model chunks: chunk c holds virtual stage ``virtual_stage(pp_rank, c, p, placement)``.
 
-    Layers are split evenly over the p·v virtual stages (Megatron's interleaved assignment: with p=4,
-    v=2 and 8 layers, rank 0 holds layers 0 and 4); the embedding goes on virtual stage 0 and the output
-    layer on the last one.
+    Layers are split evenly over the p·v virtual stages, in the schedule's placement: Megatron's
+    interleaving (with p=4, v=2 and 8 layers, rank 0 holds layers 0 and 4) or a V (zbv, v-half, v-min:
+    rank 0 holds layers 0 and 7); the embedding goes on virtual stage 0 and the output layer on the last.
     """
     m, p, v = config.model, state.dims.pp, config.parallel.virtual_size
     per_stage = m.num_layers // (p * v)
+    placement = schedule_placement(config.parallel.schedule)
     chunks = []
     for c in range(v):
-        stage = c * p + state.pp_rank
+        stage = virtual_stage(state.pp_rank, c, p, placement)
         with torch.device(state.device):  # built where it trains: no CPU copy, no host-to-device move
             chunk = GPTModel(
                 m, vocab_size, padded_vocab_size, tp_group=state.tp_group,
                 first_layer=stage * per_stage, num_layers=per_stage,
                 pre_process=stage == 0, post_process=stage == p * v - 1,
                 sequence_parallel=config.parallel.sequence_parallel,
+                cp_group=state.cp_group, cp_comm_type=config.parallel.cp_comm_type,
             )
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
         chunk.to(params_dtype(config))  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
-            seq = m.seq_length // state.dims.tp if chunk.sequence_parallel else m.seq_length
+            seq = local_seq_length(config, state)
             compile_layers(chunk.layers.values(), (config.training.micro_batch_size, seq, m.hidden_size),
                            params_dtype(config))
         if chunk.post_process and not chunk.pre_process and m.tied_embeddings:
@@ -95,8 +103,9 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
 def setup(config: Config) -> Trainer:
     par, tr = config.parallel, config.training
     rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
-    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
-    state = ParallelState(dims, rank, device)
+    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                        par.context_parallel_size)
+    state = ParallelState(dims, rank, device, schedule_placement(par.schedule))
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
     data = build_datasets(config.data.data_path or None, config.data.split, config.model.seq_length, tr.seed)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
@@ -111,8 +120,15 @@ def setup(config: Config) -> Trainer:
     return Trainer(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
 
 
+def local_seq_length(config: Config, state: ParallelState) -> int:
+    """Tokens of one sample on this rank between layers: s/c under context parallelism, and a further
+    1/t under sequence parallelism."""
+    seq = config.model.seq_length // state.dims.cp
+    return seq // state.dims.tp if config.parallel.sequence_parallel and state.dims.tp > 1 else seq
+
+
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
-    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s, h]``.
+    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s/c, h]``.
 
     With t > 1 the scatter/gather optimisation (paper §4.1) sends only this TP rank's 1/t slice of the
     hidden dimension (every TP rank holds the same full tensor) and all-gathers it inside the receiving
@@ -124,7 +140,7 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
     t, tp_group = state.dims.tp, state.tp_group
     # Under sequence parallelism the boundary is [b, s/t, h], already split: scatter/gather is implied.
     sequence_parallel = config.parallel.sequence_parallel and t > 1
-    shape = (tr.micro_batch_size, m.seq_length // t if sequence_parallel else m.seq_length, m.hidden_size)
+    shape = (tr.micro_batch_size, local_seq_length(config, state), m.hidden_size)
     scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1 and not sequence_parallel
     # The split is of the flat tensor (Megatron's split_tensor_into_1d_equal_chunks): a contiguous view
     # to send and one flat all-gather on arrival, no transposing copies (b·s·h is divisible by t, as h is).
@@ -142,12 +158,22 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
 
 
 def load_microbatch(trainer: Trainer, iteration: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels of one microbatch of this rank's data-parallel slice of global batch ``iteration``."""
+    """Inputs and labels of one microbatch of this rank's data-parallel slice of global batch ``iteration``
+    (under context parallelism, this CP rank's chunks of the same samples as the rest of its CP group)."""
     tr, state = trainer.config.training, trainer.state
     sample = get_microbatch(trainer.data.train, iteration - 1, tr.global_batch_size, state.dp_rank,
                             state.dims.dp, tr.micro_batch_size, microbatch)
     sample = to_device(sample, state.device)
-    return sample[:, :-1], sample[:, 1:]
+    return cp_shard(sample[:, :-1], state), cp_shard(sample[:, 1:], state)
+
+
+def cp_shard(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """This CP rank's load-balanced chunks of ``[b, s]`` (itself when c = 1)."""
+    if state.dims.cp == 1:
+        return x
+    from .context_parallel import shard_sequence
+
+    return shard_sequence(x, state.dims.cp, state.cp_rank, dim=1)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -171,18 +197,17 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
 
     def batch(j: int) -> tuple[torch.Tensor, torch.Tensor]:
         if j not in batches:  # only the first and last stage ever ask
+            if j == 0:  # test-only (PTDP_TEST_SLOW_RANK), inside the schedule's compute time; nothing otherwise
+                straggler.test_delay(state.rank)
             batches[j] = load_microbatch(trainer, iteration, j)
         return batches[j]
 
-    # A split backward (zero-bubble I then W) walks the loss's graph twice: keep the saved softmax intact.
-    inplace = not any(a.op == "W" for a in trainer.schedule)
-
     def loss_fn(logits: torch.Tensor, j: int) -> torch.Tensor:
-        loss = language_model_loss(logits, batch(j)[1], state.tp_group, inplace_backward=inplace) / m
+        loss = language_model_loss(logits, batch(j)[1], state.tp_group) / m
         return loss * scale if scale != 1.0 else loss
 
     stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
-                        first_input=lambda j: batch(j)[0], loss_fn=loss_fn)
+                        first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
@@ -208,7 +233,15 @@ def total_loss(losses: dict, device: torch.device) -> torch.Tensor:
 def sync_embedding_grads(trainer: Trainer) -> None:
     """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does."""
     state = trainer.state
-    if state.embedding_group is None or not trainer.config.model.tied_embeddings:
+    if not trainer.config.model.tied_embeddings:
+        return
+    ends = [chunk for chunk in trainer.chunks if chunk.pre_process or chunk.post_process]
+    if len(ends) == 2 and state.dims.pp > 1:  # a V placement: both copies live on this rank
+        first, last = (chunk.output_weight.main_grad for chunk in ends)
+        first.add_(last)
+        last.copy_(first)
+        return
+    if state.embedding_group is None:
         return
     for chunk in trainer.chunks:
         if chunk.pre_process or chunk.post_process:
@@ -232,13 +265,14 @@ def train_step(trainer: Trainer, iteration: int) -> dict:
         all_reduce_sequence_parallel_grads(trainer.params, state.tp_group)
     with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, AdamW, ZeRO-1 all-gather
         grad_norm, _ = trainer.optimizer.step()
-    # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas.
+    # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas
+    # and CP ranks (each CP rank's loss is the mean over its s/c tokens of the same samples, as in Megatron).
     if group_size(state.pp_group) > 1:
         flight_recorder.record("all_reduce", group=state.pp_group, tensor=loss, action="loss")
         dist.all_reduce(loss, group=state.pp_group)
-    if group_size(state.dp_group) > 1:
-        flight_recorder.record("all_reduce", group=state.dp_group, tensor=loss, action="loss")
-        dist.all_reduce(loss.div_(state.dims.dp), group=state.dp_group)
+    if group_size(state.dp_cp_group) > 1:
+        flight_recorder.record("all_reduce", group=state.dp_cp_group, tensor=loss, action="loss")
+        dist.all_reduce(loss.div_(state.dims.dp * state.dims.cp), group=state.dp_cp_group)
     # "loss" and "grad_norm" stay 0-dim device tensors: the host does not wait for the GPU here.
     # read_records turns them into floats (and adds the pipeline metrics) once per logged iteration.
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
@@ -281,10 +315,22 @@ def pipeline_metrics(trainer: Trainer, stats: ScheduleStats) -> dict:
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
-                                                          trainer.num_microbatches),
+                                                          trainer.num_microbatches, trainer.config.parallel.schedule),
         "peak_in_flight_microbatches": int(in_flight),
         "peak_activation_bytes": int(saved),
     }
+
+
+def straggler_report(trainer: Trainer, schedule_stats: list[ScheduleStats | None]) -> dict:
+    """Spread of the ranks' step times over the flushed window, and the slowest rank (collective).
+
+    A rank's step time here is its compute time in the schedule (``busy_s``, mean over the window): the
+    wall time of a step is the same on every rank of a synchronous job, since all wait for the slowest at
+    the gradient all-reduce, so only the time each spent computing tells the straggler apart. Read after
+    ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``.
+    """
+    busy = [float(s.busy_s) for s in schedule_stats if s is not None]
+    return straggler.step_time_report(busy, trainer.state.dims.world_size, trainer.state.device)
 
 
 def train(config: Config) -> list[dict]:
@@ -320,7 +366,9 @@ def train(config: Config) -> list[dict]:
 
     def flush(evaluate_at: int | None = None) -> dict:
         """Read every pending record (one sync), finish, log and store them; the last one is returned."""
+        schedule_stats = [r.get("schedule_stats") for _, _, r in pending]
         records = read_records(trainer, [r for _, _, r in pending])
+        records[-1].update(straggler_report(trainer, schedule_stats))  # one all-gather per flush
         for (t0, t1, _), record in zip(pending, records, strict=True):
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")
@@ -391,7 +439,8 @@ def startup_summary(trainer: Trainer) -> str:
     tokens = cfg.training.global_batch_size * m.seq_length
     return (f" model: {model_family(m)}, {_count(total)} parameters with the vocabulary padded to {padded} "
             f"({_count(local.item())} on the fullest rank) | "
-            f"layout: t={state.dims.tp} p={state.dims.pp} d={state.dims.dp} v={par.virtual_size} "
+            f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
+            f"d={state.dims.dp} v={par.virtual_size} "
             f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
             f"| tokens/iteration: {tokens}")
 
@@ -422,7 +471,9 @@ def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration
             f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
             f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
             f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
-            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}")
+            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}"
+            + (f" | slowest rank: {record['slowest_rank']} ({record['step_time_max_over_median']:.2f}x median)"
+               if "slowest_rank" in record else ""))
 
 
 def _duration(seconds: float) -> str:

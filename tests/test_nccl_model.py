@@ -1,6 +1,7 @@
 """The NCCL model check: the calls the real executor makes are deadlock-free under NCCL's p2p ordering.
 
-The grid is every schedule, every p <= 16, every v <= 4 the schedule takes, microbatch counts around the
+The grid is every schedule, every p <= 16, every v <= 4 the schedule takes (two chunks in a V for zbv,
+v-half and v-min), microbatch counts around the
 warm-up boundaries, training and forward-only, both send models. A deliberately unsafe policy (receives
 posted ahead of the compute before their consumer, as ptdp's executor did before) must fail the check, and
 so must a trace with a receive out of FIFO order, a missing send, or a compute that reads an unwaited
@@ -16,7 +17,7 @@ import sys
 import pytest
 
 from ptdp.pipeline.nccl_model import check_all_send_models, check_trace, record_comm_trace
-from ptdp.pipeline.schedules import COMPUTE_OPS, SCHEDULES, Action, build_schedule
+from ptdp.pipeline.schedules import COMPUTE_OPS, SCHEDULES, Action, build_schedule, schedule_placement
 
 
 def microbatch_counts(name: str, p: int) -> list[int]:
@@ -35,7 +36,7 @@ def assert_deadlock_free(trace: dict) -> None:
 @pytest.mark.parametrize("p", range(2, 17))
 def test_every_schedule_is_deadlock_free_under_nccl(name, p):
     seen = set()  # forward-only lists of the v=1 schedules coincide: check each distinct list once
-    for v in (1, 2, 3, 4) if name == "interleaved" else (1,):
+    for v in (1, 2, 3, 4) if name == "interleaved" else (2,) if schedule_placement(name) == "v" else (1,):
         for m in microbatch_counts(name, p):
             for forward_only in (False, True):
                 lists = [build_schedule(name, p, v, m, r, forward_only) for r in range(p)]

@@ -2,11 +2,12 @@
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
 from ptdp.hardware import GIB
-from ptdp.pipeline.schedules import build_schedule, peak_in_flight
+from ptdp.pipeline.schedules import build_schedule, peak_in_flight, peak_stashed
 from ptdp.planner import (
     GPT3_175B,
     ClusterSpec,
@@ -39,15 +40,31 @@ def gpt3_search():
     return search(GPT3_175B, A100_1024, TRAIN_1536, top=5)
 
 
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                                         ("interleaved", 3)])
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2),
+                                         ("v-half", 2), ("v-min", 2), ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16)])
 def test_in_flight_matches_schedules(schedule, v, p, m):
+    """The planner's stash count is the schedule's: until B (peak_in_flight), or until W when split."""
     if schedule == "interleaved" and m % p:
         pytest.skip("interleaved needs m % p == 0")
+    split = any(a.op == "W" for a in build_schedule(schedule, p, v, m, 0))
     for rank in range(p):
         actions = build_schedule(schedule, p, v, m, rank)
-        assert activation_microbatches_in_flight(schedule, p, v, m, rank) == peak_in_flight(actions)
+        expected = peak_stashed(actions) if split else peak_in_flight(actions)
+        assert activation_microbatches_in_flight(schedule, p, v, m, rank) == expected
+    if schedule == "zb-h1":  # W lags I by r microbatches on rank r: every rank holds min(p, m)
+        assert {peak_stashed(build_schedule(schedule, p, v, m, r)) for r in range(p)} == {min(p, m)}
+
+
+def test_planner_prices_zero_bubble_schedules():
+    """Pinned to a schedule, the estimate uses its bubble and its activation stashes."""
+    base = ParallelConfig(8, 8, 16, 1, 1, "selective", True)
+    one_f_one_b, zbv = (evaluate(GPT3_175B, cfg, A100_1024, TRAIN_1536)
+                        for cfg in (base, replace(base, virtual_pipeline_model_parallel_size=2,
+                                                  pipeline_schedule="zbv")))
+    assert zbv.bubble_fraction < one_f_one_b.bubble_fraction / 3
+    assert zbv.iteration_time_s < one_f_one_b.iteration_time_s
+    assert zbv.memory.activations == pytest.approx(one_f_one_b.memory.activations, rel=0.05)
 
 
 def test_bytes_per_param_table():

@@ -70,7 +70,21 @@ class CheckpointManager:
         iteration = load_checkpoint(self.trainer, self.ck.load)
         if iteration and self.trainer.state.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
+            self._report_layout_change()
         return iteration
+
+    def _report_layout_change(self) -> None:
+        """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/elastic.py)."""
+        from ..elastic import layout_change
+        from .state import _layout
+        from .storage import read_info, resolve
+
+        trainer = self.trainer
+        saved = read_info(resolve(self.ck.load))["layout"]
+        line = layout_change(saved, _layout(trainer), trainer.config.training.global_batch_size,
+                             trainer.num_microbatches)
+        if line:
+            print(line, flush=True)
 
     def before_iteration(self, iteration: int) -> None:
         flight_recorder.progress(iteration)

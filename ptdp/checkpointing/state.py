@@ -46,10 +46,17 @@ OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weight
 
 
 def _layout(trainer) -> dict:
+    """The layout ``ptdp.json`` records. Parameters and optimizer state are replicated over CP, as over
+    DP (the distributed optimizer shards over the dp-cp group and :func:`optimizer_state` gathers over it),
+    so c changes nothing in the saved tensors: it is recorded (only when c > 1, so c = 1 checkpoints keep
+    their old layout) to tell a same-layout resume, whose RNG states apply, from a resharded one."""
     dims, par = trainer.state.dims, trainer.config.parallel
-    return {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
-            "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
-            "pipeline_schedule": par.schedule}
+    layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
+              "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
+              "pipeline_schedule": par.schedule}
+    if getattr(dims, "cp", 1) > 1:
+        layout["context_parallel_size"] = dims.cp
+    return layout
 
 
 def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..observability import flight_recorder
 from ..tensor_parallel.mappings import all_gather_single, group_rank, group_size, reduce_scatter_single
+from ..tensor_parallel.weight_grad import grad_deferred
 
 
 @dataclass
@@ -126,6 +127,8 @@ class GradBuckets:
             bucket.handle = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if grad_deferred(param):  # zero-bubble I: no grad yet, it comes (and counts) in W
+            return
         if param in self._copy_to_main:  # this microbatch's 16-bit grad -> the fp32 main_grad
             param.main_grad.add_(param.grad)
             param.grad = None

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
 from ptdp.pipeline.schedules import COMPUTE_OPS, Action, virtual_stage
+from ptdp.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 
 
 class PipelineStage(Protocol):
@@ -90,7 +91,8 @@ class ScheduleStats:
 
 
 class ModuleStage:
-    """Autograd stage: ``chunks[c]`` is this rank's model chunk c (virtual stage c*p + rank).
+    """Autograd stage: ``chunks[c]`` is this rank's model chunk c (``schedules.virtual_stage`` with the
+    schedule's ``placement``).
 
     Keeps (input, output) per (chunk, microbatch) between forward and backward and drops them as soon as
     the backward ran, so live activations are exactly what the schedule keeps in flight. On the last
@@ -106,20 +108,22 @@ class ModuleStage:
         v: int,
         first_input: Callable[[int], Any],
         loss_fn: Callable[[Tensor, int], Tensor],
+        placement: str = "loop",
     ) -> None:
         if len(chunks) != v:
             raise ValueError(f"ModuleStage: got {len(chunks)} model chunks for v={v}")
         self.chunks, self.rank, self.p, self.v = list(chunks), rank, p, v
+        self.placement = placement  # schedules.schedule_placement of the schedule that runs this stage
         self.first_input, self.loss_fn = first_input, loss_fn
         self.losses: dict[int, Tensor] = {}
         self._stash: dict[tuple[int, int], tuple[Any, Tensor]] = {}
-        self._weight_grad_todo: dict[tuple[int, int], Tensor | None] = {}
+        self._weight_grad_todo: dict[tuple[int, int], WeightGradStore] = {}
 
     def is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.rank, chunk, self.p) == 0
+        return virtual_stage(self.rank, chunk, self.p, self.placement) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.rank, chunk, self.p) == self.p * self.v - 1
+        return virtual_stage(self.rank, chunk, self.p, self.placement) == self.p * self.v - 1
 
     def parameters(self) -> list[nn.Parameter]:
         return [q for c in self.chunks for q in c.parameters()]
@@ -144,19 +148,20 @@ class ModuleStage:
         return None if self.is_first(chunk) else x.grad
 
     def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
-        self._weight_grad_todo[chunk, microbatch] = output_grad
-        if self.is_first(chunk):
-            return None  # no input gradient to produce; all the work happens in backward_weight
-        x, y = self._stash[chunk, microbatch]
-        (grad,) = torch.autograd.grad(y, x, output_grad, retain_graph=True)
-        return grad
+        """The whole backward with the linears' and norms' weight grads deferred
+        (``ptdp.tensor_parallel.weight_grad``): the graph is freed here; W keeps only their closures.
+
+        Every other parameter (embeddings, compiled layers) gets its grad here, as in a full B.
+        """
+        x, y = self._stash.pop((chunk, microbatch))
+        with defer_weight_grads() as store:
+            torch.autograd.backward(y, grad_tensors=output_grad)
+        self._weight_grad_todo[chunk, microbatch] = store
+        return None if self.is_first(chunk) else x.grad
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
-        _, y = self._stash.pop((chunk, microbatch))
-        output_grad = self._weight_grad_todo.pop((chunk, microbatch))
-        params = [q for q in self.chunks[chunk].parameters() if q.requires_grad]
-        if params:
-            torch.autograd.backward(y, grad_tensors=output_grad, inputs=params)
+        """Only the deferred wgrad GEMMs and bias/norm reductions, accumulated with autograd's hooks."""
+        self._weight_grad_todo.pop((chunk, microbatch)).run()
 
 
 class _SavedBytes:

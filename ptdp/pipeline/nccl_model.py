@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ptdp.pipeline.executor import run_schedule
-from ptdp.pipeline.schedules import Action, build_schedule, stage_location, virtual_stage
+from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement, stage_location, virtual_stage
 
 SEND_MODELS = {"sends complete on their own": False, "sends wait for their receive": True}
 
@@ -55,11 +55,12 @@ class RecordingComm:
     rank: int
     p: int
     events: list[dict] = field(default_factory=list)
+    placement: str = "loop"
     _issues: int = 0
     _send_issues: list[int] = field(default_factory=list)
 
     def _msg(self, action: Action) -> list:
-        stage = virtual_stage(self.rank, action.chunk, self.p)
+        stage = virtual_stage(self.rank, action.chunk, self.p, self.placement)
         kind = action.op[-1]
         if action.op.startswith("RECV"):  # the sender's stage: one before (activation) or after (gradient)
             stage = stage - 1 if kind == "F" else stage + 1
@@ -90,13 +91,13 @@ class RecordingComm:
 class _TraceStage:
     """A pipeline stage that computes nothing and records what the executor asks it to compute."""
 
-    def __init__(self, rank: int, p: int, v: int, events: list[dict]) -> None:
-        self.rank, self.p, self.v, self.events = rank, p, v, events
+    def __init__(self, rank: int, p: int, v: int, events: list[dict], placement: str = "loop") -> None:
+        self.rank, self.p, self.v, self.events, self.placement = rank, p, v, events, placement
         self.losses: dict[int, Tensor] = {}
 
     def _record(self, op: str, chunk: int, microbatch: int) -> int:
         self.events.append({"compute": [op, microbatch, chunk]})
-        return virtual_stage(self.rank, chunk, self.p)
+        return virtual_stage(self.rank, chunk, self.p, self.placement)
 
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
         last = self._record("F", chunk, microbatch) == self.p * self.v - 1
@@ -120,13 +121,15 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring)."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
         events: list[dict] = []
-        run_schedule(lists[r], _TraceStage(r, p, v, events), RecordingComm(r, p, events),
+        run_schedule(lists[r], _TraceStage(r, p, v, events, placement), RecordingComm(r, p, events, placement),
                      count_saved_bytes=False)
         ranks.append(events)
-    return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "ranks": ranks}
+    return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
+            "ranks": ranks}
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -255,7 +258,7 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
 
 def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
     """A compute that reads a received tensor must come after a wait on the issue that received it."""
-    p, last = trace["p"], trace["p"] * trace["v"] - 1
+    p, last, placement = trace["p"], trace["p"] * trace["v"] - 1, trace.get("placement", "loop")
     problems = []
     for r, events in enumerate(trace["ranks"]):
         where: dict[tuple, int] = {}  # message -> issue that receives it
@@ -271,14 +274,14 @@ def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
                 waited.add(event["wait"])
             else:
                 op, mb, chunk = event["compute"]
-                s = virtual_stage(r, chunk, p)
+                s = virtual_stage(r, chunk, p, placement)
                 if op == "F" and s > 0:
                     needed = ("F", mb, s - 1)
                 elif op in ("B", "I") and s < last:
                     needed = ("B", mb, s + 1)
                 else:
                     continue
-                if stage_location(needed[2], p)[0] != r and where.get(needed) not in waited:
+                if stage_location(needed[2], p, placement)[0] != r and where.get(needed) not in waited:
                     problems.append(f"race: rank {r} computes {op}{mb} on chunk {chunk} before waiting for "
                                     f"its input {list(needed)}")
     return problems
@@ -292,7 +295,7 @@ def check_all_send_models(trace: dict) -> dict[str, list[str]]:
 def write_trace(trace: dict, path: str | Path) -> None:
     """The trace as JSON, one line per event so a user can read it (atomic: temp file, then rename)."""
     path = Path(path)
-    head = {k: trace[k] for k in ("schedule", "p", "v", "m", "forward_only")}
+    head = {k: trace[k] for k in ("schedule", "p", "v", "m", "forward_only", "placement") if k in trace}
     rows = ",\n".join(
         "  [\n" + ",\n".join("    " + json.dumps(e) for e in events) + "\n  ]" for events in trace["ranks"])
     text = json.dumps(head)[:-1] + ',\n "ranks": [\n' + rows + "\n ]}\n"

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ptdp.hardware import ACCELERATORS, GIB
+from ptdp.pipeline.schedules import SCHEDULES, V_SCHEDULES
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -51,6 +52,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-granularity", choices=RECOMPUTE_CHOICES)
     p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--context-parallel-size", type=int,
+                   help="c: each sequence over c ranks (searched up to 16 when --seq-length >= 16384)")
+    p.add_argument("--cp-comm-type", choices=("p2p", "a2a", "allgather"), default="p2p")
+    p.add_argument("--pipeline-schedule", choices=sorted(SCHEDULES),
+                   help="price this schedule's bubble and activation stashes (default: 1f1b, interleaved when "
+                        "v > 1); zbv, v-half and v-min hold two chunks per rank (v = 2)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--top", type=int, default=5, metavar="K", help="runners-up to show (default 5)")
@@ -112,12 +119,15 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
 
 
 def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
-    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if cluster.num_gpus % (t * p):
-        raise _UsageError(f"--gpus {cluster.num_gpus} must be divisible by tensor x pipeline size {t}x{p}")
+    t, p, c = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size or 1
+    if c < 1 or cluster.num_gpus % (t * c * p):
+        raise _UsageError(f"--gpus {cluster.num_gpus} must be divisible by tensor x context x pipeline size "
+                          f"{t}x{c}x{p}")
     cfg = ParallelConfig(
-        t, p, cluster.num_gpus // (t * p), args.virtual_pipeline_model_parallel_size or 1, args.micro_batch_size or 1,
-        args.recompute_granularity or "none", bool(args.use_distributed_optimizer), args.sequence_parallel,
+        t, p, cluster.num_gpus // (t * c * p), args.virtual_pipeline_model_parallel_size or 1,
+        args.micro_batch_size or 1, args.recompute_granularity or "none", bool(args.use_distributed_optimizer),
+        args.sequence_parallel, pipeline_schedule=args.pipeline_schedule, context_parallel_size=c,
+        cp_comm_type=args.cp_comm_type,
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -127,6 +137,8 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan (table or ``--json``); 0 on success, 2 with one line on stderr for bad input."""
+    if args.pipeline_schedule in V_SCHEDULES and args.virtual_pipeline_model_parallel_size is None:
+        args.virtual_pipeline_model_parallel_size = 2
     try:
         model, cluster, train = _setup(args)
         if args.tensor_model_parallel_size and args.pipeline_model_parallel_size:
@@ -142,6 +154,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 recompute=pin(args.recompute_granularity) or RECOMPUTE_CHOICES,
                 distributed_optimizer=pin(args.use_distributed_optimizer) or (False, True),
                 sequence_parallel=args.sequence_parallel,
+                pipeline_schedule=args.pipeline_schedule,
+                context_sizes=pin(args.context_parallel_size),
+                cp_comm_type=args.cp_comm_type,
             )
             result = search(model, cluster, train, top=args.top, configs=configs)
             if result.num_evaluated == 0:
@@ -161,12 +176,12 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-_COLUMNS = ("t", "p", "d", "v", "b", "m", "recompute", "dist-opt", "iter s", "TFLOP/s", "MFU", "bubble", "GiB")
+_COLUMNS = ("t", "c", "p", "d", "v", "b", "m", "recompute", "dist-opt", "iter s", "TFLOP/s", "MFU", "bubble", "GiB")
 
 
 def _row(rank: str, e: Estimate) -> list[str]:
     c = e.config
-    return [rank, str(c.tensor_model_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
+    return [rank, str(c.tensor_model_parallel_size), str(c.context_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
             str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
             c.recompute_granularity, "yes" if c.use_distributed_optimizer else "no", f"{e.iteration_time_s:.2f}",
             f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.0%}", f"{e.bubble_fraction:.1%}", f"{e.memory.total / GIB:.1f}",
@@ -217,7 +232,10 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     states = params * model_state_bytes_per_param(train.precision, False, 1)
     share = {k: getattr(times, k) / best.iteration_time_s for k in ("compute", "bubble", "tp_comm", "dp_comm")}
     tp_where = "inside one server, on NVLink" if t <= cluster.gpus_per_node else "ACROSS servers"
-    return [
+    cp_line = ([f"c = {c.context_parallel_size} splits each {model.seq_length}-token sequence over c ranks "
+                f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
+                "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
+    return cp_line + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.flops import architecture, layer_parameter_count
+from ptdp.pipeline.schedules import SCHEDULES, ZERO_BUBBLE, peak_stashed
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
@@ -72,8 +73,11 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     silu(gate) and the product). RMSNorm keeps its input like LayerNorm; RoPE saves nothing extra. Selective recomputation drops the
     ``5·a·s²·b`` attention-core term. Full recomputation stashes only the layer input ``2·s·b·h`` (split t
     ways under sequence parallelism) -- ``stashed=False`` gives the full working set one layer rebuilds.
+    Context parallelism (c > 1) holds s/c tokens per rank: every per-token term shrinks c-fold, and the
+    attention core keeps (s/c)·s scores per head (docs/context-parallel.md), also 1/c of the s² term.
     """
-    s, b, h, a, t = model.seq_length, cfg.micro_batch_size, model.hidden_size, model.num_attention_heads, (
+    c = cfg.context_parallel_size
+    s, b, h, a, t = model.seq_length // c, cfg.micro_batch_size, model.hidden_size, model.num_attention_heads, (
         cfg.tensor_model_parallel_size
     )
     sp = cfg.sequence_parallel and t > 1
@@ -81,7 +85,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
         return 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h
     split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.ffn)
-    attention_core = 5 * a * s * s * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
+    attention_core = 5 * a * s * (s * c) * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 
 
@@ -89,13 +93,16 @@ def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, ran
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
     Closed form of ``ptdp.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
-    and ZB-H1 min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs
-    before its backward), capped at m·v.
+    min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs before its
+    backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
+    their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less).
     """
     if schedule == "gpipe":
         return m * v
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return min(p - rank, m)
+    if schedule in ZERO_BUBBLE:
+        return peak_stashed(SCHEDULES[schedule](p, v, m, rank))
     if schedule == "interleaved":
         total = m * v
         if m == p:
@@ -122,7 +129,8 @@ def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, 
     """Memory of the fullest GPU: max over pipeline rank 0 (embeddings, most stashes) and the last rank."""
     t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     d, m = cfg.data_parallel_size, cfg.num_microbatches(global_batch_size)
-    per_param = model_state_bytes_per_param(precision, cfg.use_distributed_optimizer, d)
+    # the distributed optimizer shards over the dp-cp group: parameters are replicated over CP too
+    per_param = model_state_bytes_per_param(precision, cfg.use_distributed_optimizer, d * cfg.context_parallel_size)
     layers_per_chunk = model.num_layers / (p * v)
     stash = activation_bytes_per_layer(model, cfg)
     # a layer being recomputed or run in backward materialises its whole working set once
@@ -131,7 +139,7 @@ def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, 
     for rank in sorted({0, p - 1}):
         acts = activation_microbatches_in_flight(cfg.schedule, p, v, m, rank) * layers_per_chunk * stash + working
         if rank == p - 1:  # fp32 logits for the vocab-parallel cross entropy, one microbatch
-            acts += 4 * model.seq_length * cfg.micro_batch_size * model.vocab_size / t
+            acts += 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
         est = MemoryEstimate(parameters_per_rank(model, t, p, rank) * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank)
         if best is None or est.total > best.total:
             best = est

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.pipeline.schedules import bubble_fraction_formula
 from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 
@@ -61,10 +62,34 @@ class StageTimes:
     tp_comm: float  # tensor-parallel all-reduces (or all-gather + reduce-scatter)
     p2p: float  # pipeline sends/receives
     grad_accum: float = 0.0  # adding this microbatch's weight gradients into the gradient buffer
+    cp_comm: float = 0.0  # context-parallel attention traffic not hidden behind the attention core
 
     @property
     def total(self) -> float:
-        return self.compute + self.logits + self.recompute + self.tp_comm + self.p2p + self.grad_accum
+        return (self.compute + self.logits + self.recompute + self.tp_comm + self.p2p + self.grad_accum
+                + self.cp_comm)
+
+
+def cp_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig) -> float:
+    """Bytes one CP rank sends per layer per microbatch, forward + backward, at 16 bits.
+
+    With n = s/c local tokens and this TP rank's widths q/t (queries) and k/t (one of K, V): ring attention
+    (p2p) passes K and V c-1 hops forward and, in the backward, K/V again with dK/dV (3x the forward);
+    Ulysses (a2a) runs 4 all-to-alls each way of b·n·q/t·(c-1)/c (Q, K, V, output); allgather gathers K
+    and V and reduce-scatters their gradients, 2·b·s·k/t·(c-1)/c each way (docs/context-parallel.md).
+    """
+    c, t, b = cfg.context_parallel_size, cfg.tensor_model_parallel_size, cfg.micro_batch_size
+    if c == 1:
+        return 0.0
+    n = model.seq_length / c
+    q, k = model.q_width / t, model.kv_width / t
+    if cfg.cp_comm_type == "a2a":
+        elements = 2 * 4 * b * n * q * (c - 1) / c
+    elif cfg.cp_comm_type == "allgather":
+        elements = 2 * 2 * b * model.seq_length * k * (c - 1) / c
+    else:
+        elements = 3 * (c - 1) * 2 * b * n * k
+    return elements * BYTES_PER_ELEMENT
 
 
 def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec) -> tuple[float, float, float]:
@@ -74,7 +99,8 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
     h, f, s, a = model.hidden_size, model.ffn, model.seq_length, model.num_attention_heads
     q, k = model.q_width, model.kv_width  # h and h for GPT-2; GQA shrinks K and V to G·d each
     gate = 2 if model.swiglu else 1  # SwiGLU's fused gate + up GEMM is twice as wide
-    tokens = b * s
+    c = cfg.context_parallel_size  # a CP rank: s/c queries against all s keys
+    tokens = b * s // c
     dense = (
         gemm_time(tokens, (q + 2 * k) / t, h, peak)  # QKV (column parallel)
         + gemm_time(tokens, h, q / t, peak)  # attention output projection (row parallel)
@@ -82,13 +108,13 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
         + gemm_time(tokens, h, f / t, peak)  # MLP ffn -> h (row parallel)
     )
     heads = b * a / t
-    core = gemm_time(s, s, q / a, peak, heads) + gemm_time(s, q / a, s, peak, heads)  # QK^T, scores @ V
+    core = gemm_time(s // c, s, q / a, peak, heads) + gemm_time(s // c, q / a, s, peak, heads)  # QK^T, scores @ V
     # memory-bound ops, bytes moved: 2 LayerNorms (r+w: 8/elt) and 2 dropout+residual (r 2, w 1 + mask: 7/elt)
     # on s·b·h (replicated over t unless sequence parallel), bias+GeLU on the ffn activations (4/elt), and
     # the fused scale-mask-softmax + dropout on the a·s² scores (9/elt)
     sp = cfg.sequence_parallel and t > 1
     elementwise = (22 * tokens * h / (t if sp else 1) + (6 if model.swiglu else 4) * tokens * f / t
-                   + 9 * heads * s * s) / hbm  # SwiGLU: read gate and up, write the product
+                   + 9 * heads * s // c * s) / hbm  # SwiGLU: read gate and up, write the product
     return dense, core, elementwise
 
 
@@ -128,7 +154,8 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
     )
     h, s, V = model.hidden_size, model.seq_length, model.vocab_size
     hbm = cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
-    tokens = b * s
+    c = cfg.context_parallel_size
+    tokens = b * s // c  # this CP rank's tokens
     layers = model.num_layers / p
     dense, core, elementwise = _layer_forward_times(model, cfg, cluster)
     forward = dense + core + elementwise
@@ -138,7 +165,7 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         recompute = forward
     elif cfg.recompute_granularity == "selective":  # only the attention core and its softmax/dropout
         heads = b * model.num_attention_heads / t
-        recompute = core + 9 * heads * s * s / hbm
+        recompute = core + 9 * heads * s // c * s / hbm
     else:
         recompute = 0.0
     recompute *= layers
@@ -174,7 +201,13 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         p2p = 2 * v * one_way
 
     grad_accum = parameters_per_rank(model, t, p, rank) * grad_accumulation_bytes_per_param(precision) / hbm
-    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum)
+    cp_comm = 0.0
+    if c > 1:  # CP ranks sit next to the TP group: inside a node while t·c fits in one
+        bw, lat = _link(cluster, t * c > cluster.gpus_per_node)
+        seconds = 2 * (c - 1) * lat + cp_bytes_per_layer(model, cfg) / bw
+        hidden = 3 * core if cfg.cp_comm_type == "p2p" else 0.0  # the ring overlaps each hop with a block
+        cp_comm = layers * max(0.0, seconds - hidden)
+    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum, cp_comm)
 
 
 def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
@@ -199,6 +232,7 @@ class IterationTimes:
     bubble: float
     dp_comm: float
     optimizer: float
+    cp_comm: float = 0.0  # context-parallel attention traffic left exposed
 
     @property
     def total(self) -> float:
@@ -239,16 +273,17 @@ def optimizer_bytes_per_param(precision: str) -> int:
 
 
 def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> IterationTimes:
-    """Iteration time = m·T_mb + bubble (p-1)/v·T_mb + exposed DP reduction + optimizer step."""
+    """Iteration time = m·T_mb + bubble (p-1)/v·T_mb (or the schedule's own bubble fraction of m·T_mb) +
+    exposed DP reduction + optimizer step."""
     t, p, v, d = (
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
         cfg.virtual_pipeline_model_parallel_size,
-        cfg.data_parallel_size,
+        cfg.data_parallel_size * cfg.context_parallel_size,  # gradients go over the dp-cp group
     )
     m = cfg.num_microbatches(train.global_batch_size)
     stage = stage_times(model, cfg, cluster, train.precision)
-    bubble = (p - 1) / v * stage.total
+    bubble = bubble_fraction_formula(p, v, m, cfg.schedule) * m * stage.total
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
@@ -284,4 +319,5 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         bubble=bubble,
         dp_comm=dp_comm,
         optimizer=optimizer,
+        cp_comm=m * stage.cp_comm,
     )

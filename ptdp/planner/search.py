@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
-from ptdp.pipeline.schedules import bubble_fraction_formula
+from ptdp.pipeline.schedules import V_SCHEDULES, bubble_fraction_formula
 from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
@@ -42,10 +42,10 @@ class Estimate:
 
     @property
     def bubble_fraction(self) -> float:
-        """The paper's bubble: idle time over ideal time, (p-1)/(v·m)."""
+        """The paper's bubble: idle time over ideal time, (p-1)/(v·m), or the schedule's own (zero bubble)."""
         c = self.config
         return bubble_fraction_formula(c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
-                                       self.num_microbatches)
+                                       self.num_microbatches, c.schedule)
 
     @property
     def fits(self) -> bool:
@@ -99,8 +99,15 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
     v, b = cfg.virtual_pipeline_model_parallel_size, cfg.micro_batch_size
     if min(t, p, d, v, b) < 1:
         return "all parallel sizes and --micro-batch-size must be >= 1"
-    if t * p * d != cluster.num_gpus:
-        return f"--gpus {cluster.num_gpus} is not divisible by tensor x pipeline size {t}x{p}"
+    c = cfg.context_parallel_size
+    if c < 1:
+        return "--context-parallel-size must be >= 1"
+    if t * c * p * d != cluster.num_gpus:
+        return f"--gpus {cluster.num_gpus} is not divisible by tensor x context x pipeline size {t}x{c}x{p}"
+    if c > 1 and model.seq_length % (2 * c):
+        return f"--context-parallel-size {c} needs --seq-length divisible by 2c = {2 * c}"
+    if c > 1 and cfg.cp_comm_type == "a2a" and (model.num_attention_heads // t) % c:
+        return f"--cp-comm-type a2a needs the local heads a/t divisible by --context-parallel-size {c}"
     if model.num_attention_heads % t or model.hidden_size % t or model.ffn % t:
         return f"--tensor-model-parallel-size {t} must divide the heads, hidden and ffn sizes"
     if model.query_groups % t:
@@ -111,12 +118,29 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return (f"--global-batch-size {train.global_batch_size} must be divisible by micro-batch x data-parallel"
                 f" size {b}x{d}")
     m = cfg.num_microbatches(train.global_batch_size)
-    if v > 1 and (p < 2 or m % p):
+    if cfg.pipeline_schedule in V_SCHEDULES and (v != 2 or p < 2):
+        return (f"--pipeline-schedule {cfg.pipeline_schedule} needs two chunks per rank in a V "
+                "(--virtual-pipeline-model-parallel-size 2) and pipeline size >= 2")
+    if cfg.pipeline_schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2") and v != 1:
+        return f"--pipeline-schedule {cfg.pipeline_schedule} needs --virtual-pipeline-model-parallel-size 1"
+    if cfg.schedule == "interleaved" and v > 1 and (p < 2 or m % p):
         return (f"--virtual-pipeline-model-parallel-size {v} needs pipeline size >= 2 and microbatches ({m}) "
                 f"divisible by the pipeline size ({p})")
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
     return None
+
+
+LONG_SEQUENCE = 16384
+
+
+def _tc_pairs(model: GPTSpec, n: int, tensor_sizes: Sequence[int] | None,
+              context_sizes: Sequence[int] | None) -> Iterator[tuple[int, int]]:
+    for t in tensor_sizes or _divisors(n):
+        searched = [c for c in _divisors(n // t if n % t == 0 else 1) if c <= 16]
+        default = searched if model.seq_length >= LONG_SEQUENCE else [1]
+        for c in context_sizes or default:
+            yield t, c
 
 
 def _divisors(n: int) -> list[int]:
@@ -134,20 +158,27 @@ def candidates(
     recompute: Sequence[str] = RECOMPUTE_CHOICES,
     distributed_optimizer: Sequence[bool] = (False, True),
     sequence_parallel: bool = False,
+    pipeline_schedule: str | None = None,
+    context_sizes: Sequence[int] | None = None,
+    cp_comm_type: str = "p2p",
 ) -> Iterator[ParallelConfig]:
-    """Every valid layout; a given sequence pins that dimension to its values."""
+    """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
+    searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
+    that the s/c activations rarely pay for its attention traffic."""
     n = cluster.num_gpus
-    for t in tensor_sizes or _divisors(n):
-        for p in pipeline_sizes or _divisors(n // t if n % t == 0 else 1):
-            if n % (t * p):
+    for t, c in _tc_pairs(model, n, tensor_sizes, context_sizes):
+        for p in pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
+            if n % (t * c * p):
                 continue
-            d = n // (t * p)
+            d = n // (t * c * p)
             per_pipeline = train.global_batch_size // d if train.global_batch_size % d == 0 else 0
             for b in micro_batch_sizes or _divisors(max(per_pipeline, 1)):
                 for v in virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
                     for rc in recompute:
                         for dopt in distributed_optimizer if d > 1 else distributed_optimizer[:1]:
-                            cfg = ParallelConfig(t, p, d, v, b, rc, dopt, sequence_parallel and t > 1)
+                            cfg = ParallelConfig(t, p, d, v, b, rc, dopt, sequence_parallel and t > 1,
+                                                 pipeline_schedule, context_parallel_size=c,
+                                                 cp_comm_type=cp_comm_type)
                             if invalid_reason(model, cfg, cluster, train) is None:
                                 yield cfg
 
@@ -174,6 +205,9 @@ def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
         return f"pipeline p2p (v={cfg.virtual_pipeline_model_parallel_size}): {share:.0%} of time"
     if key == "optimizer":
         return f"optimizer step: {share:.0%} of time"
+    if key == "cp_comm":
+        return f"context-parallel {cfg.cp_comm_type} attention traffic (c={cfg.context_parallel_size}): " \
+            f"{share:.0%} of time"
     if key == "logits":
         return f"output layer on the last stage: {share:.0%} of time"
     if key == "grad_accum":
@@ -206,10 +240,12 @@ def search(
     best = ranked[0] if ranked and ranked[0].fits else None
     seen: set[tuple[int, int]] = set()
     if best is not None:
-        seen.add((best.config.tensor_model_parallel_size, best.config.pipeline_model_parallel_size))
+        seen.add((best.config.tensor_model_parallel_size, best.config.pipeline_model_parallel_size,
+                  best.config.context_parallel_size))
     runners: list[Estimate] = []
     for est in ranked:
-        key = (est.config.tensor_model_parallel_size, est.config.pipeline_model_parallel_size)
+        key = (est.config.tensor_model_parallel_size, est.config.pipeline_model_parallel_size,
+               est.config.context_parallel_size)
         if key in seen:
             continue
         seen.add(key)

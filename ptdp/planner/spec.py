@@ -137,10 +137,16 @@ class ParallelConfig:
     recompute_granularity: str = "none"  # "none" | "selective" | "full"
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    pipeline_schedule: str | None = None  # None: 1f1b, or interleaved when v > 1
+    context_parallel_size: int = 1  # c: each sample's sequence over c ranks (world = t·c·d·p)
+    cp_comm_type: str = "p2p"  # ring attention (p2p), Ulysses (a2a) or allgather
 
     @property
     def schedule(self) -> str:
-        """Pipeline schedule the layout runs with: 1F1B, or Megatron's interleaved 1F1B when v > 1."""
+        """Pipeline schedule the layout runs with: ``pipeline_schedule`` when set, else 1F1B, or Megatron's
+        interleaved 1F1B when v > 1."""
+        if self.pipeline_schedule:
+            return self.pipeline_schedule
         return "interleaved" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
 
     def num_microbatches(self, global_batch_size: int) -> int:

@@ -22,6 +22,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .weight_grad import add_bias, linear
 
 
 def mark_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
@@ -64,11 +65,10 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        weight = self.weight.flatten(0, -2)
-        bias = None if self.bias is None else self.bias.flatten()
+        # weight.flatten(0, -2) x + bias, with wgrad and bias grad deferrable to W (``weight_grad``)
         if self.skip_bias_add:
-            return F.linear(x, weight), bias
-        y = F.linear(x, weight, bias)
+            return linear(x, self.weight), None if self.bias is None else self.bias.flatten()
+        y = linear(x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -97,15 +97,15 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         if group_size(self.tp_group) == 1 and not self.skip_bias_add:
-            return F.linear(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
-        return y if self.bias is None else y + self.bias
+        return add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,48 @@
+"""Straggler report: how far apart the ranks' step times are, and which rank is slowest.
+
+In a synchronous job every rank waits for the slowest at the next collective, so each rank's wall time
+per step is the same and tells nothing; what differs is the time each spent computing. The training loop
+passes each rank's compute time in the pipeline schedule (``ScheduleStats.busy_s``: its F/B work, without
+the waits for its peers), and this module gathers it once per flushed window of records (a logged,
+evaluated or checkpointed iteration, when the loop reads its loss anyway): one all-gather of one float
+per rank, never a collective or host sync per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def step_time_report(step_times_s: list[float], world_size: int, device: torch.device) -> dict:
+    """Collective over the default group: the mean of each rank's ``step_times_s`` (its compute time per
+    step over the window), gathered, as
+    ``step_time_spread_s`` (max − min), ``step_time_max_over_median`` and ``slowest_rank``."""
+    mean = sum(step_times_s) / max(len(step_times_s), 1)
+    if world_size > 1:
+        local = torch.tensor([mean], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        times = torch.cat(gathered).tolist()
+    else:
+        times = [mean]
+    median = statistics.median(times)
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return {"step_time_spread_s": max(times) - min(times),
+            "step_time_max_over_median": times[slowest] / median if median > 0 else 1.0,
+            "slowest_rank": slowest}
+
+
+def test_delay(rank: int) -> None:
+    """Test-only: ``PTDP_TEST_SLOW_RANK=R:SECONDS`` sleeps SECONDS in every step of rank R (``*``: every
+    rank), to make a straggler (or a slow run) on purpose. Not a user feature."""
+    spec = os.environ.get("PTDP_TEST_SLOW_RANK")
+    if not spec:
+        return
+    who, _, seconds = spec.partition(":")
+    if who == "*" or int(who) == rank:
+        time.sleep(float(seconds))

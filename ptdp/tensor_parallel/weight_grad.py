@@ -1,0 +1,175 @@
+"""Deferred weight gradients: the real B/W split of zero-bubble schedules (ptdp-facts.md, §Beyond the paper:
+zero-bubble and V schedules -- "W must cost only the weight-gradient work").
+
+The weight-bearing ops (linears, LayerNorm/RMSNorm) are custom autograd Functions. Their backward always
+computes the input gradient; the weight (and bias) gradient is computed at once, as autograd would, unless
+a :func:`defer_weight_grads` context is active: then the backward hands a closure to the active
+:class:`WeightGradStore` that holds exactly what the weight gradient needs (the op's saved input and its
+output gradient), and the autograd graph is freed as usual. ``WeightGradStore.run`` later computes only
+those GEMMs and reductions (Megatron/ZB's ``WeightGradStore``).
+
+The grads land where autograd would put them: ``run`` hands all of them to one ``torch.autograd.backward``
+call on the parameters themselves (leaves), so ``AccumulateGrad`` accumulates into ``param.grad`` (the
+flat ``main_grad`` buffer) and fires the post-accumulate hooks that ``ptdp.optim.grad_buffer`` counts --
+once per parameter per microbatch, as in an ordinary backward (the empty call autograd makes in I is
+recognised by :func:`grad_deferred`). Only leaf parameters are deferred; a
+parameter used by a deferred op and elsewhere in the same chunk (the tied embedding when the output layer
+sits with it) must not be deferred, or its hooks would fire twice per microbatch (see ``GPTModel``).
+
+Under ``torch.compile`` (``--compile`` compiles whole layers on a GPU) the plain ops run, so compiled
+layers keep the old behaviour: their weight grads are computed in the I pass and W has nothing to do
+for them. Without grad (evaluation) the plain ops run too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+WeightGrads = list[tuple[Tensor, Tensor | None]]  # (parameter, its gradient) pairs
+
+
+class WeightGradStore:
+    """The deferred weight-gradient work of one backward (one chunk, one microbatch)."""
+
+    def __init__(self) -> None:
+        self._work: list[Callable[[], WeightGrads]] = []
+        self.deferred: set[int] = set()  # ids of the parameters whose grads wait here
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def add(self, work: Callable[[], WeightGrads]) -> None:
+        self._work.append(work)
+
+    def run(self) -> None:
+        """Compute every deferred weight gradient and accumulate them as autograd would (with hooks)."""
+        grads: dict[int, tuple[Tensor, Tensor]] = {}
+        work, self._work = self._work, []
+        for fn in work:
+            for param, grad in fn():
+                if grad is None:
+                    continue
+                seen = grads.get(id(param))
+                grads[id(param)] = (param, grad if seen is None else seen[1] + grad)
+        if grads:
+            params, values = zip(*grads.values())
+            torch.autograd.backward(list(params), list(values))
+
+
+_active: WeightGradStore | None = None  # module-global, not thread-local: CUDA backward runs on engine threads
+
+
+@contextlib.contextmanager
+def defer_weight_grads() -> Iterator[WeightGradStore]:
+    """While active, deferrable weight grads go to the yielded store instead of ``param.grad``."""
+    global _active
+    store, previous = WeightGradStore(), _active
+    _active = store
+    try:
+        yield store
+    finally:
+        _active = previous
+
+
+def deferring_store(*params: Tensor | None) -> WeightGradStore | None:
+    """The active store if ``params`` (those given) are all leaves, else None: compute now.
+
+    The returned store marks them deferred (see :func:`grad_deferred`).
+    """
+    if _active is None or any(p is not None and not p.is_leaf for p in params):
+        return None
+    _active.deferred.update(id(p) for p in params if p is not None)
+    return _active
+
+
+def grad_deferred(param: Tensor) -> bool:
+    """Whether ``param``'s grad of the running backward waits in the active store.
+
+    Autograd still runs a deferred parameter's ``AccumulateGrad`` in the I pass (with no gradient) and
+    fires its post-accumulate hooks: hooks that count or copy gradients must ignore that call (the
+    gradient buffers do); the real one comes from :meth:`WeightGradStore.run`.
+    """
+    return _active is not None and id(param) in _active.deferred
+
+
+def plain_path() -> bool:
+    """No autograd Function needed: no grad mode, or traced by torch.compile (see the module docstring)."""
+    return not torch.is_grad_enabled() or torch.compiler.is_compiling()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight.flatten(0, -2), bias.flatten())`` whose weight and bias grads can be deferred.
+
+    ``weight`` is the parameter itself (a fused ``[k, n, h]`` weight is flattened inside), so a deferred
+    grad has a leaf to land on. The bias stays inside the GEMM (addmm) either way.
+    """
+    if plain_path():
+        return F.linear(x, weight.flatten(0, -2), None if bias is None else bias.flatten())
+    return _Linear.apply(x, weight, bias)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)  # the leaves the deferred grads land on (not saved tensors: no copy)
+        return F.linear(x, weight.flatten(0, -2), None if bias is None else bias.flatten())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        w_param, b_param = ctx.params
+        dx = grad.matmul(weight.flatten(0, -2)) if ctx.needs_input_grad[0] else None
+        need_w = ctx.needs_input_grad[1]
+        need_b = b_param is not None and ctx.needs_input_grad[2]
+
+        def weight_grads() -> WeightGrads:
+            g2 = grad.reshape(-1, grad.shape[-1])
+            dw = g2.t().mm(x.reshape(-1, x.shape[-1])).view(w_param.shape) if need_w else None
+            db = g2.sum(0).view(b_param.shape) if need_b else None
+            return [(w_param, dw), (b_param, db)]
+
+        if not (need_w or need_b):
+            return dx, None, None
+        store = deferring_store(w_param, b_param)
+        if store is None:
+            (_, dw), (_, db) = weight_grads()
+            return dx, dw, db
+        store.add(weight_grads)
+        return dx, None, None
+
+
+def add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    """``y + bias`` whose bias grad (the sum over tokens) can be deferred (row-parallel bias after g)."""
+    if bias is None:
+        return y
+    if plain_path():
+        return y + bias
+    return _AddBias.apply(y, bias)
+
+
+class _AddBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor) -> Tensor:
+        ctx.bias = bias
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        bias = ctx.bias
+        if not ctx.needs_input_grad[1]:
+            return grad, None
+
+        def weight_grads() -> WeightGrads:
+            return [(bias, grad.reshape(-1, grad.shape[-1]).sum(0).view(bias.shape))]
+
+        store = deferring_store(bias)
+        if store is None:
+            return grad, weight_grads()[0][1]
+        store.add(weight_grads)
+        return grad, None

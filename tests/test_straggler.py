@@ -1,0 +1,31 @@
+"""The straggler report in the metrics, and a long evaluation under the hang watchdog.
+
+Ranks are slowed on purpose by ``PTDP_TEST_SLOW_RANK=R:SECONDS`` (a sleep in each step of rank R, or of
+every rank with ``*``, inside the schedule's compute time and in each validation batch; a test-only hook).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import losses, train_metrics
+
+KEYS = ("step_time_spread_s", "step_time_max_over_median", "slowest_rank")
+
+
+def test_the_slow_rank_is_named_slowest(tmp_path):
+    records = train_metrics(tmp_path, 2, [], env={"PTDP_TEST_SLOW_RANK": "1:0.5"})
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    for record in records:  # --log-interval 1: a report per iteration, from one all-gather each
+        assert all(key in record for key in KEYS), record
+        assert record["slowest_rank"] == 1
+        assert record["step_time_spread_s"] > 0  # measured 0.04-0.11 s for the 0.5 s sleep: see the report
+        assert record["step_time_max_over_median"] > 1.0
+
+
+def test_a_long_evaluation_is_not_a_hang(tmp_path, reference):
+    """15 validation batches of 0.4 s each (6 s, three times --hang-timeout-s 2): each batch is progress,
+    so the watchdog stays quiet (it would exit 3, failing the run), and training is the plain run's."""
+    records = train_metrics(tmp_path, 2, ["--eval-interval", "3", "--eval-iters", "15", "--hang-timeout-s", "2"],
+                            env={"PTDP_TEST_SLOW_RANK": "*:0.4"})
+    assert "val_loss" in records[-1]
+    assert losses(records) == pytest.approx(reference, rel=1e-4)
