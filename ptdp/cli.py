@@ -7,6 +7,7 @@ import copy
 import importlib
 import os
 import sys
+from datetime import timedelta
 
 from .config import ConfigError, add_config_arguments, config_from_args, validate
 from .errors import print_error
@@ -105,6 +106,11 @@ def run_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if code and dist.get_backend() == "gloo":  # every rank raised: let all finish talking before teardown
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            except RuntimeError:
+                pass
         dist.destroy_process_group()
     return code
 

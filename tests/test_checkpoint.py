@@ -164,7 +164,7 @@ def test_corrupted_checkpoint_file_is_named(crashed, tmp_path):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit
     victim.write_bytes(bytes(data))
-    proc = run(["train", *SIX, "--nproc-per-node", "2", "--load", str(ckpt)], timeout=60)
+    proc = run(["train", *SIX, "--nproc-per-node", "2", "--load", str(ckpt)], timeout=180)
     assert_one_line_error(proc, str(victim), "corrupted or truncated")
     assert proc.returncode == 2
 

@@ -13,13 +13,15 @@ KEYS = ("step_time_spread_s", "step_time_max_over_median", "slowest_rank")
 
 
 def test_the_slow_rank_is_named_slowest(tmp_path):
-    records = train_metrics(tmp_path, 2, [], env={"PTDP_TEST_SLOW_RANK": "1:0.5"})
+    """One report per flushed window (here the 3 iterations at once), from one all-gather: the rank that
+    sleeps 0.5 s per step in its compute time is the slowest, by about that much."""
+    records = train_metrics(tmp_path, 2, ["--log-interval", "3"], env={"PTDP_TEST_SLOW_RANK": "1:0.5"})
     assert [r["iteration"] for r in records] == [1, 2, 3]
-    for record in records:  # --log-interval 1: a report per iteration, from one all-gather each
-        assert all(key in record for key in KEYS), record
-        assert record["slowest_rank"] == 1
-        assert record["step_time_spread_s"] > 0  # measured 0.04-0.11 s for the 0.5 s sleep: see the report
-        assert record["step_time_max_over_median"] > 1.0
+    report = records[-1]
+    assert all(key in report for key in KEYS), report
+    assert report["slowest_rank"] == 1
+    assert 0.4 < report["step_time_spread_s"] < 1.0
+    assert report["step_time_max_over_median"] > 1.0
 
 
 def test_a_long_evaluation_is_not_a_hang(tmp_path, reference):
