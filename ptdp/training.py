@@ -76,10 +76,9 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
     """
     m, p, v = config.model, state.dims.pp, config.parallel.virtual_size
     per_stage = m.num_layers // (p * v)
-    placement = schedule_placement(config.parallel.schedule)
     chunks = []
     for c in range(v):
-        stage = virtual_stage(state.pp_rank, c, p, placement)
+        stage = virtual_stage(state.pp_rank, c, p, state.placement)
         with torch.device(state.device):  # built where it trains: no CPU copy, no host-to-device move
             chunk = GPTModel(
                 m, vocab_size, padded_vocab_size, tp_group=state.tp_group,

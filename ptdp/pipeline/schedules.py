@@ -73,6 +73,7 @@ def stage_peers(rank: int, chunk: int, p: int, v: int, placement: str = "loop") 
     return prev_rank, next_rank
 
 
+@functools.lru_cache(maxsize=64)  # the metrics ask every logged iteration; the zero-bubble answer is a timing
 def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None) -> float:
     """Ideal bubble time over ideal compute time (ptdp-facts.md, §Schedules): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v·m) interleaved; for the zero-bubble family (zb-h1, zb-h2, zbv, v-half, v-min) the bubble of the
