@@ -36,6 +36,12 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
 
     # One intra-op thread per worker unless the user chose: workers share the node's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if rendezvous:
+        # Scale-up needs the rendezvous's own bootstrap keys. With torchrun's shared TCP store (the default
+        # since 2.4) an agent that stays rank 0 across rounds publishes MASTER_ADDR only in its first round,
+        # so a node joining a running job waits for it forever while rank 0 waits for the newcomer's role
+        # info (torch 2.13: both time out after 60 s). Unshared, rank 0 publishes it every round.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args([
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
     try:

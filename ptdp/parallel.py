@@ -131,9 +131,12 @@ class ParallelState:
 def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.device]:
     """Join the job described by torchrun's environment (or run alone), returning (rank, world, device).
 
-    The process-group timeout makes a lost peer fail fast instead of hanging forever. Keys go under a
-    prefix per torchrun restart: the launcher's store outlives a failed attempt, and a restarted rank
-    must never read the address of a peer from the attempt before (it would connect to a dead port).
+    The process-group timeout makes a lost peer fail fast instead of hanging forever. When the workers
+    meet in the agent's own store (``TORCHELASTIC_USE_AGENT_STORE``), it outlives a failed attempt, so
+    keys go under a prefix per torchrun restart: a restarted rank must never read the address of a peer
+    from the attempt before (it would connect to a dead port). Otherwise rank 0 hosts a new store on a
+    new port each attempt and no prefix is needed, nor wanted: after an elastic scale-up the agents'
+    restart counts differ (a joining agent starts at 0), and ranks under different prefixes never meet.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -147,7 +150,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> tuple[int, int, torch.dev
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"ptdp/attempt-{attempt}", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.PrefixStore(f"ptdp/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return rank, world_size, device

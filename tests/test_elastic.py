@@ -1,13 +1,12 @@
-"""Elastic training: ``ptdp train --nnodes 1:2`` agents lose a node and go on at d = 1.
+"""Elastic training: ``ptdp train --nnodes 1:2`` agents lose a node, go on at d = 1, and grow back to d = 2.
 
 Two agents ("nodes") of 2 workers each train t = 1, p = 2, d = 2 through a c10d rendezvous whose store the
 test itself hosts (on a port the OS picks), so either agent can die without taking the store along. One
 agent is SIGKILLed with its workers; the survivor's workers fail on the lost peer, torchrun's agent
-restarts them as d = 1 (m doubles, the global batch is kept) from the latest checkpoint. Every iteration
-after the reshard must have the loss of a fresh d = 1 run loaded from that same checkpoint: d only
-changes the order of fp32 sums. (Scaling back up, a new agent joining the running survivor, is not
-tested: with torchrun 2.13's agent the membership-change restart did not complete here; see
-docs/multinode.md.)
+restarts them as d = 1 (m doubles, the global batch is kept) from the latest checkpoint. A third agent
+then joins: the survivor's agent sees it waiting, stops its workers (SIGTERM: they save first) and both
+restart as d = 2. Every iteration after each reshard must have the loss of a fresh run of the new size
+loaded from that same checkpoint: d only changes the order of fp32 sums.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import pytest
 from helpers import TINY, losses, run_ptdp, train_metrics, worker_env
 
 RTOL = 1e-4
-ITERS = 12
+ITERS = 28  # the join (an agent start and a rendezvous round) takes about 8 iterations here
 LAYOUT = ["--pipeline-model-parallel-size", "2"]
 # Quick rendezvous: a node is dead after 5 missed 1-s heartbeats (fewer drop a busy live agent); a round
 # closes 3 s after quorum (so both agents, started together, make the first round).
@@ -54,7 +53,13 @@ def _kill(agent: subprocess.Popen) -> None:
     agent.wait(timeout=30)
 
 
-def test_elastic_scale_down_keeps_the_losses(tmp_path):
+def _resumed_at(log: str, change: str) -> int:
+    """The iteration of the checkpoint a restart resharded from, by its ``... to t=1 p=2 d=N`` line."""
+    return int(re.search(rf"loaded checkpoint \S+ at iteration (\d+)\n resharded the checkpoint {change}",
+                         log).group(1))
+
+
+def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
@@ -74,19 +79,26 @@ def test_elastic_scale_down_keeps_the_losses(tmp_path):
     def logs() -> str:
         return "".join((tmp_path / f"{name}.log").read_text() for name in agents)
 
+    down, up = "from t=1 p=2 d=2 to t=1 p=2 d=1", "from t=1 p=2 d=1 to t=1 p=2 d=2"
     try:
         start("a")
         start("b")
         _wait(lambda: (ckpt / "iter_0000002").exists(), "the first checkpoints at d = 2")
         _kill(agents["b"])  # for good: its node is gone
-        _wait(lambda: "to t=1 p=2 d=1" in logs(), "the survivor's restart at d = 1")
-        resumed = int(re.search(r"loaded checkpoint \S+ at iteration (\d+)\n resharded", logs()).group(1))
-        _wait(lambda: agents["a"].poll() is not None, "the end of training", timeout=180)
+        _wait(lambda: down in logs(), "the survivor's restart at d = 1")
+        shrunk = _resumed_at(logs(), down)
+        _wait(lambda: (ckpt / f"iter_{shrunk + 2:07d}").exists(), "two iterations at d = 1")
+        start("c")  # a new node joins the running job
+        _wait(lambda: up in logs(), "the restart at d = 2 with the new node")
+        grown = _resumed_at(logs(), up)
+        _wait(lambda: agents["a"].poll() is not None and agents["c"].poll() is not None, "the end of training",
+              timeout=180)
     finally:
         for agent in agents.values():
             if agent.poll() is None:
                 _kill(agent)
-    assert agents["a"].returncode == 0, logs()[-4000:]
+    assert (agents["a"].returncode, agents["c"].returncode) == (0, 0), logs()[-4000:]
+    assert shrunk < grown < ITERS
 
     by_iteration = {}
     for record in map(json.loads, metrics.read_text().splitlines()):
@@ -94,13 +106,16 @@ def test_elastic_scale_down_keeps_the_losses(tmp_path):
     assert sorted(by_iteration) == list(range(1, ITERS + 1))
     assert [by_iteration[i]["consumed_samples"] for i in range(1, ITERS + 1)] == [16 * i for i in range(1, ITERS + 1)]
 
-    # The reference: a fresh d = 1 run (2 workers, p = 2) loaded from the checkpoint the survivor resumed from.
-    start_ckpt = tmp_path / "start"
-    shutil.copytree(ckpt / f"iter_{resumed:07d}", start_ckpt)
-    reference = train_metrics(tmp_path, 2, [*LAYOUT, "--train-iters", str(ITERS), "--load", str(start_ckpt)])
-    assert [r["iteration"] for r in reference] == list(range(resumed + 1, ITERS + 1))
-    got = [by_iteration[i] for i in range(resumed + 1, ITERS + 1)]
-    assert losses(got) == pytest.approx(losses(reference), rel=RTOL)
+    # The references: fresh runs of each new size loaded from the checkpoint that size resumed from; the d = 1
+    # one stops where the job grew (the same --train-iters keeps the learning-rate schedule).
+    for resumed, nproc, stop in ((shrunk, 2, grown), (grown, 4, ITERS)):
+        start_ckpt = tmp_path / f"start-{resumed}"
+        shutil.copytree(ckpt / f"iter_{resumed:07d}", start_ckpt)
+        reference = train_metrics(tmp_path, nproc, [*LAYOUT, "--train-iters", str(ITERS), "--load", str(start_ckpt),
+                                                    "--exit-interval", str(stop)])
+        assert [r["iteration"] for r in reference] == list(range(resumed + 1, stop + 1))
+        got = [by_iteration[i] for i in range(resumed + 1, stop + 1)]
+        assert losses(got) == pytest.approx(losses(reference), rel=RTOL)
 
 
 def test_a_world_size_that_cannot_hold_the_layout_names_the_ones_that_can(monkeypatch, capsys):
