@@ -69,6 +69,9 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    # A rank returns from gloo's connectFullMesh when its own pairs are up, not everyone's: a rank that
+    # destroyed the group at once could close a socket a slower peer is still handshaking on.
+    dist.barrier()
     try:
         fn(rank, world_size, *args)
     finally:

@@ -50,6 +50,7 @@ def _run_stages(rank: int, world_size: int, out: str, plan: list[tuple[str, int,
     from ptdp.training import train
 
     for name, world, argv in plan:
+        dist.barrier()  # every rank's connections are up before any tears the group down (see helpers._entry)
         dist.destroy_process_group()
         if rank < world:
             if world > 1:
