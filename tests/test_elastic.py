@@ -12,10 +12,8 @@ loaded from that same checkpoint: d only changes the order of fp32 sums.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +22,9 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY, losses, run_ptdp, train_metrics, worker_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from elastic import kill  # noqa: E402  (the benchmark's: SIGKILL an agent and its workers)
 
 RTOL = 1e-4
 ITERS = 28  # the join (an agent start and a rendezvous round) takes about 8 iterations here
@@ -39,18 +40,6 @@ def _wait(condition, what: str, timeout: float = 120) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-def _kill(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent and its workers (torchrun starts each worker in a session of its own)."""
-    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
-    workers = [int(pid) for pid in children.read_text().split()] if children.exists() else []
-    for group in (agent.pid, *workers):
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    agent.wait(timeout=30)
 
 
 def _resumed_at(log: str, change: str) -> int:
@@ -84,7 +73,7 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
         start("a")
         start("b")
         _wait(lambda: (ckpt / "iter_0000002").exists(), "the first checkpoints at d = 2")
-        _kill(agents["b"])  # for good: its node is gone
+        kill(agents["b"])  # for good: its node is gone
         _wait(lambda: down in logs(), "the survivor's restart at d = 1")
         shrunk = _resumed_at(logs(), down)
         _wait(lambda: (ckpt / f"iter_{shrunk + 2:07d}").exists(), "two iterations at d = 1")
@@ -96,7 +85,7 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
     finally:
         for agent in agents.values():
             if agent.poll() is None:
-                _kill(agent)
+                kill(agent)
     assert (agents["a"].returncode, agents["c"].returncode) == (0, 0), logs()[-4000:]
     assert shrunk < grown < ITERS
 
