@@ -92,14 +92,21 @@ def run_train(args: argparse.Namespace) -> int:
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
         return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
 
+    from . import interrupt
     from .data import DataError
-    from .training import train
 
+    interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
     try:
+        from .training import train
+
         train(config)
-        code = 0
+        code = interrupt.exit_code() or 0  # 130 (0 to ptdp's launcher) after a Ctrl-C stop
     except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy
         code = _fail(str(e))
+    except Exception as e:  # a peer that left at once after a second Ctrl-C: leave quietly too
+        if not interrupt.interrupted_exception(e):
+            raise
+        interrupt.stop_now()
     # gloo aborts the process at exit ("terminate called without an active exception") when its process
     # groups are left for the interpreter to tear down. Not after other errors: a lost peer can make the
     # teardown wait, and the launcher restarts or stops the job anyway.

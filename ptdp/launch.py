@@ -17,7 +17,9 @@ def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str,
     which counts against ``--max-restarts``) or one joins (which does not), and ptdp derives d from the new
     world size (docs/multinode.md, §Elastic training). Without it, ``--standalone``: a rendezvous on a port
     the OS picks, so concurrent jobs cannot collide."""
-    flags = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}"]
+    # SIGINT is not torchrun's: ptdp.interrupt passes Ctrl-C on to the workers as a graceful stop.
+    flags = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
+             "--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT"]
     if not rendezvous:
         return ["--standalone", *flags]
     flags += [f"--nnodes={rendezvous['nnodes']}", "--rdzv-backend=c10d",
@@ -44,6 +46,9 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args([
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
+    from . import interrupt
+
+    interrupt.install_launcher()  # Ctrl-C goes to the workers as a graceful stop (ptdp/interrupt.py)
     try:
         run(launcher_args)
     except ChildFailedError as e:
@@ -53,8 +58,9 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         # the first one failed: the workers' own exit code (2: bad input on every rank) is the answer.
         exited = {code for code in codes if code > 0}
         return exited.pop() if len(exited) == 1 else 1
-    except SignalException as e:  # e.g. a scheduler's pre-emption: the workers save on SIGTERM
-        print(f"ptdp train: stopped by signal {e.sigval}; the workers saved a checkpoint if --save was set",
-              file=sys.stderr)
+    except SignalException as e:  # e.g. a scheduler's pre-emption: the workers were passed the signal
+        name = signal.Signals(e.sigval).name
+        print(f"ptdp train: stopped by {name}, which was passed on to the workers", file=sys.stderr)
         return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
-    return 0
+    # After Ctrl-C the workers stopped (rank 0 said how) and exited 0, so torchrun did not restart them.
+    return interrupt.EXIT_CODE if interrupt.launcher_interrupted() else 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import interrupt
 from ..observability import flight_recorder
 from .state import load_checkpoint, save_checkpoint
 from .storage import CheckpointError
@@ -45,6 +46,11 @@ class CheckpointManager:
 
             state = trainer.state
             self.writer = CheckpointWriter(state.rank, state.dims.world_size, bool(getattr(self.ck, "async_save", False)))
+            if state.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
+                from .storage import remove_leftovers
+
+                for path in remove_leftovers(self.ck.save):
+                    print(f" removed {path}, left by an interrupted save", flush=True)
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -68,6 +74,9 @@ class CheckpointManager:
         if not self.ck.load:
             return 0
         iteration = load_checkpoint(self.trainer, self.ck.load)
+        interrupt.loaded(iteration)
+        if not iteration and self.trainer.state.rank == 0:  # an empty DIR, or a --save DIR not saved yet
+            print(f" no checkpoint in {self.ck.load}: starting from scratch", flush=True)
         if iteration and self.trainer.state.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
             self._report_layout_change()
@@ -88,6 +97,7 @@ class CheckpointManager:
 
     def before_iteration(self, iteration: int) -> None:
         flight_recorder.progress(iteration)
+        interrupt.training(iteration)  # a first Ctrl-C from now on finishes the iteration and saves
         timeout = self.trainer.config.parallel.hang_timeout_s
         if self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1:
             # armed once training runs (start-up and loading are not watched); see flight_recorder
@@ -112,16 +122,18 @@ class CheckpointManager:
         """
         self.last_iteration = iteration
         nonfinite = loss is not None and not math.isfinite(loss)
-        signalled, nonfinite = self._agree(self._signalled, nonfinite)
+        signalled, sigint, nonfinite = self._agree(self._signalled, interrupt.requested(), nonfinite)
         if nonfinite:
             raise NonFiniteLossError(
                 f"the loss is {loss} at iteration {iteration}; stopped without saving (the last checkpoint is "
                 "kept); lower --lr, raise --lr-warmup-iters or set --clip-grad")
         exit_interval, save_interval = self.ck.exit_interval, self.ck.save_interval
-        stop = signalled or bool(exit_interval and iteration % exit_interval == 0)
+        stop = signalled or sigint or bool(exit_interval and iteration % exit_interval == 0)
         if self.ck.save and (stop or (save_interval and iteration % save_interval == 0)):
             self.save(iteration)
-        if signalled and self.trainer.state.rank == 0:
+        if sigint:  # rank 0 says so once train() returned (the save committed): ptdp.interrupt
+            interrupt.stopped(iteration, saved=bool(self.ck.save))
+        elif signalled and self.trainer.state.rank == 0:
             print(f" SIGTERM received: stopping after iteration {iteration}"
                   + (" (checkpoint saved)" if self.ck.save else " (no --save, nothing saved)"), flush=True)
         return stop
@@ -159,7 +171,7 @@ class CheckpointManager:
         if self.trainer.state.mesh is None:  # one process: no tensor, so no host-device sync either
             return [bool(f) for f in flags]
         values = torch.tensor([float(f) for f in flags], device=self.trainer.state.device)
-        flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, NaN)")
+        flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, SIGINT, NaN)")
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
 

@@ -262,3 +262,21 @@ def prune(root: Path, keep_last: int) -> None:
     for iteration in saved_iterations(root)[:-keep_last]:
         if iteration != latest:
             shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+
+
+def remove_leftovers(root: str | Path) -> list[Path]:
+    """Remove what a save cut short leaves in ``root`` (``.tmp-iter_*``, ``.trash-iter_*``, ``.latest.tmp``)
+    and return the removed paths. Only rank 0 calls it, at start-up, before any save of this run; ``latest``
+    and the ``iter_*`` directories are never touched, so the previous checkpoint stays the one loaded."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        if path.name.startswith((".tmp-iter_", ".trash-iter_")) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif path.name == f".{LATEST}.tmp":
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
