@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ptdp.data.errors import DataError
+from ptdp.errors import print_error
 from ptdp.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer
 
@@ -232,6 +233,12 @@ def run_preprocess(args: argparse.Namespace) -> int:
                 malformed.extend(bad)
                 writer.add_documents(data, lengths)
                 bar.update(nbytes)
+        if writer.num_documents == 0:  # an empty dataset is an error, not a result: write nothing
+            writer.abort()
+            if tokenizer_path is not None and os.path.exists(tokenizer_path):
+                os.remove(tokenizer_path)
+            print_error("preprocess", no_document_message(paths, keys))
+            return 2
         writer.finalize()
     except BaseException:
         writer.abort()
@@ -264,6 +271,26 @@ def run_preprocess(args: argparse.Namespace) -> int:
         )
     print(json.dumps(summary))
     return 0
+
+
+def no_document_message(paths: list[str], keys: list[str]) -> str:
+    """Why no document came out: the key looked for and the keys the first record has (the usual cause
+    is ``--json-keys``), or that the input holds no JSON line at all."""
+    wanted = ", ".join(repr(k) for k in keys)
+    for path in paths:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, UnicodeDecodeError):
+                    return (f"no document written: no line of {', '.join(paths)} is a JSON object with the "
+                            f"key(s) {wanted} (--json-keys); the first line of {path} is not valid JSON")
+                found = ", ".join(repr(k) for k in record) if isinstance(record, dict) else "none (not an object)"
+                return (f"no document written: no record of {', '.join(paths)} has the key(s) {wanted} "
+                        f"(--json-keys) as a string; the first record has the keys {found}")
+    return f"no document written: {', '.join(paths)} holds no JSON line (the input is empty)"
 
 
 def main(argv: list[str] | None = None) -> int:
