@@ -169,15 +169,30 @@ def _other_parsers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ptdp", description=__doc__)
+    from . import __version__
+    from .cli_parser import Parser
+
+    parser = Parser(prog="ptdp", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ptdp {__version__} ({_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _other_parsers(sub)
     return parser
 
 
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"torch {version('torch')}"
+    except PackageNotFoundError:
+        return "torch not installed"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .cli_parser import parse
+
+    args = parse(build_parser(), argv)
     return args.run(args)
 
 

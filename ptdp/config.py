@@ -147,7 +147,7 @@ class ParallelConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = opt(6e-4, "peak learning rate")
-    min_lr: float = opt(6e-5, "learning rate at the end of the decay")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
     lr_warmup_iters: int = opt(10, "linear warm-up iterations")
     lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["cosine", "linear", "constant"])
     lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
@@ -209,6 +209,8 @@ class CheckpointConfig:
     save: str | None = opt(None, "save checkpoints to DIR/iter_NNNNNNN (atomically) and point DIR/latest at them")
     save_interval: int | None = opt(None, "save every N iterations (a final checkpoint is always saved)")
     load: str | None = opt(None, "resume from DIR/latest, in any layout (a DIR without `latest` starts fresh)")
+    exit_on_missing_checkpoint: bool = opt(False, "with --load: exit (code 2) instead of starting from scratch "
+                                           "when DIR holds no checkpoint")
     exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
     async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
@@ -247,6 +249,7 @@ def _flag(f: dataclasses.Field) -> str:
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are None so that a TOML file can sit under the command line."""
     parser.add_argument("--config", help="TOML file with the same keys as the flags")
+    from .cli_parser import help_with_default
     from .presets import MODEL_PRESETS
 
     parser.add_argument("--model", choices=list(MODEL_PRESETS), help="a named model shape (ptdp/presets.py); "
@@ -255,7 +258,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(name)
         for f in dataclasses.fields(section):
             kwargs = dict(f.metadata["argparse"])
-            help_text = f"{f.metadata['help']} (default: {_default(f)})"
+            help_text = help_with_default(f.metadata["help"], _default(f))
             if f.type in ("bool", bool):
                 action = "store_false" if _flag(f).startswith("--no-") else "store_true"
                 group.add_argument(_flag(f), dest=f.name, action=action, default=None, help=help_text)
@@ -411,7 +414,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
 
     errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                m.num_layers // (p * v))
-    if opt_.lr < 0 or opt_.min_lr < 0 or opt_.min_lr > opt_.lr:
+    if opt_.lr < 0:
+        errors.append(f"--lr must be >= 0, got {opt_.lr}")
+    elif opt_.min_lr < 0 or opt_.min_lr > opt_.lr:
         errors.append(f"--min-lr {opt_.min_lr} must be between 0 and --lr {opt_.lr}")
     if opt_.lr_warmup_iters < 0:
         errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
