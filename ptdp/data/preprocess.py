@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from ptdp.data.errors import DataError
-from ptdp.errors import print_error
 from ptdp.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer
+from ptdp.errors import print_error
 
 CHUNK_BYTES = 1 << 20  # lines per task ~1 MB: big enough to amortise IPC, small enough to balance
 
