@@ -92,11 +92,28 @@ def _save_errors(path: Path) -> list[str]:
     return []
 
 
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's counterpart of `latest`
+
+
+def _missing(config: Config, path: Path) -> list[str]:
+    """No checkpoint in ``--load DIR``: fine (the run starts from scratch and says so), unless
+    ``--exit-on-missing-checkpoint`` (Megatron-LM's flag) makes it an error."""
+    if getattr(config.checkpoint, "exit_on_missing_checkpoint", False):
+        return [f"--load {path} holds no checkpoint and --exit-on-missing-checkpoint is set; point --load at a "
+                "directory written by --save, or drop --exit-on-missing-checkpoint to start from scratch"]
+    return []
+
+
 def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
     ck = config.checkpoint
+    if (path / MEGATRON_TRACKER).is_file() and not (path / "latest").exists():
+        return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not read; "
+                "convert it to a Hugging Face GPT-2 model (transformers' "
+                "models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py), then `ptdp import --in HF_DIR "
+                "--save DIR` and --load DIR"]
     if not path.exists():
         if ck.save and Path(ck.save).resolve() == path.resolve():
-            return []  # `--save DIR --load DIR` before the first save: start fresh
+            return _missing(config, path)  # `--save DIR --load DIR` before the first save: start fresh
         return [f"--load {path} does not exist; give a directory written by --save (or the --save directory "
                 "itself, to resume a run that may not have saved yet)"]
     if not path.is_dir():
@@ -104,7 +121,7 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
     try:
         directory = resolve(path)
         if directory is None:
-            return []  # no `latest` yet: nothing was saved, start fresh
+            return _missing(config, path)  # no `latest` yet: nothing was saved, start fresh
         # One process hashes everything; the ranks of a job hash the data files in shares after start-up
         # (saver.verify_data_files) instead of every rank reading every file.
         verify_checksums(directory, hash_data=world_size == 1)
