@@ -82,7 +82,11 @@ def run_train(args: argparse.Namespace) -> int:
                 print_error("train", line)
         return 2
     if launching:
-        from .launch import launch_workers
+        from .launch import launch_line, launch_workers
+
+        par = config.parallel
+        print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
+                          par.pipeline_model_parallel_size), flush=True)
 
         rendezvous = None
         if args.nnodes is not None or args.rdzv_endpoint:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .config import ConfigError
@@ -37,7 +37,7 @@ class GenerateError(ConfigError):
 
 def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], max_new_tokens: int,
              greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None) -> list[int]:
+             generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
     """The ids that continue ``prompt_ids``: at most ``max_new_tokens`` of them, ending early with the
     tokenizer's ``eod_id`` (included, as Hugging Face's ``generate`` includes eos; ``tokenizer=None``
     never stops early).
@@ -46,7 +46,7 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
     arg-max of the real vocabulary (ties go to the lowest id, like ``torch.argmax``); otherwise the
     logits are divided by ``temperature``, cut to the ``top_k`` largest (0 = all) and to the smallest
     set whose probability reaches ``top_p``, and the token is drawn with ``generator`` (same seed, same
-    tokens).
+    tokens). ``on_token`` is called with each new id as soon as it is chosen (``ptdp generate`` streams).
     """
     import torch
 
@@ -65,6 +65,8 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
             next_id = int(logits.argmax()) if greedy else sample(logits, temperature, top_k, top_p, generator)
             tokens.append(next_id)
             new.append(next_id)
+            if on_token is not None:
+                on_token(next_id)
             if next_id == eod:
                 break
     return new
@@ -112,17 +114,43 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """Print the prompt, then each token as it is produced (a reader sees text within a second, not
+    after the whole continuation), then a newline."""
     try:
-        text = generate_text(args)
+        generate_text(args, stream=write_stdout)
     except ConfigError as e:  # bad flags, a missing or unusable checkpoint or tokenizer
         print(f"ptdp generate: error: {e}", file=sys.stderr)
         return 2
-    write_stdout(text + "\n")
+    write_stdout("\n")
     return 0
 
 
-def generate_text(args: argparse.Namespace) -> str:
-    """The prompt followed by its continuation, as ``ptdp generate`` prints it."""
+class TextStream:
+    """Writes a continuation piece by piece: after each token, the part of ``decode(ids so far)`` not yet
+    written, holding back trailing U+FFFD (a multi-byte character whose other bytes are still to come), so
+    what is written adds up to exactly ``decode(all ids)``."""
+
+    def __init__(self, tokenizer: Tokenizer, write: Callable[[str], None]):
+        self.tokenizer, self.write = tokenizer, write
+        self.ids: list[int] = []
+        self.written = ""
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        self._emit(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def close(self) -> None:
+        self._emit(self.tokenizer.decode(self.ids))
+
+    def _emit(self, text: str) -> None:
+        if len(text) > len(self.written) and text.startswith(self.written):
+            self.write(text[len(self.written):])
+            self.written = text
+
+
+def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None = None) -> str:
+    """The prompt followed by its continuation, as ``ptdp generate`` prints it (``stream``: also written
+    piece by piece as it is produced, the prompt first)."""
     check_arguments(args)
     import torch
 
@@ -147,10 +175,15 @@ def generate_text(args: argparse.Namespace) -> str:
     prompt_ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     generator = torch.Generator().manual_seed(seed)
+    streamer = TextStream(tokenizer, stream) if stream is not None else None
+    if stream is not None:
+        stream(prompt)
     new_ids = generate(model, tokenizer, prompt_ids, args.max_new_tokens, greedy=args.greedy,
                        temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
-                       generator=generator)
+                       generator=generator, on_token=streamer)
+    if streamer is not None:
+        streamer.close()
     return prompt + tokenizer.decode(new_ids)  # eod is not text: both tokenizers skip it
 
 

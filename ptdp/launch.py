@@ -30,6 +30,16 @@ def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str,
     return flags
 
 
+def launch_line(nproc_per_node: int, world_size: int, tensor: int, context: int, pipeline: int) -> str:
+    """The launcher's first line, printed before anything slow (importing torch in every worker, the
+    rendezvous, building the model): what starts, in which layout."""
+    data = max(world_size // (tensor * context * pipeline), 1)
+    where = f" on this node (world size {world_size})" if world_size != nproc_per_node else ""
+    return (f"ptdp train: starting {nproc_per_node} worker(s){where}, layout t={tensor} "
+            f"{f'c={context} ' if context > 1 else ''}p={pipeline} d={data}; rank 0 reports each start-up "
+            "step that takes more than 2 s")
+
+
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],
                    rendezvous: dict[str, str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -31,6 +31,7 @@ from .observability.observer import RunObserver
 from .observability.timeline import Timeline, span
 from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, setup_optimizer
 from .parallel import ParallelDims, ParallelState, init_distributed
+from .phases import phase
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
 from .pipeline.p2p import P2PComm
 from .pipeline.schedules import (
@@ -109,7 +110,8 @@ def setup(config: Config) -> Trainer:
     data = build_datasets(config.data.data_path or None, config.data.split, config.model.seq_length, tr.seed)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp)
-    chunks = build_model_chunks(config, state, vocab_size, padded)
+    with phase("building the model"):  # rank 0 says so when it takes more than 2 s
+        chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
     shared_embedding = [c.output_weight for c in chunks if dims.pp > 1 and (c.pre_process or c.post_process)
                         and config.model.tied_embeddings]

@@ -83,6 +83,10 @@ def test_ctrl_c_saves_at_the_stopped_iteration_and_resumes_exactly(tmp_path, npr
     assert read_latest(run["ckpt"]) == n
     read_full_model_state(run["ckpt"])
     assert not list(run["ckpt"].glob(".tmp-*"))
+    # No heartbeat is left behind, inside the checkpoint directory or in the run directory beside it.
+    assert not (run["ckpt"] / "hang").exists() and not Path(f"{run['ckpt']}.run").exists()
+    if nproc > 1:  # the launcher's first line, before anything slow
+        assert run["out"].startswith("ptdp train: starting 2 worker(s), layout t=1 p=1 d=2"), run["out"][:300]
 
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     resumed = tmp_path / "resumed.jsonl"

@@ -78,7 +78,7 @@ def test_a_stopped_worker_is_named_and_the_job_restarts_with_the_same_losses(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     hang = [line for line in proc.stderr.splitlines() if "hang:" in line]
     assert len(hang) == 1 and "rank(s) 1 stopped responding" in hang[0] and "rank 0 waits in" in hang[0], hang
-    report = ckpt / "hang"
+    report = tmp_path / "ckpt.run" / "hang"  # beside the checkpoint directory, not inside it
     assert (report / "report-attempt0.txt").read_text().strip() in hang[0]
     for rank in (0, 1):  # every rank's last operations, the stopped one's from its last heartbeat
         ops = json.loads((report / f"rank{rank}-ops.json").read_text())

@@ -41,6 +41,7 @@ class CheckpointManager:
         self.last_stall_s: float | None = None
         self.writer = None
         self.watchdog = None
+        self._first_iteration = None  # ptdp.phases.Phase of the run's first iteration
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
             from .saver import CheckpointWriter
 
@@ -98,11 +99,15 @@ class CheckpointManager:
     def before_iteration(self, iteration: int) -> None:
         flight_recorder.progress(iteration)
         interrupt.training(iteration)  # a first Ctrl-C from now on finishes the iteration and saves
+        if self._first_iteration is None:  # its one-off costs (allocation, compilation) can take a while
+            from ..phases import Phase
+
+            self._first_iteration = Phase(f"iteration {iteration} (the first one pays one-off costs)",
+                                          rank=self.trainer.state.rank)
         timeout = self.trainer.config.parallel.hang_timeout_s
         if self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1:
             # armed once training runs (start-up and loading are not watched); see flight_recorder
-            run_dir = self.ck.save or os.path.dirname(os.path.abspath(self.trainer.config.training.metrics_file
-                                                                      or "ptdp-run/x"))
+            run_dir = flight_recorder.run_directory(self.ck.save, self.trainer.config.training.metrics_file)
             self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
                                                      self.trainer.state.dims.world_size, timeout)
         _test_kill_hook(self.trainer, iteration)
@@ -121,6 +126,8 @@ class CheckpointManager:
         ``loss`` is None when the loop did not read it this iteration (see :meth:`due`): no NaN check then.
         """
         self.last_iteration = iteration
+        if self._first_iteration is not None:
+            self._first_iteration.stop()
         nonfinite = loss is not None and not math.isfinite(loss)
         signalled, sigint, nonfinite = self._agree(self._signalled, interrupt.requested(), nonfinite)
         if nonfinite:

@@ -79,6 +79,15 @@ def _strip_suffix(prefix: str) -> str:
 
 
 def build_datasets(data_path: list[str] | None, split: str, seq_length: int, seed: int) -> DataSplits:
+    """The train/valid/test splits (rank 0 says so when this takes more than 2 s: a first run tokenizes
+    and caches the default corpus, an indexed dataset builds its sample index)."""
+    from ..phases import phase
+
+    with phase("building the datasets"):
+        return _build_datasets(data_path, split, seq_length, seed)
+
+
+def _build_datasets(data_path: list[str] | None, split: str, seq_length: int, seed: int) -> DataSplits:
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1, got {seq_length}")
     fractions = parse_split(split)

@@ -8,7 +8,8 @@ Call sites record each communication just before issuing it::
 
 A new record means the previous operation returned, so recording is also *progress*; the training loop
 adds ``progress(iteration)`` at every iteration boundary. With ``--hang-timeout-s T`` (> 0) the watchdog
-writes a heartbeat per rank every half second to ``RUN/hang/heartbeat-rank<k>.json`` (pid, host, iteration, the
+writes a heartbeat per rank every half second to ``RUN/hang/heartbeat-rank<k>.json`` (RUN:
+:func:`run_directory`, removed after a clean exit) (pid, host, iteration, the
 last operations). When its rank made no progress for T seconds it
 
 1. writes this rank's last operations to ``RUN/hang/rank<k>-ops.json``;
@@ -19,7 +20,7 @@ last operations). When its rank made no progress for T seconds it
    the launcher's restart for its 30 s grace period);
 4. exits with code 3, so torchrun (``--max-restarts``) restarts every worker from the latest checkpoint.
 
-Heartbeats are files in the run directory (the ``--save`` directory): on several nodes it must be shared
+Heartbeats are files in the run directory (``DIR.run`` beside ``--save DIR``): on several nodes it must be shared
 storage, which a restart from the latest checkpoint needs anyway. Recording costs a dict in a deque.
 """
 
@@ -95,6 +96,15 @@ def describe(op: dict | None) -> str:
     return f"{op['kind']}{where}{peer}{action}{size} at iteration {op['iteration']}"
 
 
+def run_directory(save: str | None, metrics_file: str | None) -> Path:
+    """Where the heartbeats and hang reports go: ``DIR.run`` beside ``--save DIR`` (outside the checkpoint
+    directory, on the same storage, which every node of a restartable job shares), else the metrics
+    file's folder, else ``./ptdp-run``."""
+    if save:
+        return Path(save).parent / f"{Path(save).name}.run"
+    return Path(os.path.dirname(os.path.abspath(metrics_file or "ptdp-run/x")))
+
+
 class Watchdog:
     """The heartbeat/hang-detection thread of one rank (see the module docstring)."""
 
@@ -109,8 +119,17 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and remove this rank's heartbeat (then the folders, once empty): a run that ends
+        leaves no heartbeats; a hang's reports (``rank<k>-ops.json``, ``report-attempt<n>.txt``) stay."""
         self._stop.set()
         _NEW_ITERATION.set()
+        self._thread.join(timeout=5)
+        (self.dir / f"heartbeat-rank{self.rank}.json").unlink(missing_ok=True)
+        for folder in (self.dir, self.dir.parent):
+            try:
+                folder.rmdir()  # only when empty: the last rank to leave removes them
+            except OSError:
+                break
 
     def _heartbeat(self) -> dict:
         with _LOCK:
