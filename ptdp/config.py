@@ -124,7 +124,7 @@ class ParallelConfig:
         flag="--no-scatter-gather-tensors-in-pipeline")
     distributed_timeout_minutes: float = opt(10.0, "process-group timeout, so a lost peer fails fast")
     hang_timeout_s: float = opt(300.0, "a rank without progress for this long is a hang: every rank's last "
-                                "communication operations are written to the --save directory, the stopped "
+                                "communication operations are written to DIR.run beside --save DIR, the stopped "
                                 "rank(s) named, and the job exits so the launcher restarts it (0 disables)")
     sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
                                   "(needs t > 1)")
