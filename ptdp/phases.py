@@ -45,8 +45,9 @@ class Phase:
     def stop(self) -> None:
         with self._lock:
             timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+        if timer is None:  # stopped before (or never started: not rank 0)
+            return
+        timer.cancel()
         if self.announced:
             _say(f" {self.what}: done in {time.perf_counter() - self.start:.1f} s")
 

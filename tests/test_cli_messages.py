@@ -175,6 +175,7 @@ def test_a_slow_phase_is_announced_on_rank_0_and_a_quick_one_is_not(monkeypatch)
     while not slow.announced and time.monotonic() < deadline:
         time.sleep(0.01)
     slow.stop()
+    slow.stop()  # a second stop says nothing more
     other_rank = Phase("rank 1 step", after_s=0.0, rank=1)
     other_rank.stop()
     lines = out.getvalue().splitlines()
