@@ -44,8 +44,11 @@ def quiet_exit_handler(command: str = "ptdp"):
     """A SIGINT handler for the commands without a graceful stop: one line, exit 130, no traceback."""
 
     def handler(signum, frame) -> None:
-        _write(f"{command}: interrupted")
-        os._exit(EXIT_CODE)
+        if command != "ptdp train":
+            _write(f"{command}: interrupted")
+        elif int(os.environ.get("RANK", "0")) == 0:  # a worker still importing, before install()
+            _write(immediate_line("setup", None, None))
+        os._exit(0 if launched() else EXIT_CODE)
 
     return handler
 
@@ -179,8 +182,8 @@ def _launcher_handler(signum, frame) -> None:
         os._exit(EXIT_CODE)
     count = _LAUNCHER["count"]
     if count == 1:
-        _write("ptdp train: Ctrl-C: the workers finish their iteration, then save (if --save) and stop; "
-               "Ctrl-C again stops at once")
+        _write("ptdp train: Ctrl-C: the workers finish their current iteration, then save (if --save) and "
+               "stop; Ctrl-C again stops at once")
     for pid in workers:
         try:
             os.kill(pid, signal.SIGKILL if count >= 3 else signal.SIGINT)
