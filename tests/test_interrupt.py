@@ -136,3 +136,18 @@ def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path):
     assert code == 130, err[-3000:]
     assert "Traceback" not in err + out
     assert re.search(r"^ptdp train: stopped at iteration \d+; nothing saved \(no --save\)$", err, re.M), err
+
+
+def test_ctrl_c_during_start_up_stops_at_once(tmp_path):
+    """SIGINT right after the launcher's first line: the launcher or the still-starting workers stop at once,
+    with one line, nothing saved, no traceback (whichever process the signal finds first)."""
+    ckpt = tmp_path / "ck"
+    proc = start([*LONG, "--nproc-per-node", "2", "--save", str(ckpt)])
+    seen = wait_for_line(proc, r"^ptdp train: starting 2 worker")
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out, err = finish(proc, seen)
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err + out, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("ptdp train: stopped")]
+    assert lines == ["ptdp train: stopped at once during start-up; nothing saved"], err
+    assert not list(ckpt.glob("iter_*")) and read_latest(ckpt) is None
