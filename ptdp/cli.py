@@ -52,6 +52,12 @@ def run_train(args: argparse.Namespace) -> int:
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = args.nproc_per_node if launching else int(
         os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if launching:  # at once: checking the configuration imports torch, which can take seconds
+        from .launch import launch_line
+
+        par = config.parallel
+        print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
+                          par.pipeline_model_parallel_size), flush=True)
     from .elastic import parse_nnodes, world_size_error
 
     try:
@@ -82,11 +88,7 @@ def run_train(args: argparse.Namespace) -> int:
                 print_error("train", line)
         return 2
     if launching:
-        from .launch import launch_line, launch_workers
-
-        par = config.parallel
-        print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
-                          par.pipeline_model_parallel_size), flush=True)
+        from .launch import launch_workers
 
         rendezvous = None
         if args.nnodes is not None or args.rdzv_endpoint:

@@ -31,13 +31,14 @@ def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str,
 
 
 def launch_line(nproc_per_node: int, world_size: int, tensor: int, context: int, pipeline: int) -> str:
-    """The launcher's first line, printed before anything slow (importing torch in every worker, the
-    rendezvous, building the model): what starts, in which layout."""
-    data = max(world_size // (tensor * context * pipeline), 1)
+    """The launcher's first line, printed before anything slow (importing torch to check the
+    configuration, the rendezvous, every worker's start-up): what starts, in which layout."""
+    model = tensor * context * pipeline
+    data = str(world_size // model) if model > 0 and world_size % model == 0 else "?"
     where = f" on this node (world size {world_size})" if world_size != nproc_per_node else ""
-    return (f"ptdp train: starting {nproc_per_node} worker(s){where}, layout t={tensor} "
-            f"{f'c={context} ' if context > 1 else ''}p={pipeline} d={data}; rank 0 reports each start-up "
-            "step that takes more than 2 s")
+    return (f"ptdp train: {nproc_per_node} worker(s){where}, layout t={tensor} "
+            f"{f'c={context} ' if context > 1 else ''}p={pipeline} d={data}: checking the configuration, then "
+            "starting them; rank 0 reports each start-up step that takes more than 2 s")
 
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],

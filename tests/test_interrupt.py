@@ -86,7 +86,7 @@ def test_ctrl_c_saves_at_the_stopped_iteration_and_resumes_exactly(tmp_path, npr
     # No heartbeat is left behind, inside the checkpoint directory or in the run directory beside it.
     assert not (run["ckpt"] / "hang").exists() and not Path(f"{run['ckpt']}.run").exists()
     if nproc > 1:  # the launcher's first line, before anything slow
-        assert run["out"].startswith("ptdp train: starting 2 worker(s), layout t=1 p=1 d=2"), run["out"][:300]
+        assert run["out"].startswith("ptdp train: 2 worker(s), layout t=1 p=1 d=2: checking"), run["out"][:300]
 
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     resumed = tmp_path / "resumed.jsonl"
@@ -143,7 +143,7 @@ def test_ctrl_c_during_start_up_stops_at_once(tmp_path):
     with one line, nothing saved, no traceback (whichever process the signal finds first)."""
     ckpt = tmp_path / "ck"
     proc = start([*LONG, "--nproc-per-node", "2", "--save", str(ckpt)])
-    seen = wait_for_line(proc, r"^ptdp train: starting 2 worker")
+    seen = wait_for_line(proc, r"^ptdp train: 2 worker")
     os.killpg(proc.pid, signal.SIGINT)
     code, out, err = finish(proc, seen)
     assert code == 130, err[-3000:]
