@@ -96,7 +96,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     errors += _precision_errors(config.precision)
     if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
         errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")
-    if sizes_ok and local_world_size and local_world_size % t:  # TP groups are adjacent ranks: on NVLink
+    if d is not None and local_world_size and local_world_size % t:  # TP groups: adjacent ranks, on NVLink
         errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
                       "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
                       f"a node: choose t dividing {local_world_size}")
