@@ -17,7 +17,7 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class GPTSpec:
-    """Shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
+    """The planner's frozen view of ``ptdp train``'s ``ModelConfig`` (``from_model_config``): shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
 
     The Llama-family fields carry ``ModelConfig``'s names (so ``ptdp.flops.architecture`` reads both):
     ``num_query_groups`` G for grouped-query attention (None: one K/V head per query head), ``kv_channels``
@@ -78,11 +78,7 @@ class GPTSpec:
     @classmethod
     def from_preset(cls, values: dict) -> GPTSpec:
         """The shape of a ``ptdp.presets`` entry (which holds ``ModelConfig`` field values)."""
-        known = {f for f in cls.__dataclass_fields__}
-        spec = {k: v for k, v in values.items() if k in known}
-        if not values.get("group_query_attention"):
-            spec.pop("num_query_groups", None)
-        return cls(**spec)
+        return cls.from_model_config(ModelConfig(**values))
 
 
 def _published_presets() -> dict[str, GPTSpec]:
