@@ -37,7 +37,12 @@ def _base_type(f: dataclasses.Field) -> str:
 
 
 def _scalar_type(f: dataclasses.Field):
-    return {"int": int, "float": float}.get(_base_type(f), str)
+    """What argparse converts each value to (``list[int]`` fields take ints)."""
+    text = _base_type(f)
+    for name, typ in (("int", int), ("float", float), ("str", str)):
+        if text.startswith(name) or f"[{name}]" in text:
+            return typ
+    return str
 
 
 _TYPES = {  # annotation -> (accepts, what the user must give)
@@ -46,6 +51,8 @@ _TYPES = {  # annotation -> (accepts, what the user must give)
     "str": (lambda x: isinstance(x, str), "a string"),
     "bool": (lambda x: isinstance(x, bool), "true or false"),
     "list[str]": (lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x), "a list of strings"),
+    "list[int]": (lambda x: isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x),
+                  "a list of integers"),
 }
 
 
