@@ -69,7 +69,7 @@ def time_backward(model: nn.Module, x: torch.Tensor, how: str) -> float:
     if how in ("B", "B_torch"):
         torch.autograd.backward(y, g)
     elif how == "new":
-        with defer_weight_grads() as store:
+        with defer_weight_grads(params) as store:
             torch.autograd.backward(y, g)
         store.run()
     else:

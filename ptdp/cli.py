@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import os
 import sys
 from datetime import timedelta
 
-from .config import ConfigError, add_config_arguments, config_from_args, validate
+from .config import ConfigError, add_config_arguments, config_from_args, derive, validate
 from .errors import print_error
 
 
@@ -46,8 +45,10 @@ _LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--rdzv-end
 def run_train(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-    except ConfigError as e:
-        return _fail(str(e))
+    except ConfigError as e:  # every problem of the TOML file, one line each
+        for line in e.problems:
+            _fail(line, "train")
+        return 2
     launching = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = args.nproc_per_node if launching else int(
@@ -69,7 +70,7 @@ def run_train(args: argparse.Namespace) -> int:
         return _fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the agents meet", "train")
     if launching and nodes[1] > 1:  # the workers check the world size they get; here: can any work?
         world_size = next((n * args.nproc_per_node for n in range(nodes[0], nodes[1] + 1)
-                           if not validate(copy.deepcopy(config), n * args.nproc_per_node, local_world_size)),
+                           if not validate(config, n * args.nproc_per_node, local_world_size)),
                           nodes[0] * args.nproc_per_node)
     if elastic:  # one line naming the world sizes that would work, instead of what this one breaks
         line = world_size_error(config, world_size, local_world_size, nodes=local_world_size != world_size
@@ -79,6 +80,8 @@ def run_train(args: argparse.Namespace) -> int:
     errors = validate(config, world_size, local_world_size)
     if not errors:  # --save/--load and the checkpoint itself (checksums, model shape); not in ptdp.config,
         from .checkpointing.validation import checkpoint_errors  # which must not import checkpointing
+
+        config = derive(config, world_size)  # validate never changes what it checks: resolved values here
 
         errors = checkpoint_errors(config, world_size)
     if errors:

@@ -14,8 +14,6 @@ No torch import here: the launcher checks before any worker starts.
 
 from __future__ import annotations
 
-import copy
-
 from .config import Config, validate
 
 
@@ -45,7 +43,7 @@ def working_world_sizes(config: Config, local_world_size: int | None, limit: int
         local = world if local_world_size is None else local_world_size
         if local_world_size is not None and world % local_world_size:
             continue  # not a whole number of nodes
-        if not validate(copy.deepcopy(config), world, local):
+        if not validate(config, world, local):
             sizes.append(world)
             if len(sizes) == limit:
                 break
@@ -57,7 +55,7 @@ def world_size_error(config: Config, world_size: int, local_world_size: int | No
     """One line when ``world_size`` cannot run ``config`` but other world sizes can (None otherwise: the
     problem is not the world size, and ``validate``'s own lines say what it is). ``nodes``: say it in
     ``--nnodes`` values of ``local_world_size`` workers each, else in ``--nproc-per-node`` values."""
-    errors = validate(copy.deepcopy(config), world_size, local_world_size)
+    errors = validate(config, world_size, local_world_size)
     if not errors:
         return None
     sizes = working_world_sizes(config, local_world_size if nodes else None)

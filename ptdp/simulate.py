@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptdp.config import ParallelConfig, add_field_arguments
+from ptdp.pipeline.registry import default_virtual_size, schedule_problems
 from ptdp.pipeline.schedules import (
-    SCHEDULES,
     Action,
     bubble_fraction_formula,
     build_schedule,
@@ -244,10 +245,9 @@ def draw(result: SimulationResult, out: str | Path) -> None:
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ptdp simulate`` (times are per whole pipeline stage, in any unit)."""
-    parser.add_argument("--pipeline-schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=4, metavar="P")
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="V",
-                        help="chunks per rank (default 1; 2 for the V schedules zbv, v-half, v-min)")
+    add_field_arguments(parser, ParallelConfig, ("pipeline_schedule", "pipeline_model_parallel_size",
+                                                 "virtual_pipeline_model_parallel_size"),
+                        pipeline_schedule="1f1b", pipeline_model_parallel_size=4)  # ``ptdp train``'s flags
     parser.add_argument("--num-microbatches", type=int, default=8, metavar="M")
     parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
     parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
@@ -262,9 +262,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
-    v_schedule = schedule_placement(args.pipeline_schedule) == "v"
     if args.virtual_pipeline_model_parallel_size is None:
-        args.virtual_pipeline_model_parallel_size = 2 if v_schedule else 1
+        args.virtual_pipeline_model_parallel_size = default_virtual_size(args.pipeline_schedule)
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
     for flag, value in (("--pipeline-model-parallel-size", p), ("--virtual-pipeline-model-parallel-size", v),
                         ("--num-microbatches", m)):
@@ -274,13 +273,9 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--forward-time and --backward-time must be > 0"
     if args.p2p_time < 0:
         return f"--p2p-time must be >= 0, got {args.p2p_time}"
-    if v_schedule and v != 2:
-        return f"--pipeline-schedule {args.pipeline_schedule} places two chunks per rank in a V: " \
-               f"--virtual-pipeline-model-parallel-size must be 2 (or left out), got {v}"
-    if args.pipeline_schedule != "interleaved" and not v_schedule and v != 1:
-        return f"--virtual-pipeline-model-parallel-size {v} needs --pipeline-schedule interleaved"
-    if args.pipeline_schedule == "interleaved" and m % p:
-        return f"--num-microbatches {m} must be a multiple of --pipeline-model-parallel-size {p} for interleaved"
+    problems = schedule_problems(args.pipeline_schedule, p, v, m, "--num-microbatches", single_stage_ok=True)
+    if problems:  # the schedule's own constraints (ptdp.pipeline.registry)
+        return problems[0]
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"
     if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):

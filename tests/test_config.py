@@ -67,4 +67,4 @@ def test_unknown_toml_key_is_rejected(tmp_path):
     path.write_text("num-layer = 6\n")
     proc = run_ptdp(["train", "--config", str(path)], check=False, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "unknown key(s) num_layer" in proc.stderr
+    assert "unknown key num-layer" in proc.stderr

@@ -49,7 +49,7 @@ def grads_of(stack: nn.Sequential, x: torch.Tensor, split: bool) -> tuple[torch.
     y = stack(x)
     g = torch.randn(y.shape)
     if split:
-        with defer_weight_grads() as store:
+        with defer_weight_grads(stack.parameters()) as store:
             torch.autograd.backward(y, g)
         assert all(p.grad is None for p in stack.parameters()), "I computed a weight grad"
         with pytest.raises(RuntimeError):  # the graph is freed after I: W cannot be walking it
@@ -89,7 +89,7 @@ def test_full_recompute_closures_keep_recomputed_tensors():
     for p in stack.parameters():
         p.grad = None
     xi = x.clone().requires_grad_(True)
-    with defer_weight_grads() as store:
+    with defer_weight_grads(stack.parameters()) as store:
         checkpoint(stack, xi).square().sum().backward()
     store.run()
     for want, p in zip(ref, stack.parameters()):
@@ -111,7 +111,7 @@ def test_ops_match_torch():
             ours.zero_grad(set_to_none=True)
             theirs(xa).pow(3).sum().backward()
             if defer:
-                with defer_weight_grads() as store:
+                with defer_weight_grads(ours.parameters()) as store:
                     ours(xb).pow(3).sum().backward()
                 assert all(p.grad is None for p in ours.parameters())
                 store.run()
@@ -126,7 +126,7 @@ def test_ops_match_torch():
     F.linear(xa, w.flatten(0, 1), b.flatten()).pow(2).sum().backward()
     want = (xa.grad, w.grad.clone(), b.grad.clone())
     w.grad = b.grad = None
-    with defer_weight_grads() as store:
+    with defer_weight_grads([w, b]) as store:
         linear(xb, w, b).pow(2).sum().backward()
     assert w.grad is None and len(store) == 1
     store.run()

@@ -154,7 +154,7 @@ class ModuleStage:
         Every other parameter (embeddings, compiled layers) gets its grad here, as in a full B.
         """
         x, y = self._stash.pop((chunk, microbatch))
-        with defer_weight_grads() as store:
+        with defer_weight_grads(self.chunks[chunk].parameters()) as store:  # this chunk's own store
             torch.autograd.backward(y, grad_tensors=output_grad)
         self._weight_grad_todo[chunk, microbatch] = store
         return None if self.is_first(chunk) else x.grad

@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
+from ptdp import config as train_config
+from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
-from ptdp.pipeline.schedules import SCHEDULES, V_SCHEDULES
+from ptdp.pipeline.registry import default_virtual_size
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -19,22 +21,16 @@ from ptdp.planner.spec import (
 )
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+_ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
+               "disable_bias_linear", "normalization", "position_embedding_type")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ptdp plan`` (Megatron names). Giving both t and p evaluates that layout; else search."""
-    m = parser.add_argument_group("model (or --model PRESET)")
+    m = parser.add_argument_group("model (or --model PRESET): ptdp train's flags")
     m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape; explicit flags override it")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size",
-                 "--ffn-hidden-size", "--kv-channels"):
-        m.add_argument(flag, type=int)
-    m.add_argument("--group-query-attention", action="store_true", default=None, help="with --num-query-groups")
-    m.add_argument("--num-query-groups", type=int, help="key/value groups G (grouped-query attention)")
-    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
-        m.add_argument(flag, action="store_true", default=None)
-    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
-    m.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
-    m.add_argument("--global-batch-size", type=int)
+    add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
+    add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -43,21 +39,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU per direction (network); default per GPU")
     c.add_argument("--precision", choices=("fp16", "bf16"), default="fp16",
                    help="fp16: 20 B/param, fp16 grads (the paper); bf16: 18 B/param, fp32 main grads")
-    c.add_argument("--overlap-grad-reduce", action="store_true", help="overlap DP reduction with the backward")
-    p = parser.add_argument_group("layout (each given flag pins that dimension of the search)")
-    p.add_argument("--tensor-model-parallel-size", type=int)
-    p.add_argument("--pipeline-model-parallel-size", type=int)
-    p.add_argument("--virtual-pipeline-model-parallel-size", type=int)
-    p.add_argument("--micro-batch-size", type=int)
+    add_field_arguments(c, train_config.TrainingConfig, ("overlap_grad_reduce",), overlap_grad_reduce=False)
+    p = parser.add_argument_group("layout (ptdp train's flags; each given flag pins that dimension of the search)")
+    add_field_arguments(p, train_config.ParallelConfig, (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "sequence_parallel", "cp_comm_type", "pipeline_schedule"),
+        cp_comm_type="p2p", sequence_parallel=False)
+    add_field_arguments(p, train_config.TrainingConfig, ("micro_batch_size",))
+    # The search space has two values train has no flag for: no recomputation, and pinning the
+    # distributed optimizer off.
     p.add_argument("--recompute-granularity", choices=RECOMPUTE_CHOICES)
     p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--context-parallel-size", type=int,
-                   help="c: each sequence over c ranks (searched up to 16 when --seq-length >= 16384)")
-    p.add_argument("--cp-comm-type", choices=("p2p", "a2a", "allgather"), default="p2p")
-    p.add_argument("--pipeline-schedule", choices=sorted(SCHEDULES),
-                   help="price this schedule's bubble and activation stashes (default: 1f1b, interleaved when "
-                        "v > 1); zbv, v-half and v-min hold two chunks per rank (v = 2)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--top", type=int, default=5, metavar="K", help="runners-up to show (default 5)")
@@ -73,26 +65,27 @@ def _positive(args: argparse.Namespace, name: str) -> None:
         raise _UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
 
 
-_ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "normalization", "position_embedding_type")
-
-
 def _model(args: argparse.Namespace) -> GPTSpec:
-    preset = MODEL_PRESETS.get(args.model) if args.model else None
-    values = {k: getattr(args, k) if getattr(args, k) is not None else getattr(preset, k, None)
-              for k in (*_MODEL_FLAGS, *_ARCH_FLAGS)}
+    """The planned model: ``ptdp train``'s ``ModelConfig`` (preset, then the flags given) as the planner's
+    frozen shape."""
+    from ptdp.presets import MODEL_PRESETS as ALL_PRESETS
+
+    preset = ALL_PRESETS[args.model] if args.model else {}
+    values = {k: getattr(args, k) for k in (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention")}
     for k in _MODEL_FLAGS:
-        if values[k] is None:
+        if values[k] is None and k not in preset:
             raise _UsageError(f"--{k.replace('_', '-')} is required (or pass --model gpt3-175b)")
-    if values["hidden_size"] % values["num_attention_heads"]:
+    if values["num_query_groups"] is not None:  # the planner's shorthand: G given means grouped-query
+        values["group_query_attention"] = True
+    cfg = model_config(values, args.model)
+    if cfg.hidden_size % cfg.num_attention_heads:
         raise _UsageError("--hidden-size must be divisible by --num-attention-heads")
-    if args.group_query_attention and args.num_query_groups is None and values["num_query_groups"] is None:
+    if args.group_query_attention and args.num_query_groups is None and not preset.get("group_query_attention"):
         raise _UsageError("--group-query-attention needs --num-query-groups G")
-    groups = values["num_query_groups"]
-    if groups is not None and (groups < 1 or values["num_attention_heads"] % groups):
-        raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads "
-                          f"{values['num_attention_heads']}")
-    return GPTSpec(**{k: v for k, v in values.items() if v is not None})
+    groups = cfg.num_query_groups if cfg.group_query_attention else None
+    if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
+        raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
+    return GPTSpec.from_model_config(cfg)
 
 
 def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec]:
@@ -137,8 +130,8 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan (table or ``--json``); 0 on success, 2 with one line on stderr for bad input."""
-    if args.pipeline_schedule in V_SCHEDULES and args.virtual_pipeline_model_parallel_size is None:
-        args.virtual_pipeline_model_parallel_size = 2
+    if args.virtual_pipeline_model_parallel_size is None and default_virtual_size(args.pipeline_schedule) > 1:
+        args.virtual_pipeline_model_parallel_size = default_virtual_size(args.pipeline_schedule)
     try:
         model, cluster, train = _setup(args)
         if args.tensor_model_parallel_size and args.pipeline_model_parallel_size:

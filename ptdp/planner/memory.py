@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.flops import architecture, layer_parameter_count
-from ptdp.pipeline.schedules import SCHEDULES, ZERO_BUBBLE, peak_stashed
+from ptdp.pipeline.registry import schedule_spec
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
@@ -97,18 +97,7 @@ def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, ran
     backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
     their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less).
     """
-    if schedule == "gpipe":
-        return m * v
-    if schedule == "1f1b":
-        return min(p - rank, m)
-    if schedule in ZERO_BUBBLE:
-        return peak_stashed(SCHEDULES[schedule](p, v, m, rank))
-    if schedule == "interleaved":
-        total = m * v
-        if m == p:
-            return total
-        return min((p - rank - 1) * 2 + (v - 1) * p + 1, total)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+    return schedule_spec(schedule).stashes(p, v, m, rank)  # the registry's memory formula
 
 
 @dataclass(frozen=True)

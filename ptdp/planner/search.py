@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
-from ptdp.pipeline.schedules import V_SCHEDULES, bubble_fraction_formula
+from ptdp.pipeline.registry import bubble_fraction_formula, schedule_problems
 from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
@@ -117,15 +117,9 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
     if train.global_batch_size % (b * d):
         return (f"--global-batch-size {train.global_batch_size} must be divisible by micro-batch x data-parallel"
                 f" size {b}x{d}")
-    m = cfg.num_microbatches(train.global_batch_size)
-    if cfg.pipeline_schedule in V_SCHEDULES and (v != 2 or p < 2):
-        return (f"--pipeline-schedule {cfg.pipeline_schedule} needs two chunks per rank in a V "
-                "(--virtual-pipeline-model-parallel-size 2) and pipeline size >= 2")
-    if cfg.pipeline_schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2") and v != 1:
-        return f"--pipeline-schedule {cfg.pipeline_schedule} needs --virtual-pipeline-model-parallel-size 1"
-    if cfg.schedule == "interleaved" and v > 1 and (p < 2 or m % p):
-        return (f"--virtual-pipeline-model-parallel-size {v} needs pipeline size >= 2 and microbatches ({m}) "
-                f"divisible by the pipeline size ({p})")
+    problems = schedule_problems(cfg.pipeline_schedule, p, v, cfg.num_microbatches(train.global_batch_size))
+    if problems:  # the schedule's own constraints (ptdp.pipeline.registry)
+        return problems[0]
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
     return None

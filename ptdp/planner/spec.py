@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.config import ModelConfig
 from ptdp.hardware import Accelerator, accelerator
+from ptdp.pipeline.registry import default_schedule
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class GPTSpec:
-    """Shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
+    """The planner's frozen view of ``ptdp train``'s ``ModelConfig`` (``from_model_config``): shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
 
     The Llama-family fields carry ``ModelConfig``'s names (so ``ptdp.flops.architecture`` reads both):
     ``num_query_groups`` G for grouped-query attention (None: one K/V head per query head), ``kv_channels``
@@ -62,13 +64,21 @@ class GPTSpec:
         return self.query_groups * (self.kv_channels or self.hidden_size // self.num_attention_heads)
 
     @classmethod
+    def from_model_config(cls, m: ModelConfig) -> GPTSpec:
+        """The shape of ``ptdp train``'s model configuration (the flags ``ptdp plan`` shares with it)."""
+        return cls(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+            seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=m.ffn_hidden_size,
+            num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
+            swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+            normalization=m.normalization, position_embedding_type=m.position_embedding_type,
+            disable_bias_linear=m.disable_bias_linear,
+        )
+
+    @classmethod
     def from_preset(cls, values: dict) -> GPTSpec:
         """The shape of a ``ptdp.presets`` entry (which holds ``ModelConfig`` field values)."""
-        known = {f for f in cls.__dataclass_fields__}
-        spec = {k: v for k, v in values.items() if k in known}
-        if not values.get("group_query_attention"):
-            spec.pop("num_query_groups", None)
-        return cls(**spec)
+        return cls.from_model_config(ModelConfig(**values))
 
 
 def _published_presets() -> dict[str, GPTSpec]:
@@ -144,10 +154,8 @@ class ParallelConfig:
     @property
     def schedule(self) -> str:
         """Pipeline schedule the layout runs with: ``pipeline_schedule`` when set, else 1F1B, or Megatron's
-        interleaved 1F1B when v > 1."""
-        if self.pipeline_schedule:
-            return self.pipeline_schedule
-        return "interleaved" if self.virtual_pipeline_model_parallel_size > 1 else "1f1b"
+        interleaved 1F1B when v > 1 (``ptdp.pipeline.registry.default_schedule``, as ``ptdp train``)."""
+        return default_schedule(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size)
 
     def num_microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.micro_batch_size * self.data_parallel_size)

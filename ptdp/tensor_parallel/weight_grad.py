@@ -3,8 +3,8 @@ zero-bubble and V schedules -- "W must cost only the weight-gradient work").
 
 The weight-bearing ops (linears, LayerNorm/RMSNorm) are custom autograd Functions. Their backward always
 computes the input gradient; the weight (and bias) gradient is computed at once, as autograd would, unless
-a :func:`defer_weight_grads` context is active: then the backward hands a closure to the active
-:class:`WeightGradStore` that holds exactly what the weight gradient needs (the op's saved input and its
+a :func:`defer_weight_grads` context is active for the op's parameters: then the backward hands a
+closure to that context's :class:`WeightGradStore` (owned by the pipeline stage running the I pass) that holds exactly what the weight gradient needs (the op's saved input and its
 output gradient), and the autograd graph is freed as usual. ``WeightGradStore.run`` later computes only
 those GEMMs and reductions (Megatron/ZB's ``WeightGradStore``).
 
@@ -24,7 +24,7 @@ for them. Without grad (evaluation) the plain ops run too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,40 +61,56 @@ class WeightGradStore:
             torch.autograd.backward(list(params), list(values))
 
 
-_active: WeightGradStore | None = None  # module-global, not thread-local: CUDA backward runs on engine threads
+_STORE_ATTR = "_ptdp_weight_grad_store"  # set on a parameter while its owner's I pass defers its grads
 
 
 @contextlib.contextmanager
-def defer_weight_grads() -> Iterator[WeightGradStore]:
-    """While active, deferrable weight grads go to the yielded store instead of ``param.grad``."""
-    global _active
-    store, previous = WeightGradStore(), _active
-    _active = store
+def defer_weight_grads(params: Iterable[Tensor]) -> Iterator[WeightGradStore]:
+    """While active, the deferrable weight grads of ``params`` go to the yielded store, not ``param.grad``.
+
+    The store belongs to its caller (a pipeline stage's chunk, ``ModuleStage``): the ops find it through
+    their own parameters, so there is no module-global state; two stages (or threads: a CUDA backward runs
+    on autograd's engine threads) deferring at once each get their own parameters' grads.
+    """
+    store, params = WeightGradStore(), [p for p in params if p is not None]
+    previous = [getattr(p, _STORE_ATTR, None) for p in params]
+    for p in params:
+        setattr(p, _STORE_ATTR, store)
     try:
         yield store
     finally:
-        _active = previous
+        for p, before in zip(params, previous):
+            setattr(p, _STORE_ATTR, before)
+
+
+def _store_of(param: Tensor | None) -> WeightGradStore | None:
+    return None if param is None else getattr(param, _STORE_ATTR, None)
 
 
 def deferring_store(*params: Tensor | None) -> WeightGradStore | None:
-    """The active store if ``params`` (those given) are all leaves, else None: compute now.
+    """The store deferring ``params`` (those given) if they are all leaves of one deferring owner, else
+    None: compute now.
 
     The returned store marks them deferred (see :func:`grad_deferred`).
     """
-    if _active is None or any(p is not None and not p.is_leaf for p in params):
+    given = [p for p in params if p is not None]
+    stores = {id(_store_of(p)): _store_of(p) for p in given}
+    store = next(iter(stores.values()), None)
+    if store is None or len(stores) != 1 or any(not p.is_leaf for p in given):
         return None
-    _active.deferred.update(id(p) for p in params if p is not None)
-    return _active
+    store.deferred.update(id(p) for p in given)
+    return store
 
 
 def grad_deferred(param: Tensor) -> bool:
-    """Whether ``param``'s grad of the running backward waits in the active store.
+    """Whether ``param``'s grad of the running backward waits in its owner's store.
 
     Autograd still runs a deferred parameter's ``AccumulateGrad`` in the I pass (with no gradient) and
     fires its post-accumulate hooks: hooks that count or copy gradients must ignore that call (the
     gradient buffers do); the real one comes from :meth:`WeightGradStore.run`.
     """
-    return _active is not None and id(param) in _active.deferred
+    store = _store_of(param)
+    return store is not None and id(param) in store.deferred
 
 
 def plain_path() -> bool:

@@ -1,0 +1,50 @@
+"""Derived values, computed in a step of their own after :func:`ptdp.config.validate` found no problem.
+
+:func:`derive` returns a NEW :class:`Config` (the one given is left as it was) whose values are resolved:
+v from Megatron's alternative ``--num-layers-per-virtual-pipeline-stage``. :func:`layout` gives the
+sizes every part of a run agrees on (t, c, p, d, v, m, the schedule), computed once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from .schema import Config, ConfigError
+from .validate import virtual_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of a valid configuration on ``world_size`` processes."""
+
+    tensor_model_parallel_size: int
+    context_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: int
+    num_microbatches: int
+    pipeline_schedule: str
+
+
+def derive(config: Config, world_size: int) -> Config:
+    """A copy of ``config`` with its derived values filled in (``config`` itself is not modified).
+
+    Call it on a configuration ``validate`` accepted; ConfigError if a derived value cannot be found.
+    """
+    v, problems = virtual_size(config)
+    if problems or v is None:
+        raise ConfigError(*problems)
+    out = copy.deepcopy(config)
+    if config.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        out.parallel = dataclasses.replace(out.parallel, virtual_pipeline_model_parallel_size=v)
+    return out
+
+
+def layout(config: Config, world_size: int) -> Layout:
+    """The sizes of a validated, derived configuration on ``world_size`` processes."""
+    par, tr = config.parallel, config.training
+    t, c, p = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
+    d = world_size // (t * c * p)
+    return Layout(t, c, p, d, par.virtual_size, tr.global_batch_size // (tr.micro_batch_size * d), par.schedule)

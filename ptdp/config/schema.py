@@ -1,0 +1,239 @@
+"""The configuration tree of a training run: one dataclass per section, one field per flag.
+
+Every field carries its Megatron-LM flag name in its metadata; the ``ptdp train`` parser, the
+``--config FILE.toml`` reader (``ptdp.config.load``, same keys as the flags, dashes or underscores), the
+planner's and simulator's flags and the validation (``ptdp.config.validate``) all come from these
+dataclasses, so a flag is declared exactly once. Nothing here checks or derives: see ``validate`` (every
+problem, pure) and ``derive`` (resolved values, a new object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..pipeline.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
+
+
+class ConfigError(Exception):
+    """Problems with the user's configuration, one line each naming the flag (or TOML key) and the fix.
+
+    ``ConfigError(line)`` is one problem; ``ConfigError(*lines)`` several, all reported (``problems``).
+    """
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
+    """A dataclass field with its command-line flag (derived from the field name unless given) and any
+    older spellings of it (``aliases``: flags and TOML keys that Megatron-LM still accepts)."""
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "argparse": argparse_kwargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(4, "number of transformer layers")
+    hidden_size: int = opt(128, "hidden size h")
+    num_attention_heads: int = opt(4, "attention heads a")
+    ffn_hidden_size: int | None = opt(None, "MLP hidden size (default 4h)")
+    seq_length: int = opt(128, "sequence length s")
+    hidden_dropout: float = opt(0.1, "dropout on the residual stream and embeddings")
+    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
+    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this (and of t)")
+    init_method_std: float = opt(0.02, "std of the normal initialisation")
+    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon", aliases=("--layernorm-epsilon",))
+    # Llama-family options (Megatron-LM's flags); the defaults are the GPT-2 architecture above.
+    position_embedding_type: str = opt("learned_absolute", "learned_absolute (GPT-2) or rope (rotary, Llama)",
+                                       choices=["learned_absolute", "rope"])
+    rotary_base: float = opt(10000.0, "RoPE base (theta) of the rotation frequencies")
+    rotary_percent: float = opt(1.0, "fraction of each head's dimensions that RoPE rotates")
+    use_rope_scaling: bool = opt(False, "Llama 3.1's RoPE frequency scaling (low/high frequency factors 1/4, "
+                                 "original context 8192)")
+    rope_scaling_factor: float = opt(8.0, "Llama 3.1 RoPE scaling factor (with --use-rope-scaling)")
+    normalization: str = opt("LayerNorm", "LayerNorm (GPT-2) or RMSNorm (Llama)", choices=["LayerNorm", "RMSNorm"])
+    swiglu: bool = opt(False, "SwiGLU MLP down(silu(gate(x)) * up(x)); default --ffn-hidden-size becomes "
+                       "int(8h/3 / 64) * 64")
+    group_query_attention: bool = opt(False, "grouped-query attention: --num-query-groups K/V heads")
+    num_query_groups: int = opt(1, "key/value head groups G with --group-query-attention (t must divide G)")
+    untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead of the input "
+                                                    "embedding")
+    disable_bias_linear: bool = opt(False, "no biases in the attention and MLP linears (Llama)")
+    kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
+    vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
+    recompute_granularity: str | None = opt(
+        None, "activation recomputation: full (whole layers) or selective (attention core only)",
+        choices=["full", "selective"])
+    recompute_method: str | None = opt(
+        None, "with full: uniform (units of --recompute-num-layers layers) or block (only the first "
+        "--recompute-num-layers layers of each chunk); default uniform", choices=["uniform", "block"])
+    recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers "
+                                           "per chunk (block); default 1")
+    compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
+                        "bias-dropout-add); eager if it fails")
+
+    @property
+    def ffn_size(self) -> int:
+        """Megatron's default: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64 (same params)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: G with --group-query-attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def add_bias_linear(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, vocab_size: int, tp: int) -> int:
+        """Pad to a multiple of lcm(divisible_by, t), the same for every layout whose t divides it."""
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tp)
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "tensor-parallel size t (ranks adjacent, inside a node)")
+    pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size p")
+    virtual_pipeline_model_parallel_size: int | None = opt(None, "model chunks per pipeline rank v")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(None, "Megatron's alternative way to set v")
+    pipeline_schedule: str | None = opt(None, schedule_help(), choices=list(REGISTRY))
+    scatter_gather_tensors_in_pipeline: bool = opt(
+        True, "send 1/t of each boundary tensor and all-gather it in the TP group",
+        flag="--no-scatter-gather-tensors-in-pipeline")
+    distributed_timeout_minutes: float = opt(10.0, "process-group timeout, so a lost peer fails fast")
+    hang_timeout_s: float = opt(300.0, "a rank without progress for this long is a hang: every rank's last "
+                                "communication operations are written to DIR.run beside --save DIR, the stopped "
+                                "rank(s) named, and the job exits so the launcher restarts it (0 disables)")
+    sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
+                                  "(needs t > 1)")
+    context_parallel_size: int = opt(1, "context-parallel size c: each sample's sequence split over c ranks "
+                                     "(2c load-balanced chunks; docs/context-parallel.md)")
+    cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
+                            "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
+                            choices=["p2p", "a2a", "allgather"])
+
+    @property
+    def virtual_size(self) -> int:
+        """Model chunks per rank: the V schedules (zbv, v-half, v-min) always hold two."""
+        return self.virtual_pipeline_model_parallel_size or default_virtual_size(self.pipeline_schedule)
+
+    @property
+    def schedule(self) -> str:
+        return default_schedule(self.pipeline_schedule, self.virtual_size)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(6e-4, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
+    lr_warmup_iters: int = opt(10, "linear warm-up iterations")
+    lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["cosine", "linear", "constant"])
+    lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2 (Megatron-LM's default; GPT-3 recipes set 0.95)")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+    use_distributed_optimizer: bool = opt(
+        False, "ZeRO-1: shard fp32 main weights and Adam state over the data-parallel group")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = opt(4, "micro-batch size b")
+    global_batch_size: int = opt(32, "global batch size B = b x microbatches x d")
+    train_iters: int = opt(100, "training iterations")
+    seed: int = opt(1234, "random seed: initialisation, data order and dropout")
+    log_interval: int = opt(10, "iterations between progress lines")
+    metrics_file: str | None = opt(None, "append one JSON object per iteration to this file")
+    grad_bucket_size_mb: float = opt(25.0, "data-parallel gradient all-reduce bucket size (MB)")
+    eval_interval: int | None = opt(None, "compute the validation loss every N iterations and at the end")
+    eval_iters: int = opt(10, "global batches of the validation split per evaluation")
+    overlap_grad_reduce: bool = opt(
+        False, "reduce each gradient bucket asynchronously during the last microbatch's backward")
+    tensorboard_dir: str | None = opt(None, "write loss, lr, grad norm, throughput, memory as TensorBoard "
+                                      "scalars here (rank 0)")
+    timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
+                               "of the first --timeline-iters iterations")
+    timeline_iters: int = opt(3, "iterations the --timeline records")
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """16-bit parameters and activations with fp32 main weights (Megatron's flags); see ``ptdp.optim``."""
+
+    bf16: bool = opt(False, "bf16 parameters and activations, fp32 main weights and gradients")
+    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights")
+    loss_scale: float | None = opt(None, "static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = opt(2.0**32, "initial dynamic fp16 loss scale")
+    min_loss_scale: float = opt(1.0, "lower bound of the dynamic fp16 loss scale")
+    loss_scale_window: int = opt(1000, "clean iterations before the dynamic loss scale doubles")
+    hysteresis: int = opt(2, "overflows tolerated before the dynamic loss scale halves")
+    accumulate_allreduce_grads_in_fp32: bool = opt(
+        False, "accumulate and all-reduce fp16 gradients in fp32 (always on with --bf16)")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = opt([], "indexed dataset prefix(es), Megatron's [weight] prefix form; "
+                               "default: the embedded standard-library corpus", nargs="*")
+    split: str = opt("969,30,1", "train,valid,test proportions")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint flags (Megatron's names); the format and the checks live in ``ptdp.checkpointing``."""
+
+    save: str | None = opt(None, "save checkpoints to DIR/iter_NNNNNNN (atomically) and point DIR/latest at them")
+    save_interval: int | None = opt(None, "save every N iterations (a final checkpoint is always saved)")
+    load: str | None = opt(None, "resume from DIR/latest, in any layout (a DIR without `latest` starts fresh)")
+    exit_on_missing_checkpoint: bool = opt(False, "with --load: exit (code 2) instead of starting from scratch "
+                                           "when DIR holds no checkpoint")
+    exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
+    keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
+    async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+
+    @classmethod
+    def section_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def sections(self) -> list[Any]:
+        return [getattr(self, name) for name in self.section_names()]
+
+    def num_microbatches(self, world_size: int) -> int:
+        par = self.parallel
+        dp = world_size // (par.tensor_model_parallel_size * par.context_parallel_size * par.pipeline_model_parallel_size)
+        return self.training.global_batch_size // (self.training.micro_batch_size * dp)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,217 @@
+"""Every problem with a configuration for a world size, one line each naming the flag and the fix.
+
+:func:`validate` is a pure function: it reads the configuration and never changes it (derived values,
+such as v from ``--num-layers-per-virtual-pipeline-stage``, come from ``ptdp.config.derive``, which
+returns a new object). It checks the whole tree before any process group exists and does not stop at the
+first problem: a check that needs a value another check rejected (the data-parallel size needs a world
+size that t·c·p divides) is skipped, so each line is a real, independent problem. Schedule constraints
+are the schedule registry's (``ptdp.pipeline.registry``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..pipeline.registry import schedule_problems
+from .load import type_problems
+from .schema import Config, MixedPrecisionConfig, ModelConfig
+
+
+def virtual_size(config: Config) -> tuple[int | None, list[str]]:
+    """Chunks per pipeline rank v, from either of Megatron's two flags (None with the problem if they
+    disagree or cannot divide the layers)."""
+    m, par = config.model, config.parallel
+    per, p = par.num_layers_per_virtual_pipeline_stage, par.pipeline_model_parallel_size
+    if per is None:
+        return par.virtual_size, []
+    if per <= 0 or m.num_layers % (per * p):
+        return None, [f"--num-layers-per-virtual-pipeline-stage {per} must divide --num-layers {m.num_layers} / "
+                      f"--pipeline-model-parallel-size {p}"]
+    if par.virtual_pipeline_model_parallel_size not in (None, m.num_layers // (per * p)):
+        return None, ["give only one of --virtual-pipeline-model-parallel-size and "
+                      "--num-layers-per-virtual-pipeline-stage"]
+    return m.num_layers // (per * p), []
+
+
+def validate(config: Config, world_size: int, local_world_size: int | None = None) -> list[str]:
+    """Every problem with ``config`` for ``world_size`` processes (``local_world_size`` of them on each
+    node, when known), one actionable line each; ``config`` is not modified."""
+    problems = type_problems(config)
+    if problems:  # the checks below compare numbers: a string where an integer belongs stops them
+        return problems
+    m, par, tr = config.model, config.parallel, config.training
+    t, p, c = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    errors: list[str] = []
+    bad: set[str] = set()
+    for flag, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                        ("--tensor-model-parallel-size", t), ("--pipeline-model-parallel-size", p),
+                        ("--context-parallel-size", c),
+                        ("--micro-batch-size", tr.micro_batch_size), ("--global-batch-size", tr.global_batch_size),
+                        ("--train-iters", tr.train_iters), ("--log-interval", tr.log_interval),
+                        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+        if value <= 0:
+            errors.append(f"{flag} must be a positive integer, got {value}")
+            bad.add(flag)
+    for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    sizes_ok = not bad & {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"}
+    shape_ok = not bad & {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"}
+    d = None
+    if sizes_ok and world_size % (t * c * p):
+        cp_text = " x --context-parallel-size" if c > 1 else ""
+        sizes = f"{t}x{c}x{p}" if c > 1 else f"{t}x{p}"
+        errors.append(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size{cp_text} x "
+            f"--pipeline-model-parallel-size = {sizes}; use a world size that is a multiple of {t * c * p}")
+    elif sizes_ok:
+        d = world_size // (t * c * p)
+    if sizes_ok and shape_ok:
+        errors += _shape_errors(config)
+    microbatches = None
+    if d is not None and not bad & {"--micro-batch-size", "--global-batch-size"}:
+        if tr.global_batch_size % (tr.micro_batch_size * d):
+            errors.append(
+                f"--global-batch-size {tr.global_batch_size} is not a multiple of --micro-batch-size x "
+                f"data-parallel size = {tr.micro_batch_size}x{d}; use a multiple of {tr.micro_batch_size * d}")
+        else:
+            microbatches = tr.global_batch_size // (tr.micro_batch_size * d)
+    v, v_errors = virtual_size(config) if sizes_ok and shape_ok else (None, [])
+    errors += v_errors
+    if v is not None and v < 1:
+        errors.append(f"--virtual-pipeline-model-parallel-size must be positive, got {v}")
+    elif v is not None:
+        if m.num_layers % (p * v):
+            errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
+                          f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
+        errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
+        from ..recompute import recompute_errors
+
+        errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
+                                   m.num_layers // (p * v))
+    errors += _optimizer_errors(config)
+    if par.hang_timeout_s < 0:
+        errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
+    errors += _precision_errors(config.precision)
+    if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
+        errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")
+    if d is not None and local_world_size and local_world_size % t:  # TP groups: adjacent ranks, on NVLink
+        errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
+                      "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
+                      f"a node: choose t dividing {local_world_size}")
+    from ..observability import observability_errors
+
+    errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
+    # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
+    # caller runs after this (``ptdp train`` does): importing it here would make config and
+    # checkpointing import each other.
+    return errors
+
+
+def _shape_errors(config: Config) -> list[str]:
+    """The model shape against the tensor, sequence and context parallel sizes (all positive here)."""
+    m, par = config.model, config.parallel
+    t = par.tensor_model_parallel_size
+    errors = _context_parallel_errors(config)
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                      f"{m.num_attention_heads}")
+    if m.num_attention_heads % t:
+        errors.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                      f"--tensor-model-parallel-size {t}; choose t that divides the head count")
+    if m.ffn_size % t:
+        errors.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}")
+    errors += _llama_errors(m, t)
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        errors.append(f"--vocab-size must be positive, got {m.vocab_size}")
+    if par.sequence_parallel and t == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t")
+    elif par.sequence_parallel and m.seq_length % t:
+        errors.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {t}, "
+                      "which --sequence-parallel needs; choose a multiple of t")
+    return errors
+
+
+def _optimizer_errors(config: Config) -> list[str]:
+    opt_, errors = config.optimizer, []
+    if opt_.lr < 0:
+        errors.append(f"--lr must be >= 0, got {opt_.lr}")
+    elif opt_.min_lr < 0 or opt_.min_lr > opt_.lr:
+        errors.append(f"--min-lr {opt_.min_lr} must be between 0 and --lr {opt_.lr}")
+    if opt_.lr_warmup_iters < 0:
+        errors.append(f"--lr-warmup-iters must be >= 0, got {opt_.lr_warmup_iters}")
+    if opt_.lr_decay_iters is not None and opt_.lr_decay_iters <= 0:
+        errors.append(f"--lr-decay-iters must be a positive integer, got {opt_.lr_decay_iters}")
+    elif opt_.lr_decay_iters is not None and opt_.lr_warmup_iters > opt_.lr_decay_iters:
+        errors.append(f"--lr-warmup-iters {opt_.lr_warmup_iters} is larger than --lr-decay-iters "
+                      f"{opt_.lr_decay_iters}; the decay would start before the warm-up ends (Megatron refuses "
+                      "it too): lower --lr-warmup-iters or raise --lr-decay-iters")
+    if opt_.clip_grad < 0:
+        errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    return errors
+
+
+def _context_parallel_errors(config: Config) -> list[str]:
+    """``--context-parallel-size`` and ``--cp-comm-type``: the 2c load-balanced chunks must be equal
+    (ptdp-facts.md, §context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
+    kernels take no attention dropout (one mask over s/c tokens cannot reproduce the full mask)."""
+    m, par = config.model, config.parallel
+    c, t = par.context_parallel_size, par.tensor_model_parallel_size
+    if c == 1:
+        return []
+    errors = []
+    if m.seq_length % (2 * c):
+        errors.append(f"--context-parallel-size {c} needs --seq-length divisible by 2c = {2 * c} (the "
+                      f"sequence is cut into 2c equal chunks), got {m.seq_length}")
+    elif par.sequence_parallel and (m.seq_length // c) % t:
+        errors.append(f"--sequence-parallel with --context-parallel-size {c} needs --seq-length / c = "
+                      f"{m.seq_length // c} divisible by --tensor-model-parallel-size {t}")
+    if par.cp_comm_type == "a2a" and (m.num_attention_heads // t) % c:
+        errors.append(f"--cp-comm-type a2a needs the local heads --num-attention-heads / t = "
+                      f"{m.num_attention_heads // t} divisible by --context-parallel-size {c}; use p2p or "
+                      "allgather, or another c")
+    if m.attention_dropout > 0:
+        errors.append(f"--context-parallel-size {c} needs --attention-dropout 0 (the context-parallel "
+                      f"attention kernels take no dropout), got {m.attention_dropout}")
+    return errors
+
+
+def _llama_errors(m: ModelConfig, t: int) -> list[str]:
+    """The Llama-family flags: head shapes RoPE and grouped-query attention can split over t ranks."""
+    errors: list[Any] = []
+    if m.kv_channels is not None and m.kv_channels <= 0:
+        errors.append(f"--kv-channels must be a positive integer, got {m.kv_channels}")
+    if not m.norm_epsilon > 0:
+        errors.append(f"--norm-epsilon must be > 0, got {m.norm_epsilon}")
+    if m.group_query_attention:
+        g, a = m.num_query_groups, m.num_attention_heads
+        if g <= 0 or a % g:
+            errors.append(f"--num-query-groups {g} must be positive and divide --num-attention-heads {a}")
+        elif g % t:
+            errors.append(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {t}; each "
+                          "tensor-parallel rank needs whole key/value groups: choose t dividing G")
+    if m.position_embedding_type == "rope" and not (m.kv_channels is not None and m.kv_channels <= 0):
+        rotary = int(m.head_dim * m.rotary_percent)
+        if not 0.0 < m.rotary_percent <= 1.0 or rotary < 2 or rotary % 2:
+            errors.append(f"--rotary-percent {m.rotary_percent} of the head dimension {m.head_dim} must rotate "
+                          "a positive even number of dimensions (0 < percent <= 1)")
+        if not m.rotary_base > 0:
+            errors.append(f"--rotary-base must be > 0, got {m.rotary_base}")
+    if m.use_rope_scaling and (m.position_embedding_type != "rope" or not m.rope_scaling_factor > 0):
+        errors.append("--use-rope-scaling needs --position-embedding-type rope and --rope-scaling-factor > 0")
+    return errors
+
+
+def _precision_errors(mp: MixedPrecisionConfig) -> list[str]:
+    errors = []
+    if mp.bf16 and mp.fp16:
+        errors.append("--bf16 and --fp16 are exclusive; give one of them")
+    if mp.loss_scale is not None and (not mp.fp16 or mp.loss_scale <= 0):
+        errors.append(f"--loss-scale {mp.loss_scale} needs --fp16 and a positive value")
+    if mp.initial_loss_scale <= 0 or mp.min_loss_scale <= 0 or mp.min_loss_scale > mp.initial_loss_scale:
+        errors.append(f"--min-loss-scale {mp.min_loss_scale} must be positive and at most --initial-loss-scale "
+                      f"{mp.initial_loss_scale}")
+    if mp.loss_scale_window < 1 or mp.hysteresis < 1:
+        errors.append(f"--loss-scale-window {mp.loss_scale_window} and --hysteresis {mp.hysteresis} must be >= 1")
+    return errors
