@@ -89,6 +89,10 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
             )
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
         chunk.to(params_dtype(config))  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
+        if getattr(config.precision, "fp8_format", None):  # issue 26: FP8 GEMMs in the layers (ptdp/fp8.py)
+            from .fp8 import enable_fp8
+
+            enable_fp8([chunk], config.precision.fp8_format, config.precision.fp8_recipe)
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
             seq = local_seq_length(config, state)
             compile_layers(chunk.layers.values(), (config.training.micro_batch_size, seq, m.hidden_size),
