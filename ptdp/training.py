@@ -32,7 +32,7 @@ from .observability.timeline import Timeline, span
 from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, setup_optimizer
 from .parallel import ParallelDims, ParallelState, init_distributed
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
-from .pipeline.p2p import P2PComm
+from .pipeline.p2p import P2PComm, direction_groups
 from .pipeline.schedules import (
     Action,
     bubble_fraction_formula,
@@ -151,7 +151,10 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
     # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
     # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
     dist.all_reduce(torch.zeros(1, device=state.device), group=state.pp_group)
-    return P2PComm(
+    groups = direction_groups(state.dims, state.rank)  # issue 26: one communicator per direction
+    for group in groups.values():
+        dist.all_reduce(torch.zeros(1, device=state.device), group=group)
+    return P2PComm(groups=groups,
         pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
         dtype=params_dtype(config),
         pack=(lambda x: split(x.reshape(-1), tp_group, 0)) if scatter_gather else None,
