@@ -261,8 +261,10 @@ def block_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if block_kernel(q) == "cuda-flash" else torch.float32
 
 
-def _no_philox() -> torch.Tensor:
-    return torch.empty((), dtype=torch.long)  # dropout is off: the kernels ignore the RNG state
+def _no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rng_state, unused) pair the CUDA flash forward returns, of the same types: dropout is off, so
+    the backward never reads them (blocks are recomputed, their forward's pair is not kept)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -290,7 +292,7 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if kernel == "cuda-flash":
         return _CUDA_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                     out.to(q.dtype).contiguous(), lse.contiguous(), None, None, q.shape[2],
-                                    k.shape[2], 0.0, causal, _no_philox(), _no_philox(), scale=scale)[:3]
+                                    k.shape[2], 0.0, causal, *_no_rng_state(q.device), scale=scale)[:3]
     p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
     return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
