@@ -2,6 +2,12 @@
 
     python benchmarks/gpu.py --json                 # one JSON object on stdout
     python benchmarks/gpu.py --iters 10 --micro-batch-size 8
+    python benchmarks/gpu.py --json --model llama-1b --skip-plain           # the Llama-style 1.2B
+    python benchmarks/gpu.py --json --skip-plain --fp8-format hybrid        # FP8 (torchao), or
+    python benchmarks/gpu.py --json --skip-plain --optimizer-cpu-offload    # Adam on the host
+    python benchmarks/gpu.py --json --skip-plain --loss-curve 200           # + 200 iterations' losses
+
+``benchmarks/gpu_features.py`` runs these and reports FP8's and offload's ratios (issue 26).
 
 The GPT-3 1.3B shape (24 layers, h=2048, 16 heads, s=2048, V=50257) in bf16 with the best single-device
 settings: flash SDPA, fused AdamW, ``--compile`` (each transformer layer compiled), dropout off. It is
@@ -78,11 +84,21 @@ def ptdp_setup(args):
 
     c = Config()
     m, tr, o = c.model, c.training, c.optimizer
-    m.num_layers, m.hidden_size, m.num_attention_heads = args.layers, args.hidden, args.heads
-    m.seq_length, m.vocab_size = args.seq, args.vocab
+    if args.model == "llama-1b":  # Llama 3.2 1B's shape (GQA, SwiGLU, RoPE, RMSNorm, tied) at s = --seq
+        from ptdp.presets import MODEL_PRESETS
+
+        for key, value in MODEL_PRESETS["llama3-8b"].items():
+            setattr(m, key, value)
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 16, 2048, 32, 8192
+        m.untie_embeddings_and_output_weights = False
+    else:
+        m.num_layers, m.hidden_size, m.num_attention_heads = args.layers, args.hidden, args.heads
+    m.seq_length, m.vocab_size = args.seq, args.vocab if args.model != "llama-1b" else 128256
     m.hidden_dropout = m.attention_dropout = 0.0
     m.compile = not args.no_compile
     c.precision.bf16 = True
+    c.precision.fp8_format, c.precision.fp8_recipe = args.fp8_format, args.fp8_recipe  # issue 26
+    o.optimizer_cpu_offload = args.optimizer_cpu_offload
     tr.micro_batch_size, tr.global_batch_size = args.micro_batch_size, args.micro_batch_size * args.microbatches
     tr.train_iters = 10**6
     o.lr, o.lr_warmup_iters, o.lr_decay_style = 1e-4, 0, "constant"
@@ -121,9 +137,24 @@ def measure_ptdp(args) -> dict:
         seconds, records = timed(lambda i: train_step(trainer, i), args.warmup + 1 + r * args.iters, args.iters)
         times.append(seconds)
         losses += [rec["loss"] for rec in read_records(trainer, records)]
-    return {"iteration_s": statistics.median(times), "repeat_s": times, "setup_s": setup_s,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": losses[-1],
-            "params": sum(p.numel() for p in trainer.params), "vocab_padded": trainer.chunks[0].output_weight.shape[0]}
+    out = {"iteration_s": statistics.median(times), "repeat_s": times, "setup_s": setup_s,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": losses[-1],
+           "params": sum(p.numel() for p in trainer.params), "vocab_padded": trainer.chunks[0].output_weight.shape[0],
+           "model_flops": model_flops(trainer.config)}
+    if args.loss_curve:  # the next --loss-curve iterations' losses, from the same start for every variant
+        first = args.warmup + 1 + args.repeats * args.iters
+        records = [train_step(trainer, i) for i in range(first, first + args.loss_curve)]
+        out["loss_curve"] = [rec["loss"] for rec in read_records(trainer, records)]
+    return out
+
+
+def model_flops(config) -> float:
+    """Model FLOPs of one iteration (no recomputation), by the formula the training loop's MFU uses."""
+    from ptdp import flops
+
+    m, tr = config.model, config.training
+    return flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, m.vocab_size, tr.global_batch_size,
+                                     recompute=False, ffn_hidden_size=m.ffn_size, **flops.architecture(m))
 
 
 def measure_plain(args, batches) -> dict:
@@ -180,17 +211,23 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true", help="eager layers (both loops)")
     parser.add_argument("--skip-plain", action="store_true", help="measure ptdp only")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--model", choices=["gpt-1.3b", "llama-1b"], default="gpt-1.3b",
+                        help="llama-1b: Llama 3.2 1B's shape (--layers/--hidden/--heads/--vocab ignored)")
+    parser.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="ptdp's flag (torchao)")
+    parser.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    parser.add_argument("--optimizer-cpu-offload", action="store_true", help="ptdp's flag: Adam on the host")
+    parser.add_argument("--loss-curve", type=int, default=0, help="then train this many iterations, record losses")
     args = parser.parse_args()
+    if args.model == "llama-1b":
+        args.skip_plain = True  # the plain loop is GPT-2-shaped (overhead.PlainGPT)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; nothing measured (run it on a GPU machine)")
         return 0
     args.padded_vocab = -(-args.vocab // 128) * 128
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 GEMMs (none in the hot path) may use TF32
-    from ptdp import flops, hardware
+    from ptdp import hardware
 
     tokens = args.micro_batch_size * args.microbatches * args.seq
-    model_flops = flops.flops_per_iteration(args.layers, args.hidden, args.seq, args.vocab,
-                                            args.micro_batch_size * args.microbatches, recompute=False)
     peak = hardware.peak_flops_for_current_device()
 
     ptdp = measure_ptdp(args)
@@ -201,24 +238,27 @@ def main() -> int:
                                                                                           args.seq + 1), generator=g))
              for _ in range(args.microbatches)] for _ in range(4)]
     plain = None if args.skip_plain else measure_plain(args, lambda i: data[i % len(data)])
+    iteration_flops = ptdp["model_flops"]
     for result in (ptdp, plain):
         if result is None:
             continue
         result["tokens_per_s"] = tokens / result["iteration_s"]
-        result["tflops_per_gpu"] = model_flops / result["iteration_s"] / 1e12  # no recomputation: eq. 3's 72
-        result["mfu"] = model_flops / result["iteration_s"] / peak if peak else None
+        result["tflops_per_gpu"] = iteration_flops / result["iteration_s"] / 1e12  # no recomputation
+        result["mfu"] = iteration_flops / result["iteration_s"] / peak if peak else None
     out = {
         "benchmark": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "peak_tflops": peak / 1e12 if peak else None,
-        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
-                  "vocab": args.vocab, "micro_batch_size": args.micro_batch_size, "microbatches": args.microbatches,
-                  "params": ptdp["params"], "compile": not args.no_compile, "precision": "bf16"},
+        "model": {"name": args.model, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                  "seq": args.seq, "vocab": args.vocab, "micro_batch_size": args.micro_batch_size,
+                  "microbatches": args.microbatches, "params": ptdp["params"], "compile": not args.no_compile,
+                  "precision": f"fp8-{args.fp8_format}-{args.fp8_recipe}" if args.fp8_format else "bf16",
+                  "optimizer_cpu_offload": args.optimizer_cpu_offload},
         "ptdp": ptdp, "plain_pytorch": plain,
         "mfu": ptdp["mfu"], "tflops_per_gpu": ptdp["tflops_per_gpu"], "tokens_per_s": ptdp["tokens_per_s"],
         "peak_memory_gib": ptdp["peak_memory_gib"],
         "time_over_plain_pytorch": ptdp["iteration_s"] / plain["iteration_s"] if plain else None,
-        "goals": {"mfu": 0.50, "time_over_plain_pytorch": 1.02},
-        "plan_estimate": plan_estimate(args),
+        "goals": {"mfu": 0.55, "time_over_plain_pytorch": 1.0},
+        "plan_estimate": plan_estimate(args) if args.model == "gpt-1.3b" else None,
     }
     if args.json:
         print(json.dumps(out))
@@ -234,8 +274,9 @@ def main() -> int:
                   f"loss {r['final_loss']:.3f}")
     if plain:
         print(f"  time over plain PyTorch: {out['time_over_plain_pytorch']:.3f} (goal <= 1.02)")
-    print(f"  ptdp plan ({est['gpu']}): {est['iteration_s'] * 1e3:.1f} ms/iteration, "
-          f"{est['tflops_per_gpu']:.1f} TFLOP/s, MFU {est['mfu']:.3f}, {est['memory_gib']:.1f} GiB")
+    if est:
+        print(f"  ptdp plan ({est['gpu']}): {est['iteration_s'] * 1e3:.1f} ms/iteration, "
+              f"{est['tflops_per_gpu']:.1f} TFLOP/s, MFU {est['mfu']:.3f}, {est['memory_gib']:.1f} GiB")
     return 0
 
 

@@ -21,6 +21,7 @@ Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,10 +65,22 @@ def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) ->
     return torch.cat([x.narrow(dim, first * n, n), x.narrow(dim, second * n, n)], dim=dim)
 
 
-def _natural_order(cp_size: int, n: int, device) -> torch.Tensor:
-    """Index into the rank-major concatenation of every rank's shard giving the natural token order."""
+@functools.lru_cache(maxsize=32)
+def _natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index into the rank-major concatenation of every rank's shard giving the natural token order, and
+    its inverse. Built once per (c, chunk, device) and kept on the device: no host-to-device copy per layer."""
     held = torch.cat([load_balanced_positions(2 * cp_size * n, cp_size, r) for r in range(cp_size)])
-    return torch.argsort(held).to(device)
+    order = torch.argsort(held)
+    return order.to(device), torch.argsort(order).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _allgather_mask(seq_length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """[s/c, s] bool, True = attend: this rank's queries against the rank-major gathered keys. Built once
+    per (s, c, rank, device) on the device."""
+    q_pos = load_balanced_positions(seq_length, cp_size, cp_rank)
+    k_pos = torch.cat([load_balanced_positions(seq_length, cp_size, i) for i in range(cp_size)])
+    return (q_pos[:, None] >= k_pos[None, :]).to(device)
 
 
 # ------------------------------------------------------------------------------------------- entry point
@@ -135,10 +148,7 @@ def _allgather_attention(q, k, v, group, scale: float) -> torch.Tensor:
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
     k, v = _repeat_kv(_GatherSequence.apply(k, group), _GatherSequence.apply(v, group), q.shape[1] // k.shape[1])
-    q_pos = load_balanced_positions(s, c, r, q.device)
-    k_pos = torch.cat([load_balanced_positions(s, c, i) for i in range(c)]).to(q.device)
-    mask = q_pos[:, None] >= k_pos[None, :]  # True = attend
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_allgather_mask(s, c, r, q.device), scale=scale)
 
 
 # ------------------------------------------------------------------------------------------- a2a (Ulysses)
@@ -173,12 +183,12 @@ def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
     heads = q.shape[1]
     if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
         k, v = _repeat_kv(k, v, heads // k.shape[1])
-    order = _natural_order(c, q.shape[2] // 2, q.device)
+    order, inverse = _natural_order(c, q.shape[2] // 2, q.device)
     # [b, heads, s/c, d] sequence-sharded -> [b, heads/c, s, d] head-sharded, then natural token order
     q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    y = y.index_select(2, torch.argsort(order))  # back to the rank-major load-balanced layout
+    y = y.index_select(2, inverse)  # back to the rank-major load-balanced layout
     return _AllToAll.apply(y, group, 2, 1)
 
 
@@ -228,30 +238,73 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None)
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output and its log-sum-exp (fp32 in, fp32 out). On CPU torch's flash kernel
-    (it returns the LSE); elsewhere explicit math, which is exact but materialises the block's scores."""
+def block_kernel(q: torch.Tensor) -> str:
+    """Which kernel computes one ring block: ``"cuda-flash"`` (FlashAttention-2 through torch's aten op,
+    which returns the LSE: 16-bit inputs on a CUDA device of compute capability >= 8.0, head dim <= 256),
+    ``"cpu-flash"`` (torch's CPU flash kernel, any float dtype) or ``"math"`` (explicit, exact, but it
+    materialises the block's scores: the fallback, e.g. fp32 on a GPU)."""
     if q.device.type == "cpu" and _CPU_FLASH is not None:
+        return "cpu-flash"
+    if (q.device.type == "cuda" and _CUDA_FLASH is not None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8):
+        return "cuda-flash"
+    return "math"
+
+
+def block_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype blocks are computed in: the input's for the CUDA flash kernel (it takes 16-bit only and
+    accumulates in fp32 itself), fp32 otherwise. Merged outputs and LSEs are always fp32."""
+    return q.dtype if block_kernel(q) == "cuda-flash" else torch.float32
+
+
+def _no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rng_state, unused) pair the CUDA flash forward returns, of the same types: dropout is off, so
+    the backward never reads them (blocks are recomputed, their forward's pair is not kept)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and its fp32 log-sum-exp [b, h, s_q], by ``block_kernel(q)``."""
+    kernel = block_kernel(q)
+    if kernel == "cpu-flash":
         return _CPU_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+    if kernel == "cuda-flash":
+        out, lse = _CUDA_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale)[:2]
+        return out, lse.float()
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
-def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of one block given the MERGED output and LSE: with them the flash-attention backward
     (P = exp(S - LSE), dS = P * (dO V^T - rowsum(dO * O))) yields exactly this block's share."""
-    if q.device.type == "cpu" and _CPU_FLASH_BACKWARD is not None:
+    kernel = block_kernel(q)
+    if kernel == "cpu-flash":
         return _CPU_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                    out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+    if kernel == "cuda-flash":
+        return _CUDA_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                    out.to(q.dtype).contiguous(), lse.contiguous(), None, None, q.shape[2],
+                                    k.shape[2], 0.0, causal, *_no_rng_state(q.device), scale=scale)[:3]
     p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
     return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
             torch.matmul(p.transpose(-1, -2), do))
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold one block's (output, LSE) into the running fp32 (``out``, ``lse``) in place, as flash attention
+    merges its tiles: new = logaddexp(lse, blk); out = out·e^(lse-new) + blk_out·e^(blk-new)."""
+    new_lse = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(blk_out.float() * torch.exp(blk_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -267,9 +320,11 @@ def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention over the load-balanced layout. Blocks are computed in fp32 by torch's CPU flash
-    kernel (which returns the LSE) or, on other devices, by explicit math (portable, exact, but it
-    materialises each block's (s/c)² scores; a GPU flash kernel with LSE would be the faster path).
+    """Ring attention over the load-balanced layout. Each block is one flash-attention call that returns
+    its LSE (``block_kernel``: FlashAttention-2 on a CUDA GPU in bf16/fp16, torch's flash kernel on the CPU;
+    explicit math only as the fallback), and the blocks are merged by their LSE (``merge_block``) into an
+    fp32 output: no (s/c)² score block is materialised, so per-rank activation memory is O(s/c). The
+    backward recomputes each block from the merged output and LSE with the matching flash backward.
 
     NCCL safety (ptdp-facts.md §NCCL point-to-point semantics). Every transfer is one
     ``_ring_exchange``: a single ``batch_isend_irecv`` holding this rank's send to ring-next and its
@@ -288,20 +343,18 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float) -> torch.Tensor:
         c, r = group_size(group), group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        dtype = block_dtype(q)
+        qf = q.to(dtype)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(c):
             if step < c - 1:  # the next block travels while this one is computed
                 nxt, works = _ring_exchange(kv, group, r, c)
             rows, cols, causal = _block(r, (r - step) % c, n)
-            kb, vb = (_expand(x[:, :, cols].float(), groups) for x in kv.unbind(0))
-            blk_out, blk_lse = _block_forward(qf[:, :, rows], kb, vb, scale, causal)
-            new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse)[..., None]
-                               + blk_out * torch.exp(blk_lse - new_lse)[..., None])
-            lse[:, :, rows] = new_lse
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
+            merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
             if step < c - 1:
                 _wait(works)
                 kv = nxt
@@ -315,21 +368,22 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         c, r = group_size(group), group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        qf, do = q.float(), dout.float()
-        dq = torch.zeros_like(qf)
+        dtype = block_dtype(q)
+        qf, do = q.to(dtype), dout.to(dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_in, dkv_works = None, None
         for step in range(c):
             if step < c - 1:
                 nxt, kv_works = _ring_exchange(kv, group, r, c)
             rows, cols, causal = _block(r, (r - step) % c, n)
-            kb, vb = (_expand(x[:, :, cols].float(), groups) for x in kv.unbind(0))
-            dq_b, dk_b, dv_b = _block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
                                                lse[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_b
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0][:, :, cols] = _fold(dk_b, groups)
-            dkv[1][:, :, cols] = _fold(dv_b, groups)
+            dkv[0][:, :, cols] = _fold(dk_b.float(), groups)
+            dkv[1][:, :, cols] = _fold(dv_b.float(), groups)
             if dkv_in is not None:  # the gradient of this block from the ranks it already visited
                 _wait(dkv_works)
                 dkv += dkv_in

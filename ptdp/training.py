@@ -33,7 +33,7 @@ from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, 
 from .parallel import ParallelDims, ParallelState, init_distributed
 from .phases import phase
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
-from .pipeline.p2p import P2PComm
+from .pipeline.p2p import P2PComm, direction_groups
 from .pipeline.schedules import (
     Action,
     bubble_fraction_formula,
@@ -90,6 +90,10 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int, pa
             )
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std, m.num_layers)
         chunk.to(params_dtype(config))  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
+        if getattr(config.precision, "fp8_format", None):  # issue 26: FP8 GEMMs in the layers (ptdp/fp8.py)
+            from .fp8 import enable_fp8
+
+            enable_fp8([chunk], config.precision.fp8_format, config.precision.fp8_recipe)
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
             seq = local_seq_length(config, state)
             compile_layers(chunk.layers.values(), (config.training.micro_batch_size, seq, m.hidden_size),
@@ -149,7 +153,10 @@ def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
     # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
     # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
     dist.all_reduce(torch.zeros(1, device=state.device), group=state.pp_group)
-    return P2PComm(
+    groups = direction_groups(state.dims, state.rank)  # issue 26: one communicator per direction
+    for group in groups.values():
+        dist.all_reduce(torch.zeros(1, device=state.device), group=group)
+    return P2PComm(groups=groups,
         pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
         dtype=params_dtype(config),
         pack=(lambda x: split(x.reshape(-1), tp_group, 0)) if scatter_gather else None,

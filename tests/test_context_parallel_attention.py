@@ -182,3 +182,79 @@ def _receive_first(trace: dict) -> dict:
 def _sends_then_receives(trace: dict) -> dict:
     """Each send in a batch of its own before the receive: hangs once a send waits for its receive."""
     return _split_issues(trace, ("send", "recv"))
+
+
+# ------------------------------------------------------------------------------------------- the flash merge
+
+
+def _ring_in_one_process(q, k, v, dout, c: int, dtype=None):
+    """The ring's per-block flash calls and LSE merge for all c ranks, played in one process (no
+    communication): each rank's merged output, and dq/dk/dv summed from every block's flash backward."""
+    from ptdp.context_parallel import _block, block_backward, block_forward, merge_block, shard_sequence
+
+    s = q.shape[2]
+    n = s // (2 * c)
+    shard = [tuple(shard_sequence(x, c, r, dim=2) for x in (q, k, v, dout)) for r in range(c)]
+    cast = (lambda x: x.to(dtype)) if dtype is not None else (lambda x: x)
+    outs, grads = [], {r: [torch.zeros(x.shape) for x in shard[r][:3]] for r in range(c)}
+    for r in range(c):
+        qr = shard[r][0]
+        out = torch.zeros(qr.shape, device=q.device)
+        lse = torch.full(qr.shape[:-1], float("-inf"), device=q.device)
+        for src in range(c):
+            rows, cols, causal = _block(r, src, n)
+            b_out, b_lse = block_forward(cast(qr[:, :, rows]), cast(shard[src][1][:, :, cols]),
+                                         cast(shard[src][2][:, :, cols]), 0.125, causal)
+            merge_block(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
+        outs.append(out)
+        for src in range(c):
+            rows, cols, causal = _block(r, src, n)
+            dq, dk, dv = block_backward(cast(shard[r][3][:, :, rows]), cast(qr[:, :, rows]),
+                                        cast(shard[src][1][:, :, cols]), cast(shard[src][2][:, :, cols]),
+                                        out[:, :, rows], lse[:, :, rows], 0.125, causal)
+            grads[r][0][:, :, rows] += dq.float().cpu()
+            grads[src][1][:, :, cols] += dk.float().cpu()
+            grads[src][2][:, :, cols] += dv.float().cpu()
+    return outs, grads
+
+
+@pytest.mark.parametrize("kernel", ["cpu-flash", "math"])
+@pytest.mark.parametrize("c", [2, 4])
+def test_flash_blocks_merged_by_lse_equal_full_attention(monkeypatch, kernel, c):
+    """Issue 26: the ring's math (one flash call per block returning its LSE, blocks merged by the LSE, the
+    backward per block from the merged output and LSE) against one full causal SDPA, on the CPU, with
+    the CPU flash kernel and with the explicit fallback."""
+    import ptdp.context_parallel as cp
+    from ptdp.context_parallel import shard_sequence
+
+    monkeypatch.setattr(cp, "block_kernel", lambda q: kernel)
+    q, k, v, dout = (torch.randn(2, 4, 16 * c, 8, generator=torch.Generator().manual_seed(i)) for i in range(4))
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=0.125)
+    ref.backward(dout)
+    outs, grads = _ring_in_one_process(q, k, v, dout, c)
+    for r in range(c):
+        torch.testing.assert_close(outs[r], shard_sequence(ref.detach(), c, r, dim=2), rtol=1e-5, atol=1e-5)
+        for got, x in zip(grads[r], full, strict=True):
+            torch.testing.assert_close(got, shard_sequence(x.grad, c, r, dim=2), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU tier)")
+def test_cuda_flash_blocks_merged_by_lse_equal_full_attention():
+    """The same on a GPU with FlashAttention-2 blocks in bf16 (``block_kernel`` == "cuda-flash"), against
+    fp32 full attention: bf16 tolerances."""
+    from ptdp.context_parallel import block_kernel, shard_sequence
+
+    c = 4
+    q, k, v, dout = (torch.randn(2, 4, 64 * c, 64, generator=torch.Generator().manual_seed(i)).cuda()
+                     for i in range(4))
+    assert block_kernel(q.bfloat16()) == "cuda-flash"
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=0.125)
+    ref.backward(dout)
+    outs, grads = _ring_in_one_process(q, k, v, dout, c, dtype=torch.bfloat16)
+    for r in range(c):
+        torch.testing.assert_close(outs[r], shard_sequence(ref.detach(), c, r, dim=2), rtol=2e-2, atol=2e-2)
+        for got, x in zip(grads[r], full, strict=True):
+            torch.testing.assert_close(got.cuda(), shard_sequence(x.grad, c, r, dim=2), rtol=5e-2, atol=5e-2)

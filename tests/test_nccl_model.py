@@ -35,6 +35,7 @@ def assert_deadlock_free(trace: dict) -> None:
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("p", range(2, 17))
 def test_every_schedule_is_deadlock_free_under_nccl(name, p):
+    """With one communicator (the model's classic case) and one per direction (what training uses)."""
     seen = set()  # forward-only lists of the v=1 schedules coincide: check each distinct list once
     for v in (1, 2, 3, 4) if name == "interleaved" else (2,) if schedule_placement(name) == "v" else (1,):
         for m in microbatch_counts(name, p):
@@ -44,7 +45,8 @@ def test_every_schedule_is_deadlock_free_under_nccl(name, p):
                 if key in seen:
                     continue
                 seen.add(key)
-                assert_deadlock_free(record_comm_trace(name, p, v, m, forward_only, lists))
+                for per_direction in (False, True):
+                    assert_deadlock_free(record_comm_trace(name, p, v, m, forward_only, lists, per_direction))
 
 
 def hoist_receives(actions: list[Action], lookahead: int) -> list[Action]:
@@ -144,3 +146,25 @@ def test_simulate_comm_trace_cli(tmp_path):
         kinds = {next(iter(e)) for events in trace["ranks"] for e in events}
         assert kinds == {"issue", "wait", "compute"}
         assert check_all_send_models(trace) == {k: [] for k in check_all_send_models(trace)}
+
+
+def test_per_direction_communicators_are_separate_streams_and_channels():
+    """Issue 26: with a communicator per direction a send of activations does not queue behind a send of
+    gradients. The old hoisted-receive hang (rank 0 posts [recv B0] before F0's [send F0]) is a deadlock
+    on one communicator and none on two; FIFO matching is per communicator."""
+    lists = [hoist_receives(build_schedule("1f1b", 2, 1, 2, r), 2) for r in range(2)]
+    one = record_comm_trace("1f1b", 2, 1, 2, lists=lists)
+    two = record_comm_trace("1f1b", 2, 1, 2, lists=lists, per_direction=True)
+    assert any(x.startswith("deadlock") for x in check_trace(one, sends_wait_for_receive=False))
+    assert check_trace(two, sends_wait_for_receive=False) == []
+    comms = {e.get("comm") for events in two["ranks"] for e in events if "issue" in e}
+    assert comms == {"F", "B"}
+    for events in two["ranks"]:  # every issue holds one direction only
+        for e in events:
+            if "issue" in e:
+                assert {op["msg"][0] for op in e["issue"]} == {e["comm"]}
+    relabelled = json.loads(json.dumps(two))  # the same messages on the wrong communicator: unmatched
+    for e in relabelled["ranks"][1]:
+        if "issue" in e:
+            e["comm"] = "F"
+    assert any(x.startswith(("unmatched", "mismatch", "deadlock")) for x in check_trace(relabelled, False))

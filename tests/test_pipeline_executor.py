@@ -94,6 +94,8 @@ def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
                             timeout=timedelta(seconds=30))
     try:
+        # one communicator per direction (what training uses) for the cases without hooks; one for the rest
+        directions = {kind: dist.new_group(list(range(p))) for kind in ("F", "B")}
         for name, schedule, v, m, hooks in CONFIGS[p]:
             calls = {"pack": 0, "unpack": 0}
 
@@ -107,7 +109,8 @@ def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
 
             comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN), pack=pack if hooks else None,
                            unpack=unpack if hooks else None,
-                           packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None)
+                           packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None,
+                           groups=None if hooks else directions)
             actions, stats, grads = run_rank(rank, p, schedule, v, m, comm)
             n_send = sum(a.op.startswith("SEND") for a in actions)
             n_recv = sum(a.op.startswith("RECV") for a in actions)

@@ -4,7 +4,9 @@
 ``after_iteration(i, loss)`` around every step (the latter returns True when the run should stop), and
 ``finish()`` after the loop. Decisions that must be the same on every rank (a SIGTERM reached some rank;
 the loss is not finite) are agreed on with one tiny all-reduce per iteration, so no rank saves or stops
-alone and none is left waiting in a collective.
+alone and none is left waiting in a collective. That all-reduce is of a host tensor over a gloo group (the
+default group on the CPU, one of its own on GPUs): it never touches a CUDA stream, so the host does not
+wait for the GPU queue to drain (issue 26: no host synchronisation in the steady-state loop).
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ class CheckpointManager:
         self.last_stall_s: float | None = None
         self.writer = None
         self.watchdog = None
-        self._first_iteration = None  # ptdp.phases.Phase of the run's first iteration
+        self._first_phase = None  # ptdp.phases.Phase of the run's first iteration
+        self._first_iteration: int | None = None
+        # The agreement's group: host tensors over gloo, so agreeing never synchronises with a GPU stream.
+        # Created by every rank alike (new_group is collective); the default group already is gloo on CPUs.
+        self._agree_group = None
+        state = trainer.state
+        if state.mesh is not None and state.device.type != "cpu":
+            self._agree_group = dist.new_group(backend="gloo")
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
             from .saver import CheckpointWriter
 
@@ -99,14 +108,20 @@ class CheckpointManager:
     def before_iteration(self, iteration: int) -> None:
         flight_recorder.progress(iteration)
         interrupt.training(iteration)  # a first Ctrl-C from now on finishes the iteration and saves
-        if self._first_iteration is None:  # its one-off costs (allocation, compilation) can take a while
+        if self._first_phase is None:  # its one-off costs (allocation, compilation) can take a while
             from ..phases import Phase
 
-            self._first_iteration = Phase(f"iteration {iteration} (the first one pays one-off costs)",
+            self._first_phase = Phase(f"iteration {iteration} (the first one pays one-off costs)",
                                           rank=self.trainer.state.rank)
         timeout = self.trainer.config.parallel.hang_timeout_s
-        if self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1:
-            # armed once training runs (start-up and loading are not watched); see flight_recorder
+        if self._first_iteration is None:
+            self._first_iteration = iteration
+        if (self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1
+                and iteration > self._first_iteration):
+            # Armed once the first iteration is done (start-up, loading and the first iteration's lazy
+            # torch.compile and NCCL set-up are not watched: --distributed-timeout-minutes covers them),
+            # so a long first compile is no false alarm. Progress is a host timestamp: reading it never
+            # synchronises with a GPU. See flight_recorder.
             run_dir = flight_recorder.run_directory(self.ck.save, self.trainer.config.training.metrics_file)
             self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
                                                      self.trainer.state.dims.world_size, timeout)
@@ -126,8 +141,8 @@ class CheckpointManager:
         ``loss`` is None when the loop did not read it this iteration (see :meth:`due`): no NaN check then.
         """
         self.last_iteration = iteration
-        if self._first_iteration is not None:
-            self._first_iteration.stop()
+        if self._first_phase is not None:
+            self._first_phase.stop()
         nonfinite = loss is not None and not math.isfinite(loss)
         signalled, sigint, nonfinite = self._agree(self._signalled, interrupt.requested(), nonfinite)
         if nonfinite:
@@ -177,9 +192,9 @@ class CheckpointManager:
         """The OR of each flag over all ranks (one tiny all-reduce; nothing to do in a single process)."""
         if self.trainer.state.mesh is None:  # one process: no tensor, so no host-device sync either
             return [bool(f) for f in flags]
-        values = torch.tensor([float(f) for f in flags], device=self.trainer.state.device)
+        values = torch.tensor([float(f) for f in flags])  # a host tensor: no GPU stream is involved
         flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, SIGINT, NaN)")
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._agree_group)
         return [bool(v) for v in values.tolist()]
 
 

@@ -155,6 +155,8 @@ class OptimizerConfig:
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
     use_distributed_optimizer: bool = opt(
         False, "ZeRO-1: shard fp32 main weights and Adam state over the data-parallel group")
+    optimizer_cpu_offload: bool = opt(
+        False, "ZeRO-Offload: Adam state and the Adam step on the host (pinned buffers; ptdp/optim/offload.py)")
 
 
 @dataclass
@@ -190,6 +192,11 @@ class MixedPrecisionConfig:
     hysteresis: int = opt(2, "overflows tolerated before the dynamic loss scale halves")
     accumulate_allreduce_grads_in_fp32: bool = opt(
         False, "accumulate and all-reduce fp16 gradients in fp32 (always on with --bf16)")
+    fp8_format: str | None = opt(None, "FP8 GEMMs in the transformer layers through torchao (needs --bf16 and a "
+                                 "GPU of compute capability >= 8.9): e4m3 everywhere, or hybrid (e5m2 gradients); "
+                                 "embedding, output layer and router stay bf16", choices=["e4m3", "hybrid"])
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling: one dynamic scale per tensor, or per row",
+                          choices=["tensorwise", "rowwise"])
 
 
 @dataclass

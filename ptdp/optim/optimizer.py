@@ -38,6 +38,10 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimize
     On CPU torch's default implementation runs, so CPU numbers are what they always were.
     """
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if getattr(cfg, "optimizer_cpu_offload", False):  # issue 26: state and step on the host
+        from .offload import HostOffloadAdamW
+
+        return HostOffloadAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     fused = any(t.is_cuda for t in (*decay, *no_decay)) or None
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=fused)

@@ -4,19 +4,22 @@ gloo forgives orderings that hang NCCL, so no CPU test can show an NCCL deadlock
 takes a *comm trace*: per pipeline rank, the host-ordered events that ``executor.run_schedule`` produced
 through ``RecordingComm`` (a transport that records instead of sending):
 
-    {"issue": [{"op": "send"|"recv", "peer": q, "msg": [kind, microbatch, sender_stage]}, ...]}
+    {"issue": [{"op": "send"|"recv", "peer": q, "msg": [kind, microbatch, sender_stage]}, ...],
+     "comm": name}                       "comm" (optional, default "pp"): the communicator it goes on
     {"wait": i}                          the compute stream waits for this rank's i-th issue
     {"compute": [op, microbatch, local_chunk]}
 
 and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
 
-* a rank's issues run on one NCCL stream in issue order: issue i starts once issue i-1 completed and the
-  compute stream has run everything the host put on it before issue i;
+* a rank's issues on one communicator run on that communicator's NCCL stream in issue order: issue i
+  starts once the previous issue on the same communicator completed and the compute stream has run
+  everything the host put on it before issue i. Issues on different communicators (``P2PComm`` with one
+  communicator per direction: activations "F", gradients "B") run on different streams, independently;
 * a receive completes once the peer's matching send is running (its issue started); a send completes on
   its own (``sends_wait_for_receive=False``) or only once its receive is posted (``True``: NCCL promises
   no buffering); an issue (one Work) completes when all its operations did;
 * ``wait`` makes the compute stream, not the host, wait for a whole issue;
-* messages between two ranks match first-in first-out.
+* messages between two ranks on one communicator match first-in first-out.
 
 It also checks that every matched pair carries the same message and that a compute never consumes a
 received tensor whose issue it has not waited for. ``check_trace`` returns the problems found (none:
@@ -56,6 +59,7 @@ class RecordingComm:
     p: int
     events: list[dict] = field(default_factory=list)
     placement: str = "loop"
+    per_direction: bool = False  # one communicator per direction, as ``P2PComm(groups=...)`` posts them
     _issues: int = 0
     _send_issues: list[int] = field(default_factory=list)
 
@@ -67,13 +71,22 @@ class RecordingComm:
         return [kind, action.microbatch, stage]
 
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
+        if not self.per_direction:
+            return self._issue(sends, recvs, None)
+        posted = {}
+        for kind in ("F", "B"):  # P2PComm's order: the activations' batch, then the gradients'
+            posted |= self._issue([(a, t) for a, t in sends if a.op[-1] == kind],
+                                  [a for a in recvs if a.op[-1] == kind], kind)
+        return posted
+
+    def _issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action], comm: str | None) -> dict:
         ops = [{"op": "send", "peer": a.peer, "msg": self._msg(a)} for a, _ in sends]
         ops += [{"op": "recv", "peer": a.peer, "msg": self._msg(a)} for a in recvs]
         if not ops:
             return {}
         index = self._issues
         self._issues += 1
-        self.events.append({"issue": ops})
+        self.events.append({"issue": ops} if comm is None else {"issue": ops, "comm": comm})
         if sends:
             self._send_issues.append(index)
         return {(a.op[-1], a.microbatch, a.chunk): _Posted(index) for a in recvs}
@@ -117,19 +130,20 @@ class _TraceStage:
 
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
-                      lists: Sequence[Sequence[Action]] | None = None) -> dict:
+                      lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
-    recording transport; return the comm trace (module docstring)."""
+    recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
+    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
         events: list[dict] = []
-        run_schedule(lists[r], _TraceStage(r, p, v, events, placement), RecordingComm(r, p, events, placement),
-                     count_saved_bytes=False)
+        run_schedule(lists[r], _TraceStage(r, p, v, events, placement),
+                     RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False)
         ranks.append(events)
     return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
-            "ranks": ranks}
+            "per_direction": per_direction, "ranks": ranks}
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -140,9 +154,24 @@ class _Rank:
     stream: list[Any]  # compute-stream items in host order: ("compute", ...) or ("wait", issue)
     issues: list[list[dict]]  # ops of each issue
     after: list[int]  # stream items the host had put before each issue
+    comms: list[str]  # the communicator of each issue
     done: int = 0  # stream items completed
-    started: int = 0  # issues started (in order)
-    completed: int = 0  # issues completed (in order too: an issue starts only after the one before)
+    started: set[int] = field(default_factory=set)  # issues started
+    completed: set[int] = field(default_factory=set)  # issues completed
+    queues: dict[str, list[int]] = field(default_factory=dict)  # each communicator's issues, in order
+    heads: dict[str, int] = field(default_factory=dict)  # per communicator: how many have started
+
+    def __post_init__(self) -> None:
+        for i, comm in enumerate(self.comms):
+            self.queues.setdefault(comm, []).append(i)
+        self.heads = dict.fromkeys(self.queues, 0)
+        self._previous = {}
+        for queue in self.queues.values():
+            self._previous |= dict(zip(queue[1:], queue[:-1]))
+
+    def previous(self, i: int) -> int | None:
+        """The issue before ``i`` on the same communicator (its stream runs them in order)."""
+        return self._previous.get(i)
 
 
 def _describe(op: dict) -> str:
@@ -166,14 +195,21 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
         q, j, _ = partner
         if ranks[r].issues[i][k]["op"] == "send" and not sends_wait_for_receive:
             return True
-        return ranks[q].started > j  # the peer's matching operation is posted and running
+        return j in ranks[q].started  # the peer's matching operation is posted and running
 
     def complete(r: int, i: int) -> bool:
         rk = ranks[r]
-        while rk.completed < rk.started and all(
-                op_done(r, rk.completed, k) for k in range(len(rk.issues[rk.completed]))):
-            rk.completed += 1
-        return i < rk.completed
+        if i in rk.completed:
+            return True
+        if i in rk.started and all(op_done(r, i, k) for k in range(len(rk.issues[i]))):
+            rk.completed.add(i)
+            return True
+        return False
+
+    def can_start(r: int, i: int) -> bool:
+        rk = ranks[r]
+        before = rk.previous(i)
+        return rk.done >= rk.after[i] and (before is None or complete(r, before))
 
     progress = True
     while progress:
@@ -181,10 +217,11 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
         for r, rk in enumerate(ranks):
             while True:
                 moved = False
-                i = rk.started
-                if i < len(rk.issues) and rk.done >= rk.after[i] and (i == 0 or complete(r, i - 1)):
-                    rk.started += 1
-                    moved = True
+                for comm, queue in rk.queues.items():  # each stream starts its next issue when it can
+                    while rk.heads[comm] < len(queue) and can_start(r, queue[rk.heads[comm]]):
+                        rk.started.add(queue[rk.heads[comm]])
+                        rk.heads[comm] += 1
+                        moved = True
                 while rk.done < len(rk.stream):
                     item = rk.stream[rk.done]
                     if item[0] != "compute" and not complete(r, item[1]):
@@ -205,8 +242,9 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
         first = next((i for i in range(len(rk.issues)) if not complete(r, i)), None)
         if first is None:
             why = "no such issue was made"
-        elif rk.started <= first:
-            why = f"issue #{first} cannot start (issue #{first - 1} incomplete or compute not reached)"
+        elif first not in rk.started:
+            why = (f"issue #{first} cannot start (issue #{rk.previous(first)} on its communicator incomplete "
+                   "or compute not reached)")
         else:
             stuck = [_describe(op) for k, op in enumerate(rk.issues[first]) if not op_done(r, first, k)]
             why = f"issue #{first} waits on: {'; '.join(stuck)}"
@@ -218,30 +256,33 @@ def _split(events: Sequence[dict]) -> _Rank:
     stream: list[Any] = []
     issues: list[list[dict]] = []
     after: list[int] = []
+    comms: list[str] = []
     for event in events:
         if "issue" in event:
             issues.append(event["issue"])
             after.append(len(stream))
+            comms.append(event.get("comm", "pp"))
         elif "wait" in event:
             stream.append(("wait", event["wait"]))
         else:
             stream.append(("compute", *event["compute"]))
-    return _Rank(stream, issues, after)
+    return _Rank(stream, issues, after, comms)
 
 
 def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """Pair the n-th send from r to q with the n-th receive on q from r (FIFO per channel)."""
-    queues: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}
+    """Pair the n-th send from r to q with the n-th receive on q from r (FIFO per channel: one pair of
+    ranks on one communicator)."""
+    queues: dict[tuple[str, int, int, str], list[tuple[int, int, int]]] = {}
     for r, rk in enumerate(ranks):
         for i, ops in enumerate(rk.issues):
             for k, op in enumerate(ops):
                 src, dst = (r, op["peer"]) if op["op"] == "send" else (op["peer"], r)
-                queues.setdefault((op["op"], src, dst), []).append((r, i, k))
+                queues.setdefault((op["op"], src, dst, rk.comms[i]), []).append((r, i, k))
     match = {}
-    for (op, src, dst), ends in queues.items():
+    for (op, src, dst, comm), ends in queues.items():
         if op != "send":
             continue
-        recvs = queues.get(("recv", src, dst), [])
+        recvs = queues.get(("recv", src, dst, comm), [])
         for a, b in zip(ends, recvs):
             sent, got = ranks[a[0]].issues[a[1]][a[2]]["msg"], ranks[b[0]].issues[b[1]][b[2]]["msg"]
             if list(sent) != list(got):
@@ -250,8 +291,8 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
             match[a], match[b] = b, a
         if len(ends) != len(recvs):
             problems.append(f"unmatched: {len(ends)} sends from rank {src} to rank {dst}, {len(recvs)} receives")
-    for (op, src, dst), recvs in queues.items():
-        if op == "recv" and ("send", src, dst) not in queues:
+    for (op, src, dst, comm), recvs in queues.items():
+        if op == "recv" and ("send", src, dst, comm) not in queues:
             problems.append(f"unmatched: rank {dst} receives {len(recvs)} messages rank {src} never sends")
     return match
 
@@ -295,7 +336,8 @@ def check_all_send_models(trace: dict) -> dict[str, list[str]]:
 def write_trace(trace: dict, path: str | Path) -> None:
     """The trace as JSON, one line per event so a user can read it (atomic: temp file, then rename)."""
     path = Path(path)
-    head = {k: trace[k] for k in ("schedule", "p", "v", "m", "forward_only", "placement") if k in trace}
+    head = {k: trace[k] for k in ("schedule", "p", "v", "m", "forward_only", "placement", "per_direction")
+            if k in trace}
     rows = ",\n".join(
         "  [\n" + ",\n".join("    " + json.dumps(e) for e in events) + "\n  ]" for events in trace["ranks"])
     text = json.dumps(head)[:-1] + ',\n "ranks": [\n' + rows + "\n ]}\n"

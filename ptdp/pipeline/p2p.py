@@ -11,6 +11,11 @@ communication overlaps compute. Messages between two ranks are matched first-in 
 1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
 §Communication per microbatch). Activations and their gradients have the same shape, so one packed shape
 serves both directions.
+
+With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks, issue 26) the
+activations travel on one communicator and the gradients on the other: each run is posted as up to two
+batches (activations first), each on its communicator's own NCCL stream, so a send forward never queues
+behind a send backward. ``nccl_model`` plays that layout too (``record_comm_trace(per_direction=True)``).
 """
 
 from __future__ import annotations
@@ -77,23 +82,34 @@ class P2PComm:
     pack: Hook | None = None
     unpack: Hook | None = None
     packed_shape: tuple[int, ...] | None = None
+    groups: dict[str, dist.ProcessGroup] | None = None  # one communicator per direction: {"F": ..., "B": ...}
     _sends: list = field(default_factory=list, repr=False)
 
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
-        """Post sends and receives in one batch; return {message_key: PendingRecv} for the receives."""
+        """Post sends and receives in one batch (one per direction with ``groups``); return
+        {message_key: PendingRecv} for the receives."""
+        if self.groups is None:
+            return self._issue(sends, recvs, self.group)
+        posted = {}
+        for kind in ("F", "B"):  # the order nccl_model.RecordingComm(per_direction=True) records
+            posted |= self._issue([(a, t) for a, t in sends if a.op[-1] == kind],
+                                  [a for a in recvs if a.op[-1] == kind], self.groups[kind])
+        return posted
+
+    def _issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action], group) -> dict:
         ops: list[dist.P2POp] = []
         for action, tensor in sends:
             payload = self.pack(tensor) if self.pack is not None else tensor
-            ops.append(dist.P2POp(dist.isend, payload.contiguous(), self.pp_ranks[action.peer], self.group))
+            ops.append(dist.P2POp(dist.isend, payload.contiguous(), self.pp_ranks[action.peer], group))
         buffers = []
         for action in recvs:
             buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
             buffers.append((action, buf, len(ops)))
-            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], group))
         if not ops:
             return {}
         self._reap_sends()
-        flight_recorder.record("batch_isend_irecv", group=self.group, peer=[op.peer for op in ops],
+        flight_recorder.record("batch_isend_irecv", group=group, peer=[op.peer for op in ops],
                                tensor=[op.tensor for op in ops],
                                action=" ".join(map(repr, [a for a, _ in sends] + list(recvs))))
         batch = _Batch(dist.batch_isend_irecv(ops), len(ops))
@@ -124,3 +140,18 @@ class P2PComm:
             else:
                 keep.append((batch, sent))
         self._sends = keep
+
+
+def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:
+    """This rank's two pipeline communicators, {"F": activations, "B": gradients}: each a process group
+    over this rank's pipeline ranks. Collective: every rank creates every pipeline's pair, in one order."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for dp in range(dims.dp):
+        for cp in range(dims.cp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_of(s, dp, tp, cp) for s in range(dims.pp)]
+                for kind in ("F", "B"):
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[kind] = group
+    return mine

@@ -47,6 +47,8 @@ class ColumnParallelLinear(nn.Module):
     ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
+    fp8_linear = None  # the GEMM in FP8 when ``ptdp.fp8.enable_fp8`` set one (issue 26)
+
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, fused: int = 1, sequence_parallel: bool = False,
                  skip_bias_add: bool = False):
@@ -66,9 +68,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         # weight.flatten(0, -2) x + bias, with wgrad and bias grad deferrable to W (``weight_grad``)
+        mm = self.fp8_linear or linear
         if self.skip_bias_add:
-            return linear(x, self.weight), None if self.bias is None else self.bias.flatten()
-        y = linear(x, self.weight, self.bias)
+            return mm(x, self.weight), None if self.bias is None else self.bias.flatten()
+        y = mm(x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -79,6 +82,8 @@ class RowParallelLinear(nn.Module):
     ``sequence_parallel`` the reduction is a reduce-scatter along the sequence instead of an all-reduce.
     ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
+
+    fp8_linear = None  # the GEMM in FP8 when ``ptdp.fp8.enable_fp8`` set one (issue 26)
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, skip_bias_add: bool = False):
@@ -96,9 +101,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        mm = self.fp8_linear or linear
         if group_size(self.tp_group) == 1 and not self.skip_bias_add:
-            return linear(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
-        y = linear(x, self.weight)
+            return mm(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
+        y = mm(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
