@@ -87,3 +87,39 @@ def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.
     g_bytes = torch.finfo(grad_dtype).bits // 8
     owned = 8 + (4 if param_dtype != torch.float32 else 0) + (4 if grad_dtype != torch.float32 else 0)
     return num_params * (p_bytes + g_bytes + owned / (shards if distributed else 1))
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (``VmHWM``, Linux), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def memory_report(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> dict:
+    """Per-rank ``model_state_bytes`` (distinct storages held) and peak memory, for the metrics JSONL.
+
+    Collective over the world (one all-gather): every rank calls it; lists are indexed by global rank.
+    ``peak_resident_bytes``: the process's peak RSS; ``peak_allocated_bytes``: CUDA's
+    ``max_memory_allocated`` (None on the CPU).
+    """
+    row = [float(model_state_bytes(params, grads, optimizer)["total"]), float(peak_resident_bytes()),
+           float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else -1.0]
+    local = torch.tensor(row, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        rows = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(rows, local)
+    else:
+        rows = [local]
+    states, resident, allocated = (list(col) for col in zip(*(r.tolist() for r in rows), strict=True))
+    return {
+        "model_state_bytes": int(max(states)),
+        "model_state_bytes_per_rank": [int(v) for v in states],
+        "peak_resident_bytes_per_rank": [int(v) for v in resident],
+        "peak_allocated_bytes_per_rank": None if allocated[0] < 0 else [int(v) for v in allocated],
+    }
