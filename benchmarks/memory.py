@@ -22,6 +22,11 @@ lists themselves: ``schedules.peak_stashed`` on the worst rank times the layers 
 the papers claim zb-h1 ≈ 1x, zb-h2 ≈ 2x, zbv ≈ 1x, v-half ≈ 0.5x, v-min ≈ 0.33x (ptdp-facts.md, §Beyond
 the paper: zero-bubble and V schedules).
 
+``korthikanti_bytes`` is Korthikanti et al.'s count with tensor parallelism, s·b·h·(10 + 24/t +
+5·a·s/(h·t)) per layer per microbatch, and s·b·h·(34 + 5·a·s/h)/t with sequence parallelism (issue 32:
+the column-parallel linears keep their s/t-token input, ``ptdp/tensor_parallel/sequence_linear.py``);
+``peak_resident_bytes`` is the worst worker's peak RSS (VmHWM) over the run.
+
     python benchmarks/memory.py            # table
     python benchmarks/memory.py --json     # one JSON object keyed by case
 """
@@ -74,6 +79,8 @@ CASES = {
     "1f1b_recompute_selective": Case(recompute="selective"),
     "1f1b_tp2": Case(t=2, p=2),  # the baseline sequence parallelism is measured against
     "1f1b_sequence_parallel": Case(t=2, p=2, sequence_parallel=True),
+    "zb-h1_tp2": Case(t=2, p=2, schedule="zb-h1"),  # the zero-bubble split, weight grads deferred to W
+    "zb-h1_sequence_parallel": Case(t=2, p=2, schedule="zb-h1", sequence_parallel=True),
     "zb-h1": Case(schedule="zb-h1"),
     "zb-h2": Case(schedule="zb-h2"),
     "zbv": Case(v=2, schedule="zbv"),
@@ -114,6 +121,10 @@ def predictions(case: Case) -> dict:
     layers_per_chunk = spec.num_layers // (case.p * case.v)
     in_flight = [activation_microbatches_in_flight(case.schedule, case.p, case.v, m, r) for r in range(case.p)]
     formula = 2 * s * b * h * (34 + 5 * a * s / h) * layers_per_chunk * in_flight[0]
+    # Korthikanti et al. with t: 10 + 24/t + 5as/(ht) per s·b·h; sequence parallelism divides the 10 too
+    t = case.t
+    per_sbh = (34 + 5 * a * s / h) / t if case.sequence_parallel else 10 + 24 / t + 5 * a * s / (h * t)
+    korthikanti = 2 * s * b * h * per_sbh * layers_per_chunk * in_flight[0]
     cfg = ParallelConfig(case.t, case.p, d, case.v, MICRO_BATCH, case.recompute or "none",
                          sequence_parallel=case.sequence_parallel)
     stash = 2 * activation_bytes_per_layer(spec, cfg)  # the planner counts 16-bit activations
@@ -123,6 +134,7 @@ def predictions(case: Case) -> dict:
     planner = max(n * layers_per_chunk * stash + (logits if r == case.p - 1 else 0) for r, n in enumerate(in_flight))
     # the executor measures what is stashed; a full-recompute unit's rebuilt working set is reported apart
     return {"in_flight_formula": in_flight[0], "formula_bytes": int(formula), "planner_bytes": int(planner),
+            "korthikanti_bytes": int(korthikanti),
             "planner_recompute_working_bytes": int(working)}
 
 
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_in_flight_microbatches": record["peak_in_flight_microbatches"],
                 **pred,
                 "measured_over_formula": round(measured / pred["formula_bytes"], 3),
+                "measured_over_korthikanti": round(measured / pred["korthikanti_bytes"], 3),
+                "peak_resident_bytes": max(record["peak_resident_bytes_per_rank"]),
                 "measured_over_planner": round(measured / pred["planner_bytes"], 3),
                 "ratio_to_1f1b": None,
                 "stashed_layers": stashed_layers(case),
@@ -159,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model {MODEL}, b={MICRO_BATCH}, B={GLOBAL_BATCH}, {WORLD} processes, fp32, dropout 0.1")
     print(f"{'case':26s} {'t,p,d,v':>8s} {'in-flight':>9s} {'measured MB':>12s} {'formula MB':>11s} "
-          f"{'planner MB':>11s} {'/1f1b':>6s} {'predicted':>9s}")
+          f"{'planner MB':>11s} {'Korth. MB':>10s} {'peak RSS MB':>12s} {'/1f1b':>6s} {'predicted':>9s}")
     for name, r in results.items():
         lay = r["layout"]
         print(f"{name:26s} {lay['t']},{lay['p']},{lay['d']},{lay['v']:>2} {r['peak_in_flight_microbatches']:9d} "
               f"{r['peak_activation_bytes'] / 1e6:12.3f} {r['formula_bytes'] / 1e6:11.3f} "
-              f"{r['planner_bytes'] / 1e6:11.3f} {r['ratio_to_1f1b'] or float('nan'):6.2f} "
+              f"{r['planner_bytes'] / 1e6:11.3f} {r['korthikanti_bytes'] / 1e6:10.3f} "
+              f"{r['peak_resident_bytes'] / 1e6:12.1f} {r['ratio_to_1f1b'] or float('nan'):6.2f} "
               f"{r['stashed_ratio_to_1f1b']:9.2f}")
     return 0
 

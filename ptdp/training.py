@@ -30,6 +30,7 @@ from .observability.clock import Clock
 from .observability.observer import RunObserver
 from .observability.timeline import Timeline, span
 from .optim import GradBuckets, MegatronOptimizer, learning_rate, params_dtype, setup_optimizer
+from .optim.memory import memory_report
 from .parallel import ParallelDims, ParallelState, init_distributed
 from .phases import phase
 from .pipeline.executor import ModuleStage, ScheduleStats, run_schedule
@@ -377,6 +378,7 @@ def train(config: Config) -> list[dict]:
         schedule_stats = [r.get("schedule_stats") for _, _, r in pending]
         records = read_records(trainer, [r for _, _, r in pending])
         records[-1].update(straggler_report(trainer, schedule_stats))  # one all-gather per flush
+        records[-1].update(memory_report(trainer.params, trainer.grads, trainer.optimizer, trainer.state.device))
         for (t0, t1, _), record in zip(pending, records, strict=True):
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")

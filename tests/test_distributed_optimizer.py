@@ -2,7 +2,8 @@
 
 Unit level: two real gloo ranks shard a small model's AdamW over DP, with buckets that cut parameters
 across shard boundaries, and match ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the full batch in one
-process; the logical per-parameter state round-trips. End to end: ``ptdp train`` matches one process.
+process; the logical per-parameter state round-trips. End to end: ``ptdp train`` matches one process
+(losses and gradient norms) at d = 2 and 4, with t = 2 and sequence parallelism, and in the 2x2x2x2 layout.
 """
 
 from __future__ import annotations
@@ -98,8 +99,22 @@ def test_sharded_adamw_equals_torch_adamw(tmp_path):
     spawn(_check_with_and_without_overlap, 2, tmp_path)
 
 
-@pytest.mark.parametrize("nproc,layout", [(2, []), (8, LAYOUT_2222)], ids=["d2", "t2p2d2v2"])
-def test_distributed_optimizer_matches_single_process(tmp_path, reference, nproc, layout):
+@pytest.fixture(scope="module")
+def reference_records(tmp_path_factory) -> list[dict]:
+    """One process, no distributed optimizer: the losses and gradient norms every layout must give."""
+    return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
+
+
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.mark.parametrize("nproc,layout", [(2, []), (4, []), (4, SP), (8, LAYOUT_2222)],
+                         ids=["d2", "d4", "t2d2-sequence-parallel", "t2p2d2v2"])
+def test_distributed_optimizer_matches_single_process(tmp_path, reference_records, nproc, layout):
     # a small bucket size: several buckets, so parameters straddle the DP shard boundaries
     extra = ["--use-distributed-optimizer", "--grad-bucket-size-mb", "0.01", *layout]
-    assert losses(train_metrics(tmp_path, nproc, extra)) == pytest.approx(reference, rel=RTOL)
+    got = train_metrics(tmp_path, nproc, extra)
+    assert losses(got) == pytest.approx(losses(reference_records), rel=RTOL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in reference_records], rel=RTOL)
+    # model states per rank: 8 + 8/d bytes per parameter (fp32), counted from the tensors held
+    assert got[-1]["model_state_bytes"] == max(got[-1]["model_state_bytes_per_rank"]) > 0

@@ -3,18 +3,20 @@
 ``grad_buffer``: flat per-bucket gradient buffers, DP reduction (overlapped with the backward if asked);
 ``optimizer``: fp32 / mixed-precision / distributed (ZeRO-1) AdamW; ``grad_scaler``: fp16 loss scaling;
 ``clip_grads``: the global norm; ``lr_schedule``: Megatron's learning rate; ``setup``: building it all
-from a :class:`~ptdp.config.Config`.
+from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, counted and by formula.
 """
 
 from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
 from .grad_buffer import Bucket, GradBuckets
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .lr_schedule import learning_rate
+from .memory import model_state_bytes, model_state_formula_bytes
 from .optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
 from .setup import params_dtype, setup_optimizer
 
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
     "MegatronOptimizer", "build_optimizer", "clip_grads", "counts_in_grad_norm",
-    "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "params_dtype", "setup_optimizer",
+    "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "model_state_bytes", "model_state_formula_bytes",
+    "params_dtype", "setup_optimizer",
 ]

@@ -12,6 +12,15 @@ contiguous ``r``-th 1/d of it: the bucket is reduce-scattered instead of all-red
 parameters come back through an all-gather of the flat parameter buffer (``param.data`` is a view into
 it). See ptdp-facts.md, §Communication ("one all-reduce, or reduce-scatter + all-gather") and §Memory.
 
+Both collectives run *in place* (Megatron's layout: a rank's shard is a view of the bucket), so ZeRO-1
+holds no buffer beside the flat parameter and gradient buffers: per rank, model states are exactly what
+the formulas say (:mod:`ptdp.optim.memory` counts them). On the GPU they are NCCL's in-place
+reduce-scatter and all-gather. gloo (CPU) has neither natively: its reduce-scatter all-reduces a full-size
+copy of the input and its all-gather stages the output in a full-size temporary, both kept alive by the
+returned work object, so on the CPU the reduction is the same all-reduce done in place on the bucket
+(bit for bit what gloo's reduce-scatter computes) and the parameters come back by one in-place broadcast
+per shard (the all-gather's volume, no temporary).
+
 With ``overlap_grad_reduce`` a bucket's collective is launched asynchronously from the backward hook as
 soon as every parameter in it has received its gradient of the iteration's *last* microbatch (the
 hooks count backward passes per parameter), so the DP communication hides behind the remaining backward.
@@ -43,7 +52,13 @@ class Bucket:
     shard_end: int
     pending: int = 0  # parameters still waiting for their last-microbatch gradient
     handle: dist.Work | None = None
-    shard_out: torch.Tensor | None = field(default=None, repr=False)  # reduce-scatter output
+    shard_out: torch.Tensor | None = field(default=None, repr=False)  # unused: the reduction is in place
+    synced: bool = False  # reduced this iteration (its handle waited for and dropped)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's owned slice of ``grad_data`` (a view: the in-place reduce-scatter's output)."""
+        return self.grad_data[self.shard_start:self.shard_end]
 
 
 class GradBuckets:
@@ -62,6 +77,8 @@ class GradBuckets:
         self.shard_count = self.dp_size if distributed_optimizer else 1
         self.shard_index = group_rank(dp_group) if distributed_optimizer else 0
         self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size > 1
+        self._dp_ranks = [r if dp_group is None else dist.get_global_rank(dp_group, r) for r in range(self.dp_size)] \
+            if distributed_optimizer and self.dp_size > 1 else []
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self._backward_count: dict[nn.Parameter, int] = {}
@@ -107,8 +124,6 @@ class GradBuckets:
                 p.data = view
             offset += p.numel()
             self._bucket_of[p] = bucket
-        if self.distributed_optimizer and self.dp_size > 1:
-            bucket.shard_out = torch.empty(shard, dtype=grad_data.dtype, device=grad_data.device)
         self.buckets.append(bucket)
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -125,6 +140,7 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.grad_data.zero_()
             bucket.handle = None
+            bucket.synced = False
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if grad_deferred(param):  # zero-bubble I: no grad yet, it comes (and counts) in W
@@ -143,13 +159,13 @@ class GradBuckets:
 
     def _launch(self, bucket: Bucket) -> None:
         """Average over DP (the loss is a mean over the global batch) with one async collective."""
-        if self.dp_size == 1 or bucket.handle is not None:
+        if self.dp_size == 1 or bucket.handle is not None or bucket.synced:
             return
         bucket.grad_data.div_(self.dp_size)
-        if self.distributed_optimizer:
-            bucket.handle = reduce_scatter_single(bucket.shard_out, bucket.grad_data, group=self.dp_group,
-                                                       async_op=True)
-        else:
+        if self.distributed_optimizer and bucket.grad_data.device.type != "cpu":
+            bucket.handle = reduce_scatter_single(bucket.shard, bucket.grad_data, group=self.dp_group,
+                                                  async_op=True)
+        else:  # gloo: reduce-scatter is an all-reduce of a copy; this one is in place (module docstring)
             flight_recorder.record("all_reduce", group=self.dp_group, tensor=bucket.grad_data, action="dp_grads")
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
 
@@ -165,8 +181,7 @@ class GradBuckets:
             if bucket.handle is None:
                 continue
             bucket.handle.wait()
-            if bucket.shard_out is not None:
-                bucket.grad_data[bucket.shard_start:bucket.shard_end].copy_(bucket.shard_out)
+            bucket.handle, bucket.synced = None, True  # a work object may pin the collective's buffers
         self._expected_backwards = None
 
     def all_reduce(self) -> None:
@@ -175,7 +190,7 @@ class GradBuckets:
 
     def launched(self) -> list[bool]:
         """Per bucket, whether its reduction is already in flight (tests check the overlap with it)."""
-        return [b.handle is not None for b in self.buckets]
+        return [b.handle is not None or b.synced for b in self.buckets]
 
     # -- distributed optimizer: parameters back from their owners ---------------------------------------
 
@@ -185,7 +200,15 @@ class GradBuckets:
             return
         handles = []
         for b in self.buckets:
-            own = b.param_data[b.shard_start:b.shard_end].clone()
-            handles.append(all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
+            if b.param_data.device.type != "cpu":  # in place: this rank's shard is a view of the output
+                own = b.param_data[b.shard_start:b.shard_end]
+                handles.append(all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
+                continue
+            size = b.shard_end - b.shard_start  # gloo: one broadcast per owner (module docstring)
+            for r in range(self.dp_size):
+                flight_recorder.record("broadcast", group=self.dp_group, tensor=b.param_data[:size],
+                                       action="zero_params")
+                handles.append(dist.broadcast(b.param_data[r * size:(r + 1) * size], src=self._dp_ranks[r],
+                                              group=self.dp_group, async_op=True))
         for handle in handles:
             handle.wait()

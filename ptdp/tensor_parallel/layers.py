@@ -22,6 +22,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .sequence_linear import sequence_parallel_linear
 from .weight_grad import add_bias, linear
 
 
@@ -43,7 +44,8 @@ class ColumnParallelLinear(nn.Module):
     ``fused`` > 1 packs that many independent column blocks (e.g. Q, K and V) into one weight of full
     shape ``[fused, output_size, input_size]`` split along dim 1, so each rank gets its own heads of all
     three and the split stays contiguous (a plain ``[3h, h]`` weight would need a strided split).
-    With ``sequence_parallel`` the input arrives split along the sequence and is all-gathered here.
+    With ``sequence_parallel`` the input arrives split along the sequence and is all-gathered here; only
+    the split input is kept for the backward, which gathers it again (``sequence_linear``).
     ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
@@ -63,15 +65,20 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark_parallel(nn.Parameter(torch.zeros(shape[:-1])), len(shape) - 2) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         # weight.flatten(0, -2) x + bias, with wgrad and bias grad deferrable to W (``weight_grad``)
-        mm = self.fp8_linear or linear
+        bias = None if self.skip_bias_add else self.bias
+        if self.fp8_linear is not None:  # torchao's FP8 GEMM takes the whole (gathered) input
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.tp_group)
+            else:
+                x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            y = self.fp8_linear(x, self.weight, bias)
+        elif self.sequence_parallel:  # all-gathers the sequence, but keeps only this rank's s/t for backward
+            y = sequence_parallel_linear(x, self.weight, bias, self.tp_group)
+        else:
+            y = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, bias)
         if self.skip_bias_add:
-            return mm(x, self.weight), None if self.bias is None else self.bias.flatten()
-        y = mm(x, self.weight, self.bias)
+            return y, None if self.bias is None else self.bias.flatten()
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
