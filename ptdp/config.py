@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +202,13 @@ class DataConfig:
     data_path: list[str] = opt([], "indexed dataset prefix(es), Megatron's [weight] prefix form; "
                                "default: the embedded standard-library corpus", nargs="*")
     split: str = opt("969,30,1", "train,valid,test proportions")
+    # Megatron's data and tokenizer flags (ptdp/data/tokenizer_flags.py, docs/data.md)
+    data_cache_path: str | None = opt(None, "save/load the sample-order index arrays (.npy) in this directory")
+    tokenizer_type: str | None = opt(None, "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ByteTokenizer "
+                                     "or PTDPBPETokenizer (default: the tokenizer saved beside the data)")
+    tokenizer_model: str | None = opt(None, "Hugging Face tokenizer directory or tokenizer.json")
+    vocab_file: str | None = opt(None, "GPT2BPETokenizer vocab.json")
+    merge_file: str | None = opt(None, "GPT2BPETokenizer merges.txt")
 
 
 @dataclass
@@ -402,8 +411,10 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
             f"--pipeline-schedule interleaved needs the number of microbatches ({microbatches} = "
             f"--global-batch-size / (--micro-batch-size x d)) to be a multiple of "
             f"--pipeline-model-parallel-size {p}")
-    if par.sequence_parallel and t == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t")
+    if par.sequence_parallel and t == 1:  # as Megatron-LM: a warning and off, so configs move between layouts
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("warning: --sequence-parallel is off because --tensor-model-parallel-size is 1", file=sys.stderr)
+        par.sequence_parallel = False
     elif par.sequence_parallel and m.seq_length % t:
         errors.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {t}, "
                       "which --sequence-parallel needs; choose a multiple of t")
