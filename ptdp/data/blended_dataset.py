@@ -57,10 +57,15 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self._size
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def locate(self, i: int) -> tuple[GPTDataset, int]:
+        """(member dataset, sample index in it) of blended sample ``i`` (``ptdp samples`` reads this too)."""
         i = int(i)
         if i < 0 or self._size == 0:
             raise IndexError(f"sample index {i} out of range for a blend of {self._size} samples")
         epoch, local = divmod(i, self._size)
         d = int(self.dataset_index[local])
-        return self.datasets[d][epoch * int(self.counts[d]) + int(self.sample_index[local])]
+        return self.datasets[d], epoch * int(self.counts[d]) + int(self.sample_index[local])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        dataset, k = self.locate(i)
+        return dataset[k]
