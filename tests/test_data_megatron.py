@@ -277,3 +277,24 @@ def test_llama_tokenizer_directory_in_preprocess_and_train(tmp_path):
                                                                    add_special_tokens=False).ids, 2]
     records = train_metrics(tmp_path, 1, [*flags, "--data-path", str(tmp_path / "d"), "--train-iters", "2"])
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_gpt2_bpe_and_null_tokenizer_flags(tmp_path):
+    from ptdp.data import BPETokenizer, DataError
+    from ptdp.data.tokenizer_flags import build_tokenizer
+
+    trained = BPETokenizer.train([f"the quick fox {k} jumps" for k in range(100)], 300)
+    vocab, merges = trained._tok.model.save(str(tmp_path))  # GPT-2's vocab.json + merges.txt layout
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert gpt2.encode("the quick fox 7") == trained.encode("the quick fox 7")
+    assert gpt2.eod_id == trained.eod_id and gpt2.decode(gpt2.encode("fox 12 jumps")) == "fox 12 jumps"
+    null = build_tokenizer("NullTokenizer", vocab_size=1000)
+    assert null.encode("5 17 999") == [5, 17, 999] and null.eod_id == 1000 and null.vocab_size == 1001
+    for args, fragment in ((("NullTokenizer",), "--vocab-size"), (("GPT2BPETokenizer",), "--vocab-file"),
+                           (("SentencePieceTokenizer",), "not supported")):
+        with pytest.raises(DataError, match=fragment):
+            build_tokenizer(*args)
+    (tmp_path / "ids.jsonl").write_text('{"text": "1 2 3"}\n{"text": "7"}\n')
+    run_ptdp(["preprocess", "--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "n"),
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
+    assert reference_read(str(tmp_path / "n")) == [[1, 2, 3, 1000], [7, 1000]]
