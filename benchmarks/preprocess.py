@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import make_jsonl  # noqa: E402  (benchmarks/data.py)
 
 MEGATRON = r'''
-import json, sys, multiprocessing, numpy as np, struct
+import json, sys, multiprocessing, numpy as np, struct, time
+start = time.perf_counter()
 from tokenizers import Tokenizer
 src, tok_file, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 class Encoder:  # megatron/tools/preprocess_data.py: Encoder.initializer / Encoder.encode
@@ -57,6 +58,7 @@ with open(out + ".idx", "wb") as f:
     f.write(lens.tobytes())
     f.write((np.concatenate([[0], np.cumsum(lens[:-1], dtype=np.int64)]) * 2).astype(np.int64).tobytes())
     f.write(np.arange(n + 1, dtype=np.int64).tobytes())
+print(json.dumps({"seconds": time.perf_counter() - start}))
 '''
 
 
@@ -113,14 +115,18 @@ def throughput(tmp: str, mb: float, workers: int) -> dict:
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok_dir, "--workers", str(workers)]
     meg_cmd = [sys.executable, "-c", MEGATRON, src, os.path.join(tok_dir, "tokenizer.json"), os.path.join(tmp, "m"),
                str(workers)]
-    t_meg, rss_meg, _ = run_measured(meg_cmd, os.path.join(tmp, "m.err"))
-    t_ptdp, rss_ptdp, out = run_measured(ptdp_cmd, os.path.join(tmp, "p.err"))
+    wall_meg, rss_meg, out_meg = run_measured(meg_cmd, os.path.join(tmp, "m.err"))
+    wall_ptdp, rss_ptdp, out = run_measured(ptdp_cmd, os.path.join(tmp, "p.err"))
     tokens = json.loads(out.splitlines()[-1])["tokens"]
+    # Work time, from after the imports (ptdp's CLI imports torch; Megatron's script would too): the summary's
+    # "seconds" and the same span in the transcription.
+    t_ptdp, t_meg = json.loads(out.splitlines()[-1])["seconds"], json.loads(out_meg.splitlines()[-1])["seconds"]
     a, b = IndexedDataset(os.path.join(tmp, "p")), IndexedDataset(os.path.join(tmp, "m"))
     assert a.num_tokens == b.num_tokens == tokens and (a.tokens[:] == b.tokens[:]).all(), "outputs differ"
     return {"jsonl_mb": mb, "workers": workers, "tokens": tokens,
             "ptdp_tokens_per_s": round(tokens / t_ptdp), "megatron_tokens_per_s": round(tokens / t_meg),
-            "ptdp_over_megatron": round(t_meg / t_ptdp, 2), "ptdp_peak_rss_mb": rss_ptdp >> 20,
+            "ptdp_over_megatron": round(t_meg / t_ptdp, 2), "wall_s_ptdp": round(wall_ptdp, 1),
+            "wall_s_megatron": round(wall_meg, 1), "ptdp_peak_rss_mb": rss_ptdp >> 20,
             "megatron_peak_rss_mb": rss_meg >> 20}
 
 

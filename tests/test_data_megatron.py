@@ -298,3 +298,20 @@ def test_gpt2_bpe_and_null_tokenizer_flags(tmp_path):
     run_ptdp(["preprocess", "--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "n"),
               "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
     assert reference_read(str(tmp_path / "n")) == [[1, 2, 3, 1000], [7, 1000]]
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log():
+    import io
+
+    from ptdp.data.progress import Progress
+
+    log = io.StringIO()
+    progress = Progress("preprocess", 4000, interval=0, stream=log, tty=False)
+    progress.update(1000, documents=10, tokens=500)
+    progress.update(1000, documents=10, tokens=500)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("preprocess: 50.0% 2.0kB/4.0kB | 20 documents |")
+    assert "tokens/s" in lines[-1] and "ETA 0:" in lines[-1] and "\r" not in log.getvalue()
+    quiet = io.StringIO()
+    Progress("plan", 10, unit="layouts", interval=3600, stream=quiet, tty=False).update(5)
+    assert quiet.getvalue() == ""  # a short search prints nothing into a log

@@ -29,7 +29,7 @@ class Progress:
 
     def __init__(self, desc: str, total: int, unit: str = "B", interval: float = 10.0,
                  stream: TextIO | None = None, tty: bool | None = None) -> None:
-        self.desc, self.total, self.interval = desc, max(int(total), 0), interval
+        self.desc, self.total, self.interval, self.unit = desc, max(int(total), 0), interval, unit
         self.stream = stream or sys.stderr
         self.done = self.documents = self.tokens = 0
         self.start = self._last = time.perf_counter()
@@ -38,7 +38,8 @@ class Progress:
         if tty:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, unit=unit, unit_scale=True, file=self.stream, desc=desc)
+            self._bar = tqdm(total=self.total, unit=unit, unit_scale=unit == "B", file=self.stream, desc=desc,
+                             leave=False)
 
     def update(self, units: int, documents: int = 0, tokens: int = 0) -> None:
         self.done += units
@@ -47,7 +48,8 @@ class Progress:
         now = time.perf_counter()
         if self._bar is not None:
             self._bar.update(units)
-            self._bar.set_postfix_str(f"{self.documents:,} docs, {self.rate() / 1e6:.2f}M tokens/s", refresh=False)
+            if self.tokens:
+                self._bar.set_postfix_str(f"{self.documents:,} docs, {self.rate() / 1e6:.2f}M tokens/s", refresh=False)
         elif now - self._last >= self.interval:
             self._last = now
             print(self.line(), file=self.stream, flush=True)
@@ -59,8 +61,12 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         frac = self.done / self.total if self.total else 1.0
         eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        return (f"{self.desc}: {100 * frac:.1f}% {_size(self.done)}/{_size(self.total)} | {self.documents:,} documents"
-                f" | {self.rate() / 1e6:.2f}M tokens/s | ETA {_eta(eta) if eta == eta else '?'}")
+        if self.unit == "B":
+            done = f"{_size(self.done)}/{_size(self.total)} | {self.documents:,} documents"
+        else:
+            done = f"{self.done:,}/{self.total:,} {self.unit}"
+        rate = f" | {self.rate() / 1e6:.2f}M tokens/s" if self.tokens else ""
+        return f"{self.desc}: {100 * frac:.1f}% {done}{rate} | ETA {_eta(eta) if eta == eta else '?'}"
 
     def close(self) -> None:
         if self._bar is not None:
