@@ -160,11 +160,13 @@ def main() -> None:
     parser.add_argument("--parquet-mb", type=float, default=1024)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-parquet", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = {"cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
-        result["throughput"] = throughput(tmp, args.jsonl_mb, args.workers)
+        if not args.skip_throughput:
+            result["throughput"] = throughput(tmp, args.jsonl_mb, args.workers)
         if not args.skip_parquet:
             result["parquet"] = parquet_memory(tmp, args.parquet_mb, args.workers)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -173,7 +173,9 @@ def read_tasks(files: list[str], keys: list[str]) -> Iterator[Task]:
         if kind == "jsonl":
             yield from _jsonl_tasks(path)
         elif kind == "parquet":
-            pf = _pyarrow().parquet.ParquetFile(path)
+            # Without pre-buffering and with a bounded read buffer: pyarrow's default pre-buffers column chunks
+            # ahead and the process grows with the file (benchmarks/preprocess.py measured 1.4 GB for 1 GB).
+            pf = _pyarrow().parquet.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
             rows = pf.metadata.num_rows
             per_row = max(1, os.path.getsize(path) // max(rows, 1))  # compressed bytes per row
             batch_rows = max(1, min(65536, CHUNK_BYTES // per_row))
