@@ -159,6 +159,8 @@ _COMMANDS = [
      "simulate a pipeline schedule and draw its timeline"),
     ("preprocess", ".data.preprocess", "add_preprocess_arguments", "run_preprocess",
      "tokenize JSONL into indexed .bin/.idx files"),
+    ("samples", ".data.samples", "add_samples_arguments", "run_samples",
+     "print the training samples in the order training reads them (the flags of `ptdp train`)"),
     ("generate", ".generate", "add_generate_arguments", "run_generate",
      "continue a prompt with a checkpoint (any layout, one process)"),
     ("export", ".hf", "add_export_arguments", "run_export",

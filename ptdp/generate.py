@@ -220,7 +220,13 @@ def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str
             return BPETokenizer.from_file(tokenizer_file)
         if override:
             return load_tokenizer(_strip_suffix(override))
-        data_path = config.get("data", {}).get("data_path") or []
+        data = config.get("data", {})
+        if data.get("tokenizer_type"):  # the run's Megatron tokenizer flags
+            from .data.tokenizer_flags import build_tokenizer
+
+            return build_tokenizer(data["tokenizer_type"], data.get("tokenizer_model"), data.get("vocab_file"),
+                                   data.get("merge_file"), config.get("model", {}).get("vocab_size"))
+        data_path = data.get("data_path") or []
         if not data_path:
             return ByteTokenizer()
         prefix = _strip_suffix(parse_data_path(data_path)[0][0])

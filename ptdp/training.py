@@ -21,7 +21,8 @@ from torch import nn
 from . import flops, hardware
 from .checkpointing import CheckpointManager
 from .config import Config
-from .data import build_datasets, get_microbatch
+from .data import get_microbatch
+from .data.training_data import datasets_for_config
 from .evaluation import evaluate, perplexity
 from .fused import compile_layers
 from .model import GPTModel, init_parameters, language_model_loss
@@ -112,7 +113,7 @@ def setup(config: Config) -> Trainer:
                         par.context_parallel_size)
     state = ParallelState(dims, rank, device, schedule_placement(par.schedule))
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
-    data = build_datasets(config.data.data_path or None, config.data.split, config.model.seq_length, tr.seed)
+    data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp)
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s

@@ -35,6 +35,13 @@ def write_corpus(prefix: str, texts=TEXTS) -> np.ndarray:
     return np.asarray(stream, dtype=np.int64)
 
 
+def megatron_windows(dataset) -> list[tuple]:
+    """Every sample Megatron's order can give: windows at stride s of the documents in document-index order."""
+    s = dataset.seq_length
+    stream = np.concatenate([dataset.indexed.document(int(k)) for k in dataset.document_index]).astype(np.int64)
+    return sorted(tuple(stream[j * s : j * s + s + 1].tolist()) for j in range(len(dataset)))
+
+
 @pytest.fixture
 def corpus(tmp_path):
     prefix = str(tmp_path / "corpus")
@@ -69,8 +76,8 @@ def test_samples_are_stride_windows_of_the_stream(corpus):
     assert splits.valid is None and splits.test is None
     assert len(train) == (len(stream) - 1) // s
     got = sorted(tuple(train[i].tolist()) for i in range(len(train)))
-    want = sorted(tuple(stream[j * s : j * s + s + 1].tolist()) for j in range(len(train)))
-    assert got == want
+    assert got == megatron_windows(train)
+    assert sorted(train.document_index.tolist()) == list(range(len(TEXTS)))  # one epoch, documents shuffled
     assert all(train[i].dtype == np.int64 and train[i].shape == (s + 1,) for i in range(3))
     # Shuffled: the first epoch is not the identity order.
     assert [train[i].tolist() for i in range(5)] != [stream[j * s : j * s + s + 1].tolist() for j in range(5)]
@@ -85,22 +92,22 @@ def test_split_by_document_ranges(corpus):
     for dataset, (lo, hi) in zip((splits.train, splits.valid, splits.test), ranges):
         part = stream[int(ds.offsets[lo]) : int(ds.offsets[hi])]
         assert len(dataset) == (len(part) - 1) // 8
-        assert sorted(tuple(dataset[i].tolist()) for i in range(len(dataset))) == sorted(
-            tuple(part[j * 8 : j * 8 + 9].tolist()) for j in range(len(dataset))
-        )
+        assert sorted(dataset.document_index.tolist()) == list(range(lo, hi))
+        assert sorted(tuple(dataset[i].tolist()) for i in range(len(dataset))) == megatron_windows(dataset)
 
 
 def test_epochs_wrap_deterministically(corpus):
     prefix, _ = corpus
-    a = build_datasets([prefix], "1,0,0", 16, seed=7).train
-    b = build_datasets([prefix], "1,0,0", 16, seed=7).train
-    n = len(a)
-    epoch0 = [a[i].tolist() for i in range(n)]
-    epoch1 = [a[n + i].tolist() for i in range(n)]
-    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1  # same samples, fresh order
-    assert [b[i].tolist() for i in range(2 * n - 1, -1, -1)] == (epoch0 + epoch1)[::-1]  # pure function of i
-    c = build_datasets([prefix], "1,0,0", 16, seed=8).train
-    assert [c[i].tolist() for i in range(n)] != epoch0
+    n = len(build_datasets([prefix], "1,0,0", 16, seed=7).train)
+    a = build_datasets([prefix], "1,0,0", 16, seed=7, num_samples=(2 * n, None, None)).train
+    b = build_datasets([prefix], "1,0,0", 16, seed=7, num_samples=(2 * n, None, None)).train
+    assert len(a) >= 2 * n and len(a.document_index) == 2 * len(TEXTS)  # two epochs of documents
+    order = [a[i].tolist() for i in range(len(a))]
+    assert order[:n] != order[n : 2 * n]
+    assert [b[i].tolist() for i in range(len(a) - 1, -1, -1)] == order[::-1]  # pure function of (seed, i)
+    assert [a[len(a) + i].tolist() for i in range(3)] == order[:3]  # past the end: wraps
+    c = build_datasets([prefix], "1,0,0", 16, seed=8, num_samples=(2 * n, None, None)).train
+    assert [c[i].tolist() for i in range(n)] != order[:n]
 
 
 @pytest.mark.parametrize("dp_size,micro", [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1), (4, 3)])
@@ -144,7 +151,7 @@ def test_bad_layout_and_paths(tmp_path, corpus):
         build_datasets([prefix], "969,30,1", 16, 0)
     with open(prefix + ".bin", "wb") as f:
         f.write(b"\0" * 10)  # truncated / foreign .bin
-    with pytest.raises(DataError, match="size does not match"):
+    with pytest.raises(DataError, match="truncated or mismatched"):
         build_datasets([prefix], "969,30,1", 16, 0)
     with pytest.raises(DataError, match="--split"):
         build_datasets(None, "a,b", 16, 0)
@@ -175,10 +182,10 @@ def test_pickle_is_small_and_equivalent(corpus):
     import pickle
 
     prefix, stream = corpus
-    train = build_datasets([prefix], "1,0,0", 8, seed=2).train
+    train = build_datasets([prefix], "1,0,0", 64, seed=2).train
     before = [train[i] for i in range(0, 3 * len(train), 5)]
     blob = pickle.dumps(train)
-    assert len(blob) < stream.nbytes // 4  # the token stream is reopened, not copied
+    assert len(blob) < stream.nbytes // 4  # the token stream is reopened, not copied (the indices are O(samples))
     clone = pickle.loads(blob)
     assert all(np.array_equal(a, clone[i]) for a, i in zip(before, range(0, 3 * len(train), 5)))
 

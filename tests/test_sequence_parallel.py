@@ -69,9 +69,13 @@ def _errors(world: int, **parallel) -> list[str]:
     return validate(config, world)
 
 
-def test_needs_tensor_parallelism():
-    errors = _errors(1, sequence_parallel=True)
-    assert errors == ["--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t"]
+def test_t1_warns_and_turns_it_off(capsys):
+    """As in Megatron-LM: a configuration moved to t = 1 keeps working, sequence parallelism off."""
+    config = Config()
+    config.parallel = dataclasses.replace(config.parallel, sequence_parallel=True)
+    assert validate(config, 1) == []
+    assert config.parallel.sequence_parallel is False
+    assert "--sequence-parallel is off" in capsys.readouterr().err
 
 
 def test_sequence_must_split_evenly():

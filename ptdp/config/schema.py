@@ -204,6 +204,13 @@ class DataConfig:
     data_path: list[str] = opt([], "indexed dataset prefix(es), Megatron's [weight] prefix form; "
                                "default: the embedded standard-library corpus", nargs="*")
     split: str = opt("969,30,1", "train,valid,test proportions")
+    # Megatron's data and tokenizer flags (ptdp/data/tokenizer_flags.py, docs/data.md)
+    data_cache_path: str | None = opt(None, "save/load the sample-order index arrays (.npy) in this directory")
+    tokenizer_type: str | None = opt(None, "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ByteTokenizer "
+                                     "or PTDPBPETokenizer (default: the tokenizer saved beside the data)")
+    tokenizer_model: str | None = opt(None, "Hugging Face tokenizer directory or tokenizer.json")
+    vocab_file: str | None = opt(None, "GPT2BPETokenizer vocab.json")
+    merge_file: str | None = opt(None, "GPT2BPETokenizer merges.txt")
 
 
 @dataclass

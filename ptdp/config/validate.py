@@ -128,9 +128,7 @@ def _shape_errors(config: Config) -> list[str]:
     errors += _llama_errors(m, t)
     if m.vocab_size is not None and m.vocab_size <= 0:
         errors.append(f"--vocab-size must be positive, got {m.vocab_size}")
-    if par.sequence_parallel and t == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1; drop it or raise t")
-    elif par.sequence_parallel and m.seq_length % t:
+    if par.sequence_parallel and t > 1 and m.seq_length % t:  # t = 1: derive turns it off, as Megatron-LM
         errors.append(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {t}, "
                       "which --sequence-parallel needs; choose a multiple of t")
     return errors

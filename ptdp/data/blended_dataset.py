@@ -1,7 +1,7 @@
 """A weighted mix of datasets that tracks the weights at every prefix of the sample stream.
 
-Megatron's greedy rule (``build_blending_indices``): sample ``i`` goes to the dataset that is most
-under-sampled so far, ``argmax_d (w_d * (i + 1) - count_d)``. Every prefix of the stream is then within
+Megatron's greedy rule (``build_blending_indices`` in helpers.cpp): sample ``i`` goes to the dataset that
+is most under-sampled so far, ``argmax_d (w_d * max(i, 1) - count_d)``. Every prefix of the stream is then within
 about one sample per dataset of the target mix, so short runs see the intended blend too, and the
 assignment is deterministic (no RNG). One blend epoch has ``sum(len(d))`` samples; index ``i`` in epoch
 ``e`` reads sample ``e * count_d + k`` of its dataset, so members advance into their own next epoch
@@ -27,7 +27,7 @@ def greedy_blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarra
     sample_index = np.empty(size, dtype=np.int64)
     others = range(1, len(w))
     for i in range(size):  # O(size * len(w)) in pure Python: ~1 s per million samples for two datasets
-        target = i + 1
+        target = max(i, 1)
         d, best = 0, w[0] * target - counts[0]
         for k in others:  # ties go to the lowest index, as in Megatron
             err = w[k] * target - counts[k]
@@ -57,10 +57,15 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self._size
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def locate(self, i: int) -> tuple[GPTDataset, int]:
+        """(member dataset, sample index in it) of blended sample ``i`` (``ptdp samples`` reads this too)."""
         i = int(i)
         if i < 0 or self._size == 0:
             raise IndexError(f"sample index {i} out of range for a blend of {self._size} samples")
         epoch, local = divmod(i, self._size)
         d = int(self.dataset_index[local])
-        return self.datasets[d][epoch * int(self.counts[d]) + int(self.sample_index[local])]
+        return self.datasets[d], epoch * int(self.counts[d]) + int(self.sample_index[local])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        dataset, k = self.locate(i)
+        return dataset[k]

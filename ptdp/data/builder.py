@@ -8,6 +8,8 @@ in proportion, exactly like Megatron's ``get_train_valid_test_split_``; a blend 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ptdp.data.blended_dataset import BlendedDataset
@@ -18,6 +20,7 @@ from ptdp.data.indexed_dataset import IndexedDataset
 from ptdp.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
+MID_LEVEL_SURPLUS = 0.005  # Megatron's --mid-level-dataset-surplus: members build 0.5% extra samples
 
 
 @dataclass
@@ -78,54 +81,89 @@ def _strip_suffix(prefix: str) -> str:
     return prefix
 
 
-def build_datasets(data_path: list[str] | None, split: str, seq_length: int, seed: int) -> DataSplits:
-    """The train/valid/test splits (rank 0 says so when this takes more than 2 s: a first run tokenizes
-    and caches the default corpus, an indexed dataset builds its sample index)."""
+def member_sizes(weights: list[float], target: int | None, surplus: float = MID_LEVEL_SURPLUS) -> list[int | None]:
+    """Samples each blend member must provide for ``target`` blended samples (Megatron's
+    ``_get_size_per_split_per_dataset``: ``ceil(ceil(target * w) * (1 + surplus))``)."""
+    if target is None:
+        return [None] * len(weights)
+    total = sum(weights)
+    return [int(math.ceil(math.ceil(target * w / total) * (1 + surplus))) for w in weights]
+
+
+def build_datasets(
+    data_path: list[str] | None,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int | None] | None = None,
+    cache_path: str | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> DataSplits:
+    """The three splits. ``num_samples`` (train, valid, test) sizes the datasets as Megatron's
+    ``train_valid_test_num_samples`` does (None: one epoch each); ``tokenizer`` (from the tokenizer flags)
+    replaces the one recorded beside the data. Rank 0 says so when this takes more than 2 s (a first run
+    tokenizes and caches the default corpus, an indexed dataset builds its sample index)."""
     from ..phases import phase
 
     with phase("building the datasets"):
-        return _build_datasets(data_path, split, seq_length, seed)
+        return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer)
 
 
-def _build_datasets(data_path: list[str] | None, split: str, seq_length: int, seed: int) -> DataSplits:
+def _build_datasets(
+    data_path: list[str] | None,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int | None] | None,
+    cache_path: str | None,
+    tokenizer: Tokenizer | None,
+) -> DataSplits:
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1, got {seq_length}")
     fractions = parse_split(split)
+    targets = list(num_samples) if num_samples is not None else [None, None, None]
     if data_path:
         prefixes, weights = parse_data_path(data_path)
         prefixes = [_strip_suffix(p) for p in prefixes]
     else:
         prefixes, weights = [default_corpus_prefix()], None
 
-    tokenizers = [load_tokenizer(p) for p in prefixes]
-    for prefix, tok in zip(prefixes[1:], tokenizers[1:]):
-        if tok.fingerprint != tokenizers[0].fingerprint:
-            raise DataError(
-                f"--data-path: {prefix} uses a different tokenizer than {prefixes[0]}; blended datasets must "
-                "share one vocabulary"
-            )
+    if tokenizer is None:
+        tokenizers = [load_tokenizer(p) for p in prefixes]
+        for prefix, tok in zip(prefixes[1:], tokenizers[1:]):
+            if tok.fingerprint != tokenizers[0].fingerprint:
+                raise DataError(
+                    f"--data-path: {prefix} uses a different tokenizer than {prefixes[0]}; blended datasets "
+                    "must share one vocabulary"
+                )
+        tokenizer = tokenizers[0]
 
-    per_split: list[list[GPTDataset]] = [[], [], []]
-    for member, prefix in enumerate(prefixes):
-        indexed = IndexedDataset(prefix)
-        ranges = split_document_ranges(indexed.num_documents, fractions)
-        for split_id, doc_range in enumerate(ranges):
-            salt = split_id * 1_000_003 + member  # distinct shuffle per (split, blend member)
-            per_split[split_id].append(GPTDataset(indexed, doc_range, seq_length, seed, salt=salt))
-
-    def combine(datasets: list[GPTDataset]) -> GPTDataset | BlendedDataset | None:
-        if len(datasets) == 1:
-            return datasets[0] if len(datasets[0]) else None
-        w = weights if weights is not None else [len(d) for d in datasets]
-        kept = [(d, x) for d, x in zip(datasets, w) if len(d) and x > 0]
-        if not kept:
-            return None
-        return BlendedDataset([d for d, _ in kept], [x for _, x in kept])
-
-    train, valid, test = (combine(ds) for ds in per_split)
+    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    if weights is None and len(prefixes) == 1:
+        weights = [1.0]
+    splits: list[GPTDataset | BlendedDataset | None] = []
+    for split_id, name in enumerate(SPLIT_NAMES):
+        target = targets[split_id]
+        sizes = member_sizes(weights, target) if weights is not None and len(prefixes) > 1 else [target] * len(prefixes)
+        members = []
+        for k, data in enumerate(indexed):
+            if weights is not None and weights[k] <= 0:
+                continue  # a weight of 0 keeps the dataset in the list but reads nothing from it
+            doc_range = split_document_ranges(data.num_documents, fractions)[split_id]
+            dataset = GPTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name)
+            if len(dataset):
+                members.append((dataset, weights[k] if weights is not None else len(dataset)))
+        if not members:
+            splits.append(None)
+        elif len(prefixes) == 1:
+            splits.append(members[0][0])
+        else:
+            size = target if weights is not None else None
+            splits.append(BlendedDataset([d for d, _ in members], [w for _, w in members], size))
+    train, valid, test = splits
     if train is None:
         raise DataError(
             f"--data-path: the train split has no sample of {seq_length + 1} tokens; use more data, a smaller "
             "--seq-length, or a larger train share in --split"
         )
-    return DataSplits(train=train, valid=valid, test=test, tokenizer=tokenizers[0])
+    return DataSplits(train=train, valid=valid, test=test, tokenizer=tokenizer)

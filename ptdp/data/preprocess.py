@@ -1,10 +1,13 @@
-"""``ptdp preprocess``: JSONL -> ``PREFIX.bin`` / ``PREFIX.idx`` (+ ``PREFIX.tokenizer.json`` for BPE).
+"""``ptdp preprocess``: JSONL / Parquet / Arrow / ``datasets`` dirs -> Megatron ``PREFIX.bin`` / ``PREFIX.idx``.
 
-Each JSON line is one document; its ``--json-keys`` fields (joined by a blank line when several) are
-tokenized and followed by eod. Lines are parsed and tokenized in ``--workers`` processes, in chunks, and
-written in input order, so the output does not depend on the worker count. Malformed lines (bad JSON,
-not an object, key missing or not a string) are skipped and counted; ``--strict`` makes the first one
-fatal. The last line on stdout is one JSON summary for scripts; progress goes to stderr.
+Each record is one document; its ``--json-keys`` fields (joined by a blank line when several) are tokenized
+and followed by eod. Records are parsed and tokenized in ``--workers`` processes, in ~1 MB chunks, and
+written in input order, so the output does not depend on the worker count and memory stays bounded
+(inputs.py). The files are Megatron's ``MMIDIDX`` format (indexed_dataset.py), readable by Megatron-LM.
+For a Hugging Face tokenizer the tokenizer is saved as ``PREFIX.tokenizer.json`` so ``ptdp train`` finds it
+without flags. Malformed JSONL lines (bad JSON, not an object, key missing or not a string) and records
+whose column is null are skipped and counted; ``--strict`` makes the first one fatal. The last line on
+stdout is one JSON summary for scripts; progress goes to stderr (progress.py).
 """
 
 from __future__ import annotations
@@ -22,18 +25,26 @@ import numpy as np
 
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
-from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer
+from ptdp.data.inputs import Malformed, Task, check_columns, document_text, expand_inputs, read_tasks
+from ptdp.data.progress import Progress
+from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer, Tokenizer
+from ptdp.data.tokenizer_flags import TOKENIZER_TYPES, build_tokenizer
 from ptdp.errors import print_error
-
-CHUNK_BYTES = 1 << 20  # lines per task ~1 MB: big enough to amortise IPC, small enough to balance
 
 
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--input", required=True, help="JSONL file(s), comma-separated")
+    parser.add_argument("--input", required=True,
+                        help="comma-separated JSONL, Parquet or Arrow files, or Hugging Face datasets directories")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="Megatron's tokenizer choice (default: --tokenizer)")
+    parser.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer directory or tokenizer.json")
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
     parser.add_argument("--tokenizer", choices=("byte", "bpe"), default=None,
                         help="byte (default) or bpe (trained here, or the --tokenizer-file)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary to train (default 8192)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="BPE vocabulary to train (default 8192); NullTokenizer's vocabulary")
     parser.add_argument(
         "--tokenizer-file",
         default=None,
@@ -41,73 +52,39 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
         "Llama-style Hugging Face tokenizer.json (documents are BOS + text + EOS)",
     )
     parser.add_argument(
-        "--json-keys", default="text", help="comma-separated keys whose text forms a document"
+        "--json-keys", default="text", help="comma-separated keys (JSONL) or columns (Parquet/Arrow) of the text"
     )
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed line")
+    parser.add_argument("--progress-interval", type=float, default=10.0,
+                        help="seconds between progress lines when stderr is not a terminal")
     return parser
-
-
-class _Malformed(Exception):
-    pass
-
-
-def _document_text(line: bytes, keys: list[str]) -> str | None:
-    """The document of one JSONL line; None for a blank line; raises _Malformed with a reason."""
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise _Malformed(f"invalid JSON ({err})") from None
-    if not isinstance(record, dict):
-        raise _Malformed("not a JSON object")
-    parts = []
-    for key in keys:
-        value = record.get(key)
-        if not isinstance(value, str):
-            raise _Malformed(f"key {key!r} missing or not a string")
-        parts.append(value)
-    return "\n\n".join(parts)
-
-
-def _read_chunks(paths: list[str]) -> Iterator[tuple[str, int, list[bytes]]]:
-    """(path, first line number, lines) in ~CHUNK_BYTES pieces, in input order."""
-    for path in paths:
-        with open(path, "rb") as f:
-            lines: list[bytes] = []
-            size, first = 0, 1
-            for lineno, line in enumerate(f, start=1):
-                lines.append(line)
-                size += len(line)
-                if size >= CHUNK_BYTES:
-                    yield path, first, lines
-                    lines, size, first = [], 0, lineno + 1
-            if lines:
-                yield path, first, lines
 
 
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_path: str | None, keys: list[str], dtype: str) -> None:
-    _worker["tokenizer"] = BPETokenizer.from_file(tokenizer_path) if tokenizer_path else ByteTokenizer()
+def _init_worker(tokenizer: Tokenizer, keys: list[str], dtype: str) -> None:
+    _worker["tokenizer"] = tokenizer
     _worker["keys"] = keys
     _worker["dtype"] = np.dtype(dtype)
 
 
-def _encode_chunk(
-    task: tuple[str, int, list[bytes]],
-) -> tuple[bytes, list[int], list[tuple[str, int, str]], int]:
+def _encode_chunk(task: Task) -> tuple[bytes, list[int], list[tuple[str, int, str]], int]:
     """(tokens as bytes in the output dtype, document lengths, malformed (path, line, reason), input bytes)."""
-    path, first, lines = task
     tok, keys, dtype = _worker["tokenizer"], _worker["keys"], _worker["dtype"]
     texts, malformed = [], []
-    for offset, line in enumerate(lines):
+    for offset, item in enumerate(task.payload):
+        if task.kind == "texts":
+            if item is None:
+                malformed.append((task.path, task.first + offset, f"column {keys[0]!r}... is null, not a string"))
+            else:
+                texts.append(item)
+            continue
         try:
-            text = _document_text(line, keys)
-        except _Malformed as err:
-            malformed.append((path, first + offset, str(err)))
+            text = document_text(item, keys)
+        except Malformed as err:
+            malformed.append((task.path, task.first + offset, str(err)))
             continue
         if text is not None:
             texts.append(text)
@@ -118,7 +95,7 @@ def _encode_chunk(
         docs = [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(texts)]
     pieces = [x for d in docs for x in (d, eod)]
     data = np.concatenate(pieces).tobytes() if pieces else b""
-    return data, [len(d) + 1 for d in docs], malformed, sum(len(line) for line in lines)
+    return data, [len(d) + 1 for d in docs], malformed, task.nbytes
 
 
 def _bounded_imap(pool, tasks: Iterator, max_pending: int) -> Iterator:
@@ -132,14 +109,14 @@ def _bounded_imap(pool, tasks: Iterator, max_pending: int) -> Iterator:
         yield pending.popleft().get()
 
 
-def _training_texts(paths: list[str], keys: list[str], strict: bool, errors: list) -> Iterator[str]:
-    for path, first, lines in _read_chunks(paths):
-        for offset, line in enumerate(lines):
+def _training_texts(files: list[str], keys: list[str], strict: bool, errors: list) -> Iterator[str]:
+    for task in read_tasks(files, keys):
+        for offset, item in enumerate(task.payload):
             try:
-                text = _document_text(line, keys)
-            except _Malformed as err:
+                text = item if task.kind == "texts" else document_text(item, keys)
+            except Malformed as err:
                 if strict:
-                    errors.append((path, first + offset, str(err)))
+                    errors.append((task.path, task.first + offset, str(err)))
                     return
                 continue
             if text is not None:
@@ -147,106 +124,128 @@ def _training_texts(paths: list[str], keys: list[str], strict: bool, errors: lis
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"ptdp preprocess: {message}", file=sys.stderr)
+    print_error("preprocess", message)
     return code
 
 
-def run_preprocess(args: argparse.Namespace) -> int:
-    """Run preprocessing; returns the process exit code (0 ok, 1 data error, 2 bad arguments)."""
-    from tqdm import tqdm
-
-    start = time.perf_counter()
-    paths = [p for p in args.input.split(",") if p]
-    keys = [k for k in args.json_keys.split(",") if k]
-    if not paths:
-        return _fail("--input: no file given; pass --input FILE.jsonl[,FILE2.jsonl]", 2)
-    for path in paths:
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            return _fail(f"--input: cannot read {path} (no such readable file); check the path", 2)
+def _check_flags(args: argparse.Namespace) -> str | None:
+    """The first flag conflict as a message, or None; fills ``args.tokenizer``."""
     if args.workers < 1:
-        return _fail(f"--workers must be >= 1, got {args.workers}", 2)
+        return f"--workers must be >= 1, got {args.workers}"
+    if args.tokenizer_type is not None:
+        if args.tokenizer is not None or args.tokenizer_file is not None:
+            return "--tokenizer-type replaces --tokenizer/--tokenizer-file; give one of them"
+        if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+            return "--vocab-size applies only to --tokenizer bpe and --tokenizer-type NullTokenizer"
+        return None
     if args.tokenizer is None:  # a tokenizer file means BPE; otherwise bytes
         args.tokenizer = "bpe" if args.tokenizer_file is not None else "byte"
     if args.tokenizer == "byte" and args.vocab_size is not None:
-        return _fail("--vocab-size applies only to --tokenizer bpe (the byte tokenizer has 257 ids)", 2)
+        return "--vocab-size applies only to --tokenizer bpe (the byte tokenizer has 257 ids)"
     if args.tokenizer_file is not None and (args.tokenizer != "bpe" or args.vocab_size is not None):
-        return _fail(
-            "--tokenizer-file needs --tokenizer bpe and no --vocab-size (the file fixes the vocab)", 2
-        )
+        return "--tokenizer-file needs --tokenizer bpe and no --vocab-size (the file fixes the vocab)"
+    return None
+
+
+def _tokenizer(args: argparse.Namespace, files: list[str], keys: list[str], prefix: str) -> tuple[Tokenizer, str]:
+    """(tokenizer, its name in the summary); saves PREFIX.tokenizer.json for the BPE family."""
+    if args.tokenizer_type is not None:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                    args.vocab_size)
+        name = args.tokenizer_type
+    elif args.tokenizer_file is not None:
+        tokenizer, name = BPETokenizer.from_file(args.tokenizer_file), "bpe"
+    elif args.tokenizer == "bpe":
+        errors: list = []
+        tokenizer = BPETokenizer.train(_training_texts(files, keys, args.strict, errors), args.vocab_size or 8192)
+        if errors:
+            path, line, reason = errors[0]
+            raise _StrictFailure(f"{path}:{line}: malformed line ({reason}); fix it or drop --strict")
+        name = "bpe"
+    else:
+        tokenizer, name = ByteTokenizer(), "byte"
+    if isinstance(tokenizer, BPETokenizer):
+        tokenizer.save(prefix + TOKENIZER_SUFFIX)
+    elif os.path.exists(prefix + TOKENIZER_SUFFIX):  # a stale BPE file would make readers pick BPE
+        os.remove(prefix + TOKENIZER_SUFFIX)
+    return tokenizer, name
+
+
+class _StrictFailure(Exception):
+    pass
+
+
+def run_preprocess(args: argparse.Namespace) -> int:
+    """Run preprocessing; returns the process exit code (0 ok, 1 malformed under --strict, 2 bad input)."""
+    start = time.perf_counter()
+    keys = [k for k in args.json_keys.split(",") if k]
+    problem = _check_flags(args)
+    if problem:
+        return _fail(problem, 2)
     prefix = args.output_prefix
     out_dir = os.path.dirname(os.path.abspath(prefix))
     try:
+        files = expand_inputs([p for p in args.input.split(",") if p])
+        check_columns(files, keys)
         os.makedirs(out_dir, exist_ok=True)
+    except DataError as err:
+        return _fail(str(err), 2)
     except OSError as err:
         return _fail(f"--output-prefix: cannot create {out_dir} ({err.strerror})", 2)
 
-    tokenizer_path = None
+    train_start = time.perf_counter()
     try:
-        train_start = time.perf_counter()
-        if args.tokenizer_file is not None:
-            tokenizer = BPETokenizer.from_file(args.tokenizer_file)
-            tokenizer_path = prefix + TOKENIZER_SUFFIX
-            tokenizer.save(tokenizer_path)
-        elif args.tokenizer == "bpe":
-            errors: list = []
-            tokenizer = BPETokenizer.train(
-                _training_texts(paths, keys, args.strict, errors), args.vocab_size or 8192
-            )
-            if errors:
-                path, line, reason = errors[0]
-                return _fail(f"{path}:{line}: malformed line ({reason}); fix it or drop --strict", 1)
-            tokenizer_path = prefix + TOKENIZER_SUFFIX
-            tokenizer.save(tokenizer_path)
-        else:
-            tokenizer = ByteTokenizer()
-            if os.path.exists(prefix + TOKENIZER_SUFFIX):  # a stale BPE file would make readers pick BPE
-                os.remove(prefix + TOKENIZER_SUFFIX)
+        tokenizer, tokenizer_name = _tokenizer(args, files, keys, prefix)
     except DataError as err:
         return _fail(str(err), 2)
+    except _StrictFailure as err:
+        return _fail(str(err), 1)
     train_seconds = time.perf_counter() - train_start
 
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     writer = IndexedDatasetWriter(prefix, tokenizer.vocab_size)
-    init = (tokenizer_path, keys, dtype.str)
-    total_bytes = sum(os.path.getsize(p) for p in paths)
+    init = (tokenizer, keys, dtype.str)
+    total_bytes = sum(os.path.getsize(p) for p in files)
     malformed: list[tuple[str, int, str]] = []
     pool = None
+    code, message = 0, ""
     # Training used the Rust thread pool; workers parallelise by process instead (and fork stays quiet).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    progress = Progress("preprocess", total_bytes, interval=args.progress_interval)
     try:
-        if args.workers > 1:
+        if args.workers > 1:  # fork: the tokenizer object is inherited, never pickled
             pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
-            results = _bounded_imap(pool, _read_chunks(paths), 2 * args.workers)
+            results = _bounded_imap(pool, read_tasks(files, keys), 2 * args.workers)
         else:
             _init_worker(*init)
-            results = map(_encode_chunk, _read_chunks(paths))
-        with tqdm(
-            total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, disable=None, desc="preprocess"
-        ) as bar:
-            for data, lengths, bad, nbytes in results:
-                if bad and args.strict:
-                    path, line, reason = bad[0]
-                    writer.abort()
-                    if tokenizer_path is not None and os.path.exists(tokenizer_path):
-                        os.remove(tokenizer_path)
-                    return _fail(f"{path}:{line}: malformed line ({reason}); fix it or drop --strict", 1)
-                malformed.extend(bad)
-                writer.add_documents(data, lengths)
-                bar.update(nbytes)
-        if writer.num_documents == 0:  # an empty dataset is an error, not a result: write nothing
-            writer.abort()
-            if tokenizer_path is not None and os.path.exists(tokenizer_path):
-                os.remove(tokenizer_path)
-            print_error("preprocess", no_document_message(paths, keys))
-            return 2
-        writer.finalize()
+            results = map(_encode_chunk, read_tasks(files, keys))
+        for data, lengths, bad, nbytes in results:
+            if bad and args.strict:
+                path, line, reason = bad[0]
+                code, message = 1, f"{path}:{line}: malformed line ({reason}); fix it or drop --strict"
+                break
+            malformed.extend(bad)
+            writer.add_documents(data, lengths)
+            progress.update(nbytes, documents=len(lengths), tokens=sum(lengths))
+        if code == 0 and writer.num_documents == 0:  # an empty dataset is an error, not a result: write nothing
+            code, message = 2, no_document_message(files, keys)
+        if code == 0:
+            writer.finalize()
+    except DataError as err:
+        code, message = 2, str(err)
     except BaseException:
         writer.abort()
         raise
     finally:
+        progress.close()
         if pool is not None:
             pool.terminate()
             pool.join()
+    if code:  # nothing half-written: the temp .bin goes, and so does a tokenizer file saved above
+        writer.abort()
+        if os.path.exists(prefix + TOKENIZER_SUFFIX) and args.tokenizer_type != "ByteTokenizer":
+            os.remove(prefix + TOKENIZER_SUFFIX)
+        return _fail(message, code)
 
     seconds = time.perf_counter() - start
     summary = {
@@ -254,11 +253,12 @@ def run_preprocess(args: argparse.Namespace) -> int:
         "tokens": writer.num_tokens,
         "output_prefix": prefix,
         "malformed": len(malformed),
-        "tokenizer": args.tokenizer,
+        "tokenizer": tokenizer_name,
         "vocab_size": tokenizer.vocab_size,
         "dtype": dtype.name,
         "input_bytes": total_bytes,
         "seconds": round(seconds, 3),
+        "tokens_per_second": round(writer.num_tokens / max(seconds, 1e-9)),
         "tokenizer_train_seconds": round(train_seconds, 3),
     }
     if malformed:

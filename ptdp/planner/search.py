@@ -228,8 +228,15 @@ def search(
 
     Layouts that would be faster but do not fit come after the fitting ones.
     """
-    configs = candidates(model, cluster, train) if configs is None else configs
-    estimates = [evaluate(model, c, cluster, train) for c in configs]
+    from ..data.progress import Progress  # a bar on a terminal, a line every 10 s in a log
+
+    configs = list(candidates(model, cluster, train) if configs is None else configs)
+    progress = Progress("plan", len(configs), unit="layouts")
+    estimates = []
+    for c in configs:
+        estimates.append(evaluate(model, c, cluster, train))
+        progress.update(1)
+    progress.close()
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.iteration_time_s))
     best = ranked[0] if ranked and ranked[0].fits else None
     seen: set[tuple[int, int]] = set()
