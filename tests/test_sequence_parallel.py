@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from helpers import losses, spawn, train_metrics
 
-from ptdp.config import Config, validate
+from ptdp.config import Config, derive, validate
 from ptdp.model import GPTModel, init_parameters, language_model_loss
 from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
 from ptdp.tensor_parallel import model_parallel_seed
@@ -74,7 +74,8 @@ def test_t1_warns_and_turns_it_off(capsys):
     config = Config()
     config.parallel = dataclasses.replace(config.parallel, sequence_parallel=True)
     assert validate(config, 1) == []
-    assert config.parallel.sequence_parallel is False
+    assert config.parallel.sequence_parallel is True  # validate is pure: derive turns it off
+    assert derive(config, 1).parallel.sequence_parallel is False
     assert "--sequence-parallel is off" in capsys.readouterr().err
 
 
