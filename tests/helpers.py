@@ -21,10 +21,16 @@ LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
                "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: PTDP_TEST_* fault and bug injection
+
+
 def worker_env() -> dict[str, str]:
+    """The environment of every process a test starts: one thread each, unbuffered output, and
+    tests/faults on PYTHONPATH (its sitecustomize patches nothing unless a PTDP_TEST_* variable is set)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
     return env
 
 

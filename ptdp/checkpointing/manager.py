@@ -95,7 +95,6 @@ class CheckpointManager:
                                                                       or "ptdp-run/x"))
             self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
                                                      self.trainer.state.dims.world_size, timeout)
-        _test_kill_hook(self.trainer, iteration)
 
     def due(self, iteration: int) -> bool:
         """Whether ``iteration`` saves or stops by schedule (the same answer on every rank). The loop reads
@@ -162,22 +161,3 @@ class CheckpointManager:
         flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, NaN)")
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
-
-
-def _test_kill_hook(trainer, iteration: int) -> None:
-    """Test-only: ``PTDP_TEST_KILL_AT_ITERATION=N[:TERM]`` makes one rank (``PTDP_TEST_KILL_RANK``, default
-    the last) send itself SIGKILL (or SIGTERM) at the start of iteration N, once per ``--save`` directory
-    (a marker file there keeps a restarted run from dying again). Not a user feature.
-    """
-    spec = os.environ.get("PTDP_TEST_KILL_AT_ITERATION")
-    if not spec:
-        return
-    at, _, name = spec.partition(":")
-    rank = int(os.environ.get("PTDP_TEST_KILL_RANK", trainer.state.dims.world_size - 1))
-    if int(at) != iteration or trainer.state.rank != rank:
-        return
-    marker = Path(trainer.config.checkpoint.save or ".") / f".test-killed-{iteration}"
-    if marker.exists():
-        return
-    marker.touch()
-    os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
