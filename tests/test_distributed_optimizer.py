@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, assert_same_training, losses, spawn, train_metrics
+from helpers import LAYOUT_2222, assert_equivalent, assert_same_training, run_layouts, spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -98,8 +98,16 @@ def test_sharded_adamw_equals_torch_adamw(tmp_path):
     spawn(_check_with_and_without_overlap, 2, tmp_path)
 
 
-@pytest.mark.parametrize("nproc,layout", [(2, []), (8, LAYOUT_2222)], ids=["d2", "t2p2d2v2"])
-def test_distributed_optimizer_matches_single_process(tmp_path, reference, nproc, layout):
-    # a small bucket size: several buckets, so parameters straddle the DP shard boundaries
-    extra = ["--use-distributed-optimizer", "--grad-bucket-size-mb", "0.01", *layout]
-    assert losses(train_metrics(tmp_path, nproc, extra)) == pytest.approx(reference, rel=RTOL)
+# a small bucket size: several buckets, so parameters straddle the DP shard boundaries
+DISTOPT = ["--use-distributed-optimizer", "--grad-bucket-size-mb", "0.01"]
+LAYOUTS = {"d2": (2, DISTOPT), "t2p2d2v2": (8, [*DISTOPT, *LAYOUT_2222])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("distopt"), LAYOUTS)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_distributed_optimizer_matches_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)

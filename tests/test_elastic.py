@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import TINY, losses, run_ptdp, train_metrics, worker_env
+from helpers import TINY, assert_same_run, run_ptdp, train_metrics, worker_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from elastic import kill  # noqa: E402  (the benchmark's: SIGKILL an agent and its workers)
@@ -104,7 +104,7 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
                                                     "--exit-interval", str(stop)])
         assert [r["iteration"] for r in reference] == list(range(resumed + 1, stop + 1))
         got = [by_iteration[i] for i in range(resumed + 1, stop + 1)]
-        assert losses(got) == pytest.approx(losses(reference), rel=RTOL)
+        assert_same_run(got, reference, RTOL)
 
 
 def test_a_world_size_that_cannot_hold_the_layout_names_the_ones_that_can(monkeypatch, capsys):
