@@ -169,12 +169,12 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
+def spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 300) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo processes (file:// rendezvous)."""
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
                              join=False, start_method="spawn")
-    for _ in range(600):  # 5-minute ceiling: a hung collective fails the test instead of blocking CI
+    for _ in range(int(timeout / 0.5)):  # a ceiling: a hung collective fails the test instead of blocking CI
         if ctx.join(timeout=0.5):
             return
     for p in ctx.processes:
@@ -228,7 +228,9 @@ def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: li
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))
         runs[name] = (metrics, ckpt)
-    spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages)
+    # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
+    spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
+          timeout=300 + 120 * len(stages))
     return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
             for name, (metrics, ckpt) in runs.items()}
 
