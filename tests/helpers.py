@@ -72,6 +72,11 @@ def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
 
+def track(records: list[dict]) -> list[tuple[float, float]]:
+    """(loss, gradient norm) per record: what a bit-for-bit comparison of two runs compares."""
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
 # -- equivalence: per iteration the loss and the gradient norm, at the end the weights ---------------------
 
 @dataclass

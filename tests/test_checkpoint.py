@@ -20,6 +20,7 @@ from helpers import (
     losses,
     run_layouts,
     run_ptdp,
+    track,
     train_metrics,
     train_run,
 )
@@ -68,7 +69,7 @@ def reference(tmp_path_factory):
 def t2(tmp_path_factory) -> dict:
     """t=2: six straight iterations, and a run stopped by --exit-interval 3 that saved a checkpoint."""
     tmp = tmp_path_factory.mktemp("t2")
-    straight = losses(train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2"], base=SIX))
+    straight = track(train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2"], base=SIX))  # (loss, grad norm)
     first = train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"),
                                    "--exit-interval", "3"], base=SIX)
     return {"straight": straight, "first": first, "ckpt": tmp / "ckpt"}
@@ -91,7 +92,7 @@ def test_resume_in_place_is_bit_identical(t2, tmp_path):
     resumed = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(t2["ckpt"])],
                             base=SIX)
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
-    assert losses(t2["first"]) + losses(resumed) == t2["straight"]  # bit for bit
+    assert track(t2["first"]) + track(resumed) == t2["straight"]  # bit for bit
     assert tree_digest(t2["ckpt"]) == before  # loading never modifies the checkpoint
 
 
@@ -152,7 +153,7 @@ def test_killed_worker_is_restarted_and_finishes_with_the_same_losses(t2, tmp_pa
                 "--metrics-file", str(metrics)], env={"PTDP_TEST_KILL_AT_ITERATION": "5"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # rank 1 really died
-    got = {r["iteration"]: r["loss"] for r in records(metrics)}  # the restart logs iterations 5 and 6
+    got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records(metrics)}  # the restart logs 5 and 6
     assert [got[i] for i in range(1, 7)] == t2["straight"]
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
 
@@ -272,4 +273,4 @@ def test_imported_full_model_trains_like_a_fresh_start(t2, tmp_path):
     assert back.keys() == dict(model.named_parameters()).keys() and config["model"]["vocab_size"] == 257
     torch.testing.assert_close(back["embedding.word_embeddings.weight"][:257], full["embedding.word_embeddings.weight"])
     got = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "hf")], base=SIX)
-    assert losses(got) == t2["straight"]
+    assert track(got) == t2["straight"]
