@@ -214,6 +214,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
         # back into the whole world, so that the next stage (and the spawn helper) find a default group
         dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
                                 world_size=world_size)
+        dist.barrier()  # all connected before any rank returns (and _entry destroys the group) after the last
 
 
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY) -> dict[str, Run]:
