@@ -68,7 +68,10 @@ def measure(tmp: Path, nproc: int) -> dict:
             "--metrics-file", str(metrics), "--nnodes", "1:2", "--nproc-per-node", str(nproc),
             "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "bench", "--rdzv-conf", RDZV_CONF,
             "--monitor-interval", "0.1", "--max-restarts", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PTDP_TEST_SLOW_RANK": "*:0.2"}
+    # a few seconds of training to kill a node in: tests/faults slows every step (PTDP_TEST_SLOW_RANK)
+    faults = str(Path(__file__).resolve().parents[1] / "tests" / "faults")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PTDP_TEST_SLOW_RANK": "*:0.2",
+           "PYTHONPATH": os.pathsep.join(p for p in (faults, os.environ.get("PYTHONPATH")) if p)}
     logs = {name: tmp / f"{name}.log" for name in "abc"}
     agents: dict[str, subprocess.Popen] = {}
 

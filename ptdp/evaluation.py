@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .data import get_microbatch
 from .model import language_model_loss
-from .observability import flight_recorder, straggler
+from .observability import flight_recorder
 from .pipeline.executor import run_schedule
 from .pipeline.schedules import build_schedule, virtual_stage
 from .tensor_parallel.mappings import group_size
@@ -58,7 +58,6 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
             # A heartbeat per batch: a long evaluation is progress, not a hang (--hang-timeout-s), whatever
             # the layout (with p = 1 it issues no communication the flight recorder would see until the end).
             flight_recorder.record("evaluation", action=f"validation batch {k + 1}/{eval_iters}")
-            straggler.test_delay(state.rank)  # test-only (PTDP_TEST_SLOW_RANK): a slow evaluation
             batches = {
                 j: get_microbatch(dataset, k, tr.global_batch_size, state.dp_rank, state.dims.dp,
                                   tr.micro_batch_size, j).to(state.device)

@@ -207,8 +207,6 @@ def forward_backward(trainer: Trainer, iteration: int) -> tuple[torch.Tensor, Sc
 
     def batch(j: int) -> tuple[torch.Tensor, torch.Tensor]:
         if j not in batches:  # only the first and last stage ever ask
-            if j == 0:  # test-only (PTDP_TEST_SLOW_RANK), inside the schedule's compute time; nothing otherwise
-                straggler.test_delay(state.rank)
             batches[j] = load_microbatch(trainer, iteration, j)
         return batches[j]
 

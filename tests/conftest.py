@@ -16,8 +16,17 @@ def _shared_corpus_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory) -> list[float]:
-    """Single-process losses of the TINY model: what every parallel layout must reproduce."""
-    from helpers import losses, train_metrics
+def reference(tmp_path_factory):
+    """One process training the TINY model (losses, gradient norms, final weights): what every parallel
+    layout must reproduce (``helpers.assert_equivalent``)."""
+    from helpers import train_run
 
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, []))
+    return train_run(tmp_path_factory.mktemp("ref"), 1, [])
+
+
+@pytest.fixture(scope="session")
+def reference_8_layers(tmp_path_factory):
+    """The same with 8 layers, for layouts of p x v = 8 stages."""
+    from helpers import train_run
+
+    return train_run(tmp_path_factory.mktemp("ref8"), 1, ["--num-layers", "8"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -21,10 +23,16 @@ LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
                "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: PTDP_TEST_* fault and bug injection
+
+
 def worker_env() -> dict[str, str]:
+    """The environment of every process a test starts: one thread each, unbuffered output, and
+    tests/faults on PYTHONPATH (its sitecustomize patches nothing unless a PTDP_TEST_* variable is set)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -64,6 +72,94 @@ def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
 
+def track(records: list[dict]) -> list[tuple[float, float]]:
+    """(loss, gradient norm) per record: what a bit-for-bit comparison of two runs compares."""
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+# -- equivalence: per iteration the loss and the gradient norm, at the end the weights ---------------------
+
+@dataclass
+class Run:
+    """One training run: its metrics records and the checkpoint it saved at the end (for its weights)."""
+
+    records: list[dict]
+    ckpt: Path | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return losses(self.records)
+
+    @functools.cached_property
+    def _state(self) -> tuple[dict, dict]:
+        from ptdp.checkpointing import read_full_model_state
+
+        assert self.ckpt is not None, "this run saved no checkpoint: run it with save=True"
+        return read_full_model_state(self.ckpt)
+
+    @property
+    def weights(self) -> dict:
+        """The full (unsharded) model's weights at the end of the run, by logical name."""
+        return self._state[0]
+
+    @functools.cached_property
+    def initial(self) -> dict:
+        """The full model's weights before training (every layout initialises them identically)."""
+        return initial_full_state(*self._state)
+
+
+def train_run(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY,
+              env: dict[str, str] | None = None, save: bool = True) -> Run:
+    """Train like :func:`train_metrics`; with ``save`` (unless ``extra`` saves already) the run also saves
+    its final checkpoint, so that its weights can be compared (saving changes nothing in training)."""
+    ckpt = None
+    if "--save" in extra:
+        ckpt = Path(extra[extra.index("--save") + 1])
+    elif save:
+        ckpt = tmp_path / f"ckpt-{os.urandom(4).hex()}"
+        extra = [*extra, "--save", str(ckpt)]
+    return Run(train_metrics(tmp_path, nproc, extra, base=base, env=env), ckpt)
+
+
+def _records(run: Run | list[dict]) -> list[dict]:
+    return run.records if isinstance(run, Run) else run
+
+
+def assert_same_run(got: Run | list[dict], reference: Run | list[dict], rtol: float = 1e-4) -> None:
+    """Per iteration ``got`` logged, the loss AND the gradient norm are the reference's (matched by
+    iteration number, so a resumed run compares with the reference's later iterations).
+
+    Losses alone are not enough: Adam is invariant to the scale of the gradient, so a wrong data-parallel
+    averaging factor trains the same model and logs the same losses, but not the same gradient norm.
+    """
+    want = {r["iteration"]: r for r in _records(reference)}
+    have = _records(got)
+    assert have, "no iterations logged: the comparison would be vacuous"
+    problems = []
+    for r in have:
+        ref = want.get(r["iteration"])
+        assert ref is not None, f"iteration {r['iteration']} is not in the reference (it has {sorted(want)})"
+        for key in ("loss", "grad_norm"):
+            a, b = r[key], ref[key]
+            if not abs(a - b) <= rtol * abs(b):
+                problems.append(f"iteration {r['iteration']}: {key} {a!r}, one process {b!r} "
+                                f"(relative {abs(a - b) / abs(b):.2e} > {rtol:.0e})")
+    assert not problems, "\n".join(problems)
+
+
+def assert_same_weights(got: Run, reference: Run, rel: float = 1e-3) -> None:
+    """The final weights of ``got`` are the reference's, up to fp32 reduction order (see
+    :func:`assert_same_training`; the yardstick is the reference's update from the initial weights)."""
+    assert_same_training(got.weights, reference.weights, reference.initial, rel=rel)
+
+
+def assert_equivalent(got: Run, reference: Run, rtol: float = 1e-4) -> None:
+    """Same loss and gradient norm every iteration, same weights at the end (when both saved them)."""
+    assert_same_run(got, reference, rtol)
+    if got.ckpt is not None and reference.ckpt is not None:
+        assert_same_weights(got, reference)
+
+
 def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
     import torch.distributed as dist
 
@@ -78,17 +174,71 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
+def spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 300) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo processes (file:// rendezvous)."""
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
                              join=False, start_method="spawn")
-    for _ in range(600):  # 5-minute ceiling: a hung collective fails the test instead of blocking CI
+    for _ in range(int(timeout / 0.5)):  # a ceiling: a hung collective fails the test instead of blocking CI
         if ctx.join(timeout=0.5):
             return
     for p in ctx.processes:
         p.kill()
     raise AssertionError("spawned ranks did not finish in time")
+
+
+def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int, list[str]]]) -> None:
+    """Each stage on the first ``world`` ranks with a fresh gloo group, through the ``train()`` that
+    ``ptdp train`` runs (the other ranks wait for the next stage)."""
+    import torch.distributed as dist
+
+    from ptdp.cli import build_parser
+    from ptdp.config import config_from_args, validate
+    from ptdp.training import train
+
+    for name, world, argv in plan:
+        dist.barrier()  # every rank's connections are up before any tears the group down (see _entry)
+        dist.destroy_process_group()
+        if rank < world:
+            if world > 1:
+                dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}", rank=rank,
+                                        world_size=world)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world))
+            config = config_from_args(build_parser().parse_args(["train", *argv]))
+            errors = validate(config, world)
+            assert not errors, (name, errors)
+            train(config)
+            if world > 1:
+                dist.destroy_process_group()
+        # back into the whole world, so that the next stage (and the spawn helper) find a default group
+        dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
+                                world_size=world_size)
+        dist.barrier()  # all connected before any rank returns (and _entry destroys the group) after the last
+
+
+def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY) -> dict[str, Run]:
+    """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
+    as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
+    training the tiny model does, so a module's layouts share one start. Each run saves its final
+    checkpoint (unless its flags save elsewhere) for its weights. A failure in one fails them all."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    stages, runs = [], {}
+    for name, (world, flags) in plan.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = [*base, *flags, "--metrics-file", str(metrics)]
+        if "--save" in flags:
+            ckpt = Path(flags[flags.index("--save") + 1])
+        else:
+            ckpt = tmp_path / f"{name}-ckpt"
+            argv += ["--save", str(ckpt)]
+        stages.append((name, world, argv))
+        runs[name] = (metrics, ckpt)
+    # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
+    spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
+          timeout=300 + 120 * len(stages))
+    return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
+            for name, (metrics, ckpt) in runs.items()}
 
 
 def assert_same_training(got: dict, expected: dict, initial: dict, rel: float = 1e-3) -> None:

@@ -11,7 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, assert_same_training, initial_full_state, losses, run_ptdp, train_metrics
+from helpers import (
+    TINY,
+    assert_equivalent,
+    assert_same_run,
+    assert_same_training,
+    initial_full_state,
+    losses,
+    run_layouts,
+    run_ptdp,
+    track,
+    train_metrics,
+    train_run,
+)
 
 from ptdp.checkpointing import CheckpointError, read_full_model_state, read_latest, write_full_model_state
 from ptdp.checkpointing.validation import checkpoint_errors
@@ -48,16 +60,16 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    """Six iterations in one process, never interrupted."""
-    return losses(train_metrics(tmp_path_factory.mktemp("ref"), 1, [], base=SIX))
+def reference(tmp_path_factory):
+    """Six iterations in one process, never interrupted (losses, gradient norms, final weights)."""
+    return train_run(tmp_path_factory.mktemp("ref"), 1, [], base=SIX)
 
 
 @pytest.fixture(scope="module")
 def t2(tmp_path_factory) -> dict:
     """t=2: six straight iterations, and a run stopped by --exit-interval 3 that saved a checkpoint."""
     tmp = tmp_path_factory.mktemp("t2")
-    straight = losses(train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2"], base=SIX))
+    straight = track(train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2"], base=SIX))  # (loss, grad norm)
     first = train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"),
                                    "--exit-interval", "3"], base=SIX)
     return {"straight": straight, "first": first, "ckpt": tmp / "ckpt"}
@@ -80,15 +92,15 @@ def test_resume_in_place_is_bit_identical(t2, tmp_path):
     resumed = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(t2["ckpt"])],
                             base=SIX)
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
-    assert losses(t2["first"]) + losses(resumed) == t2["straight"]  # bit for bit
+    assert track(t2["first"]) + track(resumed) == t2["straight"]  # bit for bit
     assert tree_digest(t2["ckpt"]) == before  # loading never modifies the checkpoint
 
 
 def test_resume_in_another_tensor_layout(t2, reference, tmp_path):
     """t=2 -> one process (t -> d moves are covered by the pipeline test's (2,2,1) -> (1,2,2))."""
-    resumed = train_metrics(tmp_path, 1, ["--load", str(t2["ckpt"])], base=SIX)
-    assert [r["iteration"] for r in resumed] == [4, 5, 6]
-    assert losses(resumed) == pytest.approx(reference[3:], rel=RTOL)
+    resumed = train_run(tmp_path, 1, ["--load", str(t2["ckpt"])], base=SIX)
+    assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+    assert_equivalent(resumed, reference, RTOL)
 
 
 def test_full_model_state_is_the_same_in_every_layout(t2, crashed):
@@ -103,16 +115,22 @@ def test_full_model_state_is_the_same_in_every_layout(t2, crashed):
 
 def test_pipeline_checkpoint_loads_in_other_pipeline_layouts(tmp_path):
     """(t,p,d) = (2,2,1) saves; (1,4,1) with v=2 and (1,2,2) with the distributed optimizer resume with the
-    uninterrupted losses."""
-    reference = losses(train_metrics(tmp_path, 1, [], base=EIGHT_LAYERS))
+    uninterrupted run (all in one spawn of 4 processes)."""
     ckpt = str(tmp_path / "ckpt")
-    first = train_metrics(tmp_path, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                                        "2", "--save", ckpt, "--exit-interval", "3"], base=EIGHT_LAYERS)
-    assert losses(first) == pytest.approx(reference[:3], rel=RTOL)
-    for layout in (["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2"],
-                   ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]):  # d=2 shards Adam
-        resumed = train_metrics(tmp_path, 4, [*layout, "--load", ckpt], base=EIGHT_LAYERS)
-        assert losses(resumed) == pytest.approx(reference[3:], rel=RTOL), layout
+    runs = run_layouts(tmp_path, {
+        "reference": (1, []),
+        "t2p2-save": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--save", ckpt, "--exit-interval", "3"]),
+        "p4v2": (4, ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2",
+                     "--load", ckpt]),
+        "p2d2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",  # d=2 shards Adam
+                             "--load", ckpt]),
+    }, base=EIGHT_LAYERS)
+    assert [r["iteration"] for r in runs["t2p2-save"].records] == [1, 2, 3]
+    assert_same_run(runs["t2p2-save"], runs["reference"], RTOL)
+    for name in ("p4v2", "p2d2-distopt"):
+        assert [r["iteration"] for r in runs[name].records] == [4, 5, 6]
+        assert_equivalent(runs[name], runs["reference"], RTOL)
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(crashed, reference, tmp_path):
@@ -123,7 +141,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(crashed, reference, tmp_
     assert read_latest(ckpt) == 3 and (ckpt / ".tmp-iter_0000006").is_dir()  # the half-written save
     assert not (ckpt / "iter_0000006").exists()
     resumed = train_metrics(tmp_path, 1, ["--load", str(ckpt), "--save", str(ckpt), "--keep-last", "1"], base=SIX)
-    assert losses(resumed) == reference[3:]  # same layout: bit for bit
+    assert losses(resumed) == reference.losses[3:]  # same layout: bit for bit
     assert read_latest(ckpt) == 6 and not (ckpt / ".tmp-iter_0000006").exists()
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000006"]
 
@@ -135,7 +153,7 @@ def test_killed_worker_is_restarted_and_finishes_with_the_same_losses(t2, tmp_pa
                 "--metrics-file", str(metrics)], env={"PTDP_TEST_KILL_AT_ITERATION": "5"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # rank 1 really died
-    got = {r["iteration"]: r["loss"] for r in records(metrics)}  # the restart logs iterations 5 and 6
+    got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records(metrics)}  # the restart logs 5 and 6
     assert [got[i] for i in range(1, 7)] == t2["straight"]
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
 
@@ -255,4 +273,4 @@ def test_imported_full_model_trains_like_a_fresh_start(t2, tmp_path):
     assert back.keys() == dict(model.named_parameters()).keys() and config["model"]["vocab_size"] == 257
     torch.testing.assert_close(back["embedding.word_embeddings.weight"][:257], full["embedding.word_embeddings.weight"])
     got = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "hf")], base=SIX)
-    assert losses(got) == t2["straight"]
+    assert track(got) == t2["straight"]

@@ -1,10 +1,10 @@
 """Context parallelism (``--context-parallel-size``) trains the same model as one process.
 
 Every layout below splits each sample's sequence over c ranks (two load-balanced chunks each) and must
-reproduce the single-process losses to fp32 tolerance: alone, with TP + sequence parallelism, with a
+reproduce the single-process losses and gradient norms, and weights, to fp32 tolerance: alone, with TP + sequence parallelism, with a
 pipeline, with data parallelism and the distributed optimizer, with both comm types, and for a long
 sequence with rotary positions. A checkpoint saved with c=2 resumes with c=1 and c=4. Bad input is one
-line naming the flag. All runs are real ``ptdp train`` processes (tests/helpers.py).
+line naming the flag. All the training runs share one spawn of 4 processes (``helpers.run_layouts``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from helpers import TINY, losses, run_ptdp, train_metrics, validated_config
+from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp, validated_config
 
 from ptdp.config import add_config_arguments, config_from_args, validate
 
@@ -24,38 +24,56 @@ def cp(c: int, comm: str = "p2p") -> list[str]:
     return ["--context-parallel-size", str(c), "--cp-comm-type", comm]
 
 
-@pytest.mark.parametrize("nproc,extra", [
-    (2, cp(2, "p2p")),
-    (4, cp(4, "a2a")),
-    (4, [*cp(2, "p2p"), "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    (4, [*cp(2, "p2p"), "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
-    (4, [*cp(2, "a2a"), "--use-distributed-optimizer"]),  # d = 2: gradients over the dp-cp group
-], ids=["c2-p2p", "c4-a2a", "t2c2-sp", "c2p2-1f1b", "c2d2-distopt-a2a"])
-def test_context_parallel_matches_single_process(tmp_path, reference, nproc, extra):
-    got = train_metrics(tmp_path, nproc, extra)
-    assert losses(got) == pytest.approx(reference, rel=RTOL)
+LAYOUTS = {
+    "c2-p2p": (2, cp(2, "p2p")),
+    "c4-a2a": (4, cp(4, "a2a")),
+    "t2c2-sp": (4, [*cp(2, "p2p"), "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "c2p2-1f1b": (4, [*cp(2, "p2p"), "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+    "c2d2-distopt-a2a": (4, [*cp(2, "a2a"), "--use-distributed-optimizer"]),  # d = 2: gradients over dp-cp
+}
+# s=1024 over c=2 with RoPE and grouped-query attention: rotary follows the real positions.
+LONG = [*TINY, "--num-layers", "2", "--seq-length", "1024", "--global-batch-size", "4", "--train-iters", "2",
+        "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"]
 
 
-def test_long_sequence_with_rotary_positions(tmp_path):
-    """s=1024 over c=2 with RoPE and grouped-query attention: rotary follows the real positions."""
-    long = [*TINY, "--num-layers", "2", "--seq-length", "1024", "--global-batch-size", "4", "--train-iters",
-            "2", "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"]
-    want = losses(train_metrics(tmp_path, 1, [], base=long))
-    got = losses(train_metrics(tmp_path, 2, cp(2), base=long))
-    assert got == pytest.approx(want, rel=RTOL)
+def plan(tmp) -> dict:
+    ckpt = str(tmp / "c2-ckpt")
+    return {
+        **{name: (n, [*TINY, *flags]) for name, (n, flags) in LAYOUTS.items()},
+        "long-one-process": (1, LONG),
+        "long-c2": (2, [*LONG, *cp(2)]),
+        # Parameters are replicated over CP, so the checkpoint is the same whatever c saved it.
+        "four-one-process": (1, FOUR),
+        "four-c2-save": (2, [*FOUR, *cp(2), "--save", ckpt, "--exit-interval", "2"]),
+        "four-resume-c1": (1, [*FOUR, "--load", ckpt]),
+        "four-resume-c4-distopt": (4, [*FOUR, *cp(4), "--use-distributed-optimizer", "--load", ckpt]),  # Adam over dp-cp
+    }
 
 
-def test_checkpoint_saved_with_c2_resumes_with_c1_and_c4(tmp_path):
-    """Parameters are replicated over CP, so the checkpoint is the same whatever c saved it."""
-    straight = losses(train_metrics(tmp_path, 1, [], base=FOUR))
-    ckpt = str(tmp_path / "ckpt")
-    first = train_metrics(tmp_path, 2, [*cp(2), "--save", ckpt, "--exit-interval", "2"], base=FOUR)
-    assert [r["iteration"] for r in first] == [1, 2]
-    assert losses(first) == pytest.approx(straight[:2], rel=RTOL)
-    for nproc, extra in ((1, []), (4, [*cp(4), "--use-distributed-optimizer"])):  # c=4: Adam state over dp-cp
-        resumed = train_metrics(tmp_path, nproc, [*extra, "--load", ckpt], base=FOUR)
-        assert [r["iteration"] for r in resumed] == [3, 4]
-        assert losses(resumed) == pytest.approx(straight[2:], rel=RTOL), extra
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp")
+    return run_layouts(tmp, plan(tmp), base=[])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_context_parallel_matches_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)
+
+
+def test_long_sequence_with_rotary_positions(runs):
+    assert_equivalent(runs["long-c2"], runs["long-one-process"], RTOL)
+
+
+def test_checkpoint_saved_with_c2_resumes_with_c1_and_c4(runs):
+    straight = runs["four-one-process"]
+    first = runs["four-c2-save"]
+    assert [r["iteration"] for r in first.records] == [1, 2]
+    assert_same_run(first, straight, RTOL)
+    for name in ("four-resume-c1", "four-resume-c4-distopt"):
+        resumed = runs[name]
+        assert [r["iteration"] for r in resumed.records] == [3, 4]
+        assert_equivalent(resumed, straight, RTOL)
 
 
 @pytest.mark.parametrize("world,flags,message", [

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, assert_same_training, losses, spawn, train_metrics
+from helpers import LAYOUT_2222, assert_equivalent, assert_same_training, run_layouts, spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -99,22 +99,21 @@ def test_sharded_adamw_equals_torch_adamw(tmp_path):
     spawn(_check_with_and_without_overlap, 2, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def reference_records(tmp_path_factory) -> list[dict]:
-    """One process, no distributed optimizer: the losses and gradient norms every layout must give."""
-    return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
-
-
+# a small bucket size: several buckets, so parameters straddle the DP shard boundaries
+DISTOPT = ["--use-distributed-optimizer", "--grad-bucket-size-mb", "0.01"]
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS = {"d2": (2, DISTOPT), "d4": (4, DISTOPT), "t2d2-sequence-parallel": (4, [*DISTOPT, *SP]),
+           "t2p2d2v2": (8, [*DISTOPT, *LAYOUT_2222])}
 
 
-@pytest.mark.parametrize("nproc,layout", [(2, []), (4, []), (4, SP), (8, LAYOUT_2222)],
-                         ids=["d2", "d4", "t2d2-sequence-parallel", "t2p2d2v2"])
-def test_distributed_optimizer_matches_single_process(tmp_path, reference_records, nproc, layout):
-    # a small bucket size: several buckets, so parameters straddle the DP shard boundaries
-    extra = ["--use-distributed-optimizer", "--grad-bucket-size-mb", "0.01", *layout]
-    got = train_metrics(tmp_path, nproc, extra)
-    assert losses(got) == pytest.approx(losses(reference_records), rel=RTOL)
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in reference_records], rel=RTOL)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("distopt"), LAYOUTS)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_distributed_optimizer_matches_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)
     # model states per rank: 8 + 8/d bytes per parameter (fp32), counted from the tensors held
-    assert got[-1]["model_state_bytes"] == max(got[-1]["model_state_bytes_per_rank"]) > 0
+    last = runs[name].records[-1]
+    assert last["model_state_bytes"] == max(last["model_state_bytes_per_rank"]) > 0

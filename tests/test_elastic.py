@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import TINY, losses, run_ptdp, train_metrics, worker_env
+from helpers import TINY, assert_same_run, run_layouts, run_ptdp, worker_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from elastic import kill  # noqa: E402  (the benchmark's: SIGKILL an agent and its workers)
@@ -96,15 +96,18 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
     assert [by_iteration[i]["consumed_samples"] for i in range(1, ITERS + 1)] == [16 * i for i in range(1, ITERS + 1)]
 
     # The references: fresh runs of each new size loaded from the checkpoint that size resumed from; the d = 1
-    # one stops where the job grew (the same --train-iters keeps the learning-rate schedule).
+    # one stops where the job grew (the same --train-iters keeps the learning-rate schedule). Both in one spawn.
+    plan = {}
     for resumed, nproc, stop in ((shrunk, 2, grown), (grown, 4, ITERS)):
         start_ckpt = tmp_path / f"start-{resumed}"
         shutil.copytree(ckpt / f"iter_{resumed:07d}", start_ckpt)
-        reference = train_metrics(tmp_path, nproc, [*LAYOUT, "--train-iters", str(ITERS), "--load", str(start_ckpt),
-                                                    "--exit-interval", str(stop)])
-        assert [r["iteration"] for r in reference] == list(range(resumed + 1, stop + 1))
+        plan[f"d{nproc // 2}"] = (nproc, [*LAYOUT, "--train-iters", str(ITERS), "--load", str(start_ckpt),
+                                          "--exit-interval", str(stop)])
+    references = run_layouts(tmp_path / "references", plan)
+    for (resumed, stop), reference in zip(((shrunk, grown), (grown, ITERS)), references.values(), strict=True):
+        assert [r["iteration"] for r in reference.records] == list(range(resumed + 1, stop + 1))
         got = [by_iteration[i] for i in range(resumed + 1, stop + 1)]
-        assert losses(got) == pytest.approx(losses(reference), rel=RTOL)
+        assert_same_run(got, reference, RTOL)
 
 
 def test_a_world_size_that_cannot_hold_the_layout_names_the_ones_that_can(monkeypatch, capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY, losses, train_metrics, validated_config
+from helpers import TINY, assert_same_run, losses, train_metrics, validated_config
 
 from ptdp.config import ModelConfig
 
@@ -152,13 +152,13 @@ def test_bf16_training_tracks_fp32(tmp_path):
 def test_checkpoints_move_between_cuda_and_cpu(tmp_path):
     """Saved at iteration 2 on one device type, resumed on the other: iterations 3-4 are the CPU run's."""
     four = ["--train-iters", "4"]
-    reference = losses(train_metrics(tmp_path, 1, four, env=CPU_ONLY))
+    reference = train_metrics(tmp_path, 1, four, env=CPU_ONLY)
     for saver, resumer in ((None, CPU_ONLY), (CPU_ONLY, None)):  # CUDA -> CPU, then CPU -> CUDA
         ckpt = tmp_path / f"ckpt-{'cpu' if saver else 'cuda'}"
         first = train_metrics(tmp_path, 1, [*four, "--exit-interval", "2", "--save", str(ckpt)], env=saver)
         resumed = train_metrics(tmp_path, 1, [*four, "--load", str(ckpt)], env=resumer)
         assert [r["iteration"] for r in resumed] == [3, 4]
-        assert losses(first) + losses(resumed) == pytest.approx(reference, rel=1e-4)
+        assert_same_run(first + resumed, reference, 1e-4)  # losses and gradient norms
 
 
 @pytest.mark.parametrize("extra", [[], ["--bf16"], ["--bf16", "--compile"], ["--bf16", "--use-distributed-optimizer"]],

@@ -1,30 +1,25 @@
 """The Llama-family model (RoPE, RMSNorm, SwiGLU, GQA with G < heads, untied output, no biases) trains
-the same model in every layout as in one process, and its checkpoints reshard.
+the same model in every layout as in one process (per iteration the loss and the gradient norm, at the
+end the weights), and its checkpoints reshard.
 
-To stay cheap on two cores, every layout runs inside ONE spawn of 8 processes: the stages below run one
-after the other, each on the first ``world`` ranks with a fresh gloo process group (the other ranks wait
-for the next stage), through the same ``train()`` that ``ptdp train`` runs. Stage 0 is the single-process
-reference. Short runs use ``--lr-decay-iters 6`` so their learning rates are the first three of the
-six-iteration reference's.
+To stay cheap on two cores, every layout runs inside ONE spawn of 8 processes (``helpers.run_layouts``).
+Short runs use ``--lr-decay-iters 6`` so their learning rates are the first three of the six-iteration
+reference's; a three-iteration reference gives their final weights.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
-import torch.distributed as dist
-from helpers import spawn
+from helpers import assert_equivalent, assert_same_run, run_layouts
 
 from ptdp.cli import build_parser, main
-from ptdp.config import config_from_args, validate
+from ptdp.config import config_from_args
 
 RTOL = 1e-4  # fp32: other layouts sum in other orders
 LLAMA = ["--model", "tiny-llama", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-         "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "100"]
+         "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "1"]
 SIX, THREE = ["--train-iters", "6"], ["--train-iters", "3"]
+SHORT = ["t2", "p2d2v2_interleaved", "t2p2d2_sp_distopt"]  # three iterations, compared with "reference3"
 
 
 def layout(t: int, p: int, v: int = 1, schedule: str | None = None) -> list[str]:
@@ -33,69 +28,42 @@ def layout(t: int, p: int, v: int = 1, schedule: str | None = None) -> list[str]
     return out + (["--pipeline-schedule", schedule] if schedule else [])
 
 
-def stages(ckpt: Path) -> list[tuple[str, int, list[str]]]:
-    """(name, world size, flags): d = world / (t·p)."""
-    return [
-        ("reference", 1, SIX),
-        ("t2", 2, [*THREE, *layout(2, 1), "--recompute-granularity", "full"]),
-        ("t2p2_1f1b_save", 4, [*SIX, *layout(2, 2, schedule="1f1b"), "--save", str(ckpt), "--exit-interval", "3"]),
-        ("t1p4v2_resume", 4, [*SIX, *layout(1, 4, 2, "interleaved"), "--load", str(ckpt)]),
-        ("p2d2v2_interleaved", 4, [*THREE, *layout(1, 2, 2, "interleaved")]),
-        ("t2p2d2_sp_distopt", 8, [*THREE, *layout(2, 2), "--sequence-parallel", "--use-distributed-optimizer",
+def plan(ckpt) -> dict[str, tuple[int, list[str]]]:
+    """name: (world size, flags); d = world / (t·p)."""
+    return {
+        "reference": (1, SIX),
+        "reference3": (1, THREE),
+        "t2": (2, [*THREE, *layout(2, 1), "--recompute-granularity", "full"]),
+        "t2p2_1f1b_save": (4, [*SIX, *layout(2, 2, schedule="1f1b"), "--save", str(ckpt), "--exit-interval", "3"]),
+        "t1p4v2_resume": (4, [*SIX, *layout(1, 4, 2, "interleaved"), "--load", str(ckpt)]),
+        "p2d2v2_interleaved": (4, [*THREE, *layout(1, 2, 2, "interleaved")]),
+        "t2p2d2_sp_distopt": (8, [*THREE, *layout(2, 2), "--sequence-parallel", "--use-distributed-optimizer",
                                   "--recompute-granularity", "full"]),
-    ]
-
-
-def _run_stages(rank: int, world_size: int, out: str, plan: list[tuple[str, int, list[str]]]) -> None:
-    from ptdp.training import train
-
-    for name, world, argv in plan:
-        dist.barrier()  # every rank's connections are up before any tears the group down (see helpers._entry)
-        dist.destroy_process_group()
-        if rank < world:
-            if world > 1:
-                dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}", rank=rank,
-                                        world_size=world)
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                              LOCAL_WORLD_SIZE=str(world))
-            config = config_from_args(build_parser().parse_args(["train", *LLAMA, *argv]))
-            assert validate(config, world) == [], validate(config, world)
-            metrics = train(config)
-            if rank == 0:
-                Path(out, f"{name}.json").write_text(json.dumps([[r["iteration"], r["loss"]] for r in metrics]))
-            if world > 1:
-                dist.destroy_process_group()
-        # back into the whole world, so that the next stage (and the spawn helper) find a default group
-        dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
-                                world_size=world_size)
+    }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[list[float]]]:
+def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama")
-    plan = stages(tmp / "ckpt")
-    spawn(_run_stages, 8, tmp, str(tmp), plan)
-    return {name: json.loads((tmp / f"{name}.json").read_text()) for name, _, _ in plan}
+    return run_layouts(tmp, plan(tmp / "ckpt"), base=LLAMA)
 
 
-def losses(records: list[list[float]]) -> list[float]:
-    return [loss for _, loss in records]
-
-
-@pytest.mark.parametrize("name", ["t2", "t2p2_1f1b_save", "p2d2v2_interleaved", "t2p2d2_sp_distopt"])
+@pytest.mark.parametrize("name", [*SHORT, "t2p2_1f1b_save"])
 def test_llama_layouts_match_single_process(runs, name):
-    reference = losses(runs["reference"])
-    assert reference[0] > reference[-1]  # it trains
-    got = losses(runs[name])
-    assert len(got) == 3
-    assert got == pytest.approx(reference[:3], rel=RTOL)
+    reference = runs["reference"]
+    assert reference.losses[0] > reference.losses[-1]  # it trains
+    got = runs[name]
+    assert [r["iteration"] for r in got.records] == [1, 2, 3]
+    assert_same_run(got, reference, RTOL)
+    if name in SHORT:
+        assert_equivalent(got, runs["reference3"], RTOL)
 
 
 def test_llama_checkpoint_reshards_t2p2_to_t1p4v2(runs):
     """Saved at (t, p) = (2, 2) after iteration 3, resumed at t=1, p=4, v=2: iterations 4-6 as if uninterrupted."""
     resumed = runs["t1p4v2_resume"]
-    assert [it for it, _ in resumed] == [4, 5, 6]
-    assert losses(resumed) == pytest.approx(losses(runs["reference"])[3:], rel=RTOL)
+    assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+    assert_equivalent(resumed, runs["reference"], RTOL)
 
 
 def test_gqa_groups_must_split_over_tensor_parallel(capsys):

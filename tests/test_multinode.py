@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, losses, train_metrics, worker_env
+from helpers import TINY, Run, assert_equivalent, worker_env
 
 RTOL = 1e-4
 
@@ -76,14 +76,13 @@ def run_two_nodes(tmp_path, args: list[str], timeout: float = 240) -> None:
         pytest.fail(f"agents exited with {codes}:\n{logs}")
 
 
-def test_two_nodes_with_tp_inside_each_node_match_one_process(tmp_path):
-    reference = losses(train_metrics(tmp_path, 1, []))
-    metrics = tmp_path / "two-nodes.jsonl"
+def test_two_nodes_with_tp_inside_each_node_match_one_process(tmp_path, reference):
+    metrics, ckpt = tmp_path / "two-nodes.jsonl", tmp_path / "ckpt"
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    run_two_nodes(tmp_path, [*TINY, *layout, "--metrics-file", str(metrics)])
+    run_two_nodes(tmp_path, [*TINY, *layout, "--metrics-file", str(metrics), "--save", str(ckpt)])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]  # written by global rank 0 only
-    assert losses(records) == pytest.approx(reference, rel=RTOL)
+    assert_equivalent(Run(records, ckpt), reference, RTOL)
 
 
 def test_tensor_parallel_group_must_fit_in_a_node(monkeypatch, capsys):

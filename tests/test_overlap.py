@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, losses, spawn, train_metrics
+from helpers import LAYOUT_2222, assert_equivalent, run_layouts, spawn
 from torch import nn
 
 from ptdp.optim import GradBuckets
@@ -59,10 +59,15 @@ def test_buckets_launch_during_last_backward(tmp_path):
     spawn(_check_both_paths, 2, tmp_path)
 
 
-@pytest.mark.parametrize("nproc,extra", [
-    (2, []),
-    (8, [*LAYOUT_2222, "--use-distributed-optimizer"]),
-], ids=["d2", "t2p2d2v2-distopt"])
-def test_overlap_matches_single_process(tmp_path, reference, nproc, extra):
-    extra = ["--overlap-grad-reduce", "--grad-bucket-size-mb", "0.01", *extra]
-    assert losses(train_metrics(tmp_path, nproc, extra)) == pytest.approx(reference, rel=RTOL)
+OVERLAP = ["--overlap-grad-reduce", "--grad-bucket-size-mb", "0.01"]
+LAYOUTS = {"d2": (2, OVERLAP), "t2p2d2v2-distopt": (8, [*OVERLAP, *LAYOUT_2222, "--use-distributed-optimizer"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("overlap"), LAYOUTS)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_overlap_matches_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)

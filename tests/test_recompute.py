@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import losses, train_metrics
+from helpers import assert_equivalent, run_layouts
 
 from ptdp import recompute
 from ptdp.config import Config, ModelConfig, validate
@@ -95,32 +95,30 @@ def test_bad_recompute_flags_give_one_line(flags, message):
 
 
 DROPOUT_ON = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+RECOMPUTE = {
+    "full": ["--recompute-granularity", "full"],
+    "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+    "selective": ["--recompute-granularity", "selective"],
+}
+# Full recomputation at (2, 2, 2, 2) runs in tests/test_sequence_parallel.py (with sequence parallelism).
+SELECTIVE_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--virtual-pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"]
+PLAN = {"dropout": (1, DROPOUT_ON), **{f"dropout-{k}": (1, [*DROPOUT_ON, *v]) for k, v in RECOMPUTE.items()},
+        "selective-2222": (8, SELECTIVE_2222)}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_metrics(tmp_path_factory.mktemp("ref"), 1, [])
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("recompute"), PLAN)
 
 
-@pytest.fixture(scope="module")
-def reference_dropout(tmp_path_factory):
-    return train_metrics(tmp_path_factory.mktemp("ref-dropout"), 1, DROPOUT_ON)
+@pytest.mark.parametrize("name", RECOMPUTE)
+def test_single_process_with_dropout_matches_and_keeps_less(runs, name):
+    """Dropout on: the same training proves the recomputed masks are the original ones, end to end."""
+    got, want = runs[f"dropout-{name}"], runs["dropout"]
+    assert_equivalent(got, want, RTOL)
+    assert got.records[0]["peak_activation_bytes"] < want.records[0]["peak_activation_bytes"]
 
 
-@pytest.mark.parametrize("extra", [
-    ["--recompute-granularity", "full"],
-    ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
-    ["--recompute-granularity", "selective"],
-])
-def test_single_process_with_dropout_matches_and_keeps_less(tmp_path, reference_dropout, extra):
-    """Dropout on: the same losses prove the recomputed masks are the original ones, end to end."""
-    records = train_metrics(tmp_path, 1, DROPOUT_ON + extra)
-    assert losses(records) == pytest.approx(losses(reference_dropout), rel=RTOL)
-    assert records[0]["peak_activation_bytes"] < reference_dropout[0]["peak_activation_bytes"]
-
-
-def test_selective_in_interleaved_2222_matches_single_process(tmp_path, reference):
-    """Full recomputation at (2, 2, 2, 2) runs in tests/test_sequence_parallel.py (with sequence parallelism)."""
-    extra = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--virtual-pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"]
-    assert losses(train_metrics(tmp_path, 8, extra)) == pytest.approx(losses(reference), rel=RTOL)
+def test_selective_in_interleaved_2222_matches_single_process(runs, reference):
+    assert_equivalent(runs["selective-2222"], reference, RTOL)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, losses, run_ptdp, train_metrics
+from helpers import TINY, run_ptdp, track, train_metrics
 
 from ptdp.checkpointing import read_full_model_state, read_latest
 from ptdp.checkpointing.storage import verify_checksums
@@ -28,13 +28,13 @@ def straight(tmp_path_factory) -> dict:
     """Six iterations on two data-parallel ranks, never interrupted, saving (inline) every 2 iterations."""
     tmp = tmp_path_factory.mktemp("straight")
     got = train_metrics(tmp, 2, ["--save", str(tmp / "ckpt"), "--save-interval", "2"], base=SIX)
-    return {"losses": losses(got), "records": got, "ckpt": tmp / "ckpt"}
+    return {"track": track(got), "records": got, "ckpt": tmp / "ckpt"}  # (loss, grad norm) per iteration
 
 
 def test_async_save_writes_the_same_checkpoints_and_reports_the_stall(tmp_path, straight):
     ckpt = tmp_path / "async"
     got = train_metrics(tmp_path, 2, ["--save", str(ckpt), "--save-interval", "2", "--async-save"], base=SIX)
-    assert losses(got) == straight["losses"]  # saving in the background changes nothing in training
+    assert track(got) == straight["track"]  # saving in the background changes nothing in training
     for run, root in ((got, ckpt), (straight["records"], straight["ckpt"])):
         assert read_latest(root) == 6 and not list(root.glob(".tmp-*"))
         stalls = {r["iteration"]: r["checkpoint_stall_s"] for r in run}
@@ -61,8 +61,8 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, str
     assert "at iteration 4" not in proc.stdout
     got = {}
     for r in records(metrics):  # the restart logs iterations 3..6 again
-        got[r["iteration"]] = r["loss"]
-    assert [got[i] for i in range(1, 7)] == straight["losses"]  # same layout: bit for bit
+        got[r["iteration"]] = (r["loss"], r["grad_norm"])
+    assert [got[i] for i in range(1, 7)] == straight["track"]  # same layout: bit for bit
     assert read_latest(ckpt) == 6 and not list(ckpt.glob(".tmp-*"))
     for iteration in (2, 4, 6):
         verify_checksums(ckpt / f"iter_{iteration:07d}")
@@ -85,5 +85,5 @@ def test_a_stopped_worker_is_named_and_the_job_restarts_with_the_same_losses(tmp
         assert ops["rank"] == rank and ops["iteration"] >= 1
     # the waiting rank names its last call; the stopped one may have stopped before a heartbeat with calls
     assert json.loads((report / "rank0-ops.json").read_text())["ops"]
-    got = {r["iteration"]: r["loss"] for r in records(metrics)}
-    assert [got[i] for i in range(1, 7)] == straight["losses"]  # restarted from iteration 2: bit for bit
+    got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records(metrics)}
+    assert [got[i] for i in range(1, 7)] == straight["track"]  # restarted from iteration 2: bit for bit

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import losses, spawn, train_metrics
+from helpers import assert_equivalent, run_layouts, spawn
 
 from ptdp.config import Config, derive, validate
 from ptdp.model import GPTModel, init_parameters, language_model_loss
@@ -17,20 +17,21 @@ from ptdp.tensor_parallel import model_parallel_seed
 RTOL = 1e-4
 LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                "--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel"]
+PLAN = {
+    "t2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "interleaved-2222": (8, LAYOUT_2222),
+    "interleaved-2222-full-recompute": (8, [*LAYOUT_2222, "--recompute-granularity", "full"]),
+}
 
 
-def test_t2_matches_single_process(tmp_path, reference):
-    extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    assert losses(train_metrics(tmp_path, 2, extra)) == pytest.approx(reference, rel=RTOL)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("sp"), PLAN)
 
 
-def test_interleaved_2222_matches_single_process(tmp_path, reference):
-    assert losses(train_metrics(tmp_path, 8, LAYOUT_2222)) == pytest.approx(reference, rel=RTOL)
-
-
-def test_interleaved_2222_with_full_recompute_matches_single_process(tmp_path, reference):
-    extra = LAYOUT_2222 + ["--recompute-granularity", "full"]
-    assert losses(train_metrics(tmp_path, 8, extra)) == pytest.approx(reference, rel=RTOL)
+@pytest.mark.parametrize("name", PLAN)
+def test_layouts_match_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)
 
 
 def _layernorm_grads(rank: int, world_size: int, out: str) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,8 +30,7 @@ def _shard(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return full.chunk(world, dim)[rank]
 
 
-def _check_linears(rank: int, world: int) -> None:
-    group = dist.group.WORLD
+def _check_linears(rank: int, world: int, group) -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8, requires_grad=True)
     w1, b1 = torch.randn(12, 8), torch.randn(12)
@@ -56,12 +59,12 @@ def _check_linears(rank: int, world: int) -> None:
     torch.testing.assert_close(row.weight.grad, _shard(w2.grad, 1, rank, world), **TOL)
 
 
-def _check_fused_qkv(rank: int, world: int) -> None:
+def _check_fused_qkv(rank: int, world: int, group) -> None:
     """A fused [3, h, h] column-parallel weight gives each rank its heads of q, k and v."""
     torch.manual_seed(1)
     x = torch.randn(3, 8)
     full = torch.randn(3, 8, 8)
-    layer = ColumnParallelLinear(8, 8, tp_group=dist.group.WORLD, fused=3, bias=False)
+    layer = ColumnParallelLinear(8, 8, tp_group=group, fused=3, bias=False)
     with torch.no_grad():
         layer.weight.copy_(_shard(full, 1, rank, world))
     q, k, v = (x @ full[i].T for i in range(3))
@@ -69,8 +72,7 @@ def _check_fused_qkv(rank: int, world: int) -> None:
     torch.testing.assert_close(layer(x), expected, **TOL)
 
 
-def _check_embedding_and_loss(rank: int, world: int) -> None:
-    group = dist.group.WORLD
+def _check_embedding_and_loss(rank: int, world: int, group) -> None:
     torch.manual_seed(2)
     vocab, padded, h = 10, 16, 4
     table = torch.randn(padded, h, requires_grad=True)
@@ -94,12 +96,12 @@ def _check_embedding_and_loss(rank: int, world: int) -> None:
     torch.testing.assert_close(emb.weight.grad, _shard(table.grad, 0, rank, world), **TOL)
 
 
-def _check_init_is_layout_independent(rank: int, world: int) -> None:
+def _check_init_is_layout_independent(rank: int, world: int, group) -> None:
     """The full model's weights for a seed are the same for t=1 and t=world."""
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8)
     full = GPTModel(cfg, 50, 64)
     init_parameters(full, 7, 0, 1, 0.02, 2)
-    part = GPTModel(cfg, 50, 64, tp_group=dist.group.WORLD)
+    part = GPTModel(cfg, 50, 64, tp_group=group)
     init_parameters(part, 7, rank, world, 0.02, 2)
     full_params = dict(full.named_parameters())
     for name, p in part.named_parameters():
@@ -109,19 +111,54 @@ def _check_init_is_layout_independent(rank: int, world: int) -> None:
         torch.testing.assert_close(p, expected, rtol=0, atol=0, msg=name)
 
 
+CHECKS = {  # name: (check, world size); all run in ONE spawn of 4 ranks, a world of 2 on ranks 0 and 1
+    "linears-2": (_check_linears, 2),
+    "linears-4": (_check_linears, 4),
+    "fused-qkv-2": (_check_fused_qkv, 2),
+    "embedding-and-loss-2": (_check_embedding_and_loss, 2),
+    "embedding-and-loss-4": (_check_embedding_and_loss, 4),
+    "init-2": (_check_init_is_layout_independent, 2),
+}
+
+
+def _run_checks(rank: int, world_size: int, out: str) -> None:
+    """Every check on its group; a failed assertion is recorded (after its collectives, so that no peer
+    hangs) and the next check runs."""
+    groups = {2: dist.new_group([0, 1]), 4: dist.group.WORLD}
+    failures = {}
+    for name, (check, world) in CHECKS.items():
+        if rank < world:
+            try:
+                check(rank, world, groups[world])
+            except AssertionError:
+                failures[name] = traceback.format_exc()
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(failures))
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("tp")
+    spawn(_run_checks, 4, tmp, str(tmp))
+    out: dict[str, str] = {}
+    for rank in range(4):
+        out.update(json.loads((tmp / f"rank{rank}.json").read_text()))
+    return out
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_column_then_row_parallel_matches_dense(tmp_path, world):
-    spawn(_check_linears, world, tmp_path)
+def test_column_then_row_parallel_matches_dense(failures, world):
+    assert f"linears-{world}" not in failures, failures[f"linears-{world}"]
 
 
-def test_fused_qkv_split_by_heads(tmp_path):
-    spawn(_check_fused_qkv, 2, tmp_path)
+def test_fused_qkv_split_by_heads(failures):
+    assert "fused-qkv-2" not in failures, failures["fused-qkv-2"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_embedding_and_cross_entropy(tmp_path, world):
-    spawn(_check_embedding_and_loss, world, tmp_path)
+def test_vocab_parallel_embedding_and_cross_entropy(failures, world):
+    assert f"embedding-and-loss-{world}" not in failures, failures[f"embedding-and-loss-{world}"]
 
 
-def test_initialisation_independent_of_tensor_parallel_size(tmp_path):
-    spawn(_check_init_is_layout_independent, 2, tmp_path)
+def test_initialisation_independent_of_tensor_parallel_size(failures):
+    assert "init-2" not in failures, failures["init-2"]

@@ -1,21 +1,27 @@
-"""Every (t, d) layout trains the same model as one process: same losses to fp32 tolerance."""
+"""Every (t, d) layout trains the same model as one process: per iteration the same loss and gradient
+norm, and the same weights at the end, to fp32 tolerance."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import losses, train_metrics
+from helpers import assert_equivalent, losses, run_layouts, train_metrics
 
 RTOL = 1e-4  # fp32: TP splits sums across ranks, so the last bits differ
+LAYOUTS = {f"t{t}d{d}": (t * d, ["--tensor-model-parallel-size", str(t)]) for t, d in [(2, 1), (4, 1), (1, 2), (2, 2)]}
 
 
-@pytest.mark.parametrize("t,d", [(2, 1), (4, 1), (1, 2), (2, 2)])
-def test_tensor_and_data_parallel_match_single_process(tmp_path, reference, t, d):
-    got = losses(train_metrics(tmp_path, t * d, ["--tensor-model-parallel-size", str(t)]))
-    assert got == pytest.approx(reference, rel=RTOL)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("layouts"), LAYOUTS)
 
 
-def test_metrics_records(tmp_path):
-    records = train_metrics(tmp_path, 1, [])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tensor_and_data_parallel_match_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)
+
+
+def test_metrics_records(reference):
+    records = reference.records
     assert [r["iteration"] for r in records] == [1, 2, 3]
     for r in records:
         for key in ("loss", "lr", "grad_norm", "iteration_time_s", "tokens_per_s", "tflops_per_gpu"):

@@ -1,5 +1,5 @@
 """The real B/W split (``ptdp.tensor_parallel.weight_grad``): I then W is one ordinary backward, W touches
-no graph, and zero-bubble training reproduces the single-process losses with TP, SP, recomputation and
+no graph, and zero-bubble training reproduces the single-process losses, gradient norms and weights with TP, SP, recomputation and
 the distributed optimizer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import losses, train_metrics
+from helpers import assert_equivalent, run_layouts
 from torch import nn
 
 from ptdp.config import ModelConfig
@@ -135,24 +135,29 @@ def test_ops_match_torch():
 
 
 ZB = ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+LAYOUTS = {
+    "t2p2d2": (8, [*ZB, "--tensor-model-parallel-size", "2"]),
+    "t2p2-sp-selective": (4, [*ZB, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--recompute-granularity", "selective"]),
+    "p2d2-distopt-overlap-full": (4, [*ZB, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                      "--recompute-granularity", "full"]),
+}
+BF16 = ["--pipeline-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+PLAN = {**LAYOUTS, "bf16-zb-h1": (4, [*BF16, "--pipeline-schedule", "zb-h1"]),
+        "bf16-1f1b": (4, [*BF16, "--pipeline-schedule", "1f1b"])}
 
 
-@pytest.mark.parametrize("extra, nproc", [
-    (["--tensor-model-parallel-size", "2"], 8),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "selective"], 4),
-    (["--use-distributed-optimizer", "--overlap-grad-reduce",
-      "--recompute-granularity", "full"], 4),
-], ids=["t2p2d2", "t2p2-sp-selective", "p2d2-distopt-overlap-full"])
-def test_zb_h1_matches_single_process(tmp_path, reference, extra, nproc):
-    records = train_metrics(tmp_path, nproc, ZB + extra)
-    assert losses(records) == pytest.approx(reference, rel=RTOL)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("zb"), PLAN)
 
 
-def test_zb_h1_bf16_matches_1f1b(tmp_path):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_zb_h1_matches_single_process(runs, reference, name):
+    assert_equivalent(runs[name], reference, RTOL)
+
+
+def test_zb_h1_bf16_matches_1f1b(runs):
     """--bf16: deferred 16-bit wgrads reach the fp32 main_grad through the same post-accumulate hooks, in
     the same order per microbatch, as 1F1B's full backward (with --overlap-grad-reduce counting them)."""
-    flags = ["--pipeline-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer",
-             "--overlap-grad-reduce"]
-    got = losses(train_metrics(tmp_path, 4, [*flags, "--pipeline-schedule", "zb-h1"]))
-    want = losses(train_metrics(tmp_path, 4, [*flags, "--pipeline-schedule", "1f1b"]))
-    assert got == pytest.approx(want, rel=1e-5)
+    assert_equivalent(runs["bf16-zb-h1"], runs["bf16-1f1b"], rtol=1e-5)

@@ -12,7 +12,6 @@ wait for the GPU queue to drain (issue 26: no host synchronisation in the steady
 from __future__ import annotations
 
 import math
-import os
 import signal
 import threading
 import time
@@ -125,7 +124,6 @@ class CheckpointManager:
             run_dir = flight_recorder.run_directory(self.ck.save, self.trainer.config.training.metrics_file)
             self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
                                                      self.trainer.state.dims.world_size, timeout)
-        _test_kill_hook(self.trainer, iteration)
 
     def due(self, iteration: int) -> bool:
         """Whether ``iteration`` saves or stops by schedule (the same answer on every rank). The loop reads
@@ -196,22 +194,3 @@ class CheckpointManager:
         flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, SIGINT, NaN)")
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._agree_group)
         return [bool(v) for v in values.tolist()]
-
-
-def _test_kill_hook(trainer, iteration: int) -> None:
-    """Test-only: ``PTDP_TEST_KILL_AT_ITERATION=N[:TERM]`` makes one rank (``PTDP_TEST_KILL_RANK``, default
-    the last) send itself SIGKILL (or SIGTERM) at the start of iteration N, once per ``--save`` directory
-    (a marker file there keeps a restarted run from dying again). Not a user feature.
-    """
-    spec = os.environ.get("PTDP_TEST_KILL_AT_ITERATION")
-    if not spec:
-        return
-    at, _, name = spec.partition(":")
-    rank = int(os.environ.get("PTDP_TEST_KILL_RANK", trainer.state.dims.world_size - 1))
-    if int(at) != iteration or trainer.state.rank != rank:
-        return
-    marker = Path(trainer.config.checkpoint.save or ".") / f".test-killed-{iteration}"
-    if marker.exists():
-        return
-    marker.touch()
-    os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))

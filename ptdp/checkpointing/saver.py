@@ -22,8 +22,6 @@ training, wait for it first).
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 import warnings
@@ -109,19 +107,16 @@ class CheckpointWriter:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
             dcp.save(staged, checkpoint_id=tmp, process_group=self.group)
-        _test_crash_in_save(iteration, "written", tmp, self.rank, self.world_size)
         if self.rank == 0:
             storage.write_info(tmp, info)
         self._barrier()  # every data file, .metadata and ptdp.json exist
         lines = storage.fsync_and_hash(tmp, self.rank, self.world_size)
-        _test_crash_in_save(iteration, "hashed", tmp, self.rank, self.world_size)
         if self.group is not None:
             shares: list = [None] * self.world_size
             dist.all_gather_object(shares, lines, group=self.group)
             lines = [line for share in shares for line in share]
         if self.rank == 0:
-            storage.commit(root, iteration, keep_last, lines,
-                           before_latest=lambda: _test_crash_in_save(iteration, "before-latest", tmp, 0, 1))
+            storage.commit(root, iteration, keep_last, lines)
         self._barrier()  # nobody reports (or exits) before `latest` names the new checkpoint
         self.last_write_s = time.perf_counter() - start
         if on_commit is not None:
@@ -139,34 +134,3 @@ def verify_data_files(directory: Path, rank: int, world_size: int) -> None:
         problem = min(found) if found else None
     if problem is not None:
         raise storage.CheckpointError(problem[1])
-
-
-def _test_crash_in_save(iteration: int, point: str, tmp: Path, rank: int, world_size: int) -> None:
-    """Test-only: ``PTDP_TEST_CRASH_IN_SAVE=N`` ends every rank (exit 17) after the data files of iteration
-    N are written, before the commit. ``N:POINT`` instead SIGKILLs one rank (``PTDP_TEST_KILL_RANK``,
-    default the last; rank 0 for ``before-latest``, which only rank 0 reaches) once per save directory
-    (a ``.test-crashed-N-POINT`` marker there lets a restarted run pass): ``written`` after its data
-    files are written (its own file truncated first, as a write cut short leaves it), ``hashed`` after
-    the files are fsynced and hashed, ``before-latest`` after the rename but before ``latest`` moves.
-    Not a user feature."""
-    spec = os.environ.get("PTDP_TEST_CRASH_IN_SAVE")
-    if not spec:
-        return
-    at, _, which = spec.partition(":")
-    if int(at) != iteration:
-        return
-    if not which:
-        if point == "written":
-            os._exit(17)
-        return
-    victim = 0 if which == "before-latest" else int(os.environ.get("PTDP_TEST_KILL_RANK", world_size - 1))
-    if which != point or rank != victim:
-        return
-    marker = tmp.parent / f".test-crashed-{iteration}-{which}"
-    if marker.exists():
-        return
-    marker.touch()
-    if point == "written":
-        for own in tmp.glob(f"__{rank}_*.distcp"):
-            os.truncate(own, own.stat().st_size // 2)
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -222,11 +222,9 @@ def prepare_temporary(root: str | Path, iteration: int) -> Path:
     return tmp
 
 
-def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines: list[str] | None = None,
-           before_latest=None) -> Path:
+def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines: list[str] | None = None) -> Path:
     """Write the manifest (``lines``: every rank's fsynced share; all files hashed here when None), rename
-    the temporary directory into place, then move ``latest``, then prune. ``before_latest`` is a test hook
-    called between the rename and the move."""
+    the temporary directory into place, then move ``latest``, then prune."""
     root = Path(root)
     tmp, final = temporary_dir(root, iteration), iteration_dir(root, iteration)
     write_checksums(tmp, lines)
@@ -237,8 +235,6 @@ def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines
         shutil.rmtree(trash)
     os.rename(tmp, final)
     _fsync(root)
-    if before_latest is not None:
-        before_latest()
     latest_tmp = root / f".{LATEST}.tmp"
     latest_tmp.write_text(f"{iteration}\n")
     _fsync(latest_tmp)

@@ -10,9 +10,7 @@ per rank, never a collective or host sync per iteration.
 
 from __future__ import annotations
 
-import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,14 +33,3 @@ def step_time_report(step_times_s: list[float], world_size: int, device: torch.d
     return {"step_time_spread_s": max(times) - min(times),
             "step_time_max_over_median": times[slowest] / median if median > 0 else 1.0,
             "slowest_rank": slowest}
-
-
-def test_delay(rank: int) -> None:
-    """Test-only: ``PTDP_TEST_SLOW_RANK=R:SECONDS`` sleeps SECONDS in every step of rank R (``*``: every
-    rank), to make a straggler (or a slow run) on purpose. Not a user feature."""
-    spec = os.environ.get("PTDP_TEST_SLOW_RANK")
-    if not spec:
-        return
-    who, _, seconds = spec.partition(":")
-    if who == "*" or int(who) == rank:
-        time.sleep(float(seconds))

@@ -19,6 +19,13 @@ class ConstantGradScaler:
     def update(self, found_inf: bool) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        """Checkpoints record the scale (a ``--save`` with ``--loss-scale`` needs this to save at all)."""
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: the scale is the flag's, whatever the checkpoint holds."""
+
 
 class DynamicGradScaler:
     """Megatron's dynamic scaler: back off x0.5 on overflow (after ``hysteresis`` of them), grow x2 after

@@ -1,0 +1,205 @@
+"""Fault and bug injection for tests, from outside the production modules.
+
+Python imports ``sitecustomize`` at start-up from the first directory on ``sys.path`` that has one, so a
+test puts this directory on ``PYTHONPATH`` (``helpers.worker_env`` does, for every ``ptdp`` process it
+starts) and sets one of the ``PTDP_TEST_*`` variables below; each process of the run (the launcher, the
+torchrun agent and every worker) then wraps the named functions before ``ptdp`` runs. Without a
+``PTDP_TEST_*`` variable this file imports nothing and patches nothing.
+
+Every target is one line of ``PATCHES`` (``"module.path:Attribute.path"``): when the code moves, this
+table is the one place to update.
+
+- ``PTDP_TEST_SLOW_RANK=R:SECONDS``: rank R (``*``: every rank) sleeps SECONDS before the first microbatch
+  of each training step (inside the schedule's compute time) and before each validation batch.
+- ``PTDP_TEST_KILL_AT_ITERATION=N[:SIGNAL]``: one rank (``PTDP_TEST_KILL_RANK``, default the last) sends
+  itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per ``--save`` directory (a
+  ``.test-killed-N`` marker there keeps a restarted run from dying again).
+- ``PTDP_TEST_CRASH_IN_SAVE=N``: every rank exits 17 once the data files of iteration N are written, before
+  the commit. ``N:POINT`` instead SIGKILLs one rank (``PTDP_TEST_KILL_RANK``, default the last; rank 0 for
+  ``before-latest``, which only rank 0 reaches) once per save directory (``.test-crashed-N-POINT``):
+  ``written`` after its data files are written (its own file truncated first, as a write cut short leaves
+  it), ``hashed`` after the files are fsynced and hashed, ``before-latest`` after the rename into place but
+  before ``latest`` moves.
+- ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
+  catch it: ``dp-sum`` sums the data-parallel gradients instead of averaging them (a wrong 1/d factor);
+  ``tp-grad`` drops the all-reduce of the input gradient in the backward of the tensor-parallel ``f``
+  operator (a gradient missing its tensor-parallel reduction).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _victim(default: int) -> int:
+    return int(os.environ.get("PTDP_TEST_KILL_RANK", default))
+
+
+def _once(marker: Path) -> bool:
+    """True the first time for this marker file (it survives a restart, so a restarted run passes)."""
+    if marker.exists():
+        return False
+    marker.touch()
+    return True
+
+
+# -- PTDP_TEST_SLOW_RANK ---------------------------------------------------------------------------------
+
+def _delay() -> None:
+    who, _, seconds = os.environ["PTDP_TEST_SLOW_RANK"].partition(":")
+    if who == "*" or int(who) == _rank():
+        time.sleep(float(seconds))
+
+
+def slow_training_microbatch(original, trainer, iteration, microbatch, *args, **kwargs):
+    if microbatch == 0:
+        _delay()
+    return original(trainer, iteration, microbatch, *args, **kwargs)
+
+
+def slow_validation_microbatch(original, *args, **kwargs):
+    if args[-1] == 0:  # get_microbatch(dataset, k, B, dp_rank, dp, b, j): once per validation batch k
+        _delay()
+    return original(*args, **kwargs)
+
+
+# -- PTDP_TEST_KILL_AT_ITERATION -------------------------------------------------------------------------
+
+def kill_at_iteration(original, manager, iteration, *args, **kwargs):
+    result = original(manager, iteration, *args, **kwargs)
+    at, _, name = os.environ["PTDP_TEST_KILL_AT_ITERATION"].partition(":")
+    if int(at) == iteration and _rank() == _victim(_world_size() - 1):
+        if _once(Path(manager.ck.save or ".") / f".test-killed-{iteration}"):
+            os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
+    return result
+
+
+# -- PTDP_TEST_CRASH_IN_SAVE -----------------------------------------------------------------------------
+
+def _crash_in_save(iteration: int, point: str, tmp: Path, rank: int) -> None:
+    at, _, which = os.environ["PTDP_TEST_CRASH_IN_SAVE"].partition(":")
+    if int(at) != iteration:
+        return
+    if not which:
+        if point == "written":
+            os._exit(17)
+        return
+    victim = 0 if which == "before-latest" else _victim(_world_size() - 1)
+    if which != point or rank != victim or not _once(tmp.parent / f".test-crashed-{iteration}-{which}"):
+        return
+    if point == "written":
+        for own in tmp.glob(f"__{rank}_*.distcp"):
+            os.truncate(own, own.stat().st_size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _iteration_of(tmp: Path) -> int | None:
+    """The iteration of a checkpoint's temporary directory (``.tmp-iter_NNNNNNN``), else None."""
+    name = Path(tmp).name
+    return int(name.rpartition("_")[2]) if name.startswith(".tmp-iter_") else None
+
+
+def crash_after_data_files(original, *args, **kwargs):
+    """Wraps the DCP save of a checkpoint's data files (into its temporary directory)."""
+    result = original(*args, **kwargs)
+    tmp = kwargs.get("checkpoint_id")
+    if tmp is not None and (iteration := _iteration_of(Path(tmp))) is not None:
+        _crash_in_save(iteration, "written", Path(tmp), _rank())
+    return result
+
+
+def crash_after_hashing(original, directory, *args, **kwargs):
+    result = original(directory, *args, **kwargs)
+    if (iteration := _iteration_of(Path(directory))) is not None:
+        _crash_in_save(iteration, "hashed", Path(directory), _rank())
+    return result
+
+
+def crash_before_latest(original, path, *args, **kwargs):
+    """Wraps the fsync of the checkpoint root after the rename into place: the first one for an iteration
+    whose directory exists while ``latest`` does not name it yet is the moment before ``latest`` moves."""
+    result = original(path, *args, **kwargs)
+    at = int(os.environ["PTDP_TEST_CRASH_IN_SAVE"].partition(":")[0])
+    root = Path(path)
+    latest = root / "latest"
+    if (root / f"iter_{at:07d}").is_dir() and not (latest.exists() and latest.read_text().strip() == str(at)):
+        _crash_in_save(at, "before-latest", root / f".tmp-iter_{at:07d}", _rank())
+    return result
+
+
+# -- PTDP_TEST_BUG ---------------------------------------------------------------------------------------
+
+def dp_sum_instead_of_average(original, buckets, bucket, *args, **kwargs):
+    if buckets.dp_size > 1 and bucket.handle is None and not bucket.synced:
+        bucket.grad_data.mul_(buckets.dp_size)  # cancels the 1/d: the reduction sums
+    return original(buckets, bucket, *args, **kwargs)
+
+
+def tp_input_grad_not_reduced(original, ctx, grad):
+    return grad, None
+
+
+# -- the table: environment variable -> (target, wrapper) --------------------------------------------------
+
+PATCHES = {
+    "PTDP_TEST_SLOW_RANK": [
+        ("ptdp.training:load_microbatch", slow_training_microbatch),
+        ("ptdp.evaluation:get_microbatch", slow_validation_microbatch),
+    ],
+    "PTDP_TEST_KILL_AT_ITERATION": [
+        ("ptdp.checkpointing.manager:CheckpointManager.before_iteration", kill_at_iteration),
+    ],
+    "PTDP_TEST_CRASH_IN_SAVE": [
+        ("torch.distributed.checkpoint:save", crash_after_data_files),
+        ("ptdp.checkpointing.storage:fsync_and_hash", crash_after_hashing),
+        ("ptdp.checkpointing.storage:_fsync", crash_before_latest),
+    ],
+    "PTDP_TEST_BUG=dp-sum": [
+        ("ptdp.optim.grad_buffer:GradBuckets._launch", dp_sum_instead_of_average),
+    ],
+    "PTDP_TEST_BUG=tp-grad": [
+        ("ptdp.tensor_parallel.mappings:_CopyToRegion.backward", tp_input_grad_not_reduced),
+    ],
+}
+
+
+def patch(target: str, wrapper) -> None:
+    """Replace ``module:Owner.attr`` by ``wrapper(original, *args, **kwargs)`` (static methods stay static)."""
+    module_name, _, path = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    original = getattr(owner, name)
+    is_static = inspect.isclass(owner) and isinstance(inspect.getattr_static(owner, name), staticmethod)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):  # a plain function: as a method it binds to the instance
+        return wrapper(original, *args, **kwargs)
+
+    setattr(owner, name, staticmethod(wrapped) if is_static else wrapped)
+
+
+def install() -> None:
+    for key, patches in PATCHES.items():
+        var, _, value = key.partition("=")
+        if os.environ.get(var) and (not value or os.environ[var] == value):
+            for target, wrapper in patches:
+                patch(target, wrapper)
+
+
+install()
