@@ -3,7 +3,7 @@
     python benchmarks/bw_split.py                    # GPT layer and MLP stack, h=512, s=512, b=2
     python benchmarks/bw_split.py --json --threads 1 --repeats 7
 
-For one ptdp GPT ``TransformerLayer`` and a stack of pre-LayerNorm MLP blocks (ptdp's ``ParallelMLP``),
+For one ptdp GPT ``TransformerLayer`` and a stack of pre-LayerNorm MLP blocks (ptdp's ``MLP``),
 times the backward of the same forward three ways (the forward itself is not timed):
 
 - ``B``: one ``torch.autograd.backward``;
@@ -31,18 +31,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ptdp import norms
 from ptdp.config import ModelConfig
-from ptdp.fused import EAGER
-from ptdp.model import ParallelMLP, TransformerLayer, norm
-from ptdp.tensor_parallel import weight_grad
-from ptdp.tensor_parallel.weight_grad import defer_weight_grads
+from ptdp.models import MLP, SequencePositions, TransformerLayer, norm
+from ptdp.ops import norms, weight_grad
+from ptdp.ops.fused import EAGER
+from ptdp.ops.weight_grad import defer_weight_grads
 
 
 class MLPBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln, self.mlp = norm(cfg), ParallelMLP(cfg, None, False, EAGER)
+        self.ln, self.mlp = norm(cfg), MLP(cfg, EAGER)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.ln(x))
@@ -110,7 +109,7 @@ def main() -> None:
     cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=max(1, h // 64), seq_length=args.seq_length,
                       hidden_dropout=0.0, attention_dropout=0.0)
     x = torch.randn(args.micro_batch_size, args.seq_length, h)
-    models = {"gpt_layer": TransformerLayer(cfg, None, False, EAGER),
+    models = {"gpt_layer": TransformerLayer(cfg, EAGER, SequencePositions()),
               f"mlp_stack_{args.mlp_layers}": nn.Sequential(*(MLPBlock(cfg) for _ in range(args.mlp_layers)))}
     for model in models.values():
         for p in model.parameters():

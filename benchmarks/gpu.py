@@ -11,7 +11,7 @@
 
 The GPT-3 1.3B shape (24 layers, h=2048, 16 heads, s=2048, V=50257) in bf16 with the best single-device
 settings: flash SDPA, fused AdamW, ``--compile`` (each transformer layer compiled), dropout off. It is
-trained for ``--warmup`` + ``--iters`` iterations by ptdp's own step (``ptdp.training.setup`` and
+trained for ``--warmup`` + ``--iters`` iterations by ptdp's own step (``ptdp.train.state.setup`` and
 ``train_step`` at t = p = d = 1: pipeline executor, gradient buffers, bf16 optimizer with fp32 main
 weights and grads, device-side clipping) and by :func:`plain_step`, a plain PyTorch loop of the same
 model written below with no ptdp code. Reported: ``mfu`` (model FLOPs, no recomputation, over the GPU's
@@ -80,7 +80,7 @@ def plain_setup(args, weight_decay: float):
 
 def ptdp_setup(args):
     from ptdp.config import Config, validate
-    from ptdp.training import setup
+    from ptdp.train.state import setup
 
     c = Config()
     m, tr, o = c.model, c.training, c.optimizer
@@ -122,7 +122,8 @@ def timed(step, first: int, iters: int) -> tuple[float, list]:
 
 
 def measure_ptdp(args) -> dict:
-    from ptdp.training import read_records, train_step
+    from ptdp.train.report import read_records
+    from ptdp.train.step import train_step
 
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -139,7 +140,7 @@ def measure_ptdp(args) -> dict:
         losses += [rec["loss"] for rec in read_records(trainer, records)]
     out = {"iteration_s": statistics.median(times), "repeat_s": times, "setup_s": setup_s,
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": losses[-1],
-           "params": sum(p.numel() for p in trainer.params), "vocab_padded": trainer.chunks[0].output_weight.shape[0],
+           "params": sum(p.numel() for p in trainer.params), "vocab_padded": trainer.chunks[0].output_weight().shape[0],
            "model_flops": model_flops(trainer.config)}
     if args.loss_curve:  # the next --loss-curve iterations' losses, from the same start for every variant
         first = args.warmup + 1 + args.repeats * args.iters

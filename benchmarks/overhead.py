@@ -5,7 +5,7 @@
 
 The same small GPT (GPT-2 block: pre-LN, fused-qkv linear, SDPA causal, tanh-GeLU MLP, tied embedding;
 AdamW with ptdp's decay groups, global-norm clipping, m microbatches of gradient accumulation) is trained
-by ``ptdp.training.train_step`` at t = p = d = 1 and by :class:`PlainGPT` + a 15-line loop that uses no
+by ``ptdp.train.step.train_step`` at t = p = d = 1 and by :class:`PlainGPT` + a 15-line loop that uses no
 ptdp code, in one process, starting from the same weights on the same batches. Repeats alternate between
 the two; the result is the median over repeats of the mean iteration time, and their ratio
 ``time_over_plain_pytorch`` (goal <= 1.03). The losses of the two are compared too, which shows that the
@@ -128,7 +128,7 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, microbatches, clip:
 
 def ptdp_trainer(args):
     from ptdp.config import Config, validate
-    from ptdp.training import setup
+    from ptdp.train.state import setup
 
     c = Config()
     m, tr, o = c.model, c.training, c.optimizer
@@ -202,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from ptdp.training import load_microbatch, train_step
+    from ptdp.train.step import load_microbatch, train_step
 
     trainer = ptdp_trainer(args)
     model, opt = plain_from(trainer)

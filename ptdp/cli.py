@@ -106,7 +106,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
     try:
-        from .training import train
+        from .train.loop import train
 
         train(config)
         code = interrupt.exit_code() or 0  # 130 (0 to ptdp's launcher) after a Ctrl-C stop

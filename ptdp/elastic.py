@@ -35,7 +35,7 @@ def working_world_sizes(config: Config, local_world_size: int | None, limit: int
     """The smallest ``limit`` world sizes this configuration runs on, with ``local_world_size`` workers
     per node (None: all on one node). d ranges over 1..B/b; each candidate goes through ``validate``."""
     par, tr = config.parallel, config.training
-    unit = (par.tensor_model_parallel_size * getattr(par, "context_parallel_size", 1)
+    unit = (par.tensor_model_parallel_size * par.context_parallel_size
             * par.pipeline_model_parallel_size)
     sizes = []
     for d in range(1, tr.global_batch_size // max(tr.micro_batch_size, 1) + 1):

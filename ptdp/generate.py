@@ -1,7 +1,7 @@
 """``ptdp generate``: continue a prompt with a trained checkpoint, in one process.
 
 A checkpoint of any (t, p, d, v) layout is read as full tensors (``ptdp.checkpointing.full_model``) into a
-t = 1 :class:`~ptdp.model.GPTModel`, so generation needs no process group and no GPUs. Decoding is the
+t = 1 :class:`~ptdp.models.GPTModel`, so generation needs no process group and no GPUs. Decoding is the
 plain autoregressive loop: every step runs the model on the whole context (at most ``seq_length`` tokens:
 positions are learned, so a longer context keeps its last ``seq_length`` tokens) and picks the next token
 greedily or by sampling with temperature, top-k and nucleus (top-p) filtering from a seeded generator, so
@@ -26,9 +26,9 @@ if TYPE_CHECKING:  # torch loads only when generating, not for `ptdp --help`
     import torch
 
     from .data import Tokenizer
-    from .model import GPTModel
+    from .models import GPTModel
 
-TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.model.TIED_EMBEDDING
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.models.TIED_EMBEDDING
 
 
 class GenerateError(ConfigError):

@@ -3,7 +3,7 @@
 (Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf_llama``; this module dispatches.)
 
 ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
-ptdp/model.py), so conversion is a renaming plus three layout changes:
+ptdp/models/gpt.py), so conversion is a renaming plus three layout changes:
 
 - HF GPT-2 uses ``Conv1D`` layers whose weights are ``[in, out]``; ptdp's linears are ``[out, in]``.
 - ptdp's fused QKV weight is ``[3, h, h]`` (q, k, v blocks, heads contiguous in each) and HF's ``c_attn``
@@ -30,8 +30,8 @@ from .config import ConfigError, ModelConfig
 if TYPE_CHECKING:  # torch loads only when a conversion runs, not for `ptdp --help`
     import torch
 
-    from .model import GPTModel
-TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.model.TIED_EMBEDDING
+    from .models import GPTModel
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.models.TIED_EMBEDDING
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -83,7 +83,7 @@ def is_gpt2(cfg: ModelConfig) -> bool:
 
 def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -> GPTModel:
     """A single-process (t = 1) ptdp ``GPTModel`` holding ``tensors``, in eval mode (no dropout)."""
-    from .model import GPTModel
+    from .models import GPTModel
     from .tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     tracker = get_rng_tracker()

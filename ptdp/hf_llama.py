@@ -1,7 +1,7 @@
 """Hugging Face ``LlamaForCausalLM`` export and import (``ptdp export/import --format hf``; ``ptdp.hf``
 dispatches here when the model is a Llama).
 
-ptdp's Llama options compute what HF's Llama computes (ptdp/model.py), so conversion is renaming plus
+ptdp's Llama options compute what HF's Llama computes (ptdp/models/gpt.py), so conversion is renaming plus
 three layout changes:
 
 - QKV: HF keeps ``q_proj [a·d, h]``, ``k_proj [G·d, h]``, ``v_proj [G·d, h]``. ptdp fuses them: without
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, ModelConfig
-from .rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
+from .models.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 
 if TYPE_CHECKING:
     import torch

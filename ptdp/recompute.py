@@ -11,15 +11,19 @@ Megatron's two granularities (Korthikanti et al., 2022; ptdp-facts.md, §Memory)
 A recomputed forward must draw the same dropout masks as the first one. ``torch.utils.checkpoint``
 replays the default generator; :func:`checkpoint` also replays the tensor-parallel RNG tracker's streams
 (``ptdp.tensor_parallel.random``), which attention dropout and sequence-parallel dropout draw from.
+
+:func:`apply_recompute` applies either to a plain model (or a pipeline chunk) from outside: ``full``
+overrides its ``run_layers``, ``selective`` each attention's ``core``; the model files do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .tensor_parallel import get_rng_tracker
@@ -110,3 +114,33 @@ def recompute_errors(granularity: str | None, method: str | None, recompute_num_
     elif n is not None and method != "block" and n < 1:
         errors.append(f"--recompute-num-layers must be >= 1 with --recompute-method uniform, got {n}")
     return errors
+
+
+def _maybe_checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """``function(*args)``, checkpointed when a backward will follow (no point without grad)."""
+    return checkpoint(function, *args) if torch.is_grad_enabled() else function(*args)
+
+
+def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], x: Tensor) -> Tensor:
+    for span, recompute in plan:  # full recomputation: a unit keeps only its input
+        unit = functools.partial(_run, [layers[i] for i in span])
+        x = _maybe_checkpoint(unit, x) if recompute else unit(x)
+    return x
+
+
+def _run(layers: list[nn.Module], x: Tensor) -> Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
+                    recompute_num_layers: int | None = None) -> nn.Module:
+    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order); returns it."""
+    if granularity == "selective":
+        for layer in model.layers.values():
+            layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
+    elif granularity == "full":
+        plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
+        model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan)
+    return model

@@ -194,7 +194,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
 
     from ptdp.cli import build_parser
     from ptdp.config import config_from_args, validate
-    from ptdp.training import train
+    from ptdp.train.loop import train
 
     for name, world, argv in plan:
         dist.barrier()  # every rank's connections are up before any tears the group down (see _entry)
@@ -275,7 +275,7 @@ def initial_full_state(tensors: dict, config: dict) -> dict:
     import torch
 
     from ptdp.hf import full_model_from_state
-    from ptdp.model import init_parameters
+    from ptdp.parallel.init import init_parameters
 
     model = full_model_from_state(tensors, config)
     with torch.no_grad():

@@ -28,7 +28,8 @@ from helpers import (
 from ptdp.checkpointing import CheckpointError, read_full_model_state, read_latest, write_full_model_state
 from ptdp.checkpointing.validation import checkpoint_errors
 from ptdp.config import Config, ModelConfig, config_from_args
-from ptdp.model import GPTModel, init_parameters
+from ptdp.models import GPTModel
+from ptdp.parallel.init import init_parameters
 
 RTOL = 1e-4  # another layout sums in another order: fp32 tolerance
 SIX = [*TINY, "--train-iters", "6"]  # the later --train-iters wins

@@ -26,7 +26,7 @@ def samples(capsys, *args) -> list[dict]:
 
 def _train_and_record(rank: int, world: int, args: list[str], out: str, kill_at: int | None) -> None:
     """One rank of ``ptdp train``: every microbatch it loads goes to ``out.RANK`` (killed at ``kill_at``)."""
-    import ptdp.training as training
+    import ptdp.train.loop as training
     from ptdp.config import add_config_arguments, config_from_args
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

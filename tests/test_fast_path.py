@@ -205,7 +205,7 @@ class SyncCounter:
 def _run_counting(monkeypatch, tmp_path: Path, log_interval: int, iters: int = 6):
     """Train TINY in this process, counting device reads in iterations 2..``iters``: (records, calls in
     ``train_step``, calls in the whole steady-state loop)."""
-    import ptdp.training as training
+    import ptdp.train.loop as training
 
     counter = SyncCounter(monkeypatch)
     in_step: list[str] = []

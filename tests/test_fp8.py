@@ -14,17 +14,19 @@ torchao = pytest.importorskip("torchao", reason="FP8 needs torchao (pip install 
 
 
 def _model(vocab: int = 200):
-    from ptdp.model import GPTModel, init_parameters
+    from ptdp.models import GPTModel
+    from ptdp.parallel.init import init_parameters
+    from ptdp.parallelize import parallelize
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
                       attention_dropout=0.0)
-    model = GPTModel(cfg, vocab, cfg.padded_vocab_size(vocab, 1))
+    model = parallelize(GPTModel(cfg, vocab, cfg.padded_vocab_size(vocab, 1)))  # t = 1: the linears FP8 swaps
     init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
     return model.bfloat16()
 
 
 def _loss_and_grads(model, tokens):
-    from ptdp.model import language_model_loss
+    from ptdp.train.step import language_model_loss
 
     loss = language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]).float()
     loss.backward()

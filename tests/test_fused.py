@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_same_run, train_metrics
 
-from ptdp import fused
+from ptdp.ops import fused
 
 
 @pytest.fixture(scope="module")

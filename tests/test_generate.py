@@ -19,7 +19,7 @@ from ptdp.config import ModelConfig
 from ptdp.data import ByteTokenizer
 from ptdp.generate import generate, sample
 from ptdp.hf import full_model_from_state
-from ptdp.model import GPTModel
+from ptdp.models import GPTModel
 
 PROMPT = "def main("
 VOCAB = ByteTokenizer.vocab_size

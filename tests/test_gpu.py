@@ -3,7 +3,7 @@
 Every test needs one CUDA device and is skipped without one, so ``python -m pytest`` on a CPU machine
 stays green. Single process only (one GPU): unit tests run in this process, training runs as
 ``ptdp train`` subprocesses (which pick the GPU up by themselves; ``CUDA_VISIBLE_DEVICES=""`` makes one
-train on the CPU) or in-process through ``ptdp.training.train``.
+train on the CPU) or in-process through ``ptdp.train.loop.train``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def _model_config(**overrides) -> ModelConfig:
 
 
 def _model(device: str, cfg: ModelConfig, vocab: int = 200):
-    from ptdp.model import GPTModel, init_parameters
+    from ptdp.models import GPTModel
+    from ptdp.parallel.init import init_parameters
 
     padded = cfg.padded_vocab_size(vocab, 1)
     with torch.device(device):
@@ -47,7 +48,7 @@ def _tokens(cfg: ModelConfig, vocab: int = 200) -> torch.Tensor:
 
 
 def _loss_and_grads(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    from ptdp.model import language_model_loss
+    from ptdp.train.step import language_model_loss
 
     logits = model(tokens[:, :-1])
     kept = logits.detach().float().clone()
@@ -107,7 +108,7 @@ def test_cross_entropy_on_cuda_equals_torch(dtype):
 
 def test_compiled_layers_equal_eager_on_cuda():
     """``--compile`` compiles each transformer layer on CUDA; the numbers stay the eager ones (fp32)."""
-    from ptdp.fused import compile_layers
+    from ptdp.ops.fused import compile_layers
 
     cfg = _model_config()
     tokens = _tokens(cfg).cuda()
@@ -166,7 +167,7 @@ def test_checkpoints_move_between_cuda_and_cpu(tmp_path):
 def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
     """From iteration 2 on, ``torch.cuda.set_sync_debug_mode("error")`` is on for the whole loop except
     the one read of the logged records (``read_records``): any other host-device sync raises."""
-    import ptdp.training as training
+    import ptdp.train.loop as training
 
     original_step, original_read = training.train_step, training.read_records
 

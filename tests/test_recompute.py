@@ -11,9 +11,12 @@ from helpers import assert_equivalent, run_layouts
 
 from ptdp import recompute
 from ptdp.config import Config, ModelConfig, validate
-from ptdp.model import GPTModel, init_parameters, language_model_loss
+from ptdp.models import GPTModel
+from ptdp.parallel.init import init_parameters
+from ptdp.parallelize import parallelize
 from ptdp.recompute import recompute_plan
 from ptdp.tensor_parallel import model_parallel_seed
+from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4
 DROPOUT_CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -40,7 +43,7 @@ def test_no_layer_units_without_full(granularity):
 def one_step_grads(**recompute_flags) -> dict[str, torch.Tensor]:
     """Seeded forward + backward of one batch with dropout on; the gradients by parameter name."""
     cfg = dataclasses.replace(DROPOUT_CFG, **recompute_flags)
-    model = GPTModel(cfg, 50, 64)
+    model = parallelize(GPTModel(cfg, 50, 64))  # t = 1: attention dropout on the tracker's stream
     init_parameters(model, seed=7, tp_rank=0, tp_size=1, std=0.02, num_layers=cfg.num_layers)
     model_parallel_seed(1234, 0, 0, torch.device("cpu"))
     tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(0))

@@ -10,9 +10,12 @@ import torch.distributed as dist
 from helpers import assert_equivalent, run_layouts, spawn
 
 from ptdp.config import Config, derive, validate
-from ptdp.model import GPTModel, init_parameters, language_model_loss
+from ptdp.models import GPTModel
+from ptdp.parallel.init import init_parameters
+from ptdp.parallelize import parallelize
 from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
 from ptdp.tensor_parallel import model_parallel_seed
+from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4
 LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -43,7 +46,7 @@ def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     grads = {}
     for name, group, sp in (("full", None, False), ("sp", dist.group.WORLD, True)):
-        model = GPTModel(cfg, 50, 64, tp_group=group, sequence_parallel=sp)
+        model = parallelize(GPTModel(cfg, 50, 64), tp_group=group, sequence_parallel=sp)
         init_parameters(model, seed=3, tp_rank=rank if group else 0, tp_size=world_size if group else 1,
                         std=0.02, num_layers=cfg.num_layers)
         model_parallel_seed(1, rank if group else 0, 0, torch.device("cpu"))

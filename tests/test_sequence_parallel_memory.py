@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import spawn
 
+from ptdp.ops.weight_grad import defer_weight_grads
 from ptdp.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ptdp.tensor_parallel.sequence_linear import sequence_parallel_linear
-from ptdp.tensor_parallel.weight_grad import defer_weight_grads
 
 B, S, H, OUT = 3, 8, 6, 10
 

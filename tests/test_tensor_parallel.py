@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from helpers import spawn
 
 from ptdp.config import ModelConfig
-from ptdp.model import GPTModel, init_parameters
+from ptdp.models import GPTModel
+from ptdp.parallel.init import init_parameters
+from ptdp.parallel.tensor import apply_tensor_parallel
 from ptdp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -101,7 +103,7 @@ def _check_init_is_layout_independent(rank: int, world: int, group) -> None:
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8)
     full = GPTModel(cfg, 50, 64)
     init_parameters(full, 7, 0, 1, 0.02, 2)
-    part = GPTModel(cfg, 50, 64, tp_group=group)
+    part = apply_tensor_parallel(GPTModel(cfg, 50, 64), group)
     init_parameters(part, 7, rank, world, 0.02, 2)
     full_params = dict(full.named_parameters())
     for name, p in part.named_parameters():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ptdp.tensor_parallel.weight_grad import defer_weight_grads, grad_deferred, linear
+from ptdp.ops.weight_grad import defer_weight_grads, grad_deferred, linear
 
 
 def test_only_the_owners_parameters_are_deferred():

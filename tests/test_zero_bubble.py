@@ -1,4 +1,4 @@
-"""The real B/W split (``ptdp.tensor_parallel.weight_grad``): I then W is one ordinary backward, W touches
+"""The real B/W split (``ptdp.ops.weight_grad``): I then W is one ordinary backward, W touches
 no graph, and zero-bubble training reproduces the single-process losses, gradient norms and weights with TP, SP, recomputation and
 the distributed optimizer."""
 
@@ -13,10 +13,10 @@ from helpers import assert_equivalent, run_layouts
 from torch import nn
 
 from ptdp.config import ModelConfig
-from ptdp.fused import EAGER
-from ptdp.model import TransformerLayer
-from ptdp.norms import LayerNorm, RMSNorm
-from ptdp.tensor_parallel.weight_grad import defer_weight_grads, grad_deferred, linear
+from ptdp.models import SequencePositions, TransformerLayer
+from ptdp.ops.fused import EAGER
+from ptdp.ops.norms import LayerNorm, RMSNorm
+from ptdp.ops.weight_grad import defer_weight_grads, grad_deferred, linear
 
 RTOL = 1e-4
 GPT = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0,
@@ -27,7 +27,7 @@ LLAMA = dataclasses.replace(GPT, normalization="RMSNorm", swiglu=True, disable_b
 
 def layer_stack(cfg: ModelConfig, n: int = 2) -> nn.Sequential:
     torch.manual_seed(0)
-    stack = nn.Sequential(*(TransformerLayer(cfg, None, False, EAGER) for _ in range(n)))
+    stack = nn.Sequential(*(TransformerLayer(cfg, EAGER, SequencePositions()) for _ in range(n)))
     for name, p in stack.named_parameters():  # non-trivial norms and biases, so their grads are tested
         with torch.no_grad():
             p.normal_(1.0 if "layernorm" in name else 0.0, 0.1)

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import Config
-from ..model import TIED_EMBEDDING, GPTModel
+from ..models import TIED_EMBEDDING, GPTModel
 from . import storage
 from .validation import model_shape
 

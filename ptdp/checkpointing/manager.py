@@ -54,7 +54,7 @@ class CheckpointManager:
             from .saver import CheckpointWriter
 
             state = trainer.state
-            self.writer = CheckpointWriter(state.rank, state.dims.world_size, bool(getattr(self.ck, "async_save", False)))
+            self.writer = CheckpointWriter(state.rank, state.dims.world_size, self.ck.async_save)
             if state.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
                 from .storage import remove_leftovers
 

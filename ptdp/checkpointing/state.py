@@ -36,7 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..model import logical_name
+from ..optim import MegatronOptimizer
+from ..pipeline.stage import logical_name
 from ..tensor_parallel import random as tp_random
 from . import storage
 from .validation import model_mismatch, model_shape
@@ -54,7 +55,7 @@ def _layout(trainer) -> dict:
     layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
               "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
               "pipeline_schedule": par.schedule}
-    if getattr(dims, "cp", 1) > 1:
+    if dims.cp > 1:
         layout["context_parallel_size"] = dims.cp
     return layout
 
@@ -84,14 +85,14 @@ def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
     ``ptdp.optim``'s optimizers provide it (the distributed optimizer gathers its DP shards, a collective,
     so every rank calls this exactly once per save); a bare ``torch.optim.AdamW`` is read directly.
     """
-    if hasattr(optimizer, "state_per_param"):
+    if isinstance(optimizer, MegatronOptimizer):
         return optimizer.state_per_param()
     return {p: {k: s[k] for k in ADAM_STATE} for p, s in optimizer.state.items() if s}
 
 
 def load_optimizer_state(optimizer, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
     """Inverse of :func:`optimizer_state` (each rank keeps what it owns; no communication)."""
-    if hasattr(optimizer, "load_state_per_param"):
+    if isinstance(optimizer, MegatronOptimizer):
         optimizer.load_state_per_param(states)
         return
     for param, state in states.items():  # torch AdamW's own layout: a float32 scalar step
@@ -152,7 +153,7 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
             "config": trainer.config.to_dict(),
             "grad_scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) else None,
             # fp16 overflows so far: the LR schedule stands at iteration - skipped_iterations
-            "skipped_iterations": getattr(trainer.optimizer, "skipped_iterations", 0),
+            "skipped_iterations": trainer.optimizer.skipped_iterations,
         }
     # A background write needs a private copy (the loop changes the live tensors at once); inline, none.
     staged = stage(state_dict) if writer.async_save else state_dict
@@ -212,14 +213,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for param, state in optim.items():  # fp32 weights from the fp32 master copy of a 16-bit run
             if "main_param" in state and param.dtype == torch.float32:
                 param.copy_(state["main_param"])
-    if hasattr(trainer.optimizer, "reload_model_params"):  # master weights := the loaded model weights
-        trainer.optimizer.reload_model_params()
+    trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
         load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(trainer):
         _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
-    if hasattr(trainer.optimizer, "skipped_iterations"):
-        trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
+    trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
         prefix = f"rng.rank{trainer.state.rank}."
@@ -251,7 +250,7 @@ def _padded_vocab(trainer) -> int:
 
 def _grad_scaler(trainer):
     """The fp16 loss scaler, if the optimizer has one (its few numbers go to ``ptdp.json``)."""
-    return getattr(trainer.optimizer, "scaler", None)
+    return trainer.optimizer.scaler
 
 
 def _barrier(trainer) -> None:

@@ -98,7 +98,7 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's counterp
 def _missing(config: Config, path: Path) -> list[str]:
     """No checkpoint in ``--load DIR``: fine (the run starts from scratch and says so), unless
     ``--exit-on-missing-checkpoint`` (Megatron-LM's flag) makes it an error."""
-    if getattr(config.checkpoint, "exit_on_missing_checkpoint", False):
+    if config.checkpoint.exit_on_missing_checkpoint:
         return [f"--load {path} holds no checkpoint and --exit-on-missing-checkpoint is set; point --load at a "
                 "directory written by --save, or drop --exit-on-missing-checkpoint to start from scratch"]
     return []

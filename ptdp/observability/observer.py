@@ -1,6 +1,6 @@
 """``RunObserver``: the training loop's one handle on TensorBoard, the timeline and the summary.
 
-``ptdp.training.train`` calls ``begin_iteration(i)`` before each step, ``log(record)`` after it and
+``ptdp.train.loop.train`` calls ``begin_iteration(i)`` before each step, ``log(record)`` after it and
 ``finish(...)`` after the loop; every rank calls all three (the timeline is per rank and its merge needs a
 barrier), while TensorBoard and the printed summary are rank 0's.
 """

@@ -1,6 +1,6 @@
 """``--tensorboard-dir``: the training record as TensorBoard scalars, written by rank 0 only.
 
-The record is the one ``ptdp.training`` already builds per iteration (and appends to ``--metrics-file``),
+The record is the one ``ptdp.train.loop`` already builds per iteration (and appends to ``--metrics-file``),
 so TensorBoard, the metrics file and the progress line always show the same numbers.
 """
 

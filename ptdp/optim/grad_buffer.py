@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..observability import flight_recorder
+from ..ops.weight_grad import grad_deferred
 from ..tensor_parallel.mappings import all_gather_single, group_rank, group_size, reduce_scatter_single
-from ..tensor_parallel.weight_grad import grad_deferred
 
 
 @dataclass

@@ -38,7 +38,7 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimize
     On CPU torch's default implementation runs, so CPU numbers are what they always were.
     """
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if getattr(cfg, "optimizer_cpu_offload", False):  # issue 26: state and step on the host
+    if cfg.optimizer_cpu_offload:  # issue 26: state and step on the host
         from .offload import HostOffloadAdamW
 
         return HostOffloadAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
@@ -91,6 +91,17 @@ class MegatronOptimizer:
 
     def _publish_params(self) -> None:
         """Make the model parameters equal the updated main parameters (on every DP rank)."""
+
+    def reload_model_params(self) -> None:
+        """Main parameters := model parameters, after a checkpoint load (nothing to do without them)."""
+
+    def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """The logical AdamW state per parameter (checkpoints: ``ptdp.checkpointing.state``)."""
+        raise NotImplementedError
+
+    def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`state_per_param`."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self) -> tuple[torch.Tensor, bool]:

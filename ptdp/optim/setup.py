@@ -42,16 +42,16 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     """
     tr, distributed = config.training, config.optimizer.use_distributed_optimizer
     main_params = distributed or params_dtype(config) != torch.float32
-    # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel.py); it is the
+    # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel/dims.py); it is the
     # plain DP group when c = 1.
-    dp_group = getattr(state, "dp_cp_group", state.dp_group)
+    dp_group = state.dp_cp_group
     grads = GradBuckets(params, dp_group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
                         distributed_optimizer=distributed, param_buffer=main_params,
                         overlap_grad_reduce=tr.overlap_grad_reduce, separate=shared_embedding)
     if not main_params:
         return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
     # Sharded: every DP rank holds different elements, so the norm is summed over the whole world.
-    sharded = distributed and state.dims.dp * getattr(state.dims, "cp", 1) > 1
+    sharded = distributed and state.dims.dp * state.dims.cp > 1
     norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
                                        grad_scaler(config.precision))

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from ptdp.observability.clock import Clock, Mark, seconds
+from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
 from ptdp.pipeline.schedules import COMPUTE_OPS, Action, virtual_stage
-from ptdp.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 
 
 class PipelineStage(Protocol):
@@ -149,7 +149,7 @@ class ModuleStage:
 
     def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
         """The whole backward with the linears' and norms' weight grads deferred
-        (``ptdp.tensor_parallel.weight_grad``): the graph is freed here; W keeps only their closures.
+        (``ptdp.ops.weight_grad``): the graph is freed here; W keeps only their closures.
 
         Every other parameter (embeddings, compiled layers) gets its grad here, as in a full B.
         """

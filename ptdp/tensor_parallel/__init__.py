@@ -1,7 +1,7 @@
 """Tensor (intra-layer) model parallelism: layers, region operators, cross-entropy and RNG streams."""
 
 from .cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -17,6 +17,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "VocabParallelLogits",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.layers import mask_padding_
 from .mappings import all_reduce, group_rank, group_size
 
 
@@ -30,31 +31,10 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, group) -> torch.Ten
     return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
-class _MaskPaddedVocab(torch.autograd.Function):
-    """In place: the padding columns of this rank's logits := -inf, with no copy forward or backward.
-
-    The backward passes the gradient through unchanged: for a loss of softmax(logits) (cross entropy,
-    the only consumer in training) the gradient at a -inf logit is exactly 0 already.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, first_padding: int):
-        ctx.mark_dirty(logits)
-        logits[..., first_padding:].fill_(float("-inf"))
-        return logits
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
-    """:func:`mask_padded_vocab` in place on the output of the logit GEMM (no full-size copy)."""
-    local = logits.shape[-1]
-    start = group_rank(group) * local
-    if start + local <= vocab_size:
-        return logits
-    return _MaskPaddedVocab.apply(logits, max(vocab_size - start, 0))
+    """:func:`mask_padded_vocab` in place on the output of the logit GEMM (no full-size copy): this rank's
+    columns are the ids from ``tp_rank * V/t`` on."""
+    return mask_padding_(logits, vocab_size, group_rank(group) * logits.shape[-1])
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

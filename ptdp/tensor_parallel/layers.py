@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.layers import mask_padding_
+from ..ops.weight_grad import add_bias, linear
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -23,7 +25,6 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from .sequence_linear import sequence_parallel_linear
-from .weight_grad import add_bias, linear
 
 
 def mark_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
@@ -139,3 +140,22 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+
+
+class VocabParallelLogits(nn.Module):
+    """Logits of this rank's V/t vocabulary rows (the output weight is split like the embedding): enter the
+    tensor-parallel region (``f``, or the sequence-parallel all-gather), GEMM, mask this slice's padding.
+    The loss (``vocab_parallel_cross_entropy``) never gathers the full logits."""
+
+    def __init__(self, vocab_size: int, *, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        gemm = F.linear if shared else linear  # see ``ptdp.models.layers.Logits``
+        return mask_padding_(gemm(x, weight), self.vocab_size, group_rank(self.tp_group) * weight.shape[0])

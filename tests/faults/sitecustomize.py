@@ -157,8 +157,8 @@ def tp_input_grad_not_reduced(original, ctx, grad):
 
 PATCHES = {
     "PTDP_TEST_SLOW_RANK": [
-        ("ptdp.training:load_microbatch", slow_training_microbatch),
-        ("ptdp.evaluation:get_microbatch", slow_validation_microbatch),
+        ("ptdp.train.step:load_microbatch", slow_training_microbatch),
+        ("ptdp.train.evaluate:get_microbatch", slow_validation_microbatch),
     ],
     "PTDP_TEST_KILL_AT_ITERATION": [
         ("ptdp.checkpointing.manager:CheckpointManager.before_iteration", kill_at_iteration),

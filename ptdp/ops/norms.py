@@ -2,7 +2,7 @@
 
 Same parameters, names and numbers as ``nn.LayerNorm``/``nn.RMSNorm`` (checkpoints do not change). LayerNorm's
 backward calls torch's own kernel (``native_layer_norm_backward``) with an ``output_mask``: all grads at
-once normally; only the input grad in the I pass while ``ptdp.tensor_parallel.weight_grad.
+once normally; only the input grad in the I pass while ``ptdp.ops.weight_grad.
 defer_weight_grads`` is active, and only the weight/bias grads later in W from the saved input,
 statistics and output gradient. RMSNorm writes its backward out (see ``_RMSNorm``). Without grad or
 under ``torch.compile`` the plain modules run: weight grads in I, as before.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .tensor_parallel.weight_grad import WeightGrads, deferring_store, plain_path
+from .weight_grad import WeightGrads, deferring_store, plain_path
 
 _aten = torch.ops.aten
 

@@ -8,9 +8,9 @@ which ``ptdp import`` reads, already use rotate-half.)
 
 RoPE needs no parameters and acts per head, so tensor parallelism needs nothing: each rank rotates its
 own heads. Attention sees the whole sequence (sequence parallelism gathers it before the QKV GEMM), so
-positions are simply ``0 .. s-1``, except under context parallelism: a CP rank holds two load-balanced
-chunks of the sequence, so its tables are at those tokens' real positions
-(``ptdp.context_parallel.load_balanced_positions``). The cos/sin tables are computed in fp32 whatever the model's
+positions are those of the tokens this process holds, as its ``SequencePositions`` module says
+(``0 .. s-1``; under context parallelism the real positions of a CP rank's two load-balanced chunks,
+swapped in by ``ptdp.parallel.context``). The cos/sin tables are computed in fp32 whatever the model's
 dtype (as Megatron and HF do) and cached per (length, device), so a ``--bf16`` cast of the model cannot
 touch them.
 """
@@ -33,7 +33,9 @@ def inverse_frequencies(rotary_dim: int, base: float, scaling_factor: float | No
     Llama 3.1 keeps high frequencies (wavelength < original context / high factor), divides low ones
     (wavelength > original context / low factor) by the factor, and interpolates smoothly between.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    # on the CPU whatever the device (the model may be built on the meta device): the same table everywhere
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (base ** (steps / rotary_dim))
     if scaling_factor is None:
         return inv_freq
     low_wavelen = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
@@ -58,27 +60,21 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(self.rotary_dim, base, scaling_factor)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, seq_len: int, device: torch.device, cp_size: int = 1,
-               cp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for the ``seq_len`` local tokens: positions 0..s-1, or with ``cp_size`` > 1 the real
-        positions of CP rank ``cp_rank``'s chunks of a ``seq_len * cp_size`` sequence."""
-        key = (seq_len, device, cp_size, cp_rank)
+    def tables(self, seq_len: int, device: torch.device, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for the ``seq_len`` local tokens at ``positions(seq_len, device)`` (a ``SequencePositions``
+        module: it is fixed per model, so it keys the cache)."""
+        key = (seq_len, device, positions)
         if key not in self._cache:
-            if cp_size > 1:
-                from .context_parallel import load_balanced_positions
-
-                positions = load_balanced_positions(seq_len * cp_size, cp_size, cp_rank, device=device).float()
-            else:
-                positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-            freqs = torch.outer(positions, self.inv_freq.to(device))
+            pos = positions(seq_len, device).float()
+            freqs = torch.outer(pos, self.inv_freq.to(device))
             angles = torch.cat([freqs, freqs], dim=-1)
             self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
-    def __call__(self, x: torch.Tensor, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it); with
-        ``cp_size`` > 1 its s tokens are CP rank ``cp_rank``'s (see :meth:`tables`)."""
-        cos, sin = self.tables(x.shape[-2], x.device, cp_size, cp_rank)
+    def __call__(self, x: torch.Tensor, positions) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it) at the
+        positions ``positions`` gives for its s tokens (see :meth:`tables`)."""
+        cos, sin = self.tables(x.shape[-2], x.device, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         x1, x2 = rot.chunk(2, dim=-1)

@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .data import get_microbatch
-from .model import language_model_loss
-from .observability import flight_recorder
-from .pipeline.executor import run_schedule
-from .pipeline.schedules import build_schedule, virtual_stage
-from .tensor_parallel.mappings import group_size
+from ..data import get_microbatch
+from ..observability import flight_recorder
+from ..pipeline.executor import run_schedule
+from ..pipeline.schedules import build_schedule, virtual_stage
+from ..tensor_parallel.mappings import group_size
+from .state import TrainState
+from .step import cp_shard, language_model_loss
 
 
 class ForwardOnlyStage:
@@ -42,10 +43,8 @@ class ForwardOnlyStage:
         return y
 
 
-def evaluate(trainer, dataset, eval_iters: int) -> float:
+def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
-    from .training import cp_shard
-
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
     par = trainer.config.parallel
@@ -78,7 +77,7 @@ def evaluate(trainer, dataset, eval_iters: int) -> float:
     loss = torch.tensor(total / eval_iters, dtype=torch.float64, device=state.device)
     if group_size(state.pp_group) > 1:
         dist.all_reduce(loss, group=state.pp_group)
-    dp_cp = getattr(state, "dp_cp_group", state.dp_group)  # CP ranks: the same samples, other tokens
+    dp_cp = state.dp_cp_group  # CP ranks: the same samples, other tokens
     if group_size(dp_cp) > 1:
         dist.all_reduce(loss.div_(group_size(dp_cp)), group=dp_cp)
     return loss.item()

@@ -1,0 +1,11 @@
+"""Plain models: GPT-2 and the Llama family, one process, no parallelism (``docs/architecture.md``).
+
+Nothing here imports ``torch.distributed`` or ptdp's parallelism modules (an import-linter contract in
+``pyproject.toml``); ``ptdp.parallelize`` transforms these modules from outside.
+"""
+
+from .gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
+from .layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
+
+__all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
+           "Linear", "Logits", "SequencePositions", "TransformerLayer", "norm"]

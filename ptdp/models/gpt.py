@@ -1,0 +1,192 @@
+"""The GPT model (Megatron's GPT = the GPT-2 architecture) and its Llama options, for one process.
+
+Read it top to bottom like nanoGPT: learned position embeddings, pre-LayerNorm blocks of causal
+self-attention and a GeLU MLP of ``ffn_hidden_size`` (4h), a final LayerNorm and logits tied to the input
+embedding. Biases can be returned by the linears and fused into the next element-wise op (``ptdp.ops.fused``,
+with ``--compile``).
+
+The Llama family is the same model with five options (Megatron's flags, ``ModelConfig``): rotary instead
+of learned positions (``rotary.py``), RMSNorm instead of LayerNorm, a SwiGLU MLP whose gate and up
+projections are one weight ``[2, ffn, h]``, grouped-query attention (G key/value heads; the QKV weight is
+``[(a + 2G)·d, h]`` in Megatron's order, per group its a/G query heads then its key and its value head),
+and no linear biases with an output layer ``lm_head`` untied from the embedding.
+
+The model knows nothing of parallelism (``docs/architecture.md``). Parallelisms transform it from outside:
+tensor parallelism swaps its blocks for split ones (attention reads its head count from the QKV weight, so
+a rank's share needs no edit here); context parallelism swaps its positions and attention core; pipeline
+splitting keeps only some of its parts, which is why each part runs only when present (``embedding``,
+``final_layernorm`` may be None) and ``layers`` is keyed by the GLOBAL layer index: parameter names are the
+full model's (``layers.7.mlp.fc1.weight`` is layer 7 wherever it lives), so checkpoints do not depend on the
+layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.fused import FusedOps, fused_ops
+from .layers import CausalAttention, DropoutAdd, Linear, Logits, RngContext, SequencePositions, norm
+from .rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the input embedding, also the output weight when tied
+
+
+class Attention(nn.Module):
+    """Causal self-attention: QKV projection, per-head attention core (rotary positions when on, GQA),
+    output projection. The number of heads is read from the QKV weight: a tensor-parallel rank holding a/t
+    of them runs this same code."""
+
+    def __init__(self, cfg: ModelConfig, positions: SequencePositions, fuse_bias: bool):
+        super().__init__()
+        h, a, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.head_dim = d
+        self.grouped = cfg.group_query_attention
+        self.heads_per_group = a // cfg.query_groups
+        self.dropout = cfg.attention_dropout
+        self.dropout_rng: RngContext | None = None  # tensor parallelism: a mask per rank's heads
+        self.rotary = (RotaryEmbedding(d, cfg.rotary_percent, cfg.rotary_base,
+                                       cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
+                       if cfg.position_embedding_type == "rope" else None)
+        bias = cfg.add_bias_linear
+        if self.grouped:  # per group: its a/G query heads, its key head, its value head (Megatron's order)
+            self.qkv = Linear(h, (a + 2 * cfg.query_groups) * d, bias=bias)
+        else:  # [3, a·d, h]: all q heads, all k heads, all v heads
+            self.qkv = Linear(h, a * d, fused=3, bias=bias)
+        self.positions = positions
+        self.core_attention = CausalAttention()
+        self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """The output, or with ``fuse_bias`` the output before its bias and the bias."""
+        return self.proj(self.core(self.qkv(x)))
+
+    def core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head.
+        Selective recomputation recomputes exactly this (it holds the a·s² activations, few FLOPs)."""
+        b, s, _ = qkv.shape
+        d = self.head_dim
+        if self.grouped:
+            groups = qkv.view(b, s, -1, self.heads_per_group + 2, d)
+            q = groups[:, :, :, :-2].reshape(b, s, -1, d).transpose(1, 2)
+            k, v = groups[:, :, :, -2].transpose(1, 2), groups[:, :, :, -1].transpose(1, 2)
+        else:
+            q, k, v = qkv.view(b, s, 3, -1, d).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q, self.positions), self.rotary(k, self.positions)
+        if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
+            k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
+        dropout = self.dropout if self.training else 0.0
+        # Without dropout no RNG stream is switched: swapping generator states would split a compiled layer
+        # into pieces (graph breaks).
+        rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
+        with rng():
+            y = self.core_attention(q, k, v, dropout)
+        return y.transpose(1, 2).reshape(b, s, -1)
+
+
+class MLP(nn.Module):
+    """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]."""
+
+    def __init__(self, cfg: ModelConfig, ops: FusedOps):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        # Eagerly, the bias is cheapest inside the GEMM (addmm); compiled, it fuses with the GeLU.
+        self.fuse = ops.compiled and not cfg.swiglu and cfg.add_bias_linear
+        self.fc1 = Linear(cfg.hidden_size, cfg.ffn_size, fused=2 if cfg.swiglu else 1, bias=cfg.add_bias_linear,
+                          skip_bias_add=self.fuse)
+        self.fc2 = Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear, skip_bias_add=ops.compiled)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """The output, or (compiled ops) the output before its bias and the bias."""
+        if self.swiglu:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
+            gate, up = self.fc1(x).chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        h = self.ops.bias_gelu(*self.fc1(x)) if self.fuse else F.gelu(self.fc1(x), approximate="tanh")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias)."""
+
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions):
+        super().__init__()
+        self.input_layernorm = norm(cfg)
+        self.attention = Attention(cfg, positions, fuse_bias=ops.compiled)
+        self.post_attention_layernorm = norm(cfg)
+        self.mlp = MLP(cfg, ops)
+        self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout_add(self.attention(self.input_layernorm(x)), x)
+        return self.dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
+
+
+class Embedding(nn.Module):
+    """Token embeddings plus (GPT-2) learned position embeddings, then dropout."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, positions: SequencePositions):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
+                                    if cfg.position_embedding_type == "learned_absolute" else None)  # else RoPE
+        self.positions = positions
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device))
+        return self.dropout(x)
+
+
+class GPTModel(nn.Module):
+    """Token ids ``[b, s]`` in, logits ``[b, s, padded V]`` out (padding columns -inf)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        ops = fused_ops(cfg.compile)
+        positions = SequencePositions()  # one module, read by the embedding and every attention
+        self.embedding: Embedding | None = Embedding(cfg, padded_vocab_size, positions)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions) for i in range(cfg.num_layers)})
+        self.final_layernorm: nn.Module | None = norm(cfg)
+        # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
+        self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,
+                                                                                  padded_vocab_size, bias=False)
+        # Tied, with the embedding in another model chunk: a copy of it (``ptdp.pipeline.stage``).
+        self.output_layer: nn.Module | None = None
+        self.logits = Logits(vocab_size)
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V, h]`` weight of the logits: the untied head's, else the input embedding's (or its copy)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformer layers in order (full recomputation overrides this: ``ptdp.recompute``)."""
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out."""
+        if self.embedding is not None:
+            x = self.embedding(x)
+        x = self.run_layers(x)
+        if self.final_layernorm is None:
+            return x
+        shared = self.lm_head is None and self.embedding is not None
+        return self.logits(self.final_layernorm(x), self.output_weight(), shared)

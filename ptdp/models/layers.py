@@ -1,0 +1,135 @@
+"""The building blocks of the plain models: one process, plain torch, no parallelism.
+
+Each block is the single-process version of something a parallelism may replace from outside
+(``ptdp.parallel``): ``Linear`` becomes a column- or row-parallel linear, ``nn.Embedding`` a vocabulary-
+parallel one, ``Logits`` the vocabulary-parallel logits, ``SequencePositions`` the load-balanced positions of
+context parallelism and ``CausalAttention`` a context-parallel attention core. Swapping a block keeps the
+parameter names, so checkpoints do not depend on the layout.
+
+The weight-bearing ops are ``ptdp.ops``' deferrable ones: numerically the plain ops, but a zero-bubble
+schedule can defer their weight gradients to a W pass (``ptdp.ops.weight_grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.fused import FusedOps
+from ..ops.norms import LayerNorm, RMSNorm
+from ..ops.weight_grad import linear
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-parallel RNG tracker's fork
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    """``--normalization``: LayerNorm (GPT-2) or RMSNorm (Llama: no bias, no mean subtraction)."""
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ + b``. ``fused`` = k > 1 packs k independent projections (q, k and v; gate and up) into
+    one weight ``[k, out, in]`` (bias ``[k, out]``), the layout checkpoints use: a tensor-parallel split of
+    dim 1 then gives each rank the same rows of all k. ``skip_bias_add`` returns ``(x Wᵀ, b)`` so the
+    caller can fuse the bias into the element-wise op that follows (``ptdp.ops.fused``)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, fused: int = 1,
+                 skip_bias_add: bool = False):
+        super().__init__()
+        shape = (out_features, in_features) if fused == 1 else (fused, out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.zeros(shape[:-1])) if bias else None
+        self.skip_bias_add = skip_bias_add
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        if self.skip_bias_add:
+            return linear(x, self.weight), None if self.bias is None else self.bias.flatten()
+        return linear(x, self.weight, self.bias)
+
+
+class _MaskPadding(torch.autograd.Function):
+    """In place: logits columns from ``first_padding`` on := -inf, no copy forward or backward. The
+    gradient passes unchanged: for a softmax loss the gradient at a -inf logit is exactly 0 already."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, first_padding: int):
+        ctx.mark_dirty(logits)
+        logits[..., first_padding:].fill_(float("-inf"))
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def mask_padding_(logits: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:
+    """Set, in place, the logits of padding ids (>= ``vocab_size``) to -inf; the columns of ``logits``
+    are the ids ``first_id, first_id + 1, ...`` (a vocabulary-parallel rank's slice starts later)."""
+    local = logits.shape[-1]
+    if first_id + local <= vocab_size:
+        return logits
+    return _MaskPadding.apply(logits, max(vocab_size - first_id, 0))
+
+
+class Logits(nn.Module):
+    """Logits over the padded vocabulary (an aligned GEMM: N = 50304, not 50257), padding masked in place.
+
+    The weight is the model's output weight (``GPTModel.output_weight``). Its gradient is deferrable to a
+    zero-bubble W pass unless ``shared``: the weight is also this model's input embedding (tied), whose
+    grad hooks a deferred half would fire twice per microbatch (``ptdp.ops.weight_grad``).
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
+        gemm = F.linear if shared else linear
+        return mask_padding_(gemm(x, weight), self.vocab_size)
+
+
+class SequencePositions(nn.Module):
+    """The positions of the ``seq_len`` tokens this process holds: ``0 .. seq_len-1``. Learned position
+    embeddings and rotary tables read them; context parallelism swaps in its load-balanced positions."""
+
+    def forward(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(seq_len, device=device)
+
+
+class CausalAttention(nn.Module):
+    """softmax(QKᵀ/√d) V under a causal mask, through SDPA (flash kernels on GPU). q, k, v: ``[b, heads,
+    s, d]`` (k and v already repeated to the query heads). Context parallelism swaps in its ring/all-to-
+    all/all-gather version of the same function."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class DropoutAdd(nn.Module):
+    """``residual + dropout(y + bias)``, the end of each half of a transformer layer, as one fused op.
+
+    ``rng``, when set, is a context that switches the random stream for the mask: sequence parallelism
+    sets it so that ranks holding different tokens draw different masks.
+    """
+
+    def __init__(self, p: float, ops: FusedOps):
+        super().__init__()
+        self.p, self.ops = p, ops
+        self.rng: RngContext | None = None
+
+    def forward(self, out: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+                residual: torch.Tensor) -> torch.Tensor:
+        y, bias = out if isinstance(out, tuple) else (out, None)
+        training = self.training and self.p > 0.0
+        with self.rng() if training and self.rng is not None else contextlib.nullcontext():
+            return self.ops.bias_dropout_add(y, bias, residual, self.p, training)

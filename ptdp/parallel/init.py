@@ -1,0 +1,66 @@
+"""Materialise a model built on the meta device, with the values one process would draw.
+
+Each full parameter is drawn from its own generator, seeded by (seed, logical name), so the full model is
+the same whatever t, p and d are, and the two copies of the tied embedding start equal. Only one full
+parameter exists at a time, so even a trillion-parameter model can start. Residual output projections are
+scaled by 1/sqrt(2 * num_layers) as in GPT-2 and Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give every meta parameter real (uninitialised) storage on ``device``, keeping its attributes
+    (``tensor_model_parallel``, ``sequence_parallel``, ...) and its place in the module. Returns ``model``."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                   requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                module._parameters[name] = new
+    return model
+
+
+def mark_no_weight_decay(model: nn.Module) -> None:
+    """Megatron's rule: biases and norm parameters are not weight-decayed (read by ``ptdp.optim``)."""
+    for name, param in model.named_parameters():
+        param.no_weight_decay = name.endswith("bias") or "layernorm" in name
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std: float, num_layers: int,
+                    logical_name: Callable[[str], str] = lambda name: name) -> None:
+    """Initialise every parameter as the full model would be, then keep this rank's tensor-parallel piece.
+
+    ``logical_name`` maps a local parameter name to the full model's (a pipeline stage's copy of the tied
+    embedding is the embedding: ``ptdp.pipeline.stage.logical_name``).
+    """
+    for name, param in model.named_parameters():
+        name = logical_name(name)
+        if "layernorm" in name:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+            continue
+        scaled = name.endswith(("attention.proj.weight", "mlp.fc2.weight"))
+        full_shape = list(param.shape)
+        parallel = getattr(param, "tensor_model_parallel", False)
+        if parallel:
+            full_shape[param.partition_dim] *= tp_size
+        # Drawn on the CPU whatever the device: CPU and CUDA generators give different numbers, and the
+        # model must be the same on every device (a CUDA run reproduces a CPU run; checkpoints move).
+        generator = torch.Generator()
+        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        full = torch.empty(full_shape, device="cpu")
+        full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
+        param.copy_(full.chunk(tp_size, param.partition_dim)[tp_rank] if parallel else full)
+        del full

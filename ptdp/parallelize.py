@@ -1,0 +1,75 @@
+"""This rank's model chunks: a plain model, transformed by each parallelism in turn (torchtitan's shape).
+
+    build on the meta device  →  split into pipeline chunks  →  tensor (+ sequence) parallel
+    →  context parallel  →  recompute  →  materialise on the device with one process's values
+    →  cast to the parameter dtype  →  compile (``--compile`` on a GPU)
+
+Each step is one function in its own module and transforms the modules in place; none edits the model
+files. A new parallelism adds a module and one line here (``docs/architecture.md``). Data parallelism is
+applied to the gradients, not the model (``ptdp.optim.grad_buffer``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+from .models import GPTModel
+from .ops.fused import compile_layers, fused_ops
+from .optim import params_dtype
+from .parallel import ParallelState
+from .parallel.context import apply_context_parallel
+from .parallel.init import init_parameters, mark_no_weight_decay, materialize
+from .parallel.tensor import apply_tensor_parallel
+from .pipeline.schedules import virtual_stage
+from .pipeline.stage import logical_name, split_model
+from .recompute import apply_recompute
+
+
+def local_seq_length(config: Config, state: ParallelState) -> int:
+    """Tokens of one sample on this rank between layers: s/c under context parallelism, and a further
+    1/t under sequence parallelism."""
+    seq = config.model.seq_length // state.dims.cp
+    return seq // state.dims.tp if config.parallel.sequence_parallel and state.dims.tp > 1 else seq
+
+
+def parallelize(model: GPTModel, *, tp_group=None, sequence_parallel: bool = False, cp_group=None,
+                cp_comm_type: str = "p2p") -> GPTModel:
+    """Tensor (+ sequence) and context parallelism and ``model.cfg``'s recomputation, applied in place to
+    a model or pipeline chunk (on the meta device, or a real one: then initialise it afterwards)."""
+    m = model.cfg
+    apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    apply_context_parallel(model, cp_group, cp_comm_type)
+    apply_recompute(model, m.recompute_granularity, m.recompute_method, m.recompute_num_layers)
+    mark_no_weight_decay(model)
+    return model
+
+
+def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
+                       padded_vocab_size: int) -> list[GPTModel]:
+    """Chunk c holds virtual stage ``virtual_stage(pp_rank, c, p, placement)`` (``ptdp.pipeline.stage``)."""
+    m, par, p = config.model, config.parallel, state.dims.pp
+    v = par.virtual_size
+    with torch.device(state.device):  # --compile: the fused ops are built (and probed) here, once per process
+        fused_ops(m.compile)
+    with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
+        model = GPTModel(m, vocab_size, padded_vocab_size)
+    stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
+    chunks = split_model(model, stages, p * v)
+    dtype = params_dtype(config)
+    for chunk in chunks:
+        parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
+                    cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
+        materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
+        init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
+                        m.num_layers, logical_name)
+        chunk.to(dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
+        if config.precision.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/fp8.py)
+            from .fp8 import enable_fp8
+
+            enable_fp8([chunk], config.precision.fp8_format, config.precision.fp8_recipe)
+        if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
+            compile_layers(chunk.layers.values(),
+                           (config.training.micro_batch_size, local_seq_length(config, state), m.hidden_size),
+                           dtype)
+    return chunks

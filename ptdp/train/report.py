@@ -1,0 +1,127 @@
+"""What the loop reports: records read in one host sync, pipeline and straggler metrics, the startup
+summary, progress and validation lines."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import flops
+from ..observability import straggler
+from ..pipeline.executor import ScheduleStats
+from ..pipeline.schedules import bubble_fraction_formula
+from .evaluate import evaluate, perplexity
+from .state import TrainState
+from .step import to_device
+
+
+def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
+    """``train_step`` records with their device scalars read, in ONE host-device sync for all of them.
+
+    The loop calls this on logged iterations only (and before checkpoints and evaluations), with every
+    record since the last call, so ``--log-interval N`` means one sync per N iterations.
+    """
+    scalars = [r[k] for r in records for k in ("loss", "grad_norm")]
+    if all(isinstance(v, torch.Tensor) for v in scalars):
+        values = torch.stack([v.reshape(()).to(torch.float64) for v in scalars]).tolist()
+    else:
+        values = [float(v) for v in scalars]
+    out = []
+    for i, r in enumerate(records):
+        stats = r.pop("schedule_stats", None)
+        r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
+        out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
+    return out
+
+
+def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
+    """Worst-rank bubble (measured idle / busy time), in-flight microbatches and saved activation bytes.
+
+    The bubble is reported beside the formula (p-1)/(v*m) (ptdp-facts.md, §Schedules), so a user sees
+    what the pipeline really wastes. Read after the iteration's sync (CUDA-event timings are complete);
+    the worst rank is found with one small all-reduce (collective: every rank reads the same records).
+    """
+    state = trainer.state
+    row = [float(stats.idle_s) / max(float(stats.busy_s), 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
+    if state.dims.world_size > 1:
+        worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        row = worst.tolist()
+    bubble, in_flight, saved = row
+    return {
+        "bubble_fraction": bubble,
+        "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
+                                                          trainer.num_microbatches, trainer.config.parallel.schedule),
+        "peak_in_flight_microbatches": int(in_flight),
+        "peak_activation_bytes": int(saved),
+    }
+
+
+def straggler_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None]) -> dict:
+    """Spread of the ranks' step times over the flushed window, and the slowest rank (collective).
+
+    A rank's step time here is its compute time in the schedule (``busy_s``, mean over the window): the
+    wall time of a step is the same on every rank of a synchronous job, since all wait for the slowest at
+    the gradient all-reduce, so only the time each spent computing tells the straggler apart. Read after
+    ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``.
+    """
+    busy = [float(s.busy_s) for s in schedule_stats if s is not None]
+    return straggler.step_time_report(busy, trainer.state.dims.world_size, trainer.state.device)
+
+
+def startup_summary(trainer: TrainState) -> str:
+    """One line saying what is being trained, and how: the family, parameters in total and on the fullest
+    rank, the layout, microbatches and tokens per iteration (collective: every rank calls it)."""
+    from ..presets import model_family
+
+    cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
+    m = cfg.model
+    local = torch.tensor(float(sum(p.numel() for p in trainer.params)), dtype=torch.float64, device=state.device)
+    if state.dims.world_size > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
+    total = flops.model_parameter_count(m, padded) + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    tokens = cfg.training.global_batch_size * m.seq_length
+    return (f" model: {model_family(m)}, {_count(total)} parameters with the vocabulary padded to {padded} "
+            f"({_count(local.item())} on the fullest rank) | "
+            f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
+            f"d={state.dims.dp} v={par.virtual_size} "
+            f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
+            f"| tokens/iteration: {tokens}")
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def validation_record(trainer: TrainState, iteration: int, is_logger: bool) -> dict:
+    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample)."""
+    if trainer.data.valid is None:
+        return {}
+    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters)
+    if is_logger:
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+              f"lm loss PPL: {perplexity(loss):.6E}", flush=True)
+    return {"val_loss": loss, "val_ppl": perplexity(loss)}
+
+
+def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1) -> str:
+    """Megatron-style progress line, plus tokens/s and an ETA (from the iterations this run has done)."""
+    it = record["iteration"]
+    eta = wall_s / (it - first_iteration + 1) * (train_iters - it)
+    return (f" iteration {it:8d}/{train_iters:8d} | consumed samples: {record['consumed_samples']:10d} | "
+            f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
+            f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
+            f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
+            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}"
+            + (f" | slowest rank: {record['slowest_rank']} ({record['step_time_max_over_median']:.2f}x median)"
+               if "slowest_rank" in record else ""))
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, minutes = divmod(minutes, 60)
+    return f"{h}:{minutes:02d}:{s:02d}"

@@ -1,0 +1,107 @@
+"""What one rank trains with, as one typed object, and how it is set up.
+
+``setup(config)``: process groups → seeds → data → model chunks (``ptdp.parallelize``) → gradient buffers
+and optimizer → the pipeline schedule's action list → point-to-point transport. Everything the step, the
+loop, evaluation and checkpointing read is a field of :class:`TrainState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..data import DataSplits
+from ..data.training_data import datasets_for_config
+from ..models import GPTModel
+from ..observability.timeline import Timeline
+from ..optim import GradBuckets, MegatronOptimizer, params_dtype, setup_optimizer
+from ..parallel import ParallelDims, ParallelState, init_distributed
+from ..parallelize import build_model_chunks, local_seq_length
+from ..phases import phase
+from ..pipeline.p2p import P2PComm, direction_groups
+from ..pipeline.schedules import Action, build_schedule, schedule_placement
+from ..pipeline.stage import tied_embedding_weights
+from ..tensor_parallel import model_parallel_seed
+from ..tensor_parallel.mappings import all_gather, split
+
+
+@dataclass
+class TrainState:
+    """Everything one rank holds: its process groups, model chunks, data, gradients and optimizer."""
+
+    config: Config
+    state: ParallelState  # this rank's process groups and coordinates
+    chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
+    data: DataSplits
+    grads: GradBuckets
+    optimizer: MegatronOptimizer
+    num_microbatches: int
+    schedule: list[Action]  # this rank's action list for one iteration
+    comm: P2PComm | None  # None when p = 1
+    metrics: list[dict] = field(default_factory=list)
+    timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
+    peak_activation_bytes: int | None = None  # measured in the first iteration of the run
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.chunks[0].vocab_size
+
+
+def setup(config: Config) -> TrainState:
+    par, tr = config.parallel, config.training
+    rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
+    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                        par.context_parallel_size)
+    state = ParallelState(dims, rank, device, schedule_placement(par.schedule))
+    model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
+    data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
+    vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
+    padded = config.model.padded_vocab_size(vocab_size, dims.tp)
+    with phase("building the model"):  # rank 0 says so when it takes more than 2 s
+        chunks = build_model_chunks(config, state, vocab_size, padded)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp))
+    m = config.num_microbatches(world_size)
+    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
+    return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
+
+
+def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
+    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s/c, h]``.
+
+    With t > 1 the scatter/gather optimisation (paper §4.1) sends only this TP rank's 1/t slice of the
+    hidden dimension (every TP rank holds the same full tensor) and all-gathers it inside the receiving
+    stage's TP group, cutting inter-node traffic t-fold.
+    """
+    if state.dims.pp == 1:
+        return None
+    m, tr = config.model, config.training
+    t, tp_group = state.dims.tp, state.tp_group
+    # Under sequence parallelism the boundary is [b, s/t, h], already split: scatter/gather is implied.
+    sequence_parallel = config.parallel.sequence_parallel and t > 1
+    shape = (tr.micro_batch_size, local_seq_length(config, state), m.hidden_size)
+    scatter_gather = config.parallel.scatter_gather_tensors_in_pipeline and t > 1 and not sequence_parallel
+    # The split is of the flat tensor (Megatron's split_tensor_into_1d_equal_chunks): a contiguous view
+    # to send and one flat all-gather on arrival, no transposing copies (b·s·h is divisible by t, as h is).
+    numel = shape[0] * shape[1] * shape[2]
+    # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
+    # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
+    dist.all_reduce(torch.zeros(1, device=state.device), group=state.pp_group)
+    groups = direction_groups(state.dims, state.rank)  # issue 26: one communicator per direction
+    for group in groups.values():
+        dist.all_reduce(torch.zeros(1, device=state.device), group=group)
+    return P2PComm(groups=groups,
+        pp_ranks=state.pipeline_ranks(), shape=shape, device=state.device, group=state.pp_group,
+        dtype=params_dtype(config),
+        pack=(lambda x: split(x.reshape(-1), tp_group, 0)) if scatter_gather else None,
+        unpack=(lambda x: all_gather(x, tp_group, 0).view(shape)) if scatter_gather else None,
+        packed_shape=(numel // t,) if scatter_gather else None,
+    )
