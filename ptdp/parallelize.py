@@ -2,7 +2,7 @@
 
     build on the meta device  →  split into pipeline chunks  →  tensor (+ sequence) parallel
     →  context parallel  →  recompute  →  materialise on the device with one process's values
-    →  cast to the parameter dtype  →  compile (``--compile`` on a GPU)
+    →  cast to the parameter dtype  →  FP8 GEMMs (``--fp8-format``)  →  compile (``--compile`` on a GPU)
 
 Each step is one function in its own module and transforms the modules in place; none edits the model
 files. A new parallelism adds a module and one line here (``docs/architecture.md``). Data parallelism is
