@@ -170,6 +170,7 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
     dist.barrier()
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # likewise at the end: a rank done with its last send must not close it under a receiver
     finally:
         dist.destroy_process_group()
 
@@ -193,7 +194,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
     import torch.distributed as dist
 
     from ptdp.cli import build_parser
-    from ptdp.config import config_from_args, validate
+    from ptdp.config import config_from_args, derive, validate
     from ptdp.train.loop import train
 
     for name, world, argv in plan:
@@ -208,7 +209,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
             config = config_from_args(build_parser().parse_args(["train", *argv]))
             errors = validate(config, world)
             assert not errors, (name, errors)
-            train(config)
+            train(derive(config, world))
             if world > 1:
                 dist.destroy_process_group()
         # back into the whole world, so that the next stage (and the spawn helper) find a default group
@@ -288,10 +289,10 @@ def validated_config(args: list[str]):
     """The ``Config`` of ``ptdp train`` flags, checked as at start-up (one process)."""
     import argparse
 
-    from ptdp.config import add_config_arguments, config_from_args, validate
+    from ptdp.config import add_config_arguments, config_from_args, derive, validate
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     config = config_from_args(parser.parse_args(args))
     assert not validate(config, 1)
-    return config
+    return derive(config, 1)
