@@ -116,14 +116,15 @@ def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int
                               f"rank's {v} chunks gets the same number of layers)")
     middle_ranks = p - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
-    flags = " + ".join(f for f, x in ((FIRST_FLAG, first), (LAST_FLAG, last)) if x is not None)
+    flags = " and ".join(f"{f} {x}" for f, x in ((FIRST_FLAG, first), (LAST_FLAG, last)) if x is not None)
     if middle_ranks < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
         raise LayoutError(f"{flags} leave {middle_layers} of --num-layers {num_layers} for {max(middle_ranks, 0)} "
-                          f"middle pipeline ranks of --pipeline-model-parallel-size {p}; every rank needs layers")
+                          f"middle pipeline ranks of --pipeline-model-parallel-size {p}: each middle rank needs "
+                          "layers, and layers need a middle rank")
     per_rank = middle_layers // middle_ranks if middle_ranks else 0
     if middle_ranks and (middle_layers % middle_ranks or per_rank % v):
         raise LayoutError(f"{flags} leave {middle_layers} layers for {middle_ranks} middle pipeline ranks: "
-                          f"they must split evenly, {v} chunks per rank (virtual size)")
+                          f"they must split evenly, into {v} equal chunk(s) per rank (the virtual size)")
     ranks = [per_rank] * p
     if first is not None:
         ranks[0] = first
