@@ -11,7 +11,14 @@ import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp
 
 from ptdp.config import Config, validate
-from ptdp.pipeline.layout import LayoutError, Stage, layout_string, parse_layout, pipeline_stages, stages_from_string
+from ptdp.pipeline.layout import (
+    LayoutError,
+    Stage,
+    layout_string,
+    parse_layout,
+    pipeline_stages,
+    stages_from_string,
+)
 
 
 # -- Megatron's formulas, transcribed (transformer_block.get_num_layers_to_build, transformer_layer.
