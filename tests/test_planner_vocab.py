@@ -106,3 +106,25 @@ def test_plan_prints_the_flags(capsys):
     assert main(["plan", *shape, "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1",
                  "--pipeline-model-parallel-layout", "Et*3|ttL"]) == 2
     assert "--pipeline-model-parallel-layout" in capsys.readouterr().err
+
+
+def test_simulator_prices_the_vocabulary_layers_and_the_layout(capsys):
+    from ptdp.pipeline.layout import pipeline_stages, stage_work
+    from ptdp.simulate import simulate
+
+    even = pipeline_stages(8, 4, 1)
+    assert stage_work(even, 4, 1.0, 6.0) == [3.0, 2.0, 2.0, 8.0]
+    assert stage_work(even, 4, 1.0, 6.0, vocab_parallel=True) == [3.75] * 4
+    uneven = stages_from_string("Ettt|ttt|tt|L", 8, 4)
+    totals = {}
+    for name, work in (("even", stage_work(even, 4, 1.0, 6.0)), ("uneven", stage_work(uneven, 4, 1.0, 6.0)),
+                       ("vp", stage_work(even, 4, 1.0, 6.0, vocab_parallel=True)), ("none", [2.0] * 4)):
+        totals[name] = simulate("1f1b", 4, 1, 8, stage_scale=[w / 2 for w in work]).total_time
+    assert totals["none"] == 33.0  # (m + p - 1) * (1 + 2)
+    assert totals["vp"] < totals["uneven"] < totals["even"]
+    shape = ["simulate", "--pipeline-model-parallel-size", "4", "--num-layers", "8", "--output-layer-cost", "6",
+             "--embedding-cost", "1"]
+    assert main([*shape, "--pipeline-model-parallel-layout", "Ettt|ttt|tt|L"]) == 0
+    assert "total time 85.500" in capsys.readouterr().out
+    assert main([*shape, "--pipeline-model-parallel-layout", "Ettt|ttt|ttt|L"]) == 2
+    assert "places 9 transformer layers" in capsys.readouterr().err

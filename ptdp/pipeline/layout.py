@@ -223,3 +223,17 @@ def describe(stages: Sequence[Stage], p: int) -> str:
         chunks = [stages[j * p + r] for j in range(v)]
         rows.append(f"rank {r}: " + "  ".join(c.symbols() or "(empty)" for c in chunks))
     return "\n".join(rows)
+
+
+def stage_work(stages: Sequence[Stage], p: int, embedding_cost: float = 0.0, output_cost: float = 0.0,
+               vocab_parallel: bool = False) -> list[float]:
+    """Work of each virtual stage in units of one transformer layer: its layers, plus the embedding (output
+    layer with the loss) at ``embedding_cost`` (``output_cost``) layers on the stage holding E (L), or with
+    vocabulary parallelism 1/p of both on every rank, spread over the rank's chunks (``ptdp simulate``)."""
+    work = [float(len(s.layers)) for s in stages]
+    if vocab_parallel and p > 1:
+        share = (embedding_cost + output_cost) / p / (len(stages) // p)
+        return [w + share for w in work]
+    for i, s in enumerate(stages):
+        work[i] += embedding_cost * s.embedding + output_cost * s.loss
+    return work
