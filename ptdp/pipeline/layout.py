@@ -215,16 +215,6 @@ def layout_string(stages: Sequence[Stage]) -> str:
     return "".join(out) + parts[-1]
 
 
-def describe(stages: Sequence[Stage], p: int) -> str:
-    """One line per pipeline rank: its chunks' layers, E and L (loop placement), for logs and ``ptdp plan``."""
-    v = len(stages) // p
-    rows = []
-    for r in range(p):
-        chunks = [stages[j * p + r] for j in range(v)]
-        rows.append(f"rank {r}: " + "  ".join(c.symbols() or "(empty)" for c in chunks))
-    return "\n".join(rows)
-
-
 def stage_work(stages: Sequence[Stage], p: int, embedding_cost: float = 0.0, output_cost: float = 0.0,
                vocab_parallel: bool = False) -> list[float]:
     """Work of each virtual stage in units of one transformer layer: its layers, plus the embedding (output
