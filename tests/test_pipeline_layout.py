@@ -66,6 +66,13 @@ def test_first_last_and_account_flags_follow_megatron(n, p, v, kw):
     assert stages[0].embedding and stages[-1].loss and not any(s.embedding or s.loss for s in stages[1:-1])
 
 
+def test_first_last_flags_under_a_v_placement_name_the_pipeline_ranks():
+    """zbv / v-half / v-min put stages 0 and 2p-1 on rank 0: the first rank's count goes to both."""
+    stages = pipeline_stages(12, 2, 2, first=4, last=8, placement="v")
+    assert [len(s.layers) for s in stages] == [2, 4, 4, 2]
+    assert [len(s.layers) for s in pipeline_stages(12, 2, 2, first=4, last=8)] == [2, 4, 2, 4]
+
+
 def test_layout_string_as_megatron_parses_it():
     # Megatron's docstring example (without its m): "Ettt|(tt|)*29,m|L" -> [Ettt] + [tt]*29 + [m] + [L]
     assert parse_layout("Ettt|(tt|)*29,t|L") == ["Ettt"] + ["tt"] * 29 + ["t", "L"]

@@ -30,6 +30,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .actions import stage_location
+from .registry import default_schedule, schedule_placement
+
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
@@ -105,9 +108,11 @@ def stages_from_counts(counts: Sequence[int]) -> list[Stage]:
     return out
 
 
-def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int | None) -> list[int]:
+def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int | None,
+                   placement: str = "loop") -> list[int]:
     """Per-virtual-stage counts of ``--decoder-first/last-pipeline-num-layers`` (Megatron's offsets: chunk
-    j of rank r holds the rank's count / v, layers numbered along the p·v stages)."""
+    j of rank r holds the rank's count / v, layers numbered along the p·v stages; under a V placement
+    pipeline rank 0 is the one holding both ends)."""
     for flag, value in ((FIRST_FLAG, first), (LAST_FLAG, last)):
         if value is not None and value <= 0:
             raise LayoutError(f"{flag} must be > 0, got {value}")
@@ -130,7 +135,7 @@ def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int
         ranks[0] = first
     if last is not None:
         ranks[-1] = last
-    return [ranks[r] // v for _ in range(v) for r in range(p)]
+    return [ranks[stage_location(s, p, placement)[0]] // v for s in range(p * v)]
 
 
 def _accounted_counts(num_layers: int, p: int, v: int, embedding: bool, loss: bool) -> list[int]:
@@ -150,8 +155,9 @@ def _accounted_counts(num_layers: int, p: int, v: int, embedding: bool, loss: bo
 
 def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, last: int | None = None,
                     account_embedding: bool = False, account_loss: bool = False,
-                    layout: str | None = None) -> list[Stage]:
-    """The p·v stages of a configuration (Megatron's semantics, see the module docstring).
+                    layout: str | None = None, placement: str = "loop") -> list[Stage]:
+    """The p·v stages of a configuration (Megatron's semantics, see the module docstring); ``placement``
+    (the schedule's) says which pipeline rank is the first/last-stage flags' rank of each stage.
 
     LayoutError (one line, naming the flag) if the flags cannot be combined or do not add up.
     """
@@ -170,7 +176,7 @@ def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, l
         raise LayoutError(f"{FIRST_FLAG}/{LAST_FLAG} cannot be combined with {EMBEDDING_FLAG} or {LOSS_FLAG} "
                           "(as in Megatron-LM); use one way, or a --pipeline-model-parallel-layout")
     if uneven:
-        return stages_from_counts(_uneven_counts(num_layers, p, v, first, last))
+        return stages_from_counts(_uneven_counts(num_layers, p, v, first, last, placement))
     if accounted:
         return stages_from_counts(_accounted_counts(num_layers, p, v, account_embedding, account_loss))
     if num_layers % (p * v):
@@ -183,13 +189,15 @@ def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, l
 def stages_of(model, parallel, p: int | None = None, v: int | None = None) -> list[Stage]:
     """:func:`pipeline_stages` of a ``ModelConfig`` and ``ParallelConfig`` (read by attribute: the
     configuration imports this package, not the other way round)."""
+    p, v = p or parallel.pipeline_model_parallel_size, v or parallel.virtual_size
+    schedule = getattr(parallel, "schedule", None) or default_schedule(getattr(parallel, "pipeline_schedule", None), v)
     return pipeline_stages(
-        model.num_layers, p or parallel.pipeline_model_parallel_size, v or parallel.virtual_size,
+        model.num_layers, p, v,
         getattr(parallel, "decoder_first_pipeline_num_layers", None),
         getattr(parallel, "decoder_last_pipeline_num_layers", None),
         getattr(parallel, "account_for_embedding_in_pipeline_split", False),
         getattr(parallel, "account_for_loss_in_pipeline_split", False),
-        getattr(parallel, "pipeline_model_parallel_layout", None))
+        getattr(parallel, "pipeline_model_parallel_layout", None), schedule_placement(schedule))
 
 
 def is_even(stages: Sequence[Stage]) -> bool:
