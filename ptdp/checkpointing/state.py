@@ -146,7 +146,8 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     if state.rank == 0:
         info = {
             "iteration": iteration,
-            "consumed_samples": iteration * trainer.config.training.global_batch_size,
+            "consumed_samples": trainer.data.train.consumed_samples(iteration),
+            "data": trainer.data.train.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
             "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
             "layout": _layout(trainer),
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
