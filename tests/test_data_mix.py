@@ -181,6 +181,14 @@ def test_extreme_weights_and_a_new_global_batch_size(runs, capsys):
     after = per_dataset(shown(capsys, flags, range(9, 17)))
     assert "a" not in after and after["b"] == list(range(64, 64 + len(after["b"])))  # a kept at weight 0: stops
     assert after.get("c", []) == list(range(len(after.get("c", []))))
+    from ptdp.data.train_stream import summary_lines
+    from ptdp.data.training_data import datasets_for_config
+    from tests.helpers import validated_config
+
+    resumed = datasets_for_config(validated_config(flags)).train.resumed
+    lines = summary_lines(resumed)
+    assert len(lines) == 4 and lines[1].endswith("weight 0.5 -> 0") and " 64 samples consumed, " in lines[1]
+    assert [row["remaining_in_epoch"] > 0 for row in resumed["datasets"]] == [True] * 3
     flags = [*BASE, *_blend(root, {"a": 0.001, "b": 0.999}), "--load", ck["first"]]
     after = per_dataset(shown(capsys, flags, range(9, 17)))
     for name in after:
@@ -190,6 +198,13 @@ def test_extreme_weights_and_a_new_global_batch_size(runs, capsys):
     after = per_dataset(records)
     assert after["a"] == list(range(64, 128)) and after["b"] == list(range(64, 128))
     assert all(len(rows) == 2 * B for rows in records.values())
+    records = shown(capsys, [*big, *_blend(root, WEIGHTS), "--load", ck["first"]], range(9, 13))  # both at once
+    for name, indices in per_dataset(records).items():
+        start = 64 if name != "c" else 0
+        assert indices == list(range(start, start + len(indices))), name
+    for rows in records.values():
+        counts = Counter(Path(r["dataset"]).name for r in rows)
+        assert all(abs(counts[name] - w * 2 * B) <= 1 for name, w in WEIGHTS.items()), counts
     capsys.readouterr()
     assert main(["samples", *big, *_blend(root, {"a": 0.5, "b": 0.5}), "--load", ck["first"], "--iteration", "4"]) == 2
     assert "earlier data mix or batch size" in capsys.readouterr().err

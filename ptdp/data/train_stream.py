@@ -18,7 +18,7 @@ sample, a removed one stops, and the new weights apply from the next global batc
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -123,17 +123,17 @@ class TrainStream:
                          self.blend_size, members).to_info()
 
 
-def remaining_after(member: MemberState, dataset: GPTDataset | None, consumed: int) -> dict:
-    """Epoch and samples left in it for the summary (empty when the dataset is not read in this run)."""
-    if dataset is None:
-        return {}
-    left = epoch_remaining(consumed, dataset.tokens_per_epoch, dataset.seq_length)
+def remaining_after(tokens_per_epoch: int, seq_length: int, consumed: int) -> dict:
+    """Epoch and samples left in it for the summary."""
+    left = epoch_remaining(consumed, tokens_per_epoch, seq_length)
     return {} if left is None else {"epoch": left[0], "remaining_in_epoch": left[1]}
 
 
-def summary(state: DataState, stream: TrainStream, changed: bool, overridden: Sequence[str]) -> dict:
+def summary(state: DataState, stream: TrainStream, changed: bool, overridden: Sequence[str],
+            epoch_tokens: Callable[[str], int]) -> dict:
     """The resume summary: per dataset its prefix, samples consumed so far, left in this epoch, and the
-    weight before and after (``None``: not in that blend)."""
+    weight before and after (``None``: not in that blend). ``epoch_tokens(prefix)``: the tokens of its train
+    split, for a dataset this run does not read (weight 0)."""
     before = {m.prefix: m for m in state.members if not m.removed}
     rows = []
     for member, dataset in zip(stream.members, stream.datasets, strict=True):
@@ -144,7 +144,8 @@ def summary(state: DataState, stream: TrainStream, changed: bool, overridden: Se
         if member.prefix in overridden:
             row["restarted"] = True
         if not member.removed:
-            row.update(remaining_after(member, dataset, consumed))
+            tokens = dataset.tokens_per_epoch if dataset is not None else epoch_tokens(member.prefix)
+            row.update(remaining_after(tokens, stream.seq_length, consumed))
         rows.append(row)
     return {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "changed": changed,
             "datasets": rows}

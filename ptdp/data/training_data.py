@@ -114,7 +114,7 @@ def train_stream(config: Config, built, state: DataState | None, directory: str 
                              raw, blend=reuse if reuse is not None and len(reuse) == state.blend_size else None)
     else:
         stream = _new_blend(config, state, prefixes, weights, raw, datasets, set(overridden), batch_start)
-    stream.resumed = summary(state, stream, not unchanged, overridden)
+    stream.resumed = summary(state, stream, not unchanged, overridden, lambda p: _train_split(config, p)[1])
     return stream
 
 
@@ -152,8 +152,14 @@ def _dataset(config: Config, prefix: str, num_samples: int | None, built: dict[s
     have = built.get(prefix)
     if have is not None and have.num_samples == num_samples:
         return have
-    indexed = IndexedDataset(prefix)
-    doc_range = split_document_ranges(indexed.num_documents, parse_split(config.data.split))[0]
+    indexed, doc_range = _train_split(config, prefix)[0]
     dataset = GPTDataset(indexed, doc_range, config.model.seq_length, config.training.seed, num_samples,
                          config.data.data_cache_path, "train")
     return dataset if len(dataset) else None
+
+
+def _train_split(config: Config, prefix: str) -> tuple[tuple[IndexedDataset, tuple[int, int]], int]:
+    """((indexed dataset, train document range), tokens in that range) of ``prefix``."""
+    indexed = IndexedDataset(prefix)
+    lo, hi = split_document_ranges(indexed.num_documents, parse_split(config.data.split))[0]
+    return (indexed, (lo, hi)), int(indexed.sequence_lengths[lo:hi].astype("int64").sum())
