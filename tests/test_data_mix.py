@@ -160,12 +160,14 @@ def test_a_changed_mix_continues_every_dataset_without_a_repeat(runs, capsys):
     assert [d["consumed"] for d in state["datasets"]] == [64 + len(after["a"]), 64 + len(after["b"]), len(after["c"])]
 
 
-def test_killed_and_resumed_and_elastic_equal_the_uninterrupted_second_part(runs):
-    _, out, _, _, _ = runs
+def test_killed_and_resumed_and_elastic_equal_the_uninterrupted_second_part(runs, capsys):
+    _, out, _, blend, ck = runs
     second, killed, resumed = trained(out, "second"), trained(out, "killed"), trained(out, "resumed")
     assert sorted(killed) == list(range(9, 13)) and sorted(resumed) == list(range(13, 17))
     assert {**killed, **resumed} == second
     assert trained(out, "elastic") == second  # d = 1 after d = 2, with the new blend
+    # the second part's own checkpoint rebuilds the blend it began at iteration 8
+    assert tokens(shown(capsys, [*BASE, *blend, "--load", ck["second"]], range(9, 17))) == second
 
 
 def test_an_unchanged_blend_reads_the_uninterrupted_order(runs, capsys):

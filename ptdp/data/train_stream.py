@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ptdp.data.blended_dataset import BlendedDataset, greedy_blend_indices
+from ptdp.data.blended_dataset import BlendedDataset, blend_weights, greedy_blend_indices
 from ptdp.data.errors import DataError
 from ptdp.data.gpt_dataset import GPTDataset
 from ptdp.data.mix_state import DataState, MemberState, dataset_identity, epoch_remaining
@@ -36,9 +36,9 @@ class TrainStream:
 
     def __init__(self, members: list[MemberState], datasets: list[GPTDataset | None], blend_start: int,
                  blend_size: int, batch_start: tuple[int, int], global_batch_size: int,
-                 blend_weights: Sequence[float] | None = None, blend: BlendedDataset | GPTDataset | None = None,
+                 given_weights: Sequence[float] | None = None, blend: BlendedDataset | GPTDataset | None = None,
                  indices: tuple[np.ndarray, np.ndarray] | None = None, resumed: dict | None = None) -> None:
-        """``blend_weights``: the active members' weights as given (the builder's floats, so an unchanged
+        """``given_weights``: the active members' weights as given (the builder's floats, so an unchanged
         blend rebuilds the very same index); ``blend``: the builder's own object, reused as it is."""
         self.members, self.datasets = members, datasets
         self.blend_start, self.batch_start, self.global_batch_size = blend_start, batch_start, global_batch_size
@@ -49,7 +49,7 @@ class TrainStream:
         if len(self.active) == 1:
             blend = None  # one dataset read: position j of the blend is its sample start + j
         elif not isinstance(blend, BlendedDataset):  # the greedy index over the current weights
-            weights = blend_weights or [members[i].weight for i in self.active]
+            weights = given_weights or [members[i].weight for i in self.active]
             blend = BlendedDataset([datasets[i] for i in self.active], weights, blend_size, indices)
         self.blend = blend
         self.blend_size = len(blend) if blend is not None else blend_size
@@ -176,6 +176,6 @@ def new_blend_sizes(weights: Sequence[float], remaining: int) -> tuple[list[int]
     """Samples each member of a new blend must provide for ``remaining`` positions: Megatron's size, or the
     greedy index's actual count when that is larger (Megatron takes the weight alone and can ask a member
     past its end, issue 705 there), and the index itself (reused, not rebuilt)."""
-    index = greedy_blend_indices(weights, remaining)
+    index = greedy_blend_indices(blend_weights(weights), remaining)  # as BlendedDataset(..., weights) builds it
     counts = np.bincount(index[0], minlength=len(weights))
     return [max(megatron_size(w, remaining), int(c)) for w, c in zip(weights, counts, strict=True)], index

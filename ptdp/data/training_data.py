@@ -110,15 +110,17 @@ def train_stream(config: Config, built, state: DataState | None, directory: str 
                 for m in members]
         reuse = built if state.blend_start == 0 and all(s is datasets.get(m.prefix) for m, s in
                                                          zip(members, sets) if s is not None) else None
+        # From S = 0 the builder's weights as given (the fresh run's floats); a later blend: the recorded ones
         stream = TrainStream(members, sets, state.blend_start, state.blend_size, batch_start, tr.global_batch_size,
-                             raw, blend=reuse if reuse is not None and len(reuse) == state.blend_size else None)
+                             raw if state.blend_start == 0 else None,
+                             blend=reuse if reuse is not None and len(reuse) == state.blend_size else None)
     else:
-        stream = _new_blend(config, state, prefixes, weights, raw, datasets, set(overridden), batch_start)
+        stream = _new_blend(config, state, prefixes, weights, datasets, set(overridden), batch_start)
     stream.resumed = summary(state, stream, not unchanged, overridden, lambda p: _train_split(config, p)[1])
     return stream
 
 
-def _new_blend(config: Config, state: DataState, prefixes: list[str], weights: list[float], raw: list[float],
+def _new_blend(config: Config, state: DataState, prefixes: list[str], weights: list[float],
                datasets: dict[str, GPTDataset], overridden: set[str], batch_start: tuple[int, int]) -> TrainStream:
     """A blend starting at the checkpoint's consumed samples: kept datasets continue, new ones start at 0."""
     tr = config.training
@@ -130,7 +132,7 @@ def _new_blend(config: Config, state: DataState, prefixes: list[str], weights: l
         members.append(MemberState(prefix, weight, old.num_samples if old else None,
                                    start=old.consumed if old else 0, consumed=old.consumed if old else 0))
     active = [m for m in members if m.weight > 0]
-    sizes, index = new_blend_sizes(normalized([m.weight for m in active]), remaining)
+    sizes, index = new_blend_sizes([m.weight for m in active], remaining)  # the weights a resume reads back
     for member, size in zip(active, sizes, strict=True):
         if member.num_samples is None:  # never read: ordered for what the rest of the run asks of it
             member.num_samples = size
@@ -144,7 +146,7 @@ def _new_blend(config: Config, state: DataState, prefixes: list[str], weights: l
                 for m in state.members if m.prefix not in kept]
     sets += [None] * (len(members) - len(sets))
     return TrainStream(members, sets, state.consumed_samples, remaining, batch_start, tr.global_batch_size,
-                       raw if len(raw) == len(active) else None, indices=index if len(active) > 1 else None)
+                       indices=index if len(active) > 1 else None)
 
 
 def _dataset(config: Config, prefix: str, num_samples: int | None, built: dict[str, GPTDataset]) -> GPTDataset | None:
