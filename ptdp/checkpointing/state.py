@@ -19,7 +19,7 @@ Keys::
 
 The iteration, LR schedule and data position are not tensors: the LR and the samples of an iteration are
 pure functions of the iteration (``optim.learning_rate``, ``data/microbatch.py``), which ``ptdp.json``
-records. RNG states only make sense on the rank that drew them, so they are restored only when t, p, d
+records, beside the data state (``data/mix_state.py``: per dataset its identity, weight and consumed samples). RNG states only make sense on the rank that drew them, so they are restored only when t, p, d
 and v are unchanged; in another layout every rank re-seeds from (seed, iteration) instead (exact anyway
 with dropout off). Loading never unpickles anything but DCP's own metadata.
 """
