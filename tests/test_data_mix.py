@@ -179,6 +179,10 @@ def test_an_unchanged_blend_reads_the_uninterrupted_order(runs, capsys):
 def test_extreme_weights_and_a_new_global_batch_size(runs, capsys):
     root, _, _, _, ck = runs
     before = per_dataset(shown(capsys, [*BASE, *_blend(root, {"a": 0.5, "b": 0.5})], range(1, 9)))
+    for fresh in ({"a": 0.001, "b": 0.999}, {"a": 0, "b": 0.7, "c": 0.3}):  # from the start too
+        got = per_dataset(shown(capsys, [*BASE, *_blend(root, fresh)], range(1, 17)))
+        assert all(v == list(range(len(v))) for v in got.values()), fresh  # each in its order, none twice
+        assert ("a" in got) == (fresh["a"] > 0) and sum(map(len, got.values())) == 16 * B, fresh
     flags = [*BASE, *_blend(root, {"a": 0, "b": 0.999, "c": 0.001}), "--load", ck["first"]]
     after = per_dataset(shown(capsys, flags, range(9, 17)))
     assert "a" not in after and after["b"] == list(range(64, 64 + len(after["b"])))  # a kept at weight 0: stops
