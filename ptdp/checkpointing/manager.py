@@ -89,6 +89,7 @@ class CheckpointManager:
         if iteration and self.trainer.state.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
             self._report_layout_change()
+            self._report_data_mix()
         return iteration
 
     def _report_layout_change(self) -> None:
@@ -102,6 +103,17 @@ class CheckpointManager:
         line = layout_change(saved, _layout(trainer), trainer.config.training.global_batch_size,
                              trainer.num_microbatches)
         if line:
+            print(line, flush=True)
+
+    def _report_data_mix(self) -> None:
+        """One line per dataset: consumed so far, left in its epoch, old -> new weight (ptdp/data/train_stream.py)."""
+        from ..data.train_stream import summary_lines
+
+        resumed = self.trainer.data.train.resumed
+        if resumed is None:
+            print(" data: the checkpoint has no data state (an older ptdp); reading on by iteration", flush=True)
+            return
+        for line in summary_lines(resumed):
             print(line, flush=True)
 
     def before_iteration(self, iteration: int) -> None:

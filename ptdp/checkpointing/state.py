@@ -19,7 +19,7 @@ Keys::
 
 The iteration, LR schedule and data position are not tensors: the LR and the samples of an iteration are
 pure functions of the iteration (``optim.learning_rate``, ``data/microbatch.py``), which ``ptdp.json``
-records. RNG states only make sense on the rank that drew them, so they are restored only when t, p, d
+records, beside the data state (``data/mix_state.py``: per dataset its identity, weight and consumed samples). RNG states only make sense on the rank that drew them, so they are restored only when t, p, d
 and v are unchanged; in another layout every rank re-seeds from (seed, iteration) instead (exact anyway
 with dropout off). Loading never unpickles anything but DCP's own metadata.
 """
@@ -146,7 +146,8 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     if state.rank == 0:
         info = {
             "iteration": iteration,
-            "consumed_samples": iteration * trainer.config.training.global_batch_size,
+            "consumed_samples": trainer.data.train.consumed_samples(iteration),
+            "data": trainer.data.train.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
             "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
             "layout": _layout(trainer),
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),

@@ -130,4 +130,9 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
         return [str(e)]
     problem = model_mismatch(info["model"], config.model, config.model.vocab_size,
                              config.parallel.tensor_model_parallel_size)
-    return [f"--load {directory}: {problem}"] if problem else []
+    if problem:
+        return [f"--load {directory}: {problem}"]
+    # a dataset changed under its prefix: exit 2 before any worker starts
+    from ..data.mix_state import data_state_errors
+
+    return data_state_errors(config.data.data_path, config.data.override_data_state, info, str(directory))

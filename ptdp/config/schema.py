@@ -228,6 +228,8 @@ class DataConfig:
     tokenizer_model: str | None = opt(None, "Hugging Face tokenizer directory or tokenizer.json")
     vocab_file: str | None = opt(None, "GPT2BPETokenizer vocab.json")
     merge_file: str | None = opt(None, "GPT2BPETokenizer merges.txt")
+    override_data_state: bool = opt(False, "with --load: start over every dataset whose files changed since the "
+                                    "checkpoint (same prefix, other .idx/.bin) instead of refusing to resume")
 
 
 @dataclass

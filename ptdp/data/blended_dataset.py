@@ -39,19 +39,27 @@ def greedy_blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarra
     return dataset_index, sample_index
 
 
+def blend_weights(weights: Sequence[float]) -> np.ndarray:
+    """The normalized weights a blend's index is built from (one function, so that an index built ahead of
+    its ``BlendedDataset`` holds the very same floats, and ties break the same way)."""
+    return np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+
+
 class BlendedDataset:
     """Same interface as :class:`GPTDataset`: ``len`` is one epoch, any ``i >= 0`` is valid."""
 
     def __init__(
-        self, datasets: Sequence[GPTDataset], weights: Sequence[float], size: int | None = None
+        self, datasets: Sequence[GPTDataset], weights: Sequence[float], size: int | None = None,
+        indices: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
+        """``indices``: ``greedy_blend_indices(weights, size)`` when the caller already built it."""
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("BlendedDataset needs one weight per dataset")
         self.datasets = list(datasets)
-        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        self.weights = blend_weights(weights)
         self.seq_length = datasets[0].seq_length
         self._size = int(size if size is not None else sum(len(d) for d in datasets))
-        self.dataset_index, self.sample_index = greedy_blend_indices(self.weights, self._size)
+        self.dataset_index, self.sample_index = indices or greedy_blend_indices(self.weights, self._size)
         self.counts = np.bincount(self.dataset_index, minlength=len(datasets))
 
     def __len__(self) -> int:

@@ -5,7 +5,8 @@ Sample positions are a pure function of the iteration: global batch ``k`` is pos
 and microbatch ``j`` is rows ``[j*b, (j+1)*b)`` of that slice (m = B/(b*d) microbatches per pipeline, see
 ptdp-facts.md, notation). Consequences: any (d, b) layout sees exactly the samples of a single process
 running B/b microbatches, in the same order, so parallel runs are comparable to the serial reference; and
-the data-loader state a checkpoint needs is just the iteration number.
+positions are all a resume needs (which sample a position reads, across data-mix changes, is
+``train_stream.TrainStream``'s business, from the data state the checkpoint records).
 """
 
 from __future__ import annotations

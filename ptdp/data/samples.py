@@ -57,7 +57,7 @@ def sample_record(dataset, i: int, iteration: int, dp_rank: int, microbatch: int
     member, k = dataset.locate(i) if hasattr(dataset, "locate") else (dataset, i)
     text = member[k]
     record = {"sample": i, "iteration": iteration, "dp_rank": dp_rank, "microbatch": microbatch,
-              "dataset": member.indexed.prefix, "document_ids": member.document_ids(k),
+              "dataset": member.indexed.prefix, "dataset_sample": k, "document_ids": member.document_ids(k),
               "tokens": text[:-1].tolist(), "labels": text[1:].tolist()}
     if tokenizer is not None:
         record["text"] = tokenizer.decode(record["tokens"])
@@ -144,8 +144,9 @@ def run_samples(args: argparse.Namespace) -> int:
 
 
 def _check_load(path: str, global_batch: int) -> str | None:
-    """A problem with ``--load`` as one line, or None. Training reads global batch ``N`` at positions
-    ``(N - 1) * B`` after a resume too, so the checkpoint must agree (consumed = iteration x B)."""
+    """A problem with ``--load`` as one line, or None. A checkpoint with a data state continues at its consumed
+    samples whatever ``B`` is (``train_stream.py``); an older one is read by iteration, so it must agree
+    (consumed = iteration x B)."""
     from ptdp.checkpointing.storage import read_info, resolve
 
     try:
@@ -156,7 +157,7 @@ def _check_load(path: str, global_batch: int) -> str | None:
     except Exception as err:  # CheckpointError and unreadable files: one line either way
         return str(err).splitlines()[0]
     consumed = info.get("consumed_samples")
-    if consumed is not None and consumed != int(info["iteration"]) * global_batch:
+    if consumed is not None and "data" not in info and consumed != int(info["iteration"]) * global_batch:
         return (f"--global-batch-size {global_batch}: the checkpoint at {directory} consumed {consumed} samples in "
                 f"{info['iteration']} iterations; pass the run's global batch size")
     return None

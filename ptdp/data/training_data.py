@@ -4,19 +4,37 @@ Sizes follow Megatron's ``train_valid_test_num_samples``: ``train_iters * B`` tr
 ``(train_iters // eval_interval + 1) * eval_iters * B`` validation samples (eval_interval defaulting to
 Megatron's 1000) and ``eval_iters * B`` test samples; they fix the number of epochs and so the sample order,
 exactly as in Megatron, so the same flags give the same batches in both.
+
+With ``--load``, the checkpoint's data state (``mix_state.py``) decides where the train split goes on: the
+same blend continues exactly; a changed one starts a new blend at the checkpoint's consumed samples in which
+every dataset continues from its first unread sample (``train_stream.py``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
-from ptdp.data.builder import DataSplits, build_datasets
+from ptdp.data.builder import DataSplits, build_datasets, parse_data_path, parse_split, split_document_ranges
+from ptdp.data.errors import DataError
+from ptdp.data.gpt_dataset import GPTDataset
+from ptdp.data.indexed_dataset import IndexedDataset
+from ptdp.data.mix_state import (
+    DataState,
+    MemberState,
+    changed_identities,
+    current_prefixes,
+    identity_error,
+    normalized,
+)
 from ptdp.data.tokenizer_flags import build_tokenizer
+from ptdp.data.train_stream import TrainStream, new_blend_sizes, summary
 
 if TYPE_CHECKING:
     from ptdp.config import Config
 
 MEGATRON_DEFAULT_EVAL_INTERVAL = 1000
+WEIGHT_TOLERANCE = 1e-9  # normalized weights closer than this are the same blend
 
 
 def train_valid_test_num_samples(config: Config) -> tuple[int, int, int]:
@@ -28,10 +46,122 @@ def train_valid_test_num_samples(config: Config) -> tuple[int, int, int]:
 
 
 def datasets_for_config(config: Config) -> DataSplits:
-    """train/valid/test of ``config`` (raises :class:`DataError` with one line on bad input)."""
+    """train/valid/test of ``config`` (raises :class:`DataError` with one line on bad input); ``train`` is a
+    :class:`TrainStream` that continues the data state of ``--load``'s checkpoint, if it has one."""
     d = config.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
                                 config.model.vocab_size)
-    return build_datasets(d.data_path or None, d.split, config.model.seq_length, config.training.seed,
-                          num_samples=train_valid_test_num_samples(config), cache_path=d.data_cache_path,
-                          tokenizer=tokenizer)
+    splits = build_datasets(d.data_path or None, d.split, config.model.seq_length, config.training.seed,
+                            num_samples=train_valid_test_num_samples(config), cache_path=d.data_cache_path,
+                            tokenizer=tokenizer)
+    state, directory = checkpoint_data_state(config.checkpoint.load)
+    splits.train = train_stream(config, splits.train, state, directory)
+    return splits
+
+
+def checkpoint_data_state(load: str | None) -> tuple[DataState | None, str | None]:
+    """The data state of ``--load``'s latest checkpoint (None: no --load, no checkpoint, or an older one)."""
+    if not load:
+        return None, None
+    from ptdp.checkpointing.storage import read_info, resolve
+
+    directory = resolve(load)
+    if directory is None:
+        return None, None
+    return DataState.from_info(read_info(directory)), str(directory)
+
+
+def _built_members(train) -> dict[str, GPTDataset]:
+    members = train.datasets if hasattr(train, "datasets") else [train]
+    return {os.path.abspath(m.indexed.prefix): m for m in members}
+
+
+def train_stream(config: Config, built, state: DataState | None, directory: str | None) -> TrainStream:
+    """The train split as training reads it (``built``: the builder's train dataset for these flags)."""
+    tr = config.training
+    prefixes = current_prefixes(config.data.data_path)
+    if len(set(prefixes)) != len(prefixes):
+        twice = next(p for p in prefixes if prefixes.count(p) > 1)
+        raise DataError(f"--data-path names {twice} twice; give each dataset once (with the summed weight)")
+    given = parse_data_path(list(config.data.data_path))[1] if config.data.data_path else None
+    datasets = _built_members(built)
+    if given is None:  # one dataset, or a blend weighted by the datasets' sizes
+        given = [float(len(datasets[p])) if p in datasets else 0.0 for p in prefixes]
+    weights = normalized(given)
+    raw = [given[i] for i, p in enumerate(prefixes) if p in datasets and given[i] > 0]
+    if state is None:  # a fresh start, or a checkpoint from before the data state: the builder's order
+        members = [MemberState(p, w, datasets[p].num_samples if p in datasets else None)
+                   for p, w in zip(prefixes, weights, strict=True)]
+        return TrainStream(members, [datasets.get(p) for p in prefixes], 0, len(built), (0, 0),
+                           tr.global_batch_size, raw, blend=built)
+    overridden = changed_identities(state, prefixes)
+    if overridden and not config.data.override_data_state:
+        raise DataError(identity_error(directory, overridden[0]))
+    recorded = {m.prefix: m for m in state.members}
+    batch_start = (state.batch_start if tr.global_batch_size == state.global_batch_size
+                   else (state.iteration, state.consumed_samples))
+    before = [(m.prefix, m.weight) for m in state.members if not m.removed]
+    unchanged = not overridden and len(before) == len(prefixes) and all(
+        p == q and abs(v - w) <= WEIGHT_TOLERANCE for (p, v), q, w in zip(before, prefixes, weights))
+    if unchanged:
+        members = [MemberState(**{**recorded[p].to_record(), "weight": recorded[p].weight}) for p in prefixes]
+        members += [m for m in state.members if m.removed]
+        sets = [_dataset(config, m.prefix, m.num_samples, datasets) if m.weight > 0 and not m.removed else None
+                for m in members]
+        reuse = built if state.blend_start == 0 and all(s is datasets.get(m.prefix) for m, s in
+                                                         zip(members, sets) if s is not None) else None
+        # From S = 0 the builder's weights as given (the fresh run's floats); a later blend: the recorded ones
+        stream = TrainStream(members, sets, state.blend_start, state.blend_size, batch_start, tr.global_batch_size,
+                             raw if state.blend_start == 0 else None,
+                             blend=reuse if reuse is not None and len(reuse) == state.blend_size else None)
+    else:
+        stream = _new_blend(config, state, prefixes, weights, datasets, set(overridden), batch_start)
+    stream.resumed = summary(state, stream, not unchanged, overridden, lambda p: _train_split(config, p)[1])
+    return stream
+
+
+def _new_blend(config: Config, state: DataState, prefixes: list[str], weights: list[float],
+               datasets: dict[str, GPTDataset], overridden: set[str], batch_start: tuple[int, int]) -> TrainStream:
+    """A blend starting at the checkpoint's consumed samples: kept datasets continue, new ones start at 0."""
+    tr = config.training
+    recorded = {m.prefix: m for m in state.members}
+    remaining = max((tr.train_iters - state.iteration) * tr.global_batch_size, tr.global_batch_size)
+    members = []
+    for prefix, weight in zip(prefixes, weights, strict=True):
+        old = recorded.get(prefix) if prefix not in overridden else None
+        members.append(MemberState(prefix, weight, old.num_samples if old else None,
+                                   start=old.consumed if old else 0, consumed=old.consumed if old else 0))
+    active = [m for m in members if m.weight > 0]
+    sizes, index = new_blend_sizes([m.weight for m in active], remaining)  # the weights a resume reads back
+    for member, size in zip(active, sizes, strict=True):
+        if member.num_samples is None:  # never read: ordered for what the rest of the run asks of it
+            member.num_samples = size
+    sets = [_dataset(config, m.prefix, m.num_samples, datasets) if m.weight > 0 else None for m in members]
+    active_sets = [s for s in sets if s is not None]
+    if len(active_sets) != len(active):  # a dataset whose train split holds no sample
+        empty = next(m.prefix for m, s in zip(members, sets) if m.weight > 0 and s is None)
+        raise DataError(f"--data-path: {empty} has no training sample of {config.model.seq_length + 1} tokens")
+    kept = set(prefixes)
+    members += [MemberState(**{**m.to_record(), "weight": 0.0, "start": m.consumed, "removed": True})
+                for m in state.members if m.prefix not in kept]
+    sets += [None] * (len(members) - len(sets))
+    return TrainStream(members, sets, state.consumed_samples, remaining, batch_start, tr.global_batch_size,
+                       indices=index if len(active) > 1 else None)
+
+
+def _dataset(config: Config, prefix: str, num_samples: int | None, built: dict[str, GPTDataset]) -> GPTDataset | None:
+    """``prefix``'s train split in the order built for ``num_samples`` (the builder's object when it is that)."""
+    have = built.get(prefix)
+    if have is not None and have.num_samples == num_samples:
+        return have
+    indexed, doc_range = _train_split(config, prefix)[0]
+    dataset = GPTDataset(indexed, doc_range, config.model.seq_length, config.training.seed, num_samples,
+                         config.data.data_cache_path, "train")
+    return dataset if len(dataset) else None
+
+
+def _train_split(config: Config, prefix: str) -> tuple[tuple[IndexedDataset, tuple[int, int]], int]:
+    """((indexed dataset, train document range), tokens in that range) of ``prefix``."""
+    indexed = IndexedDataset(prefix)
+    lo, hi = split_document_ranges(indexed.num_documents, parse_split(config.data.split))[0]
+    return (indexed, (lo, hi)), int(indexed.sequence_lengths[lo:hi].astype("int64").sum())

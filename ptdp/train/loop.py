@@ -64,8 +64,10 @@ def train(config: Config) -> list[dict]:
                 "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
                 "tflops_per_gpu": iteration_flops * per_gpu / 1e12,
                 "mfu": model_flops * per_gpu / peak if peak else None,
-                "consumed_samples": it * tr.global_batch_size,
+                "consumed_samples": trainer.data.train.consumed_samples(it),
             }
+            if it == first_iteration and trainer.data.train.resumed:  # the data mix at resume (docs/data.md)
+                record["data_mix"] = trainer.data.train.resumed
             if it == evaluate_at:
                 record.update(validation_record(trainer, it, is_logger))
             trainer.metrics.append(record)
