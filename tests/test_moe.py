@@ -218,3 +218,11 @@ def test_flops_and_parameters_count_active_experts():
     dense_k = flops.flops_per_iteration(4, 64, 32, 100, 8, False, 2 * 96, swiglu=True)
     router = 2 * 3 * (2 * 8 * 32 * 64 * 8)  # MoE layers x passes x 2·tokens·h·E
     assert moe - dense == (dense_k - dense) // 2 + router
+
+
+def test_planner_sees_the_experts():
+    from ptdp.planner.spec import MODEL_PRESETS
+
+    mixtral = MODEL_PRESETS["mixtral-8x7b"]
+    assert mixtral.active_ffn == 2 * 14336 and mixtral.parameter_ffn == 8 * 14336
+    assert MODEL_PRESETS["llama3-8b"].active_ffn == MODEL_PRESETS["llama3-8b"].ffn
