@@ -233,3 +233,18 @@ def test_planner_sees_the_experts():
     mixtral = MODEL_PRESETS["mixtral-8x7b"]
     assert mixtral.active_ffn == 2 * 14336 and mixtral.parameter_ffn == 8 * 14336
     assert MODEL_PRESETS["llama3-8b"].active_ffn == MODEL_PRESETS["llama3-8b"].ffn
+
+
+def test_grouped_linear_with_an_expert_without_tokens():
+    from ptdp.ops.grouped import grouped_linear
+
+    counts = torch.tensor([3, 0, 5])
+    results = []
+    for grouped in (False, True):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        grouped_linear(x, w, counts, grouped).square().sum().backward()
+        results.append((x.grad, w.grad))
+    assert torch.equal(results[1][1][1], torch.zeros(8, 16))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b)
