@@ -7,6 +7,8 @@ modules from outside.
 
 from .gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
 from .layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
+from .moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
 
 __all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
-           "Linear", "Logits", "SequencePositions", "TransformerLayer", "norm"]
+           "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",
+           "TransformerLayer", "norm"]

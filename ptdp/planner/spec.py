@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
+from ptdp.flops import MoEShape
 from ptdp.hardware import Accelerator, accelerator
 from ptdp.pipeline.registry import default_schedule
 
@@ -38,12 +39,32 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
+    moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.flops)
 
     @property
     def ffn(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    def _moe_ffn(self, experts_per_token: bool) -> float:
+        """The MLP width of the mean layer: a MoE layer's experts (k of them, or all E) plus its shared expert."""
+        if self.moe is None:
+            return self.ffn
+        m = self.moe
+        sparse = (m.topk if experts_per_token else m.num_experts) * m.ffn + m.shared_ffn
+        return ((self.num_layers - m.moe_layers) * self.ffn + m.moe_layers * sparse) / self.num_layers
+
+    @property
+    def active_ffn(self) -> float:
+        """MLP width a token goes through, per layer on average (= ffn for a dense model): time, activations."""
+        return self._moe_ffn(True)
+
+    @property
+    def parameter_ffn(self) -> float:
+        """MLP width holding the parameters, per layer on average (all experts): weights, grads, optimizer.
+        Experts replicated over t here (each rank counts 1/t: the expert-parallel layout refines it)."""
+        return self._moe_ffn(False)
 
     @property
     def group_query_attention(self) -> bool:
@@ -82,9 +103,18 @@ class GPTSpec:
 
 
 def _published_presets() -> dict[str, GPTSpec]:
-    from ptdp.presets import MODEL_PRESETS as ALL
+    import dataclasses
 
-    return {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
+    from ptdp.config import MoEConfig
+    from ptdp.flops import moe_shape
+    from ptdp.presets import MODEL_PRESETS as ALL
+    from ptdp.presets import MOE_PRESETS
+
+    specs = {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
+    for name in specs.keys() & MOE_PRESETS.keys():  # the experts: FLOPs count the active ones
+        specs[name] = dataclasses.replace(specs[name], moe=moe_shape(ModelConfig(**ALL[name]),
+                                                                     MoEConfig(**MOE_PRESETS[name])))
+    return specs
 
 
 MODEL_PRESETS: dict[str, GPTSpec] = _published_presets()
