@@ -130,6 +130,11 @@ class ParallelConfig:
     cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
                             "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
                             choices=["p2p", "a2a", "allgather"])
+    expert_model_parallel_size: int = opt(1, "expert-parallel size e: the experts of each MoE layer split over e "
+                                          "ranks, which may fold over the tensor- and context-parallel ranks "
+                                          "(MoE Parallel Folding; docs/expert-parallel.md)")
+    expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts (default: t, as "
+                                                  "Megatron-Core); 1 lets e span the tensor-parallel ranks")
 
     @property
     def virtual_size(self) -> int:
