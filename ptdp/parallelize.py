@@ -53,7 +53,7 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     with torch.device(state.device):  # --compile: the fused ops are built (and probed) here, once per process
         fused_ops(m.compile)
     with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
-        model = GPTModel(m, vocab_size, padded_vocab_size)
+        model = GPTModel(m, vocab_size, padded_vocab_size, config.moe)
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
     chunks = split_model(model, stages, p * v)
     dtype = params_dtype(config)

@@ -27,6 +27,7 @@ from .schema import (
     DataConfig,
     MixedPrecisionConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
@@ -36,7 +37,7 @@ from .validate import validate
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Layout", "MixedPrecisionConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "TrainingConfig", "add_config_arguments", "add_field_arguments",
+    "MoEConfig", "OptimizerConfig", "ParallelConfig", "TrainingConfig", "add_config_arguments", "add_field_arguments",
     "config_from_args", "derive", "flag_of", "layout", "model_config", "opt", "read_toml", "toml_values",
     "type_problems", "validate",
 ]

@@ -110,6 +110,37 @@ class ModelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (Megatron-Core's flags; ``ptdp.models.moe``, docs/moe.md). Off while
+    ``--num-experts`` is unset."""
+
+    num_experts: int | None = opt(None, "experts E per MoE layer (unset: dense MLPs)")
+    moe_router_topk: int = opt(2, "experts k each token is routed to")
+    moe_ffn_hidden_size: int | None = opt(None, "hidden size of each expert's MLP (default --ffn-hidden-size)")
+    moe_layer_freq: str = opt("1", "which layers are MoE: N (every Nth layer, from layer 0) or a list such as "
+                              "'[1,0,1,0]' or '([1]*3+[0])*2' (one entry per layer)")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "hidden size of a shared expert every token also goes through (Qwen2-MoE, DeepSeek)")
+    moe_shared_expert_gate: bool = opt(False, "scale the shared expert's output by sigmoid(x·w_g) (Qwen2-MoE)")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "load-balancing loss: aux_loss (Switch, over the micro-batch), seq_aux_loss (per "
+        "sequence) or none", choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_aux_loss_coeff: float = opt(0.0, "coefficient alpha of the load-balancing loss alpha*E*sum_i f_i*P_i")
+    moe_z_loss_coeff: float | None = opt(None, "coefficient of the router z-loss mean(logsumexp(logits)^2)")
+    moe_router_pre_softmax: bool = opt(False, "softmax over all E experts, then top-k (no renormalisation); "
+                                       "default: top-k logits, then softmax over the k (Mixtral)")
+    moe_expert_capacity_factor: float | None = opt(
+        None, "each expert takes at most ceil(factor*k*tokens/E) tokens, the lowest-probability rest is "
+        "dropped (default: dropless)")
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "pad every expert's input to its capacity (needs --moe-expert-capacity-factor)")
+    moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach experts on other ranks (expert "
+                                         "parallelism): alltoall or allgather", choices=["alltoall", "allgather"])
+    moe_grouped_gemm: bool = opt(False, "one grouped GEMM over the local experts (torch._grouped_mm) instead "
+                                 "of a loop over experts")
+
+
+@dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "tensor-parallel size t (ranks adjacent, inside a node)")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size p")
@@ -241,6 +272,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @classmethod
     def section_names(cls) -> list[str]:

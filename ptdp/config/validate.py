@@ -94,6 +94,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
+    from .validate_moe import moe_errors  # issue 25
+
+    errors += moe_errors(config)
     from ..fp8 import fp8_errors  # issue 26: FP8 needs torchao, --bf16 and an FP8 GPU
 
     errors += fp8_errors(config)

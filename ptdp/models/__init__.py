@@ -6,7 +6,9 @@ modules from outside.
 """
 
 from .gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
+from .moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
 from .layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
 
 __all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
-           "Linear", "Logits", "SequencePositions", "TransformerLayer", "norm"]
+           "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",
+           "TransformerLayer", "norm"]

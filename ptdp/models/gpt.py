@@ -23,18 +23,20 @@ layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fused import FusedOps, fused_ops
+from ..ops.fused import EAGER, FusedOps, fused_ops
 from .layers import CausalAttention, DropoutAdd, Linear, Logits, RngContext, SequencePositions, norm
+from .moe import MoELayer, moe_layer_pattern
 from .rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ..config import ModelConfig, MoEConfig
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the input embedding, also the output weight when tied
 
@@ -114,15 +116,24 @@ class MLP(nn.Module):
         return self.fc2(h)
 
 
-class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias)."""
+def moe_mlp(cfg: ModelConfig, moe: MoEConfig) -> MoELayer:
+    """The MoE layer that replaces the MLP (``ptdp.models.moe``), with its shared expert if any."""
+    shared = None
+    if moe.moe_shared_expert_intermediate_size:
+        shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.moe_shared_expert_intermediate_size), EAGER)
+    return MoELayer(cfg, moe, shared)
 
-    def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions):
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias); with ``moe``
+    the MLP is a mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None):
         super().__init__()
         self.input_layernorm = norm(cfg)
         self.attention = Attention(cfg, positions, fuse_bias=ops.compiled)
         self.post_attention_layernorm = norm(cfg)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = moe_mlp(cfg, moe) if moe is not None else MLP(cfg, ops)
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,16 +160,20 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """Token ids ``[b, s]`` in, logits ``[b, s, padded V]`` out (padding columns -inf)."""
+    """Token ids ``[b, s]`` in, logits ``[b, s, padded V]`` out (padding columns -inf). With ``moe`` (and
+    ``moe.num_experts``) the layers ``--moe-layer-freq`` picks hold a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int, moe: MoEConfig | None = None):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
         ops = fused_ops(cfg.compile)
         positions = SequencePositions()  # one module, read by the embedding and every attention
         self.embedding: Embedding | None = Embedding(cfg, padded_vocab_size, positions)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions) for i in range(cfg.num_layers)})
+        sparse = (moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers) if moe is not None and moe.num_experts
+                  else [False] * cfg.num_layers)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None)
+                                     for i in range(cfg.num_layers)})
         self.final_layernorm: nn.Module | None = norm(cfg)
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,

@@ -22,6 +22,10 @@ SCALARS = {
     "iteration_time_s": "throughput/iteration_time_s",
     "bubble_fraction": "pipeline/bubble_fraction",
     "peak_activation_bytes": "memory/peak_activation_bytes",
+    "moe_aux_loss": "moe/aux_loss",  # mixture of experts (ptdp/train/moe_metrics.py)
+    "moe_z_loss": "moe/z_loss",
+    "moe_max_load_ratio": "moe/max_load_over_mean",
+    "moe_dropped_tokens": "moe/dropped_tokens",
 }
 VALIDATION_PREFIX = "val_"  # present on evaluation iterations: val_loss -> val/loss, val_ppl -> val/ppl
 

@@ -51,7 +51,7 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std
         if name.endswith("bias"):
             param.zero_()
             continue
-        scaled = name.endswith(("attention.proj.weight", "mlp.fc2.weight"))
+        scaled = name.endswith(("attention.proj.weight", "fc2.weight", "experts.fc2_weight"))  # + MoE experts
         full_shape = list(param.shape)
         parallel = getattr(param, "tensor_model_parallel", False)
         if parallel:

@@ -92,8 +92,9 @@ def apply_tensor_parallel(model: GPTModel, tp_group, *, sequence_parallel: bool 
         attention.qkv = column_parallel(attention.qkv, tp_group, sp)
         attention.proj = row_parallel(attention.proj, tp_group, sp)
         attention.dropout_rng = fork  # heads are split across ranks: masks must differ per rank
-        mlp.fc1 = column_parallel(mlp.fc1, tp_group, sp)
-        mlp.fc2 = row_parallel(mlp.fc2, tp_group, sp)
+        if hasattr(mlp, "fc1"):  # a mixture of experts is split by its own layout (ptdp.parallel.expert)
+            mlp.fc1 = column_parallel(mlp.fc1, tp_group, sp)
+            mlp.fc2 = row_parallel(mlp.fc2, tp_group, sp)
         if sp:  # each rank holds different tokens: independent masks
             layer.dropout_add.rng = fork
     if model.lm_head is not None:

@@ -11,6 +11,7 @@ from ..observability import straggler
 from ..pipeline.executor import ScheduleStats
 from ..pipeline.schedules import bubble_fraction_formula
 from .evaluate import evaluate, perplexity
+from .moe_metrics import moe_metrics, progress_suffix
 from .state import TrainState
 from .step import to_device
 
@@ -28,8 +29,9 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
         values = [float(v) for v in scalars]
     out = []
     for i, r in enumerate(records):
-        stats = r.pop("schedule_stats", None)
+        stats, moe = r.pop("schedule_stats", None), r.pop("moe_stats", None)
         r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
+        r = r if moe is None else r | moe_metrics(moe, trainer)
         out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
     return out
 
@@ -118,7 +120,7 @@ def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration
             f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
             f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}"
             + (f" | slowest rank: {record['slowest_rank']} ({record['step_time_max_over_median']:.2f}x median)"
-               if "slowest_rank" in record else ""))
+               if "slowest_rank" in record else "") + progress_suffix(record))
 
 
 def _duration(seconds: float) -> str:

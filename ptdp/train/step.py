@@ -21,6 +21,7 @@ from ..pipeline.stage import sync_embedding_grads
 from ..sequence_parallel import all_reduce_sequence_parallel_grads
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.mappings import group_size
+from .moe_metrics import gather_moe_stats, set_loss_scale
 from .state import TrainState
 
 
@@ -78,6 +79,7 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
         loss = language_model_loss(logits, batch(j)[1], state.tp_group) / m
         return loss * scale if scale != 1.0 else loss
 
+    set_loss_scale(trainer, scale / m)  # MoE auxiliary losses: weighted like the LM loss
     stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
                         first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
     recorder = trainer.timeline.record if trainer.timeline else None
@@ -129,5 +131,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
         dist.all_reduce(loss.div_(state.dims.dp * state.dims.cp), group=state.dp_cp_group)
     # "loss" and "grad_norm" stay 0-dim device tensors: the host does not wait for the GPU here.
     # read_records turns them into floats (and adds the pipeline metrics) once per logged iteration.
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
-            "skipped_iterations": trainer.optimizer.skipped_iterations, "schedule_stats": stats}
+    record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
+              "skipped_iterations": trainer.optimizer.skipped_iterations, "schedule_stats": stats}
+    moe = gather_moe_stats(trainer)  # None for a dense model
+    return record if moe is None else record | {"moe_stats": moe}

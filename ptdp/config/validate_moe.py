@@ -1,0 +1,42 @@
+"""The mixture-of-experts checks of ``ptdp.config.validate`` (``--num-experts`` and the ``--moe-*`` flags),
+pure: one actionable line per problem. The expert-parallel sizes are checked with the parallel layout."""
+
+from __future__ import annotations
+
+from .schema import Config
+
+
+def moe_errors(config: Config) -> list[str]:
+    """Every problem with the MoE flags of ``config`` (none while ``--num-experts`` is unset)."""
+    moe, m = config.moe, config.model
+    if moe.num_experts is None:
+        return []
+    if moe.num_experts < 1:
+        return [f"--num-experts must be a positive integer, got {moe.num_experts}"]
+    errors = []
+    k = moe.moe_router_topk
+    if not 1 <= k <= moe.num_experts:
+        errors.append(f"--moe-router-topk {k} must be between 1 and --num-experts {moe.num_experts}")
+    if moe.moe_ffn_hidden_size is not None and moe.moe_ffn_hidden_size < 1:
+        errors.append(f"--moe-ffn-hidden-size must be a positive integer, got {moe.moe_ffn_hidden_size}")
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:
+        errors.append(f"--moe-shared-expert-intermediate-size must be a positive integer, got {shared}")
+    if moe.moe_shared_expert_gate and not shared:
+        errors.append("--moe-shared-expert-gate needs a shared expert: set --moe-shared-expert-intermediate-size")
+    factor = moe.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        errors.append(f"--moe-expert-capacity-factor must be positive (or unset: dropless), got {factor}")
+    if moe.moe_pad_expert_input_to_capacity and factor is None:
+        errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (dropless routing "
+                      "has no capacity to pad to)")
+    if moe.moe_aux_loss_coeff < 0 or (moe.moe_z_loss_coeff or 0.0) < 0:
+        errors.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
+    if m.num_layers > 0:
+        from ..models.moe import moe_layer_pattern
+
+        try:
+            moe_layer_pattern(moe.moe_layer_freq, m.num_layers)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors

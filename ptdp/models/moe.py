@@ -1,0 +1,274 @@
+"""Mixture-of-experts layer (Megatron-Core's MoE), one process: router, token dispatcher, grouped experts.
+
+A :class:`MoELayer` replaces the MLP of the layers ``--moe-layer-freq`` picks. Per token (T = b·s tokens of
+a micro-batch, flattened):
+
+1. ``router`` (:class:`TopKRouter`, weight ``[E, h]``) scores the E experts and keeps k of them: by default
+   the top-k logits then a softmax over those k (Megatron's default = Mixtral's softmax, top-k,
+   renormalise); with ``--moe-router-pre-softmax`` a softmax over all E then the top-k (Qwen2-MoE without
+   ``norm_topk_prob``). It returns ``(probs [T, k], indices [T, k], aux_losses)``; with a capacity factor an
+   expert keeps its ``ceil(C·k·T/E)`` most probable assignments and the others are DROPPED: their index
+   becomes ``E`` (one past the last expert) and their probability 0.
+2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,
+   indices) -> (expert_input [N, h], tokens_per_expert [E_local], ctx)`` and back, weighted by the
+   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``. :class:`LocalDispatcher` is the
+   single-process one; expert parallelism (``ptdp.parallel.expert``) swaps in all-to-all / all-gather
+   dispatchers from outside and slices ``experts`` to its ranks' experts.
+3. ``experts`` (:class:`GroupedExperts`) runs each local expert's MLP on its rows: one grouped GEMM
+   (``--moe-grouped-gemm``, ``torch._grouped_mm``) or a loop, both through ``ptdp.ops.grouped`` whose weight
+   gradients a zero-bubble W pass can defer.
+4. An optional ``shared_expert`` (a dense MLP every token goes through, Qwen2-MoE/DeepSeek) is added,
+   optionally scaled by ``sigmoid(x · shared_expert_gate)`` (Qwen2-MoE).
+
+Expert weights are stacked, one tensor per layer whatever the layout: ``experts.fc1_weight [E, g, f, h]``
+(g = 2 for SwiGLU: the gate rows, then the up rows, as the dense ``mlp.fc1``; g = 1 for GeLU) and
+``experts.fc2_weight [E, h, f]``. The checkpoint holds the global stacked tensor: expert parallelism slices
+dim 0, expert tensor parallelism dim 2 (f), and checkpoints reshard across e by logical name. Experts have
+no biases (whatever ``--disable-bias-linear``).
+
+Auxiliary losses (load balancing, z-loss) train the router without entering the reported LM loss: the
+layer's output carries them into the backward (:class:`_AuxLossGrad`, Megatron's ``MoEAuxLossAutoScaler``),
+each with gradient ``aux_loss_scale`` (set by the trainer to the LM loss's own scale: 1/microbatches times
+the fp16 loss scale; 1.0 for a plain ``loss.backward()``). The layer also accumulates detached statistics
+per training forward (``stats``: the losses, the load per expert, the dropped assignments), read and reset
+by the trainer (:func:`pop_moe_stats`) without a host sync.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.grouped import grouped_linear
+from ..ops.weight_grad import linear
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig, MoEConfig
+
+
+def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
+    """``--moe-layer-freq``: N → layers 0, N, 2N, ... are MoE (Megatron's ``i % N == 0``); a list (or a list
+    expression such as ``([1]*3+[0])*2``) gives one 0/1 per layer. ValueError naming the flag otherwise."""
+    text = str(freq).strip()
+    if re.fullmatch(r"\d+", text):
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--moe-layer-freq must be a positive integer or a list, got {text}")
+        return [i % n == 0 for i in range(num_layers)]
+    if not re.fullmatch(r"[\[\]()0-9*+,\s]+", text):
+        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'")
+    try:
+        pattern = eval(compile(ast.parse(text, mode="eval"), "<moe-layer-freq>", "eval"), {"__builtins__": {}})
+    except Exception:
+        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'") \
+            from None
+    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern) or len(pattern) != num_layers:
+        raise ValueError(f"--moe-layer-freq {text!r} must list one 0 or 1 per layer ({num_layers} layers)")
+    return [bool(v) for v in pattern]
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
+    """Megatron's capacity: ``ceil(num_tokens · k / E · factor)`` assignments per expert."""
+    return math.ceil(num_tokens * topk / num_experts * factor)
+
+
+class TopKRouter(nn.Module):
+    """Router logits ``x Wᵀ`` (``W [E, h]``), top-k selection, auxiliary losses and the capacity drop."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        self.num_experts, self.topk = moe.num_experts, moe.moe_router_topk
+        self.pre_softmax = moe.moe_router_pre_softmax
+        self.load_balancing = moe.moe_router_load_balancing_type
+        self.aux_coeff, self.z_coeff = moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
+        self.capacity_factor = moe.moe_expert_capacity_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size))
+
+    def forward(self, x: Tensor, num_sequences: int = 1) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``x [T, h]`` (``num_sequences`` sequences of T/num_sequences tokens, one after the other) →
+        ``probs [T, k]`` (fp32), ``indices [T, k]`` (``E`` = dropped), the auxiliary losses (with their
+        coefficients; only those enabled)."""
+        logits = linear(x, self.weight).float()
+        if self.pre_softmax:
+            probs, indices = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        else:
+            top, indices = logits.topk(self.topk, dim=-1)
+            probs = torch.softmax(top, dim=-1)
+        aux: dict[str, Tensor] = {}
+        if self.load_balancing != "none" and self.aux_coeff > 0.0:
+            aux["load_balancing_loss"] = self._load_balancing_loss(logits, indices, num_sequences)
+        if self.z_coeff:
+            aux["z_loss"] = self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        if self.capacity_factor is not None:
+            probs, indices = self._drop(probs, indices)
+        return probs, indices, aux
+
+    def _load_balancing_loss(self, logits: Tensor, indices: Tensor, num_sequences: int) -> Tensor:
+        """Switch's ``α·E·Σ_i f_i·P_i`` (f_i: share of the T·k assignments that chose expert i, before any
+        drop; P_i: mean softmax probability of i), over the micro-batch or (seq_aux_loss) per sequence,
+        averaged over sequences."""
+        e = self.num_experts
+        groups = num_sequences if self.load_balancing == "seq_aux_loss" else 1
+        scores = torch.softmax(logits, dim=-1).view(groups, -1, e)
+        chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
+        f = chosen.sum(1) / (chosen.shape[1] * self.topk)
+        return self.aux_coeff * e * (f * scores.mean(1)).sum(-1).mean()
+
+    def _drop(self, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep each expert's ``capacity`` most probable assignments; the rest get index E, probability 0."""
+        t, e = probs.shape[0], self.num_experts
+        capacity = min(expert_capacity(t, self.topk, e, self.capacity_factor), t)
+        dense = probs.new_zeros(t, e).scatter(1, indices, probs)
+        routed = torch.zeros(t, e, dtype=torch.bool, device=probs.device).scatter(1, indices, True)
+        keep = torch.zeros_like(routed).scatter(0, dense.topk(capacity, dim=0).indices, True) & routed
+        kept = keep.gather(1, indices)
+        return probs.masked_fill(~kept, 0.0), indices.masked_fill(~kept, e)
+
+
+class GroupedExperts(nn.Module):
+    """The E experts' MLPs, weights stacked: ``fc1_weight [E, g, f, h]``, ``fc2_weight [E, h, f]``.
+
+    ``forward(x [N, h] sorted by expert, tokens_per_expert [E_local])``: rows of expert e through
+    ``fc2_e(act(fc1_e(x)))``; E_local is read from the weight, so a slice of the experts runs unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig):
+        super().__init__()
+        ffn = moe.moe_ffn_hidden_size or cfg.ffn_size
+        self.swiglu, self.grouped = cfg.swiglu, moe.moe_grouped_gemm
+        self.fc1_weight = nn.Parameter(torch.empty(moe.num_experts, 2 if cfg.swiglu else 1, ffn, cfg.hidden_size))
+        self.fc2_weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, ffn))
+
+    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        h = grouped_linear(x, self.fc1_weight, tokens_per_expert, self.grouped)
+        if self.swiglu:  # this rank's gate rows, then its up rows (as the dense MLP's fc1)
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
+
+
+class LocalDispatcher:
+    """Single-process dispatcher: sort the kept (token, expert) pairs by expert (stable: token order within
+    an expert), optionally pad each expert's rows to its capacity; combine = weighted scatter-add back."""
+
+    def __init__(self, num_experts: int, topk: int, capacity_factor: float | None = None, pad: bool = False):
+        self.num_experts, self.topk = num_experts, topk
+        self.capacity_factor, self.pad = capacity_factor, pad and capacity_factor is not None
+
+    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+        t, e = hidden.shape[0], self.num_experts
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e + 1)
+        kept = counts[:e]
+        n = t * self.topk - int(counts[e])  # host sync: the number of rows must be known
+        order = order[:n]
+        tokens = order // self.topk
+        weights = probs.flatten()[order]
+        rows = hidden[tokens]
+        slots = None
+        if self.pad:
+            capacity = min(expert_capacity(t, self.topk, e, self.capacity_factor), t)
+            starts = torch.cumsum(kept, 0) - kept
+            expert = flat[order]
+            slots = expert * capacity + torch.arange(n, device=hidden.device) - starts[expert]
+            rows = hidden.new_zeros(e * capacity, hidden.shape[1]).index_copy(0, slots, rows)
+            kept = torch.full_like(kept, capacity)
+        return rows, kept, (tokens, weights, slots, t)
+
+    def combine(self, expert_output: Tensor, ctx: Any) -> Tensor:
+        tokens, weights, slots, t = ctx
+        if slots is not None:
+            expert_output = expert_output[slots]
+        weighted = expert_output * weights.unsqueeze(-1).to(expert_output.dtype)
+        return expert_output.new_zeros(t, expert_output.shape[-1]).index_add(0, tokens, weighted)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``output``; in the backward, ``aux_loss`` gets the gradient ``scale`` (its weight in the
+    objective), so the router learns from it without the loss being added to the reported LM loss."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (a recomputed forward must not count its statistics twice)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoELayer(nn.Module):
+    """``[b, s, h] → [b, s, h]``: router, dispatch, experts, combine (+ the shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.router = TopKRouter(cfg.hidden_size, moe)
+        self.experts = GroupedExperts(cfg, moe)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
+                                   if shared_expert is not None and moe.moe_shared_expert_gate else None)
+        self.dispatcher = LocalDispatcher(moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor,
+                                          moe.moe_pad_expert_input_to_capacity)
+        self.aux_loss_scale = 1.0  # the trainer sets it to the LM loss's scale (1/m · loss scale)
+        self.stats: dict[str, Tensor] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        probs, indices, aux = self.router(flat, num_sequences=b)
+        expert_input, tokens_per_expert, ctx = self.dispatcher.dispatch(flat, probs, indices)
+        out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), ctx)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(linear(flat, self.shared_expert_gate.weight)) * shared
+            out = out + shared
+        if self.training and not _in_backward():
+            self._record(aux, indices)
+        if aux and self.training and torch.is_grad_enabled():
+            out = _AuxLossGrad.apply(out, sum(aux.values()), self.aux_loss_scale)
+        return out.view(b, s, h)
+
+    @torch.no_grad()
+    def _record(self, aux: dict[str, Tensor], indices: Tensor) -> None:
+        counts = torch.bincount(indices.flatten(), minlength=self.num_experts + 1).float()
+        values = {"load": counts[:-1], "dropped": counts[-1], **{k: v.detach() for k, v in aux.items()}}
+        for key, value in values.items():
+            self.stats[key] = self.stats[key] + value if key in self.stats else value.clone()
+
+
+def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoELayer]]:
+    """Every MoE layer of ``modules`` (model chunks), with its name, in order."""
+    return [(name, m) for chunk in modules for name, m in chunk.named_modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(modules: list[nn.Module], scale: float) -> None:
+    """The gradient each auxiliary loss gets in the backward (the LM loss's per-microbatch scale)."""
+    for _, layer in moe_layers(modules):
+        layer.aux_loss_scale = scale
+
+
+def pop_moe_stats(modules: list[nn.Module]) -> dict[str, dict[str, Tensor]]:
+    """The statistics each MoE layer accumulated since the last call (by layer name), and reset them."""
+    out = {}
+    for name, layer in moe_layers(modules):
+        if layer.stats:
+            out[name], layer.stats = layer.stats, {}
+    return out
