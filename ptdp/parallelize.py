@@ -19,6 +19,7 @@ from .ops.fused import compile_layers, fused_ops
 from .optim import params_dtype
 from .parallel import ParallelState
 from .parallel.context import apply_context_parallel
+from .parallel.expert import apply_expert_parallel
 from .parallel.init import init_parameters, mark_no_weight_decay, materialize
 from .parallel.tensor import apply_tensor_parallel
 from .pipeline.schedules import virtual_stage
@@ -60,6 +61,8 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     for chunk in chunks:
         parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
                     cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
+        if config.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
+            apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type)
         materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
                         m.num_layers, logical_name)

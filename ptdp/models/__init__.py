@@ -6,8 +6,8 @@ modules from outside.
 """
 
 from .gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
-from .moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
 from .layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
+from .moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
 
 __all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
            "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",

@@ -35,8 +35,9 @@ def num_experts_of(layer: nn.Module) -> int:
     return int(n)
 
 
-def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int) -> None:
-    """Keep rows ``[rank·E/size, (rank+1)·E/size)`` of every stacked ``[E, ...]`` expert parameter, in place."""
+def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int, mesh=None) -> None:
+    """Keep rows ``[rank·E/size, (rank+1)·E/size)`` of every stacked ``[E, ...]`` expert parameter, in place;
+    ``mesh`` is the expert-parallel ``DeviceMesh`` (None for one rank)."""
     local = num_experts // size
     for module in experts.modules():
         for name, param in list(module._parameters.items()):
@@ -51,6 +52,7 @@ def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int) ->
             new.__dict__.update(param.__dict__)
             new.expert_parallel = True
             new.expert_parallel_size, new.expert_parallel_rank = size, rank
+            new.expert_mesh = mesh  # checkpoints: Shard(0) of the global tensor on this mesh
             module._parameters[name] = new
 
 
@@ -68,7 +70,7 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
     rank = 0 if expert is None else expert.ep_rank
     for layer in moe_layers(model):
         n = num_experts_of(layer)
-        slice_experts(layer.experts, n, size, rank)
+        slice_experts(layer.experts, n, size, rank, None if expert is None else expert.ep_mesh)
         layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group)
     return model
 

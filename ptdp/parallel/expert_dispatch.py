@@ -109,13 +109,17 @@ class _GatherReplicated(torch.autograd.Function):
 
 
 def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, token_of_pair, counts)``: the flat (token, choice) pairs sorted stably by expert, the token
-    each sorted pair came from, and the pairs per expert ``[num_experts]``."""
+    """``(order, token_of_pair, counts)``: the routed (token, choice) pairs sorted stably by expert, the token
+    each sorted pair came from, and the pairs per expert ``[num_experts]``. Pairs a capacity factor dropped
+    (index ``num_experts``, ``ptdp.models.moe``) are left out (one host sync: the number of rows)."""
     flat = indices.reshape(-1)
     k = indices.shape[-1] if indices.dim() > 1 else 1
     order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
+    dropped = int(counts[num_experts]) if counts.numel() > num_experts else 0
+    order = order[:flat.numel() - dropped]
     token = torch.div(order, k, rounding_mode="floor")
-    return order, token, torch.bincount(flat, minlength=num_experts)
+    return order, token, counts[:num_experts]
 
 
 @dataclass
