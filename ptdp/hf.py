@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, MoEConfig
 
 if TYPE_CHECKING:  # torch loads only when a conversion runs, not for `ptdp --help`
     import torch
@@ -74,6 +74,12 @@ def model_config_from_dict(config_dict: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in values.items() if k in known})
 
 
+def moe_config_from_dict(config_dict: dict) -> MoEConfig:
+    """The ``MoEConfig`` of a saved config (its ``moe`` section; dense when absent)."""
+    known = {f.name for f in dataclasses.fields(MoEConfig)}
+    return MoEConfig(**{k: v for k, v in config_dict.get("moe", {}).items() if k in known})
+
+
 def is_gpt2(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
     return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
@@ -91,7 +97,7 @@ def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -
         tracker.add(MODEL_PARALLEL_RNG, config_dict.get("training", {}).get("seed", 1234))
     cfg = model_config_from_dict(config_dict)
     vocab = cfg.vocab_size or tensors[TIED_EMBEDDING].shape[0]
-    model = GPTModel(cfg, vocab, tensors[TIED_EMBEDDING].shape[0])
+    model = GPTModel(cfg, vocab, tensors[TIED_EMBEDDING].shape[0], moe_config_from_dict(config_dict))
     model.load_state_dict(tensors, strict=True)
     return model.eval()
 
@@ -155,9 +161,20 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
-    from . import hf_llama
+    from . import hf_llama, hf_moe
 
-    if hf_llama.is_llama(cfg):
+    moe = moe_config_from_dict(config_dict)
+    kind = hf_moe.hf_kind(cfg, moe)
+    if moe.num_experts and kind is None:
+        raise HFError(f"--load {load}: the mixture of experts is neither a Mixtral (Llama, every layer MoE, no "
+                      "shared expert) nor a Qwen2-MoE (Llama with a gated shared expert); HF export supports those")
+    if kind is not None:
+        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
+        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
+        state = hf_moe.to_hf_state(tensors, cfg, moe, kind)
+        config_class = transformers.MixtralConfig if kind == "mixtral" else transformers.Qwen2MoeConfig
+        hf_config = config_class(**hf_moe.hf_config_kwargs(cfg, moe, kind, bos, eos))
+    elif hf_llama.is_llama(cfg):
         tokenizer = _tokenizer(config_dict, cfg.vocab_size)
         bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
         state = hf_llama.to_hf_state(tensors, cfg)
@@ -255,7 +272,13 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfig]:
-    """Write the HF GPT-2 model in ``directory`` as an iteration-0 ptdp checkpoint under ``save``."""
+    """Write the HF model in ``directory`` as an iteration-0 ptdp checkpoint under ``save``."""
+    path, cfg, _ = import_hf_model(directory, save)
+    return path, cfg
+
+
+def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfig, MoEConfig]:
+    """``import_hf``, also returning the mixture-of-experts settings (dense: ``num_experts`` None)."""
     from .checkpointing import write_full_model_state
 
     directory = Path(directory)
@@ -266,7 +289,13 @@ def import_hf(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfi
             from None
     except json.JSONDecodeError as e:
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
-    if hf_config.get("model_type") == "llama":
+    moe = MoEConfig()
+    if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
+        from . import hf_moe
+
+        cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
+        tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
+    elif hf_config.get("model_type") == "llama":
         from . import hf_llama
 
         cfg = hf_llama.model_config_from_hf(hf_config)
@@ -274,19 +303,20 @@ def import_hf(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfi
     else:
         cfg = model_config_from_hf(hf_config)
         tensors = from_hf_state(read_hf_tensors(directory), cfg)
-    path = write_full_model_state(save, tensors, {"model": dataclasses.asdict(cfg)})
-    return path, cfg
+    path = write_full_model_state(save, tensors, {"model": dataclasses.asdict(cfg), "moe": dataclasses.asdict(moe)})
+    return path, cfg, moe
 
 
 # Fields that decide what the imported model computes: ``ptdp train --load`` must be given the same.
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "norm_epsilon",
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "kv_channels")
+                "disable_bias_linear", "kv_channels", "add_qkv_bias")
 
 
-def train_flags(cfg: ModelConfig) -> str:
-    """The ``ptdp train`` flags that load an imported model (its shape flags, the Llama options if any)."""
+def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
+    """The ``ptdp train`` flags that load an imported model (its shape flags, the Llama options if any, the
+    mixture of experts if any)."""
     default = ModelConfig()
     flags = []
     for name in _MODEL_FLAGS:
@@ -298,6 +328,11 @@ def train_flags(cfg: ModelConfig) -> str:
             flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     if cfg.rope_scaling_factor == default.rope_scaling_factor and "--use-rope-scaling" not in flags:
         flags = [f for f in flags if not f.startswith("--rope-scaling-factor")]
+    if moe is not None and moe.num_experts:
+        for name, value in dataclasses.asdict(moe).items():
+            if value != getattr(MoEConfig(), name):
+                flag = "--" + name.replace("_", "-")
+                flags += [flag] if value is True else [f"{flag} {value!r}" if isinstance(value, str) else f"{flag} {value}"]
     return " ".join(flags)
 
 
@@ -347,12 +382,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_import(args: argparse.Namespace) -> int:
     try:
-        path, cfg = import_hf(args.input, args.save)
+        path, cfg, moe = import_hf_model(args.input, args.save)
     except (ConfigError, KeyError) as e:
         return _fail("import", str(e) if isinstance(e, ConfigError) else f"--in: config.json lacks {e}")
     except ValueError as e:  # shapes that contradict config.json
         return _fail("import", f"--in {args.input}: {e}")
-    print(f"wrote {path}; continue training with: ptdp train --load {args.save} {train_flags(cfg)}")
+    print(f"wrote {path}; continue training with: ptdp train --load {args.save} {train_flags(cfg, moe)}")
     return 0
 
 

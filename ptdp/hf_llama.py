@@ -48,7 +48,7 @@ class LlamaConversionError(ConfigError):
 def is_llama(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is a model HF's ``LlamaForCausalLM`` computes exactly."""
     return (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
-            and cfg.disable_bias_linear and cfg.rotary_percent == 1.0)
+            and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0)
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

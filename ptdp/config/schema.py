@@ -66,6 +66,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead of the input "
                                                     "embedding")
     disable_bias_linear: bool = opt(False, "no biases in the attention and MLP linears (Llama)")
+    add_qkv_bias: bool = opt(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
     kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(

@@ -58,10 +58,11 @@ class Attention(nn.Module):
                                        cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
                        if cfg.position_embedding_type == "rope" else None)
         bias = cfg.add_bias_linear
+        qkv_bias = bias or cfg.add_qkv_bias
         if self.grouped:  # per group: its a/G query heads, its key head, its value head (Megatron's order)
-            self.qkv = Linear(h, (a + 2 * cfg.query_groups) * d, bias=bias)
+            self.qkv = Linear(h, (a + 2 * cfg.query_groups) * d, bias=qkv_bias)
         else:  # [3, a·d, h]: all q heads, all k heads, all v heads
-            self.qkv = Linear(h, a * d, fused=3, bias=bias)
+            self.qkv = Linear(h, a * d, fused=3, bias=qkv_bias)
         self.positions = positions
         self.core_attention = CausalAttention()
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
