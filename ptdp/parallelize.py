@@ -62,7 +62,8 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
         parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
                     cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
         if config.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
-            apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type)
+            apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type,
+                                  par.sequence_parallel and state.dims.tp > 1)
         materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
                         m.num_layers, logical_name)

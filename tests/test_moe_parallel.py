@@ -17,6 +17,11 @@ MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-co
 SHARED = ["--moe-shared-expert-intermediate-size", "24"]
 E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 P2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+# Sequence parallelism: each TP rank routes its s/t tokens, so the load-balancing loss (a function of the
+# token set) is off in that comparison.
+NO_AUX = ["--moe-aux-loss-coeff", "0"]
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *E2]
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +33,24 @@ def runs(tmp_path_factory):
         "one-shared": (1, SHARED),
         "e2d2": (4, E2),
         "t2e2": (2, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", *E2]),
-        "p2e2-1f1b": (4, [*P2, "1f1b", *E2]),
+        "p2e2-1f1b-recompute": (4, [*P2, "1f1b", *E2, *RECOMPUTE]),
         "p2e2-zbv": (4, [*P2, "zbv", *E2]),
         "e4-dist-stop": (4, [*E4, "--use-distributed-optimizer", "--exit-interval", "2", "--save", stop]),
         "e4-allgather": (4, [*E4, "--moe-token-dispatcher-type", "allgather"]),
         "e2-shared": (4, [*E2, *SHARED]),
         "e1-resume": (1, ["--load", stop]),
+        "one-no-aux": (1, NO_AUX),
+        "t2e2-sp-recompute": (4, [*SP, *RECOMPUTE, *NO_AUX]),
     }, base=MOE)
 
 
-@pytest.mark.parametrize("layout", ["e2d2", "t2e2", "p2e2-1f1b", "p2e2-zbv", "e4-allgather"])
+@pytest.mark.parametrize("layout", ["e2d2", "t2e2", "p2e2-1f1b-recompute", "p2e2-zbv", "e4-allgather"])
 def test_layout_matches_one_process(runs, layout):
     assert_equivalent(runs[layout], runs["one"])
+
+
+def test_sequence_parallel_and_recompute(runs):
+    assert_equivalent(runs["t2e2-sp-recompute"], runs["one-no-aux"])
 
 
 def test_shared_expert(runs):

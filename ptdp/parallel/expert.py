@@ -56,11 +56,14 @@ def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int, me
             module._parameters[name] = new
 
 
-def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispatcher: str = "alltoall") -> nn.Module:
+def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispatcher: str = "alltoall",
+                          sequence_parallel: bool = False) -> nn.Module:
     """Split every MoE layer of ``model`` over ``expert``'s expert-parallel group in place; returns it.
 
     ``expert`` None (or a world of one) keeps every expert and routes with the chosen dispatcher over a group
-    of one. ``dispatcher`` is ``--moe-token-dispatcher-type``.
+    of one. ``dispatcher`` is ``--moe-token-dispatcher-type``. Under ``sequence_parallel`` (t > 1) each
+    tensor-parallel rank routes its own tokens: the router, the shared expert and its gate, replicated over
+    TP, then get partial gradients and are marked ``sequence_parallel`` (summed over TP after the backward).
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"--moe-token-dispatcher-type must be one of {sorted(DISPATCHERS)}, got {dispatcher!r}")
@@ -72,6 +75,10 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
         n = num_experts_of(layer)
         slice_experts(layer.experts, n, size, rank, None if expert is None else expert.ep_mesh)
         layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group)
+        if sequence_parallel:
+            for param in layer.parameters():
+                if not is_expert_param(param):
+                    param.sequence_parallel = True
     return model
 
 
