@@ -25,11 +25,49 @@ and value width of G query groups (G = a without GQA):
 * SwiGLU MLP ``6·B·s·h·ffn`` (gate, up and down, three ``h × ffn`` GEMMs) instead of ``4·B·s·h·ffn``;
 * RMSNorm, rotary embeddings and the element-wise ops are not counted (as LayerNorm and GeLU are not);
   an untied output layer costs the same logit FLOPs as a tied one.
+
+Mixture of experts (``moe``, a :class:`MoEShape`; issue 25): FLOPs and "active" parameters count what a token
+goes through -- the router ``2·B·s·h·E``, its k experts' MLPs (``k`` times the MLP term with the experts'
+hidden size), the shared expert's MLP and its gate ``2·B·s·h`` -- in the ``moe_layers`` MoE layers; the total
+parameter count holds all E experts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the counts need of a mixture of experts: E, k, the experts' and the shared expert's hidden sizes,
+    whether the shared expert is gated, and how many layers are MoE."""
+
+    num_experts: int
+    topk: int
+    ffn: int
+    moe_layers: int
+    shared_ffn: int = 0
+    shared_gate: bool = False
+
+
+def moe_shape(model: Any, moe: Any) -> MoEShape | None:
+    """The :class:`MoEShape` of a ``ModelConfig`` and ``MoEConfig`` (None: dense)."""
+    if moe is None or not moe.num_experts:
+        return None
+    from .config.validate_moe import moe_layer_pattern
+
+    return MoEShape(moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size or model.ffn_size,
+                    sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers)),
+                    moe.moe_shared_expert_intermediate_size or 0, moe.moe_shared_expert_gate)
+
+
+def _moe_mlp(h: int, moe: MoEShape, swiglu: bool, experts: int) -> tuple[int, int]:
+    """(forward multiply-adds per token, parameters) of an MoE layer's MLP part through ``experts`` experts."""
+    mats = 3 if swiglu else 2
+    router, gate = moe.num_experts * h, h if moe.shared_gate else 0
+    per_token = mats * h * (moe.topk * moe.ffn + moe.shared_ffn) + router + gate
+    return per_token, mats * h * (experts * moe.ffn + moe.shared_ffn) + router + gate
 
 
 def _ffn(hidden_size: int, ffn_hidden_size: int | None) -> int:
@@ -57,7 +95,7 @@ def architecture(model: Any) -> dict[str, Any]:
 
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
                         num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                        kv_channels: int | None = None, swiglu: bool = False) -> int:
+                        kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
     ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
@@ -65,7 +103,8 @@ def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidd
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
-    return tokens * (2 * h * (2 * q + 2 * k) + (6 if swiglu else 4) * h * f + 4 * seq_length * q)
+    mlp = (6 if swiglu else 4) * h * f if moe is None else 2 * _moe_mlp(h, moe, swiglu, moe.topk)[0]
+    return tokens * (2 * h * (2 * q + 2 * k) + mlp + 4 * seq_length * q)
 
 
 def logit_forward_flops(hidden_size: int, vocab_size: int, tokens: int) -> int:
@@ -92,15 +131,19 @@ def flops_per_iteration(
     """
     tokens = global_batch_size * seq_length
     layer_passes = 4 if recompute else 3
-    layers = num_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size,
-                                                             **arch)
+    moe = arch.pop("moe", None)
+    dense = num_layers - (moe.moe_layers if moe else 0)
+    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, **arch)
+    if moe is not None:
+        layers += moe.moe_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens,
+                                                                      ffn_hidden_size, moe=moe, **arch)
     return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
 def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
-                          normalization: str = "LayerNorm") -> int:
+                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -109,6 +152,11 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
+    if moe is not None:  # an MoE layer: router, E (or, ``active``, k) bias-free experts, shared expert, gate
+        mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
+        shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
+        return h * (2 * q + 2 * k) + mlp + ((q + 2 * k + h) + shared_biases if bias else 0) + \
+            2 * (h if normalization == "RMSNorm" else 2 * h)
     weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
     biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
     norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
@@ -133,12 +181,21 @@ def parameter_count(
     positions (``rope``) have no ``s·h`` table; ``layer`` goes to :func:`layer_parameter_count`.
     """
     embeddings = (2 if untied else 1) * vocab_size * hidden_size + (0 if rope else seq_length * hidden_size)
-    return num_layers * layer_parameter_count(hidden_size, ffn_hidden_size, **layer) + embeddings
+    moe = layer.pop("moe", None)
+    active = layer.pop("active", False)
+    dense = num_layers - (moe.moe_layers if moe else 0)
+    layers = dense * layer_parameter_count(hidden_size, ffn_hidden_size, **layer)
+    if moe is not None:
+        layers += moe.moe_layers * layer_parameter_count(hidden_size, ffn_hidden_size, moe=moe, active=active, **layer)
+    return layers + embeddings
 
 
-def model_parameter_count(model: Any, vocab_size: int | None = None) -> int:
-    """:func:`parameter_count` of a ``ModelConfig`` or ``GPTSpec`` (vocabulary unpadded, final norm not counted)."""
+def model_parameter_count(model: Any, vocab_size: int | None = None, moe: MoEShape | None = None,
+                          active: bool = False) -> int:
+    """:func:`parameter_count` of a ``ModelConfig`` or ``GPTSpec`` (vocabulary unpadded, final norm not counted);
+    with ``moe`` (default: a ``GPTSpec``'s own) all experts, or with ``active`` those a token uses."""
     arch = architecture(model)
+    arch["moe"], arch["active"] = moe or getattr(model, "moe", None), active
     return parameter_count(
         model.num_layers, model.hidden_size, model.seq_length, vocab_size or model.vocab_size,
         getattr(model, "ffn_size", None) or getattr(model, "ffn", None),

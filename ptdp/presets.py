@@ -30,6 +30,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-70b": {**_LLAMA, "num_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
                    "group_query_attention": True, "num_query_groups": 8, "ffn_hidden_size": 28672,
                    "seq_length": 8192, "vocab_size": 128256, "norm_epsilon": 1e-5, "rotary_base": 500000.0},
+    # mixtures of experts: the attention and shape here, the experts in MOE_PRESETS
+    "mixtral-8x7b": {**_LLAMA, "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                     "group_query_attention": True, "num_query_groups": 8, "ffn_hidden_size": 14336,
+                     "seq_length": 32768, "vocab_size": 32000, "norm_epsilon": 1e-5, "rotary_base": 1000000.0},
+    "qwen1.5-moe-a2.7b": {**_LLAMA, "num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
+                          "ffn_hidden_size": 5632, "seq_length": 8192, "vocab_size": 151936, "norm_epsilon": 1e-6,
+                          "rotary_base": 1000000.0, "add_qkv_bias": True},
     # test-sized models (the tokenizer decides the vocabulary)
     "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -37,6 +44,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                    "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 64,
                    "seq_length": 16, "norm_epsilon": 1e-6},
 }
+
+# ``MoEConfig`` values of the mixture-of-experts presets (HF config.json of Mixtral-8x7B-v0.1 and
+# Qwen1.5-MoE-A2.7B), applied with MODEL_PRESETS' entry of the same name.
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 14336},
+    "qwen1.5-moe-a2.7b": {"num_experts": 60, "moe_router_topk": 4, "moe_ffn_hidden_size": 1408,
+                          "moe_shared_expert_intermediate_size": 5632, "moe_shared_expert_gate": True,
+                          "moe_router_pre_softmax": True},
+    "tiny-mixtral": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
+}
+MODEL_PRESETS["tiny-mixtral"] = dict(MODEL_PRESETS["tiny-llama"])
 
 # Global batch sizes the planner assumes when --global-batch-size is not given (the papers' runs).
 PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512}

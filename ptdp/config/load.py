@@ -190,6 +190,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         else:
             for key, value in MODEL_PRESETS[preset].items():
                 setattr(config.model, key, value)
+            from ..presets import MOE_PRESETS
+
+            for key, value in MOE_PRESETS.get(preset, {}).items():  # a mixture of experts' --num-experts etc.
+                setattr(config.moe, key, value)
     if problems:
         raise ConfigError(*problems)
     for section in config.sections():

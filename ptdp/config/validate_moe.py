@@ -1,9 +1,33 @@
-"""The mixture-of-experts checks of ``ptdp.config.validate`` (``--num-experts`` and the ``--moe-*`` flags),
+"""``--moe-layer-freq`` parsing and the mixture-of-experts checks of ``ptdp.config.validate`` (``--num-experts`` and the ``--moe-*`` flags),
 pure: one actionable line per problem. The expert-parallel sizes are checked with the parallel layout."""
 
 from __future__ import annotations
 
+import ast
+import re
+
 from .schema import Config
+
+
+def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
+    """``--moe-layer-freq``: N → layers 0, N, 2N, ... are MoE (Megatron's ``i % N == 0``); a list (or a list
+    expression such as ``([1]*3+[0])*2``) gives one 0/1 per layer. ValueError naming the flag otherwise."""
+    text = str(freq).strip()
+    if re.fullmatch(r"\d+", text):
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--moe-layer-freq must be a positive integer or a list, got {text}")
+        return [i % n == 0 for i in range(num_layers)]
+    if not re.fullmatch(r"[\[\]()0-9*+,\s]+", text):
+        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'")
+    try:
+        pattern = eval(compile(ast.parse(text, mode="eval"), "<moe-layer-freq>", "eval"), {"__builtins__": {}})
+    except Exception:
+        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'") \
+            from None
+    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern) or len(pattern) != num_layers:
+        raise ValueError(f"--moe-layer-freq {text!r} must list one 0 or 1 per layer ({num_layers} layers)")
+    return [bool(v) for v in pattern]
 
 
 def moe_errors(config: Config) -> list[str]:
@@ -33,8 +57,6 @@ def moe_errors(config: Config) -> list[str]:
     if moe.moe_aux_loss_coeff < 0 or (moe.moe_z_loss_coeff or 0.0) < 0:
         errors.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
     if m.num_layers > 0:
-        from ..models.moe import moe_layer_pattern
-
         try:
             moe_layer_pattern(moe.moe_layer_freq, m.num_layers)
         except ValueError as e:

@@ -36,41 +36,22 @@ by the trainer (:func:`pop_moe_stats`) without a host sync.
 
 from __future__ import annotations
 
-import ast
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config.validate_moe import moe_layer_pattern
 from ..ops.grouped import grouped_linear
 from ..ops.weight_grad import linear
 
 if TYPE_CHECKING:
     from ..config import ModelConfig, MoEConfig
 
-
-def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
-    """``--moe-layer-freq``: N → layers 0, N, 2N, ... are MoE (Megatron's ``i % N == 0``); a list (or a list
-    expression such as ``([1]*3+[0])*2``) gives one 0/1 per layer. ValueError naming the flag otherwise."""
-    text = str(freq).strip()
-    if re.fullmatch(r"\d+", text):
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"--moe-layer-freq must be a positive integer or a list, got {text}")
-        return [i % n == 0 for i in range(num_layers)]
-    if not re.fullmatch(r"[\[\]()0-9*+,\s]+", text):
-        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'")
-    try:
-        pattern = eval(compile(ast.parse(text, mode="eval"), "<moe-layer-freq>", "eval"), {"__builtins__": {}})
-    except Exception:
-        raise ValueError(f"--moe-layer-freq {text!r} is neither an integer nor a list such as '[1,0,1,0]'") \
-            from None
-    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern) or len(pattern) != num_layers:
-        raise ValueError(f"--moe-layer-freq {text!r} must list one 0 or 1 per layer ({num_layers} layers)")
-    return [bool(v) for v in pattern]
+__all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
+           "moe_layers", "pop_moe_stats", "set_aux_loss_scale"]
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:

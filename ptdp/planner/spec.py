@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
+from ptdp.flops import MoEShape
 from ptdp.hardware import Accelerator, accelerator
 from ptdp.pipeline.registry import default_schedule
 
@@ -38,6 +39,7 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
+    moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.flops)
 
     @property
     def ffn(self) -> int:
@@ -82,9 +84,18 @@ class GPTSpec:
 
 
 def _published_presets() -> dict[str, GPTSpec]:
-    from ptdp.presets import MODEL_PRESETS as ALL
+    import dataclasses
 
-    return {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
+    from ptdp.config import MoEConfig
+    from ptdp.flops import moe_shape
+    from ptdp.presets import MODEL_PRESETS as ALL
+    from ptdp.presets import MOE_PRESETS
+
+    specs = {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
+    for name in specs.keys() & MOE_PRESETS.keys():  # the experts: FLOPs count the active ones
+        specs[name] = dataclasses.replace(specs[name], moe=moe_shape(ModelConfig(**ALL[name]),
+                                                                     MoEConfig(**MOE_PRESETS[name])))
+    return specs
 
 
 MODEL_PRESETS: dict[str, GPTSpec] = _published_presets()

@@ -82,9 +82,13 @@ def startup_summary(trainer: TrainState) -> str:
     if state.dims.world_size > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
     padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
-    total = flops.model_parameter_count(m, padded) + m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    moe = flops.moe_shape(m, cfg.moe)
+    total = flops.model_parameter_count(m, padded, moe) + norm
+    active = "" if moe is None else \
+        f" ({_count(flops.model_parameter_count(m, padded, moe, active=True) + norm)} active per token)"
     tokens = cfg.training.global_batch_size * m.seq_length
-    return (f" model: {model_family(m)}, {_count(total)} parameters with the vocabulary padded to {padded} "
+    return (f" model: {model_family(m)}, {_count(total)} parameters{active} with the vocabulary padded to {padded} "
             f"({_count(local.item())} on the fullest rank) | "
             f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
             f"d={state.dims.dp} v={par.virtual_size} "

@@ -1,0 +1,149 @@
+"""Mixture of experts (issue 25): the cost of the expert computation and of the model, one run.
+
+    python benchmarks/moe.py                         # every part, CPU, one thread
+    python benchmarks/moe.py --json --parts experts model --device cuda --dtype bfloat16
+
+Parts (each prints its numbers and ratios against a baseline measured in the same run):
+
+- ``experts``: one process. ``GroupedExperts`` forward + backward over T·k routed rows, ONE grouped GEMM
+  per projection (``--moe-grouped-gemm``, ``torch._grouped_mm``) against a loop of one GEMM per expert.
+  Reports ``loop_over_grouped`` (> 1: the grouped GEMM is faster).
+- ``model``: one process. Training tokens/s (forward + backward) of a Llama-style MoE model against a dense
+  model with the SAME ACTIVE parameters (dense ffn = k · expert ffn; the router's E·h is extra) --
+  ``moe_over_dense`` is what routing, permutation and the smaller GEMMs cost.
+- ``dispatch``: expert parallelism, CPU processes: alltoall against allgather dispatch. Added with expert
+  parallelism (``ptdp.parallel.expert``): register it in ``PARTS``.
+
+Median of ``--repeats`` timed iterations after ``--warmup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ptdp.config import ModelConfig, MoEConfig
+from ptdp.models import GPTModel, GroupedExperts
+from ptdp.ops.grouped import grouped_mm_available
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_experts(args: argparse.Namespace) -> dict:
+    """Grouped GEMM against a loop over the experts: forward + backward of the expert MLPs."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    e, k, h, f, tokens = args.experts, args.topk, args.hidden, args.expert_ffn, args.tokens
+    cfg = ModelConfig(hidden_size=h, num_attention_heads=8, ffn_hidden_size=f, swiglu=True)
+    torch.manual_seed(0)
+    counts = torch.distributions.Dirichlet(torch.ones(e)).sample() * tokens * k  # uneven, as routing is
+    counts = counts.floor().long()
+    counts[-1] += tokens * k - int(counts.sum())
+    x = torch.randn(tokens * k, h, device=device, dtype=dtype, requires_grad=True)
+    out = {"experts": e, "topk": k, "hidden": h, "expert_ffn": f, "routed_rows": tokens * k,
+           "grouped_mm_available": grouped_mm_available(device, dtype)}
+    for grouped in (False, True):
+        experts = GroupedExperts(cfg, MoEConfig(num_experts=e, moe_grouped_gemm=grouped)).to(device, dtype)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+
+        def step(experts: GroupedExperts = experts) -> None:
+            experts(x, counts).sum().backward()
+
+        out["grouped_s" if grouped else "loop_s"] = median_seconds(step, device, args.warmup, args.repeats)
+    out["loop_over_grouped"] = out["loop_s"] / out["grouped_s"]
+    return out
+
+
+def _model(moe: MoEConfig | None, ffn: int, args: argparse.Namespace) -> GPTModel:
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=ffn,
+                      seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+                      position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                      untie_embeddings_and_output_weights=True)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, 1024, 1024, moe).to(args.device, getattr(torch, args.dtype))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model.train()
+
+
+def bench_model(args: argparse.Namespace) -> dict:
+    """Tokens/s of an MoE model and of the dense model with the same active parameters."""
+    from ptdp.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    if MODEL_PARALLEL_RNG not in get_rng_tracker().states:
+        get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
+    device = torch.device(args.device)
+    batch = max(1, args.tokens // args.seq)
+    tokens = torch.randint(0, 1024, (batch, args.seq), device=device)
+    moe = MoEConfig(num_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=True,
+                    moe_aux_loss_coeff=0.01)
+    models = {"moe": _model(moe, args.expert_ffn, args), "dense": _model(None, args.topk * args.expert_ffn, args)}
+    out = {"layers": args.layers, "tokens_per_iteration": batch * args.seq}
+    for name, model in models.items():
+        def step(model: GPTModel = model) -> None:
+            model(tokens).float().logsumexp(-1).mean().backward()
+
+        seconds = median_seconds(step, device, args.warmup, args.repeats)
+        params = sum(p.numel() for p in model.parameters())
+        out[name] = {"tokens_per_s": batch * args.seq / seconds, "parameters": params}
+    out["moe_over_dense"] = out["moe"]["tokens_per_s"] / out["dense"]["tokens_per_s"]
+    return out
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {"experts": bench_experts, "model": bench_model}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="*", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--expert-ffn", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per iteration (T)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    torch.set_num_threads(args.threads)
+    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "dtype": args.dtype, "torch": torch.__version__}
+    for part in args.parts:
+        results[part] = PARTS[part](args)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for part in args.parts:
+        print(f"{part}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in results[part].items()))
+
+
+if __name__ == "__main__":
+    main()
