@@ -147,3 +147,17 @@ def test_good_layouts_have_no_errors():
     for e, t in ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2)):
         assert expert_layout_errors(world_size=4, t=t, c=1, p=1, e=e, etp=1, num_experts=4,
                                     sequence_parallel=False, tokens_per_rank=8) == []
+
+
+def test_bad_expert_flags_exit_2_with_every_problem_one_line_each():
+    from helpers import run_ptdp
+
+    proc = run_ptdp(["train", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                     "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters",
+                     "1", "--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "2"],
+                    check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert "--expert-model-parallel-size 2 does not divide --num-experts 3" in lines[0]
+    assert "world size 1 is not divisible by --expert-tensor-parallel-size" in lines[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .expert_aux import split_sequence_load_balancing
 from .expert_dims import ExpertParallel
 from .expert_dispatch import DISPATCHERS
 
@@ -75,6 +76,8 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
         n = num_experts_of(layer)
         slice_experts(layer.experts, n, size, rank, None if expert is None else expert.ep_mesh)
         layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group)
+        if expert is not None and expert.sequence_group is not None:  # each rank routes part of a sequence
+            split_sequence_load_balancing(layer.router, expert.sequence_group, expert.sequence_scale)
         if sequence_parallel:
             for param in layer.parameters():
                 if not is_expert_param(param):

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -116,10 +117,14 @@ class ExpertParallel:
     to the experts exactly once.
     """
 
-    def __init__(self, dims: ExpertDims, rank: int, device: torch.device, token_group=None):
+    def __init__(self, dims: ExpertDims, rank: int, device: torch.device, token_group=None,
+                 sequence_group=None, sequence_scale: float = 1.0):
         self.dims = dims
         self.pp_rank, self.edp_rank, self.ep_rank, self.etp_rank = dims.coordinates(rank)
         self.token_group = token_group
+        # The ranks holding parts of the same sequences (SP: TP, CP: CP, both: TP x CP), for the load-
+        # balancing loss (expert_aux.py); None when every rank routes whole sequences.
+        self.sequence_group, self.sequence_scale = sequence_group, sequence_scale
         self.mesh: DeviceMesh | None = None
         self.ep_group = self.etp_group = self.edp_group = None
         if dims.world_size > 1:
@@ -138,6 +143,15 @@ class ExpertParallel:
 def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bool) -> ExpertParallel:
     """The expert groups over ``state``'s ranks (a ``ParallelState``); every rank must call it."""
     dims = state.dims
-    tokens_replicated = dims.tp > 1 and not sequence_parallel
+    sp = dims.tp > 1 and sequence_parallel
+    sequence_group = state.tp_group if sp else state.cp_group if dims.cp > 1 else None
+    if sp and dims.cp > 1:  # the t·c ranks of one (pp, dp) coordinate
+        for pp in range(dims.pp):
+            for dp in range(dims.dp):
+                ranks = [dims.rank_of(pp, dp, tp, cp) for cp in range(dims.cp) for tp in range(dims.tp)]
+                group = dist.new_group(ranks)  # every rank takes part in creating every group
+                if state.rank in ranks:
+                    sequence_group = group
     return ExpertParallel(ExpertDims(dims.world_size, dims.pp, ep, expert_tensor_size(etp, dims.tp)), state.rank,
-                          state.device, token_group=state.tp_group if tokens_replicated else None)
+                          state.device, token_group=state.tp_group if dims.tp > 1 and not sp else None,
+                          sequence_group=sequence_group, sequence_scale=float(dims.cp))
