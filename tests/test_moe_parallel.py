@@ -5,8 +5,8 @@ expert twice changes the norm, not the losses), and the final weights, for: (e, 
 with e folded over the tensor-parallel ranks; (p, e) = (2, 2) under 1F1B and ZBV (the zero-bubble W pass
 over expert weights); e = 4 with the distributed optimizer; a shared expert; the all-gather dispatcher
 against the all-to-all one; a checkpoint saved at e = 4 that continues identically at e = 1; and e = 4 folded over
-t = 2 and c = 2 with sequence parallelism and full recomputation (load-balancing loss off there: each rank's
-is over its own tokens, docs/expert-parallel.md). Dropless
+t = 2 and c = 2 with sequence parallelism and full recomputation (each rank routes s/(t·c) tokens: the
+load-balancing loss counts over the whole sequences, ``ptdp.parallel.expert_aux``). Dropless
 routing with the load-balancing loss on. All in one spawn of four processes (``helpers.run_layouts``).
 """
 
@@ -20,9 +20,6 @@ SHARED = ["--moe-shared-expert-intermediate-size", "24"]
 E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 P2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-# Sequence parallelism: each TP rank routes its s/t tokens, so the load-balancing loss (a function of the
-# token set) is off in that comparison.
-NO_AUX = ["--moe-aux-loss-coeff", "0"]
 # e = 4 folded over t = 2 and c = 2 (MoE Parallel Folding: attention's TP and CP ranks hold the experts).
 SP_CP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
          "--expert-tensor-parallel-size", "1", *E4]
@@ -43,8 +40,7 @@ def runs(tmp_path_factory):
         "e4-allgather": (4, [*E4, "--moe-token-dispatcher-type", "allgather"]),
         "e2-shared": (4, [*E2, *SHARED]),
         "e1-resume": (1, ["--load", stop]),
-        "one-no-aux": (1, NO_AUX),
-        "t2c2e4-sp-recompute": (4, [*SP_CP, *RECOMPUTE, *NO_AUX]),
+        "t2c2e4-sp-recompute": (4, [*SP_CP, *RECOMPUTE]),
     }, base=MOE)
 
 
@@ -54,7 +50,7 @@ def test_layout_matches_one_process(runs, layout):
 
 
 def test_folded_over_tensor_and_context_with_sequence_parallel_and_recompute(runs):
-    assert_equivalent(runs["t2c2e4-sp-recompute"], runs["one-no-aux"])
+    assert_equivalent(runs["t2c2e4-sp-recompute"], runs["one"])
 
 
 def test_shared_expert(runs):

@@ -77,7 +77,8 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
         slice_experts(layer.experts, n, size, rank, None if expert is None else expert.ep_mesh)
         layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group)
         if expert is not None and expert.sequence_group is not None:  # each rank routes part of a sequence
-            split_sequence_load_balancing(layer.router, expert.sequence_group, expert.sequence_scale)
+            split_sequence_load_balancing(layer.router, expert.sequence_group, expert.sequence_scale,
+                                          expert.z_loss_scale)
         if sequence_parallel:
             for param in layer.parameters():
                 if not is_expert_param(param):

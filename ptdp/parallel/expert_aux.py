@@ -12,8 +12,10 @@ the one-process one (f_i carries no gradient). The partial losses then add up wh
 router's weight is marked ``sequence_parallel`` under sequence parallelism (summed over TP), and under
 context parallelism gradients are averaged over the d·c ranks, so each aux_r is scaled by c.
 
-Installed by overriding the router's ``_load_balancing_loss`` (``ptdp.models.moe.TopKRouter``) from outside.
-The z-loss stays each rank's mean over its tokens (not rescaled).
+The z-loss ``β·mean(logsumexp²)`` is a mean over tokens: each rank's mean over its own tokens is right
+under context parallelism (the gradients are averaged), and divided by t under sequence parallelism (the
+router's gradients are summed over TP). Installed by overriding the router's ``_load_balancing_loss`` and
+wrapping its ``forward`` (``ptdp.models.moe.TopKRouter``) from outside.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from torch import nn
 from ..tensor_parallel.mappings import all_reduce, group_size
 
 
-def split_sequence_load_balancing(router: nn.Module, group, scale: float) -> None:
+def split_sequence_load_balancing(router: nn.Module, group, scale: float, z_loss_scale: float = 1.0) -> None:
     """Make ``router``'s load-balancing loss this rank's share of the loss over ``group``'s tokens (the
-    ranks that hold one sequence between them), times ``scale`` (c: see the module doc)."""
+    ranks that hold one sequence between them), times ``scale`` (c), and its z-loss times ``z_loss_scale``
+    (1/t under sequence parallelism): see the module doc."""
 
     def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, num_sequences: int) -> torch.Tensor:
         e = router.num_experts
@@ -40,3 +43,13 @@ def split_sequence_load_balancing(router: nn.Module, group, scale: float) -> Non
         return scale * router.aux_coeff * e * (f * scores.sum(1) / tokens).sum(-1).mean()
 
     router._load_balancing_loss = load_balancing_loss
+    if z_loss_scale != 1.0:
+        route = router.forward
+
+        def forward(x: torch.Tensor, num_sequences: int = 1):
+            probs, indices, aux = route(x, num_sequences)
+            if "z_loss" in aux:
+                aux["z_loss"] = aux["z_loss"] * z_loss_scale
+            return probs, indices, aux
+
+        router.forward = forward

@@ -118,13 +118,13 @@ class ExpertParallel:
     """
 
     def __init__(self, dims: ExpertDims, rank: int, device: torch.device, token_group=None,
-                 sequence_group=None, sequence_scale: float = 1.0):
+                 sequence_group=None, sequence_scale: float = 1.0, z_loss_scale: float = 1.0):
         self.dims = dims
         self.pp_rank, self.edp_rank, self.ep_rank, self.etp_rank = dims.coordinates(rank)
         self.token_group = token_group
         # The ranks holding parts of the same sequences (SP: TP, CP: CP, both: TP x CP), for the load-
         # balancing loss (expert_aux.py); None when every rank routes whole sequences.
-        self.sequence_group, self.sequence_scale = sequence_group, sequence_scale
+        self.sequence_group, self.sequence_scale, self.z_loss_scale = sequence_group, sequence_scale, z_loss_scale
         self.mesh: DeviceMesh | None = None
         self.ep_group = self.etp_group = self.edp_group = None
         if dims.world_size > 1:
@@ -154,4 +154,5 @@ def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bo
                     sequence_group = group
     return ExpertParallel(ExpertDims(dims.world_size, dims.pp, ep, expert_tensor_size(etp, dims.tp)), state.rank,
                           state.device, token_group=state.tp_group if dims.tp > 1 and not sp else None,
-                          sequence_group=sequence_group, sequence_scale=float(dims.cp))
+                          sequence_group=sequence_group, sequence_scale=float(dims.cp),
+                          z_loss_scale=1.0 / dims.tp if sp else 1.0)
