@@ -2,7 +2,7 @@
 
 Per iteration the loss AND the gradient norm (a wrong expert-gradient averaging or a norm that counts an
 expert twice changes the norm, not the losses), and the final weights, for: (e, d) = (2, 2); (t, e) = (2, 2)
-with e folded over the tensor-parallel ranks; (p, e) = (2, 2) under 1F1B and ZBV (the zero-bubble W pass
+with e folded over the tensor-parallel ranks, and with the experts' FFN split over them (etp = t); (p, e) = (2, 2) under 1F1B and ZBV (the zero-bubble W pass
 over expert weights); e = 4 with the distributed optimizer; a shared expert; the all-gather dispatcher
 against the all-to-all one; a checkpoint saved at e = 4 that continues identically at e = 1; and e = 4 folded over
 t = 2 and c = 2 with sequence parallelism and full recomputation (each rank routes s/(t·c) tokens: the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts
 
-MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
 SHARED = ["--moe-shared-expert-intermediate-size", "24"]
 E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 P2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule"]
@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
         "one-shared": (1, SHARED),
         "e2d2": (4, E2),
         "t2e2": (2, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", *E2]),
+        "t2e2-etp2": (4, ["--tensor-model-parallel-size", "2", *E2]),  # etp = t (the default): FFN split
         "p2e2-1f1b-recompute": (4, [*P2, "1f1b", *E2, *RECOMPUTE]),
         "p2e2-zbv": (4, [*P2, "zbv", *E2]),
         "e4-dist-stop": (4, [*E4, "--use-distributed-optimizer", "--exit-interval", "2", "--save", stop]),
@@ -44,7 +45,8 @@ def runs(tmp_path_factory):
     }, base=MOE)
 
 
-@pytest.mark.parametrize("layout", ["e2d2", "t2e2", "p2e2-1f1b-recompute", "p2e2-zbv", "e4-allgather"])
+@pytest.mark.parametrize("layout", ["e2d2", "t2e2", "t2e2-etp2", "p2e2-1f1b-recompute", "p2e2-zbv",
+                                    "e4-allgather"])
 def test_layout_matches_one_process(runs, layout):
     assert_equivalent(runs[layout], runs["one"])
 

@@ -165,8 +165,9 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(1, "expert-parallel size e: the experts of each MoE layer split over e "
                                           "ranks, which may fold over the tensor- and context-parallel ranks "
                                           "(MoE Parallel Folding; docs/expert-parallel.md)")
-    expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts (default: t, as "
-                                                  "Megatron-Core); 1 lets e span the tensor-parallel ranks")
+    expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
+                                                  "default, as Megatron-Core) or 1, which lets e span the "
+                                                  "tensor-parallel ranks")
 
     @property
     def virtual_size(self) -> int:

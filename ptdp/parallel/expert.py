@@ -36,10 +36,26 @@ def num_experts_of(layer: nn.Module) -> int:
     return int(n)
 
 
-def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int, mesh=None) -> None:
-    """Keep rows ``[rank·E/size, (rank+1)·E/size)`` of every stacked ``[E, ...]`` expert parameter, in place;
-    ``mesh`` is the expert-parallel ``DeviceMesh`` (None for one rank)."""
-    local = num_experts // size
+# Expert tensor parallelism splits each expert's FFN dimension f: dim 2 of ``fc1_weight [E, g, f, h]`` and of
+# ``fc2_weight [E, h, f]`` (``ptdp.models.moe.GroupedExperts``).
+EXPERT_TENSOR_DIM = {"fc1_weight": 2, "fc2_weight": 2}
+
+
+def _keep(param: nn.Parameter, dim: int, size: int, rank: int) -> nn.Parameter:
+    shape = list(param.shape)
+    shape[dim] //= size
+    data = (param.new_empty(shape) if param.is_meta
+            else param.detach().narrow(dim, rank * shape[dim], shape[dim]).clone())
+    new = nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int, mesh=None,
+                  tensor_size: int = 1, tensor_rank: int = 0) -> None:
+    """Keep rows ``[rank·E/size, (rank+1)·E/size)`` of every stacked ``[E, ...]`` expert parameter, in place,
+    and with ``tensor_size`` > 1 this rank's 1/tensor_size of each expert's FFN; ``mesh`` is the expert
+    ``DeviceMesh`` the checkpoint shards on (None for one rank)."""
     for module in experts.modules():
         for name, param in list(module._parameters.items()):
             if param is None:
@@ -47,13 +63,18 @@ def slice_experts(experts: nn.Module, num_experts: int, size: int, rank: int, me
             if param.shape[0] != num_experts:
                 raise ValueError(f"expert parameter {name} {tuple(param.shape)} is not stacked over the "
                                  f"{num_experts} experts")
-            new = nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone()
-                               if not param.is_meta else param.new_empty((local, *param.shape[1:])),
-                               requires_grad=param.requires_grad)
-            new.__dict__.update(param.__dict__)
+            new = _keep(param, 0, size, rank)
             new.expert_parallel = True
             new.expert_parallel_size, new.expert_parallel_rank = size, rank
-            new.expert_mesh = mesh  # checkpoints: Shard(0) of the global tensor on this mesh
+            new.expert_shard_dims = (0,)
+            if tensor_size > 1:
+                if name not in EXPERT_TENSOR_DIM:
+                    raise ValueError(f"expert parameter {name}: no expert-tensor-parallel split is known for it")
+                new = _keep(new, EXPERT_TENSOR_DIM[name], tensor_size, tensor_rank)
+                # read by init (the one-process tensor, then this rank's piece) like a TP-split weight
+                new.tensor_model_parallel, new.partition_dim = True, EXPERT_TENSOR_DIM[name]
+                new.expert_shard_dims = (0, EXPERT_TENSOR_DIM[name])
+            new.expert_mesh = mesh  # checkpoints: Shard(0) [and Shard(2)] of the global tensor on this mesh
             module._parameters[name] = new
 
 
@@ -74,8 +95,11 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
     rank = 0 if expert is None else expert.ep_rank
     for layer in moe_layers(model):
         n = num_experts_of(layer)
-        slice_experts(layer.experts, n, size, rank, None if expert is None else expert.ep_mesh)
-        layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group)
+        etp = 1 if expert is None else expert.dims.etp
+        slice_experts(layer.experts, n, size, rank, None if expert is None else expert.expert_mesh,
+                      etp, 0 if expert is None else expert.etp_rank)
+        layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group,
+                                                   None if expert is None else expert.etp_group)
         if expert is not None and expert.sequence_group is not None:  # each rank routes part of a sequence
             split_sequence_load_balancing(layer.router, expert.sequence_group, expert.sequence_scale,
                                           expert.z_loss_scale)

@@ -97,12 +97,12 @@ def expert_layout_errors(*, world_size: int, t: int, c: int, p: int, e: int, etp
                       f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp_}x{e}x{p}: each "
                       f"pipeline stage's {world_size // p if world_size % p == 0 else '?'} ranks must hold "
                       "whole expert groups")
-    if etp_ > 1:
-        why = (f"it does not divide --tensor-model-parallel-size {t}" if t % etp_ else
-               "experts split over tensor ranks are not supported yet")
+    if etp_ > 1 and (etp_ != t or sequence_parallel):
+        why = (f"only 1 or t = {t} fold: the expert-tensor group must be attention's tensor-parallel group"
+               if etp_ != t else "with --sequence-parallel the tensor ranks hold different tokens")
         errors.append(f"--expert-tensor-parallel-size {etp_} cannot fold onto the attention layout ({why}); "
                       "use --expert-tensor-parallel-size 1: e then spans the tensor- and context-parallel ranks")
-    elif t > 1 and not sequence_parallel and tokens_per_rank % t:
+    elif etp_ == 1 and t > 1 and not sequence_parallel and tokens_per_rank % t:
         errors.append(f"--micro-batch-size x --seq-length / c = {tokens_per_rank} tokens are not divisible by "
                       f"--tensor-model-parallel-size {t}: each tensor-parallel rank routes 1/t of them to the "
                       "experts")
@@ -136,8 +136,15 @@ class ExpertParallel:
 
     @property
     def ep_mesh(self) -> DeviceMesh | None:
-        """The 1-D mesh over the expert-parallel group (checkpoints shard expert weights on it)."""
+        """The 1-D mesh over the expert-parallel group."""
         return None if self.mesh is None else self.mesh["ep"]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The mesh checkpoints shard expert weights on: ``ep`` (experts), with etp > 1 ``(ep, etp)``."""
+        if self.mesh is None:
+            return None
+        return self.mesh["ep"] if self.dims.etp == 1 else self.mesh["ep", "etp"]
 
 
 def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bool) -> ExpertParallel:
@@ -152,7 +159,9 @@ def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bo
                 group = dist.new_group(ranks)  # every rank takes part in creating every group
                 if state.rank in ranks:
                     sequence_group = group
-    return ExpertParallel(ExpertDims(dims.world_size, dims.pp, ep, expert_tensor_size(etp, dims.tp)), state.rank,
-                          state.device, token_group=state.tp_group if dims.tp > 1 and not sp else None,
+    etp_ = expert_tensor_size(etp, dims.tp)
+    replicated = dims.tp > 1 and not sp and etp_ == 1  # etp = t: the expert-tensor group shares the tokens
+    return ExpertParallel(ExpertDims(dims.world_size, dims.pp, ep, etp_), state.rank,
+                          state.device, token_group=state.tp_group if replicated else None,
                           sequence_group=sequence_group, sequence_scale=float(dims.cp),
                           z_loss_scale=1.0 / dims.tp if sp else 1.0)

@@ -20,6 +20,11 @@ the splits swapped; all-gather and reduce-scatter are each other's backward). Wh
 over attention's tensor-parallel group (t > 1 without sequence parallelism) each TP rank first keeps its own
 1/t of them (backward: all-gather) and the combined output is all-gathered (backward: keep the slice), so
 every token meets its experts exactly once and expert gradients are not counted t times.
+
+With expert tensor parallelism (``etp = t``, no sequence parallelism: the expert-tensor group *is* the
+tensor-parallel group, whose ranks hold the same tokens) each rank's experts hold a 1/t slice of the expert
+FFN: the tokens and probabilities enter through Megatron's ``f`` (their gradients, partial per slice, are
+summed over the group) and the combined output leaves through ``g`` (the partial products summed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ import torch
 import torch.distributed as dist
 
 from ..observability import flight_recorder
-from ..tensor_parallel.mappings import all_gather, group_rank, group_size, reduce_scatter, split
+from ..tensor_parallel.mappings import (
+    all_gather,
+    copy_to_tensor_model_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter,
+    split,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -136,21 +149,26 @@ class _Context:
 class _Dispatcher:
     """The tensor-parallel slicing and the weighted sum shared by both dispatchers."""
 
-    def __init__(self, num_experts: int, ep_group, token_group=None):
+    def __init__(self, num_experts: int, ep_group, token_group=None, etp_group=None):
         self.num_experts = num_experts
-        self.ep_group, self.token_group = ep_group, token_group
+        self.ep_group, self.token_group, self.etp_group = ep_group, token_group, etp_group
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         if num_experts % self.ep_size:
             raise ValueError(f"{num_experts} experts do not split over {self.ep_size} expert-parallel ranks")
         self.local_experts = num_experts // self.ep_size
 
     def _slice(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        if group_size(self.etp_group) > 1:  # expert tensor parallelism: Megatron's f on the tokens and weights
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.etp_group)
+            probs = copy_to_tensor_model_parallel_region(probs, self.etp_group)
         if group_size(self.token_group) == 1:
             return hidden, probs, indices
         return (_SliceReplicated.apply(hidden, self.token_group), _SliceReplicated.apply(probs, self.token_group),
                 split(indices, self.token_group, dim=0))
 
     def _unslice(self, out: torch.Tensor) -> torch.Tensor:
+        if group_size(self.etp_group) > 1:  # each expert-tensor rank summed its f-slice's partial outputs: g
+            out = reduce_from_tensor_model_parallel_region(out, self.etp_group)
         return out if group_size(self.token_group) == 1 else _GatherReplicated.apply(out, self.token_group)
 
     @staticmethod
