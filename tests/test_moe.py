@@ -187,13 +187,18 @@ def test_training_run_reports_moe_metrics(tmp_path):
     proc = run_ptdp(["train", *TINY, "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
                      "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-grouped-gemm",
                      "--moe-layer-freq", "[1,0,1,1]", "--moe-expert-capacity-factor", "1.0",
-                     "--recompute-granularity", "full", "--metrics-file", str(metrics)])
+                     "--recompute-granularity", "full", "--metrics-file", str(metrics), "--save", str(tmp_path / "ck")])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"] + 0.1
     for r in records:
         assert r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_max_load_ratio"] >= 1.0
         assert r["moe_dropped_tokens"] >= 0
     assert "max expert load/mean:" in proc.stdout and "dropped tokens:" in proc.stdout
+    # the checkpoint holds 4 experts per layer: loading it with 2 is one line, no traceback
+    other = run_ptdp(["train", *TINY, "--swiglu", "--num-experts", "2", "--moe-layer-freq", "[1,0,1,1]",
+                      "--train-iters", "4", "--load", str(tmp_path / "ck")], check=False)
+    assert other.returncode != 0 and "Traceback" not in other.stderr
+    assert "mlp.router.weight is (4, 32) there, (2, 32) here" in other.stderr.strip().splitlines()[-1]
 
 
 def test_flops_and_parameters_count_active_experts():

@@ -1,6 +1,7 @@
 """A mixture-of-experts model (aux loss and z-loss on, dropless) trains identically in the layouts that
 need no expert parallelism: data parallelism, pipeline 1F1B, the zero-bubble V schedule (its W pass
-computes the experts' and the router's weight gradients), full recomputation -- losses, gradient norms,
+computes the experts' and the router's weight gradients), full recomputation, tensor parallelism of the
+attention (the MoE layer replicated over t without sequence parallelism) -- losses, gradient norms,
 the MoE metrics per iteration and the final weights, against one process. Expert parallelism's layouts
 are tested with it (tests/test_expert_parallel.py)."""
 
@@ -19,6 +20,7 @@ LAYOUTS = {
     "p2_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
     "p2_zbv": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
     "recompute": (1, ["--recompute-granularity", "full"]),
+    "t2": (2, ["--tensor-model-parallel-size", "2"]),  # attention split, the MoE layer replicated
 }
 
 

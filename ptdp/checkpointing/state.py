@@ -184,7 +184,8 @@ def load_checkpoint(trainer, path: str | Path) -> int:
                              trainer.state.dims.tp)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
-    saved_keys = set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved_keys = set(metadata)
     mesh = _tp_mesh(trainer)
     request: dict[str, torch.Tensor] = {}
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
@@ -212,6 +213,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     if missing:
         raise storage.CheckpointError(f"--load {directory}: the checkpoint has no {missing[0]} "
                                       f"({len(missing)} entries missing); it was saved by another model")
+    resized = [k for k in request if tuple(getattr(metadata[k], "size", request[k].shape)) != tuple(request[k].shape)]
+    if resized:  # e.g. another --num-experts: same names, other shapes
+        raise storage.CheckpointError(
+            f"--load {directory}: {resized[0]} is {tuple(metadata[resized[0]].size)} there, "
+            f"{tuple(request[resized[0]].shape)} here ({len(resized)} tensors differ); it was saved by another "
+            "model: pass its shape flags (--num-experts, --moe-ffn-hidden-size, ...)")
     _dcp_load(request, directory)
     with torch.no_grad():
         for key, live in targets:

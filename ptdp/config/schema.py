@@ -135,7 +135,7 @@ class MoEConfig:
         "dropped (default: dropless)")
     moe_pad_expert_input_to_capacity: bool = opt(
         False, "pad every expert's input to its capacity (needs --moe-expert-capacity-factor)")
-    moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach experts on other ranks (expert "
+    moe_token_dispatcher_type: str = opt("allgather", "how tokens reach experts on other ranks (expert "
                                          "parallelism): alltoall or allgather", choices=["alltoall", "allgather"])
     moe_grouped_gemm: bool = opt(False, "one grouped GEMM over the local experts (torch._grouped_mm) instead "
                                  "of a loop over experts")

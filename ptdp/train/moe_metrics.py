@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.moe import moe_layer_pattern, pop_moe_stats, set_aux_loss_scale
+from ..observability import flight_recorder
 from ..tensor_parallel.mappings import group_size
 from .state import TrainState
 
@@ -39,8 +40,9 @@ def gather_moe_stats(trainer: TrainState) -> torch.Tensor | None:
         out[row, 1] = stats.get(_LOSSES[1], 0.0)
         out[row, 2] = stats["dropped"]
         out[row, 3:] = stats["load"]
-    for group in (state.pp_group, state.dp_cp_group):
+    for group in (state.pp_group, state.dp_cp_group):  # every rank, in this order, right after the loss's
         if group_size(group) > 1:
+            flight_recorder.record("all_reduce", group=group, tensor=out, action="moe_stats")
             dist.all_reduce(out, group=group)
     return out
 
