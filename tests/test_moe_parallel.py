@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts
 
-MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+# alltoall everywhere but "e4-allgather" (a later flag wins), so the two dispatchers are compared
+MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",
+       "0.001", "--moe-token-dispatcher-type", "alltoall"]
 SHARED = ["--moe-shared-expert-intermediate-size", "24"]
 E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 P2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule"]
