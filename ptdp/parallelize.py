@@ -1,7 +1,8 @@
 """This rank's model chunks: a plain model, transformed by each parallelism in turn (torchtitan's shape).
 
     build on the meta device  →  split into pipeline chunks  →  tensor (+ sequence) parallel
-    →  context parallel  →  recompute  →  materialise on the device with one process's values
+    →  context parallel  →  recompute  →  expert parallel (MoE models)
+    →  materialise on the device with one process's values
     →  cast to the parameter dtype  →  FP8 GEMMs (``--fp8-format``)  →  compile (``--compile`` on a GPU)
 
 Each step is one function in its own module and transforms the modules in place; none edits the model
