@@ -187,13 +187,20 @@ def test_training_run_reports_moe_metrics(tmp_path):
     proc = run_ptdp(["train", *TINY, "--swiglu", "--num-experts", "4", "--moe-router-topk", "2",
                      "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-grouped-gemm",
                      "--moe-layer-freq", "[1,0,1,1]", "--moe-expert-capacity-factor", "1.0",
-                     "--recompute-granularity", "full", "--metrics-file", str(metrics), "--save", str(tmp_path / "ck")])
+                     "--recompute-granularity", "full", "--metrics-file", str(metrics), "--save", str(tmp_path / "ck"),
+                     "--tensorboard-dir", str(tmp_path / "tb")])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"] + 0.1
     for r in records:
         assert r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_max_load_ratio"] >= 1.0
         assert r["moe_dropped_tokens"] >= 0
     assert "max expert load/mean:" in proc.stdout and "dropped tokens:" in proc.stdout
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for tag, key in (("moe/aux_loss", "moe_aux_loss"), ("moe/max_load_over_mean", "moe_max_load_ratio"),
+                     ("moe/dropped_tokens", "moe_dropped_tokens"), ("moe/z_loss", "moe_z_loss")):
+        assert [s.value for s in events.Scalars(tag)] == pytest.approx([r[key] for r in records], rel=1e-6)
     # the checkpoint holds 4 experts per layer: loading it with 2 is one line, no traceback
     other = run_ptdp(["train", *TINY, "--swiglu", "--num-experts", "2", "--moe-layer-freq", "[1,0,1,1]",
                       "--train-iters", "4", "--load", str(tmp_path / "ck")], check=False)
@@ -218,3 +225,26 @@ def test_flops_and_parameters_count_active_experts():
     dense_k = flops.flops_per_iteration(4, 64, 32, 100, 8, False, 2 * 96, swiglu=True)
     router = 2 * 3 * (2 * 8 * 32 * 64 * 8)  # MoE layers x passes x 2·tokens·h·E
     assert moe - dense == (dense_k - dense) // 2 + router
+
+
+def test_planner_sees_the_experts():
+    from ptdp.planner.spec import MODEL_PRESETS
+
+    mixtral = MODEL_PRESETS["mixtral-8x7b"]
+    assert mixtral.active_ffn == 2 * 14336 and mixtral.parameter_ffn == 8 * 14336
+    assert MODEL_PRESETS["llama3-8b"].active_ffn == MODEL_PRESETS["llama3-8b"].ffn
+
+
+def test_grouped_linear_with_an_expert_without_tokens():
+    from ptdp.ops.grouped import grouped_linear
+
+    counts = torch.tensor([3, 0, 5])
+    results = []
+    for grouped in (False, True):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        grouped_linear(x, w, counts, grouped).square().sum().backward()
+        results.append((x.grad, w.grad))
+    assert torch.equal(results[1][1][1], torch.zeros(8, 16))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b)

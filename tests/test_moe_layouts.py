@@ -1,5 +1,5 @@
 """A mixture-of-experts model (aux loss and z-loss on, dropless) trains identically in the layouts that
-need no expert parallelism: data parallelism, pipeline 1F1B, the zero-bubble V schedule (its W pass
+need no expert parallelism: data parallelism (with ZeRO-1), pipeline 1F1B, the zero-bubble V schedule (its W pass
 computes the experts' and the router's weight gradients), full recomputation, tensor parallelism of the
 attention (the MoE layer replicated over t without sequence parallelism) -- losses, gradient norms,
 the MoE metrics per iteration and the final weights, against one process. Expert parallelism's layouts
@@ -17,6 +17,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 LAYOUTS = {
     "one": (1, []),
     "d2": (2, []),
+    "d2_distopt": (2, ["--use-distributed-optimizer"]),
     "p2_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
     "p2_zbv": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
     "recompute": (1, ["--recompute-granularity", "full"]),

@@ -1,12 +1,15 @@
-"""``--moe-layer-freq`` parsing and the mixture-of-experts checks of ``ptdp.config.validate`` (``--num-experts`` and the ``--moe-*`` flags),
-pure: one actionable line per problem. The expert-parallel sizes are checked with the parallel layout."""
+"""``--moe-layer-freq`` parsing and the mixture-of-experts checks of ``ptdp.config.validate`` (``--num-experts``
+and the ``--moe-*`` flags), pure: one actionable line per problem. The expert-parallel sizes are checked with
+the parallel layout."""
 
 from __future__ import annotations
 
 import ast
 import re
+from typing import TYPE_CHECKING
 
-from .schema import Config
+if TYPE_CHECKING:  # no runtime import: the models import moe_layer_pattern from here
+    from .schema import Config
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:

@@ -75,7 +75,9 @@ def _input_grad(g: Tensor, w: Tensor, counts: Tensor, grouped: bool) -> Tensor:
 def _weight_grad(g: Tensor, x: Tensor, w: Tensor, counts: Tensor, grouped: bool) -> Tensor:
     """``dW_e = g_eᵀ x_e`` for every local expert (zeros for an expert without tokens)."""
     if _use_grouped(x, w, grouped):
-        return torch._grouped_mm(g.t(), x, offs=_offsets(counts, x.device))
+        dw = torch._grouped_mm(g.t(), x, offs=_offsets(counts, x.device))
+        # an expert without tokens has a zero gradient, whatever a kernel leaves in its block
+        return dw.masked_fill_((counts.to(dw.device) == 0).view(-1, 1, 1), 0.0)
     sizes = _host_counts(counts)
     return torch.stack([ge.t() @ xe for ge, xe in zip(g.split(sizes), x.split(sizes), strict=True)])
 

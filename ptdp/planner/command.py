@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -85,7 +86,12 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     groups = cfg.num_query_groups if cfg.group_query_attention else None
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
-    return GPTSpec.from_model_config(cfg)
+    from ptdp.config import MoEConfig
+    from ptdp.flops import moe_shape
+    from ptdp.presets import MOE_PRESETS
+
+    moe = moe_shape(cfg, MoEConfig(**MOE_PRESETS[args.model])) if args.model in MOE_PRESETS else None
+    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe)  # a preset's experts
 
 
 def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec]:
@@ -186,12 +192,16 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     from ptdp.flops import model_parameter_count
 
     params = model_parameter_count(model)
+    if model.moe is not None:  # a mixture of experts: also what a token goes through
+        moe_note = f" ({model_parameter_count(model, active=True) / 1e9:.1f}B active, E={model.moe.num_experts} k={model.moe.topk})"
+    else:
+        moe_note = ""
     llama = ""
     if model.swiglu or model.num_query_groups or model.untie_embeddings_and_output_weights:
         llama = (f" G={model.query_groups} ffn={model.ffn}{' SwiGLU' if model.swiglu else ''}"
                  f"{' untied' if model.untie_embeddings_and_output_weights else ''}")
     lines = [
-        f"model: {params / 1e9:.1f}B parameters, l={model.num_layers} h={model.hidden_size} "
+        f"model: {params / 1e9:.1f}B parameters{moe_note}, l={model.num_layers} h={model.hidden_size} "
         f"a={model.num_attention_heads}{llama} s={model.seq_length} V={model.vocab_size}, "
         f"global batch {train.global_batch_size}",
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "

@@ -38,7 +38,7 @@ def layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     Replicated: the row-parallel biases (2h, none with ``disable_bias_linear``) and the two norms (4h
     LayerNorm, 2h RMSNorm).
     """
-    h, f = model.hidden_size, model.ffn
+    h, f = model.hidden_size, model.parameter_ffn
     replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
                                   **architecture(model))
@@ -84,7 +84,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     if stashed and cfg.recompute_granularity == "full":
         return 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h
-    split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.ffn)
+    split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.active_ffn)
     attention_core = 5 * a * s * (s * c) * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 

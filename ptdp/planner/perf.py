@@ -96,7 +96,7 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
     """(GEMM seconds excluding the attention core, attention-core seconds, elementwise seconds) per layer."""
     peak, hbm = cluster.gpu.peak_flops, cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
     t, b = cfg.tensor_model_parallel_size, cfg.micro_batch_size
-    h, f, s, a = model.hidden_size, model.ffn, model.seq_length, model.num_attention_heads
+    h, f, s, a = model.hidden_size, model.active_ffn, model.seq_length, model.num_attention_heads
     q, k = model.q_width, model.kv_width  # h and h for GPT-2; GQA shrinks K and V to G·d each
     gate = 2 if model.swiglu else 1  # SwiGLU's fused gate + up GEMM is twice as wide
     c = cfg.context_parallel_size  # a CP rank: s/c queries against all s keys

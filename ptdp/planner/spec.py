@@ -47,6 +47,25 @@ class GPTSpec:
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
 
+    def _moe_ffn(self, experts_per_token: bool) -> float:
+        """The MLP width of the mean layer: a MoE layer's experts (k of them, or all E) plus its shared expert."""
+        if self.moe is None:
+            return self.ffn
+        m = self.moe
+        sparse = (m.topk if experts_per_token else m.num_experts) * m.ffn + m.shared_ffn
+        return ((self.num_layers - m.moe_layers) * self.ffn + m.moe_layers * sparse) / self.num_layers
+
+    @property
+    def active_ffn(self) -> float:
+        """MLP width a token goes through, per layer on average (= ffn for a dense model): time, activations."""
+        return self._moe_ffn(True)
+
+    @property
+    def parameter_ffn(self) -> float:
+        """MLP width holding the parameters, per layer on average (all experts): weights, grads, optimizer.
+        Experts replicated over t here (each rank counts 1/t: the expert-parallel layout refines it)."""
+        return self._moe_ffn(False)
+
     @property
     def group_query_attention(self) -> bool:
         return self.num_query_groups is not None
