@@ -11,8 +11,9 @@ Parts (each prints its numbers and ratios against a baseline measured in the sam
 - ``model``: one process. Training tokens/s (forward + backward) of a Llama-style MoE model against a dense
   model with the SAME ACTIVE parameters (dense ffn = k · expert ffn; the router's E·h is extra) --
   ``moe_over_dense`` is what routing, permutation and the smaller GEMMs cost.
-- ``dispatch``: expert parallelism, CPU processes: alltoall against allgather dispatch. Added with expert
-  parallelism (``ptdp.parallel.expert``): register it in ``PARTS``.
+- ``dispatch``: expert parallelism over ``--ep`` CPU processes (gloo): a MoE layer's forward + backward
+  with the alltoall dispatcher against the allgather one (``ptdp.parallel.expert_dispatch``), T/e tokens
+  per rank. Reports ``allgather_over_alltoall`` (> 1: all-to-all is faster).
 
 Median of ``--repeats`` timed iterations after ``--warmup``.
 """
@@ -111,7 +112,66 @@ def bench_model(args: argparse.Namespace) -> dict:
     return out
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {"experts": bench_experts, "model": bench_model}
+def _dispatch_rank(rank: int, world: int, store: str, args: argparse.Namespace, queue) -> None:
+    """One expert-parallel rank: a MoE layer's forward + backward with each dispatcher, in turn."""
+    import torch.distributed as dist
+
+    from ptdp.models.moe import MoELayer
+    from ptdp.parallel.expert import apply_expert_parallel
+    from ptdp.parallel.expert_dims import ExpertDims, ExpertParallel
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    expert = ExpertParallel(ExpertDims(world, 1, world, 1), rank, torch.device("cpu"))
+    cfg = ModelConfig(hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.expert_ffn, swiglu=True)
+    torch.manual_seed(rank)
+    x = torch.randn(1, args.tokens // world, args.hidden, requires_grad=True)  # this rank's tokens
+    out = {}
+    for kind in ("alltoall", "allgather"):
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, MoEConfig(num_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=True))
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        apply_expert_parallel(layer, expert, kind)
+
+        def step(layer: MoELayer = layer) -> None:
+            layer(x).sum().backward()
+
+        dist.barrier()
+        out[f"{kind}_s"] = median_seconds(step, torch.device("cpu"), args.warmup, args.repeats)
+    times = [None] * world
+    dist.all_gather_object(times, out)
+    if rank == 0:
+        queue.put({k: max(t[k] for t in times) for k in out})  # the slowest rank sets the step time
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_dispatch(args: argparse.Namespace) -> dict:
+    """Expert parallelism over ``--ep`` CPU processes (gloo): a MoE layer's forward + backward with the
+    alltoall dispatcher (the baseline) against the allgather one, same tokens and weights, each the slowest
+    rank's median."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    procs = [ctx.Process(target=_dispatch_rank, args=(r, args.ep, store, args, queue)) for r in range(args.ep)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=600)
+    for proc in procs:
+        proc.join()
+    out = {"ep": args.ep, "experts": args.experts, "topk": args.topk, "tokens": args.tokens, **result}
+    out["allgather_over_alltoall"] = out["allgather_s"] / out["alltoall_s"]
+    return out
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {"experts": bench_experts, "model": bench_model,
+                                                          "dispatch": bench_dispatch}
 
 
 def main() -> None:
@@ -129,6 +189,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=4, help="dispatch: expert-parallel CPU processes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

@@ -1,7 +1,8 @@
 """This rank's model chunks: a plain model, transformed by each parallelism in turn (torchtitan's shape).
 
     build on the meta device  →  split into pipeline chunks  →  tensor (+ sequence) parallel
-    →  context parallel  →  recompute  →  materialise on the device with one process's values
+    →  context parallel  →  recompute  →  expert parallel (MoE models)
+    →  materialise on the device with one process's values
     →  cast to the parameter dtype  →  FP8 GEMMs (``--fp8-format``)  →  compile (``--compile`` on a GPU)
 
 Each step is one function in its own module and transforms the modules in place; none edits the model
@@ -19,6 +20,7 @@ from .ops.fused import compile_layers, fused_ops
 from .optim import params_dtype
 from .parallel import ParallelState
 from .parallel.context import apply_context_parallel
+from .parallel.expert import apply_expert_parallel
 from .parallel.init import init_parameters, mark_no_weight_decay, materialize
 from .parallel.tensor import apply_tensor_parallel
 from .pipeline.layout import stages_of
@@ -61,6 +63,9 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     for chunk in chunks:
         parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
                     cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
+        if config.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
+            apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type,
+                                  par.sequence_parallel and state.dims.tp > 1)
         materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
                         m.num_layers, logical_name)

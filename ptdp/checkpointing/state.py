@@ -57,6 +57,8 @@ def _layout(trainer) -> dict:
               "pipeline_schedule": par.schedule}
     if dims.cp > 1:
         layout["context_parallel_size"] = dims.cp
+    if par.expert_model_parallel_size > 1:
+        layout["expert_model_parallel_size"] = par.expert_model_parallel_size
     return layout
 
 
@@ -68,7 +70,12 @@ def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
-    """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor."""
+    """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor; a
+    stacked expert parameter ``[E/e, ...]`` is the e-way ``Shard(0)`` of the global ``[E, ...]`` one (and
+    ``Shard(2)`` over the expert-tensor ranks)."""
+    experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert
+    if experts is not None and experts.size() > 1:
+        return DTensor.from_local(tensor, experts, [Shard(d) for d in param.expert_shard_dims], run_check=False)
     if mesh is None or mesh.size() == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor
     return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)

@@ -179,6 +179,12 @@ class ParallelConfig:
                                       "cross-entropy by vocabulary over all p pipeline ranks (Yeung et al.)")
     disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two all-reduce barriers per microbatch "
                                   "instead of one")
+    expert_model_parallel_size: int = opt(1, "expert-parallel size e: the experts of each MoE layer split over e "
+                                          "ranks, which may fold over the tensor- and context-parallel ranks "
+                                          "(MoE Parallel Folding; docs/expert-parallel.md)")
+    expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
+                                                  "default, as Megatron-Core) or 1, which lets e span the "
+                                                  "tensor-parallel ranks")
 
     @property
     def virtual_size(self) -> int:

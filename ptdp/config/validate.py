@@ -131,6 +131,13 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from .validate_moe import moe_errors  # issue 25
 
     errors += moe_errors(config)
+    if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
+        from ..parallel.expert_dims import expert_layout_errors
+
+        errors += expert_layout_errors(
+            world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
+            etp=par.expert_tensor_parallel_size, num_experts=config.moe.num_experts,
+            sequence_parallel=par.sequence_parallel, tokens_per_rank=tr.micro_batch_size * m.seq_length // c)
     from ..fp8 import fp8_errors  # issue 26: FP8 needs torchao, --bf16 and an FP8 GPU
 
     errors += fp8_errors(config)

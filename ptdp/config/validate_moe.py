@@ -59,11 +59,8 @@ def moe_errors(config: Config) -> list[str]:
                       "has no capacity to pad to)")
     if moe.moe_aux_loss_coeff < 0 or (moe.moe_z_loss_coeff or 0.0) < 0:
         errors.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-    if config.parallel.sequence_parallel and config.parallel.tensor_model_parallel_size > 1:
-        # each TP rank routes s/t tokens: router and expert grads and the aux losses need the TP group's
-        # reductions, which expert parallelism's layout (ptdp.parallel.expert) provides
-        errors.append("--sequence-parallel with --num-experts needs expert parallelism's MoE layout; drop "
-                      "--sequence-parallel")
+    # --sequence-parallel: each TP rank routes its s/t tokens; ptdp.parallel.expert supplies the reductions
+    # (router grads summed over TP, the load-balancing loss over whole sequences: expert_aux.py).
     if m.num_layers > 0:
         try:
             moe_layer_pattern(moe.moe_layer_freq, m.num_layers)

@@ -18,6 +18,9 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
     Replicated across TP (LayerNorm, row-parallel biases): only TP rank 0 counts it. The last stage's
     copy of the tied embedding is never counted: the first stage's is.
     """
+    owner = getattr(param, "grad_norm_owner", None)  # set when the norm is summed over the world (MoE)
+    if owner is not None:
+        return owner
     if getattr(param, "is_embedding_copy", False):
         return False
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0

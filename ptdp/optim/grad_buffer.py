@@ -69,10 +69,13 @@ class GradBuckets:
     def __init__(self, params: Iterable[nn.Parameter], dp_group, bucket_bytes: int, *,
                  grad_dtype: torch.dtype | None = None, distributed_optimizer: bool = False,
                  param_buffer: bool = False, overlap_grad_reduce: bool = False,
-                 separate: Iterable[nn.Parameter] = ()):
+                 separate: Iterable[nn.Parameter] = (), average_over: int | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
+        # The sum is divided by this (the data replicas of the loss): d·c for expert grads reduced over the
+        # expert-DP group, which holds fewer ranks (ptdp.optim.expert_grads); the group's size otherwise.
+        self.divisor = self.dp_size if average_over is None else average_over
         self.distributed_optimizer = distributed_optimizer
         self.shard_count = self.dp_size if distributed_optimizer else 1
         self.shard_index = group_rank(dp_group) if distributed_optimizer else 0
@@ -159,9 +162,14 @@ class GradBuckets:
 
     def _launch(self, bucket: Bucket) -> None:
         """Average over DP (the loss is a mean over the global batch) with one async collective."""
-        if self.dp_size == 1 or bucket.handle is not None or bucket.synced:
+        if bucket.handle is not None or bucket.synced:
             return
-        bucket.grad_data.div_(self.dp_size)
+        if self.dp_size == 1:
+            if self.divisor != 1:  # nothing to reduce, still the average
+                bucket.grad_data.div_(self.divisor)
+                bucket.synced = True
+            return
+        bucket.grad_data.div_(self.divisor)
         if self.distributed_optimizer and bucket.grad_data.device.type != "cpu":
             bucket.handle = reduce_scatter_single(bucket.shard, bucket.grad_data, group=self.dp_group,
                                                   async_op=True)

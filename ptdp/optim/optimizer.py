@@ -263,9 +263,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     for k in ADAM_KEYS:
                         if state:
                             full[k][x.start:x.end] = state[k]
-            if self.grads.shard_count > 1:
+            # An expert bucket is sharded over its own group (ptdp.optim.expert_grads).
+            group = getattr(bucket, "group", self.grads.dp_group)
+            if getattr(bucket, "shard_count", self.grads.shard_count) > 1:
                 handles = [all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
-                                                  group=self.grads.dp_group, async_op=True) for t in full.values()]
+                                                  group=group, async_op=True) for t in full.values()]
                 for handle in handles:
                     handle.wait()
             for param, offset in zip(bucket.params, bucket.offsets, strict=True):

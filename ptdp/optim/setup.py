@@ -45,13 +45,22 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel/dims.py); it is the
     # plain DP group when c = 1.
     dp_group = state.dp_cp_group
-    grads = GradBuckets(params, dp_group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
-                        distributed_optimizer=distributed, param_buffer=main_params,
-                        overlap_grad_reduce=tr.overlap_grad_reduce, separate=shared_embedding)
+
+    def make(ps, group, average_over=None, separate=()):
+        return GradBuckets(ps, group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
+                           distributed_optimizer=distributed, param_buffer=main_params,
+                           overlap_grad_reduce=tr.overlap_grad_reduce, separate=separate, average_over=average_over)
+
+    if getattr(state, "expert", None) is not None:  # issue 25: expert grads over the expert-DP group
+        from .expert_grads import expert_grad_buckets
+
+        grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed)
+    else:
+        grads = make(params, dp_group, separate=shared_embedding)
+        # Sharded: every DP rank holds different elements, so the norm is summed over the whole world.
+        sharded = distributed and state.dims.dp * state.dims.cp > 1
+        norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
     if not main_params:
-        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
-    # Sharded: every DP rank holds different elements, so the norm is summed over the whole world.
-    sharded = distributed and state.dims.dp * state.dims.cp > 1
-    norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
+        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups)
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
                                        grad_scaler(config.precision))

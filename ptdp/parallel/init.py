@@ -56,11 +56,15 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std
         parallel = getattr(param, "tensor_model_parallel", False)
         if parallel:
             full_shape[param.partition_dim] *= tp_size
+        experts = getattr(param, "expert_parallel_size", 1)  # ptdp.parallel.expert: this rank's experts
+        full_shape[0] *= experts
         # Drawn on the CPU whatever the device: CPU and CUDA generators give different numbers, and the
         # model must be the same on every device (a CUDA run reproduces a CPU run; checkpoints move).
         generator = torch.Generator()
         generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
         full = torch.empty(full_shape, device="cpu")
         full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
+        if experts > 1:
+            full = full.chunk(experts, 0)[param.expert_parallel_rank]
         param.copy_(full.chunk(tp_size, param.partition_dim)[tp_rank] if parallel else full)
         del full

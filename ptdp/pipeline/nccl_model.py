@@ -176,7 +176,8 @@ class _Rank:
 
 def _describe(op: dict) -> str:
     kind, mb, stage = op["msg"]
-    what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}"
+    what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}" if kind in ("F", "B") \
+        else f"{kind} of microbatch {mb} at stage {stage}"  # an expert-parallel collective (nccl_experts)
     return f"{op['op']} {what} {'to' if op['op'] == 'send' else 'from'} rank {op['peer']}"
 
 
@@ -315,14 +316,14 @@ def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
                 waited.add(event["wait"])
             else:
                 op, mb, chunk = event["compute"]
-                s = virtual_stage(r, chunk, p, placement)
+                s = virtual_stage(r % p, chunk, p, placement)  # r % p: several pipelines (nccl_experts)
                 if op == "F" and s > 0:
                     needed = ("F", mb, s - 1)
                 elif op in ("B", "I") and s < last:
                     needed = ("B", mb, s + 1)
                 else:
                     continue
-                if stage_location(needed[2], p, placement)[0] != r and where.get(needed) not in waited:
+                if stage_location(needed[2], p, placement)[0] != r % p and where.get(needed) not in waited:
                     problems.append(f"race: rank {r} computes {op}{mb} on chunk {chunk} before waiting for "
                                     f"its input {list(needed)}")
     return problems

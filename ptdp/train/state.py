@@ -20,6 +20,7 @@ from ..models import GPTModel
 from ..observability.timeline import Timeline
 from ..optim import GradBuckets, MegatronOptimizer, params_dtype, setup_optimizer
 from ..parallel import ParallelDims, ParallelState, init_distributed
+from ..parallel.expert_dims import build_expert_parallel
 from ..parallelize import build_model_chunks, local_seq_length
 from ..phases import phase
 from ..pipeline.p2p import P2PComm, direction_groups
@@ -61,6 +62,9 @@ def setup(config: Config) -> TrainState:
     dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         par.context_parallel_size)
     state = ParallelState(dims, rank, device, schedule_placement(par.schedule))
+    if config.moe.num_experts:  # issue 25: the MoE layers' own etp x e x edp layout over the same ranks
+        state.expert = build_expert_parallel(state, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
+                                             par.sequence_parallel)
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
     data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size

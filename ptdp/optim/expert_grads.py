@@ -1,0 +1,92 @@
+"""Gradient buffers of a MoE model: expert parameters reduce over the expert-data-parallel group.
+
+An expert's weights live on the edp ranks of its expert-data-parallel group (``ptdp.parallel.expert_dims``),
+not on attention's d·c data replicas, and each copy's gradient already sums the tokens its e expert-parallel
+peers sent it (the dispatcher's backward). Summed over the edp group the gradient therefore covers every
+token of the pipeline stage once, i.e. the d·c replicas' losses: it is divided by d·c, like the dense
+gradients averaged over the dp-cp group. So the expert parameters get their own :class:`GradBuckets` (over
+edp, divided by d·c; with the distributed optimizer sharded over edp) and :class:`ExpertGradBuckets` runs
+both as one.
+
+The gradient norm is then summed over the whole world, each element counted on exactly one rank
+(``param.grad_norm_owner``, read by ``clip_grads.counts_in_grad_norm``): a dense element on data-parallel
+rank 0 (unless the distributed optimizer shards it: each shard then counts) by the tensor-parallel rule, an
+expert element on expert-data-parallel rank 0 (or its shard's owner): expert-parallel ranks hold different
+experts, so each is counted once across e.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from .clip_grads import counts_in_grad_norm
+from .grad_buffer import Bucket, GradBuckets
+
+
+class ExpertGradBuckets:
+    """The dense and the expert :class:`GradBuckets` behind the one interface the trainer and the
+    optimizer use (``buckets`` lists both; an expert bucket carries its own ``group`` and ``shard_count``)."""
+
+    def __init__(self, dense: GradBuckets, expert: GradBuckets):
+        self.dense, self.expert = dense, expert
+        for bucket in expert.buckets:
+            bucket.group, bucket.shard_count = expert.dp_group, expert.shard_count
+        self.dp_group, self.dp_size, self.shard_count = dense.dp_group, dense.dp_size, dense.shard_count
+        self.distributed_optimizer = dense.distributed_optimizer
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.dense.buckets + self.expert.buckets
+
+    @property
+    def buffers(self):
+        return self.dense.buffers + self.expert.buffers
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.dense.params + self.expert.params
+
+    def start_iteration(self, num_microbatches: int) -> None:
+        self.dense.start_iteration(num_microbatches)
+        self.expert.start_iteration(num_microbatches)
+
+    def zero(self) -> None:
+        self.dense.zero()
+        self.expert.zero()
+
+    def finish_grad_sync(self) -> None:
+        self.dense.finish_grad_sync()
+        self.expert.finish_grad_sync()
+
+    all_reduce = finish_grad_sync
+
+    def all_gather_params(self) -> None:
+        self.dense.all_gather_params()
+        self.expert.all_gather_params()
+
+    def launched(self) -> list[bool]:
+        return self.dense.launched() + self.expert.launched()
+
+
+def expert_grad_buckets(params: list[nn.Parameter], state, make: Callable[..., GradBuckets],
+                        shared_embedding: list[nn.Parameter], distributed: bool) -> tuple[ExpertGradBuckets, list]:
+    """The buckets of a MoE model and the norm's groups (the world). ``make(params, group, average_over=,
+    separate=)`` builds one :class:`GradBuckets` with the run's settings; ``state`` is the ``ParallelState``."""
+    expert = state.expert
+    is_expert = [getattr(p, "expert_parallel", False) for p in params]
+    dense_params = [p for p, e in zip(params, is_expert, strict=True) if not e]
+    expert_params = [p for p, e in zip(params, is_expert, strict=True) if e]
+    replicas = state.dims.dp * state.dims.cp
+    dense = make(dense_params, state.dp_cp_group, separate=shared_embedding)
+    experts = make(expert_params, expert.edp_group, average_over=replicas)
+    dense_sharded = distributed and replicas > 1
+    expert_sharded = distributed and expert.dims.edp > 1
+    for p in dense_params:
+        p.grad_norm_owner = counts_in_grad_norm(p, state.tp_rank) and (
+            dense_sharded or (state.dp_rank == 0 and state.cp_rank == 0))
+    for p in expert_params:
+        p.grad_norm_owner = expert_sharded or expert.edp_rank == 0
+    return ExpertGradBuckets(dense, experts), [dist.group.WORLD if state.dims.world_size > 1 else None]

@@ -1,0 +1,120 @@
+"""The NCCL model check with expert parallelism: the MoE layers' collectives inside the pipeline schedules.
+
+A MoE layer exchanges tokens over its expert-parallel group *inside* a forward or backward compute, on a
+communicator of its own ("ep"), and the compute stream waits for each exchange (the dispatch's rows are
+needed right away). The group holds ranks of the *same pipeline stage* in other pipelines (folding puts e
+over the t, c and d ranks of one stage, ``ptdp.parallel.expert_dims``), which run the same action list. A
+collective completes only once every member reached it, so it couples pipelines that otherwise only
+communicate after the backward; this module checks that no schedule turns that coupling into a deadlock.
+
+The trace is ``nccl_model``'s, over ``n`` copies of the pipeline (global rank ``pipe·p + r``). A collective
+over group G is one issue on the "ep" communicator that sends to and receives from every other member,
+followed by a compute-stream wait: under the model's rules such an issue completes exactly when every
+member has started its matching issue (FIFO per pair), which is a collective's semantics. Per MoE layer:
+
+* forward: the dispatch (alltoall: the counts, then the tokens; allgather: tokens, probabilities, choices)
+  and the combine (alltoall: tokens; allgather: a reduce-scatter);
+* backward (B, or the input half I of a zero-bubble schedule): the combine's and the dispatch's transposes,
+  in reverse order, preceded by the forward's collectives when the layer is recomputed;
+* the weight half W: none (expert weight gradients are local GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .executor import run_schedule
+from .nccl_model import RecordingComm, _TraceStage
+from .schedules import Action, build_schedule, schedule_placement, virtual_stage
+
+FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],
+           "allgather": ["gather-tokens", "gather-probs", "gather-choices", "combine-reduce-scatter"]}
+BACKWARD = {"alltoall": ["combine-tokens-grad", "dispatch-tokens-grad"],
+            "allgather": ["combine-reduce-scatter-grad", "gather-probs-grad", "gather-tokens-grad"]}
+
+
+class _ExpertTraceStage(_TraceStage):
+    """A traced stage whose chunks hold ``moe_layers`` MoE layers each: every F, B and I first records
+    its expert-parallel collectives (as placeholders; ``record_expert_trace`` turns them into issues)."""
+
+    def __init__(self, *args, moe_layers: int, dispatcher: str, recompute: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.moe_layers, self.dispatcher, self.recompute = moe_layers, dispatcher, recompute
+
+    def _collectives(self, op: str, chunk: int, microbatch: int) -> None:
+        stage = virtual_stage(self.rank, chunk, self.p, self.placement)
+        names = []
+        if op == "F" or self.recompute:
+            names += [(layer, f"F:{n}") for layer in range(self.moe_layers) for n in FORWARD[self.dispatcher]]
+        if op in ("B", "I"):
+            names += [(layer, f"{op}:{n}") for layer in reversed(range(self.moe_layers))
+                      for n in BACKWARD[self.dispatcher]]
+        for layer, name in names:
+            self.events.append({"ep": [f"ep {name} layer {layer}", microbatch, stage]})
+
+    def forward(self, chunk, microbatch, input):
+        self._collectives("F", chunk, microbatch)
+        return super().forward(chunk, microbatch, input)
+
+    def backward(self, chunk, microbatch, output_grad):
+        self._collectives("B", chunk, microbatch)
+        return super().backward(chunk, microbatch, output_grad)
+
+    def backward_input(self, chunk, microbatch, output_grad):
+        self._collectives("I", chunk, microbatch)
+        return super().backward_input(chunk, microbatch, output_grad)
+
+
+def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int = 2, moe_layers: int = 1,
+                        dispatcher: str = "alltoall", recompute: bool = False, forward_only: bool = False,
+                        per_direction: bool = True, lists: Sequence[Sequence[Action]] | None = None,
+                        ep_groups: Sequence[Sequence[int]] | None = None) -> dict:
+    """The comm trace (``nccl_model``) of ``pipelines`` data-parallel copies of ``schedule`` whose MoE
+    layers exchange tokens over ``ep_groups`` (global ranks; default: each stage's ranks across the
+    pipelines, as folding places them). ``check_trace`` plays it."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    placement = schedule_placement(schedule)
+    per_rank = []
+    for r in range(p):
+        events: list[dict] = []
+        stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
+                                  recompute=recompute)
+        run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False)
+        per_rank.append(events)
+    groups = ep_groups or [[k * p + r for k in range(pipelines)] for r in range(p)]
+    group_of = {g: group for group in groups for g in group}
+    ranks = []
+    for k in range(pipelines):
+        for r in range(p):
+            ranks.append(_globalise(per_rank[r], k * p + r, k * p, group_of.get(k * p + r, [k * p + r])))
+    return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
+            "per_direction": per_direction, "pipelines": pipelines, "ranks": ranks}
+
+
+def _globalise(events: list[dict], me: int, offset: int, group: Sequence[int]) -> list[dict]:
+    """One pipeline rank's events as global rank ``me``: p2p peers offset to its pipeline, issue indices
+    renumbered, and each collective placeholder an all-pairs issue on "ep" plus a wait for it."""
+    out: list[dict] = []
+    renumber: dict[int, int] = {}
+    issued = 0
+    original = 0
+    for event in events:
+        if "issue" in event:
+            ops = [{**op, "peer": op["peer"] + offset} for op in event["issue"]]
+            out.append({**event, "issue": ops})
+            renumber[original] = issued
+            original += 1
+            issued += 1
+        elif "wait" in event:
+            out.append({"wait": renumber[event["wait"]]})
+        elif "ep" in event:
+            peers = [q for q in group if q != me]
+            if not peers:
+                continue
+            msg = event["ep"]
+            ops = [{"op": kind, "peer": q, "msg": msg} for q in peers for kind in ("send", "recv")]
+            out += [{"issue": ops, "comm": "ep"}, {"wait": issued}]
+            issued += 1
+        else:
+            out.append(event)
+    return out

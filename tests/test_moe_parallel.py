@@ -1,0 +1,74 @@
+"""Expert parallelism end to end (issue 25): every layout trains the tiny MoE model as one process does.
+
+Per iteration the loss AND the gradient norm (a wrong expert-gradient averaging or a norm that counts an
+expert twice changes the norm, not the losses), and the final weights, for: (e, d) = (2, 2); (t, e) = (2, 2)
+with e folded over the tensor-parallel ranks, and with the experts' FFN split over them (etp = t); (p, e) = (2, 2) under 1F1B and ZBV (the zero-bubble W pass
+over expert weights); e = 4 with the distributed optimizer; a shared expert; the all-gather dispatcher
+against the all-to-all one; a checkpoint saved at e = 4 that continues identically at e = 1; and e = 4 folded over
+t = 2 and c = 2 with sequence parallelism and full recomputation (each rank routes s/(t·c) tokens: the
+load-balancing loss counts over the whole sequences, ``ptdp.parallel.expert_aux``). Dropless
+routing with the load-balancing loss on. All in one spawn of four processes (``helpers.run_layouts``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TINY, assert_equivalent, assert_same_run, run_layouts
+
+# alltoall everywhere but "e4-allgather" (a later flag wins), so the two dispatchers are compared
+MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",
+       "0.001", "--moe-token-dispatcher-type", "alltoall"]
+SHARED = ["--moe-shared-expert-intermediate-size", "24"]
+E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+P2 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+# e = 4 folded over t = 2 and c = 2 (MoE Parallel Folding: attention's TP and CP ranks hold the experts).
+SP_CP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+         "--expert-tensor-parallel-size", "1", *E4]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-parallel")
+    stop = str(tmp / "e4-stop-ckpt")
+    return run_layouts(tmp, {
+        "one": (1, []),
+        "one-shared": (1, SHARED),
+        "e2d2": (4, E2),
+        "t2e2": (2, ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", *E2]),
+        "t2e2-etp2": (4, ["--tensor-model-parallel-size", "2", *E2]),  # etp = t (the default): FFN split
+        "p2e2-1f1b-recompute": (4, [*P2, "1f1b", *E2, *RECOMPUTE]),
+        "p2e2-zbv": (4, [*P2, "zbv", *E2]),
+        "e4-dist-stop": (4, [*E4, "--use-distributed-optimizer", "--exit-interval", "2", "--save", stop]),
+        "e4-allgather": (4, [*E4, "--moe-token-dispatcher-type", "allgather"]),
+        "e2-shared": (4, [*E2, *SHARED]),
+        "e1-resume": (1, ["--load", stop]),
+        "t2c2e4-sp-recompute": (4, [*SP_CP, *RECOMPUTE]),
+    }, base=MOE)
+
+
+@pytest.mark.parametrize("layout", ["e2d2", "t2e2", "t2e2-etp2", "p2e2-1f1b-recompute", "p2e2-zbv",
+                                    "e4-allgather"])
+def test_layout_matches_one_process(runs, layout):
+    assert_equivalent(runs[layout], runs["one"])
+
+
+def test_folded_over_tensor_and_context_with_sequence_parallel_and_recompute(runs):
+    assert_equivalent(runs["t2c2e4-sp-recompute"], runs["one"])
+
+
+def test_shared_expert(runs):
+    assert_equivalent(runs["e2-shared"], runs["one-shared"])
+    assert runs["e2-shared"].losses != runs["one"].losses  # the shared expert is really there
+
+
+def test_distributed_optimizer_and_checkpoint_from_e4_to_e1(runs):
+    stopped, resumed = runs["e4-dist-stop"], runs["e1-resume"]
+    assert [r["iteration"] for r in stopped.records] == [1, 2]
+    assert_same_run(stopped, runs["one"])
+    assert [r["iteration"] for r in resumed.records] == [3]
+    assert_equivalent(resumed, runs["one"])
+
+
+def test_dispatchers_agree(runs):
+    assert_same_run(runs["e4-allgather"].records[:2], runs["e4-dist-stop"], rtol=1e-5)
