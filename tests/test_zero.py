@@ -29,7 +29,8 @@ def plan(ckpt) -> dict[str, tuple[int, list[str]]]:
         "resume-t2p2d1-no-shard": (4, ["--tensor-model-parallel-size", "2", *P2, "--load", str(ckpt)]),
         "z3-t2p2d2v2-interleaved-sp": (8, [*Z3, *LAYOUT_2222, "--sequence-parallel"]),
         "z3-p2d2-zbv-reshard": (4, [*Z3, *P2, "--pipeline-schedule", "zbv", "--reshard-after-forward", *FULL]),
-        "z3-p4d2-zbh1-overlap": (8, [*Z3, *P4, "--pipeline-schedule", "zb-h1", "--overlap-grad-reduce"]),
+        "z3-p4d2-zbh1-overlap-recompute": (8, [*Z3, *P4, "--pipeline-schedule", "zb-h1", "--overlap-grad-reduce",
+                                               *SELECTIVE]),
         "z3-t2c2d2": (8, [*Z3, *SP, "--context-parallel-size", "2"]),
         "z3-hybrid-k2-d4": (4, [*Z3, "--num-distributed-optimizer-instances", "2", *SELECTIVE]),
     }

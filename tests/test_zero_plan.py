@@ -65,6 +65,20 @@ def test_plan_gathers_every_chunk_for_its_computes_and_reduces_after_its_last_we
     assert checked > 50
 
 
+def test_reductions_overlap_the_rest_of_the_schedule():
+    """With two chunks per rank, the first chunk whose gradients are final is reduced while the other
+    still computes (zbv's rank 0: chunk 1 -- the last stage -- finishes first)."""
+    for name, p, v in (("interleaved", 2, 2), ("zbv", 2, 2), ("zb-h1", 4, 1)):
+        actions = build_schedule(name, p, v, 2 * p, 0)
+        _, after = plan_param_sync(actions)
+        compute = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
+        first_reduce = min(i for i, ops in after.items() if any(op.op == "reduce" for op in ops))
+        if v > 1:
+            assert first_reduce < compute[-1], name
+        else:
+            assert first_reduce == compute[-1], name  # one chunk: its last W is the schedule's last compute
+
+
 @pytest.mark.parametrize("reshard", [False, True])
 def test_zero3_collectives_inside_every_schedule_are_deadlock_free_under_nccl(reshard):
     for name, p, v, m, _ in grid(5):

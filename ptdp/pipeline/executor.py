@@ -176,7 +176,8 @@ class _SavedBytes:
 
     def __init__(self, stage: Any) -> None:
         params = stage.parameters() if hasattr(stage, "parameters") else []
-        self._ignore = {q.untyped_storage().data_ptr() for q in params}
+        # By storage identity, not address: ZeRO-3 frees and re-allocates a parameter's storage.
+        self._ignore = {q.untyped_storage()._cdata for q in params}
         self._live: dict[tuple[int, int], dict[int, int]] = {}
         self.current = self.peak = 0
 
@@ -186,7 +187,7 @@ class _SavedBytes:
         def pack(t: Tensor) -> Tensor:
             ptr = t.untyped_storage().data_ptr()
             nbytes = t.untyped_storage().nbytes()  # a saved view keeps its whole storage alive
-            if ptr not in self._ignore and nbytes > ledger.get(ptr, 0):
+            if t.untyped_storage()._cdata not in self._ignore and nbytes > ledger.get(ptr, 0):
                 self.current += nbytes - ledger.get(ptr, 0)
                 ledger[ptr] = nbytes
                 self.peak = max(self.peak, self.current)
