@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..optim import MegatronOptimizer
+from ..optim.zero import full_parameters, keep_parameter_shards
 from ..pipeline.stage import logical_name
 from ..tensor_parallel import random as tp_random
 from . import storage
@@ -121,14 +122,20 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
 
 
 def save_state_dict(trainer) -> dict[str, torch.Tensor]:
-    """This rank's contribution to the checkpoint (tensors share storage with the live ones)."""
+    """This rank's contribution to the checkpoint (tensors share storage with the live ones; under ZeRO-3
+    the parameters are gathered for it and copied, a stopgap until checkpoints are written shard by shard)."""
+    with full_parameters(trainer.grads):
+        return _save_state_dict(trainer, copy=trainer.grads.param_sync is not None)
+
+
+def _save_state_dict(trainer, copy: bool) -> dict[str, torch.Tensor]:
     mesh = _tp_mesh(trainer)
     optim = optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
         if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
             continue
-        out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+        out[f"model.{name}"] = _as_global(param.detach().clone() if copy else param.detach(), param, mesh)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
     out.update(_rng_entries(trainer.state.rank))
@@ -173,6 +180,11 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
     iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
     """
+    with full_parameters(trainer.grads):  # ZeRO-3: whole parameters to load into, then the shards again
+        return _load_checkpoint(trainer, path)
+
+
+def _load_checkpoint(trainer, path: str | Path) -> int:
     directory = storage.resolve(path)
     if directory is None:
         return 0
@@ -228,6 +240,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for param, state in optim.items():  # fp32 weights from the fp32 master copy of a 16-bit run
             if "main_param" in state and param.dtype == torch.float32:
                 param.copy_(state["main_param"])
+    keep_parameter_shards(trainer.grads)  # ZeRO-3: the loaded values into the persistent shards
     trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
         load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
