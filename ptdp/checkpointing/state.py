@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..optim import MegatronOptimizer
 from ..pipeline.stage import logical_name
 from ..tensor_parallel import random as tp_random
-from . import storage
+from . import optimizer_shards, storage
+from .sharded import BoxLoadPlanner
 from .validation import model_mismatch, model_shape
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -116,7 +117,8 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
 def save_state_dict(trainer) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones)."""
     mesh = _tp_mesh(trainer)
-    optim = optimizer_state(trainer.optimizer)
+    pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
+    optim = {} if pieces else optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
         if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
@@ -124,6 +126,9 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
         out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
+    if pieces:
+        out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
+                                                 trainer.state.tp_rank, trainer.state.dims.tp))
     out.update(_rng_entries(trainer.state.rank))
     return out
 
@@ -188,9 +193,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
             request[key] = _as_global(torch.empty_like(live), param, mesh) if shard else torch.empty_like(live)
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
     for name, param in named_parameters(trainer):
-        want(f"model.{name}", param.detach(), param)
-        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] else ():
+        master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
+        want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
+             param.detach(), param)
+        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] and not pieces else ():
             key = f"optimizer.{name}.{field}"
             if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
                 live = torch.zeros((), dtype=torch.float32) if field == "step" else torch.empty_like(
@@ -201,6 +209,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     rng = _rng_entries(trainer.state.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
+    install_pieces = None
+    if pieces:  # only this rank's pieces, read straight into the optimizer's new state tensors
+        extra, install_pieces = optimizer_shards.load_requests(
+            trainer.optimizer, list(named_parameters(trainer)), trainer.state.tp_rank, trainer.state.dims.tp,
+            saved_keys)
+        request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:
         raise storage.CheckpointError(f"--load {directory}: the checkpoint has no {missing[0]} "
@@ -210,12 +224,11 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for key, live in targets:
             loaded = request[key]
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
-        for param, state in optim.items():  # fp32 weights from the fp32 master copy of a 16-bit run
-            if "main_param" in state and param.dtype == torch.float32:
-                param.copy_(state["main_param"])
     trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
         load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+    if install_pieces is not None:
+        install_pieces()  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(trainer):
         _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
     trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
@@ -261,7 +274,7 @@ def _barrier(trainer) -> None:
 def _dcp_load(state_dict: dict, directory: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, checkpoint_id=directory)
+        dcp.load(state_dict, checkpoint_id=directory, planner=BoxLoadPlanner())
 
 
 
