@@ -188,9 +188,10 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
     def want(key: str, live: torch.Tensor, param: nn.Parameter, shard: bool = True) -> None:
-        targets.append((key, live))
-        if key not in request:  # a rank holding both copies of the tied embedding reads it once
-            request[key] = _as_global(torch.empty_like(live), param, mesh) if shard else torch.empty_like(live)
+        if key in request:  # a rank holding both copies of the tied embedding reads it once, then copies
+            targets.append((key, live))
+        else:  # DCP reads straight into the live tensor: no full-size staging copy of the model
+            request[key] = _as_global(live, param, mesh) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
