@@ -1,6 +1,7 @@
-"""Checkpoints written shard by shard (issue 23): a checkpoint saved with the optimizer state sharded over
-d = 4 continues identically with no sharding at (t, p, d) = (2, 2, 1), and the reverse, against one
-process trained straight through (losses and gradient norms per iteration, final weights). Plus the
+"""Checkpoints written shard by shard (issue 23): a checkpoint saved at (t, p, d) = (1, 2, 4) with the
+optimizer state sharded (ZeRO-1), or the model too (ZeRO-3, ``optim_grads_params``), continues
+identically with no sharding at (2, 2, 1), and the reverse, against one process trained straight through
+(losses and gradient norms per iteration, final weights). Plus the
 box decomposition the sharded save rests on, and no rank materialising full optimizer tensors."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ RTOL = 1e-4
 SIX = [*TINY, "--train-iters", "6", "--lr", "1e-2"]  # a large LR: a lost Adam state shows at once
 P2D4 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]  # 8 processes: d = 4
 T2P2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# ZeRO-3 at (1, 2, 4): the model's weights are pieces too; small buckets split parameters across ranks
+Z3 = ["--pipeline-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params",
+      "--grad-bucket-size-mb", "0.001"]
 
 
 def test_flat_ranges_decompose_into_boxes():
@@ -58,17 +62,21 @@ def test_piece_boxes_land_in_the_global_tensor():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero-ckpt")
-    sharded, plain = str(tmp / "sharded"), str(tmp / "plain")
+    sharded, plain, z3 = str(tmp / "sharded"), str(tmp / "plain"), str(tmp / "z3")
     return run_layouts(tmp, {
         "reference": (1, []),
         "p2d4-save": (8, [*P2D4, "--save", sharded, "--exit-interval", "3"]),
         "t2p2-load": (4, [*T2P2, "--load", sharded]),
         "t2p2-save": (4, [*T2P2, "--save", plain, "--exit-interval", "3"]),
         "p2d4-load": (8, [*P2D4, "--load", plain]),
+        "z3-p2d4-save": (8, [*Z3, "--save", z3, "--exit-interval", "3"]),
+        "t2p2-load-z3": (4, [*T2P2, "--load", z3]),
+        "z3-p2d4-load": (8, [*Z3, "--load", plain]),
     }, base=SIX)
 
 
-@pytest.mark.parametrize("save, load", [("p2d4-save", "t2p2-load"), ("t2p2-save", "p2d4-load")])
+@pytest.mark.parametrize("save, load", [("p2d4-save", "t2p2-load"), ("t2p2-save", "p2d4-load"),
+                                        ("z3-p2d4-save", "t2p2-load-z3"), ("t2p2-save", "z3-p2d4-load")])
 def test_checkpoint_continues_identically_in_the_other_layout(runs, save, load):
     assert [r["iteration"] for r in runs[save].records] == [1, 2, 3]
     assert_same_run(runs[save], runs["reference"], RTOL)
@@ -76,16 +84,29 @@ def test_checkpoint_continues_identically_in_the_other_layout(runs, save, load):
     assert_equivalent(runs[load], runs["reference"], RTOL)
 
 
-def test_sharded_checkpoint_holds_the_optimizer_in_pieces(runs):
-    """The (1, 2, 4) save wrote the Adam moments as many small chunks (each rank its pieces), with the
-    global shapes a non-sharded save writes: the format is the same, only the chunking differs."""
+@pytest.mark.parametrize("save, kind", [("p2d4-save", ".exp_avg"), ("z3-p2d4-save", ".exp_avg"),
+                                        ("z3-p2d4-save", "model.")])
+def test_sharded_checkpoint_holds_pieces(runs, save, kind):
+    """The (1, 2, 4) saves wrote the Adam moments (and, at ZeRO-3, the weights) as many small chunks (each
+    rank its pieces), with the global shapes a non-sharded save writes: only the chunking differs."""
     import torch.distributed.checkpoint as dcp
 
     def chunks(ckpt) -> dict:
         meta = dcp.FileSystemReader(str(ckpt / "iter_0000003")).read_metadata().state_dict_metadata
-        return {k: m for k, m in meta.items() if k.endswith(".exp_avg")}
+        return {k: m for k, m in meta.items() if kind in k and not k.startswith("rng.")}
 
-    sharded, plain = chunks(runs["p2d4-save"].ckpt), chunks(runs["t2p2-save"].ckpt)
+    sharded, plain = chunks(runs[save].ckpt), chunks(runs["t2p2-save"].ckpt)
     assert sharded.keys() == plain.keys() and sharded
     assert all(sharded[k].size == plain[k].size for k in sharded)
     assert max(len(m.chunks) for m in sharded.values()) > 1
+
+
+def test_metrics_show_model_states_and_peak_memory_per_rank(runs):
+    """Issue 23's "memory you can see": every record of a window has ``model_state_bytes`` and the peak
+    memory of the window per rank; ZeRO-3 holds fewer model-state bytes than ZeRO-1 at the same layout."""
+    for name, world in (("p2d4-save", 8), ("z3-p2d4-save", 8), ("t2p2-save", 4)):
+        last = runs[name].records[-1]
+        assert len(last["peak_memory_bytes_per_rank"]) == len(last["model_state_bytes_per_rank"]) == world
+        assert min(last["peak_memory_bytes_per_rank"]) > 0
+        assert last["model_state_bytes"] == max(last["model_state_bytes_per_rank"]) > 0
+    assert runs["z3-p2d4-save"].records[-1]["model_state_bytes"] < runs["p2d4-save"].records[-1]["model_state_bytes"]

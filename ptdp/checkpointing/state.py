@@ -115,20 +115,24 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
 
 
 def save_state_dict(trainer) -> dict[str, torch.Tensor]:
-    """This rank's contribution to the checkpoint (tensors share storage with the live ones)."""
+    """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
+    state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
+    the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
     mesh = _tp_mesh(trainer)
     pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
+    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)
     optim = {} if pieces else optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
         if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
             continue
-        out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+        if not sharded_model:
+            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
     if pieces:
         out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
-                                                 trainer.state.tp_rank, trainer.state.dims.tp))
+                                                 trainer.state.tp_rank, trainer.state.dims.tp, sharded_model))
     out.update(_rng_entries(trainer.state.rank))
     return out
 
@@ -195,10 +199,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
+    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)  # ZeRO-3: into the parameter shards
     for name, param in named_parameters(trainer):
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
-        want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
-             param.detach(), param)
+        if not sharded_model:
+            want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
+                 param.detach(), param)
         for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] and not pieces else ():
             key = f"optimizer.{name}.{field}"
             if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
@@ -211,10 +217,10 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
     install_pieces = None
-    if pieces:  # only this rank's pieces, read straight into the optimizer's new state tensors
+    if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
         extra, install_pieces = optimizer_shards.load_requests(
             trainer.optimizer, list(named_parameters(trainer)), trainer.state.tp_rank, trainer.state.dims.tp,
-            saved_keys)
+            saved_keys, model=sharded_model, state=pieces)
         request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:

@@ -155,8 +155,26 @@ class OptimizerConfig:
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
     use_distributed_optimizer: bool = opt(
         False, "ZeRO-1: shard fp32 main weights and Adam state over the data-parallel group")
+    data_parallel_sharding_strategy: str = opt(
+        "no_shard", "ZeRO stage over the data-parallel group: no_shard, optim (ZeRO-1, as "
+        "--use-distributed-optimizer), optim_grads (ZeRO-2: + gradients) or optim_grads_params (ZeRO-3: + "
+        "parameters, gathered per model chunk; docs/zero.md)",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    num_distributed_optimizer_instances: int = opt(
+        1, "hybrid sharding: shard within d/K data-parallel ranks, replicate over the K groups")
+    reshard_after_forward: bool = opt(
+        False, "ZeRO-3: free a chunk's gathered parameters after each run of its forwards and gather them "
+        "again for its backward (less memory, more all-gathers); default: keep each chunk gathered from its "
+        "first to its last use in the step (measured faster, BENCHMARKS.md)")
     optimizer_cpu_offload: bool = opt(
         False, "ZeRO-Offload: Adam state and the Adam step on the host (pinned buffers; ptdp/optim/offload.py)")
+
+    @property
+    def sharding(self) -> str:
+        """The effective ZeRO strategy: ``--use-distributed-optimizer`` alone means ``optim``."""
+        if self.data_parallel_sharding_strategy == "no_shard" and self.use_distributed_optimizer:
+            return "optim"
+        return self.data_parallel_sharding_strategy
 
 
 @dataclass

@@ -91,6 +91,8 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                    m.num_layers // (p * v))
     errors += _optimizer_errors(config)
+    if d is not None:
+        errors += _sharding_errors(config, d)
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
@@ -150,6 +152,22 @@ def _optimizer_errors(config: Config) -> list[str]:
                       "it too): lower --lr-warmup-iters or raise --lr-decay-iters")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    return errors
+
+
+def _sharding_errors(config: Config, d: int) -> list[str]:
+    """ZeRO needs data-parallel peers to shard over (the dp-cp group: d x c ranks), and hybrid sharding's
+    K instances must split d evenly."""
+    opt_, c = config.optimizer, config.parallel.context_parallel_size
+    errors, k = [], opt_.num_distributed_optimizer_instances
+    if opt_.data_parallel_sharding_strategy != "no_shard" and d * c == 1:
+        errors.append(f"--data-parallel-sharding-strategy {opt_.data_parallel_sharding_strategy} needs a "
+                      "data-parallel size d > 1 (d = 1 here); use no_shard or more processes")
+    if k < 1 or d % k:
+        errors.append(f"--num-distributed-optimizer-instances {k} must divide the data-parallel size d = {d}")
+    elif k > 1 and opt_.sharding == "no_shard":
+        errors.append(f"--num-distributed-optimizer-instances {k} needs a --data-parallel-sharding-strategy "
+                      "other than no_shard")
     return errors
 
 

@@ -21,6 +21,14 @@ returned work object, so on the CPU the reduction is the same all-reduce done in
 (bit for bit what gloo's reduce-scatter computes) and the parameters come back by one in-place broadcast
 per shard (the all-gather's volume, no temporary).
 
+ZeRO-2 and -3 (``--data-parallel-sharding-strategy optim_grads|optim_grads_params``, :mod:`ptdp.optim.zero`)
+add two persistent per-bucket tensors, ``grad_shard`` and ``param_shard``: this rank's 1/d of the bucket.
+The full ``grad_data`` is allocated for the iteration's backward (microbatches accumulate into it) and its
+storage freed once the reduced shard is copied out (:meth:`GradBuckets.keep_grad_shards`); under ZeRO-3 the
+full ``param_data`` is allocated only while a chunk's parameters are gathered (``param.data`` stays a view
+of it: freeing is ``untyped_storage().resize_(0)``, as PyTorch FSDP1 does, so views survive a re-gather).
+Buckets never span two model chunks (``chunk_of``), so a chunk's parameters are gathered by its own buckets.
+
 With ``overlap_grad_reduce`` a bucket's collective is launched asynchronously from the backward hook as
 soon as every parameter in it has received its gradient of the iteration's *last* microbatch (the
 hooks count backward passes per parameter), so the DP communication hides behind the remaining backward.
@@ -54,11 +62,40 @@ class Bucket:
     handle: dist.Work | None = None
     shard_out: torch.Tensor | None = field(default=None, repr=False)  # unused: the reduction is in place
     synced: bool = False  # reduced this iteration (its handle waited for and dropped)
+    chunk: int = 0  # the model chunk (local index) whose parameters this bucket holds
+    grad_shard: torch.Tensor | None = field(default=None, repr=False)  # ZeRO-2/3: persistent reduced shard
+    param_shard: torch.Tensor | None = field(default=None, repr=False)  # ZeRO-3: persistent parameter shard
 
     @property
     def shard(self) -> torch.Tensor:
         """This rank's owned slice of ``grad_data`` (a view: the in-place reduce-scatter's output)."""
         return self.grad_data[self.shard_start:self.shard_end]
+
+    @property
+    def own_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient shard: the persistent copy under ZeRO-2/3, else a view of the bucket."""
+        return self.grad_shard if self.grad_shard is not None else self.shard
+
+    @property
+    def own_param(self) -> torch.Tensor:
+        """This rank's parameter shard (model dtype), readable without gathering anything."""
+        if self.param_shard is not None:
+            return self.param_shard
+        return self.param_data[self.shard_start:self.shard_end]
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory; views of it stay valid objects (FSDP1's trick) until :func:`alloc_storage`."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> bool:
+    """Give ``t`` its memory back (contents undefined); False if it already had it."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == nbytes:
+        return False
+    t.untyped_storage().resize_(nbytes)
+    return True
 
 
 class GradBuckets:
@@ -69,24 +106,33 @@ class GradBuckets:
     def __init__(self, params: Iterable[nn.Parameter], dp_group, bucket_bytes: int, *,
                  grad_dtype: torch.dtype | None = None, distributed_optimizer: bool = False,
                  param_buffer: bool = False, overlap_grad_reduce: bool = False,
-                 separate: Iterable[nn.Parameter] = ()):
+                 separate: Iterable[nn.Parameter] = (), shard_grads: bool = False,
+                 chunk_of: dict[int, int] | None = None, replica_group=None):
         self.params = [p for p in params if p.requires_grad]
-        self.dp_group = dp_group
+        self.dp_group = dp_group  # the group shards are spread over (one instance's under hybrid sharding)
         self.dp_size = group_size(dp_group)
+        self.replica_group = replica_group  # hybrid sharding: the same shard in the other instances
+        self.replicas = group_size(replica_group) if replica_group is not None else 1
+        self.shard_grads = shard_grads and distributed_optimizer and self.dp_size > 1  # ZeRO-2 and -3
         self.distributed_optimizer = distributed_optimizer
         self.shard_count = self.dp_size if distributed_optimizer else 1
         self.shard_index = group_rank(dp_group) if distributed_optimizer else 0
-        self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size > 1
+        self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size * self.replicas > 1
         self._dp_ranks = [r if dp_group is None else dist.get_global_rank(dp_group, r) for r in range(self.dp_size)] \
             if distributed_optimizer and self.dp_size > 1 else []
         self.buckets: list[Bucket] = []
+        self.param_sync = None  # ZeRO-3: the per-chunk gatherer the executor drives (ptdp.optim.zero)
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self._backward_count: dict[nn.Parameter, int] = {}
         self._expected_backwards: int | None = None
         separate_ids = {id(p) for p in separate}
         # Megatron fills buckets in reverse order: the last layers' grads are ready first, so go first.
         run: list[nn.Parameter] = []
+        chunk_of = chunk_of or {}
         for p in reversed(self.params):
+            if run and chunk_of.get(id(p), 0) != chunk_of.get(id(run[-1]), 0):  # never across two chunks
+                self._make_bucket(run, grad_dtype, param_buffer)
+                run = []
             if id(p) in separate_ids:
                 self._make_bucket(run, grad_dtype, param_buffer)
                 self._make_bucket([p], grad_dtype, param_buffer)
@@ -97,6 +143,8 @@ class GradBuckets:
                 self._make_bucket(run, grad_dtype, param_buffer)
                 run = []
         self._make_bucket(run, grad_dtype, param_buffer)
+        for bucket in self.buckets:
+            bucket.chunk = chunk_of.get(id(bucket.params[0]), 0)
         self.buffers = [b.grad_data for b in self.buckets]  # kept for callers of the old API
         self._copy_to_main = {p for p in self.params if p.main_grad.dtype != p.dtype}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
@@ -138,6 +186,7 @@ class GradBuckets:
 
     def zero(self) -> None:
         for bucket in self.buckets:
+            alloc_storage(bucket.grad_data)  # ZeRO-2/3 freed it after the last step
             bucket.grad_data.zero_()
             bucket.handle = None
             bucket.synced = False
@@ -159,9 +208,12 @@ class GradBuckets:
 
     def _launch(self, bucket: Bucket) -> None:
         """Average over DP (the loss is a mean over the global batch) with one async collective."""
-        if self.dp_size == 1 or bucket.handle is not None or bucket.synced:
+        if self.dp_size * self.replicas == 1 or bucket.handle is not None or bucket.synced:
             return
-        bucket.grad_data.div_(self.dp_size)
+        bucket.grad_data.div_(self.dp_size * self.replicas)
+        if self.dp_size == 1:  # hybrid sharding with one rank per instance: only the replicas' all-reduce
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.replica_group, async_op=True)
+            return
         if self.distributed_optimizer and bucket.grad_data.device.type != "cpu":
             bucket.handle = reduce_scatter_single(bucket.shard, bucket.grad_data, group=self.dp_group,
                                                   async_op=True)
@@ -182,7 +234,31 @@ class GradBuckets:
                 continue
             bucket.handle.wait()
             bucket.handle, bucket.synced = None, True  # a work object may pin the collective's buffers
+        if self.replicas > 1 and self.dp_size > 1:  # hybrid: the instances' shards are summed (Megatron)
+            handles = [dist.all_reduce(b.shard, group=self.replica_group, async_op=True) for b in self.buckets]
+            for handle in handles:
+                handle.wait()
         self._expected_backwards = None
+
+    def launch_chunk(self, chunk: int) -> None:
+        """Start the reduction of ``chunk``'s buckets (ZeRO-3: after its last weight-gradient pass)."""
+        for bucket in self.buckets:
+            if bucket.chunk == chunk:
+                self._launch(bucket)
+
+    @torch.no_grad()
+    def keep_grad_shards(self) -> None:
+        """ZeRO-2/3: copy each reduced shard out and free the full gradient buffer (the optimizer calls it
+        after every gradient sync of the step, the tied-embedding and sequence-parallel ones included)."""
+        if not self.shard_grads:
+            return
+        for bucket in self.buckets:
+            if bucket.grad_data.untyped_storage().nbytes() == 0:
+                continue
+            if bucket.grad_shard is None:
+                bucket.grad_shard = torch.empty_like(bucket.shard)
+            bucket.grad_shard.copy_(bucket.shard)
+            free_storage(bucket.grad_data)
 
     def all_reduce(self) -> None:
         """The whole DP reduction at once (the pre-overlap API): same as :meth:`finish_grad_sync`."""
@@ -198,17 +274,29 @@ class GradBuckets:
         """Every DP rank's updated shard of every parameter bucket, to every DP rank."""
         if not self.distributed_optimizer or self.dp_size == 1:
             return
+        for handle in [h for b in self.buckets if b.param_shard is None for h in self.gather_bucket(b)]:
+            handle.wait()
+
+    def gather_bucket(self, b: Bucket) -> list:
+        """Start the all-gather of bucket ``b``'s parameters from every rank's shard; returns the works.
+
+        Under ZeRO-3 the full buffer is (re)allocated first and filled from the persistent shards. The
+        in-place writes keep the buffer's autograd version: a chunk's parameters are saved for its
+        backward and gathered again, unchanged, before it (FSDP's reshard-after-forward).
+        """
         handles = []
-        for b in self.buckets:
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(b.param_data):
+            if b.param_shard is not None:
+                alloc_storage(b.param_data)
+                b.param_data[b.shard_start:b.shard_end].copy_(b.param_shard)
             if b.param_data.device.type != "cpu":  # in place: this rank's shard is a view of the output
                 own = b.param_data[b.shard_start:b.shard_end]
                 handles.append(all_gather_single(b.param_data, own, group=self.dp_group, async_op=True))
-                continue
+                return handles
             size = b.shard_end - b.shard_start  # gloo: one broadcast per owner (module docstring)
             for r in range(self.dp_size):
                 flight_recorder.record("broadcast", group=self.dp_group, tensor=b.param_data[:size],
                                        action="zero_params")
                 handles.append(dist.broadcast(b.param_data[r * size:(r + 1) * size], src=self._dp_ranks[r],
                                               group=self.dp_group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        return handles

@@ -48,6 +48,10 @@ def _held(params: Iterable[nn.Parameter], grads, optimizer) -> Iterator[tuple[st
         if bucket.param_data is not None:
             yield "params", bucket.param_data
         yield "grads", bucket.grad_data
+        if getattr(bucket, "param_shard", None) is not None:  # ZeRO-3's persistent parameter shard
+            yield "params", bucket.param_shard
+        if getattr(bucket, "grad_shard", None) is not None:  # ZeRO-2/3's persistent gradient shard
+            yield "grads", bucket.grad_shard
         if bucket.shard_out is not None:
             yield "comm", bucket.shard_out
     if optimizer is not None:

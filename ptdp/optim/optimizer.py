@@ -149,6 +149,12 @@ class FP32Optimizer(MegatronOptimizer):
         return {p: {k: self.optimizer.state[p][k] for k in (*ADAM_KEYS, "step")}
                 for p in self.params if self.optimizer.state.get(p)}
 
+    def local_shards(self) -> list[LocalShard]:
+        """Every parameter whole (nothing is sharded): see :meth:`DistributedOptimizer.local_shards`."""
+        return [LocalShard(p, 0, p.numel(), p.detach().view(-1), p.detach().view(-1),
+                           {k: v.view(-1) for k, v in self.optimizer.state.get(p, {}).items() if k in ADAM_KEYS})
+                for p in self.params]
+
     def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         for p in self.params:
             if p in states:
@@ -169,6 +175,18 @@ def _adam_state(state: dict[str, torch.Tensor], piece, device: torch.device | No
 
 
 @dataclass
+class LocalShard:
+    """A contiguous piece of one parameter owned by this rank: see :meth:`DistributedOptimizer.local_shards`."""
+
+    param: nn.Parameter
+    start: int  # in param.view(-1) coordinates
+    end: int
+    model: torch.Tensor  # 1-D, model dtype, a live view
+    main: torch.Tensor  # 1-D, fp32 master weights, a live view (the same as ``model`` in fp32)
+    state: dict[str, torch.Tensor]  # exp_avg, exp_avg_sq (1-D, live); empty before the first step
+
+
+@dataclass
 class ShardPiece:
     """The part ``[start, end)`` (bucket coordinates) of ``param`` that lies in this rank's shard."""
 
@@ -181,11 +199,20 @@ class ShardPiece:
 
     @property
     def model_view(self) -> torch.Tensor:
-        return self.bucket.param_data[self.start:self.end]
+        """The model-dtype values of this piece, never gathered (under ZeRO-3 a view of the bucket's
+        persistent parameter shard, else of the flat parameter buffer)."""
+        b = self.bucket
+        return b.own_param[self.start - b.shard_start:self.end - b.shard_start]
 
     @property
     def grad_view(self) -> torch.Tensor:
-        return self.bucket.grad_data[self.start:self.end]
+        b = self.bucket
+        return b.own_grad[self.start - b.shard_start:self.end - b.shard_start]
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """``[start, end)`` of this piece in the flattened parameter (``param.view(-1)`` coordinates)."""
+        return self.start - self.param_offset, self.end - self.param_offset
 
     def of(self, logical: torch.Tensor) -> torch.Tensor:
         """This piece's elements of a full tensor shaped like ``param``."""
@@ -211,7 +238,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 start, end = max(offset, bucket.shard_start), min(offset + param.numel(), bucket.shard_end)
                 if start >= end:
                     continue
-                model = bucket.param_data[start:end]
+                own = bucket.own_param
+                model = own[start - bucket.shard_start:end - bucket.shard_start]
                 main = model if model.dtype == torch.float32 else model.detach().float()  # fp32: update in place
                 self.pieces.append(ShardPiece(param, bucket, start, end, offset, main))
         decay = [x.main for x in self.pieces if decays(x.param)]
@@ -233,7 +261,25 @@ class DistributedOptimizer(MegatronOptimizer):
         raise AttributeError("DistributedOptimizer keeps Adam state per shard; use state_per_param() and "
                              "load_state_per_param() for the logical per-parameter state")
 
+    def local_shards(self) -> list[LocalShard]:
+        """This rank's pieces of the model weights and of the optimizer state, without any communication.
+
+        One :class:`LocalShard` per (parameter, contiguous range of it this rank owns): ``param`` (map it
+        to its logical name with ``named_parameters``), ``start``/``end`` in ``param.view(-1)`` coordinates,
+        ``model`` (model dtype; under ZeRO-3 the persistent shard, never the gathered parameter), ``main``
+        (fp32 master weights; the same tensor as ``model`` in fp32 training) and ``state`` (AdamW's
+        ``exp_avg``/``exp_avg_sq``, empty before the first step; ``step`` is :attr:`adam_steps`). All are
+        views of the live tensors: writing into them loads a checkpoint shard by shard (then call nothing
+        else: the next gather or step reads them). Over a DP group the ranks' ranges of a parameter are
+        disjoint and cover it (hybrid sharding: once per instance); with tensor parallelism ``param`` is
+        this TP rank's slice, and the range is in its coordinates.
+        """
+        return [LocalShard(x.param, *x.flat_range, x.model_view, x.main,
+                           {k: v for k, v in self.optimizer.state.get(x.main, {}).items() if k in ADAM_KEYS})
+                for x in self.pieces]
+
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
+        self.grads.keep_grad_shards()  # ZeRO-2/3: the full gradient buffers go (every sync is done)
         for x in self.pieces:  # fp32 grads: a view (no copy); 16-bit grads: an fp32 copy
             grad = x.grad_view
             x.main.grad = grad if grad.dtype == torch.float32 else grad.float()

@@ -1,5 +1,6 @@
-"""Build the gradient buffers and the optimizer that ``--bf16/--fp16``, ``--use-distributed-optimizer``
-and ``--overlap-grad-reduce`` ask for."""
+"""Build the gradient buffers and the optimizer that ``--bf16/--fp16``, ``--use-distributed-optimizer``,
+``--data-parallel-sharding-strategy`` (ZeRO 1-3), ``--num-distributed-optimizer-instances`` and
+``--overlap-grad-reduce`` ask for."""
 
 from __future__ import annotations
 
@@ -34,24 +35,44 @@ def grad_scaler(mp: MixedPrecisionConfig) -> ConstantGradScaler | DynamicGradSca
 
 
 def setup_optimizer(params: list[nn.Parameter], config: Config, state,
-                    shared_embedding: list[nn.Parameter] = ()) -> tuple[GradBuckets, MegatronOptimizer]:
+                    shared_embedding: list[nn.Parameter] = (), chunks: list[nn.Module] = ()
+                    ) -> tuple[GradBuckets, MegatronOptimizer]:
     """Gradient buffers and optimizer for this rank's ``params`` (already in :func:`params_dtype`).
 
     ``state`` is the rank's ``ParallelState``; ``shared_embedding`` the copies of the tied embedding on
-    the first and last stage (their own bucket, so that both stages shard them alike).
+    the first and last stage (their own bucket, so that both stages shard them alike); ``chunks`` the
+    rank's model chunks (ZeRO-3 gathers each chunk's buckets: no bucket spans two chunks). Under ZeRO-3
+    the returned ``GradBuckets`` carries ``param_sync``, the per-chunk gatherer the executor drives.
     """
-    tr, distributed = config.training, config.optimizer.use_distributed_optimizer
+    tr, opt = config.training, config.optimizer
+    strategy = opt.sharding
+    distributed = strategy != "no_shard"
     main_params = distributed or params_dtype(config) != torch.float32
     # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel/dims.py); it is the
-    # plain DP group when c = 1.
-    dp_group = state.dp_cp_group
+    # plain DP group when c = 1. Hybrid sharding splits it into K instances (ptdp/optim/hybrid.py).
+    dp_group, replica_group = state.dp_cp_group, None
+    if distributed and opt.num_distributed_optimizer_instances > 1:
+        from .hybrid import instance_groups
+
+        dp_group, replica_group = instance_groups(state, opt.num_distributed_optimizer_instances)
+    chunk_of = {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()}
     grads = GradBuckets(params, dp_group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
                         distributed_optimizer=distributed, param_buffer=main_params,
-                        overlap_grad_reduce=tr.overlap_grad_reduce, separate=shared_embedding)
+                        overlap_grad_reduce=tr.overlap_grad_reduce, separate=shared_embedding,
+                        shard_grads=strategy in ("optim_grads", "optim_grads_params"), chunk_of=chunk_of,
+                        replica_group=replica_group)
+    if strategy == "optim_grads_params" and grads.dp_size > 1:
+        from .zero import ChunkParamSync, shard_parameters
+
+        shard_parameters(grads)
+        grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
     if not main_params:
         return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
-    # Sharded: every DP rank holds different elements, so the norm is summed over the whole world.
+    # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over
+    # TP, PP and one instance's shards under hybrid sharding: the other instances hold the same shards).
     sharded = distributed and state.dims.dp * state.dims.cp > 1
     norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
+    if sharded and replica_group is not None:
+        norm_groups = [state.tp_group, state.pp_group, dp_group]
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
                                        grad_scaler(config.precision))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
+from ptdp.pipeline.param_sync import plan_param_sync
 from ptdp.pipeline.schedules import COMPUTE_OPS, Action, virtual_stage
 
 
@@ -203,6 +204,7 @@ def run_schedule(
     comm: P2PComm | None = None,
     recorder: Callable[[str, str, float, float, dict], None] | None = None,
     count_saved_bytes: bool = True,
+    param_sync: Any = None,
 ) -> ScheduleStats:
     """Run one rank's action list. ``comm`` may be None only if the list has no SEND/RECV (p == 1).
 
@@ -213,6 +215,8 @@ def run_schedule(
     every wait (``ptdp.observability.timeline``), with ``Clock`` marks.
     ``count_saved_bytes=False`` skips the saved-tensor hooks (``peak_saved_bytes`` is then 0): the
     accounting costs a Python call per saved tensor, and its answer is the same every iteration.
+    ``param_sync`` (ZeRO-3, ``ptdp.optim.zero.ChunkParamSync``): its gather/wait/release/reduce run at the
+    points ``param_sync.plan_param_sync`` reads off ``actions``, around the compute actions.
     """
     if comm is None and any(a.op not in COMPUTE_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
@@ -226,6 +230,12 @@ def run_schedule(
     outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, microbatch, producer chunk) -> tensor
     pending: dict[tuple[str, int, int], PendingRecv] = {}
     live: set[tuple[int, int]] = set()
+    sync_before, sync_after = ({}, {}) if param_sync is None else \
+        plan_param_sync(actions, param_sync.reshard_after_forward)
+
+    def run_sync(ops) -> None:
+        for op in ops:
+            getattr(param_sync, "reduce_grads" if op.op == "reduce" else op.op)(op.chunk)
 
     def span(name: str, category: str, start: Mark, mb: int | None = None, chunk: int | None = None) -> None:
         end = clock.mark()
@@ -264,6 +274,10 @@ def run_schedule(
             i = j
             continue
         mb, c = a.microbatch, a.chunk
+        if i in sync_before:
+            t0 = clock.mark()
+            run_sync(sync_before[i])
+            span("zero_param_sync", "p2p", t0, mb, c)
         hooks = saved.hooks((mb, c)) if saved is not None else contextlib.nullcontext()
         if a.op == "F":
             x = take(("F", mb, c))
@@ -289,6 +303,7 @@ def run_schedule(
             span("backward_weight", "compute", t0, mb, c)
             if saved is not None:
                 saved.free((mb, c))
+        run_sync(sync_after.get(i, ()))
         i += 1
 
     if comm is not None:

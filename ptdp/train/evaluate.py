@@ -69,7 +69,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             stage = ForwardOnlyStage(trainer.chunks, state.pp_rank, state.dims.pp,
                                      lambda j, batches=batches: cp_shard(batches[j][:, :-1], state), loss_fn,
                                      state.placement)
-            run_schedule(actions, stage, trainer.comm)
+            run_schedule(actions, stage, trainer.comm, param_sync=trainer.grads.param_sync)
             total += float(sum(stage.losses.values()))
     finally:
         for chunk in trainer.chunks:

@@ -68,7 +68,7 @@ def setup(config: Config) -> TrainState:
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
-    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp))
+    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
     m = config.num_microbatches(world_size)
     schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
     return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))

@@ -83,7 +83,8 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
-    stats = run_schedule(trainer.schedule, stage, trainer.comm, recorder=recorder, count_saved_bytes=count)
+    stats = run_schedule(trainer.schedule, stage, trainer.comm, recorder=recorder, count_saved_bytes=count,
+                         param_sync=trainer.grads.param_sync)  # ZeRO-3: per-chunk gathers (ptdp.optim.zero)
     if count:
         trainer.peak_activation_bytes = stats.peak_saved_bytes
     stats.peak_saved_bytes = trainer.peak_activation_bytes
