@@ -150,6 +150,24 @@ class ParallelConfig:
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved when v > 1
     context_parallel_size: int = 1  # c: each sample's sequence over c ranks (world = t·c·d·p)
     cp_comm_type: str = "p2p"  # ring attention (p2p), Ulysses (a2a) or allgather
+    # ZeRO stage (--data-parallel-sharding-strategy; use_distributed_optimizer alone means "optim") and
+    # hybrid sharding (--num-distributed-optimizer-instances K: shards over d·c/K ranks, K replicas)
+    sharding_strategy: str = "no_shard"
+    distributed_optimizer_instances: int = 1
+
+    @property
+    def strategy(self) -> str:
+        """The effective ZeRO strategy, as ``OptimizerConfig.sharding`` derives it for ``ptdp train``."""
+        if self.sharding_strategy == "no_shard" and self.use_distributed_optimizer:
+            return "optim"
+        return self.sharding_strategy
+
+    @property
+    def shards(self) -> int:
+        """How many ranks split what the strategy shards: the dp-cp group, or one hybrid instance of it."""
+        if self.strategy == "no_shard":
+            return 1
+        return self.data_parallel_size * self.context_parallel_size // self.distributed_optimizer_instances
 
     @property
     def schedule(self) -> str:
