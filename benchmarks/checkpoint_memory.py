@@ -1,6 +1,7 @@
 """Memory a checkpoint save costs each rank with the distributed optimizer (issue 23: shard-by-shard saves).
 
     python benchmarks/checkpoint_memory.py [--json]                        # this tree
+    python benchmarks/checkpoint_memory.py --strategy optim_grads_params   # ZeRO-3: the weights are pieces too
     PYTHONPATH=/path/to/older/ptdp python benchmarks/checkpoint_memory.py  # the same script, another tree
 
 Four CPU processes (d = 4, ``--use-distributed-optimizer``, fp32) build a GPT of about 25M parameters,
@@ -60,7 +61,7 @@ def _measure(fn) -> tuple[int, float]:
     return _status("VmHWM") - before, time.perf_counter() - start
 
 
-def _worker(rank: int, store: str, workdir: str, out: str) -> None:
+def _worker(rank: int, store: str, workdir: str, out: str, strategy: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -72,7 +73,9 @@ def _worker(rank: int, store: str, workdir: str, out: str) -> None:
     from ptdp.train.step import train_step
 
     ckpt = str(Path(workdir) / "ckpt")
-    config = derive(config_from_args(build_parser().parse_args(["train", *MODEL, "--save", ckpt])), WORLD)
+    config = derive(config_from_args(build_parser().parse_args(
+        ["train", *MODEL, "--save", ckpt, *([] if strategy == "optim" else ["--data-parallel-sharding-strategy",
+                                                                             strategy])])), WORLD)
     trainer = setup(config)
     train_step(trainer, 1)
     states = model_state_bytes(trainer.params, trainer.grads, trainer.optimizer)["total"]
@@ -92,17 +95,19 @@ def _worker(rank: int, store: str, workdir: str, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--strategy", default="optim", help="--data-parallel-sharding-strategy (default optim)")
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(str(Path(tmp) / "store"), tmp, out), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_worker, args=(str(Path(tmp) / "store"), tmp, out, args.strategy), nprocs=WORLD, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     params = rows[0]["params"]
     full = 12 * params  # fp32 master weights + two Adam moments of every parameter
     result = {
         "ptdp": str(Path(sys.modules.get("ptdp").__file__).parent) if "ptdp" in sys.modules else
         os.environ.get("PYTHONPATH", ""),
+        "strategy": args.strategy,
         "parameters": params,
         "model_state_bytes_max": max(r["model_state_bytes"] for r in rows),
         "full_optimizer_copy_bytes": full,
@@ -116,7 +121,7 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         return
     mb = 2**20
-    print(f"GPT {params / 1e6:.1f}M parameters, d={WORLD}, fp32, distributed optimizer; ptdp from "
+    print(f"GPT {params / 1e6:.1f}M parameters, d={WORLD}, fp32, {args.strategy}; ptdp from "
           f"{os.environ.get('PYTHONPATH') or 'the installed package'}")
     print(f"model states on the fullest rank: {result['model_state_bytes_max'] / mb:.0f} MiB; a full fp32 master + "
           f"Adam copy: {full / mb:.0f} MiB")
