@@ -81,9 +81,17 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None
 
 def model_states_at_start(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
     """:func:`model_state_bytes` before the first step, plus the Adam moments AdamW will allocate at it
-    (two tensors like each of its parameters that has no state yet): what the rank will hold in steady
+    (two tensors like each of its parameters that has no state yet) and, under ZeRO-2/3, the gradient
+    shards in place of the full buffers (which only the step holds): what the rank will hold in steady
     state, known at start-up (the start-up summary line states it)."""
     out = model_state_bytes(params, grads, optimizer)
+    if getattr(grads, "shard_grads", False):  # ZeRO-2/3 keep a gradient shard; the full buffer is the step's
+        for b in grads.buckets:
+            full = b.grad_data.untyped_storage().nbytes()
+            if getattr(b, "grad_shard", None) is None and full:
+                shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
+                out["grads"] += shard - full
+                out["total"] += shard - full
     inner = getattr(optimizer, "optimizer", optimizer)
     if inner is not None:
         pending = sum(2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
