@@ -36,6 +36,7 @@ hooks count backward passes per parameter), so the DP communication hides behind
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -285,7 +286,9 @@ class GradBuckets:
         backward and gathered again, unchanged, before it (FSDP's reshard-after-forward).
         """
         handles = []
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(b.param_data):
+        keep_version = torch.autograd._unsafe_preserve_version_counter(b.param_data) \
+            if b.param_shard is not None else contextlib.nullcontext()
+        with torch.no_grad(), keep_version:
             if b.param_shard is not None:
                 alloc_storage(b.param_data)
                 b.param_data[b.shard_start:b.shard_end].copy_(b.param_shard)

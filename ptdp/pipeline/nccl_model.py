@@ -19,7 +19,11 @@ and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, tor
   its own (``sends_wait_for_receive=False``) or only once its receive is posted (``True``: NCCL promises
   no buffering); an issue (one Work) completes when all its operations did;
 * ``wait`` makes the compute stream, not the host, wait for a whole issue;
-* messages between two ranks on one communicator match first-in first-out.
+* messages between two ranks on one communicator match first-in first-out;
+* a collective (``{"op": "coll", "group": [ranks], "msg": ...}``, ZeRO-3's per-chunk all-gathers and
+  reduce-scatters on the data-parallel communicator, ``ptdp.pipeline.nccl_zero``) completes once every
+  member's matching collective -- its n-th on that communicator and group, carrying the same message --
+  has started.
 
 It also checks that every matched pair carries the same message and that a compute never consumes a
 received tensor whose issue it has not waited for. ``check_trace`` returns the problems found (none:
@@ -130,17 +134,23 @@ class _TraceStage:
 
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
-                      lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False) -> dict:
+                      lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
+                      param_sync=None) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
-    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does."""
+    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``param_sync``:
+    a factory ``(comm) -> object`` of the executor's ZeRO-3 gatherer that records its collectives."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
         events: list[dict] = []
-        run_schedule(lists[r], _TraceStage(r, p, v, events, placement),
-                     RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False)
+        comm = RecordingComm(r, p, events, placement, per_direction)
+        sync = param_sync(comm) if param_sync is not None else None
+        run_schedule(lists[r], _TraceStage(r, p, v, events, placement), comm, count_saved_bytes=False,
+                     param_sync=sync)
+        if sync is not None:
+            sync.finish()
         ranks.append(events)
     return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
             "per_direction": per_direction, "ranks": ranks}
@@ -175,6 +185,8 @@ class _Rank:
 
 
 def _describe(op: dict) -> str:
+    if op["op"] == "coll":
+        return f"collective {op['msg']} with ranks {op['group']}"
     kind, mb, stage = op["msg"]
     what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}"
     return f"{op['op']} {what} {'to' if op['op'] == 'send' else 'from'} rank {op['peer']}"
@@ -182,13 +194,15 @@ def _describe(op: dict) -> str:
 
 def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
     """Play ``trace`` under the NCCL model (module docstring); return the problems (empty: deadlock-free)."""
-    p = trace["p"]
     ranks = [_split(events) for events in trace["ranks"]]
     problems: list[str] = []
     match = _match(ranks, problems)
+    members = _match_collectives(ranks, problems)
     problems += _unwaited_consumers(trace, ranks)
 
     def op_done(r: int, i: int, k: int) -> bool:
+        if (r, i, k) in members:  # a collective: every member's matching issue is running
+            return all(j in ranks[q].started for q, j in members[(r, i, k)])
         partner = match.get((r, i, k))
         if partner is None:
             return False
@@ -248,7 +262,7 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
         else:
             stuck = [_describe(op) for k, op in enumerate(rk.issues[first]) if not op_done(r, first, k)]
             why = f"issue #{first} waits on: {'; '.join(stuck)}"
-        problems.append(f"deadlock: rank {r} of {p}: {where}; {why}")
+        problems.append(f"deadlock: rank {r} of {len(ranks)}: {where}; {why}")
     return problems
 
 
@@ -276,6 +290,8 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
     for r, rk in enumerate(ranks):
         for i, ops in enumerate(rk.issues):
             for k, op in enumerate(ops):
+                if op["op"] == "coll":
+                    continue
                 src, dst = (r, op["peer"]) if op["op"] == "send" else (op["peer"], r)
                 queues.setdefault((op["op"], src, dst, rk.comms[i]), []).append((r, i, k))
     match = {}
@@ -297,11 +313,39 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
     return match
 
 
+def _match_collectives(ranks: Sequence[_Rank], problems: list[str]) -> dict:
+    """(rank, issue, op) of each collective -> [(rank, issue)] of every member's matching one (the n-th on
+    the same communicator and group)."""
+    seqs: dict[tuple[str, tuple[int, ...], int], list[tuple[int, int, int, list]]] = {}
+    for r, rk in enumerate(ranks):
+        for i, ops in enumerate(rk.issues):
+            for k, op in enumerate(ops):
+                if op["op"] == "coll":
+                    seqs.setdefault((rk.comms[i], tuple(op["group"]), r), []).append((r, i, k, op["msg"]))
+    out = {}
+    for (comm, group, r), mine in seqs.items():
+        for n, (_, i, k, msg) in enumerate(mine):
+            partners = []
+            for q in group:
+                theirs = seqs.get((comm, group, q), [])
+                if n >= len(theirs):
+                    problems.append(f"unmatched: rank {r}'s collective {msg} #{n} on {comm}: rank {q} makes "
+                                    f"only {len(theirs)}")
+                    continue
+                if list(theirs[n][3]) != list(msg):
+                    problems.append(f"mismatch: rank {r}'s collective #{n} on {comm} is {msg}, rank {q}'s "
+                                    f"is {theirs[n][3]}")
+                partners.append((q, theirs[n][1]))
+            out[(r, i, k)] = partners
+    return out
+
+
 def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
     """A compute that reads a received tensor must come after a wait on the issue that received it."""
     p, last, placement = trace["p"], trace["p"] * trace["v"] - 1, trace.get("placement", "loop")
     problems = []
-    for r, events in enumerate(trace["ranks"]):
+    for rank, events in enumerate(trace["ranks"]):
+        r = rank % p  # its pipeline rank (data-parallel replicas of a pipeline follow its p ranks)
         where: dict[tuple, int] = {}  # message -> issue that receives it
         waited: set[int] = set()
         issue = 0
@@ -323,7 +367,7 @@ def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
                 else:
                     continue
                 if stage_location(needed[2], p, placement)[0] != r and where.get(needed) not in waited:
-                    problems.append(f"race: rank {r} computes {op}{mb} on chunk {chunk} before waiting for "
+                    problems.append(f"race: rank {rank} computes {op}{mb} on chunk {chunk} before waiting for "
                                     f"its input {list(needed)}")
     return problems
 

@@ -62,6 +62,7 @@ def plan_param_sync(actions: Sequence[Action], reshard_after_forward: bool = Fal
             last_grad[actions[i].chunk] = i
     for c, i in last_grad.items():
         after.setdefault(i, []).insert(0, SyncOp("reduce", c))
-    for ops in before.values():  # waits of this action's own chunk first, then the prefetches
-        ops.sort(key=lambda s: s.op != "wait")
+    for ops in before.values():  # gathers waited for right here, the waits, then the prefetches
+        waited = {s.chunk for s in ops if s.op == "wait"}
+        ops.sort(key=lambda s: 1 if s.op == "wait" else 0 if s.chunk in waited else 2)
     return before, after

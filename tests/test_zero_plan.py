@@ -1,0 +1,117 @@
+"""Where ZeRO-3 gathers, frees and reduces (``ptdp.pipeline.param_sync``), checked on every schedule's
+action lists; the same collectives inside the schedules are deadlock-free under the NCCL model with two
+data-parallel replicas (and the check fails on replicas that disagree); bad sharding flags are one line
+each, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TINY, run_ptdp
+
+from ptdp.config import add_config_arguments, config_from_args, validate
+from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
+from ptdp.pipeline.nccl_zero import record_zero_trace
+from ptdp.pipeline.param_sync import plan_param_sync
+from ptdp.pipeline.schedules import COMPUTE_OPS, SCHEDULES, build_schedule, schedule_placement
+
+
+def chunk_counts(name: str) -> tuple[int, ...]:
+    return (1, 2, 3) if name == "interleaved" else (2,) if schedule_placement(name) == "v" else (1,)
+
+
+def grid(max_p: int):
+    for name in sorted(SCHEDULES):
+        for p in range(1 if name in ("1f1b", "gpipe") else 2, max_p + 1):
+            for v in chunk_counts(name):
+                for m in sorted({p, 2 * p} if name == "interleaved" else {1, p, 2 * p + 1}):
+                    try:
+                        lists = [build_schedule(name, p, v, m, r) for r in range(p)]
+                    except ValueError:
+                        continue
+                    yield name, p, v, m, lists
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_plan_gathers_every_chunk_for_its_computes_and_reduces_after_its_last_weight_gradient(reshard):
+    checked = 0
+    for name, p, v, m, lists in grid(4):
+        for actions in lists + [build_schedule(name, p, v, m, 0, forward_only=True)]:
+            before, after = plan_param_sync(actions, reshard)
+            in_flight, gathered, reduced, gathers = set(), set(), [], 0
+            for i, a in enumerate(actions):
+                for op in before.get(i, ()):
+                    if op.op == "gather":
+                        assert op.chunk not in gathered | in_flight, (name, i, op)
+                        in_flight.add(op.chunk)
+                        gathers += 1
+                    elif op.op == "wait":
+                        assert op.chunk in in_flight, (name, i, op)  # always prefetched or issued just now
+                        in_flight.discard(op.chunk)
+                        gathered.add(op.chunk)
+                if a.op in COMPUTE_OPS:
+                    assert a.chunk in gathered, f"{name} p={p} v={v}: {a} runs on unsharded weights"
+                    assert a.chunk not in reduced, f"{name}: {a} after its chunk's gradients were reduced"
+                for op in after.get(i, ()):
+                    if op.op == "release":
+                        gathered.remove(op.chunk)
+                    elif op.op == "reduce":
+                        reduced.append(op.chunk)
+            assert not gathered and not in_flight, name  # everything freed at the end
+            grads = {a.chunk for a in actions if a.op in ("B", "I", "W")}
+            assert sorted(reduced) == sorted(grads), (name, reduced)  # each chunk once; none forward-only
+            if not reshard:
+                assert gathers == len({a.chunk for a in actions if a.op in COMPUTE_OPS})  # once per step
+            checked += 1
+    assert checked > 50
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_zero3_collectives_inside_every_schedule_are_deadlock_free_under_nccl(reshard):
+    for name, p, v, m, _ in grid(5):
+        for forward_only in (False, True):
+            trace = record_zero_trace(name, p, v, m, reshard, replicas=2, forward_only=forward_only)
+            assert any(op["op"] == "coll" for e in trace["ranks"][0] for op in e.get("issue", ()))
+            for model, problems in check_all_send_models(trace).items():
+                assert not problems, f"{name} p={p} v={v} m={m} reshard={reshard} ({model}): {problems[:3]}"
+
+
+def test_the_check_fails_when_data_parallel_peers_disagree():
+    trace = record_zero_trace("1f1b", 2, 1, 4, replicas=2)
+    # A peer that issues its first all-gather late (after everything else) hangs its whole DP group.
+    late = trace["ranks"][2]
+    first = next(k for k, e in enumerate(late) if any(op["op"] == "coll" for op in e.get("issue", ())))
+    late.append(late.pop(first))  # the indices of later issues shift: the check must still see the hang
+    problems = check_trace(trace, sends_wait_for_receive=False)
+    assert any("deadlock" in p or "mismatch" in p for p in problems), problems
+    # Peers gathering chunks in another order: a mismatch.
+    trace = record_zero_trace("interleaved", 2, 2, 4, replicas=2)
+    colls = [op for e in trace["ranks"][3] for op in e.get("issue", ()) if op["op"] == "coll"]
+    colls[0]["msg"], colls[1]["msg"] = colls[1]["msg"], colls[0]["msg"]
+    assert any("mismatch" in p for p in check_trace(trace, sends_wait_for_receive=False))
+
+
+def _config(args: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(args))
+
+
+def test_bad_sharding_flags_are_each_one_line():
+    d1 = validate(_config(["--data-parallel-sharding-strategy", "optim_grads_params"]), 1)
+    assert len(d1) == 1 and "--data-parallel-sharding-strategy optim_grads_params" in d1[0] and "d > 1" in d1[0]
+    k3 = validate(_config(["--data-parallel-sharding-strategy", "optim", "--num-distributed-optimizer-instances",
+                           "3"]), 4)
+    assert len(k3) == 1 and "--num-distributed-optimizer-instances 3" in k3[0] and "d = 4" in k3[0]
+    assert not validate(_config(["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]), 4)
+    both = validate(_config(["--data-parallel-sharding-strategy", "optim_grads", "--num-distributed-optimizer-"
+                             "instances", "2"]), 1)
+    assert len(both) == 2  # every problem at once
+
+
+def test_cli_strategy_with_one_data_parallel_rank_exits_2_with_one_line():
+    proc = run_ptdp(["train", *TINY, "--data-parallel-sharding-strategy", "optim_grads"], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--data-parallel-sharding-strategy" in lines[0] and "Traceback" not in proc.stderr
