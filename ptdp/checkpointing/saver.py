@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from . import storage
+from .sharded import Boxes, BoxSavePlanner
 
 
 def stage(state_dict: dict) -> dict:
@@ -45,6 +46,8 @@ def stage(state_dict: dict) -> dict:
                                           run_check=False, shape=value.shape, stride=value.stride())
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()
+        elif isinstance(value, Boxes):
+            out[key] = value.clone()
         else:
             out[key] = value
     return out
@@ -106,7 +109,7 @@ class CheckpointWriter:
         self._barrier()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-            dcp.save(staged, checkpoint_id=tmp, process_group=self.group)
+            dcp.save(staged, checkpoint_id=tmp, process_group=self.group, planner=BoxSavePlanner())
         if self.rank == 0:
             storage.write_info(tmp, info)
         self._barrier()  # every data file, .metadata and ptdp.json exist

@@ -37,10 +37,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..optim import MegatronOptimizer
-from ..optim.zero import full_parameters, keep_parameter_shards
 from ..pipeline.stage import logical_name
 from ..tensor_parallel import random as tp_random
-from . import storage
+from . import optimizer_shards, storage
+from .sharded import BoxLoadPlanner
 from .validation import model_mismatch, model_shape
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -122,22 +122,24 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
 
 
 def save_state_dict(trainer) -> dict[str, torch.Tensor]:
-    """This rank's contribution to the checkpoint (tensors share storage with the live ones; under ZeRO-3
-    the parameters are gathered for it and copied, a stopgap until checkpoints are written shard by shard)."""
-    with full_parameters(trainer.grads):
-        return _save_state_dict(trainer, copy=trainer.grads.param_sync is not None)
-
-
-def _save_state_dict(trainer, copy: bool) -> dict[str, torch.Tensor]:
+    """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
+    state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
+    the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
     mesh = _tp_mesh(trainer)
-    optim = optimizer_state(trainer.optimizer)
+    pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
+    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)
+    optim = {} if pieces else optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
         if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
             continue
-        out[f"model.{name}"] = _as_global(param.detach().clone() if copy else param.detach(), param, mesh)
+        if not sharded_model:
+            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
+    if pieces:
+        out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
+                                                 trainer.state.tp_rank, trainer.state.dims.tp, sharded_model))
     out.update(_rng_entries(trainer.state.rank))
     return out
 
@@ -180,11 +182,6 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
     iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
     """
-    with full_parameters(trainer.grads):  # ZeRO-3: whole parameters to load into, then the shards again
-        return _load_checkpoint(trainer, path)
-
-
-def _load_checkpoint(trainer, path: str | Path) -> int:
     directory = storage.resolve(path)
     if directory is None:
         return 0
@@ -204,14 +201,20 @@ def _load_checkpoint(trainer, path: str | Path) -> int:
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
     def want(key: str, live: torch.Tensor, param: nn.Parameter, shard: bool = True) -> None:
-        targets.append((key, live))
-        if key not in request:  # a rank holding both copies of the tied embedding reads it once
-            request[key] = _as_global(torch.empty_like(live), param, mesh) if shard else torch.empty_like(live)
+        if key in request:  # a rank holding both copies of the tied embedding reads it once, then copies
+            targets.append((key, live))
+        else:  # DCP reads straight into the live tensor: no full-size staging copy of the model
+            request[key] = _as_global(live, param, mesh) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
+    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)  # ZeRO-3: into the parameter shards
     for name, param in named_parameters(trainer):
-        want(f"model.{name}", param.detach(), param)
-        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] else ():
+        master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
+        if not sharded_model:
+            want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
+                 param.detach(), param)
+        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] and not pieces else ():
             key = f"optimizer.{name}.{field}"
             if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
                 live = torch.zeros((), dtype=torch.float32) if field == "step" else torch.empty_like(
@@ -222,6 +225,12 @@ def _load_checkpoint(trainer, path: str | Path) -> int:
     rng = _rng_entries(trainer.state.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
+    install_pieces = None
+    if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
+        extra, install_pieces = optimizer_shards.load_requests(
+            trainer.optimizer, list(named_parameters(trainer)), trainer.state.tp_rank, trainer.state.dims.tp,
+            saved_keys, model=sharded_model, state=pieces)
+        request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:
         raise storage.CheckpointError(f"--load {directory}: the checkpoint has no {missing[0]} "
@@ -237,13 +246,11 @@ def _load_checkpoint(trainer, path: str | Path) -> int:
         for key, live in targets:
             loaded = request[key]
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
-        for param, state in optim.items():  # fp32 weights from the fp32 master copy of a 16-bit run
-            if "main_param" in state and param.dtype == torch.float32:
-                param.copy_(state["main_param"])
-    keep_parameter_shards(trainer.grads)  # ZeRO-3: the loaded values into the persistent shards
     trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
         load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+    if install_pieces is not None:
+        install_pieces()  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(trainer):
         _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
     trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
@@ -289,7 +296,7 @@ def _barrier(trainer) -> None:
 def _dcp_load(state_dict: dict, directory: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, checkpoint_id=directory)
+        dcp.load(state_dict, checkpoint_id=directory, planner=BoxLoadPlanner())
 
 
 

@@ -79,6 +79,28 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None
     return out
 
 
+def model_states_at_start(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
+    """:func:`model_state_bytes` before the first step, plus the Adam moments AdamW will allocate at it
+    (two tensors like each of its parameters that has no state yet) and, under ZeRO-2/3, the gradient
+    shards in place of the full buffers (which only the step holds): what the rank will hold in steady
+    state, known at start-up (the start-up summary line states it)."""
+    out = model_state_bytes(params, grads, optimizer)
+    if getattr(grads, "shard_grads", False):  # ZeRO-2/3 keep a gradient shard; the full buffer is the step's
+        for b in grads.buckets:
+            full = b.grad_data.untyped_storage().nbytes()
+            if getattr(b, "grad_shard", None) is None and full:
+                shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
+                out["grads"] += shard - full
+                out["total"] += shard - full
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if inner is not None:
+        pending = sum(2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
+                      if not inner.state.get(p))
+        out["optimizer"] += pending
+        out["total"] += pending
+    return out
+
+
 def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.float32,
                               grad_dtype: torch.dtype = torch.float32, shards: int = 1,
                               distributed: bool = False) -> float:
@@ -93,37 +115,80 @@ def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.
     return num_params * (p_bytes + g_bytes + owned / (shards if distributed else 1))
 
 
-def peak_resident_bytes() -> int:
-    """This process's peak resident set (``VmHWM``, Linux), 0 where /proc is not there."""
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (Linux), 0 where /proc is not there."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
 
 
+_lifetime_peak = {"rss": 0, "cuda": 0}  # the window peaks are reset (below): the run's peaks are kept here
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set over the whole run (``VmHWM``, and the peaks of earlier windows)."""
+    _lifetime_peak["rss"] = max(_lifetime_peak["rss"], _status_bytes("VmHWM"))
+    return _lifetime_peak["rss"]
+
+
+def window_peak_bytes(device: torch.device) -> int:
+    """Peak memory since the previous call (the iterations of one metrics window), then reset: the device's
+    ``max_memory_allocated`` on a GPU, the resident set's high-water mark on the CPU (reset through
+    ``/proc/self/clear_refs``; where that is not writable it stays the run's peak). The run's peaks
+    (:func:`peak_resident_bytes`, ``_lifetime_peak["cuda"]``) take this window's in first."""
+    peak_resident_bytes()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        _lifetime_peak["cuda"] = max(_lifetime_peak["cuda"], peak)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    peak = _status_bytes("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # VmHWM := VmRSS
+    except OSError:
+        pass
+    return peak
+
+
+def memory_row(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> list[float]:
+    """This rank's memory numbers, for one gather with the other per-rank numbers of a metrics window:
+    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU)."""
+    window = float(window_peak_bytes(device))
+    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(peak_resident_bytes()),
+            float(_lifetime_peak["cuda"]) if device.type == "cuda" else -1.0]
+
+
+def memory_fields(rows: list[list[float]]) -> dict:
+    """The metrics JSONL's memory keys from every rank's :func:`memory_row` (indexed by global rank)."""
+    states, window, resident, allocated = (list(col) for col in zip(*rows, strict=True))
+    return {
+        "model_state_bytes": int(max(states)),
+        "model_state_bytes_per_rank": [int(v) for v in states],
+        "peak_memory_bytes_per_rank": [int(v) for v in window],
+        "peak_resident_bytes_per_rank": [int(v) for v in resident],
+        "peak_allocated_bytes_per_rank": None if allocated[0] < 0 else [int(v) for v in allocated],
+    }
+
+
 def memory_report(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> dict:
     """Per-rank ``model_state_bytes`` (distinct storages held) and peak memory, for the metrics JSONL.
 
     Collective over the world (one all-gather): every rank calls it; lists are indexed by global rank.
-    ``peak_resident_bytes``: the process's peak RSS; ``peak_allocated_bytes``: CUDA's
-    ``max_memory_allocated`` (None on the CPU).
+    The training loop does not call it: it sends :func:`memory_row` with the straggler report's gather
+    (``ptdp.train.report.rank_report``). ``peak_memory_bytes_per_rank``: the peak since the previous
+    report (device memory on a GPU, resident set on the CPU); ``peak_resident_bytes_per_rank``: the
+    process's peak RSS over the run; ``peak_allocated_bytes_per_rank``: CUDA's peak (None on the CPU).
     """
-    row = [float(model_state_bytes(params, grads, optimizer)["total"]), float(peak_resident_bytes()),
-           float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else -1.0]
-    local = torch.tensor(row, dtype=torch.float64, device=device)
+    local = torch.tensor(memory_row(params, grads, optimizer, device), dtype=torch.float64, device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         rows = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(rows, local)
     else:
         rows = [local]
-    states, resident, allocated = (list(col) for col in zip(*(r.tolist() for r in rows), strict=True))
-    return {
-        "model_state_bytes": int(max(states)),
-        "model_state_bytes_per_rank": [int(v) for v in states],
-        "peak_resident_bytes_per_rank": [int(v) for v in resident],
-        "peak_allocated_bytes_per_rank": None if allocated[0] < 0 else [int(v) for v in allocated],
-    }
+    return memory_fields([r.tolist() for r in rows])

@@ -11,6 +11,7 @@ from ptdp import config as train_config
 from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
 from ptdp.pipeline.registry import default_virtual_size
+from ptdp.planner.memory import STRATEGIES
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -56,6 +57,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     # distributed optimizer off.
     p.add_argument("--recompute-granularity", choices=RECOMPUTE_CHOICES)
     p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES, default=None,
+                   help="pin the ZeRO stage (default: search all four)")
+    p.add_argument("--num-distributed-optimizer-instances", type=int, default=None,
+                   help="pin hybrid sharding K (shard over d/K ranks, replicate over K; default 1)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--top", type=int, default=5, metavar="K", help="runners-up to show (default 5)")
@@ -141,6 +146,8 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
         args.sequence_parallel, pipeline_schedule=args.pipeline_schedule, context_parallel_size=c,
         cp_comm_type=args.cp_comm_type, pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         enable_vocab_parallel=args.enable_vocab_parallel, disable_fb_fusion=args.disable_fb_fusion,
+        sharding_strategy=args.data_parallel_sharding_strategy or "no_shard",
+        distributed_optimizer_instances=args.num_distributed_optimizer_instances or 1,
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -174,6 +181,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 pipeline_schedule=args.pipeline_schedule,
                 context_sizes=pin(args.context_parallel_size),
                 cp_comm_type=args.cp_comm_type,
+                strategies=pin(args.data_parallel_sharding_strategy),
+                instances=pin(args.num_distributed_optimizer_instances),
             )
             result = search(model, cluster, train, top=args.top, configs=configs)
             if result.num_evaluated == 0:
@@ -193,16 +202,27 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-_COLUMNS = ("t", "c", "p", "d", "v", "b", "m", "recompute", "dist-opt", "vocab", "iter s", "TFLOP/s", "MFU", "bubble",
+_COLUMNS = ("t", "c", "p", "d", "v", "b", "m", "recompute", "zero", "vocab", "iter s", "TFLOP/s", "MFU", "bubble",
             "GiB")
+
+
+def _sharded_words(c) -> str:
+    return {"no_shard": "", "optim": " and shards the optimizer state over d",
+            "optim_grads": " and shards optimizer state and gradients over d",
+            "optim_grads_params": " and shards optimizer state, gradients and weights over d"}[c.strategy]
+
+
+def _zero(c) -> str:
+    """The ZeRO column: no, 1, 2 or 3 (the stage), with /K under hybrid sharding."""
+    stage = {"no_shard": "no", "optim": "1", "optim_grads": "2", "optim_grads_params": "3"}[c.strategy]
+    return stage + (f"/K{c.distributed_optimizer_instances}" if c.distributed_optimizer_instances > 1 else "")
 
 
 def _row(rank: str, e: Estimate) -> list[str]:
     c = e.config
     return [rank, str(c.tensor_model_parallel_size), str(c.context_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
             str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
-            c.recompute_granularity, "yes" if c.use_distributed_optimizer else "no", vocab_column(c),
-            f"{e.iteration_time_s:.2f}",
+            c.recompute_granularity, _zero(c), vocab_column(c), f"{e.iteration_time_s:.2f}",
             f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.0%}", f"{e.bubble_fraction:.1%}", f"{e.memory.total / GIB:.1f}",
             e.why_it_loses]
 
@@ -263,7 +283,7 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs"
-        f"{' and shards the optimizer state over d' if c.use_distributed_optimizer else ''}, just enough to fit "
+        f"{_sharded_words(c)}, just enough to fit "
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "
         f"all-reduces cost {share['tp_comm']:.0%} of the iteration",
@@ -271,7 +291,7 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
         f"{best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
         f"d = {d} data-parallel replicas take the rest of the {cluster.num_gpus} GPUs (takeaway 2); their gradient "
         f"reduction costs {share['dp_comm']:.0%}"
-        + (" with the distributed optimizer sharding Adam state d ways" if c.use_distributed_optimizer else ""),
+        + (f" with ZeRO ({c.strategy}) sharding over {c.shards} ranks" if c.strategy != "no_shard" else ""),
         f"b = {c.micro_batch_size}, recompute {c.recompute_granularity}: {mem.total / GIB:.1f} GiB per GPU "
         f"({mem.model_states / GIB:.1f} states + {mem.activations / GIB:.1f} activations + "
         f"{mem.overhead / GIB:.1f} runtime) on pipeline rank {mem.pipeline_rank}; compute is "

@@ -26,14 +26,38 @@ from ptdp.planner.stages import (
 # typically 1-3 GiB on A100/H100 with NCCL); counted once per GPU.
 RUNTIME_OVERHEAD_BYTES = 2 * 1024**3
 
-# bytes/param: (without, with distributed optimizer as (replicated, sharded over d)) -- ptdp-facts.md, §Memory
-_STATE_BYTES = {"fp16": (20, 4, 16), "bf16": (18, 6, 12), "fp32": (16, 8, 8)}
+# bytes/param held for (parameters, gradients, what the optimizer owns: fp32 master copy of 16-bit weights,
+# fp32 main grads of 16-bit grads, Adam's two fp32 moments) -- ptdp-facts.md, §Memory and §ZeRO
+_STATE_BYTES = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp32": (4, 4, 8)}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def model_state_bytes_per_param(precision: str, distributed_optimizer: bool, data_parallel_size: int) -> float:
-    """20 -> 4 + 16/d (fp16), 18 -> 6 + 12/d (bf16), 16 -> 8 + 8/d (fp32) with the distributed optimizer."""
-    full, replicated, sharded = _STATE_BYTES[precision]
-    return replicated + sharded / data_parallel_size if distributed_optimizer else float(full)
+def model_state_bytes_per_param(precision: str, distributed_optimizer: bool | str, data_parallel_size: int) -> float:
+    """Bytes per parameter of one rank's model states under a ZeRO strategy sharded over
+    ``data_parallel_size`` ranks (``distributed_optimizer``: a strategy name, or a bool meaning ``optim`` /
+    ``no_shard``). ``optim`` (ZeRO-1): 20 -> 4 + 16/d (fp16), 18 -> 6 + 12/d (bf16), 16 -> 8 + 8/d (fp32);
+    ``optim_grads`` (ZeRO-2) shards the gradients too (fp32: 4 + 12/d), ``optim_grads_params`` (ZeRO-3)
+    everything (fp32: 16/d)."""
+    strategy = distributed_optimizer if isinstance(distributed_optimizer, str) else (
+        "optim" if distributed_optimizer else "no_shard")
+    params, grads, owned = _STATE_BYTES[precision]
+    s = max(data_parallel_size, 1)
+    if strategy == "no_shard":
+        return float(params + grads + owned)
+    if strategy == "optim":
+        return params + grads + owned / s
+    if strategy == "optim_grads":
+        return params + (grads + owned) / s
+    if strategy == "optim_grads_params":
+        return (params + grads + owned) / s
+    raise ValueError(f"unknown sharding strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def step_buffer_bytes_per_param(precision: str, strategy: str) -> float:
+    """Bytes per parameter that ZeRO-2/3 hold only during the step: the full gradient buffer (stages 2
+    and 3) and the gathered 16-bit or fp32 parameters (stage 3)."""
+    params, grads, _ = _STATE_BYTES[precision]
+    return {"optim_grads": grads, "optim_grads_params": grads + params}.get(strategy, 0.0)
 
 
 def _norm_params(model: GPTSpec) -> int:
@@ -130,10 +154,13 @@ class MemoryEstimate:
     activations: float
     overhead: float
     pipeline_rank: int
+    # ZeRO-2/3 during the step: the full gradient buffers of the backward (freed once reduce-scattered)
+    # and, at ZeRO-3, the rank's gathered parameters (ptdp keeps each chunk gathered through its backward)
+    step_buffers: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.overhead
+        return self.model_states + self.activations + self.overhead + self.step_buffers
 
 
 def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str) -> MemoryEstimate:
@@ -147,9 +174,10 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     """Memory of each pipeline rank in ``ranks`` (default all): layers from the layout, the vocabulary
     tables and fp32 logits where they live (1/p of them everywhere under vocabulary parallelism)."""
     t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    d, m = cfg.data_parallel_size, cfg.num_microbatches(global_batch_size)
-    # the distributed optimizer shards over the dp-cp group: parameters are replicated over CP too
-    per_param = model_state_bytes_per_param(precision, cfg.use_distributed_optimizer, d * cfg.context_parallel_size)
+    m = cfg.num_microbatches(global_batch_size)
+    # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
+    per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards)
+    step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
     # a layer being recomputed or run in backward materialises its whole working set once
@@ -165,5 +193,6 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
         acts = in_flight * layers[rank] / v * stash + working
         out = vocab_shares(cfg, rank)[1]  # fp32 logits for the vocab-parallel cross entropy, one microbatch
         acts += out * 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
-        out_list.append(MemoryEstimate(params_of[kind] * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank))
+        params = params_of[kind]
+        out_list.append(MemoryEstimate(params * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank, params * step_per_param))
     return out_list

@@ -307,9 +307,18 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     bw, lat = dp_link(cfg, cluster)
     reduce = ring_all_reduce_time(params * grad_bytes, d, bw, lat)
     gather = 0.0
-    if cfg.use_distributed_optimizer:  # reduce-scatter is half an all-reduce; all-gather 16-bit params
-        reduce /= 2
-        gather = ring_all_reduce_time(params * BYTES_PER_ELEMENT, d, bw, lat) / 2
+    if cfg.strategy != "no_shard":  # reduce-scatter is half an all-reduce; all-gather 16-bit params
+        # (ZeRO-3 as ptdp runs it by default: each chunk gathered once per step, kept through its backward)
+        k = cfg.distributed_optimizer_instances
+        if k > 1:  # hybrid: within an instance of d/k ranks, then the 1/(d/k) shard all-reduced across k
+            inner = ParallelConfig(t, p, d // k, context_parallel_size=cfg.context_parallel_size)
+            ibw, ilat = dp_link(inner, cluster)
+            reduce = ring_all_reduce_time(params * grad_bytes, d // k, ibw, ilat) / 2 + ring_all_reduce_time(
+                params * grad_bytes * k / d, k, bw, lat)
+            gather = ring_all_reduce_time(params * BYTES_PER_ELEMENT, d // k, ibw, ilat) / 2
+        else:
+            reduce /= 2
+            gather = ring_all_reduce_time(params * BYTES_PER_ELEMENT, d, bw, lat) / 2
     if train.overlap_grad_reduce:
         reduce = max(0.0, reduce - stage.compute * 2 / 3)  # the last microbatch's backward hides it
     # with p > 1 the first and last stage each hold the tied word embedding and all-reduce its gradient
@@ -320,7 +329,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         embedding = ring_all_reduce_time(model.vocab_size * model.hidden_size / t * grad_bytes, 2, ebw, elat)
     dp_comm = reduce + gather + embedding
 
-    local_params = params / d if cfg.use_distributed_optimizer else params
+    local_params = params / max(cfg.shards // cfg.context_parallel_size, 1)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
     return IterationTimes(

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
 from ptdp.pipeline.registry import bubble_fraction_formula, schedule_problems
-from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
+from ptdp.planner.memory import STRATEGIES, MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
@@ -56,6 +56,8 @@ class Estimate:
         """Flat JSON-ready summary (the ``ptdp plan --json`` fields)."""
         out = asdict(self.config)
         out.update(
+            sharding_strategy=self.config.strategy,
+            model_state_bytes=self.memory.model_states,
             num_microbatches=self.num_microbatches,
             pipeline_schedule=self.config.schedule,
             flops_per_iteration=self.flops_per_iteration,
@@ -68,6 +70,7 @@ class Estimate:
                 "model_states": self.memory.model_states / GIB,
                 "activations": self.memory.activations / GIB,
                 "overhead": self.memory.overhead / GIB,
+                "zero_step_buffers": self.memory.step_buffers / GIB,
             },
             fits=self.fits,
             time_breakdown_s=asdict(self.times),
@@ -159,6 +162,8 @@ def candidates(
     context_sizes: Sequence[int] | None = None,
     cp_comm_type: str = "p2p",
     vocab_layouts: bool = True,
+    strategies: Sequence[str] | None = None,
+    instances: Sequence[int] | None = None,
 ) -> Iterator[ParallelConfig]:
     """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
     searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
@@ -175,14 +180,32 @@ def candidates(
             for b in micro_batch_sizes or _divisors(max(per_pipeline, 1)):
                 for v in virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
                     for rc in recompute:
-                        for dopt in distributed_optimizer if d > 1 else distributed_optimizer[:1]:
-                            cfg = ParallelConfig(t, p, d, v, b, rc, dopt, sequence_parallel and t > 1,
+                        for strategy, k in _sharding(strategies, distributed_optimizer, instances, d * c):
+                            cfg = ParallelConfig(t, p, d, v, b, rc, strategy == "optim", sequence_parallel and t > 1,
                                                  pipeline_schedule, context_parallel_size=c,
-                                                 cp_comm_type=cp_comm_type)
+                                                 cp_comm_type=cp_comm_type, sharding_strategy=strategy,
+                                                 distributed_optimizer_instances=k)
                             if invalid_reason(model, cfg, cluster, train) is None:
                                 yield cfg
                                 if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
                                     yield from vocab_variants(model, cfg, cluster, train)
+
+
+def _sharding(strategies: Sequence[str] | None, distributed_optimizer: Sequence[bool], instances: Sequence[int] | None,
+              dp: int) -> Iterator[tuple[str, int]]:
+    """(ZeRO strategy, hybrid instances K) to try for a dp-cp group of ``dp`` ranks: every strategy (or the
+    pinned ones; ``distributed_optimizer`` pinned alone means no_shard or optim) and, for the sharded ones,
+    K = 1 or the pinned K values that divide ``dp`` (nothing to shard at d·c = 1)."""
+    if strategies is None:
+        strategies = STRATEGIES if tuple(distributed_optimizer) == (False, True) else [
+            "optim" if dopt else "no_shard" for dopt in distributed_optimizer]
+    if dp == 1:
+        yield strategies[0], 1
+        return
+    for strategy in strategies:
+        for k in [1] if strategy == "no_shard" else instances or [1]:
+            if k == 1 or (dp % k == 0 and dp // k > 1):
+                yield strategy, k
 
 
 def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:

@@ -184,6 +184,24 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = None
     enable_vocab_parallel: bool = False
     disable_fb_fusion: bool = False  # with enable_vocab_parallel: two barriers per microbatch
+    # ZeRO stage (--data-parallel-sharding-strategy; use_distributed_optimizer alone means "optim") and
+    # hybrid sharding (--num-distributed-optimizer-instances K: shards over d·c/K ranks, K replicas)
+    sharding_strategy: str = "no_shard"
+    distributed_optimizer_instances: int = 1
+
+    @property
+    def strategy(self) -> str:
+        """The effective ZeRO strategy, as ``OptimizerConfig.sharding`` derives it for ``ptdp train``."""
+        if self.sharding_strategy == "no_shard" and self.use_distributed_optimizer:
+            return "optim"
+        return self.sharding_strategy
+
+    @property
+    def shards(self) -> int:
+        """How many ranks split what the strategy shards: the dp-cp group, or one hybrid instance of it."""
+        if self.strategy == "no_shard":
+            return 1
+        return self.data_parallel_size * self.context_parallel_size // self.distributed_optimizer_instances
 
     @property
     def schedule(self) -> str:

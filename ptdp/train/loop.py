@@ -12,8 +12,7 @@ from ..checkpointing import CheckpointManager
 from ..config import Config
 from ..observability.clock import Clock
 from ..observability.observer import RunObserver
-from ..optim.memory import memory_report
-from .report import progress_line, read_records, startup_summary, straggler_report, validation_record
+from .report import progress_line, rank_report, read_records, startup_summary, validation_record
 from .state import setup
 from .step import train_step
 
@@ -54,8 +53,7 @@ def train(config: Config) -> list[dict]:
         """Read every pending record (one sync), finish, log and store them; the last one is returned."""
         schedule_stats = [r.get("schedule_stats") for _, _, r in pending]
         records = read_records(trainer, [r for _, _, r in pending])
-        records[-1].update(straggler_report(trainer, schedule_stats))  # one all-gather per flush
-        records[-1].update(memory_report(trainer.params, trainer.grads, trainer.optimizer, trainer.state.device))
+        records[-1].update(rank_report(trainer, schedule_stats))  # straggler + memory: one all-gather per flush
         for (t0, t1, _), record in zip(pending, records, strict=True):
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")

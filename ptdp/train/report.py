@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .. import flops
 from ..observability import straggler
+from ..optim.memory import memory_fields, memory_row, model_states_at_start
 from ..pipeline.executor import ScheduleStats
 from ..pipeline.schedules import bubble_fraction_formula
 from .evaluate import evaluate, perplexity
@@ -59,28 +60,35 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
     }
 
 
-def straggler_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None]) -> dict:
-    """Spread of the ranks' step times over the flushed window, and the slowest rank (collective).
+def rank_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None]) -> dict:
+    """The straggler report and the memory report (``model_state_bytes``, peak memory of the window per
+    rank: ``ptdp.optim.memory``) in ONE all-gather of a few floats per rank, once per flushed window.
+
+    Straggler report: the spread of the ranks' step times over the window, and the slowest rank.
 
     A rank's step time here is its compute time in the schedule (``busy_s``, mean over the window): the
     wall time of a step is the same on every rank of a synchronous job, since all wait for the slowest at
     the gradient all-reduce, so only the time each spent computing tells the straggler apart. Read after
-    ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``.
-    """
-    busy = [float(s.busy_s) for s in schedule_stats if s is not None]
-    return straggler.step_time_report(busy, trainer.state.dims.world_size, trainer.state.device)
+    ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``."""
+    busy = straggler.mean_step_time([float(s.busy_s) for s in schedule_stats if s is not None])
+    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, trainer.state.device)
+    rows = straggler.gather_rows([busy, *memory], trainer.state.dims.world_size, trainer.state.device)
+    return {**straggler.step_time_fields([r[0] for r in rows]), **memory_fields([r[1:] for r in rows])}
 
 
 def startup_summary(trainer: TrainState) -> str:
     """One line saying what is being trained, and how: the family, parameters in total and on the fullest
-    rank, the layout, microbatches and tokens per iteration (collective: every rank calls it)."""
+    rank, model-state bytes (parameters, gradients, optimizer state; Adam's moments counted before the first
+    step allocates them) on the fullest rank, the layout, microbatches and tokens per iteration (collective:
+    every rank calls it)."""
     from ..presets import model_family
 
     cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
     m = cfg.model
-    local = torch.tensor(float(sum(p.numel() for p in trainer.params)), dtype=torch.float64, device=state.device)
-    if state.dims.world_size > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    states = model_states_at_start(trainer.params, trainer.grads, trainer.optimizer)
+    rows = straggler.gather_rows([float(sum(p.numel() for p in trainer.params)), *(float(states[k]) for k in
+                                  ("total", "params", "grads", "optimizer"))], state.dims.world_size, state.device)
+    fullest = max(rows, key=lambda r: r[1])  # the rank holding the most model-state bytes
     padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
     norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
     moe = flops.moe_shape(m, cfg.moe)
@@ -89,11 +97,20 @@ def startup_summary(trainer: TrainState) -> str:
         f" ({_count(flops.model_parameter_count(m, padded, moe, active=True) + norm)} active per token)"
     tokens = cfg.training.global_batch_size * m.seq_length
     return (f" model: {model_family(m)}, {_count(total)} parameters{active} with the vocabulary padded to {padded} "
-            f"({_count(local.item())} on the fullest rank) | "
+            f"({_count(max(r[0] for r in rows))} on the fullest rank) | model states on the fullest rank: "
+            f"{_bytes(fullest[1])} (params {_bytes(fullest[2])}, grads {_bytes(fullest[3])}, optimizer "
+            f"{_bytes(fullest[4])}) | "
             f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
             f"d={state.dims.dp} v={par.virtual_size} "
             f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
             f"| tokens/iteration: {tokens}")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _count(n: float) -> str:

@@ -1,0 +1,108 @@
+"""ZeRO stages 1-3 (issue 23): model-state bytes, peak memory and iteration time per strategy, on 4 CPU
+processes, against ZeRO's formulas and against ``no_shard`` measured in the same run.
+
+    python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
+    python benchmarks/zero.py --layouts d4 --iters 4 --json
+    python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params --iters 2   # capacity
+
+Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
+the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after the step:
+ptdp/optim/memory.py), ``peak_memory_bytes_per_rank`` (each worker's resident-set high-water mark over
+the last iteration; device memory on a GPU) and the median ``iteration_time_s`` after the first iteration.
+Formulas (fp32 Adam, Ψ = a rank's parameters, measured as no_shard's bytes / 16; ptdp-facts.md §ZeRO):
+no_shard 16Ψ, optim 8Ψ + 8Ψ/d, optim_grads 4Ψ + 12Ψ/d, optim_grads_params 16Ψ/d. Stage 3 also holds, during
+the step, the gathered parameters of its chunks (4Ψ; ptdp keeps a chunk gathered through its backward).
+Goals: stage 3 states <= 1.05 x 16Ψ/d (+ a chunk's gathered parameters, which the step's peak shows),
+stage 2 within 10% of its formula, stage 3 time <= 1.15 x no_shard. Timings on a shared 2-core machine are
+noisy: read the ratios, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODELS = {  # byte vocabulary (padded to 384 at t = 1)
+    "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64"],
+    "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
+}
+LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FORMULA = {"no_shard": lambda d: 16, "optim": lambda d: 8 + 8 / d, "optim_grads": lambda d: 4 + 12 / d,
+           "optim_grads_params": lambda d: 16 / d}
+WORLD = 4
+
+
+def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> dict:
+    metrics = workdir / f"{model}-{layout}-{strategy}.jsonl"
+    cmd = [sys.executable, "-m", "ptdp", "train", *MODELS[model], *LAYOUTS[layout],
+           "--data-parallel-sharding-strategy", strategy, "--micro-batch-size", "1",
+           "--global-batch-size", str(WORLD // (2 if layout == "p2d2" else 1)), "--train-iters", str(iters),
+           "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--log-interval", "1", "--nproc-per-node", str(WORLD), "--metrics-file", str(metrics)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise SystemExit(f"zero.py: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = records[-1]
+    times = [r["iteration_time_s"] for r in records[1:]] or [records[0]["iteration_time_s"]]
+    return {"layout": layout, "strategy": strategy, "model_state_bytes_per_rank": last["model_state_bytes_per_rank"],
+            "peak_memory_bytes_per_rank": last["peak_memory_bytes_per_rank"],
+            "iteration_time_s": statistics.median(times), "losses": [r["loss"] for r in records]}
+
+
+def compare(rows: list[dict]) -> None:
+    """Ratios against the formulas (Ψ per rank from no_shard when it ran) and against no_shard's time."""
+    base = next((r for r in rows if r["strategy"] == "no_shard"), None)
+    for r in rows:
+        d = WORLD // (2 if r["layout"] == "p2d2" else 1)
+        psi = [b / 16 for b in base["model_state_bytes_per_rank"]] if base else None
+        if psi:
+            formula = [FORMULA[r["strategy"]](d) * p for p in psi]
+            r["formula_bytes_per_rank"] = [int(f) for f in formula]
+            r["states_over_formula"] = round(max(m / f for m, f in zip(r["model_state_bytes_per_rank"], formula,
+                                                                         strict=True)), 4)
+            r["time_over_no_shard"] = round(r["iteration_time_s"] / base["iteration_time_s"], 3)
+            r["peak_over_no_shard"] = round(max(r["peak_memory_bytes_per_rank"])
+                                            / max(base["peak_memory_bytes_per_rank"]), 3)
+            r["same_losses_as_no_shard"] = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(r["losses"], base["losses"],
+                                                                                          strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="100m")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in args.layouts:
+            rows = [run(args.model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
+            compare(rows)
+            out += rows
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    mib = 2**20
+    print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case")
+    print(f"{'layout':6} {'strategy':19} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
+          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
+    for r in out:
+        print(f"{r['layout']:6} {r['strategy']:19} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
+              f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
+              f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
+              f"{r.get('time_over_no_shard', float('nan')):14.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The distributed optimizer's state in a checkpoint, written and read shard by shard.
+
+Each rank saves only the :class:`~ptdp.optim.optimizer.ShardPiece` ranges it owns -- fp32 master
+weights and Adam moments -- as boxes of the logical (global) tensors ``optimizer.<name>.{main_param,
+exp_avg,exp_avg_sq}`` (:mod:`.sharded`), and on load asks for exactly the boxes of the pieces it owns in
+the new layout, read straight into freshly allocated piece-sized tensors that become AdamW's state. No
+collective, and no tensor larger than a piece: the first version gathered every parameter's full fp32
+state on every rank (12 bytes per parameter, ZeRO's savings undone at every save).
+
+The keys and global shapes are those :func:`~.state.save_state_dict` always wrote, so checkpoints of
+either kind load into any optimizer (a non-sharded one simply asks for whole parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..optim.optimizer import DistributedOptimizer
+from .sharded import add_boxes, piece_boxes, tp_geometry
+
+
+def owns_pieces(optimizer) -> bool:
+    """Whether ``optimizer`` keeps its state as flat pieces (then this module saves and loads it)."""
+    return isinstance(optimizer, DistributedOptimizer)
+
+
+def model_is_sharded(grads) -> bool:
+    """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
+    return getattr(grads, "param_sync", None) is not None
+
+
+def _names(named: list[tuple[str, nn.Parameter]], copies: bool) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in named if copies or not getattr(param, "is_embedding_copy", False)}
+
+
+def _boxes(x, flat: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[torch.Size, list]:
+    """(global shape, boxes) of piece ``x``'s values ``flat`` (a 1-D tensor as long as the piece)."""
+    shape, offset = tp_geometry(x.param, tp_rank, tp_size)
+    return shape, piece_boxes(flat.detach().reshape(-1), tuple(x.param.shape), x.start - x.param_offset, offset)
+
+
+def save_entries(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Parameter]], tp_rank: int,
+                 tp_size: int, model: bool = False) -> dict:
+    """This rank's entries: boxes of its pieces (views, no copy) -- the optimizer's master weights and Adam
+    moments, and every parameter's ``step`` (none before the first step); with ``model`` (ZeRO-3) the
+    model's weights ``model.<name>`` too. ``named``: (logical name, parameter) of this rank's parameters."""
+    names = _names(named, copies=False)  # one copy of the tied embedding, as for the model
+    out: dict = {}
+    if optimizer.adam_steps:
+        step = torch.tensor(float(optimizer.adam_steps), dtype=torch.float32)
+        out.update({f"optimizer.{name}.step": step for name in names.values()})
+    for x in optimizer.pieces:
+        name = names.get(x.param)
+        if name is None:
+            continue
+        state = optimizer.optimizer.state.get(x.main) or {}
+        fields = [("model", x.model_view)] if model else []
+        if optimizer.adam_steps:
+            fields += [("optimizer.main_param", x.main), ("optimizer.exp_avg", state.get("exp_avg")),
+                       ("optimizer.exp_avg_sq", state.get("exp_avg_sq"))]
+        for field, flat in fields:
+            if flat is not None:
+                prefix, _, suffix = field.partition(".")
+                add_boxes(out, f"{prefix}.{name}" + (f".{suffix}" if suffix else ""), *_boxes(x, flat, tp_rank, tp_size))
+    return out
+
+
+def load_requests(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Parameter]], tp_rank: int,
+                  tp_size: int, saved_keys: set[str], model: bool = False, state: bool = True
+                  ) -> tuple[dict, Callable[[], None]]:
+    """What this rank asks DCP for and the function that installs the loaded values once DCP filled them.
+
+    ``state``: the optimizer's pieces (master weights, Adam moments; every parameter's ``step``), read into
+    new piece-sized tensors that become AdamW's state. ``model`` (ZeRO-3): the model's weights, read
+    straight into the persistent parameter shards (fp32 weights from the fp32 master copy when the
+    checkpoint has one). Call the installer after the rest of the model is in place.
+    """
+    names = _names(named, copies=True)  # the last stage's tied copy has its own pieces and state
+    request: dict = {}
+    steps = {f"optimizer.{name}.step" for name in names.values()} & saved_keys if state else set()
+    for key in steps:
+        request[key] = torch.zeros((), dtype=torch.float32)
+    filled: list[tuple] = []
+    for x in optimizer.pieces:
+        name = names[x.param]
+        shares_model = x.main.data_ptr() == x.model_view.data_ptr()  # fp32: the model's weights are the master
+        if model:
+            master = f"optimizer.{name}.main_param"
+            key = master if x.model_view.dtype == torch.float32 and master in saved_keys else f"model.{name}"
+            add_boxes(request, key, *_boxes(x, x.model_view, tp_rank, tp_size))
+        fields = {}
+        for field in ("exp_avg", "exp_avg_sq", "main_param") if state else ():
+            key = f"optimizer.{name}.{field}"
+            if key not in saved_keys or (field == "main_param" and shares_model):
+                continue
+            fields[field] = torch.empty(x.end - x.start, dtype=torch.float32, device=x.main.device)
+            add_boxes(request, key, *_boxes(x, fields[field], tp_rank, tp_size))
+        filled.append((x, fields))
+
+    @torch.no_grad()
+    def install() -> None:
+        values = {int(request[key]) for key in steps}
+        if len(values) > 1:
+            raise ValueError(f"the checkpoint's parameters are at different Adam steps {sorted(values)}")
+        if not values:
+            return
+        optimizer.adam_steps = values.pop()
+        for x, fields in filled:
+            if "exp_avg" in fields and "exp_avg_sq" in fields:
+                fused = x.main.device.type != "cpu"  # fused (CUDA) AdamW wants its step beside the parameter
+                optimizer.optimizer.state[x.main] = {
+                    "step": torch.tensor(float(optimizer.adam_steps), dtype=torch.float32,
+                                         device=x.main.device if fused else None),
+                    "exp_avg": fields["exp_avg"], "exp_avg_sq": fields["exp_avg_sq"]}
+            if "main_param" in fields:
+                x.main.copy_(fields["main_param"])
+                if x.main.data_ptr() != x.model_view.data_ptr():
+                    x.model_view.copy_(x.main)
+
+    return request, install
