@@ -36,6 +36,7 @@ class ExpertGradBuckets:
             bucket.group, bucket.shard_count = expert.dp_group, expert.shard_count
         self.dp_group, self.dp_size, self.shard_count = dense.dp_group, dense.dp_size, dense.shard_count
         self.distributed_optimizer = dense.distributed_optimizer
+        self.param_sync = None  # ZeRO-3 is refused with experts (config.validate)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -66,6 +67,10 @@ class ExpertGradBuckets:
     def all_gather_params(self) -> None:
         self.dense.all_gather_params()
         self.expert.all_gather_params()
+
+    def keep_grad_shards(self) -> None:
+        self.dense.keep_grad_shards()
+        self.expert.keep_grad_shards()
 
     def launched(self) -> list[bool]:
         return self.dense.launched() + self.expert.launched()
