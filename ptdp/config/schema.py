@@ -130,6 +130,11 @@ class ParallelConfig:
     cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
                             "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
                             choices=["p2p", "a2a", "allgather"])
+    enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its loss by "
+                                      "vocabulary over all p pipeline ranks (and t within each), as S and T "
+                                      "passes in the schedule (Yeung et al. 2024; docs/vocab-parallel.md)")
+    disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two all-reduce barriers per "
+                                  "microbatch instead of one (less activation memory: p+1 against p+2)")
 
     @property
     def virtual_size(self) -> int:
