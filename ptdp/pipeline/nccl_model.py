@@ -130,17 +130,24 @@ class _TraceStage:
 
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
-                      lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False) -> dict:
+                      lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
+                      vocab_barriers: int = 0) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
-    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does."""
-    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does.
+    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives (issue 24)."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
         events: list[dict] = []
-        run_schedule(lists[r], _TraceStage(r, p, v, events, placement),
-                     RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False)
+        comm = RecordingComm(r, p, events, placement, per_direction)
+        stage = _TraceStage(r, p, v, events, placement)
+        if vocab_barriers:
+            from .nccl_vocab import VocabTraceStage
+
+            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
+        run_schedule(lists[r], stage, comm, count_saved_bytes=False)
         ranks.append(events)
     return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
             "per_direction": per_direction, "ranks": ranks}
@@ -175,6 +182,8 @@ class _Rank:
 
 
 def _describe(op: dict) -> str:
+    if op["op"] == "coll":
+        return f"collective {op['msg'][0]} of microbatch {op['msg'][1]} on every rank"
     kind, mb, stage = op["msg"]
     what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}"
     return f"{op['op']} {what} {'to' if op['op'] == 'send' else 'from'} rank {op['peer']}"
@@ -186,9 +195,13 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
     ranks = [_split(events) for events in trace["ranks"]]
     problems: list[str] = []
     match = _match(ranks, problems)
+    collectives = _match_collectives(ranks, problems)
     problems += _unwaited_consumers(trace, ranks)
 
     def op_done(r: int, i: int, k: int) -> bool:
+        if ranks[r].issues[i][k]["op"] == "coll":  # complete once every rank of the group started it
+            members = collectives.get((r, i, k))
+            return members is not None and all(j in ranks[q].started for q, j in members)
         partner = match.get((r, i, k))
         if partner is None:
             return False
@@ -276,6 +289,8 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
     for r, rk in enumerate(ranks):
         for i, ops in enumerate(rk.issues):
             for k, op in enumerate(ops):
+                if op["op"] == "coll":
+                    continue
                 src, dst = (r, op["peer"]) if op["op"] == "send" else (op["peer"], r)
                 queues.setdefault((op["op"], src, dst, rk.comms[i]), []).append((r, i, k))
     match = {}
@@ -295,6 +310,29 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
         if op == "recv" and ("send", src, dst, comm) not in queues:
             problems.append(f"unmatched: rank {dst} receives {len(recvs)} messages rank {src} never sends")
     return match
+
+
+def _match_collectives(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple, list[tuple[int, int]]]:
+    """The n-th collective on a communicator is the same call on every rank: ``(rank, issue, op)`` -> every
+    rank's ``(rank, issue)`` of it. Different counts or messages across ranks are problems."""
+    per: dict[str, list[list[tuple[int, int, list]]]] = {}
+    for r, rk in enumerate(ranks):
+        for i, ops in enumerate(rk.issues):
+            for k, op in enumerate(ops):
+                if op["op"] == "coll":
+                    per.setdefault(rk.comms[i], [[] for _ in ranks])[r].append((i, k, op["msg"]))
+    members: dict[tuple, list[tuple[int, int]]] = {}
+    for comm, lists in per.items():
+        if len({len(calls) for calls in lists}) > 1:
+            problems.append(f"unmatched: ranks make {[len(calls) for calls in lists]} collectives on {comm}")
+        for n in range(min(len(calls) for calls in lists)):
+            msgs = {tuple(calls[n][2]) for calls in lists}
+            if len(msgs) > 1:
+                problems.append(f"mismatch: collective #{n} on {comm} is {sorted(msgs)} on different ranks")
+            group = [(q, calls[n][0]) for q, calls in enumerate(lists)]
+            for r, calls in enumerate(lists):
+                members[r, calls[n][0], calls[n][1]] = group
+    return members
 
 
 def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:
