@@ -36,6 +36,7 @@ def test_gpt_v_half_matches_one_process(gpt_runs, reference_8_layers):
 
 T2P2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 SIX = ["--train-iters", "6"]
+EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def more_runs(tmp_path_factory):
         "llama-1f1b-1": (4, [*LLAMA, *P4, *VP]),
         "llama-t2p2d2-sp-2": (8, [*LLAMA, *T2P2, *VP, "--disable-fb-fusion", "--sequence-parallel",
                                   "--use-distributed-optimizer", "--recompute-granularity", "full"]),
-        "untied-ref": (1, ["--untie-embeddings-and-output-weights"]),
-        "untied-1f1b-2": (4, [*P4, *VP, "--disable-fb-fusion", "--untie-embeddings-and-output-weights"]),
+        "untied-ref": (1, ["--untie-embeddings-and-output-weights", *EVAL]),
+        "untied-1f1b-2": (4, [*P4, *VP, "--disable-fb-fusion", "--untie-embeddings-and-output-weights", *EVAL]),
         "gpt-t2p2d2-sp-1": (8, [*T2P2, *VP, "--sequence-parallel", "--recompute-granularity", "selective"]),
         "ref6": (1, SIX),
         "save-vp-p4": (4, [*SIX, *P4, *VP, "--save", str(ckpt), "--exit-interval", "3"]),
@@ -63,6 +64,12 @@ def more_runs(tmp_path_factory):
                                        ("untied-1f1b-2", "untied-ref")])
 def test_llama_and_untied_match_one_process(more_runs, name, ref):
     assert_equivalent(more_runs[name], more_runs[ref])
+
+
+def test_validation_loss_runs_the_forward_only_vocab_passes(more_runs):
+    got, want = ([r["val_loss"] for r in more_runs[name].records if "val_loss" in r]
+                 for name in ("untied-1f1b-2", "untied-ref"))
+    assert want and got == pytest.approx(want, rel=1e-5)
 
 
 def test_sequence_parallel_recompute_matches_one_process(more_runs, reference):
