@@ -3,9 +3,8 @@
 GPT, h=256, 8 layers, p=4 on 4 CPU processes (1F1B), for each vocabulary size V in one run:
 
 * ``baseline``: the embedding on the first stage, the output layer and the loss on the last;
-* ``layout`` (when the uneven layout flags exist, issue 24's other half): the best of a few hand layouts
-  that move transformer layers off the first and last stage (Megatron's ``--decoder-first/last-pipeline-
-  num-layers``);
+* ``layout``: the best uneven layout of ``benchmarks/layouts.py`` (Megatron's ``--pipeline-model-parallel-
+  layout``), no transformer layer on the last stage;
 * ``vocab-1`` / ``vocab-2``: ``--enable-vocab-parallel`` with one barrier, and two (``--disable-fb-fusion``).
 
 Per variant: the median iteration time (iterations after the first) and the baseline's over it (the
@@ -36,15 +35,15 @@ VARIANTS = {
     "vocab-1": ["--enable-vocab-parallel"],
     "vocab-2": ["--enable-vocab-parallel", "--disable-fb-fusion"],
 }
-# Candidate uneven layouts (layers on the first, last stage; the rest spread evenly): tried when the
-# flags exist, the fastest reported as ``layout``.
-LAYOUTS = [(1, 1), (2, 1), (2, 0)]
+# The uneven layout issue 24's other half found fastest at V = 64k (benchmarks/layouts.py, BENCHMARKS.md):
+# no transformer layer on the last stage, which keeps the output layer and the loss.
+LAYOUT = "Ett|ttt|ttt|L"
 
 
 def has_layout_flags() -> bool:
     from ptdp.config.schema import ParallelConfig
 
-    return "decoder_first_pipeline_num_layers" in ParallelConfig.__dataclass_fields__
+    return "pipeline_model_parallel_layout" in ParallelConfig.__dataclass_fields__
 
 
 def run(flags: list[str], vocab: int, iters: int, workdir: Path) -> dict:
@@ -71,12 +70,7 @@ def run(flags: list[str], vocab: int, iters: int, workdir: Path) -> dict:
 def measure(vocab: int, iters: int, workdir: Path) -> dict:
     out = {name: run(flags, vocab, iters, workdir) for name, flags in VARIANTS.items()}
     if has_layout_flags():
-        tried = {}
-        for first, last in LAYOUTS:
-            flags = ["--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last)]
-            tried[f"first={first},last={last}"] = run(flags, vocab, iters, workdir)
-        best = min(tried, key=lambda k: tried[k]["iteration_time_s"])
-        out["layout"] = {**tried[best], "flags": best}
+        out["layout"] = {**run(["--pipeline-model-parallel-layout", LAYOUT], vocab, iters, workdir), "flags": LAYOUT}
     base = out["baseline"]["iteration_time_s"]
     for r in out.values():
         r["speedup_over_baseline"] = round(base / r["iteration_time_s"], 3)

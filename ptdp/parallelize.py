@@ -21,6 +21,7 @@ from .parallel import ParallelState
 from .parallel.context import apply_context_parallel
 from .parallel.init import init_parameters, mark_no_weight_decay, materialize
 from .parallel.tensor import apply_tensor_parallel
+from .pipeline.layout import stages_of
 from .pipeline.schedules import virtual_stage
 from .pipeline.stage import logical_name, split_model
 from .pipeline.vocab_stage import apply_vocab_parallel, init_vocab_slices
@@ -56,7 +57,7 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
         model = GPTModel(m, vocab_size, padded_vocab_size)
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
-    chunks = split_model(model, stages, p * v)
+    chunks = split_model(model, stages, p * v, plan=stages_of(m, par, p, v))  # even or Megatron's layout
     dtype = params_dtype(config)
     for chunk in chunks:
         parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,

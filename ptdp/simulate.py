@@ -112,8 +112,12 @@ def simulate(
     backward_time: float = 2.0,
     p2p_time: float = 0.0,
     weight_grad_fraction: float = 0.5,
+    stage_scale: Sequence[float] | None = None,
 ) -> SimulationResult:
     """Simulate a named schedule (built with ``build_schedule``) or given per-rank action lists.
+
+    ``stage_scale[s]`` multiplies virtual stage s's compute times (an uneven layout, the vocabulary layers:
+    ``stage_scales``); None: every stage costs the same.
 
     Raises RuntimeError if the lists deadlock (an input that is never produced or sent).
     """
@@ -167,7 +171,8 @@ def simulate(
                     if ready is None:
                         break
                     start = max(cursor[r], ready)
-                    cursor[r] = start + _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
+                    scale = 1.0 if stage_scale is None else stage_scale[stage]
+                    cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
                     ends[(a.op, a.microbatch, stage)] = cursor[r]
                     timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
                 pos[r] += 1
@@ -182,6 +187,22 @@ def simulate(
         peak_in_flight=[_peak_in_flight(row) for row in timelines],
         peak_stashed=[peak_stashed(row) for row in lists],
     )
+
+
+def stage_scales(args: argparse.Namespace) -> list[float] | None:
+    """Per virtual stage, its compute time over an even stage's: from ``--num-layers`` and the layout flags,
+    plus ``--embedding-cost`` / ``--output-layer-cost`` (in layers) where the vocabulary layers live, or
+    1/p of them on every rank with ``--enable-vocab-parallel``. None when no layer count is given."""
+    from ptdp.pipeline.layout import stage_work, stages_of
+
+    if args.num_layers is None:
+        if args.embedding_cost or args.output_layer_cost or args.pipeline_model_parallel_layout:
+            raise ValueError("--embedding-cost, --output-layer-cost and the layout flags need --num-layers")
+        return None
+    p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    stages = stages_of(args, args, p, v)  # LayoutError (a ValueError) names the flag
+    work = stage_work(stages, p, args.embedding_cost, args.output_layer_cost, args.enable_vocab_parallel)
+    return [w / (args.num_layers / (p * v)) for w in work]
 
 
 def _peak_in_flight(row: Sequence[Box]) -> int:
@@ -248,6 +269,18 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(parser, ParallelConfig, ("pipeline_schedule", "pipeline_model_parallel_size",
                                                  "virtual_pipeline_model_parallel_size"),
                         pipeline_schedule="1f1b", pipeline_model_parallel_size=4)  # ``ptdp train``'s flags
+    # issue 24: uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
+    add_field_arguments(parser, ParallelConfig, (
+        "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "enable_vocab_parallel"),
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+        enable_vocab_parallel=False)
+    parser.add_argument("--num-layers", type=int, help="transformer layers: with it, each stage costs its layers "
+                        "(an uneven layout is drawn uneven) and --forward-time is an even stage's")
+    parser.add_argument("--embedding-cost", type=float, default=0.0, help="the input embedding's time in "
+                        "transformer layers (with --num-layers; default 0)")
+    parser.add_argument("--output-layer-cost", type=float, default=0.0, help="the output layer's and the loss's "
+                        "time in transformer layers (with --num-layers; default 0)")
     parser.add_argument("--num-microbatches", type=int, default=8, metavar="M")
     parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
     parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
@@ -262,6 +295,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
+    if args.virtual_pipeline_model_parallel_size is None and args.pipeline_model_parallel_layout:
+        from ptdp.pipeline.layout import LayoutError, layout_num_stages
+
+        try:  # the layout string sets v, as for ptdp train
+            args.virtual_pipeline_model_parallel_size = max(
+                1, layout_num_stages(args.pipeline_model_parallel_layout) // args.pipeline_model_parallel_size)
+        except LayoutError as err:
+            return str(err)
     if args.virtual_pipeline_model_parallel_size is None:
         args.virtual_pipeline_model_parallel_size = default_virtual_size(args.pipeline_schedule)
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
@@ -292,7 +333,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         try:
             result = simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
                               args.virtual_pipeline_model_parallel_size, args.num_microbatches,
-                              args.forward_time, args.backward_time, args.p2p_time)
+                              args.forward_time, args.backward_time, args.p2p_time,
+                              stage_scale=stage_scales(args))
         except ValueError as err:
             error = str(err)
     if error is not None:

@@ -41,7 +41,8 @@ def derive(config: Config, world_size: int) -> Config:
     if problems or v is None:
         raise ConfigError(*problems)
     out = copy.deepcopy(config)
-    if config.parallel.num_layers_per_virtual_pipeline_stage is not None:
+    if (config.parallel.num_layers_per_virtual_pipeline_stage is not None
+            or config.parallel.pipeline_model_parallel_layout is not None):  # v from the layout string
         out.parallel = dataclasses.replace(out.parallel, virtual_pipeline_model_parallel_size=v)
     if out.parallel.sequence_parallel and out.parallel.tensor_model_parallel_size == 1:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..pipeline.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
 from ..pipeline.registry import schedule_problems
 from .load import type_problems
 from .schema import Config, MixedPrecisionConfig, ModelConfig
@@ -22,15 +23,49 @@ def virtual_size(config: Config) -> tuple[int | None, list[str]]:
     disagree or cannot divide the layers)."""
     m, par = config.model, config.parallel
     per, p = par.num_layers_per_virtual_pipeline_stage, par.pipeline_model_parallel_size
+    if par.pipeline_model_parallel_layout is not None:  # the layout string lists the p x v stages
+        return layout_virtual_size(par.pipeline_model_parallel_layout, p, per,
+                                   par.virtual_pipeline_model_parallel_size)
     if per is None:
         return par.virtual_size, []
-    if per <= 0 or m.num_layers % (per * p):
-        return None, [f"--num-layers-per-virtual-pipeline-stage {per} must divide --num-layers {m.num_layers} / "
+    if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
+        return None, ["--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-"
+                      "pipeline-num-layers (as in Megatron-LM): give --virtual-pipeline-model-parallel-size"]
+    # Megatron counts the embedding and loss the --account-for-* flags place as layers here too
+    layers = m.num_layers + par.account_for_embedding_in_pipeline_split + par.account_for_loss_in_pipeline_split
+    if per <= 0 or layers % (per * p):
+        return None, [f"--num-layers-per-virtual-pipeline-stage {per} must divide --num-layers {layers} / "
                       f"--pipeline-model-parallel-size {p}"]
-    if par.virtual_pipeline_model_parallel_size not in (None, m.num_layers // (per * p)):
+    if par.virtual_pipeline_model_parallel_size not in (None, layers // (per * p)):
         return None, ["give only one of --virtual-pipeline-model-parallel-size and "
                       "--num-layers-per-virtual-pipeline-stage"]
-    return m.num_layers // (per * p), []
+    return layers // (per * p), []
+
+
+def layout_virtual_size(layout: str, p: int, per: int | None, v: int | None) -> tuple[int | None, list[str]]:
+    """v from a ``--pipeline-model-parallel-layout`` (its stages / p), as Megatron-LM derives it; None with
+    the problem if the string does not parse or another v flag disagrees."""
+    try:
+        stages = layout_num_stages(layout)
+    except LayoutError as e:
+        return None, [str(e)]
+    if per is not None:
+        return None, [f"{LAYOUT_FLAG} sets v itself: drop --num-layers-per-virtual-pipeline-stage"]
+    if stages % p:
+        return None, [f"{LAYOUT_FLAG} {layout!r} has {stages} stages, not a multiple of "
+                      f"--pipeline-model-parallel-size {p} (it lists the p x v virtual stages)"]
+    if v is not None and v != stages // p:
+        return None, [f"{LAYOUT_FLAG} {layout!r} has {stages} stages = {stages // p} per rank, but "
+                      f"--virtual-pipeline-model-parallel-size is {v}; drop it (the layout sets v)"]
+    return stages // p, []
+
+
+def pipeline_layout(config: Config, p: int, v: int) -> tuple[list[Stage], list[str]]:
+    """The p·v stages (``ptdp.pipeline.layout``) and, if they do not add up, the one problem line."""
+    try:
+        return stages_of(config.model, config.parallel, p, v), []
+    except LayoutError as e:
+        return [], [str(e)]
 
 
 def validate(config: Config, world_size: int, local_world_size: int | None = None) -> list[str]:
@@ -82,14 +117,13 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if v is not None and v < 1:
         errors.append(f"--virtual-pipeline-model-parallel-size must be positive, got {v}")
     elif v is not None:
-        if m.num_layers % (p * v):
-            errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
-                          f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
+        stages, layout_errors = pipeline_layout(config, p, v)  # even, or Megatron's uneven layout flags
+        errors += layout_errors
         errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
         from ..recompute import recompute_errors
 
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
-                                   m.num_layers // (p * v))
+                                   max((len(s.layers) for s in stages), default=m.num_layers // (p * v)))
     errors += _optimizer_errors(config)
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")

@@ -83,7 +83,7 @@ def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
-        device = next(chunk.parameters()).device
+        device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
         with torch.device(device):
             setattr(chunk, SLICES, VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows,
                                                chunk.cfg.tied_embeddings))

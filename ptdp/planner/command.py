@@ -19,6 +19,7 @@ from ptdp.planner.spec import (
     ParallelConfig,
     TrainingSpec,
 )
+from ptdp.planner.vocab import vocab_column, vocab_lines
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
@@ -45,6 +46,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "sequence_parallel", "cp_comm_type", "pipeline_schedule"),
         cp_comm_type="p2p", sequence_parallel=False)
+    # issue 24: evaluate a given vocabulary handling (with t and p); the search tries both by itself
+    add_field_arguments(p, train_config.ParallelConfig, (
+        "pipeline_model_parallel_layout", "enable_vocab_parallel", "disable_fb_fusion"),
+        enable_vocab_parallel=False, disable_fb_fusion=False)
     add_field_arguments(p, train_config.TrainingConfig, ("micro_batch_size",))
     # The search space has two values train has no flag for: no recomputation, and pinning the
     # distributed optimizer off.
@@ -116,11 +121,20 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
     if c < 1 or cluster.num_gpus % (t * c * p):
         raise _UsageError(f"--gpus {cluster.num_gpus} must be divisible by tensor x context x pipeline size "
                           f"{t}x{c}x{p}")
+    v = args.virtual_pipeline_model_parallel_size or 1
+    if args.pipeline_model_parallel_layout and args.virtual_pipeline_model_parallel_size is None:
+        from ptdp.pipeline.layout import LayoutError, layout_num_stages
+
+        try:  # the layout string sets v, as for ptdp train
+            v = max(1, layout_num_stages(args.pipeline_model_parallel_layout) // p)
+        except LayoutError as e:
+            raise _UsageError(str(e)) from None
     cfg = ParallelConfig(
-        t, p, cluster.num_gpus // (t * c * p), args.virtual_pipeline_model_parallel_size or 1,
+        t, p, cluster.num_gpus // (t * c * p), v,
         args.micro_batch_size or 1, args.recompute_granularity or "none", bool(args.use_distributed_optimizer),
         args.sequence_parallel, pipeline_schedule=args.pipeline_schedule, context_parallel_size=c,
-        cp_comm_type=args.cp_comm_type,
+        cp_comm_type=args.cp_comm_type, pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        enable_vocab_parallel=args.enable_vocab_parallel, disable_fb_fusion=args.disable_fb_fusion,
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -136,6 +150,10 @@ def run_plan(args: argparse.Namespace) -> int:
         model, cluster, train = _setup(args)
         if args.tensor_model_parallel_size and args.pipeline_model_parallel_size:
             best, runners, evaluated = _evaluate_one(args, model, cluster, train), [], 1
+        elif args.pipeline_model_parallel_layout or args.enable_vocab_parallel or args.disable_fb_fusion:
+            raise _UsageError("--pipeline-model-parallel-layout, --enable-vocab-parallel and --disable-fb-fusion "
+                              "evaluate one layout: give --tensor-model-parallel-size and "
+                              "--pipeline-model-parallel-size too (the search tries both ways by itself)")
         else:
             pin = lambda v: None if v is None else [v]  # noqa: E731
             configs = candidates(
@@ -169,14 +187,16 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-_COLUMNS = ("t", "c", "p", "d", "v", "b", "m", "recompute", "dist-opt", "iter s", "TFLOP/s", "MFU", "bubble", "GiB")
+_COLUMNS = ("t", "c", "p", "d", "v", "b", "m", "recompute", "dist-opt", "vocab", "iter s", "TFLOP/s", "MFU", "bubble",
+            "GiB")
 
 
 def _row(rank: str, e: Estimate) -> list[str]:
     c = e.config
     return [rank, str(c.tensor_model_parallel_size), str(c.context_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
             str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
-            c.recompute_granularity, "yes" if c.use_distributed_optimizer else "no", f"{e.iteration_time_s:.2f}",
+            c.recompute_granularity, "yes" if c.use_distributed_optimizer else "no", vocab_column(c),
+            f"{e.iteration_time_s:.2f}",
             f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.0%}", f"{e.bubble_fraction:.1%}", f"{e.memory.total / GIB:.1f}",
             e.why_it_loses]
 
@@ -212,6 +232,7 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
                                for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
     if best is not None and best.fits:
         lines += ["why:", *(f"  - {line}" for line in _reasoning(model, cluster, train, best, params))]
+        lines += vocab_lines(model, cluster, train, best)
     return "\n".join(lines)
 
 

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from ptdp.flops import architecture, layer_parameter_count
 from ptdp.pipeline.registry import schedule_spec
 from ptdp.planner.spec import GPTSpec, ParallelConfig
+from ptdp.planner.stages import (
+    end_ranks,
+    rank_kind,
+    rank_layers,
+    ranks_to_check,
+    vocab_parallel_extra_stashes,
+    vocab_shares,
+)
 
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
 # typically 1-3 GiB on A100/H100 with NCCL); counted once per GPU.
@@ -45,20 +53,34 @@ def layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     return (total - replicated) / t + replicated
 
 
-def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int) -> float:
+def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg: ParallelConfig | None = None) -> float:
     """Parameters held by one GPU at ``pipeline_rank``, padding of the vocabulary ignored.
 
     Rank 0: its layers + V·h/t word embedding + s·h positions (none with rotary positions); last rank:
     its layers + the output layer V·h/t (the tied embedding's own copy when p > 1; an untied output layer
-    always) + final norm (when p == 1 and tied, the embedding serves both ends).
+    always) + final norm (when p == 1 and tied, the embedding serves both ends). With ``cfg``: its layout's
+    layers, and under vocabulary parallelism a V/p slice of each vocabulary table on every rank (one
+    slice serves both ends when tied).
     """
     h = model.hidden_size
-    params = model.num_layers / p * layer_parameters_per_rank(model, t)
-    if pipeline_rank == 0:
-        params += model.vocab_size * h / t + (model.seq_length * h if model.position_embedding_type != "rope" else 0)
-    if pipeline_rank == p - 1:
-        untied = model.untie_embeddings_and_output_weights
-        params += _norm_params(model) + (model.vocab_size * h / t if p > 1 or untied else 0)
+    untied = model.untie_embeddings_and_output_weights
+    vp = cfg is not None and cfg.enable_vocab_parallel and p > 1
+    if cfg is None:
+        layers, emb, out = model.num_layers / p, float(pipeline_rank == 0), float(pipeline_rank == p - 1)
+        first, last = 0, p - 1
+    else:
+        layers, (emb, out) = rank_layers(model.num_layers, cfg)[pipeline_rank], vocab_shares(cfg, pipeline_rank)
+        first, last = end_ranks(cfg)
+    first, last = pipeline_rank == first, pipeline_rank == last  # positions / final norm stay at the ends
+    params = layers * layer_parameters_per_rank(model, t)
+    if emb:
+        params += emb * model.vocab_size * h / t
+    if first and model.position_embedding_type != "rope":
+        params += model.seq_length * h
+    if last:
+        params += _norm_params(model)
+    if out and (untied or (p > 1 and not vp)):  # an untied head, or the tied table's copy on another rank
+        params += out * model.vocab_size * h / t
     return params
 
 
@@ -115,22 +137,33 @@ class MemoryEstimate:
 
 
 def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str) -> MemoryEstimate:
-    """Memory of the fullest GPU: max over pipeline rank 0 (embeddings, most stashes) and the last rank."""
+    """Memory of the fullest GPU: max over pipeline rank 0 (embeddings, most stashes) and the last rank
+    (every rank under an uneven layout or vocabulary parallelism)."""
+    return max(rank_memory(model, cfg, global_batch_size, precision, ranks_to_check(cfg)), key=lambda e: e.total)
+
+
+def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str,
+                ranks: list[int] | None = None) -> list[MemoryEstimate]:
+    """Memory of each pipeline rank in ``ranks`` (default all): layers from the layout, the vocabulary
+    tables and fp32 logits where they live (1/p of them everywhere under vocabulary parallelism)."""
     t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     d, m = cfg.data_parallel_size, cfg.num_microbatches(global_batch_size)
     # the distributed optimizer shards over the dp-cp group: parameters are replicated over CP too
     per_param = model_state_bytes_per_param(precision, cfg.use_distributed_optimizer, d * cfg.context_parallel_size)
-    layers_per_chunk = model.num_layers / (p * v)
+    layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
     # a layer being recomputed or run in backward materialises its whole working set once
     working = activation_bytes_per_layer(model, cfg, stashed=False) if cfg.recompute_granularity == "full" else 0.0
-    best: MemoryEstimate | None = None
-    for rank in sorted({0, p - 1}):
-        acts = activation_microbatches_in_flight(cfg.schedule, p, v, m, rank) * layers_per_chunk * stash + working
-        if rank == p - 1:  # fp32 logits for the vocab-parallel cross entropy, one microbatch
-            acts += 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
-        est = MemoryEstimate(parameters_per_rank(model, t, p, rank) * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank)
-        if best is None or est.total > best.total:
-            best = est
-    assert best is not None
-    return best
+    out_list = []
+    ends, params_of = end_ranks(cfg), {}  # ranks of one kind hold the same parameters
+    for rank in range(p) if ranks is None else ranks:
+        kind = rank_kind(cfg, rank, layers, ends)
+        if kind not in params_of:
+            params_of[kind] = parameters_per_rank(model, t, p, rank, cfg)
+        in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank)
+                        + vocab_parallel_extra_stashes(cfg), m * v)
+        acts = in_flight * layers[rank] / v * stash + working
+        out = vocab_shares(cfg, rank)[1]  # fp32 logits for the vocab-parallel cross entropy, one microbatch
+        acts += out * 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
+        out_list.append(MemoryEstimate(params_of[kind] * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank))
+    return out_list

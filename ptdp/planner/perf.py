@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from ptdp.pipeline.schedules import bubble_fraction_formula
 from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
 
 # Large 16-bit GEMMs reach ~85-90% of the datasheet peak with cuBLAS on A100/H100; a dimension x only
 # fills the tensor-core tiles and SM waves in proportion x / (x + GEMM_HALF_DIM) (1024^3 -> ~69% of peak,
@@ -145,7 +146,8 @@ def grad_accumulation_bytes_per_param(precision: str) -> int:
 
 
 def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str, rank: int) -> StageTimes:
-    """Per-microbatch times of ``rank``: its l/p layers, plus the embedding (rank 0) / logits (rank p-1)."""
+    """Per-microbatch times of ``rank``: its layers (l/p, or the layout's), plus its share of the embedding
+    and of the logits (all of it on the first / last stage, 1/p each with vocabulary parallelism)."""
     t, p, v, b = (
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
@@ -156,7 +158,8 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
     hbm = cluster.gpu.memory_bandwidth * HBM_EFFICIENCY
     c = cfg.context_parallel_size
     tokens = b * s // c  # this CP rank's tokens
-    layers = model.num_layers / p
+    layers = rank_layers(model.num_layers, cfg)[rank]
+    emb_share, out_share = vocab_shares(cfg, rank)
     dense, core, elementwise = _layer_forward_times(model, cfg, cluster)
     forward = dense + core + elementwise
     # backward = 2x forward GEMMs (dgrad + wgrad) and ~2x the elementwise traffic
@@ -176,16 +179,16 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
     bw, lat = _link(cluster, tp_spans_nodes(cfg, cluster))
     collectives = layers * (4 + (2 if cfg.recompute_granularity == "full" else 0))
     ends = 0.0
-    if rank == 0:
+    if emb_share:
         collectives += 1
         # lookup writes b·s·h (2 B) and its backward zero-fills the dense V/t x h gradient, then scatters
-        ends += (2 * tokens * h + 2 * V * h / t + 4 * tokens * h) / hbm
-    if rank == p - 1:
+        ends += (2 * tokens * h + emb_share * 2 * V * h / t + 4 * tokens * h) / hbm
+    if out_share:
         collectives += 1
-        ends += 3 * gemm_time(tokens, V / t, h, cluster.gpu.peak_flops)
+        ends += 3 * gemm_time(tokens, out_share * V / t, h, cluster.gpu.peak_flops)
         # vocab-parallel cross entropy on fp32 logits: ~15 passes of 4 B (cast, max, subtract, exp, sum,
         # normalise; backward: softmax minus one-hot, scale, cast back to 16 bits)
-        ends += 15 * 4 * tokens * V / t / hbm
+        ends += 15 * 4 * tokens * out_share * V / t / hbm
     tp_comm = collectives * ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
 
     # pipeline: per chunk, b·s·h forward and back; with t > 1 each rank sends 1/t of it (scatter/gather) and
@@ -199,8 +202,10 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
             ibw, ilat = _link(cluster, tp_spans_nodes(cfg, cluster))
             one_way += (t - 1) * ilat + (t - 1) / t * message / ibw
         p2p = 2 * v * one_way
+        # vocabulary parallelism's barriers: all-reduces of b·s·h over the p ranks of the pipeline (1/t each)
+        p2p += vocab_parallel_messages(cfg) * ring_all_reduce_time(message / t, p, bw, lat)
 
-    grad_accum = parameters_per_rank(model, t, p, rank) * grad_accumulation_bytes_per_param(precision) / hbm
+    grad_accum = parameters_per_rank(model, t, p, rank, cfg) * grad_accumulation_bytes_per_param(precision) / hbm
     cp_comm = 0.0
     if c > 1:  # CP ranks sit next to the TP group: inside a node while t·c fits in one
         bw, lat = _link(cluster, t * c > cluster.gpus_per_node)
@@ -211,12 +216,21 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
 
 
 def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
-    """Per-microbatch times of the pipeline's slowest stage: the first or the last (ptdp-facts.md §Schedules).
+    """Per-microbatch times of the pipeline's slowest stage: the first or the last (ptdp-facts.md §Schedules),
+    or any rank under an uneven layout or vocabulary parallelism.
 
     In 1F1B every stage waits on its neighbours' blocking sends, so the slowest stage sets the pace.
     """
-    p = cfg.pipeline_model_parallel_size
-    return max((_stage(model, cfg, cluster, precision, r) for r in {0, p - 1}), key=lambda st: st.total)
+    return max(rank_stage_times(model, cfg, cluster, precision, ranks_to_check(cfg, model.num_layers)),
+               key=lambda st: st.total)
+
+
+def rank_stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16",
+                     ranks: list[int] | None = None) -> list[StageTimes]:
+    """Per-microbatch times of each pipeline rank (``ranks``, default all): the per-stage picture of how
+    the vocabulary layers and the layout balance the pipeline."""
+    ranks = range(cfg.pipeline_model_parallel_size) if ranks is None else ranks
+    return [_stage(model, cfg, cluster, precision, r) for r in ranks]
 
 
 @dataclass(frozen=True)
@@ -288,7 +302,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
     # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
-    params = max(parameters_per_rank(model, t, p, r) for r in {0, p - 1})
+    params = max(parameters_per_rank(model, t, p, r, cfg) for r in ranks_to_check(cfg, model.num_layers))
     grad_bytes = 2 if train.precision == "fp16" else 4
     bw, lat = dp_link(cfg, cluster)
     reduce = ring_all_reduce_time(params * grad_bytes, d, bw, lat)
@@ -301,7 +315,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # with p > 1 the first and last stage each hold the tied word embedding and all-reduce its gradient
     # (V·h/t) between them after the flush, across servers, before the data-parallel step
     embedding = 0.0
-    if p > 1 and not model.untie_embeddings_and_output_weights:
+    if p > 1 and not model.untie_embeddings_and_output_weights and not cfg.enable_vocab_parallel:
         ebw, elat = _link(cluster, t * d * p > cluster.gpus_per_node)
         embedding = ring_all_reduce_time(model.vocab_size * model.hidden_size / t * grad_bytes, 2, ebw, elat)
     dp_comm = reduce + gather + embedding

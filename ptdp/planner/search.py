@@ -11,6 +11,7 @@ from ptdp.pipeline.registry import bubble_fraction_formula, schedule_problems
 from ptdp.planner.memory import MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,9 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return f"--tensor-model-parallel-size {t} must divide the heads, hidden and ffn sizes"
     if model.query_groups % t:
         return f"--tensor-model-parallel-size {t} must divide --num-query-groups {model.query_groups}"
-    if model.num_layers % (p * v):
-        return f"--num-layers {model.num_layers} must be divisible by pipeline x virtual size {p}x{v}"
+    layout_problem = vocab_layout_problem(model, cfg)
+    if layout_problem:
+        return layout_problem
     if train.global_batch_size % (b * d):
         return (f"--global-batch-size {train.global_batch_size} must be divisible by micro-batch x data-parallel"
                 f" size {b}x{d}")
@@ -155,10 +157,13 @@ def candidates(
     pipeline_schedule: str | None = None,
     context_sizes: Sequence[int] | None = None,
     cp_comm_type: str = "p2p",
+    vocab_layouts: bool = True,
 ) -> Iterator[ParallelConfig]:
     """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
     searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
-    that the s/c activations rarely pay for its attention traffic."""
+    that the s/c activations rarely pay for its attention traffic. With ``vocab_layouts`` each layout with
+    p > 1 comes also with vocabulary parallelism and with the uneven layout that balances its stages
+    (``vocab_variants``)."""
     n = cluster.num_gpus
     for t, c in _tc_pairs(model, n, tensor_sizes, context_sizes):
         for p in pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
@@ -175,6 +180,8 @@ def candidates(
                                                  cp_comm_type=cp_comm_type)
                             if invalid_reason(model, cfg, cluster, train) is None:
                                 yield cfg
+                                if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
+                                    yield from vocab_variants(model, cfg, cluster, train)
 
 
 def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
@@ -203,7 +210,8 @@ def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
         return f"context-parallel {cfg.cp_comm_type} attention traffic (c={cfg.context_parallel_size}): " \
             f"{share:.0%} of time"
     if key == "logits":
-        return f"output layer on the last stage: {share:.0%} of time"
+        where = "split over the pipeline" if cfg.enable_vocab_parallel else "on the first/last stage"
+        return f"vocabulary layers {where}: {share:.0%} of time"
     if key == "grad_accum":
         return f"per-microbatch gradient accumulation (b={cfg.micro_batch_size}): {share:.0%} of time"
     return f"smaller per-GPU GEMMs (b={cfg.micro_batch_size}, t={cfg.tensor_model_parallel_size}): " \

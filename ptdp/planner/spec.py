@@ -150,6 +150,10 @@ class ParallelConfig:
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved when v > 1
     context_parallel_size: int = 1  # c: each sample's sequence over c ranks (world = t·c·d·p)
     cp_comm_type: str = "p2p"  # ring attention (p2p), Ulysses (a2a) or allgather
+    # issue 24: an uneven layout (Megatron's layout string; None: even) and vocabulary parallelism
+    pipeline_model_parallel_layout: str | None = None
+    enable_vocab_parallel: bool = False
+    disable_fb_fusion: bool = False  # with enable_vocab_parallel: two barriers per microbatch
 
     @property
     def schedule(self) -> str:
