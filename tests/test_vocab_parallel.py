@@ -14,7 +14,8 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
-    """GPT (tied), one spawn: p=4 1f1b with one and two barriers, (t,p,d)=(2,2,2) interleaved, p=4 v-half."""
+    """GPT (tied), one spawn: p=4 1f1b with one and two barriers, (t,p,d)=(2,2,2) interleaved, p=4 v-half,
+    and an uneven layout string (``ptdp.pipeline.layout``) with vocabulary parallelism."""
     return run_layouts(tmp_path_factory.mktemp("vocab-gpt"), {
         "1f1b-1": (4, [*P4, *VP]),
         "1f1b-2": (4, [*P4, *VP, "--disable-fb-fusion"]),
@@ -22,10 +23,11 @@ def gpt_runs(tmp_path_factory):
                                 "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                 "interleaved", *VP]),
         "v-half": (4, [*P4, "--pipeline-schedule", "v-half", *VP, "--num-layers", "8"]),
+        "layout-1": (4, [*P4, *VP, "--pipeline-model-parallel-layout", "Et|t|tt|L"]),  # uneven, no layer last
     })
 
 
-@pytest.mark.parametrize("name", ["1f1b-1", "1f1b-2", "interleaved-222"])
+@pytest.mark.parametrize("name", ["1f1b-1", "1f1b-2", "interleaved-222", "layout-1"])
 def test_gpt_tied_matches_one_process(gpt_runs, reference, name):
     assert_equivalent(gpt_runs[name], reference)
 

@@ -146,8 +146,8 @@ class ParallelConfig:
     enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its loss by "
                                       "vocabulary over all p pipeline ranks (and t within each), as S and T "
                                       "passes in the schedule (Yeung et al. 2024; docs/vocab-parallel.md)")
-    disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two all-reduce barriers per "
-                                  "microbatch instead of one (less activation memory: p+1 against p+2)")
+    disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two barriers per microbatch instead "
+                                  "of one (in the paper: activation memory of p+1 microbatches against p+2)")
 
     @property
     def virtual_size(self) -> int:
