@@ -26,6 +26,7 @@ from .parallel.tensor import apply_tensor_parallel
 from .pipeline.layout import stages_of
 from .pipeline.schedules import virtual_stage
 from .pipeline.stage import logical_name, split_model
+from .pipeline.vocab_stage import apply_vocab_parallel, init_vocab_slices
 from .recompute import apply_recompute
 
 
@@ -66,9 +67,13 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
         if config.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
             apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type,
                                   par.sequence_parallel and state.dims.tp > 1)
+        if par.enable_vocab_parallel:  # issue 24: the vocabulary layers split over all pipeline ranks
+            apply_vocab_parallel(chunk, chunks.index(chunk), state.pp_rank, p, state.tp_rank, state.dims.tp,
+                                 padded_vocab_size)
         materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
         init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
                         m.num_layers, logical_name)
+        init_vocab_slices(chunk, config.training.seed, m.init_method_std, padded_vocab_size)
         chunk.to(dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if config.precision.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/fp8.py)
             from .fp8 import enable_fp8

@@ -73,17 +73,25 @@ def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
 def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
     """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor; a
     stacked expert parameter ``[E/e, ...]`` is the e-way ``Shard(0)`` of the global ``[E, ...]`` one (and
-    ``Shard(2)`` over the expert-tensor ranks)."""
+    ``Shard(2)`` over the expert-tensor ranks); a vocabulary-parallel slice (issue 24) is row block
+    ``pp_rank·t + tp_rank``: sharded over (pp, tp)."""
     experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert
     if experts is not None and experts.size() > 1:
         return DTensor.from_local(tensor, experts, [Shard(d) for d in param.expert_shard_dims], run_check=False)
+    if getattr(param, "vocab_parallel", False) and mesh is not None:
+        return DTensor.from_local(tensor, mesh.vocab_mesh, [Shard(0), Shard(0)], run_check=False)
     if mesh is None or mesh.size() == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor
     return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
 
 
 def _tp_mesh(trainer):
-    return None if trainer.state.mesh is None else trainer.state.mesh["tp"]
+    if trainer.state.mesh is None:
+        return None
+    mesh = trainer.state.mesh["tp"]
+    if trainer.config.parallel.enable_vocab_parallel:  # issue 24: the slices are sharded over (pp, tp)
+        mesh.vocab_mesh = trainer.state.mesh["pp", "tp"]
+    return mesh
 
 
 def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
@@ -280,7 +288,9 @@ def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
 
 
 def _padded_vocab(trainer) -> int:
-    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, trainer.state.dims.tp)
+    dims = trainer.state.dims
+    vocab_parallel = trainer.config.parallel.enable_vocab_parallel
+    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
 
 
 def _grad_scaler(trainer):

@@ -174,11 +174,12 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = opt(
         None, "Megatron's layout string of the p x v virtual stages in pipeline order, e.g. 'Et|(tt|)*2,tL': "
         "E embedding, t layer, L loss, | between stages, *n repeats; sets v = stages / p")
-    # Vocabulary parallelism (issue 24; implemented on the vocab branch), read here by the planner
-    enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its "
-                                      "cross-entropy by vocabulary over all p pipeline ranks (Yeung et al.)")
-    disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two all-reduce barriers per microbatch "
-                                  "instead of one")
+    # Vocabulary parallelism (issue 24): ptdp/pipeline/vocab.py, docs/vocab-parallel.md
+    enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its loss by "
+                                      "vocabulary over all p pipeline ranks (and t within each), as S and T "
+                                      "passes in the schedule (Yeung et al. 2024; docs/vocab-parallel.md)")
+    disable_fb_fusion: bool = opt(False, "with --enable-vocab-parallel: two barriers per microbatch instead "
+                                  "of one (in the paper: activation memory of p+1 microbatches against p+2)")
     expert_model_parallel_size: int = opt(1, "expert-parallel size e: the experts of each MoE layer split over e "
                                           "ranks, which may fold over the tensor- and context-parallel ranks "
                                           "(MoE Parallel Folding; docs/expert-parallel.md)")

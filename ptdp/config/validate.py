@@ -152,6 +152,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from ..observability import observability_errors
 
     errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
+    from ..pipeline.vocab import vocab_parallel_errors  # issue 24
+
+    errors += vocab_parallel_errors(config) if sizes_ok else []
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

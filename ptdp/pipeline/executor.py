@@ -23,7 +23,10 @@ from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
 from ptdp.pipeline.param_sync import plan_param_sync
-from ptdp.pipeline.schedules import COMPUTE_OPS, Action, virtual_stage
+from ptdp.pipeline.schedules import COMM_OPS, Action, virtual_stage
+from ptdp.pipeline.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE
+
+VOCAB_OPS = VOCAB_COLLECTIVES | VOCAB_COMPUTE
 
 
 class PipelineStage(Protocol):
@@ -219,7 +222,7 @@ def run_schedule(
     ``param_sync`` (ZeRO-3, ``ptdp.optim.zero.ChunkParamSync``): its gather/wait/release/reduce run at the
     points ``param_sync.plan_param_sync`` reads off ``actions``, around the compute actions.
     """
-    if comm is None and any(a.op not in COMPUTE_OPS for a in actions):
+    if comm is None and any(a.op in COMM_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
     params = stage.parameters() if hasattr(stage, "parameters") else []
     clock = Clock(params[0].device if params else "cpu")
@@ -265,9 +268,16 @@ def run_schedule(
     i = 0
     while i < len(actions):
         a = actions[i]
-        if a.op not in COMPUTE_OPS:  # one batched call for this run of SEND/RECV actions
+        if a.op in VOCAB_OPS:  # vocabulary parallelism: the stage issues the collective or computes S/T
+            t0 = clock.mark()
+            stage.collective(a) if a.op in VOCAB_COLLECTIVES else stage.vocab(a)
+            if a.op not in VOCAB_COLLECTIVES:
+                span(f"vocab_{a.op}", "compute", t0, a.microbatch, a.chunk)
+            i += 1
+            continue
+        if a.op in COMM_OPS:  # one batched call for this run of SEND/RECV actions
             j = i
-            while j < len(actions) and actions[j].op not in COMPUTE_OPS:
+            while j < len(actions) and actions[j].op in COMM_OPS:
                 j += 1
             batch = actions[i:j]
             sends = [(s, outbox.pop(message_key(s))) for s in batch if s.op.startswith("SEND")]

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ptdp.pipeline.executor import run_schedule
+from ptdp.pipeline.nccl_collectives import match_collectives
 from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement, stage_location, virtual_stage
 
 SEND_MODELS = {"sends complete on their own": False, "sends wait for their receive": True}
@@ -135,20 +136,25 @@ class _TraceStage:
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
                       lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
-                      param_sync=None) -> dict:
+                      param_sync=None, vocab_barriers: int = 0) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
     activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``param_sync``:
-    a factory ``(comm) -> object`` of the executor's ZeRO-3 gatherer that records its collectives."""
-    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    a factory ``(comm) -> object`` of the executor's ZeRO-3 gatherer that records its collectives.
+    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives (issue 24)."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
         events: list[dict] = []
         comm = RecordingComm(r, p, events, placement, per_direction)
+        stage = _TraceStage(r, p, v, events, placement)
+        if vocab_barriers:
+            from .nccl_vocab import VocabTraceStage
+
+            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
         sync = param_sync(comm) if param_sync is not None else None
-        run_schedule(lists[r], _TraceStage(r, p, v, events, placement), comm, count_saved_bytes=False,
-                     param_sync=sync)
+        run_schedule(lists[r], stage, comm, count_saved_bytes=False, param_sync=sync)
         if sync is not None:
             sync.finish()
         ranks.append(events)
@@ -186,7 +192,7 @@ class _Rank:
 
 def _describe(op: dict) -> str:
     if op["op"] == "coll":
-        return f"collective {op['msg']} with ranks {op['group']}"
+        return f"collective {op['msg']} with ranks {op.get('group', 'all')}"
     kind, mb, stage = op["msg"]
     what = f"{'activation' if kind == 'F' else 'gradient'} {kind}{mb} of stage {stage}" if kind in ("F", "B") \
         else f"{kind} of microbatch {mb} at stage {stage}"  # an expert-parallel collective (nccl_experts)
@@ -198,7 +204,7 @@ def check_trace(trace: dict, sends_wait_for_receive: bool) -> list[str]:
     ranks = [_split(events) for events in trace["ranks"]]
     problems: list[str] = []
     match = _match(ranks, problems)
-    members = _match_collectives(ranks, problems)
+    members = match_collectives(ranks, problems)
     problems += _unwaited_consumers(trace, ranks)
 
     def op_done(r: int, i: int, k: int) -> bool:
@@ -312,33 +318,6 @@ def _match(ranks: Sequence[_Rank], problems: list[str]) -> dict[tuple[int, int, 
         if op == "recv" and ("send", src, dst, comm) not in queues:
             problems.append(f"unmatched: rank {dst} receives {len(recvs)} messages rank {src} never sends")
     return match
-
-
-def _match_collectives(ranks: Sequence[_Rank], problems: list[str]) -> dict:
-    """(rank, issue, op) of each collective -> [(rank, issue)] of every member's matching one (the n-th on
-    the same communicator and group)."""
-    seqs: dict[tuple[str, tuple[int, ...], int], list[tuple[int, int, int, list]]] = {}
-    for r, rk in enumerate(ranks):
-        for i, ops in enumerate(rk.issues):
-            for k, op in enumerate(ops):
-                if op["op"] == "coll":
-                    seqs.setdefault((rk.comms[i], tuple(op["group"]), r), []).append((r, i, k, op["msg"]))
-    out = {}
-    for (comm, group, r), mine in seqs.items():
-        for n, (_, i, k, msg) in enumerate(mine):
-            partners = []
-            for q in group:
-                theirs = seqs.get((comm, group, q), [])
-                if n >= len(theirs):
-                    problems.append(f"unmatched: rank {r}'s collective {msg} #{n} on {comm}: rank {q} makes "
-                                    f"only {len(theirs)}")
-                    continue
-                if list(theirs[n][3]) != list(msg):
-                    problems.append(f"mismatch: rank {r}'s collective #{n} on {comm} is {msg}, rank {q}'s "
-                                    f"is {theirs[n][3]}")
-                partners.append((q, theirs[n][1]))
-            out[(r, i, k)] = partners
-    return out
 
 
 def _unwaited_consumers(trace: dict, ranks: Sequence[_Rank]) -> list[str]:

@@ -180,22 +180,29 @@ def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None)
     return (p - 1) / (v * m)
 
 
-def build_schedule(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False) -> list[Action]:
+def build_schedule(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False,
+                   vocab_barriers: int = 0) -> list[Action]:
     """Rank ``rank``'s action list of schedule ``name``: its compute order with the communication placed
     by ``place_communication`` over all ranks' lists.
 
     ``forward_only`` keeps the forwards (evaluation) and places communication for that list anew: a
     training list with its backwards struck out is not NCCL-safe (its batches were cut for the backwards).
+    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes (``ptdp.pipeline.vocab``).
     """
     if not 0 <= rank < p:
         check_args(name, p, v, m, rank)
-    return list(_cached_schedule(name, p, v, m, forward_only)[rank])
+    return list(_cached_schedule(name, p, v, m, forward_only, vocab_barriers)[rank])
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_schedule(name: str, p: int, v: int, m: int, forward_only: bool) -> tuple[tuple[Action, ...], ...]:
+def _cached_schedule(name: str, p: int, v: int, m: int, forward_only: bool, vocab_barriers: int = 0
+                     ) -> tuple[tuple[Action, ...], ...]:
     spec = schedule_spec(name)
     computes = [spec.compute(p, v, m, r) for r in range(p)]
     if forward_only:
         computes = [[a for a in c if a.op == "F"] for c in computes]
+    if vocab_barriers:
+        from .vocab import add_vocab_passes
+
+        return tuple(tuple(r) for r in add_vocab_passes(computes, p, v, spec.placement, vocab_barriers, forward_only))
     return tuple(tuple(r) for r in place_communication(computes, p, v, spec.placement))

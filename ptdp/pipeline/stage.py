@@ -29,9 +29,13 @@ from .layout import Stage, stages_from_counts
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
 
 
+# issue 24: a rank's vocabulary rows (``ptdp.pipeline.vocab_stage``) are slices of these full weights
+VOCAB_SLICE_NAMES = {"vocab_slices.embedding": TIED_EMBEDDING, "vocab_slices.head": "lm_head.weight"}
+
+
 def logical_name(name: str) -> str:
     """The full-model name of a parameter (the last stage's tied copy is the input embedding)."""
-    return TIED_EMBEDDING if name == HEAD_COPY else name
+    return TIED_EMBEDDING if name == HEAD_COPY else VOCAB_SLICE_NAMES.get(name, name)
 
 
 def split_model(model: GPTModel, stages: Sequence[int], num_stages: int,
@@ -69,15 +73,15 @@ def is_last(chunk: GPTModel) -> bool:
 def tied_embedding_weights(chunks: Sequence[GPTModel], p: int) -> list[nn.Parameter]:
     """This rank's copies of the tied embedding when there are two (p > 1): the optimizer keeps them in a
     separate gradient bucket (their gradients are summed across stages before the data-parallel sync)."""
-    if p == 1 or not chunks[0].cfg.tied_embeddings:
-        return []
+    if p == 1 or not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
+        return []  # vocabulary parallelism: one slice per rank serves both ends
     return [c.output_weight() for c in chunks if is_first(c) or is_last(c)]
 
 
 def sync_embedding_grads(chunks: Sequence[GPTModel], p: int, embedding_group) -> None:
     """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does: on
     this rank when a V placement holds both, else over the embedding group (first and last stage)."""
-    if not chunks[0].cfg.tied_embeddings:
+    if not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
         return
     ends = [chunk for chunk in chunks if is_first(chunk) or is_last(chunk)]
     if len(ends) == 2 and p > 1:  # a V placement: both copies live on this rank

@@ -18,6 +18,8 @@ from ..data import get_microbatch
 from ..observability import flight_recorder
 from ..pipeline.executor import run_schedule
 from ..pipeline.schedules import build_schedule, virtual_stage
+from ..pipeline.vocab import vocab_barriers
+from ..pipeline.vocab_stage import VocabStage
 from ..tensor_parallel.mappings import group_size
 from .state import TrainState
 from .step import cp_shard, language_model_loss
@@ -48,7 +50,9 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
     par = trainer.config.parallel
-    actions = build_schedule(par.schedule, state.dims.pp, par.virtual_size, m, state.pp_rank, forward_only=True)
+    barriers = vocab_barriers(par)  # issue 24: the forward-only list with the S and T (loss only) passes
+    actions = build_schedule(par.schedule, state.dims.pp, par.virtual_size, m, state.pp_rank, forward_only=True,
+                             vocab_barriers=barriers)
     for chunk in trainer.chunks:
         chunk.eval()
     total = 0.0
@@ -69,7 +73,13 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             stage = ForwardOnlyStage(trainer.chunks, state.pp_rank, state.dims.pp,
                                      lambda j, batches=batches: cp_shard(batches[j][:, :-1], state), loss_fn,
                                      state.placement)
-            run_schedule(actions, stage, trainer.comm, param_sync=trainer.grads.param_sync)
+            if barriers:
+                stage = VocabStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
+                                   lambda j, batches=batches: batches[j][:, :-1], lambda j, batches=batches:
+                                   batches[j][:, 1:], 1.0 / m, m, state.placement, barriers, state.pp_group,
+                                   state.tp_group, state.pipeline_ranks(), par.sequence_parallel, forward_only=True)
+            with torch.no_grad():
+                run_schedule(actions, stage, trainer.comm, param_sync=trainer.grads.param_sync)
             total += float(sum(stage.losses.values()))
     finally:
         for chunk in trainer.chunks:

@@ -26,6 +26,7 @@ from ..phases import phase
 from ..pipeline.p2p import P2PComm, direction_groups
 from ..pipeline.schedules import Action, build_schedule, schedule_placement
 from ..pipeline.stage import tied_embedding_weights
+from ..pipeline.vocab import vocab_barriers
 from ..tensor_parallel import model_parallel_seed
 from ..tensor_parallel.mappings import all_gather, split
 
@@ -68,13 +69,14 @@ def setup(config: Config) -> TrainState:
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
     data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
-    padded = config.model.padded_vocab_size(vocab_size, dims.tp)
+    padded = config.model.padded_vocab_size(vocab_size, dims.tp * (dims.pp if par.enable_vocab_parallel else 1))
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
     grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
     m = config.num_microbatches(world_size)
-    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank)
+    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
+                              vocab_barriers=vocab_barriers(par))
     return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
 
 

@@ -18,6 +18,8 @@ from ..optim import learning_rate
 from ..parallel import ParallelState
 from ..pipeline.executor import ModuleStage, ScheduleStats, run_schedule
 from ..pipeline.stage import sync_embedding_grads
+from ..pipeline.vocab import vocab_barriers
+from ..pipeline.vocab_stage import VocabStage
 from ..sequence_parallel import all_reduce_sequence_parallel_grads
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.mappings import group_size
@@ -80,8 +82,14 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
         return loss * scale if scale != 1.0 else loss
 
     set_loss_scale(trainer, scale / m)  # MoE auxiliary losses: weighted like the LM loss
-    stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
-                        first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
+    barriers = vocab_barriers(trainer.config.parallel)
+    if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
+        stage = VocabStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks), lambda j: batch(j)[0],
+                           lambda j: batch(j)[1], scale / m, m, state.placement, barriers, state.pp_group,
+                           state.tp_group, state.pipeline_ranks(), trainer.config.parallel.sequence_parallel)
+    else:
+        stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
+                            first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None

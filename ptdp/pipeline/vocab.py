@@ -1,0 +1,236 @@
+"""Vocabulary parallelism across pipeline stages (Yeung et al. 2024): the schedule side.
+
+The input embedding and the output layer with its cross-entropy are split by vocabulary over all p
+pipeline ranks (ptdp-facts.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
+so the one executor (``ptdp.pipeline.executor``) runs any schedule with them:
+
+* ``EF`` (once per iteration, first): this rank's rows of the embedding for every microbatch's ids; the
+  collective ``EMB`` sums the partial embeddings onto the first stage, whose F of each microbatch reads it.
+* ``BCAST_H`` (per microbatch): the last stage's final hidden state to every pipeline rank.
+* ``S``: this rank's slice of the logits, its max and sum of exponentials (one barrier: also this slice's
+  share of the input gradient); ``C0`` joins the statistics over the pipeline group (an all-gather).
+* ``T``: the loss and the logit gradient: the weight-slice gradient, and (two barriers) the partial input
+  gradient, which ``C1`` sums onto the last stage; with one barrier the last stage assembles it from C0.
+  Either way the last stage's backward of its last chunk consumes it.
+* ``EMB_G`` and ``EB`` (once, last): the first stage's embedding-output gradients to every rank, which adds
+  them into its rows.
+
+Placement (:func:`add_vocab_passes`): a list scheduler over the schedule's own compute order, in the cost
+units of ``communication.TICKS``. A free rank runs a ready T, else a ready S, else its next action; the rank
+holding the last stage may run up to ``LOOKAHEAD`` later forwards while its backward waits for the
+barrier (the paper's extra in-flight microbatches: p+2 with one barrier, p+1 with two). So the barriers
+overlap transformer work. Every message and collective then gets one global time, the end of what
+produces it, and every rank posts them in that order (``place_communication``'s argument, with a
+collective completing once all p ranks posted it); ``ptdp.pipeline.nccl_model`` checks the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .actions import Action, stage_location, virtual_stage
+from .communication import TICKS
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+VOCAB_COMPUTE = frozenset({"EF", "S", "T", "EB"})
+VOCAB_COLLECTIVES = frozenset({"EMB", "BCAST_H", "C0", "C1", "EMB_G"})
+VOCAB_TICKS = {"S": 1, "T": 1}  # 1/p of the output layer each; in TICKS units (F = 2)
+LOOKAHEAD = 2  # forwards the last stage may run ahead while its backward waits for the vocabulary barrier
+_LATE = 1 << 40  # the time of the end-of-iteration embedding gradient exchange
+
+
+def vocab_parallel_errors(config: Config) -> list[str]:
+    """``--enable-vocab-parallel`` against the layout, one line each (``ptdp.config.validate``)."""
+    par, m = config.parallel, config.model
+    if not par.enable_vocab_parallel:
+        return ["--disable-fb-fusion needs --enable-vocab-parallel"] if par.disable_fb_fusion else []
+    p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
+    errors = []
+    if p < 2:
+        errors.append(f"--enable-vocab-parallel splits the vocabulary over pipeline ranks: it needs "
+                      f"--pipeline-model-parallel-size > 1, got {p}")
+    if m.vocab_size is not None and m.vocab_size < p * t:
+        errors.append(f"--enable-vocab-parallel: --vocab-size {m.vocab_size} is smaller than pipeline x tensor "
+                      f"parallel size {p}x{t}: every rank needs at least one vocabulary row")
+    if config.training.overlap_grad_reduce:
+        errors.append("--enable-vocab-parallel does not support --overlap-grad-reduce yet (the vocabulary "
+                      "slices get their gradients outside the chunks' backward); drop one of them")
+    if config.parallel.context_parallel_size > 1:
+        errors.append("--enable-vocab-parallel does not support --context-parallel-size > 1 yet")
+    if config.optimizer.sharding == "optim_grads_params":  # ZeRO-3 gathers chunks around F/B/W only
+        errors.append("--enable-vocab-parallel does not support --data-parallel-sharding-strategy "
+                      "optim_grads_params yet (the S/T passes read chunk 0's slices outside its gathers)")
+    return errors
+
+
+def vocab_barriers(parallel) -> int:
+    """0 without ``--enable-vocab-parallel``, else its barriers per microbatch: 2 with ``--disable-fb-fusion``."""
+    if not getattr(parallel, "enable_vocab_parallel", False):
+        return 0
+    return 2 if parallel.disable_fb_fusion else 1
+
+
+def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int
+              ) -> list[tuple[str, int]]:
+    """The collectives (op, microbatch) a compute action consumes: the executor's stage waits for them."""
+    op, mb = action.op, action.microbatch
+    if op == "S":
+        return [("BCAST_H", mb)]
+    if op == "T":
+        return [("C0", mb)]
+    if op == "EB":
+        return [("EMB_G", 0)]
+    if op == "F" and action.chunk == first_chunk:
+        return [("EMB", 0)]
+    if op in ("B", "I") and action.chunk == last_chunk and barriers == 2:
+        return [("C1", mb)]
+    return []
+
+
+def end_ranks(p: int, v: int, placement: str) -> tuple[int, int, int]:
+    """(rank of the first stage, rank of the last stage, the last virtual stage)."""
+    last = p * v - 1
+    return stage_location(0, p, placement)[0], stage_location(last, p, placement)[0], last
+
+
+def add_vocab_passes(computes: Sequence[Sequence[Action]], p: int, v: int, placement: str, barriers: int,
+                     forward_only: bool = False) -> list[list[Action]]:
+    """Every rank's full list: the schedule's computes with the vocabulary passes and all communication
+    (point-to-point and collectives) placed (module docstring). ``barriers``: 1 (fused) or 2."""
+    orders, times = _list_schedule(computes, p, v, placement, barriers, forward_only)
+    return _place(orders, times, p, v, placement, barriers, forward_only)
+
+
+def _list_schedule(computes, p, v, placement, barriers, forward_only):
+    first_rank, last_rank, last = end_ranks(p, v, placement)
+    m = 1 + max(a.microbatch for c in computes for a in c)
+    end: dict[tuple, float] = {}  # (op, microbatch, stage or rank) -> end time
+    ticks = {**TICKS, **VOCAB_TICKS}
+    base_done = [set() for _ in range(p)]
+    pos, clock = [0] * p, [0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    next_s, next_t = [0] * p, [0] * p
+    ahead = [0] * p  # forwards run ahead of a waiting backward, not yet passed in the list
+
+    def barrier(op: str, mb: int) -> float | None:
+        ends = [end.get((op, mb, r)) for r in range(p)]
+        return None if None in ends else max(ends)
+
+    def ready_at(r: int, a: Action) -> float | None:
+        s, mb = virtual_stage(r, a.chunk, p, placement), a.microbatch
+        if a.op == "S":
+            return end.get(("F", mb, last))
+        if a.op == "T":
+            return barrier("S", mb)
+        deps = []
+        if a.op == "F":
+            deps = [end.get(("F", mb, s - 1))] if s > 0 else []
+        elif a.op == "W":
+            deps = [end.get(("I", mb, s))]
+        else:
+            deps = [end.get(("F", mb, s))]
+            if s < last:
+                deps.append(end.get(("B", mb, s + 1), end.get(("I", mb, s + 1))))
+            elif barriers == 2:
+                deps.append(barrier("T", mb))
+            else:
+                deps.append(end.get(("T", mb, r)))
+        return None if None in deps else max(deps, default=0)
+
+    def run(r: int, a: Action, start: float) -> None:
+        key_place = r if a.op in ("S", "T") else virtual_stage(r, a.chunk, p, placement)
+        clock[r] = end[a.op, a.microbatch, key_place] = start + ticks[a.op]
+        orders[r].append(a)
+        times[r].append((start, clock[r]))
+
+    remaining = sum(len(c) for c in computes) + 2 * p * m  # and an S and a T per microbatch per rank
+    t, limit = 0, 20 * (remaining + p) * max(ticks.values())
+    while remaining:
+        for r in range(p):
+            if clock[r] > t:
+                continue
+            candidates: list[tuple[Action, int | None]] = []
+            if next_t[r] < m:
+                candidates.append((Action("T", next_t[r], 0), None))
+            if next_s[r] < m:
+                candidates.append((Action("S", next_s[r], 0), None))
+            while pos[r] < len(computes[r]) and pos[r] in base_done[r]:
+                pos[r] += 1
+                ahead[r] = max(0, ahead[r] - 1)
+            if pos[r] < len(computes[r]):
+                candidates.append((computes[r][pos[r]], pos[r]))
+                nxt = computes[r][pos[r]]
+                waiting_on_vocab = (nxt.op in ("B", "I") and r == last_rank
+                                    and virtual_stage(r, nxt.chunk, p, placement) == last)
+                if waiting_on_vocab and ahead[r] < LOOKAHEAD:
+                    k = next((k for k in range(pos[r] + 1, len(computes[r]))
+                              if k not in base_done[r] and computes[r][k].op == "F"), None)
+                    if k is not None:
+                        candidates.append((computes[r][k], k))
+            for a, k in candidates:
+                when = ready_at(r, a)
+                if when is None or when > t:
+                    continue
+                run(r, a, t)
+                remaining -= 1
+                if a.op == "S":
+                    next_s[r] += 1
+                elif a.op == "T":
+                    next_t[r] += 1
+                else:
+                    base_done[r].add(k)
+                    if k != pos[r]:
+                        ahead[r] += 1
+                break
+        t += 1
+        if t > limit:
+            raise ValueError(f"vocabulary passes cannot be placed: p={p} v={v} placement={placement}")
+    return orders, times
+
+
+def _place(orders, times, p, v, placement, barriers, forward_only) -> list[list[Action]]:
+    """Events sorted by (time, communication before compute, a key both ends share)."""
+    first_rank, last_rank, last = end_ranks(p, v, placement)
+    m = 1 + max(a.microbatch for o in orders for a in o)
+    events: list[list[tuple]] = [[(start, 1, i, a) for i, (a, (start, _)) in enumerate(zip(orders[r], times[r]))]
+                                 for r in range(p)]
+    f_last, s_end, t_end = {}, {}, {}
+    for r in range(p):
+        for a, (_, end) in zip(orders[r], times[r]):
+            s, mb = virtual_stage(r, a.chunk, p, placement), a.microbatch
+            if a.op == "S":
+                s_end[mb] = max(s_end.get(mb, 0), end)
+                continue
+            if a.op == "T":
+                t_end[mb] = max(t_end.get(mb, 0), end)
+                continue
+            if a.op == "F" and s == last:
+                f_last[mb] = end
+            if a.op == "F" and s < last:
+                kind, dst = "F", s + 1
+            elif a.op in ("B", "I") and s > 0:
+                kind, dst = "B", s - 1
+            else:
+                continue
+            q, dst_chunk = stage_location(dst, p, placement)
+            if q == r:
+                continue
+            order = (0 if kind == "F" else 1) * 4 * p * v + s
+            events[r].append((end, 0, order, Action(f"SEND_{kind}", mb, a.chunk, q)))
+            events[q].append((end, 0, order, Action(f"RECV_{kind}", mb, dst_chunk, r)))
+    base = 8 * p * v
+    for r in range(p):
+        coll = [(-2, 1, 0, Action("EF", 0, 0)), (-1, 0, base, Action("EMB", 0, 0))]
+        for mb in range(m):
+            coll.append((f_last[mb], 0, base + 4 * mb + 1, Action("BCAST_H", mb, 0)))
+            coll.append((s_end[mb], 0, base + 4 * mb + 2, Action("C0", mb, 0)))
+            if barriers == 2 and not forward_only:
+                coll.append((t_end[mb], 0, base + 4 * mb + 3, Action("C1", mb, 0)))
+        if not forward_only:
+            coll += [(_LATE, 0, base, Action("EMB_G", 0, 0)), (_LATE, 1, 0, Action("EB", 0, 0))]
+        events[r] += coll
+    return [[a for *_, a in sorted(rank_events, key=lambda e: e[:3])] for rank_events in events]
