@@ -44,7 +44,7 @@ EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 @pytest.fixture(scope="module")
 def more_runs(tmp_path_factory):
     """One spawn: Llama and untied GPT with their one-process references; sequence parallelism with full
-    recomputation and the distributed optimizer; a checkpoint saved vocabulary-parallel at p=4 resumed at
+    recomputation and the distributed optimizer, or selective recomputation and ZeRO-2; a checkpoint saved vocabulary-parallel at p=4 resumed at
     p=2 without it."""
     tmp = tmp_path_factory.mktemp("vocab-more")
     ckpt = tmp / "vp-p4"
@@ -55,7 +55,8 @@ def more_runs(tmp_path_factory):
                                   "--use-distributed-optimizer", "--recompute-granularity", "full"]),
         "untied-ref": (1, ["--untie-embeddings-and-output-weights", *EVAL]),
         "untied-1f1b-2": (4, [*P4, *VP, "--disable-fb-fusion", "--untie-embeddings-and-output-weights", *EVAL]),
-        "gpt-t2p2d2-sp-1": (8, [*T2P2, *VP, "--sequence-parallel", "--recompute-granularity", "selective"]),
+        "gpt-t2p2d2-sp-1": (8, [*T2P2, *VP, "--sequence-parallel", "--recompute-granularity", "selective",
+                                "--data-parallel-sharding-strategy", "optim_grads"]),  # ZeRO-2 too
         "ref6": (1, SIX),
         "save-vp-p4": (4, [*SIX, *P4, *VP, "--save", str(ckpt), "--exit-interval", "3"]),
         "resume-p2": (2, [*SIX, "--pipeline-model-parallel-size", "2", "--load", str(ckpt)]),
