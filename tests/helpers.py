@@ -36,18 +36,29 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_command(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run ``command`` to completion; on timeout kill its whole process group (the launcher's workers
-    too, so a hung run leaves nothing behind) and fail the test."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as proc:
+def start_command(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``command`` in a session of its own (its process group is what a timeout kills, and what a
+    test signals as a terminal's Ctrl-C would), text stdout and stderr piped."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def finish_command(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; on timeout kill its whole process group (the launcher's workers too, so a hung
+    run leaves nothing behind) and fail the test."""
+    with proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_command(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``command`` to completion (see :func:`finish_command`)."""
+    return finish_command(start_command(command, env), timeout)
 
 
 def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, losses, run_ptdp, worker_env
+from helpers import TINY, finish_command, losses, run_ptdp, start_command, worker_env
 
 from ptdp.checkpointing import read_full_model_state, read_latest
 
@@ -26,8 +26,7 @@ LONG = [*TINY, "--train-iters", str(ITERS)]
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ptdp", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=worker_env(), start_new_session=True)
+    return start_command([sys.executable, "-m", "ptdp", "train", *args], worker_env())
 
 
 def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> list[str]:
@@ -45,13 +44,9 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float = 240) ->
 
 
 def finish(proc: subprocess.Popen, seen: list[str], timeout: float = 120) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return proc.returncode, "".join(seen) + out, err
+    """Exit code, all stdout (the lines already read first) and stderr; a hung run is killed (helpers)."""
+    done = finish_command(proc, timeout)
+    return done.returncode, "".join(seen) + done.stdout, done.stderr
 
 
 def records(path: Path) -> list[dict]:

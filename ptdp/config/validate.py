@@ -94,7 +94,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    from ..fp8 import fp8_errors  # issue 26: FP8 needs torchao, --bf16 and an FP8 GPU
+    from ..fp8 import fp8_errors  # issue 26: the --fp8-* flags (the GPU and torchao: ptdp.startup)
 
     errors += fp8_errors(config)
     if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
