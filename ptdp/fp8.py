@@ -26,26 +26,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "rowwise")
+from .config.features import FP8_FORMATS, FP8_RECIPES
+
 _SKIPPED = ("router", "output_layer", "embedding")  # module-name parts that always stay bf16
-
-
-def fp8_errors(config) -> list[str]:
-    """One line per problem of the ``--fp8-*`` flags themselves (none without ``--fp8-format``): pure, part
-    of ``config.validate``. What the machine must have is :func:`fp8_environment_errors`."""
-    mp = config.precision
-    fmt = mp.fp8_format
-    if not fmt:
-        return []
-    if fmt not in FP8_FORMATS or mp.fp8_recipe not in FP8_RECIPES:
-        return [f"--fp8-format {fmt} --fp8-recipe {mp.fp8_recipe}: expected one of {', '.join(FP8_FORMATS)} and "
-                f"one of {', '.join(FP8_RECIPES)}"]
-    if mp.fp8_recipe == "rowwise" and fmt == "hybrid":  # torchao's rowwise GEMMs take e4m3 operands only
-        return ["--fp8-recipe rowwise needs --fp8-format e4m3 (rowwise-scaled FP8 GEMMs take e4m3 operands)"]
-    if not mp.bf16:
-        return ["--fp8-format needs --bf16 (FP8 GEMMs take bf16 operands and the layers outside them stay bf16)"]
-    return []
 
 
 def fp8_environment_errors(config) -> list[str]:

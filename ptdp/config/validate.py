@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..pipeline.registry import schedule_problems
+from .features import fp8_errors, recompute_errors
 from .load import type_problems
 from .schema import Config, MixedPrecisionConfig, ModelConfig
 
@@ -86,16 +87,12 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
             errors.append(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size x "
                           f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers")
         errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
-        from ..recompute import recompute_errors
-
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                    m.num_layers // (p * v))
     errors += _optimizer_errors(config)
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    from ..fp8 import fp8_errors  # issue 26: the --fp8-* flags (the GPU and torchao: ptdp.startup)
-
     errors += fp8_errors(config)
     if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
         errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")
