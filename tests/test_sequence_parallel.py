@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_equivalent, run_layouts, spawn
+from helpers import assert_equivalent, pooled_spawn, run_layouts
 
 from ptdp.config import Config, derive, validate
 from ptdp.models import GPTModel
@@ -64,7 +64,7 @@ def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
 
 
 def test_replicated_grads_after_all_reduce_equal_single_process(tmp_path):
-    spawn(_layernorm_grads, 2, tmp_path, str(tmp_path / "ok"))
+    pooled_spawn(_layernorm_grads, 2, tmp_path, str(tmp_path / "ok"))
     assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
 
 
