@@ -78,15 +78,17 @@ def run_train(args: argparse.Namespace) -> int:
         if line:
             return _fail(line, "train")
     errors = validate(config, world_size, local_world_size)
-    if not errors:  # --save/--load and the checkpoint itself (checksums, model shape); not in ptdp.config,
-        from .checkpointing.validation import checkpoint_errors  # which must not import checkpointing
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not errors:  # the machine (FP8 GPU) and the files (--save/--load, the checkpoint): ptdp.startup
+        from .startup import startup_problems, startup_warnings
 
-        config = derive(config, world_size)  # validate never changes what it checks: resolved values here
-
-        errors = checkpoint_errors(config, world_size)
+        given, config = config, derive(config, world_size)  # validate never changes what it checks
+        errors = startup_problems(config, world_size)
+        for line in startup_warnings(given, config) if rank0 and not launching else ():
+            print(f"warning: {line}", file=sys.stderr)
     if errors:
         # Every rank rejects the configuration before any collective; only rank 0 speaks.
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank0:
             for line in errors:
                 print_error("train", line)
         return 2

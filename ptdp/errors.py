@@ -21,3 +21,13 @@ def print_error(command: str | None, message: object) -> None:
     """Write :func:`error_line` to stderr and flush it."""
     sys.stderr.write(error_line(command, message))
     sys.stderr.flush()
+
+
+def write_line(stream, line: str) -> None:
+    """``line`` to ``stream``, flushed at once; a stream already closed (a process being torn down, a reader
+    gone) is ignored: these lines are a courtesy that must never raise from a signal handler or at exit."""
+    try:
+        stream.write(line + "\n")
+        stream.flush()
+    except (OSError, ValueError):
+        pass

@@ -26,26 +26,18 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "rowwise")
+from .config.features import FP8_FORMATS, FP8_RECIPES
+
 _SKIPPED = ("router", "output_layer", "embedding")  # module-name parts that always stay bf16
 
 
-def fp8_errors(config) -> list[str]:
-    """One line per reason ``--fp8-format`` cannot run here (none without it)."""
-    mp = config.precision
-    fmt = mp.fp8_format
-    if not fmt:
+def fp8_environment_errors(config) -> list[str]:
+    """One line per reason ``--fp8-format`` cannot run on this machine: torchao installed, a GPU of compute
+    capability >= 8.9 visible. A start-up check (``ptdp.startup``), not a property of the configuration."""
+    if not config.precision.fp8_format:
         return []
-    if fmt not in FP8_FORMATS or mp.fp8_recipe not in FP8_RECIPES:
-        return [f"--fp8-format {fmt} --fp8-recipe {mp.fp8_recipe}: expected one of {', '.join(FP8_FORMATS)} and "
-                f"one of {', '.join(FP8_RECIPES)}"]
-    if mp.fp8_recipe == "rowwise" and fmt == "hybrid":  # torchao's rowwise GEMMs take e4m3 operands only
-        return ["--fp8-recipe rowwise needs --fp8-format e4m3 (rowwise-scaled FP8 GEMMs take e4m3 operands)"]
     if importlib.util.find_spec("torchao") is None:
         return ["--fp8-format needs torchao (pip install torchao, or pip install 'ptdp[fp8]')"]
-    if not mp.bf16:
-        return ["--fp8-format needs --bf16 (FP8 GEMMs take bf16 operands and the layers outside them stay bf16)"]
     if not torch.cuda.is_available():
         return ["--fp8-format needs a CUDA GPU of compute capability >= 8.9 (H100, L40, RTX 4090); none is visible"]
     major, minor = torch.cuda.get_device_capability()

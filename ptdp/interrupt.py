@@ -28,6 +28,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .errors import write_line
+
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 LAUNCHER_ENV = "PTDP_LAUNCHER_PID"
 
@@ -151,11 +153,7 @@ def interrupted_exception(error: BaseException) -> bool:
 
 
 def _write(line: str) -> None:
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    write_line(sys.stderr, line)
 
 
 # --- the launcher's side -------------------------------------------------------------------------------

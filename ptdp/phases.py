@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .errors import write_line
+
 AFTER_S = 2.0
 
 
@@ -63,8 +65,4 @@ def phase(what: str, after_s: float = AFTER_S, rank: int | None = None) -> Itera
 
 
 def _say(line: str) -> None:
-    try:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
+    write_line(sys.stdout, line)

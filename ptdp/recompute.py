@@ -28,9 +28,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .tensor_parallel import get_rng_tracker
 
-GRANULARITIES = ("full", "selective")
-METHODS = ("uniform", "block")
-
 
 def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
     """``function(*args)`` keeping only ``args`` for backward; recomputed with identical RNG streams."""
@@ -93,27 +90,6 @@ def recompute_plan(num_layers: int, granularity: str | None, method: str | None,
     if (method or "uniform") == "uniform":
         return [(range(i, min(i + n, num_layers)), True) for i in range(0, num_layers, n)]
     return [(range(i, i + 1), i < n) for i in range(num_layers)]
-
-
-def recompute_errors(granularity: str | None, method: str | None, recompute_num_layers: int | None,
-                     layers_per_chunk: int) -> list[str]:
-    """Problems with the recompute flags, one line each naming the flag and the fix."""
-    if granularity is not None and granularity not in GRANULARITIES:
-        return [f"--recompute-granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}"]
-    if granularity != "full":
-        unused = [flag for flag, value in (("--recompute-method", method),
-                                           ("--recompute-num-layers", recompute_num_layers)) if value is not None]
-        return [f"{flag} applies only to --recompute-granularity full; add it or drop {flag}" for flag in unused]
-    errors = []
-    if method is not None and method not in METHODS:
-        errors.append(f"--recompute-method must be one of {', '.join(METHODS)}, got {method!r}")
-    n = recompute_num_layers
-    if n is not None and method == "block" and not 0 <= n <= layers_per_chunk:
-        errors.append(f"--recompute-num-layers {n} must be between 0 and the {layers_per_chunk} layers of each "
-                      "model chunk with --recompute-method block")
-    elif n is not None and method != "block" and n < 1:
-        errors.append(f"--recompute-num-layers must be >= 1 with --recompute-method uniform, got {n}")
-    return errors
 
 
 def _maybe_checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:

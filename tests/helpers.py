@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,18 +37,29 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_command(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run ``command`` to completion; on timeout kill its whole process group (the launcher's workers
-    too, so a hung run leaves nothing behind) and fail the test."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as proc:
+def start_command(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``command`` in a session of its own (its process group is what a timeout kills, and what a
+    test signals as a terminal's Ctrl-C would), text stdout and stderr piped."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def finish_command(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; on timeout kill its whole process group (the launcher's workers too, so a hung
+    run leaves nothing behind) and fail the test."""
+    with proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_command(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``command`` to completion (see :func:`finish_command`)."""
+    return finish_command(start_command(command, env), timeout)
 
 
 def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
@@ -218,6 +230,74 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
         dist.barrier()  # all connected before any rank returns (and _entry destroys the group) after the last
 
 
+class _RankPool:
+    """Ranks started once per test session and reused by every :func:`run_layouts`: on two cores, starting
+    Python and torch in 8 processes costs more than training the tiny model in every layout of a module, and
+    a session has a dozen such modules. A rank runs one ``_entry`` at a time (a fresh gloo group each); the
+    trainings in it already share processes stage after stage, as ``run_layouts`` always did. Any failure or
+    timeout kills the whole pool (a rank may be stuck in a collective) and the next call starts a new one."""
+
+    SIZE = 8  # the largest layout of the tests: (t, p, d, v) = (2, 2, 2, 2)
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.SimpleQueue() for _ in range(self.SIZE)]
+        self.outbox = ctx.SimpleQueue()
+        self.procs = [ctx.Process(target=_pool_rank, args=(rank, self.inboxes[rank], self.outbox), daemon=True)
+                      for rank in range(self.SIZE)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, world_size: int, store: str, args: tuple, timeout: float) -> None:
+        for rank in range(world_size):
+            self.inboxes[rank].put((fn, world_size, store, args))
+        pending, deadline = set(range(world_size)), time.monotonic() + timeout
+        while pending:
+            while self.outbox.empty():
+                dead = [r for r in pending if not self.procs[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise AssertionError(f"rank(s) {dead} died" if dead else "spawned ranks did not finish in time")
+                time.sleep(0.05)
+            rank, error = self.outbox.get()
+            pending.discard(rank)
+            if error is not None:
+                self.close()
+                raise AssertionError(f"rank {rank} failed:\n{error}")
+
+    def close(self) -> None:
+        global _POOL
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.join()
+        _POOL = None
+
+
+def _pool_rank(rank: int, inbox, outbox) -> None:
+    import traceback
+
+    while True:
+        fn, world_size, store, args = inbox.get()
+        try:
+            _entry(rank, fn, world_size, store, args)
+            outbox.put((rank, None))
+        except BaseException:  # noqa: BLE001 -- reported to the test, which fails and kills the pool
+            outbox.put((rank, traceback.format_exc()))
+
+
+_POOL: _RankPool | None = None
+
+
+def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 300) -> None:
+    """:func:`spawn` on the session's reused ranks (for functions that leave nothing behind in a process)."""
+    global _POOL
+    assert world_size <= _RankPool.SIZE, world_size
+    if _POOL is None:
+        _POOL = _RankPool()
+    _POOL.run(fn, world_size, str(tmp_path / f"store-{os.urandom(4).hex()}"), args, timeout)
+
+
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
@@ -236,8 +316,8 @@ def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: li
         stages.append((name, world, argv))
         runs[name] = (metrics, ckpt)
     # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
-    spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
-          timeout=300 + 120 * len(stages))
+    pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
+                 timeout=300 + 120 * len(stages))
     return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
             for name, (metrics, ckpt) in runs.items()}
 

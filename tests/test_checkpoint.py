@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     TINY,
+    Run,
     assert_equivalent,
     assert_same_run,
     assert_same_training,
@@ -22,7 +23,6 @@ from helpers import (
     run_ptdp,
     track,
     train_metrics,
-    train_run,
 )
 
 from ptdp.checkpointing import CheckpointError, read_full_model_state, read_latest, write_full_model_state
@@ -60,20 +60,61 @@ def tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+T2 = ["--tensor-model-parallel-size", "2"]
+
+
+def write_initial_full_model(path: Path) -> dict:
+    """``write_full_model_state`` of the one-process initial weights (an imported model); returns them."""
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
+                      attention_dropout=0.0)
+    model = GPTModel(cfg, 257, cfg.padded_vocab_size(257, 1))
+    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
+    full = {name: p.detach() for name, p in model.named_parameters()}
+    full["embedding.word_embeddings.weight"] = full["embedding.word_embeddings.weight"][:257]  # unpadded ok
+    write_full_model_state(path, full, {"model": {**vars(cfg), "vocab_size": 257}})
+    return full
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def runs(tmp_path_factory) -> dict:
+    """Every run that needs no launcher, fault or signal, in ONE spawn of 4 processes (``run_layouts``;
+    starting Python and torch costs far more than these runs): six straight iterations in one process and
+    at t=2; a t=2 run stopped by --exit-interval 3 that saved a checkpoint, resumed in place and at t=1; an
+    imported full model trained at t=2; and an 8-layer (t,p,d) = (2,2,1) save resumed in other pipeline
+    layouts."""
+    tmp = tmp_path_factory.mktemp("runs")
+    t2_ckpt, pipe_ckpt, imported = tmp / "t2-ckpt", str(tmp / "pipe-ckpt"), tmp / "imported"
+    full = write_initial_full_model(imported)
+    runs = run_layouts(tmp, {
+        "reference": (1, SIX),
+        "t2-straight": (2, [*SIX, *T2]),
+        "t2-first": (2, [*SIX, *T2, "--save", str(t2_ckpt), "--exit-interval", "3"]),
+        "t2-resumed": (2, [*SIX, *T2, "--load", str(t2_ckpt)]),
+        "t1-resumed": (1, [*SIX, "--load", str(t2_ckpt)]),
+        "t2-imported": (2, [*SIX, *T2, "--load", str(imported)]),
+        "pipe-reference": (1, EIGHT_LAYERS),
+        "t2p2-save": (4, [*EIGHT_LAYERS, *T2, "--pipeline-model-parallel-size", "2", "--save", pipe_ckpt,
+                          "--exit-interval", "3"]),
+        "p4v2": (4, [*EIGHT_LAYERS, "--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size",
+                     "2", "--load", pipe_ckpt]),
+        "p2d2-distopt": (4, [*EIGHT_LAYERS, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                             "--load", pipe_ckpt]),  # d=2 shards Adam
+    }, base=[])
+    return {**runs, "t2-ckpt": t2_ckpt, "imported": imported, "full": full}
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> Run:
     """Six iterations in one process, never interrupted (losses, gradient norms, final weights)."""
-    return train_run(tmp_path_factory.mktemp("ref"), 1, [], base=SIX)
+    return runs["reference"]
 
 
 @pytest.fixture(scope="module")
-def t2(tmp_path_factory) -> dict:
-    """t=2: six straight iterations, and a run stopped by --exit-interval 3 that saved a checkpoint."""
-    tmp = tmp_path_factory.mktemp("t2")
-    straight = track(train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2"], base=SIX))  # (loss, grad norm)
-    first = train_metrics(tmp, 2, ["--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"),
-                                   "--exit-interval", "3"], base=SIX)
-    return {"straight": straight, "first": first, "ckpt": tmp / "ckpt"}
+def t2(runs) -> dict:
+    """t=2: six straight iterations (loss, gradient norm), and a run stopped by --exit-interval 3 that saved
+    a checkpoint."""
+    return {"straight": track(runs["t2-straight"].records), "first": runs["t2-first"].records,
+            "ckpt": runs["t2-ckpt"]}
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +127,24 @@ def crashed(tmp_path_factory) -> dict:
     return {"proc": proc, "ckpt": ckpt, "first": records(metrics), "tmp": tmp}
 
 
-def test_resume_in_place_is_bit_identical(t2, tmp_path):
+def test_resume_in_place_is_bit_identical(t2, runs):
     assert [r["iteration"] for r in t2["first"]] == [1, 2, 3]
     assert read_latest(t2["ckpt"]) == 3 and (t2["ckpt"] / "iter_0000003" / "checksums.sha256").is_file()
-    before = tree_digest(t2["ckpt"])
-    resumed = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(t2["ckpt"])],
-                            base=SIX)
+    resumed = runs["t2-resumed"].records
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     assert track(t2["first"]) + track(resumed) == t2["straight"]  # bit for bit
-    assert tree_digest(t2["ckpt"]) == before  # loading never modifies the checkpoint
+    # Loading never modifies the checkpoint (two runs loaded it): nothing added, every file as saved.
+    iter3 = t2["ckpt"] / "iter_0000003"
+    saved = {name: digest for digest, name in (line.split("  ", 1) for line in
+                                                (iter3 / "checksums.sha256").read_text().splitlines())}
+    assert sorted(p.name for p in t2["ckpt"].iterdir()) == ["iter_0000003", "latest"]
+    assert {str(p.relative_to(iter3)) for p in iter3.rglob("*")} == {*saved, "checksums.sha256"}
+    assert {name: hashlib.sha256((iter3 / name).read_bytes()).hexdigest() for name in saved} == saved
 
 
-def test_resume_in_another_tensor_layout(t2, reference, tmp_path):
+def test_resume_in_another_tensor_layout(runs, reference):
     """t=2 -> one process (t -> d moves are covered by the pipeline test's (2,2,1) -> (1,2,2))."""
-    resumed = train_run(tmp_path, 1, ["--load", str(t2["ckpt"])], base=SIX)
+    resumed = runs["t1-resumed"]
     assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
     assert_equivalent(resumed, reference, RTOL)
 
@@ -114,24 +159,14 @@ def test_full_model_state_is_the_same_in_every_layout(t2, crashed):
     assert config["parallel"]["tensor_model_parallel_size"] == 2
 
 
-def test_pipeline_checkpoint_loads_in_other_pipeline_layouts(tmp_path):
+def test_pipeline_checkpoint_loads_in_other_pipeline_layouts(runs):
     """(t,p,d) = (2,2,1) saves; (1,4,1) with v=2 and (1,2,2) with the distributed optimizer resume with the
-    uninterrupted run (all in one spawn of 4 processes)."""
-    ckpt = str(tmp_path / "ckpt")
-    runs = run_layouts(tmp_path, {
-        "reference": (1, []),
-        "t2p2-save": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                          "--save", ckpt, "--exit-interval", "3"]),
-        "p4v2": (4, ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2",
-                     "--load", ckpt]),
-        "p2d2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",  # d=2 shards Adam
-                             "--load", ckpt]),
-    }, base=EIGHT_LAYERS)
+    uninterrupted run."""
     assert [r["iteration"] for r in runs["t2p2-save"].records] == [1, 2, 3]
-    assert_same_run(runs["t2p2-save"], runs["reference"], RTOL)
+    assert_same_run(runs["t2p2-save"], runs["pipe-reference"], RTOL)
     for name in ("p4v2", "p2d2-distopt"):
         assert [r["iteration"] for r in runs[name].records] == [4, 5, 6]
-        assert_equivalent(runs[name], runs["reference"], RTOL)
+        assert_equivalent(runs[name], runs["pipe-reference"], RTOL)
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(crashed, reference, tmp_path):
@@ -261,17 +296,10 @@ def test_each_bad_checkpoint_flag_names_itself(crashed, tmp_path):
     assert checkpoint_errors(_config("--load", fresh, "--save", fresh), 1) == []
 
 
-def test_imported_full_model_trains_like_a_fresh_start(t2, tmp_path):
+def test_imported_full_model_trains_like_a_fresh_start(t2, runs):
     """write_full_model_state of the initial weights, loaded at t=2, gives the fresh t=2 run's losses."""
-    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
-                      attention_dropout=0.0)
-    model = GPTModel(cfg, 257, cfg.padded_vocab_size(257, 1))
-    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
-    full = {name: p.detach() for name, p in model.named_parameters()}
-    full["embedding.word_embeddings.weight"] = full["embedding.word_embeddings.weight"][:257]  # unpadded ok
-    write_full_model_state(tmp_path / "hf", full, {"model": {**vars(cfg), "vocab_size": 257}})
-    back, config = read_full_model_state(tmp_path / "hf")
-    assert back.keys() == dict(model.named_parameters()).keys() and config["model"]["vocab_size"] == 257
+    back, config = read_full_model_state(runs["imported"])
+    full = runs["full"]
+    assert back.keys() == full.keys() and config["model"]["vocab_size"] == 257
     torch.testing.assert_close(back["embedding.word_embeddings.weight"][:257], full["embedding.word_embeddings.weight"])
-    got = train_metrics(tmp_path, 2, ["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "hf")], base=SIX)
-    assert track(got) == t2["straight"]
+    assert track(runs["t2-imported"].records) == t2["straight"]

@@ -129,6 +129,20 @@ def test_plan_and_simulate_share_train_flags():
             assert other.help.split(" (default")[0] == train.help.split(" (default")[0]
 
 
+def test_plan_declares_only_the_cluster_and_output_flags():
+    """Every other flag of ``ptdp plan`` is ``ptdp train``'s (same name, same destination): the model, the
+    layout, --bf16/--fp16, --recompute-granularity (plus plan's ``none``), --use-distributed-optimizer."""
+    from ptdp.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    plan_only = {"--gpus", "--gpu", "--gpus-per-node", "--intra-node-bandwidth", "--inter-node-bandwidth",
+                 "--json", "--top", "--help", "--no-use-distributed-optimizer"}
+    train = sub["train"]._option_string_actions
+    for flag, action in sub["plan"]._option_string_actions.items():
+        if flag.startswith("--") and flag not in plan_only:
+            assert flag in train and train[flag].dest == action.dest, flag
+
+
 def test_cli_prints_every_problem_one_line_each_without_traceback(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('num-layers = "4"\nnum-layer = 6\n[model]\nhidden-size = 32\n')

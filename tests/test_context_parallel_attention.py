@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn
+from helpers import pooled_spawn
 
 import ptdp.context_parallel as cp
 from ptdp.context_parallel import (
@@ -142,7 +142,7 @@ def _check_against_sdpa(rank: int, c: int, out: str) -> None:
 def test_every_comm_type_matches_single_process_sdpa(tmp_path, c):
     from ptdp.pipeline.nccl_model import check_all_send_models, check_trace  # not in the spawned ranks
 
-    spawn(_check_against_sdpa, c, tmp_path, str(tmp_path / "trace"))
+    pooled_spawn(_check_against_sdpa, c, tmp_path, str(tmp_path / "trace"))
     trace = {"p": c, "v": 1, "ranks": [json.loads((tmp_path / f"trace.{r}").read_text()) for r in range(c)]}
     issues = [sum("issue" in e for e in events) for events in trace["ranks"]]
     assert issues == [2 * (c - 1) + c] * c  # forward: c-1 K/V hops; backward: c-1 K/V and c dK/dV hops

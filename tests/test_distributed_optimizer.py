@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, assert_equivalent, assert_same_training, run_layouts, spawn
+from helpers import LAYOUT_2222, assert_equivalent, assert_same_training, pooled_spawn, run_layouts
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -96,7 +96,7 @@ def _check_with_and_without_overlap(rank: int, world: int) -> None:
 
 
 def test_sharded_adamw_equals_torch_adamw(tmp_path):
-    spawn(_check_with_and_without_overlap, 2, tmp_path)
+    pooled_spawn(_check_with_and_without_overlap, 2, tmp_path)
 
 
 # a small bucket size: several buckets, so parameters straddle the DP shard boundaries

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import TINY, train_metrics
+from helpers import TINY, run_layouts
 
 from ptdp.checkpointing import read_full_model_state
 from ptdp.data import build_datasets, get_microbatch
@@ -35,11 +35,22 @@ def validation(records: list[dict]) -> dict[int, float]:
     return out
 
 
+def _name(layout: tuple[int, int, int, int]) -> str:
+    return "t{}p{}d{}v{}".format(*layout)
+
+
 @pytest.fixture(scope="module")
-def serial(tmp_path_factory) -> tuple[dict[int, float], object]:
+def runs(tmp_path_factory) -> dict:
+    """One process and every layout, in one ``run_layouts`` (the session's ranks, no process start)."""
     root = tmp_path_factory.mktemp("eval")
-    records = train_metrics(root, 1, ["--save", str(root / "ckpt")], base=EVAL)
-    return validation(records), root / "ckpt"
+    plan = {"serial": (1, ["--save", str(root / "ckpt")]),
+            **{_name(layout): (layout[0] * layout[1] * layout[2], flags) for layout, flags in LAYOUTS.items()}}
+    return run_layouts(root, plan, base=EVAL)
+
+
+@pytest.fixture(scope="module")
+def serial(runs) -> tuple[dict[int, float], object]:
+    return validation(runs["serial"].records), runs["serial"].ckpt
 
 
 def dense_validation_loss(checkpoint, eval_iters: int = 2) -> float:
@@ -65,10 +76,9 @@ def test_single_process_validation_is_the_dense_loss(serial):
     assert losses[4] == pytest.approx(dense_validation_loss(checkpoint), rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda tpdv: "t{}p{}d{}v{}".format(*tpdv))
-def test_every_layout_reports_the_single_process_validation_loss(tmp_path, serial, layout):
-    t, p, d, _ = layout
-    losses = validation(train_metrics(tmp_path, t * p * d, LAYOUTS[layout], base=EVAL))
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=_name)
+def test_every_layout_reports_the_single_process_validation_loss(runs, serial, layout):
+    losses = validation(runs[_name(layout)].records)
     assert sorted(losses) == [2, 4]
     for iteration, expected in serial[0].items():
         assert losses[iteration] == pytest.approx(expected, rel=RTOL), iteration

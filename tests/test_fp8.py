@@ -90,10 +90,10 @@ def test_fp8_without_torchao_names_the_package(monkeypatch):
     import importlib.util
 
     from ptdp.config import Config
-    from ptdp.fp8 import fp8_errors
+    from ptdp.fp8 import fp8_environment_errors
 
     config = Config()
     config.precision.fp8_format, config.precision.bf16 = "e4m3", True
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    assert fp8_errors(config) == ["--fp8-format needs torchao (pip install torchao, or pip install 'ptdp[fp8]')"]
+    assert fp8_environment_errors(config) == ["--fp8-format needs torchao (pip install torchao, or pip install 'ptdp[fp8]')"]

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_equivalent, train_run, worker_env
+from helpers import assert_equivalent, run_layouts, worker_env
 
 from ptdp.checkpointing import read_full_model_state, storage, write_full_model_state
 from ptdp.cli import main as ptdp_main
@@ -38,8 +38,8 @@ def one_thread():
 def checkpoints(tmp_path_factory, reference) -> dict:
     """The same 3 training iterations saved by one process (the session's reference) and by t=2 x p=2."""
     root = tmp_path_factory.mktemp("generate")
-    tp_pp = train_run(root, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                "--save", str(root / "tp2pp2")])
+    tp_pp = run_layouts(root, {"tp2pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                              "2", "--save", str(root / "tp2pp2")])})["tp2pp2"]
     return {"serial": reference.ckpt, "tp2pp2": tp_pp.ckpt, "runs": (reference, tp_pp)}
 
 

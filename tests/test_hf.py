@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import train_metrics
+from helpers import run_layouts
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -25,8 +25,8 @@ def sharded_checkpoint(tmp_path_factory):
     """A checkpoint trained and saved in the (t, p) = (2, 2) layout."""
     root = tmp_path_factory.mktemp("tp2pp2")
     save = root / "ckpt"
-    train_metrics(root, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                            "--save", str(save)])
+    run_layouts(root, {"t2p2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                    "--save", str(save)])})
     info = json.loads((save / "iter_0000003" / "ptdp.json").read_text())
     layout = info["layout"]
     assert (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]) == (2, 2)
@@ -110,8 +110,8 @@ def test_imported_model_trains_in_pp2_from_the_hf_loss(tmp_path):
     original = random_hf_model(tmp_path / "hf", vocab_size=VOCAB)
     assert ptdp_main(["import", "--in", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     shape = ["--num-layers", "2", "--ffn-hidden-size", "64", "--layernorm-epsilon", "1e-6"]
-    records = train_metrics(tmp_path, 2, [*shape, "--load", str(tmp_path / "ckpt"), "--train-iters", "1",
-                                          "--pipeline-model-parallel-size", "2"])
+    records = run_layouts(tmp_path / "runs", {"p2": (2, [*shape, "--load", str(tmp_path / "ckpt"), "--train-iters",
+                                                         "1", "--pipeline-model-parallel-size", "2"])})["p2"].records
     data = build_datasets(None, "969,30,1", 16, 1234)
     batch = torch.cat([get_microbatch(data.train, 0, 16, 0, 1, 2, j) for j in range(8)])
     with torch.no_grad():

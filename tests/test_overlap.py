@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import LAYOUT_2222, assert_equivalent, run_layouts, spawn
+from helpers import LAYOUT_2222, assert_equivalent, pooled_spawn, run_layouts
 from torch import nn
 
 from ptdp.optim import GradBuckets
@@ -56,7 +56,7 @@ def _check_both_paths(rank: int, world: int) -> None:
 
 
 def test_buckets_launch_during_last_backward(tmp_path):
-    spawn(_check_both_paths, 2, tmp_path)
+    pooled_spawn(_check_both_paths, 2, tmp_path)
 
 
 OVERLAP = ["--overlap-grad-reduce", "--grad-bucket-size-mb", "0.01"]

@@ -241,3 +241,15 @@ def test_cli_bad_input(capsys, extra, flag):
 def test_cli_missing_model(capsys):
     assert _plan("--gpus", "8") == 2
     assert "--num-layers" in capsys.readouterr().err
+
+
+def test_cli_precision_is_trains_bf16_flag(capsys):
+    layout = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--json")
+    memory = {}
+    for flag in ("--fp16", "--bf16"):
+        assert _plan(*SMALL, *layout, flag) == 0
+        memory[flag] = json.loads(capsys.readouterr().out)["memory_per_gpu_gib"]
+    assert memory["--bf16"] < memory["--fp16"]  # 18 B/param against 20 (fp32 main grads, no fp16 copy)
+    assert _plan(*SMALL, *layout) == 0 and json.loads(capsys.readouterr().out)["memory_per_gpu_gib"] == memory["--fp16"]
+    assert _plan(*SMALL, "--bf16", "--fp16") == 2
+    assert "--bf16 and --fp16 are exclusive" in capsys.readouterr().err

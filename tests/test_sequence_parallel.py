@@ -7,13 +7,14 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_equivalent, run_layouts, spawn
+from helpers import assert_equivalent, pooled_spawn, run_layouts
 
 from ptdp.config import Config, derive, validate
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
 from ptdp.parallelize import parallelize
 from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
+from ptdp.startup import startup_warnings
 from ptdp.tensor_parallel import model_parallel_seed
 from ptdp.train.step import language_model_loss
 
@@ -63,7 +64,7 @@ def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
 
 
 def test_replicated_grads_after_all_reduce_equal_single_process(tmp_path):
-    spawn(_layernorm_grads, 2, tmp_path, str(tmp_path / "ok"))
+    pooled_spawn(_layernorm_grads, 2, tmp_path, str(tmp_path / "ok"))
     assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
 
 
@@ -79,8 +80,10 @@ def test_t1_warns_and_turns_it_off(capsys):
     config.parallel = dataclasses.replace(config.parallel, sequence_parallel=True)
     assert validate(config, 1) == []
     assert config.parallel.sequence_parallel is True  # validate is pure: derive turns it off
-    assert derive(config, 1).parallel.sequence_parallel is False
-    assert "--sequence-parallel is off" in capsys.readouterr().err
+    derived = derive(config, 1)
+    assert derived.parallel.sequence_parallel is False and config.parallel.sequence_parallel is True
+    assert capsys.readouterr().err == ""  # derive prints nothing: the start-up checks say it
+    assert startup_warnings(config, derived) == ["--sequence-parallel is off because --tensor-model-parallel-size is 1"]
 
 
 def test_sequence_must_split_evenly():

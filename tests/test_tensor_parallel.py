@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn
+from helpers import pooled_spawn
 
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
@@ -141,7 +141,7 @@ def _run_checks(rank: int, world_size: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("tp")
-    spawn(_run_checks, 4, tmp, str(tmp))
+    pooled_spawn(_run_checks, 4, tmp, str(tmp))
     out: dict[str, str] = {}
     for rank in range(4):
         out.update(json.loads((tmp / f"rank{rank}.json").read_text()))

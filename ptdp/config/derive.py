@@ -2,8 +2,8 @@
 
 :func:`derive` returns a NEW :class:`Config` (the one given is left as it was) whose values are resolved:
 v from Megatron's alternative ``--num-layers-per-virtual-pipeline-stage``, and ``--sequence-parallel``
-turned off (with a warning on rank 0) when t = 1, as Megatron-LM does, so one configuration moves
-between layouts. :func:`layout` gives the
+turned off when t = 1, as Megatron-LM does, so one configuration moves between layouts (it prints
+nothing: ``ptdp.startup.startup_warnings`` says what was resolved). :func:`layout` gives the
 sizes every part of a run agrees on (t, c, p, d, v, m, the schedule), computed once.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import sys
 from dataclasses import dataclass
 
 from .schema import Config, ConfigError
@@ -45,8 +43,6 @@ def derive(config: Config, world_size: int) -> Config:
             or config.parallel.pipeline_model_parallel_layout is not None):  # v from the layout string
         out.parallel = dataclasses.replace(out.parallel, virtual_pipeline_model_parallel_size=v)
     if out.parallel.sequence_parallel and out.parallel.tensor_model_parallel_size == 1:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("warning: --sequence-parallel is off because --tensor-model-parallel-size is 1", file=sys.stderr)
         out.parallel = dataclasses.replace(out.parallel, sequence_parallel=False)
     return out
 

@@ -93,22 +93,24 @@ def type_problems(config: Config) -> list[str]:
     return problems
 
 
-def add_field_arguments(parser: Any, section: type, names: tuple[str, ...] | None = None, **defaults: Any) -> None:
+def add_field_arguments(parser: Any, section: type, names: tuple[str, ...] | None = None,
+                        overrides: dict[str, dict[str, Any]] | None = None, **defaults: Any) -> None:
     """Flags for ``section``'s fields (all, or ``names``) with the names, types, choices and help of
-    ``ptdp train``; default None (not given) unless ``defaults`` says otherwise."""
+    ``ptdp train``; default None (not given) unless ``defaults`` says otherwise. ``overrides`` changes a
+    field's argparse keywords for another command (``ptdp plan``'s extra ``none`` choice)."""
     for f in dataclasses.fields(section):
         if names is not None and f.name not in names:
             continue
         default = defaults.get(f.name)
         help_text = help_with_default(f.metadata["help"], default if f.name in defaults else default_of(f))
+        extra = (overrides or {}).get(f.name, {})
         if _base_type(f) == "bool":
             action = "store_false" if flag_of(f).startswith("--no-") else "store_true"
-            parser.add_argument(flag_of(f), dest=f.name, action=action, default=default, help=help_text)
+            parser.add_argument(flag_of(f), dest=f.name, **{"action": action, "default": default, "help": help_text,
+                                                             **extra})
             continue
-        kwargs = dict(f.metadata["argparse"])
-        kwargs.setdefault("type", _scalar_type(f))
-        parser.add_argument(flag_of(f), *f.metadata["aliases"], dest=f.name, default=default, help=help_text,
-                            **kwargs)
+        kwargs = {"type": _scalar_type(f), **f.metadata["argparse"], "help": help_text, **extra}
+        parser.add_argument(flag_of(f), *f.metadata["aliases"], dest=f.name, default=default, **kwargs)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..pipeline.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
 from ..pipeline.registry import schedule_problems
+from .features import fp8_errors, recompute_errors
 from .load import type_problems
 from .schema import Config, MixedPrecisionConfig, ModelConfig
 
@@ -120,8 +121,6 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         stages, layout_errors = pipeline_layout(config, p, v)  # even, or Megatron's uneven layout flags
         errors += layout_errors
         errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
-        from ..recompute import recompute_errors
-
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                    max((len(s.layers) for s in stages), default=m.num_layers // (p * v)))
     errors += _optimizer_errors(config)
@@ -140,8 +139,6 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
             etp=par.expert_tensor_parallel_size, num_experts=config.moe.num_experts,
             sequence_parallel=par.sequence_parallel, tokens_per_rank=tr.micro_batch_size * m.seq_length // c)
-    from ..fp8 import fp8_errors  # issue 26: FP8 needs torchao, --bf16 and an FP8 GPU
-
     errors += fp8_errors(config)
     if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
         errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")

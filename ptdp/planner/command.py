@@ -11,7 +11,6 @@ from ptdp import config as train_config
 from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
 from ptdp.pipeline.registry import default_virtual_size
-from ptdp.planner.memory import STRATEGIES
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -40,9 +39,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", type=int, help="default: the GPU's server (8)")
     c.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU per direction (NVLink); default per GPU")
     c.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU per direction (network); default per GPU")
-    c.add_argument("--precision", choices=("fp16", "bf16"), default="fp16",
-                   help="fp16: 20 B/param, fp16 grads (the paper); bf16: 18 B/param, fp32 main grads")
-    add_field_arguments(c, train_config.TrainingConfig, ("overlap_grad_reduce",), overlap_grad_reduce=False)
+    t = parser.add_argument_group("training (ptdp train's flags)")
+    add_field_arguments(t, train_config.MixedPrecisionConfig, ("bf16", "fp16"), overrides={
+        "bf16": {"help": "bf16 parameters, fp32 main gradients: 18 B/param"},
+        "fp16": {"help": "fp16 parameters and gradients, as in the paper: 20 B/param (the default)"}})
+    add_field_arguments(t, train_config.TrainingConfig, ("overlap_grad_reduce",), overlap_grad_reduce=False)
     p = parser.add_argument_group("layout (ptdp train's flags; each given flag pins that dimension of the search)")
     add_field_arguments(p, train_config.ParallelConfig, (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -53,14 +54,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "pipeline_model_parallel_layout", "enable_vocab_parallel", "disable_fb_fusion"),
         enable_vocab_parallel=False, disable_fb_fusion=False)
     add_field_arguments(p, train_config.TrainingConfig, ("micro_batch_size",))
-    # The search space has two values train has no flag for: no recomputation, and pinning the
-    # distributed optimizer off.
-    p.add_argument("--recompute-granularity", choices=RECOMPUTE_CHOICES)
-    p.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--data-parallel-sharding-strategy", choices=STRATEGIES, default=None,
-                   help="pin the ZeRO stage (default: search all four)")
-    p.add_argument("--num-distributed-optimizer-instances", type=int, default=None,
-                   help="pin hybrid sharding K (shard over d/K ranks, replicate over K; default 1)")
+    # The search space has two values train spells by leaving a flag out: no recomputation (``none``), and
+    # the distributed optimizer pinned off (``--no-use-distributed-optimizer``).
+    add_field_arguments(p, ModelConfig, ("recompute_granularity",), overrides={"recompute_granularity": {
+        "choices": RECOMPUTE_CHOICES, "help": "pin the recomputation: none, selective or full (default: search all)"}})
+    add_field_arguments(p, train_config.OptimizerConfig, ("use_distributed_optimizer",), overrides={
+        "use_distributed_optimizer": {"action": argparse.BooleanOptionalAction,
+                                      "help": "pin ZeRO-1 on, or off with --no-use-distributed-optimizer "
+                                      "(default: search both)"}})
+    add_field_arguments(p, train_config.OptimizerConfig, (
+        "data_parallel_sharding_strategy", "num_distributed_optimizer_instances"), overrides={
+        "data_parallel_sharding_strategy": {"help": "pin the ZeRO stage (default: search all four)"},
+        "num_distributed_optimizer_instances": {
+            "help": "pin hybrid sharding K (shard over d/K ranks, replicate over K; default 1)"}})
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--top", type=int, default=5, metavar="K", help="runners-up to show (default 5)")
@@ -124,7 +130,10 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
         args.intra_node_bandwidth * gbps if args.intra_node_bandwidth else None,
         args.inter_node_bandwidth * gbps if args.inter_node_bandwidth else None,
     )
-    return model, cluster, TrainingSpec(args.global_batch_size, args.precision, args.overlap_grad_reduce)
+    if args.bf16 and args.fp16:
+        raise _UsageError("--bf16 and --fp16 are exclusive; give one of them")
+    precision = "bf16" if args.bf16 else "fp16"
+    return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce)
 
 
 def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
