@@ -98,15 +98,22 @@ class Boxes:
 
 
 def tp_geometry(param: nn.Parameter, tp_rank: int, tp_size: int) -> tuple[torch.Size, tuple[int, ...]]:
-    """(global shape, offset of this rank's TP-local piece in it) of ``param``."""
+    """(global shape, offset of this rank's local piece in it) of ``param``: a vocabulary-parallel slice
+    (issue 24) is its rows of the whole table; an expert parameter (issue 25) its E/e experts of the
+    stacked E; a tensor-parallel one its 1/t of ``partition_dim``."""
     local = tuple(param.shape)
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return torch.Size(local), (0,) * len(local)
-    dim = param.partition_dim
-    shape = list(local)
-    shape[dim] *= tp_size
-    offset = [0] * len(local)
-    offset[dim] = tp_rank * local[dim]
+    shape, offset = list(local), [0] * len(local)
+    rows = getattr(param, "vocab_rows", None)  # (first row, rows of the whole table): set by apply_vocab_parallel
+    if rows is not None:
+        shape[0], offset[0] = rows[1], rows[0]
+        return torch.Size(shape), tuple(offset)
+    if getattr(param, "expert_parallel", False):
+        shape[0] *= param.expert_parallel_size
+        offset[0] = param.expert_parallel_rank * local[0]
+    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        dim = param.partition_dim
+        shape[dim] *= tp_size
+        offset[dim] = tp_rank * local[dim]
     return torch.Size(shape), tuple(offset)
 
 

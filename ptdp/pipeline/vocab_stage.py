@@ -85,8 +85,10 @@ def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int
         rows = padded_vocab // (p * t)
         device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
         with torch.device(device):
-            setattr(chunk, SLICES, VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows,
-                                               chunk.cfg.tied_embeddings))
+            slices = VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows, chunk.cfg.tied_embeddings)
+        for param in slices.parameters():  # where the rows sit in the global table (checkpoint pieces)
+            param.vocab_rows = (slices.start, padded_vocab)
+        setattr(chunk, SLICES, slices)
     return chunk
 
 
