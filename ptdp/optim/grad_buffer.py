@@ -163,9 +163,6 @@ class GradBuckets:
                        if p in self._copy_to_main or self._per_bucket]
         self._hooks += [p.register_hook(self._arrival_hook(p)) for p in self.params
                         if self._bucket_of[p].transient]
-        for bucket in self.buckets:
-            if bucket.transient:
-                free_storage(bucket.grad_data)
 
     def _make_bucket(self, params: list[nn.Parameter], grad_dtype: torch.dtype | None, param_buffer: bool) -> None:
         if not params:
@@ -189,6 +186,8 @@ class GradBuckets:
                 p.data = view
             offset += p.numel()
             self._bucket_of[p] = bucket
+        if self.shard_grads:  # ZeRO-2/3: never the whole model's gradients at once, not even at set-up
+            free_storage(grad_data)  # (re)allocated per bucket: _arrive, or zero() for the kept ones
         self.buckets.append(bucket)
 
     # -- one iteration ---------------------------------------------------------------------------------
