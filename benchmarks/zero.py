@@ -8,7 +8,8 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
 the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after the step:
 ptdp/optim/memory.py), ``peak_memory_bytes_per_rank`` (each worker's resident-set high-water mark over
-the last iteration; device memory on a GPU) and the median ``iteration_time_s`` after the first iteration.
+the last iteration; device memory on a GPU; ``MALLOC_MMAP_THRESHOLD_`` = 128 KiB, as in
+checkpoint_memory.py, so tensors freed mid-step go back to the system instead of staying in glibc's heap) and the median ``iteration_time_s`` after the first iteration.
 Formulas (fp32 Adam, Ψ = a rank's parameters, measured as no_shard's bytes / 16; ptdp-facts.md §ZeRO):
 no_shard 16Ψ, optim 8Ψ + 8Ψ/d, optim_grads 4Ψ + 12Ψ/d, optim_grads_params 16Ψ/d. Stage 3 also holds, during
 the step, the gathered parameters of its chunks (4Ψ; ptdp keeps a chunk gathered through its backward).
@@ -30,6 +31,7 @@ from pathlib import Path
 
 MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64"],
+    "300m": ["--num-layers", "16", "--hidden-size", "1280", "--num-attention-heads", "16", "--seq-length", "16"],
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
@@ -49,7 +51,7 @@ def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> di
            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
            "--log-interval", "1", "--nproc-per-node", str(WORLD), "--metrics-file", str(metrics)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     if proc.returncode:
         raise SystemExit(f"zero.py: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
