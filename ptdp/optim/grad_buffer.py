@@ -23,8 +23,11 @@ per shard (the all-gather's volume, no temporary).
 
 ZeRO-2 and -3 (``--data-parallel-sharding-strategy optim_grads|optim_grads_params``, :mod:`ptdp.optim.zero`)
 add two persistent per-bucket tensors, ``grad_shard`` and ``param_shard``: this rank's 1/d of the bucket.
-The full ``grad_data`` is allocated for the iteration's backward (microbatches accumulate into it) and its
-storage freed once the reduced shard is copied out (:meth:`GradBuckets.keep_grad_shards`); under ZeRO-3 the
+A bucket's full ``grad_data`` is *transient*: allocated when its first gradient of the iteration arrives
+(microbatches accumulate into it), reduced once its last microbatch's gradients are in, and freed as soon as
+that reduction is done and the shard copied out (:meth:`GradBuckets._retire`); buckets a later sync reads
+whole (tied embedding, sequence-parallel parameters) and hybrid sharding keep it until
+:meth:`GradBuckets.keep_grad_shards`. Under ZeRO-3 the
 full ``param_data`` is allocated only while a chunk's parameters are gathered (``param.data`` stays a view
 of it: freeing is ``untyped_storage().resize_(0)``, as PyTorch FSDP1 does, so views survive a re-gather).
 Buckets never span two model chunks (``chunk_of``), so a chunk's parameters are gathered by its own buckets.
