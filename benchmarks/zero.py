@@ -8,7 +8,8 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
 the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after the step:
 ptdp/optim/memory.py), ``peak_memory_bytes_per_rank`` (each worker's resident-set high-water mark over
-the last iteration; device memory on a GPU) and the median ``iteration_time_s`` after the first iteration.
+the last iteration; device memory on a GPU; ``MALLOC_MMAP_THRESHOLD_`` = 128 KiB, as in
+checkpoint_memory.py, so tensors freed mid-step go back to the system instead of staying in glibc's heap) and the median ``iteration_time_s`` after the first iteration.
 Formulas (fp32 Adam, Ψ = a rank's parameters, measured as no_shard's bytes / 16; ptdp-facts.md §ZeRO):
 no_shard 16Ψ, optim 8Ψ + 8Ψ/d, optim_grads 4Ψ + 12Ψ/d, optim_grads_params 16Ψ/d. Stage 3 also holds, during
 the step, the gathered parameters of its chunks (4Ψ; ptdp keeps a chunk gathered through its backward).
@@ -30,24 +31,27 @@ from pathlib import Path
 
 MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64"],
+    "300m": ["--num-layers", "16", "--hidden-size", "1280", "--num-attention-heads", "16", "--seq-length", "16"],
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py)
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim_grads_params+reshard")
 FORMULA = {"no_shard": lambda d: 16, "optim": lambda d: 8 + 8 / d, "optim_grads": lambda d: 4 + 12 / d,
-           "optim_grads_params": lambda d: 16 / d}
+           "optim_grads_params": lambda d: 16 / d, "optim_grads_params+reshard": lambda d: 16 / d}
 WORLD = 4
 
 
 def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> dict:
     metrics = workdir / f"{model}-{layout}-{strategy}.jsonl"
     cmd = [sys.executable, "-m", "ptdp", "train", *MODELS[model], *LAYOUTS[layout],
-           "--data-parallel-sharding-strategy", strategy, "--micro-batch-size", "1",
+           "--data-parallel-sharding-strategy", strategy.split("+")[0],
+           *(["--reshard-after-forward"] if strategy.endswith("+reshard") else []), "--micro-batch-size", "1",
            "--global-batch-size", str(WORLD // (2 if layout == "p2d2" else 1)), "--train-iters", str(iters),
            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
            "--log-interval", "1", "--nproc-per-node", str(WORLD), "--metrics-file", str(metrics)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     if proc.returncode:
         raise SystemExit(f"zero.py: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -80,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="100m")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES[:4]))
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -95,10 +99,10 @@ def main() -> None:
         return
     mib = 2**20
     print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case")
-    print(f"{'layout':6} {'strategy':19} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
+    print(f"{'layout':6} {'strategy':26} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
           f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
     for r in out:
-        print(f"{r['layout']:6} {r['strategy']:19} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
+        print(f"{r['layout']:6} {r['strategy']:26} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
               f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
               f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
               f"{r.get('time_over_no_shard', float('nan')):14.3f}")

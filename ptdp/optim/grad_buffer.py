@@ -23,8 +23,11 @@ per shard (the all-gather's volume, no temporary).
 
 ZeRO-2 and -3 (``--data-parallel-sharding-strategy optim_grads|optim_grads_params``, :mod:`ptdp.optim.zero`)
 add two persistent per-bucket tensors, ``grad_shard`` and ``param_shard``: this rank's 1/d of the bucket.
-The full ``grad_data`` is allocated for the iteration's backward (microbatches accumulate into it) and its
-storage freed once the reduced shard is copied out (:meth:`GradBuckets.keep_grad_shards`); under ZeRO-3 the
+A bucket's full ``grad_data`` is *transient*: allocated when its first gradient of the iteration arrives
+(microbatches accumulate into it), reduced once its last microbatch's gradients are in, and freed as soon as
+that reduction is done and the shard copied out (:meth:`GradBuckets._retire`); buckets a later sync reads
+whole (tied embedding, sequence-parallel parameters) and hybrid sharding keep it until
+:meth:`GradBuckets.keep_grad_shards`. Under ZeRO-3 the
 full ``param_data`` is allocated only while a chunk's parameters are gathered (``param.data`` stays a view
 of it: freeing is ``untyped_storage().resize_(0)``, as PyTorch FSDP1 does, so views survive a re-gather).
 Buckets never span two model chunks (``chunk_of``), so a chunk's parameters are gathered by its own buckets.
@@ -66,6 +69,7 @@ class Bucket:
     chunk: int = 0  # the model chunk (local index) whose parameters this bucket holds
     grad_shard: torch.Tensor | None = field(default=None, repr=False)  # ZeRO-2/3: persistent reduced shard
     param_shard: torch.Tensor | None = field(default=None, repr=False)  # ZeRO-3: persistent parameter shard
+    transient: bool = False  # ZeRO-2/3: grad_data exists only from its first gradient to its reduction
 
     @property
     def shard(self) -> torch.Tensor:
@@ -151,8 +155,17 @@ class GradBuckets:
             bucket.chunk = chunk_of.get(id(bucket.params[0]), 0)
         self.buffers = [b.grad_data for b in self.buckets]  # kept for callers of the old API
         self._copy_to_main = {p for p in self.params if p.main_grad.dtype != p.dtype}
+        # ZeRO-2/3 without hybrid sharding: a bucket's full gradient lives only while it is needed (see
+        # :meth:`_arrive`), except where a later sync reads the whole buffer (tied embedding, SP params).
+        self._launched: list[Bucket] = []
+        for bucket in self.buckets if self.shard_grads and self.replicas == 1 else ():
+            bucket.transient = not any(id(p) in separate_ids or getattr(p, "sequence_parallel", False)
+                                       for p in bucket.params)
+        self._per_bucket = self.overlap_grad_reduce or any(b.transient for b in self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
-                       if p in self._copy_to_main or self.overlap_grad_reduce]
+                       if p in self._copy_to_main or self._per_bucket]
+        self._hooks += [p.register_hook(self._arrival_hook(p)) for p in self.params
+                        if self._bucket_of[p].transient]
 
     def _make_bucket(self, params: list[nn.Parameter], grad_dtype: torch.dtype | None, param_buffer: bool) -> None:
         if not params:
@@ -176,6 +189,8 @@ class GradBuckets:
                 p.data = view
             offset += p.numel()
             self._bucket_of[p] = bucket
+        if self.shard_grads:  # ZeRO-2/3: never the whole model's gradients at once, not even at set-up
+            free_storage(grad_data)  # (re)allocated per bucket: _arrive, or zero() for the kept ones
         self.buckets.append(bucket)
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -190,10 +205,31 @@ class GradBuckets:
 
     def zero(self) -> None:
         for bucket in self.buckets:
-            alloc_storage(bucket.grad_data)  # ZeRO-2/3 freed it after the last step
-            bucket.grad_data.zero_()
+            if bucket.transient:  # allocated (zeroed) when its first gradient arrives: _arrive
+                free_storage(bucket.grad_data)
+            else:
+                alloc_storage(bucket.grad_data)  # ZeRO-2/3 freed it after the last step
+                bucket.grad_data.zero_()
             bucket.handle = None
             bucket.synced = False
+        self._launched = []
+
+    def _arrival_hook(self, param: nn.Parameter):
+        bucket = self._bucket_of[param]
+
+        def hook(grad: torch.Tensor) -> None:  # runs before autograd accumulates ``grad`` into main_grad
+            self._arrive(bucket)
+
+        return hook
+
+    @staticmethod
+    @torch.no_grad()
+    def _arrive(bucket: Bucket) -> None:
+        """Give a transient bucket its (zeroed) full buffer if this iteration has not yet: the views
+        ``param.main_grad``/``param.grad`` survive the free (FSDP1's storage trick), so autograd and the
+        deferred weight-gradient passes accumulate into them unchanged."""
+        if alloc_storage(bucket.grad_data):
+            bucket.grad_data.zero_()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if grad_deferred(param):  # zero-bubble I: no grad yet, it comes (and counts) in W
@@ -201,7 +237,7 @@ class GradBuckets:
         if param in self._copy_to_main:  # this microbatch's 16-bit grad -> the fp32 main_grad
             param.main_grad.add_(param.grad)
             param.grad = None
-        if not self.overlap_grad_reduce or self._expected_backwards is None:
+        if not self._per_bucket or self._expected_backwards is None:
             return
         self._backward_count[param] += 1
         if self._backward_count[param] == self._expected_backwards:
@@ -214,6 +250,8 @@ class GradBuckets:
         """Average over DP (the loss is a mean over the global batch) with one async collective."""
         if bucket.handle is not None or bucket.synced:
             return
+        if bucket.transient:
+            self._arrive(bucket)  # no gradient reached it (unused parameters): reduce zeros
         if self.dp_size * self.replicas == 1:
             if self.divisor != 1:  # nothing to reduce, still the average
                 bucket.grad_data.div_(self.divisor)
@@ -229,6 +267,23 @@ class GradBuckets:
         else:  # gloo: reduce-scatter is an all-reduce of a copy; this one is in place (module docstring)
             flight_recorder.record("all_reduce", group=self.dp_group, tensor=bucket.grad_data, action="dp_grads")
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.dp_group, async_op=True)
+        if bucket.transient:  # one bucket in flight behind the backward: the earlier ones are done with
+            for earlier in self._launched:
+                self._retire(earlier)
+            self._launched = [bucket]
+
+    @torch.no_grad()
+    def _retire(self, bucket: Bucket) -> None:
+        """Wait for a transient bucket's reduction, keep its shard and free the full buffer."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle, bucket.synced = None, True
+        if bucket.grad_data.untyped_storage().nbytes() == 0:
+            return
+        if bucket.grad_shard is None:
+            bucket.grad_shard = torch.empty_like(bucket.shard)
+        bucket.grad_shard.copy_(bucket.shard)
+        free_storage(bucket.grad_data)
 
     def finish_grad_sync(self) -> None:
         """Launch the buckets the hooks did not (all of them without overlap) and wait for every one.
@@ -239,6 +294,8 @@ class GradBuckets:
         for bucket in self.buckets:
             self._launch(bucket)
         for bucket in self.buckets:
+            if bucket.transient:
+                self._retire(bucket)
             if bucket.handle is None:
                 continue
             bucket.handle.wait()
@@ -262,12 +319,7 @@ class GradBuckets:
         if not self.shard_grads:
             return
         for bucket in self.buckets:
-            if bucket.grad_data.untyped_storage().nbytes() == 0:
-                continue
-            if bucket.grad_shard is None:
-                bucket.grad_shard = torch.empty_like(bucket.shard)
-            bucket.grad_shard.copy_(bucket.shard)
-            free_storage(bucket.grad_data)
+            self._retire(bucket)
 
     def all_reduce(self) -> None:
         """The whole DP reduction at once (the pre-overlap API): same as :meth:`finish_grad_sync`."""

@@ -79,6 +79,10 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
 
         shard_parameters(grads)
         grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
+        if opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1:  # one chunk: per layer
+            from .zero_layers import LayerParamSync
+
+            grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
     if not main_params:
         return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
     # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over
