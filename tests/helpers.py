@@ -173,9 +173,13 @@ def assert_equivalent(got: Run, reference: Run, rtol: float = 1e-4) -> None:
 
 
 def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
+    import torch
     import torch.distributed as dist
 
+    # One thread, as `ptdp train`'s launcher gives each rank: torch was imported before this line, so the
+    # variable alone would not reach it, and another thread count sums in another order (other bits).
     os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     # A rank returns from gloo's connectFullMesh when its own pairs are up, not everyone's: a rank that
     # destroyed the group at once could close a socket a slower peer is still handshaking on.
@@ -240,6 +244,7 @@ class _RankPool:
     SIZE = 8  # the largest layout of the tests: (t, p, d, v) = (2, 2, 2, 2)
 
     def __init__(self) -> None:
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks before they import torch
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.SimpleQueue() for _ in range(self.SIZE)]
         self.outbox = ctx.SimpleQueue()
