@@ -80,25 +80,12 @@ def place_communication(computes: Sequence[Sequence[Action]], p: int, v: int,
     ``ptdp.pipeline.nccl_model`` checks the calls the executor actually makes against this argument.
     """
     times = compute_times(computes, p, v, placement=placement)
-    last = p * v - 1
     events: list[list[tuple[int, int, int, Action]]] = [
         [(start, 1, i, a) for i, (a, (start, _)) in enumerate(zip(computes[r], times[r]))] for r in range(p)
     ]
     for r in range(p):
         for a, (_, end) in zip(computes[r], times[r]):
-            s, mb = virtual_stage(r, a.chunk, p, placement), a.microbatch
-            if a.op == "F" and s < last:
-                kind, dst = "F", s + 1
-            elif a.op in ("B", "I") and s > 0:
-                kind, dst = "B", s - 1
-            else:
-                continue
-            q, dst_chunk = stage_location(dst, p, placement)
-            if q == r:
-                continue  # the next virtual stage lives on this rank: handed over locally
-            order = 0 if kind == "F" else 1  # any fixed order: both ends sort by (time, kind, stage)
-            events[r].append((end, 0, order * 4 * p * v + s, Action(f"SEND_{kind}", mb, a.chunk, q)))
-            events[q].append((end, 0, order * 4 * p * v + s, Action(f"RECV_{kind}", mb, dst_chunk, r)))
+            add_p2p(events, a, r, virtual_stage(r, a.chunk, p, placement), end, p, v, placement)
     return [[a for *_, a in sorted(rank_events, key=lambda e: e[:3])] for rank_events in events]
 
 
@@ -143,3 +130,22 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int, p
     assert not stuck, f"deadlock: ranks blocked at {stuck}"
     leftover = {k: list(q) for k, q in channels.items() if q}
     assert not leftover, f"messages never received: {leftover}"
+
+
+def add_p2p(events: list[list[tuple]], a: Action, r: int, s: int, end: int, p: int, v: int, placement: str) -> None:
+    """Append the SEND on rank ``r`` and the RECV on its peer that compute ``a`` (virtual stage ``s``, ending
+    at ``end``) makes: an activation to stage s + 1 or a gradient to s - 1. None when it sends nothing, or
+    when the next virtual stage lives on this rank (handed over locally). Both ends key the pair by
+    (time, 0, kind and stage), so they sort it alike."""
+    if a.op == "F" and s < p * v - 1:
+        kind, dst = "F", s + 1
+    elif a.op in ("B", "I") and s > 0:
+        kind, dst = "B", s - 1
+    else:
+        return
+    q, dst_chunk = stage_location(dst, p, placement)
+    if q == r:
+        return
+    order = (0 if kind == "F" else 1) * 4 * p * v + s
+    events[r].append((end, 0, order, Action(f"SEND_{kind}", a.microbatch, a.chunk, q)))
+    events[q].append((end, 0, order, Action(f"RECV_{kind}", a.microbatch, dst_chunk, r)))

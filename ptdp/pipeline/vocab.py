@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .actions import Action, stage_location, virtual_stage
-from .communication import TICKS
+from .communication import TICKS, add_p2p
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -210,18 +210,7 @@ def _place(orders, times, p, v, placement, barriers, forward_only) -> list[list[
                 continue
             if a.op == "F" and s == last:
                 f_last[mb] = end
-            if a.op == "F" and s < last:
-                kind, dst = "F", s + 1
-            elif a.op in ("B", "I") and s > 0:
-                kind, dst = "B", s - 1
-            else:
-                continue
-            q, dst_chunk = stage_location(dst, p, placement)
-            if q == r:
-                continue
-            order = (0 if kind == "F" else 1) * 4 * p * v + s
-            events[r].append((end, 0, order, Action(f"SEND_{kind}", mb, a.chunk, q)))
-            events[q].append((end, 0, order, Action(f"RECV_{kind}", mb, dst_chunk, r)))
+            add_p2p(events, a, r, s, end, p, v, placement)
     base = 8 * p * v
     for r in range(p):
         coll = [(-2, 1, 0, Action("EF", 0, 0)), (-1, 0, base, Action("EMB", 0, 0))]
