@@ -35,11 +35,18 @@ Buckets never span two model chunks (``chunk_of``), so a chunk's parameters are 
 With ``overlap_grad_reduce`` a bucket's collective is launched asynchronously from the backward hook as
 soon as every parameter in it has received its gradient of the iteration's *last* microbatch (the
 hooks count backward passes per parameter), so the DP communication hides behind the remaining backward.
+
+Vocabulary-parallel slices (``param.vocab_parallel``, ``ptdp.pipeline.vocab_stage``) get their gradients
+outside autograd, in the S/T and EB passes, which add into ``main_grad`` after calling
+``param.allocate_main_grad()`` (a transient bucket's arrival). No hook ever counts them, so their buckets
+-- their own, so the rest of chunk 0 still overlaps -- are reduced only after their last contribution:
+in :meth:`finish_grad_sync`, or by ZeRO-3's per-chunk reduction after EB (``pipeline.param_sync``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -141,7 +148,7 @@ class GradBuckets:
             if run and chunk_of.get(id(p), 0) != chunk_of.get(id(run[-1]), 0):  # never across two chunks
                 self._make_bucket(run, grad_dtype, param_buffer)
                 run = []
-            if id(p) in separate_ids:
+            if id(p) in separate_ids or getattr(p, "vocab_parallel", False):  # own bucket: see the docstring
                 self._make_bucket(run, grad_dtype, param_buffer)
                 self._make_bucket([p], grad_dtype, param_buffer)
                 run = []
@@ -161,6 +168,9 @@ class GradBuckets:
         for bucket in self.buckets if self.shard_grads and self.replicas == 1 else ():
             bucket.transient = not any(id(p) in separate_ids or getattr(p, "sequence_parallel", False)
                                        for p in bucket.params)
+        for bucket in self.buckets:  # for gradients added outside autograd (``vocab_stage``): buffer first
+            for p in bucket.params:
+                p.allocate_main_grad = functools.partial(self._arrive, bucket)
         self._per_bucket = self.overlap_grad_reduce or any(b.transient for b in self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
                        if p in self._copy_to_main or self._per_bucket]

@@ -269,10 +269,12 @@ def run_schedule(
     while i < len(actions):
         a = actions[i]
         if a.op in VOCAB_OPS:  # vocabulary parallelism: the stage issues the collective or computes S/T
+            run_sync(sync_before.get(i, ()))  # ZeRO-3: EF/S/T/EB read chunk 0's slices (plan_param_sync)
             t0 = clock.mark()
             stage.collective(a) if a.op in VOCAB_COLLECTIVES else stage.vocab(a)
             if a.op not in VOCAB_COLLECTIVES:
                 span(f"vocab_{a.op}", "compute", t0, a.microbatch, a.chunk)
+            run_sync(sync_after.get(i, ()))
             i += 1
             continue
         if a.op in COMM_OPS:  # one batched call for this run of SEND/RECV actions

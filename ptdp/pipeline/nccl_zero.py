@@ -53,20 +53,26 @@ class RecordingParamSync:
 
 
 def record_zero_trace(schedule: str, p: int, v: int, m: int, reshard_after_forward: bool = False,
-                      replicas: int = 2, forward_only: bool = False, per_direction: bool = True) -> dict:
-    """The comm trace of ``replicas`` data-parallel copies of a ``schedule`` pipeline under ZeRO-3."""
+                      replicas: int = 2, forward_only: bool = False, per_direction: bool = True,
+                      vocab_barriers: int = 0) -> dict:
+    """The comm trace of ``replicas`` data-parallel copies of a ``schedule`` pipeline under ZeRO-3;
+    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes, whose collectives (communicator
+    "vocab") span each replica's pipeline group while the gathers and reductions ("dp") span the DP group."""
     trace = record_comm_trace(schedule, p, v, m, forward_only, per_direction=per_direction,
-                              param_sync=lambda comm: RecordingParamSync(comm, reshard_after_forward))
+                              param_sync=lambda comm: RecordingParamSync(comm, reshard_after_forward),
+                              vocab_barriers=vocab_barriers)
     ranks = []
     for k in range(replicas):
         for r, events in enumerate(trace["ranks"]):
             events = copy.deepcopy(events)
             for event in events:
                 for op in event.get("issue", ()):
-                    if op["op"] == "coll":
-                        op["group"] = [j * p + r for j in range(replicas)]
-                    else:
+                    if op["op"] != "coll":
                         op["peer"] += k * p
+                    elif event.get("comm") == "dp":
+                        op["group"] = [j * p + r for j in range(replicas)]
+                    else:  # the pipeline group's collectives (vocabulary barriers)
+                        op["group"] = [k * p + q for q in range(p)]
             ranks.append(events)
     return {**trace, "ranks": ranks, "replicas": replicas, "zero": "optim_grads_params",
             "reshard_after_forward": reshard_after_forward}

@@ -14,6 +14,11 @@ what is proven deadlock-free.
 * ``reduce``: the chunk's gradient buckets are reduced right after its last B/I/W of the list (for the
   zero-bubble schedules that is its last W: W passes accumulate weight gradients with the gathered
   weights), overlapping the rest of the schedule. A forward-only list has no reduce.
+* Vocabulary parallelism (``ptdp.pipeline.vocab``): EF, S, T and EB read the vocabulary slices, which are
+  parameters of local chunk 0 (``vocab_stage.VocabSlices``), so they are uses of chunk 0 like its F/B/I/W
+  (gathered before, kept gathered); T (the output-weight slice) and EB (the embedding slice, after the
+  ``EMB_G`` exchange, last in the list) add gradients, so chunk 0 is reduced only after the later of
+  them -- EB, in a training list.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .actions import COMPUTE_OPS, Action
+from .vocab import VOCAB_COMPUTE
+
+USES = COMPUTE_OPS | VOCAB_COMPUTE  # the actions that read a chunk's parameters (vocabulary ones: chunk 0)
+GRAD_OPS = frozenset({"B", "I", "W", "T", "EB"})  # ... and those that add to its gradients
 
 SYNC_OPS = ("gather", "wait", "release", "reduce")
 
@@ -34,8 +43,9 @@ class SyncOp:
 
 def plan_param_sync(actions: Sequence[Action], reshard_after_forward: bool = False
                     ) -> tuple[dict[int, list[SyncOp]], dict[int, list[SyncOp]]]:
-    """``(before, after)``: the ops to run before and after the compute action at each index of ``actions``."""
-    compute = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
+    """``(before, after)``: the ops to run before and after the compute (or vocabulary compute) action
+    at each index of ``actions``."""
+    compute = [i for i, a in enumerate(actions) if a.op in USES]
     runs: list[tuple[int, int, int]] = []  # (chunk, first position, last position) in ``compute``
     if reshard_after_forward:
         for pos, i in enumerate(compute):
@@ -57,8 +67,9 @@ def plan_param_sync(actions: Sequence[Action], reshard_after_forward: bool = Fal
         before.setdefault(compute[lo], []).append(SyncOp("wait", c))
         after.setdefault(compute[hi], []).append(SyncOp("release", c))
     last_grad: dict[int, int] = {}
+    training = any(a.op in ("B", "I", "W") for a in actions)  # a forward-only list's T adds no gradient
     for i in compute:
-        if actions[i].op in ("B", "I", "W"):
+        if training and actions[i].op in GRAD_OPS:
             last_grad[actions[i].chunk] = i
     for c, i in last_grad.items():
         after.setdefault(i, []).insert(0, SyncOp("reduce", c))

@@ -114,7 +114,12 @@ def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
 
 
 def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
-    """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads."""
+    """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
+    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``GradBuckets``: no autograd hook sees this
+    one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
+    allocate = getattr(param, "allocate_main_grad", None)
+    if allocate is not None:
+        allocate()
     main = getattr(param, "main_grad", None)
     if main is not None:
         main.add_(grad.to(main.dtype))

@@ -1,0 +1,95 @@
+"""Vocabulary parallelism with ZeRO-3 and with ``--overlap-grad-reduce`` (issue 24): the S/T/EF/EB passes
+are uses of chunk 0 in ZeRO-3's plan (``ptdp.pipeline.param_sync``), the combined lists are deadlock-free
+under the NCCL model, and training matches one process."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_equivalent, run_layouts
+
+from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
+from ptdp.pipeline.nccl_zero import record_zero_trace
+from ptdp.pipeline.param_sync import USES, plan_param_sync
+from ptdp.pipeline.registry import build_schedule
+
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("v-half", 2))
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+@pytest.mark.parametrize("barriers", [1, 2])
+def test_vocab_passes_run_on_gathered_slices_and_chunk_0_is_reduced_after_eb(reshard, barriers):
+    for name, v in SCHEDULES:
+        for p in (2, 4):
+            for forward_only in (False, True):
+                for r in range(p):
+                    actions = build_schedule(name, p, v, 2 * p, r, forward_only, barriers)
+                    before, after = plan_param_sync(actions, reshard)
+                    gathered, reduced = set(), []
+                    for i, a in enumerate(actions):
+                        gathered |= {op.chunk for op in before.get(i, ()) if op.op == "wait"}
+                        if a.op in USES:
+                            assert a.chunk in gathered, f"{name} p={p} rank {r}: {a} on sharded weights"
+                            assert a.chunk not in reduced, f"{name} p={p} rank {r}: {a} after the reduce"
+                        for op in after.get(i, ()):
+                            if op.op == "release":
+                                gathered.discard(op.chunk)
+                            elif op.op == "reduce":
+                                reduced.append(op.chunk)
+                    assert not gathered
+                    if forward_only:
+                        assert reduced == []  # a forward-only T adds no gradient
+                    else:
+                        assert sorted(reduced) == list(range(v))
+                        eb = next(i for i, a in enumerate(actions) if a.op == "EB")
+                        assert any(op.op == "reduce" and op.chunk == 0 for op in after[eb])
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+@pytest.mark.parametrize("barriers", [1, 2])
+def test_zero3_with_vocab_passes_is_deadlock_free_under_nccl(reshard, barriers):
+    for name, v in SCHEDULES:
+        for p in (2, 4):
+            for m in (p, 2 * p):
+                for forward_only in (False, True):
+                    trace = record_zero_trace(name, p, v, m, reshard, replicas=2, forward_only=forward_only,
+                                              vocab_barriers=barriers)
+                    comms = {e.get("comm") for e in trace["ranks"][0] if "issue" in e}
+                    assert {"dp", "vocab"} <= comms
+                    for model, problems in check_all_send_models(trace).items():
+                        assert not problems, f"{name} p={p} m={m} ({model}): {problems[:3]}"
+
+
+def test_a_replica_gathering_chunk_0_for_its_vocab_pass_late_is_caught():
+    """The check sees the data-parallel and the pipeline communicators together: one replica's rank that
+    issues its first gather of chunk 0 (before EF) last of all cannot complete."""
+    trace = record_zero_trace("1f1b", 2, 1, 4, replicas=2, vocab_barriers=1)
+    late = trace["ranks"][2]
+    first = next(k for k, e in enumerate(late) if e.get("comm") == "dp")
+    late.append(late.pop(first))
+    problems = check_trace(trace, sends_wait_for_receive=False)
+    assert any("deadlock" in p or "mismatch" in p for p in problems), problems
+
+
+VP = ["--enable-vocab-parallel"]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+P4 = ["--pipeline-model-parallel-size", "4"]
+P2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn: p=4 d=2 1f1b with one and two barriers, (t,p,d,v)=(2,2,2,2) interleaved, p=2 d=2 v-half
+    with --reshard-after-forward, all ZeRO-3; p=2 d=2 with --overlap-grad-reduce."""
+    return run_layouts(tmp_path_factory.mktemp("vocab-zero"), {
+        "1f1b-1": (8, [*P4, *VP, *ZERO3]),
+        "1f1b-2": (8, [*P4, *VP, *ZERO3, "--disable-fb-fusion"]),
+        "interleaved-222": (8, ["--tensor-model-parallel-size", "2", *P2, "--virtual-pipeline-model-parallel-size",
+                                "2", "--pipeline-schedule", "interleaved", *VP, *ZERO3]),
+        "v-half-reshard": (4, [*P2, "--pipeline-schedule", "v-half", *VP, *ZERO3, "--reshard-after-forward"]),
+        "overlap": (4, [*P2, *VP, "--overlap-grad-reduce"]),
+    })
+
+
+@pytest.mark.parametrize("name", ["1f1b-1", "1f1b-2", "interleaved-222", "v-half-reshard", "overlap"])
+def test_matches_one_process(runs, reference, name):
+    assert_equivalent(runs[name], reference)
