@@ -25,6 +25,9 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 # e = 4 folded over t = 2 and c = 2 (MoE Parallel Folding: attention's TP and CP ranks hold the experts).
 SP_CP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
          "--expert-tensor-parallel-size", "1", *E4]
+# etp = t with sequence parallelism: each TP rank routes its s/t tokens, the dispatcher gathers them over the
+# expert-tensor (= TP) group and reduce-scatters the output; at c = 2, e = 2 folds over the CP ranks.
+ETP_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +47,10 @@ def runs(tmp_path_factory):
         "e2-shared": (4, [*E2, *SHARED]),
         "e1-resume": (1, ["--load", stop]),
         "t2c2e4-sp-recompute": (4, [*SP_CP, *RECOMPUTE]),
+        "t2-etp2-sp": (2, ETP_SP),
+        "t2c2e2-etp2-sp-allgather": (4, [*ETP_SP, "--context-parallel-size", "2", *E2, "--moe-token-dispatcher-type",
+                                         "allgather"]),
+        "t2e2d2-etp2-sp-recompute": (4, [*ETP_SP, *E2, *RECOMPUTE]),
     }, base=MOE)
 
 
@@ -55,6 +62,11 @@ def test_layout_matches_one_process(runs, layout):
 
 def test_folded_over_tensor_and_context_with_sequence_parallel_and_recompute(runs):
     assert_equivalent(runs["t2c2e4-sp-recompute"], runs["one"])
+
+
+@pytest.mark.parametrize("layout", ["t2-etp2-sp", "t2c2e2-etp2-sp-allgather", "t2e2d2-etp2-sp-recompute"])
+def test_expert_tensor_parallel_with_sequence_parallel(runs, layout):
+    assert_equivalent(runs[layout], runs["one"])
 
 
 def test_shared_expert(runs):

@@ -97,11 +97,10 @@ def expert_layout_errors(*, world_size: int, t: int, c: int, p: int, e: int, etp
                       f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp_}x{e}x{p}: each "
                       f"pipeline stage's {world_size // p if world_size % p == 0 else '?'} ranks must hold "
                       "whole expert groups")
-    if etp_ > 1 and (etp_ != t or sequence_parallel):
-        why = (f"only 1 or t = {t} fold: the expert-tensor group must be attention's tensor-parallel group"
-               if etp_ != t else "with --sequence-parallel the tensor ranks hold different tokens")
-        errors.append(f"--expert-tensor-parallel-size {etp_} cannot fold onto the attention layout ({why}); "
-                      "use --expert-tensor-parallel-size 1: e then spans the tensor- and context-parallel ranks")
+    if etp_ > 1 and etp_ != t:  # with --sequence-parallel the dispatcher gathers the tokens over it
+        errors.append(f"--expert-tensor-parallel-size {etp_} cannot fold onto the attention layout (only 1 or "
+                      f"t = {t} fold: the expert-tensor group must be attention's tensor-parallel group); use "
+                      "--expert-tensor-parallel-size 1: e then spans the tensor- and context-parallel ranks")
     elif etp_ == 1 and t > 1 and not sequence_parallel and tokens_per_rank % t:
         errors.append(f"--micro-batch-size x --seq-length / c = {tokens_per_rank} tokens are not divisible by "
                       f"--tensor-model-parallel-size {t}: each tensor-parallel rank routes 1/t of them to the "
