@@ -84,3 +84,26 @@ def test_distributed_optimizer_and_checkpoint_from_e4_to_e1(runs):
 
 def test_dispatchers_agree(runs):
     assert_same_run(runs["e4-allgather"].records[:2], runs["e4-dist-stop"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, t, d, e, etp, strategy", [
+    ("one", 1, 1, 1, None, "no_shard"), ("e2d2", 1, 4, 2, None, "no_shard"), ("t2e2", 2, 1, 2, 1, "no_shard"),
+    ("t2e2-etp2", 2, 2, 2, None, "no_shard"), ("e4-dist-stop", 1, 4, 4, None, "optim")])
+def test_plan_estimates_the_measured_model_states(runs, name, t, d, e, etp, strategy):
+    """``ptdp plan``'s model states for a MoE layout (experts 1/(e·etp) per rank, their optimizer states
+    sharded over the expert-data-parallel group) are the run's measured ``model_state_bytes`` within 5%
+    (as tests/test_zero_checkpoint.py checks the dense ZeRO strategies)."""
+    from ptdp.flops import MoEShape
+    from ptdp.planner.memory import memory_per_gpu
+    from ptdp.planner.spec import GPTSpec, ParallelConfig
+
+    model = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=384,  # padded
+                    moe=MoEShape(num_experts=4, topk=2, ffn=128, moe_layers=4))
+    cfg = ParallelConfig(t, 1, d, sharding_strategy=strategy, expert_model_parallel_size=e,
+                         expert_tensor_parallel_size=etp)
+    estimate = memory_per_gpu(model, cfg, 16, "fp32").model_states
+    measured = runs[name].records[-1]["model_state_bytes"]
+    assert abs(estimate - measured) <= 0.05 * measured, (estimate, measured)
+    if e > 1:  # the experts really are divided: replicated ones would be far off
+        replicated = memory_per_gpu(model, ParallelConfig(t, 1, d, sharding_strategy=strategy), 16, "fp32")
+        assert replicated.model_states > 1.3 * measured

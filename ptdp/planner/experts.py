@@ -80,8 +80,8 @@ def layer_parameters(model, t: int, e: int = 1, etp: int | None = None) -> tuple
     replicated = router + shared + shared_bias + norms + (h if bias else 0)  # + the attention output bias
     attention = whole - experts - replicated
     moe_rank = attention / t + replicated
-    l, m = model.num_layers, moe.moe_layers
-    return ((l - m) * dense_rank + m * moe_rank) / l, m * experts / (e * etp) / l
+    layers, m = model.num_layers, moe.moe_layers
+    return ((layers - m) * dense_rank + m * moe_rank) / layers, m * experts / (e * etp) / layers
 
 
 def layer_parameters_per_rank(model, t: int, cfg=None) -> float:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.flops import architecture, layer_parameter_count
-from ptdp.planner import experts
 from ptdp.pipeline.registry import schedule_spec
+from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
     end_ranks,
