@@ -62,8 +62,8 @@ class GPTSpec:
 
     @property
     def parameter_ffn(self) -> float:
-        """MLP width holding the parameters, per layer on average (all experts): weights, grads, optimizer.
-        Experts replicated over t here (each rank counts 1/t: the expert-parallel layout refines it)."""
+        """MLP width holding the parameters, per layer on average (all experts). Per rank the planner counts
+        a MoE model's layers with ``planner/experts.py`` instead (experts over e·etp, router replicated)."""
         return self._moe_ffn(False)
 
     @property
