@@ -72,6 +72,16 @@ def test_expert_tensor_parallel_with_sequence_parallel(runs, layout):
     assert_equivalent(runs[layout], runs["one"])
 
 
+@pytest.mark.parametrize("layout", ["t2-etp2-sp", "t2c2e2-etp2-sp-allgather", "t2c2e4-sp-recompute"])
+def test_moe_metrics_under_sequence_parallelism_are_the_one_process_ones(runs, layout):
+    """Each TP rank routes its own s/t tokens: the reported losses, the busiest expert's load and the dropped
+    tokens add up over the TP group (not 1/t of them)."""
+    for got, want in zip(runs[layout].records, runs["one"].records, strict=True):
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_max_load_ratio"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (layout, key)
+        assert got["moe_dropped_tokens"] == want["moe_dropped_tokens"] == 0
+
+
 def test_shared_expert(runs):
     assert_equivalent(runs["e2-shared"], runs["one-shared"])
     assert runs["e2-shared"].losses != runs["one"].losses  # the shared expert is really there
