@@ -11,7 +11,7 @@ from ptdp import config as train_config
 from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
 from ptdp.pipeline.registry import default_virtual_size
-from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines
+from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -302,7 +302,7 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     return cp_line + expert_lines(model, best) + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
-        f"layout splits the weights over t·p = {t * p} GPUs"
+        f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"
         f"{_sharded_words(c)}, just enough to fit "
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "

@@ -183,6 +183,14 @@ def expert_column(cfg) -> str:
     return f"{e}{dispatcher[3 if dispatcher == 'allgather' else 0] if e > 1 else ''}{tensor}"
 
 
+def expert_split_words(model, cfg) -> str:
+    """`` (the experts over e·etp·p = N)`` for ``ptdp plan``'s memory line; empty for a dense model."""
+    if model.moe is None:
+        return ""
+    e, etp = expert_sizes(cfg)
+    return f" (the experts over e·etp·p = {e * etp * cfg.pipeline_model_parallel_size})"
+
+
 def expert_lines(model, best) -> list[str]:
     """``ptdp plan``'s explanation of the chosen expert layout (none for a dense model)."""
     if model.moe is None:
