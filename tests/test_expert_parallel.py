@@ -129,7 +129,6 @@ def test_folded_groups_follow_megatron_core_order():
 @pytest.mark.parametrize(("kwargs", "expected"), [
     (dict(e=3, num_experts=4), "does not divide --num-experts 4"),
     (dict(e=4, world_size=2), "world size 2 is not divisible by --expert-tensor-parallel-size"),
-    (dict(e=2, t=2, etp=None, world_size=4, sequence_parallel=True), "--expert-tensor-parallel-size 2 cannot fold"),
     (dict(e=2, t=4, etp=2, world_size=8), "only 1 or t = 4 fold"),
     (dict(e=2, num_experts=None), "needs a mixture-of-experts model"),
     (dict(e=2, t=2, tokens_per_rank=7), "7 tokens are not divisible"),
@@ -145,8 +144,9 @@ def test_bad_expert_layouts(kwargs, expected):
 
 def test_good_layouts_have_no_errors():
     for e, t, etp in ((1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, None), (1, 2, 2)):
-        assert expert_layout_errors(world_size=4, t=t, c=1, p=1, e=e, etp=etp, num_experts=4,
-                                    sequence_parallel=False, tokens_per_rank=8) == [], (e, t, etp)
+        for sp in (False, True):  # etp = t with --sequence-parallel: the dispatcher gathers over the TP group
+            assert expert_layout_errors(world_size=4, t=t, c=1, p=1, e=e, etp=etp, num_experts=4,
+                                        sequence_parallel=sp, tokens_per_rank=8) == [], (e, t, etp, sp)
 
 
 def test_bad_expert_flags_exit_2_with_every_problem_one_line_each():

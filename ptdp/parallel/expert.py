@@ -85,7 +85,8 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
     ``expert`` None (or a world of one) keeps every expert and routes with the chosen dispatcher over a group
     of one. ``dispatcher`` is ``--moe-token-dispatcher-type``. Under ``sequence_parallel`` (t > 1) each
     tensor-parallel rank routes its own tokens: the router, the shared expert and its gate, replicated over
-    TP, then get partial gradients and are marked ``sequence_parallel`` (summed over TP after the backward).
+    TP, then get partial gradients and are marked ``sequence_parallel`` (summed over TP after the backward);
+    with etp = t the dispatcher gathers the routed tokens over the expert-tensor group first.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"--moe-token-dispatcher-type must be one of {sorted(DISPATCHERS)}, got {dispatcher!r}")
@@ -99,7 +100,7 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, dispa
         slice_experts(layer.experts, n, size, rank, None if expert is None else expert.expert_mesh,
                       etp, 0 if expert is None else expert.etp_rank)
         layer.dispatcher = DISPATCHERS[dispatcher](n, ep_group, token_group,
-                                                   None if expert is None else expert.etp_group)
+                                                   None if expert is None else expert.etp_group, sequence_parallel)
         if expert is not None and expert.sequence_group is not None:  # each rank routes part of a sequence
             split_sequence_load_balancing(layer.router, expert.sequence_group, expert.sequence_scale,
                                           expert.z_loss_scale)

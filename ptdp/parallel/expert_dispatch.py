@@ -21,10 +21,15 @@ over attention's tensor-parallel group (t > 1 without sequence parallelism) each
 1/t of them (backward: all-gather) and the combined output is all-gathered (backward: keep the slice), so
 every token meets its experts exactly once and expert gradients are not counted t times.
 
-With expert tensor parallelism (``etp = t``, no sequence parallelism: the expert-tensor group *is* the
-tensor-parallel group, whose ranks hold the same tokens) each rank's experts hold a 1/t slice of the expert
-FFN: the tokens and probabilities enter through Megatron's ``f`` (their gradients, partial per slice, are
-summed over the group) and the combined output leaves through ``g`` (the partial products summed).
+With expert tensor parallelism (``etp = t``: the expert-tensor group *is* the tensor-parallel group) each
+rank's experts hold a 1/t slice of the expert FFN, like the dense MLP's column- then row-parallel linears.
+Without sequence parallelism the group's ranks hold the same tokens: they enter through Megatron's ``f``
+(their gradients, partial per slice, are summed over the group) and the combined output leaves through ``g``
+(the partial products summed). With sequence parallelism each rank holds s/t of them and routes its own
+(router and load-balancing loss as with ``etp = 1``); as Megatron-Core does, the routed tokens, probabilities
+and choices are all-gathered over the group before the dispatch (backward: reduce-scatter, which sums the
+partial gradients) and the combined output is reduce-scattered back to each rank's s/t tokens (backward:
+all-gather) -- the ``f``/``g`` pair of sequence parallelism's MLP.
 """
 
 from __future__ import annotations
@@ -149,15 +154,20 @@ class _Context:
 class _Dispatcher:
     """The tensor-parallel slicing and the weighted sum shared by both dispatchers."""
 
-    def __init__(self, num_experts: int, ep_group, token_group=None, etp_group=None):
+    def __init__(self, num_experts: int, ep_group, token_group=None, etp_group=None, sequence_parallel: bool = False):
         self.num_experts = num_experts
         self.ep_group, self.token_group, self.etp_group = ep_group, token_group, etp_group
+        # etp > 1 with sequence parallelism: the expert-tensor ranks hold different tokens (module docstring)
+        self.gather_tokens = sequence_parallel and group_size(etp_group) > 1
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         if num_experts % self.ep_size:
             raise ValueError(f"{num_experts} experts do not split over {self.ep_size} expert-parallel ranks")
         self.local_experts = num_experts // self.ep_size
 
     def _slice(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        if self.gather_tokens:  # SP + expert tensor parallelism: every rank's tokens to the whole group
+            return (_GatherTokens.apply(hidden, self.etp_group), _GatherTokens.apply(probs, self.etp_group),
+                    all_gather(indices.contiguous(), self.etp_group, dim=0))
         if group_size(self.etp_group) > 1:  # expert tensor parallelism: Megatron's f on the tokens and weights
             hidden = copy_to_tensor_model_parallel_region(hidden, self.etp_group)
             probs = copy_to_tensor_model_parallel_region(probs, self.etp_group)
@@ -167,6 +177,8 @@ class _Dispatcher:
                 split(indices, self.token_group, dim=0))
 
     def _unslice(self, out: torch.Tensor) -> torch.Tensor:
+        if self.gather_tokens:  # the partial products summed, each rank keeping its own s/t tokens
+            return _ReduceScatterTokens.apply(out, self.etp_group)
         if group_size(self.etp_group) > 1:  # each expert-tensor rank summed its f-slice's partial outputs: g
             out = reduce_from_tensor_model_parallel_region(out, self.etp_group)
         return out if group_size(self.token_group) == 1 else _GatherReplicated.apply(out, self.token_group)

@@ -17,6 +17,12 @@ member has started its matching issue (FIFO per pair), which is a collective's s
 * backward (B, or the input half I of a zero-bubble schedule): the combine's and the dispatch's transposes,
   in reverse order, preceded by the forward's collectives when the layer is recomputed;
 * the weight half W: none (expert weight gradients are local GEMMs).
+
+With expert tensor parallelism under sequence parallelism (``expert_tensor=True``: etp = t, each rank holds
+s/t tokens) each layer also all-gathers the routed tokens, probabilities and choices over the expert-tensor
+group before the dispatch and reduce-scatters the combined output after it, on a communicator of its own
+("etp", the tensor-parallel ranks of the same stage); the backward runs their transposes around the
+dispatcher's.
 """
 
 from __future__ import annotations
@@ -31,26 +37,34 @@ FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],
            "allgather": ["gather-tokens", "gather-probs", "gather-choices", "combine-reduce-scatter"]}
 BACKWARD = {"alltoall": ["combine-tokens-grad", "dispatch-tokens-grad"],
             "allgather": ["combine-reduce-scatter-grad", "gather-probs-grad", "gather-tokens-grad"]}
+# expert_tensor: around the dispatcher's, on the "etp" communicator
+ETP_BEFORE, ETP_AFTER = ["etp-gather-tokens", "etp-gather-probs", "etp-gather-choices"], ["etp-reduce-scatter"]
+ETP_BEFORE_GRAD, ETP_AFTER_GRAD = ["etp-gather-probs-grad", "etp-gather-tokens-grad"], ["etp-reduce-scatter-grad"]
 
 
 class _ExpertTraceStage(_TraceStage):
     """A traced stage whose chunks hold ``moe_layers`` MoE layers each: every F, B and I first records
     its expert-parallel collectives (as placeholders; ``record_expert_trace`` turns them into issues)."""
 
-    def __init__(self, *args, moe_layers: int, dispatcher: str, recompute: bool, **kwargs) -> None:
+    def __init__(self, *args, moe_layers: int, dispatcher: str, recompute: bool, expert_tensor: bool = False,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.moe_layers, self.dispatcher, self.recompute = moe_layers, dispatcher, recompute
+        etp = expert_tensor
+        self.forward_names = [*(ETP_BEFORE if etp else []), *FORWARD[dispatcher], *(ETP_AFTER if etp else [])]
+        self.backward_names = [*(ETP_AFTER_GRAD if etp else []), *BACKWARD[dispatcher],
+                               *(ETP_BEFORE_GRAD if etp else [])]
 
     def _collectives(self, op: str, chunk: int, microbatch: int) -> None:
         stage = virtual_stage(self.rank, chunk, self.p, self.placement)
         names = []
         if op == "F" or self.recompute:
-            names += [(layer, f"F:{n}") for layer in range(self.moe_layers) for n in FORWARD[self.dispatcher]]
+            names += [(layer, f"F:{n}") for layer in range(self.moe_layers) for n in self.forward_names]
         if op in ("B", "I"):
-            names += [(layer, f"{op}:{n}") for layer in reversed(range(self.moe_layers))
-                      for n in BACKWARD[self.dispatcher]]
+            names += [(layer, f"{op}:{n}") for layer in reversed(range(self.moe_layers)) for n in self.backward_names]
         for layer, name in names:
-            self.events.append({"ep": [f"ep {name} layer {layer}", microbatch, stage]})
+            comm = "etp" if name.split(":")[1].startswith("etp") else "ep"
+            self.events.append({"collective": [comm, f"{comm} {name} layer {layer}", microbatch, stage]})
 
     def forward(self, chunk, microbatch, input):
         self._collectives("F", chunk, microbatch)
@@ -68,32 +82,41 @@ class _ExpertTraceStage(_TraceStage):
 def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int = 2, moe_layers: int = 1,
                         dispatcher: str = "alltoall", recompute: bool = False, forward_only: bool = False,
                         per_direction: bool = True, lists: Sequence[Sequence[Action]] | None = None,
-                        ep_groups: Sequence[Sequence[int]] | None = None) -> dict:
+                        ep_groups: Sequence[Sequence[int]] | None = None, expert_tensor: bool = False,
+                        etp_groups: Sequence[Sequence[int]] | None = None) -> dict:
     """The comm trace (``nccl_model``) of ``pipelines`` data-parallel copies of ``schedule`` whose MoE
     layers exchange tokens over ``ep_groups`` (global ranks; default: each stage's ranks across the
-    pipelines, as folding places them). ``check_trace`` plays it."""
+    pipelines, as folding places them). With ``expert_tensor`` the layers also gather and reduce-scatter
+    over ``etp_groups`` (default: pipelines 2j and 2j+1 of a stage, the expert-parallel groups then the
+    pipelines of one parity: orthogonal, as Megatron-Core's etp-ep order). ``check_trace`` plays it."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
     placement = schedule_placement(schedule)
     per_rank = []
     for r in range(p):
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
-                                  recompute=recompute)
+                                  recompute=recompute, expert_tensor=expert_tensor)
         run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False)
         per_rank.append(events)
-    groups = ep_groups or [[k * p + r for k in range(pipelines)] for r in range(p)]
-    group_of = {g: group for group in groups for g in group}
+    if expert_tensor:
+        etp_groups = etp_groups or [[k * p + r for k in range(j, min(j + 2, pipelines))]
+                                    for r in range(p) for j in range(0, pipelines, 2)]
+        ep_groups = ep_groups or [[k * p + r for k in range(parity, pipelines, 2)] for r in range(p) for parity in (0, 1)]
+    groups = {"ep": ep_groups or [[k * p + r for k in range(pipelines)] for r in range(p)], "etp": etp_groups or []}
+    group_of = {comm: {g: group for group in found for g in group} for comm, found in groups.items()}
     ranks = []
     for k in range(pipelines):
         for r in range(p):
-            ranks.append(_globalise(per_rank[r], k * p + r, k * p, group_of.get(k * p + r, [k * p + r])))
+            me = k * p + r
+            ranks.append(_globalise(per_rank[r], me, k * p, {c: g.get(me, [me]) for c, g in group_of.items()}))
     return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
             "per_direction": per_direction, "pipelines": pipelines, "ranks": ranks}
 
 
-def _globalise(events: list[dict], me: int, offset: int, group: Sequence[int]) -> list[dict]:
+def _globalise(events: list[dict], me: int, offset: int, groups: dict[str, Sequence[int]]) -> list[dict]:
     """One pipeline rank's events as global rank ``me``: p2p peers offset to its pipeline, issue indices
-    renumbered, and each collective placeholder an all-pairs issue on "ep" plus a wait for it."""
+    renumbered, and each collective placeholder an all-pairs issue on its communicator ("ep", "etp") over
+    ``groups[comm]`` plus a wait for it."""
     out: list[dict] = []
     renumber: dict[int, int] = {}
     issued = 0
@@ -107,13 +130,13 @@ def _globalise(events: list[dict], me: int, offset: int, group: Sequence[int]) -
             issued += 1
         elif "wait" in event:
             out.append({"wait": renumber[event["wait"]]})
-        elif "ep" in event:
-            peers = [q for q in group if q != me]
+        elif "collective" in event:
+            comm, *msg = event["collective"]
+            peers = [q for q in groups[comm] if q != me]
             if not peers:
                 continue
-            msg = event["ep"]
             ops = [{"op": kind, "peer": q, "msg": msg} for q in peers for kind in ("send", "recv")]
-            out += [{"issue": ops, "comm": "ep"}, {"wait": issued}]
+            out += [{"issue": ops, "comm": comm}, {"wait": issued}]
             issued += 1
         else:
             out.append(event)

@@ -11,6 +11,7 @@ from ptdp import config as train_config
 from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
 from ptdp.pipeline.registry import default_virtual_size
+from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
@@ -54,6 +55,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "pipeline_model_parallel_layout", "enable_vocab_parallel", "disable_fb_fusion"),
         enable_vocab_parallel=False, disable_fb_fusion=False)
     add_field_arguments(p, train_config.TrainingConfig, ("micro_batch_size",))
+    # issue 25: a mixture of experts' expert layout (default: search e, etp and the dispatcher)
+    add_field_arguments(p, train_config.ParallelConfig, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
+    add_field_arguments(p, train_config.MoEConfig, ("moe_token_dispatcher_type",))
     # The search space has two values train spells by leaving a flag out: no recomputation (``none``), and
     # the distributed optimizer pinned off (``--no-use-distributed-optimizer``).
     add_field_arguments(p, ModelConfig, ("recompute_granularity",), overrides={"recompute_granularity": {
@@ -157,6 +161,9 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
         enable_vocab_parallel=args.enable_vocab_parallel, disable_fb_fusion=args.disable_fb_fusion,
         sharding_strategy=args.data_parallel_sharding_strategy or "no_shard",
         distributed_optimizer_instances=args.num_distributed_optimizer_instances or 1,
+        expert_model_parallel_size=args.expert_model_parallel_size or 1,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type or DEFAULT_DISPATCHER,
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -192,6 +199,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 cp_comm_type=args.cp_comm_type,
                 strategies=pin(args.data_parallel_sharding_strategy),
                 instances=pin(args.num_distributed_optimizer_instances),
+                expert_sizes=pin(args.expert_model_parallel_size),
+                expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
+                dispatchers=pin(args.moe_token_dispatcher_type),
             )
             result = search(model, cluster, train, top=args.top, configs=configs)
             if result.num_evaluated == 0:
@@ -227,10 +237,10 @@ def _zero(c) -> str:
     return stage + (f"/K{c.distributed_optimizer_instances}" if c.distributed_optimizer_instances > 1 else "")
 
 
-def _row(rank: str, e: Estimate) -> list[str]:
+def _row(rank: str, e: Estimate, moe: bool = False) -> list[str]:
     c = e.config
     return [rank, str(c.tensor_model_parallel_size), str(c.context_parallel_size), str(c.pipeline_model_parallel_size), str(c.data_parallel_size),
-            str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
+            *([expert_column(c)] if moe else []), str(c.virtual_pipeline_model_parallel_size), str(c.micro_batch_size), str(e.num_microbatches),
             c.recompute_granularity, _zero(c), vocab_column(c), f"{e.iteration_time_s:.2f}",
             f"{e.tflops_per_gpu:.0f}", f"{e.mfu:.0%}", f"{e.bubble_fraction:.1%}", f"{e.memory.total / GIB:.1f}",
             e.why_it_loses]
@@ -257,14 +267,15 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
         f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
     ]
-    rows = [["", *_COLUMNS, "why it loses"]]
+    moe = model.moe is not None  # the expert layout's column: e (/etp when the experts' TP is not t)
+    rows = [["", *_COLUMNS[:4], *(["e"] if moe else []), *_COLUMNS[4:], "why it loses"]]
     if best is not None:
-        rows.append(_row("best" if runners or evaluated > 1 else "", best))
+        rows.append(_row("best" if runners or evaluated > 1 else "", best, moe))
         if not best.fits:
             rows[-1][-1] = f"does not fit: {best.memory.total / GIB:.0f} GiB > {best.memory_limit / GIB:.0f} GiB"
     else:
         lines.append("no layout fits in memory; closest:")
-    rows += [_row(f"#{i}", r) for i, r in enumerate(runners, start=2)]
+    rows += [_row(f"#{i}", r, moe) for i, r in enumerate(runners, start=2)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(cell.rjust(w) if i not in (0, len(r) - 1) else cell.ljust(w)
@@ -288,10 +299,10 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     cp_line = ([f"c = {c.context_parallel_size} splits each {model.seq_length}-token sequence over c ranks "
                 f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
                 "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
-    return cp_line + [
+    return cp_line + expert_lines(model, best) + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
-        f"layout splits the weights over t·p = {t * p} GPUs"
+        f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"
         f"{_sharded_words(c)}, just enough to fit "
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "

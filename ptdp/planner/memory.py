@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ptdp.flops import architecture, layer_parameter_count
 from ptdp.pipeline.registry import schedule_spec
+from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
     end_ranks,
@@ -64,12 +65,14 @@ def _norm_params(model: GPTSpec) -> int:
     return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
 
 
-def layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
+def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None = None) -> float:
     """One layer's parameters on one tensor-parallel rank: weights and column-parallel biases split t ways.
 
     Replicated: the row-parallel biases (2h, none with ``disable_bias_linear``) and the two norms (4h
-    LayerNorm, 2h RMSNorm).
+    LayerNorm, 2h RMSNorm). A mixture of experts: the mean layer, experts split over e·etp (``experts.py``).
     """
+    if model.moe is not None:
+        return experts.layer_parameters_per_rank(model, t, cfg)
     h, f = model.hidden_size, model.parameter_ffn
     replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
@@ -96,7 +99,7 @@ def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg:
         layers, (emb, out) = rank_layers(model.num_layers, cfg)[pipeline_rank], vocab_shares(cfg, pipeline_rank)
         first, last = end_ranks(cfg)
     first, last = pipeline_rank == first, pipeline_rank == last  # positions / final norm stay at the ends
-    params = layers * layer_parameters_per_rank(model, t)
+    params = layers * layer_parameters_per_rank(model, t, cfg)
     if emb:
         params += emb * model.vocab_size * h / t
     if first and model.position_embedding_type != "rope":
@@ -177,6 +180,8 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     m = cfg.num_microbatches(global_batch_size)
     # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
     per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards)
+    # expert parameters shard over their expert-data-parallel group instead (issue 25)
+    expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg))
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
@@ -193,6 +198,7 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
         acts = in_flight * layers[rank] / v * stash + working
         out = vocab_shares(cfg, rank)[1]  # fp32 logits for the vocab-parallel cross entropy, one microbatch
         acts += out * 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
-        params = params_of[kind]
-        out_list.append(MemoryEstimate(params * per_param, acts, RUNTIME_OVERHEAD_BYTES, rank, params * step_per_param))
+        params, expert = params_of[kind], experts.expert_parameters_per_rank(model, cfg, layers[rank])
+        states = (params - expert) * per_param + expert * expert_per_param
+        out_list.append(MemoryEstimate(states, acts, RUNTIME_OVERHEAD_BYTES, rank, params * step_per_param))
     return out_list

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.pipeline.schedules import bubble_fraction_formula
+from ptdp.planner import experts
 from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
@@ -64,11 +65,12 @@ class StageTimes:
     p2p: float  # pipeline sends/receives
     grad_accum: float = 0.0  # adding this microbatch's weight gradients into the gradient buffer
     cp_comm: float = 0.0  # context-parallel attention traffic not hidden behind the attention core
+    ep_comm: float = 0.0  # MoE token dispatch and combine (planner/experts.py)
 
     @property
     def total(self) -> float:
         return (self.compute + self.logits + self.recompute + self.tp_comm + self.p2p + self.grad_accum
-                + self.cp_comm)
+                + self.cp_comm + self.ep_comm)
 
 
 def cp_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig) -> float:
@@ -212,7 +214,8 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         seconds = 2 * (c - 1) * lat + cp_bytes_per_layer(model, cfg) / bw
         hidden = 3 * core if cfg.cp_comm_type == "p2p" else 0.0  # the ring overlaps each hop with a block
         cp_comm = layers * max(0.0, seconds - hidden)
-    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum, cp_comm)
+    ep_comm = experts.dispatch_seconds(model, cfg, cluster, layers, lambda spans: _link(cluster, spans))
+    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum, cp_comm, ep_comm)
 
 
 def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
@@ -247,6 +250,7 @@ class IterationTimes:
     dp_comm: float
     optimizer: float
     cp_comm: float = 0.0  # context-parallel attention traffic left exposed
+    ep_comm: float = 0.0  # MoE token dispatch and combine
 
     @property
     def total(self) -> float:
@@ -302,7 +306,11 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
     # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
-    params = max(parameters_per_rank(model, t, p, r, cfg) for r in ranks_to_check(cfg, model.num_layers))
+    checked = ranks_to_check(cfg, model.num_layers)
+    params = max(parameters_per_rank(model, t, p, r, cfg) for r in checked)
+    # expert parameters reduce over their expert-data-parallel group, after the dense ones (issue 25)
+    expert = max(experts.expert_parameters_per_rank(model, cfg, rank_layers(model.num_layers, cfg)[r]) for r in checked)
+    params -= expert
     grad_bytes = 2 if train.precision == "fp16" else 4
     bw, lat = dp_link(cfg, cluster)
     reduce = ring_all_reduce_time(params * grad_bytes, d, bw, lat)
@@ -327,9 +335,13 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     if p > 1 and not model.untie_embeddings_and_output_weights and not cfg.enable_vocab_parallel:
         ebw, elat = _link(cluster, t * d * p > cluster.gpus_per_node)
         embedding = ring_all_reduce_time(model.vocab_size * model.hidden_size / t * grad_bytes, 2, ebw, elat)
-    dp_comm = reduce + gather + embedding
+    edp = experts.expert_data_parallel_size(cfg)
+    expert_sync = ring_all_reduce_time(expert * grad_bytes, edp, bw, lat)
+    if cfg.strategy != "no_shard":  # reduce-scatter, then the 16-bit parameters all-gathered
+        expert_sync = expert_sync / 2 + ring_all_reduce_time(expert * BYTES_PER_ELEMENT, edp, bw, lat) / 2
+    dp_comm = reduce + gather + embedding + expert_sync
 
-    local_params = params / max(cfg.shards // cfg.context_parallel_size, 1)
+    local_params = params / max(cfg.shards // cfg.context_parallel_size, 1) + expert / experts.expert_shards(cfg)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
     return IterationTimes(
@@ -343,4 +355,5 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         dp_comm=dp_comm,
         optimizer=optimizer,
         cp_comm=m * stage.cp_comm,
+        ep_comm=m * stage.ep_comm,
     )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import product
 
 from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
 from ptdp.pipeline.registry import bubble_fraction_formula, schedule_problems
+from ptdp.planner.experts import expert_choices, expert_data_parallel_size, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES, MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
@@ -57,6 +59,7 @@ class Estimate:
         out = asdict(self.config)
         out.update(
             sharding_strategy=self.config.strategy,
+            expert_data_parallel_size=expert_data_parallel_size(self.config),
             model_state_bytes=self.memory.model_states,
             num_microbatches=self.num_microbatches,
             pipeline_schedule=self.config.schedule,
@@ -128,7 +131,7 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return problems[0]
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
-    return None
+    return expert_layout_problem(model, cfg, cluster.num_gpus)  # issue 25: e, etp and the dispatcher
 
 
 LONG_SEQUENCE = 16384
@@ -164,12 +167,16 @@ def candidates(
     vocab_layouts: bool = True,
     strategies: Sequence[str] | None = None,
     instances: Sequence[int] | None = None,
+    expert_sizes: Sequence[int] | None = None,
+    expert_tensor_sizes: Sequence[int | None] | None = None,
+    dispatchers: Sequence[str] | None = None,
 ) -> Iterator[ParallelConfig]:
     """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
     searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
     that the s/c activations rarely pay for its attention traffic. With ``vocab_layouts`` each layout with
     p > 1 comes also with vocabulary parallelism and with the uneven layout that balances its stages
-    (``vocab_variants``)."""
+    (``vocab_variants``). A mixture of experts also searches e (dividing E), etp in {t, 1} and, at e > 1,
+    both token dispatchers (``experts.expert_choices``)."""
     n = cluster.num_gpus
     for t, c in _tc_pairs(model, n, tensor_sizes, context_sizes):
         for p in pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
@@ -180,11 +187,15 @@ def candidates(
             for b in micro_batch_sizes or _divisors(max(per_pipeline, 1)):
                 for v in virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
                     for rc in recompute:
-                        for strategy, k in _sharding(strategies, distributed_optimizer, instances, d * c):
+                        for (strategy, k), (e, etp, dispatcher) in product(
+                                _sharding(strategies, distributed_optimizer, instances, d * c),
+                                list(expert_choices(model, t, c, d, expert_sizes, expert_tensor_sizes, dispatchers))):
                             cfg = ParallelConfig(t, p, d, v, b, rc, strategy == "optim", sequence_parallel and t > 1,
                                                  pipeline_schedule, context_parallel_size=c,
                                                  cp_comm_type=cp_comm_type, sharding_strategy=strategy,
-                                                 distributed_optimizer_instances=k)
+                                                 distributed_optimizer_instances=k, expert_model_parallel_size=e,
+                                                 expert_tensor_parallel_size=etp,
+                                                 moe_token_dispatcher_type=dispatcher)
                             if invalid_reason(model, cfg, cluster, train) is None:
                                 yield cfg
                                 if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
@@ -236,6 +247,8 @@ def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
     if key == "logits":
         where = "split over the pipeline" if cfg.enable_vocab_parallel else "on the first/last stage"
         return f"vocabulary layers {where}: {share:.0%} of time"
+    if key == "ep_comm":
+        return f"MoE token {cfg.moe_token_dispatcher_type} (e={cfg.expert_model_parallel_size}): {share:.0%} of time"
     if key == "grad_accum":
         return f"per-microbatch gradient accumulation (b={cfg.micro_batch_size}): {share:.0%} of time"
     return f"smaller per-GPU GEMMs (b={cfg.micro_batch_size}, t={cfg.tensor_model_parallel_size}): " \
@@ -256,7 +269,7 @@ def search(
     top: int = 5,
     configs: Iterable[ParallelConfig] | None = None,
 ) -> SearchResult:
-    """Fastest layout that fits, plus the best layout of each other (t, p) ranked, each with why it loses.
+    """Fastest layout that fits, plus the best layout of each other (t, p, c, e) ranked, each with why it loses.
 
     Layouts that would be faster but do not fit come after the fitting ones.
     """
@@ -271,14 +284,16 @@ def search(
     progress.close()
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.iteration_time_s))
     best = ranked[0] if ranked and ranked[0].fits else None
-    seen: set[tuple[int, int]] = set()
+    def key_of(c: ParallelConfig) -> tuple[int, ...]:  # one runner-up per (t, p, c, e)
+        return (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size,
+                c.expert_model_parallel_size)
+
+    seen: set[tuple[int, ...]] = set()
     if best is not None:
-        seen.add((best.config.tensor_model_parallel_size, best.config.pipeline_model_parallel_size,
-                  best.config.context_parallel_size))
+        seen.add(key_of(best.config))
     runners: list[Estimate] = []
     for est in ranked:
-        key = (est.config.tensor_model_parallel_size, est.config.pipeline_model_parallel_size,
-               est.config.context_parallel_size)
+        key = key_of(est.config)
         if key in seen:
             continue
         seen.add(key)

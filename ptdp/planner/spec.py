@@ -62,8 +62,8 @@ class GPTSpec:
 
     @property
     def parameter_ffn(self) -> float:
-        """MLP width holding the parameters, per layer on average (all experts): weights, grads, optimizer.
-        Experts replicated over t here (each rank counts 1/t: the expert-parallel layout refines it)."""
+        """MLP width holding the parameters, per layer on average (all experts). Per rank the planner counts
+        a MoE model's layers with ``planner/experts.py`` instead (experts over e·etp, router replicated)."""
         return self._moe_ffn(False)
 
     @property
@@ -188,6 +188,10 @@ class ParallelConfig:
     # hybrid sharding (--num-distributed-optimizer-instances K: shards over d·c/K ranks, K replicas)
     sharding_strategy: str = "no_shard"
     distributed_optimizer_instances: int = 1
+    # issue 25, a mixture of experts: e, etp (None: t, as Megatron-Core) and the dispatcher (planner/experts.py)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_token_dispatcher_type: str = "allgather"  # ptdp train's (and Megatron-LM's) default
 
     @property
     def strategy(self) -> str:

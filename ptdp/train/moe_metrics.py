@@ -4,7 +4,8 @@ the mean, the dropped tokens -- in the progress line, ``--metrics-file`` and Ten
 Each ``MoELayer`` accumulates detached device tensors over its training forwards (``ptdp.models.moe``);
 after the step they are gathered into one ``[MoE layers, 3 + E]`` tensor by GLOBAL layer (rows of layers on
 other pipeline stages are zero here) and summed over the pipeline and the data/context-parallel groups, the
-same reductions as the loss, without a host sync. ``read_records`` turns it into the record's numbers.
+same reductions as the loss (and the tensor-parallel group under sequence parallelism, whose ranks route
+different tokens), without a host sync. ``read_records`` turns it into the record's numbers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def gather_moe_stats(trainer: TrainState) -> torch.Tensor | None:
         out[row, 1] = stats.get(_LOSSES[1], 0.0)
         out[row, 2] = stats["dropped"]
         out[row, 3:] = stats["load"]
-    for group in (state.pp_group, state.dp_cp_group):  # every rank, in this order, right after the loss's
+    # under sequence parallelism each TP rank routed its own s/t tokens: their statistics add up too
+    sp = trainer.config.parallel.sequence_parallel and state.dims.tp > 1
+    for group in (state.pp_group, state.dp_cp_group, *([state.tp_group] if sp else [])):  # every rank, in order
         if group_size(group) > 1:
             flight_recorder.record("all_reduce", group=group, tensor=out, action="moe_stats")
             dist.all_reduce(out, group=group)
