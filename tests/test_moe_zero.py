@@ -64,3 +64,17 @@ def test_checkpoint_saved_under_zero3_with_experts(runs):
     saved = runs["e2d4-z3-save"]
     assert [r["iteration"] for r in saved.records] == [1, 2]
     assert_same_run(saved, runs["one"], RTOL)
+
+
+def test_expert_weights_are_sharded_too(runs):
+    """fp32 Adam, 16 bytes a parameter: at (e, d) = (2, 4) ZeRO-3 a rank keeps 1/4 of the dense parameters'
+    states and 1/2 of its half of the experts' (16n/4 in all; 16(n_dense/4 + n_expert/2) if the experts
+    stayed whole). Under hybrid K = 2 the dense part is split over 2 ranks, the experts over 1: 16n/2."""
+    weights = runs["one"].weights
+    n = sum(t.numel() for t in weights.values())
+    n_expert = sum(t.numel() for name, t in weights.items() if ".experts." in name)
+    assert n_expert > n / 4, (n_expert, n)  # the check below tells the two apart
+    z3 = runs["e2d4-z3"].records[-1]["model_state_bytes"]
+    assert 16 * n / 4 <= z3 <= 1.02 * 16 * n / 4, (z3, n, n_expert)
+    hybrid = runs["e2d4-z3-hybrid-k2"].records[-1]["model_state_bytes"]
+    assert 16 * n / 2 <= hybrid <= 1.02 * 16 * n / 2, (hybrid, n)
