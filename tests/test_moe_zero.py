@@ -78,3 +78,23 @@ def test_expert_weights_are_sharded_too(runs):
     assert 16 * n / 4 <= z3 <= 1.02 * 16 * n / 4, (z3, n, n_expert)
     hybrid = runs["e2d4-z3-hybrid-k2"].records[-1]["model_state_bytes"]
     assert 16 * n / 2 <= hybrid <= 1.02 * 16 * n / 2, (hybrid, n)
+
+
+def _problems(args: list[str], world: int) -> list[str]:
+    import argparse
+
+    from ptdp.config import add_config_arguments, config_from_args, validate
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return validate(config_from_args(parser.parse_args([*MOE, *args])), world)
+
+
+def test_every_strategy_is_accepted_with_experts_and_hybrid_needs_k_to_divide_edp():
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        assert _problems([*E2, "--data-parallel-sharding-strategy", strategy], 4) == []
+        assert _problems([*E2, "--data-parallel-sharding-strategy", strategy, *K2], 4) == []  # edp = 2
+    # (e, d) = (2, 2): one expert-DP rank, nothing to cut into two instances
+    bad = _problems([*E2, "--data-parallel-sharding-strategy", "optim_grads_params", *K2], 2)
+    assert len(bad) == 1 and "--num-distributed-optimizer-instances 2" in bad[0] and "expert-data-parallel size 1" \
+        in bad[0], bad
