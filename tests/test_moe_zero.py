@@ -7,7 +7,8 @@ Dense parameters shard over the dp-cp group, expert parameters over their expert
 sharded), with (e, d) = (2, 4), (t, e, d) = (2, 2, 2) folded and (p, d) = (2, 2) at e = 1 it has two, so
 both parts are sharded and ZeRO-3 gathers each chunk's dense and expert buckets over two groups. Hybrid
 sharding cuts both groups into K = 2 instances (at (e, d) = (2, 4) an expert instance is a single rank).
-A checkpoint saved under ZeRO-3 with experts continues identically at e = 1 without sharding. Small
+A checkpoint saved under ZeRO-3 with experts continues identically at e = 1 without sharding, and under
+ZeRO-3 again in another layout ((t, e, d) = (2, 2, 2) folded, with sequence parallelism). Small
 buckets, so parameters straddle the shard boundaries. All in one spawn of four processes.
 """
 
@@ -32,7 +33,7 @@ def plan(ckpt) -> dict[str, tuple[int, list[str]]]:
         "one": (1, []),
         "e2d2-z2": (2, [*E2, *Z2]),
         "e2d4-z2-overlap": (4, [*E2, *Z2, "--overlap-grad-reduce"]),
-        "e2d4-z3": (4, [*E2, *Z3]),
+        "e2d4-z3-overlap": (4, [*E2, *Z3, "--overlap-grad-reduce"]),
         "p2d2e2-z3-1f1b": (4, [*P2, "1f1b", *E2, *Z3]),
         "p2d2-z3-zbv-reshard": (4, [*P2, "zbv", *Z3, "--reshard-after-forward"]),
         "t2e2d2-z3": (4, [*T2, *E2, *Z3]),
@@ -41,6 +42,7 @@ def plan(ckpt) -> dict[str, tuple[int, list[str]]]:
         "d4-z2-hybrid-k2": (4, [*Z2, *K2]),
         "e2d4-z3-save": (4, [*E2, *Z3, "--exit-interval", "2", "--save", str(ckpt)]),
         "e1-resume-no-shard": (1, ["--load", str(ckpt)]),
+        "t2e2d2-sp-z3-resume": (4, [*T2, "--sequence-parallel", *E2, *Z3, "--load", str(ckpt)]),
     }
 
 
@@ -60,7 +62,8 @@ def test_moe_under_zero_matches_one_process(runs, name):
 
 
 def test_checkpoint_saved_under_zero3_with_experts(runs):
-    """Saved after iteration 2 at (e, d) = (2, 4) ZeRO-3; its continuation at e = 1 is checked above."""
+    """Saved after iteration 2 at (e, d) = (2, 4) ZeRO-3; its continuations (at e = 1 without sharding, and
+    at (t, e, d) = (2, 2, 2) ZeRO-3: every rank reads only its dense and expert shards) are checked above."""
     saved = runs["e2d4-z3-save"]
     assert [r["iteration"] for r in saved.records] == [1, 2]
     assert_same_run(saved, runs["one"], RTOL)
@@ -74,7 +77,7 @@ def test_expert_weights_are_sharded_too(runs):
     n = sum(t.numel() for t in weights.values())
     n_expert = sum(t.numel() for name, t in weights.items() if ".experts." in name)
     assert n_expert > n / 4, (n_expert, n)  # the check below tells the two apart
-    z3 = runs["e2d4-z3"].records[-1]["model_state_bytes"]
+    z3 = runs["e2d4-z3-overlap"].records[-1]["model_state_bytes"]
     assert 16 * n / 4 <= z3 <= 1.02 * 16 * n / 4, (z3, n, n_expert)
     hybrid = runs["e2d4-z3-hybrid-k2"].records[-1]["model_state_bytes"]
     assert 16 * n / 2 <= hybrid <= 1.02 * 16 * n / 2, (hybrid, n)
