@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from .clip_grads import counts_in_grad_norm
 from ..tensor_parallel.mappings import group_rank
+from .clip_grads import counts_in_grad_norm
 from .grad_buffer import Bucket, GradBuckets
 
 
