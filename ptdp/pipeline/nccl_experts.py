@@ -18,15 +18,16 @@ member has started its matching issue (FIFO per pair), which is a collective's s
   in reverse order, preceded by the forward's collectives when the layer is recomputed;
 * the weight half W: none (expert weight gradients are local GEMMs).
 
-With ``zero`` (ZeRO-3, ``--data-parallel-sharding-strategy optim_grads_params``) the trace also holds the
-per-chunk parameter gathers and gradient reductions at the points ``param_sync.plan_param_sync`` puts them,
+With ``zero="optim_grads_params"`` (ZeRO-3) the trace also holds the per-chunk parameter gathers and
+gradient reductions at the points ``param_sync.plan_param_sync`` puts them,
 as the real gatherer over ``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel
 communicator "dp" (every pipeline's copy of the stage) and then one on the expert-data-parallel communicator
 "edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
 folding orders them), each with its own stream. A chunk's gathers are waited for together before its run; a
 reduction is waited for right after it is issued (stricter than the transient gradient buckets, which wait
-for one when they launch the next). Under ZeRO-2 the reductions are the same calls from the backward hooks,
-without the gathers.
+for one when they launch the next). With ``zero="optim_grads"`` (ZeRO-2) only the reductions: there the
+backward hooks launch them during the chunk's last B/W pass, before anything the executor issues after it,
+which is where the plan puts them.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class _ExpertParamSync:
     """Stands in for ``ptdp.optim.zero.ChunkParamSync`` over ``ExpertGradBuckets``: placeholders of its
     collectives on "dp" and "edp" (``comms``: those with peers), which ``_globalise`` gives their groups."""
 
-    def __init__(self, events: list[dict], reshard_after_forward: bool, comms: Sequence[str]) -> None:
+    def __init__(self, events: list[dict], reshard_after_forward: bool, comms: Sequence[str], gathers: bool) -> None:
         self.events, self.reshard_after_forward, self.comms = events, reshard_after_forward, comms
+        self.gathers = gathers  # ZeRO-3; ZeRO-2 only reduces
         self._gathers: dict[int, list[int]] = {}
         self._count = 0
 
@@ -90,12 +92,12 @@ class _ExpertParamSync:
         return self._count
 
     def gather(self, chunk: int) -> None:
-        if chunk not in self._gathers:
+        if self.gathers and chunk not in self._gathers:
             self._gathers[chunk] = [self._collective("all_gather", chunk, comm) for comm in self.comms]
 
     def wait(self, chunk: int) -> None:
         self.gather(chunk)
-        self.events.extend({"zero-wait": ref} for ref in self._gathers[chunk])
+        self.events.extend({"zero-wait": ref} for ref in self._gathers.get(chunk, ()))
 
     def release(self, chunk: int) -> None:
         self._gathers.pop(chunk, None)
@@ -109,11 +111,12 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
                         dispatcher: str = "alltoall", recompute: bool = False, forward_only: bool = False,
                         per_direction: bool = True, lists: Sequence[Sequence[Action]] | None = None,
                         ep_groups: Sequence[Sequence[int]] | None = None, e: int | None = None,
-                        zero: bool = False, reshard_after_forward: bool = False) -> dict:
+                        zero: str | None = None, reshard_after_forward: bool = False) -> dict:
     """The comm trace (``nccl_model``) of ``pipelines`` data-parallel copies of ``schedule`` whose MoE
     layers exchange tokens over ``ep_groups`` (global ranks; default: groups of ``e`` consecutive pipelines'
-    copies of a stage, as folding places them; ``e`` defaults to all of them). ``zero``: with ZeRO-3's
-    gathers and reductions over the dense and expert data-parallel groups (module docstring). ``check_trace``
+    copies of a stage, as folding places them; ``e`` defaults to all of them). ``zero`` ("optim_grads" or
+    "optim_grads_params"): with ZeRO-2's reductions or ZeRO-3's gathers and reductions over the dense and
+    expert data-parallel groups (module docstring). ``check_trace``
     plays it."""
     e = e or pipelines
     zero_groups = {"dp": lambda k, r: [j * p + r for j in range(pipelines)],
@@ -126,7 +129,7 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
                                   recompute=recompute)
-        sync = _ExpertParamSync(events, reshard_after_forward, comms) if zero else None
+        sync = _ExpertParamSync(events, reshard_after_forward, comms, zero == "optim_grads_params") if zero else None
         run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False,
                      param_sync=sync)
         per_rank.append(events)
