@@ -19,10 +19,9 @@ member has started its matching issue (FIFO per pair), which is a collective's s
 * the weight half W: none (expert weight gradients are local GEMMs).
 
 With ``zero="optim_grads_params"`` (ZeRO-3) the trace also holds the per-chunk parameter gathers and
-gradient reductions at the points ``param_sync.plan_param_sync`` puts them,
-as the real gatherer over ``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel
-communicator "dp" (every pipeline's copy of the stage) and then one on the expert-data-parallel communicator
-"edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
+gradient reductions at the points ``param_sync.plan_param_sync`` puts them, as the real gatherer over
+``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel communicator "dp"
+(every pipeline's copy of the stage) and then one on the expert-data-parallel communicator "edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
 folding orders them), each with its own stream. A chunk's gathers are waited for together before its run; a
 reduction is waited for right after it is issued (stricter than the transient gradient buckets, which wait
 for one when they launch the next). With ``zero="optim_grads"`` (ZeRO-2) only the reductions: there the
@@ -116,8 +115,7 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
     layers exchange tokens over ``ep_groups`` (global ranks; default: groups of ``e`` consecutive pipelines'
     copies of a stage, as folding places them; ``e`` defaults to all of them). ``zero`` ("optim_grads" or
     "optim_grads_params"): with ZeRO-2's reductions or ZeRO-3's gathers and reductions over the dense and
-    expert data-parallel groups (module docstring). ``check_trace``
-    plays it."""
+    expert data-parallel groups (module docstring). ``check_trace`` plays it."""
     e = e or pipelines
     zero_groups = {"dp": lambda k, r: [j * p + r for j in range(pipelines)],
                    "edp": lambda k, r: [j * p + r for j in range(k % e, pipelines, e)]}
