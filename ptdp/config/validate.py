@@ -201,7 +201,7 @@ def _optimizer_errors(config: Config) -> list[str]:
 
 def _sharding_errors(config: Config, d: int) -> list[str]:
     """ZeRO needs data-parallel peers to shard over (the dp-cp group: d x c ranks), and hybrid sharding's
-    K instances must split d evenly."""
+    K instances must split d evenly -- and, with experts, their expert-data-parallel groups."""
     opt_, c = config.optimizer, config.parallel.context_parallel_size
     errors, k = [], opt_.num_distributed_optimizer_instances
     if opt_.data_parallel_sharding_strategy != "no_shard" and d * c == 1:
@@ -212,9 +212,13 @@ def _sharding_errors(config: Config, d: int) -> list[str]:
     elif k > 1 and opt_.sharding == "no_shard":
         errors.append(f"--num-distributed-optimizer-instances {k} needs a --data-parallel-sharding-strategy "
                       "other than no_shard")
-    if config.moe.num_experts and (k > 1 or opt_.sharding in ("optim_grads", "optim_grads_params")):
-        errors.append(f"--num-experts with --data-parallel-sharding-strategy {opt_.sharding} or "
-                      f"--num-distributed-optimizer-instances {k}: experts support no_shard and optim (ZeRO-1) so far")
+    par = config.parallel
+    t, e, etp = par.tensor_model_parallel_size, par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    stage = t * c * d  # the ranks of one pipeline stage; the experts shard over edp of them (expert_dims.py)
+    edp = stage // ((etp or t) * e) if e >= 1 and stage % ((etp or t) * e) == 0 else None
+    if config.moe.num_experts and k > 1 and not d % k and edp is not None and edp % k:
+        errors.append(f"--num-distributed-optimizer-instances {k} must divide the expert-data-parallel size "
+                      f"{edp} (t·c·d / (etp·e)) too: the expert weights are sharded over K instances as well")
     return errors
 
 

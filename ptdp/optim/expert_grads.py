@@ -12,7 +12,16 @@ The gradient norm is then summed over the whole world, each element counted on e
 (``param.grad_norm_owner``, read by ``clip_grads.counts_in_grad_norm``): a dense element on data-parallel
 rank 0 (unless the distributed optimizer shards it: each shard then counts) by the tensor-parallel rule, an
 expert element on expert-data-parallel rank 0 (or its shard's owner): expert-parallel ranks hold different
-experts, so each is counted once across e.
+experts, so each is counted once across e. Under hybrid sharding (``--num-distributed-optimizer-instances
+K``) both groups are cut into K instances (``ptdp.optim.hybrid``) that hold the same shards: only the first
+instance's count.
+
+ZeRO-2/3 need nothing else: each :class:`GradBuckets` shards its buckets over its own group, and ZeRO-3's
+per-chunk gatherer (``ptdp.optim.zero.ChunkParamSync``) sees one object whose ``buckets`` are both lists,
+whose :meth:`ExpertGradBuckets.gather_bucket` hands a bucket to the :class:`GradBuckets` (and group) that
+owns it and whose :meth:`ExpertGradBuckets.launch_chunk` reduces the dense buckets, then the expert ones.
+Every member of a group runs the same action list (the edp group lies within one pipeline stage), so the
+collectives on each group come in the same order everywhere (checked: ``ptdp.pipeline.nccl_experts``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
+from ..tensor_parallel.mappings import group_rank
 from .clip_grads import counts_in_grad_norm
 from .grad_buffer import Bucket, GradBuckets
 
@@ -36,7 +46,14 @@ class ExpertGradBuckets:
             bucket.group, bucket.shard_count = expert.dp_group, expert.shard_count
         self.dp_group, self.dp_size, self.shard_count = dense.dp_group, dense.dp_size, dense.shard_count
         self.distributed_optimizer = dense.distributed_optimizer
-        self.param_sync = None  # ZeRO-3 is refused with experts (config.validate)
+        self.shard_grads = dense.shard_grads or expert.shard_grads
+        self.param_sync = None  # ZeRO-3: the per-chunk gatherer over both (ptdp.optim.setup)
+        self._expert_ids = {id(b) for b in expert.buckets}
+
+    @property
+    def parts(self) -> list[GradBuckets]:
+        """The dense and the expert buffers (``ptdp.optim.zero.shard_model`` shards each over its group)."""
+        return [self.dense, self.expert]
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -72,26 +89,51 @@ class ExpertGradBuckets:
         self.dense.keep_grad_shards()
         self.expert.keep_grad_shards()
 
+    def gather_bucket(self, b: Bucket) -> list:
+        """ZeRO-3: start the all-gather of ``b``'s parameters over the group it is sharded on."""
+        return (self.expert if id(b) in self._expert_ids else self.dense).gather_bucket(b)
+
+    def launch_chunk(self, chunk: int) -> None:
+        self.dense.launch_chunk(chunk)
+        self.expert.launch_chunk(chunk)
+
     def launched(self) -> list[bool]:
         return self.dense.launched() + self.expert.launched()
 
 
 def expert_grad_buckets(params: list[nn.Parameter], state, make: Callable[..., GradBuckets],
-                        shared_embedding: list[nn.Parameter], distributed: bool) -> tuple[ExpertGradBuckets, list]:
+                        shared_embedding: list[nn.Parameter], distributed: bool,
+                        dense_groups: tuple = (None, None), instances: int = 1) -> tuple[ExpertGradBuckets, list]:
     """The buckets of a MoE model and the norm's groups (the world). ``make(params, group, average_over=,
-    separate=)`` builds one :class:`GradBuckets` with the run's settings; ``state`` is the ``ParallelState``."""
+    separate=, replica_group=)`` builds one :class:`GradBuckets` with the run's settings; ``state`` is the
+    ``ParallelState``; ``dense_groups`` the (shard, replica) groups of the dense parameters (the dp-cp group
+    and None, or hybrid sharding's instance and replica groups for ``instances`` > 1)."""
     expert = state.expert
     is_expert = [getattr(p, "expert_parallel", False) for p in params]
     dense_params = [p for p, e in zip(params, is_expert, strict=True) if not e]
     expert_params = [p for p, e in zip(params, is_expert, strict=True) if e]
     replicas = state.dims.dp * state.dims.cp
-    dense = make(dense_params, state.dp_cp_group, separate=shared_embedding)
-    experts = make(expert_params, expert.edp_group, average_over=replicas)
+    dense_group, dense_replicas = dense_groups
+    if dense_group is None:
+        dense_group = state.dp_cp_group
+    expert_group, expert_replicas = expert.edp_group, None
+    if distributed and instances > 1:  # the expert-DP group cut into K instances too (Megatron does the same)
+        from .hybrid import expert_instance_groups
+
+        expert_group, expert_replicas = expert_instance_groups(expert, state.rank, instances)
+    dense = make(dense_params, dense_group, separate=shared_embedding, replica_group=dense_replicas)
+    experts = make(expert_params, expert_group, average_over=replicas, replica_group=expert_replicas)
     dense_sharded = distributed and replicas > 1
     expert_sharded = distributed and expert.dims.edp > 1
     for p in dense_params:
         p.grad_norm_owner = counts_in_grad_norm(p, state.tp_rank) and (
-            dense_sharded or (state.dp_rank == 0 and state.cp_rank == 0))
+            _first_instance(dense_replicas) if dense_sharded else (state.dp_rank == 0 and state.cp_rank == 0))
     for p in expert_params:
-        p.grad_norm_owner = expert_sharded or expert.edp_rank == 0
+        p.grad_norm_owner = _first_instance(expert_replicas) if expert_sharded else expert.edp_rank == 0
     return ExpertGradBuckets(dense, experts), [dist.group.WORLD if state.dims.world_size > 1 else None]
+
+
+def _first_instance(replica_group) -> bool:
+    """Whether this rank's shards count in the norm: every shard of the first hybrid instance (all of them
+    without hybrid sharding); the other instances hold copies."""
+    return group_rank(replica_group) == 0

@@ -31,3 +31,23 @@ def instance_groups(state, k: int) -> tuple[object, object]:
                 if state.rank in members:
                     mine_replica = group
     return mine_instance, mine_replica
+
+
+def expert_instance_groups(expert, rank: int, k: int) -> tuple[object, object]:
+    """The same split of every expert-data-parallel group (``ExpertParallel.dims.groups("edp")``): its edp
+    ranks form ``k`` instances of edp/k consecutive ranks, and the ranks holding the same expert shard in
+    the k instances a replica group. Collective over the world, like :func:`instance_groups`."""
+    mine_instance = mine_replica = None
+    for ranks in expert.dims.groups("edp"):
+        size = len(ranks) // k
+        for i in range(k):
+            members = ranks[i * size:(i + 1) * size]
+            group = dist.new_group(members)
+            if rank in members:
+                mine_instance = group
+        for j in range(size):
+            members = ranks[j::size]
+            group = dist.new_group(members)
+            if rank in members:
+                mine_replica = group
+    return mine_instance, mine_replica

@@ -58,31 +58,34 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     chunk_of = {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()}
     shard_grads = strategy in ("optim_grads", "optim_grads_params")
 
-    def make(ps, group, average_over=None, separate=()):
+    def make(ps, group, average_over=None, separate=(), replica_group=replica_group):
         return GradBuckets(ps, group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
                            distributed_optimizer=distributed, param_buffer=main_params,
                            overlap_grad_reduce=tr.overlap_grad_reduce, separate=separate, average_over=average_over,
                            shard_grads=shard_grads, chunk_of=chunk_of, replica_group=replica_group)
 
-    if getattr(state, "expert", None) is not None:  # issue 25: expert grads over the expert-DP group
+    experts = getattr(state, "expert", None) is not None  # issue 25: expert grads over the expert-DP group
+    if experts:
         from .expert_grads import expert_grad_buckets
 
-        # ZeRO-2/3 and hybrid sharding with experts are refused at start-up (config.validate)
-        grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed)
+        grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed,
+                                                 (dp_group, replica_group), opt.num_distributed_optimizer_instances)
+    else:
+        grads = make(params, dp_group, separate=shared_embedding)
+    if strategy == "optim_grads_params":
+        from .zero import ChunkParamSync, shard_model
+
+        if shard_model(grads):
+            grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
+            if opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1:  # one chunk: per layer
+                from .zero_layers import LayerParamSync
+
+                grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
+    if experts:
         if not main_params:
             return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups)
         return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
                                            grad_scaler(config.precision))
-    grads = make(params, dp_group, separate=shared_embedding)
-    if strategy == "optim_grads_params" and grads.dp_size > 1:
-        from .zero import ChunkParamSync, shard_parameters
-
-        shard_parameters(grads)
-        grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
-        if opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1:  # one chunk: per layer
-            from .zero_layers import LayerParamSync
-
-            grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
     if not main_params:
         return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
     # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over

@@ -36,10 +36,21 @@ def shard_parameters(grads: GradBuckets) -> None:
         free_storage(b.param_data)
 
 
+def shard_model(grads) -> bool:
+    """ZeRO-3 at set-up: shard the buckets of every part of ``grads`` that has data-parallel peers (a MoE
+    model's dense and expert buffers, ``ptdp.optim.expert_grads``, each over its own group); whether any was."""
+    parts = [p for p in getattr(grads, "parts", [grads]) if p.dp_size > 1]
+    for part in parts:
+        shard_parameters(part)
+    return bool(parts)
+
+
 class ChunkParamSync:
     """Per-chunk gather / wait / release / reduce, called by ``ptdp.pipeline.executor.run_schedule``."""
 
     def __init__(self, grads: GradBuckets, reshard_after_forward: bool):
+        """``grads``: anything with ``buckets``, ``gather_bucket`` and ``launch_chunk`` (a GradBuckets, or a
+        MoE model's ``ExpertGradBuckets``, which hands each bucket to its own group)."""
         self.grads = grads
         self.reshard_after_forward = reshard_after_forward
         self._in_flight: dict[int, list] = {}
