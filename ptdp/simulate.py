@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptdp.config import ParallelConfig, add_field_arguments
-from ptdp.pipeline.progress import drain
-from ptdp.pipeline.registry import default_virtual_size, schedule_problems
 from ptdp.pipeline.schedules import (
     Action,
     bubble_fraction_formula,
@@ -34,6 +32,8 @@ from ptdp.pipeline.schedules import (
     schedule_placement,
     stage_location,
 )
+from ptdp.schedule.progress import drain
+from ptdp.schedule.registry import default_virtual_size, schedule_problems
 
 COMPUTE_OPS = ("F", "B", "I", "W")
 
@@ -187,7 +187,7 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     """Per virtual stage, its compute time over an even stage's: from ``--num-layers`` and the layout flags,
     plus ``--embedding-cost`` / ``--output-layer-cost`` (in layers) where the vocabulary layers live, or
     1/p of them on every rank with ``--enable-vocab-parallel``. None when no layer count is given."""
-    from ptdp.pipeline.layout import stage_work, stages_of
+    from ptdp.schedule.layout import stage_work, stages_of
 
     if args.num_layers is None:
         if args.embedding_cost or args.output_layer_cost or args.pipeline_model_parallel_layout:
@@ -290,7 +290,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.virtual_pipeline_model_parallel_size is None and args.pipeline_model_parallel_layout:
-        from ptdp.pipeline.layout import LayoutError, layout_num_stages
+        from ptdp.schedule.layout import LayoutError, layout_num_stages
 
         try:  # the layout string sets v, as for ptdp train
             args.virtual_pipeline_model_parallel_size = max(
@@ -309,7 +309,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.p2p_time < 0:
         return f"--p2p-time must be >= 0, got {args.p2p_time}"
     problems = schedule_problems(args.pipeline_schedule, p, v, m, "--num-microbatches", single_stage_ok=True)
-    if problems:  # the schedule's own constraints (ptdp.pipeline.registry)
+    if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"

@@ -26,6 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# the layout rules are pure (``ptdp plan`` checks them without torch): they live with the MoE flag checks
+from ..config.validate_moe import expert_layout_errors, expert_tensor_size
+
+__all__ = ["ExpertDims", "ExpertParallel", "build_expert_parallel", "expert_layout_errors", "expert_tensor_size"]
+
 
 @dataclass(frozen=True)
 class ExpertDims:
@@ -66,47 +71,6 @@ def _product(sizes: list[int]) -> list[tuple[int, ...]]:
     for n in sizes:
         out = [(*prefix, i) for prefix in out for i in range(n)]
     return out
-
-
-def expert_tensor_size(etp: int | None, t: int) -> int:
-    """``--expert-tensor-parallel-size``, defaulting to t as Megatron-Core does."""
-    return t if etp is None else etp
-
-
-def expert_layout_errors(*, world_size: int, t: int, c: int, p: int, e: int, etp: int | None,
-                         num_experts: int | None, sequence_parallel: bool, tokens_per_rank: int) -> list[str]:
-    """Every problem with the expert layout, one line each (pure: no process group needed).
-
-    ``tokens_per_rank`` is b·s/c, the tokens one rank holds between layers without sequence parallelism;
-    with ``etp = 1`` and t > 1 each tensor-parallel rank routes its own 1/t of them (they are replicated over
-    the TP group otherwise), so t must divide it.
-    """
-    errors: list[str] = []
-    etp_ = expert_tensor_size(etp, t)
-    if e <= 0 or etp_ <= 0:
-        return [f"--expert-model-parallel-size {e} and --expert-tensor-parallel-size {etp_} must be positive"]
-    if num_experts is None:
-        if e > 1:
-            errors.append(f"--expert-model-parallel-size {e} needs a mixture-of-experts model (--num-experts)")
-        return errors
-    if num_experts % e:
-        errors.append(f"--expert-model-parallel-size {e} does not divide --num-experts {num_experts}; each "
-                      "expert-parallel rank needs the same number of experts")
-    if world_size % (etp_ * e * p):
-        errors.append(f"world size {world_size} is not divisible by --expert-tensor-parallel-size x "
-                      f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp_}x{e}x{p}: each "
-                      f"pipeline stage's {world_size // p if world_size % p == 0 else '?'} ranks must hold "
-                      "whole expert groups")
-    if etp_ > 1 and (etp_ != t or sequence_parallel):
-        why = (f"only 1 or t = {t} fold: the expert-tensor group must be attention's tensor-parallel group"
-               if etp_ != t else "with --sequence-parallel the tensor ranks hold different tokens")
-        errors.append(f"--expert-tensor-parallel-size {etp_} cannot fold onto the attention layout ({why}); "
-                      "use --expert-tensor-parallel-size 1: e then spans the tensor- and context-parallel ranks")
-    elif etp_ == 1 and t > 1 and not sequence_parallel and tokens_per_rank % t:
-        errors.append(f"--micro-batch-size x --seq-length / c = {tokens_per_rank} tokens are not divisible by "
-                      f"--tensor-model-parallel-size {t}: each tensor-parallel rank routes 1/t of them to the "
-                      "experts")
-    return errors
 
 
 class ExpertParallel:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import COMPUTE_OPS, Action
+from ..schedule.actions import COMPUTE_OPS, Action
 
 SYNC_OPS = ("gather", "wait", "release", "reduce")
 

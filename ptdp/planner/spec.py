@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ptdp.config import ModelConfig
 from ptdp.flops import MoEShape
 from ptdp.hardware import Accelerator, accelerator
-from ptdp.pipeline.registry import default_schedule
+from ptdp.schedule.registry import default_schedule
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -206,7 +206,7 @@ class ParallelConfig:
     @property
     def schedule(self) -> str:
         """Pipeline schedule the layout runs with: ``pipeline_schedule`` when set, else 1F1B, or Megatron's
-        interleaved 1F1B when v > 1 (``ptdp.pipeline.registry.default_schedule``, as ``ptdp train``)."""
+        interleaved 1F1B when v > 1 (``ptdp.schedule.registry.default_schedule``, as ``ptdp train``)."""
         return default_schedule(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size)
 
     def num_microbatches(self, global_batch_size: int) -> int:
