@@ -227,10 +227,14 @@ class OptimizerConfig:
 
     @property
     def sharding(self) -> str:
-        """The effective ZeRO strategy: ``--use-distributed-optimizer`` alone means ``optim``."""
-        if self.data_parallel_sharding_strategy == "no_shard" and self.use_distributed_optimizer:
-            return "optim"
-        return self.data_parallel_sharding_strategy
+        """The effective ZeRO strategy (``effective_sharding``)."""
+        return effective_sharding(self.data_parallel_sharding_strategy, self.use_distributed_optimizer)
+
+
+def effective_sharding(strategy: str, use_distributed_optimizer: bool) -> str:
+    """The ZeRO strategy that runs: ``--use-distributed-optimizer`` alone (strategy ``no_shard``) means ``optim``
+    (``ptdp train``'s ``OptimizerConfig.sharding`` and the planner's ``ParallelConfig.strategy``)."""
+    return "optim" if strategy == "no_shard" and use_distributed_optimizer else strategy
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
+from ptdp.config.schema import effective_sharding
 from ptdp.flops import MoEShape
 from ptdp.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
@@ -192,9 +193,7 @@ class ParallelConfig:
     @property
     def strategy(self) -> str:
         """The effective ZeRO strategy, as ``OptimizerConfig.sharding`` derives it for ``ptdp train``."""
-        if self.sharding_strategy == "no_shard" and self.use_distributed_optimizer:
-            return "optim"
-        return self.sharding_strategy
+        return effective_sharding(self.sharding_strategy, self.use_distributed_optimizer)
 
     @property
     def shards(self) -> int:
