@@ -23,11 +23,11 @@ from .parallel.context import apply_context_parallel
 from .parallel.expert import apply_expert_parallel
 from .parallel.init import init_parameters, mark_no_weight_decay, materialize
 from .parallel.tensor import apply_tensor_parallel
-from .pipeline.layout import stages_of
 from .pipeline.schedules import virtual_stage
 from .pipeline.stage import logical_name, split_model
 from .pipeline.vocab_stage import apply_vocab_parallel, init_vocab_slices
 from .recompute import apply_recompute
+from .schedule.layout import stages_of
 
 
 def local_seq_length(config: Config, state: ParallelState) -> int:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptdp.config import ParallelConfig, add_field_arguments
-from ptdp.pipeline.registry import default_virtual_size, schedule_problems
 from ptdp.pipeline.schedules import (
     Action,
     bubble_fraction_formula,
@@ -32,8 +31,9 @@ from ptdp.pipeline.schedules import (
     peak_stashed,
     schedule_placement,
     stage_location,
-    virtual_stage,
 )
+from ptdp.schedule.progress import drain
+from ptdp.schedule.registry import default_virtual_size, schedule_problems
 
 COMPUTE_OPS = ("F", "B", "I", "W")
 
@@ -125,7 +125,7 @@ def simulate(
     lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
     placement = schedule_placement(name)
     last_stage = p * v - 1
-    pos, cursor = [0] * p, [0.0] * p
+    cursor = [0.0] * p
     ends: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage) -> end time
     sends: dict[tuple[str, int, int], float] = {}  # ("F"|"B", microbatch, destination stage) -> send time
     posted: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, microbatch, stage) -> RECV post time
@@ -154,30 +154,24 @@ def simulate(
         grads = [g for g in grads if g is not None]
         return max(own_forward, min(grads)) if grads else None
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                stage = virtual_stage(r, a.chunk, p, placement)
-                if a.op in ("SEND_F", "SEND_B"):
-                    kind = a.op[-1]
-                    sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
-                elif a.op in ("RECV_F", "RECV_B"):
-                    posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
-                else:
-                    ready = ready_time(r, a, stage)
-                    if ready is None:
-                        break
-                    start = max(cursor[r], ready)
-                    scale = 1.0 if stage_scale is None else stage_scale[stage]
-                    cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
-                    ends[(a.op, a.microbatch, stage)] = cursor[r]
-                    timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
-                pos[r] += 1
-                progress = True
-    stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
+    def step(r: int, a: Action, stage: int) -> bool:
+        if a.op in ("SEND_F", "SEND_B"):
+            kind = a.op[-1]
+            sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
+        elif a.op in ("RECV_F", "RECV_B"):
+            posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
+        else:
+            ready = ready_time(r, a, stage)
+            if ready is None:
+                return False
+            start = max(cursor[r], ready)
+            scale = 1.0 if stage_scale is None else stage_scale[stage]
+            cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
+            ends[(a.op, a.microbatch, stage)] = cursor[r]
+            timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
+        return True
+
+    stuck = drain(lists, p, placement, step)
     if stuck:
         raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
     return SimulationResult(
@@ -193,7 +187,7 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     """Per virtual stage, its compute time over an even stage's: from ``--num-layers`` and the layout flags,
     plus ``--embedding-cost`` / ``--output-layer-cost`` (in layers) where the vocabulary layers live, or
     1/p of them on every rank with ``--enable-vocab-parallel``. None when no layer count is given."""
-    from ptdp.pipeline.layout import stage_work, stages_of
+    from ptdp.schedule.layout import stage_work, stages_of
 
     if args.num_layers is None:
         if args.embedding_cost or args.output_layer_cost or args.pipeline_model_parallel_layout:
@@ -296,7 +290,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.virtual_pipeline_model_parallel_size is None and args.pipeline_model_parallel_layout:
-        from ptdp.pipeline.layout import LayoutError, layout_num_stages
+        from ptdp.schedule.layout import LayoutError, layout_num_stages
 
         try:  # the layout string sets v, as for ptdp train
             args.virtual_pipeline_model_parallel_size = max(
@@ -315,7 +309,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.p2p_time < 0:
         return f"--p2p-time must be >= 0, got {args.p2p_time}"
     problems = schedule_problems(args.pipeline_schedule, p, v, m, "--num-microbatches", single_stage_ok=True)
-    if problems:  # the schedule's own constraints (ptdp.pipeline.registry)
+    if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"

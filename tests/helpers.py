@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,9 +205,11 @@ def spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 300) -> N
     raise AssertionError("spawned ranks did not finish in time")
 
 
-def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int, list[str]]]) -> None:
+def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int, list[str]]],
+                 before_stage: Callable[[int, str, str], None] | None = None) -> None:
     """Each stage on the first ``world`` ranks with a fresh gloo group, through the ``train()`` that
-    ``ptdp train`` runs (the other ranks wait for the next stage)."""
+    ``ptdp train`` runs (the other ranks wait for the next stage). ``before_stage(rank, out, name)``, a
+    picklable hook, runs on every rank before each stage (to record or to inject a fault, tests/test_data_mix.py)."""
     import torch.distributed as dist
 
     from ptdp.cli import build_parser
@@ -214,6 +217,8 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
     from ptdp.train.loop import train
 
     for name, world, argv in plan:
+        if before_stage is not None:
+            before_stage(rank, out, name)
         dist.barrier()  # every rank's connections are up before any tears the group down (see _entry)
         dist.destroy_process_group()
         if rank < world:

@@ -32,6 +32,15 @@ def test_models_import_no_torch_distributed(package):
         assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
 
 
+def test_schedules_and_config_import_no_torch():
+    """ptdp.schedule and ptdp.config are pure (the launcher, ``ptdp plan`` and ``ptdp simulate`` read them
+    without torch); import-linter checks their ptdp imports."""
+    for package in ("schedule", "config"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            bad = {n for n in _imported(path) if n == "torch" or n.startswith("torch.")}
+            assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
+
+
 def test_the_check_would_see_an_import(tmp_path):
     """The control: the scan finds both spellings."""
     path = tmp_path / "m.py"
@@ -40,6 +49,6 @@ def test_the_check_would_see_an_import(tmp_path):
 
 
 def test_no_module_over_400_lines_in_the_architecture_packages():
-    for package in ("models", "ops", "parallel", "train"):
+    for package in ("models", "ops", "parallel", "train", "schedule", "config"):
         for path in (ROOT / package).glob("*.py"):
             assert len(path.read_text().splitlines()) <= 400, path

@@ -98,9 +98,9 @@ def test_validate_does_not_mutate_and_derive_returns_a_new_object():
 
 def test_schedule_constraints_come_from_the_registry():
     """One ``ScheduleSpec.problems`` line behind train's validation, the planner and the simulator."""
-    from ptdp.pipeline.registry import REGISTRY
     from ptdp.planner.search import invalid_reason
     from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+    from ptdp.schedule.registry import REGISTRY
 
     line = REGISTRY["zbv"].problems(2, 3, 8)[0]
     config = Config()

@@ -6,6 +6,7 @@ continuing where it stopped, each dataset's share of every global batch its weig
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from ptdp.cli import main
-from tests.helpers import spawn
+from tests.helpers import _run_layouts, spawn
 from tests.test_data_megatron import random_corpus
 
 B = 16
@@ -31,46 +32,23 @@ def _blend(root: Path, weights: dict[str, float]) -> list[str]:
     return ["--data-path", *[x for name, w in weights.items() for x in (str(w), str(root / name))]]
 
 
-def _stages(rank: int, world_size: int, out: str, plan: list[tuple[str, int, list[str], int | None]]) -> None:
-    """Each ``(name, world, flags, kill_at)`` trains on the first ``world`` ranks with a fresh gloo group
-    (as helpers.run_layouts does); every microbatch a rank loads goes to ``out/name.RANK``, and at iteration
-    ``kill_at`` every rank SIGKILLs itself before loading it."""
-    import torch.distributed as dist
-
+def _record(kill_at: dict[str, int], rank: int, out: str, name: str) -> None:
+    """``helpers._run_layouts``' stage hook: every microbatch a rank loads in stage ``name`` goes to
+    ``out/name.RANK``, and at iteration ``kill_at[name]`` every rank SIGKILLs itself before loading it."""
     import ptdp.train.step as step
-    from ptdp.cli import build_parser
-    from ptdp.config import config_from_args, derive, validate
-    from ptdp.train.loop import train
 
-    real, current = step.get_microbatch, {}
+    real = getattr(step.get_microbatch, "real", step.get_microbatch)
 
     def recording(dataset, it0, batch, dp_rank, dp_size, micro, j):
-        if current["kill_at"] == it0 + 1:
+        if kill_at.get(name) == it0 + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         rows = real(dataset, it0, batch, dp_rank, dp_size, micro, j)
-        with open(f"{out}/{current['name']}.{rank}", "a") as f:
+        with open(f"{out}/{name}.{rank}", "a") as f:
             f.write(json.dumps([it0 + 1, dp_rank, j, rows.tolist()]) + "\n")
         return rows
 
+    recording.real = real
     step.get_microbatch = recording
-    for name, world, argv, kill_at in plan:
-        current.update(name=name, kill_at=kill_at)
-        dist.barrier()
-        dist.destroy_process_group()
-        if rank < world:
-            if world > 1:
-                dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}", rank=rank,
-                                        world_size=world)
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                              LOCAL_WORLD_SIZE=str(world))
-            config = config_from_args(build_parser().parse_args(["train", *argv]))
-            assert not validate(config, world), name
-            train(derive(config, world))
-            if world > 1:
-                dist.destroy_process_group()
-        dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
-                                world_size=world_size)
-        dist.barrier()
 
 
 def trained(out: Path, name: str) -> dict[int, list[list[int]]]:
@@ -119,17 +97,16 @@ def runs(tmp_path_factory):
     ck = {name: str(root / f"ck-{name}") for name in ("first", "second", "elastic", "same", "killed")}
     out = root / "seen"
     out.mkdir()
-    plan = [("first", 2, [*BASE, *first, "--exit-interval", "8", "--save", ck["first"]], None),
+    plan = [("first", 2, [*BASE, *first, "--exit-interval", "8", "--save", ck["first"]]),
             ("second", 2, [*BASE, *second, "--load", ck["first"], "--save", ck["second"],
-                           "--metrics-file", str(root / "second.jsonl")], None),
-            ("elastic", 1, [*BASE, *second, "--load", ck["first"], "--save", ck["elastic"]], None),
-            ("same", 2, [*BASE, *first, "--load", ck["first"], "--save", ck["same"]], None),
-            ("killed", 2, [*BASE, *second, "--load", ck["first"], "--save", ck["killed"], "--save-interval", "2"],
-             13)]
+                           "--metrics-file", str(root / "second.jsonl")]),
+            ("elastic", 1, [*BASE, *second, "--load", ck["first"], "--save", ck["elastic"]]),
+            ("same", 2, [*BASE, *first, "--load", ck["first"], "--save", ck["same"]]),
+            ("killed", 2, [*BASE, *second, "--load", ck["first"], "--save", ck["killed"], "--save-interval", "2"])]
     with pytest.raises(mp.ProcessExitedException):  # the last stage SIGKILLs itself in iteration 13
-        spawn(_stages, 2, root, str(out), plan)
-    spawn(_stages, 2, root, str(out), [("resumed", 2, [*BASE, *second, "--load", ck["killed"], "--save",
-                                                            ck["killed"]], None)])
+        spawn(_run_layouts, 2, root, str(out), plan, functools.partial(_record, {"killed": 13}))
+    spawn(_run_layouts, 2, root, str(out), [("resumed", 2, [*BASE, *second, "--load", ck["killed"], "--save",
+                                                             ck["killed"]])], functools.partial(_record, {}))
     return root, out, first, second, ck
 
 

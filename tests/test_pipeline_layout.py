@@ -11,7 +11,7 @@ import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp
 
 from ptdp.config import Config, validate
-from ptdp.pipeline.layout import (
+from ptdp.schedule.layout import (
     LayoutError,
     Stage,
     layout_string,

@@ -8,13 +8,13 @@ import statistics
 from dataclasses import replace
 
 from ptdp.cli import main
-from ptdp.pipeline.layout import stages_from_string
 from ptdp.planner.memory import rank_memory
 from ptdp.planner.perf import iteration_times, rank_stage_times
 from ptdp.planner.search import candidates, evaluate, search
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import balanced_counts, rank_layers, vocab_shares
 from ptdp.planner.vocab import vocab_costs, vocab_variants
+from ptdp.schedule.layout import stages_from_string
 
 # the measurement: GPT, h = 256, 8 layers, V = 65,536, p = 4 (here priced on 4 GPUs of one server)
 MODEL = GPTSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=1024, vocab_size=65536)
@@ -109,7 +109,7 @@ def test_plan_prints_the_flags(capsys):
 
 
 def test_simulator_prices_the_vocabulary_layers_and_the_layout(capsys):
-    from ptdp.pipeline.layout import pipeline_stages, stage_work
+    from ptdp.schedule.layout import pipeline_stages, stage_work
     from ptdp.simulate import simulate
 
     even = pipeline_stages(8, 4, 1)

@@ -15,7 +15,7 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     """GPT (tied), one spawn: p=4 1f1b with one and two barriers, (t,p,d)=(2,2,2) interleaved, p=4 v-half,
-    and an uneven layout string (``ptdp.pipeline.layout``) with vocabulary parallelism."""
+    and an uneven layout string (``ptdp.schedule.layout``) with vocabulary parallelism."""
     return run_layouts(tmp_path_factory.mktemp("vocab-gpt"), {
         "1f1b-1": (4, [*P4, *VP]),
         "1f1b-2": (4, [*P4, *VP, "--disable-fb-fusion"]),

@@ -8,8 +8,8 @@ import pytest
 from helpers import run_ptdp
 
 from ptdp.pipeline.nccl_model import check_all_send_models, record_comm_trace
-from ptdp.pipeline.registry import REGISTRY, build_schedule
-from ptdp.pipeline.vocab import end_ranks
+from ptdp.schedule.registry import REGISTRY, build_schedule
+from ptdp.schedule.vocab import end_ranks
 
 ONE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1"]

@@ -10,7 +10,7 @@ from helpers import assert_equivalent, run_layouts
 from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
 from ptdp.pipeline.nccl_zero import record_zero_trace
 from ptdp.pipeline.param_sync import USES, plan_param_sync
-from ptdp.pipeline.registry import build_schedule
+from ptdp.schedule.registry import build_schedule
 
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("v-half", 2))
 

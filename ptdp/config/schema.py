@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..pipeline.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
+from ..schedule.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
 
 
 class ConfigError(Exception):
@@ -162,7 +162,7 @@ class ParallelConfig:
     cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
                             "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
                             choices=["p2p", "a2a", "allgather"])
-    # Uneven pipeline layouts, Megatron-LM's flags and semantics (ptdp/pipeline/layout.py, docs/pipeline-layout.md)
+    # Uneven pipeline layouts, Megatron-LM's flags and semantics (ptdp/schedule/layout.py, docs/pipeline-layout.md)
     decoder_first_pipeline_num_layers: int | None = opt(
         None, "transformer layers on the first pipeline rank (the rest split evenly over the middle ranks)")
     decoder_last_pipeline_num_layers: int | None = opt(
@@ -174,7 +174,7 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = opt(
         None, "Megatron's layout string of the p x v virtual stages in pipeline order, e.g. 'Et|(tt|)*2,tL': "
         "E embedding, t layer, L loss, | between stages, *n repeats; sets v = stages / p")
-    # Vocabulary parallelism (issue 24): ptdp/pipeline/vocab.py, docs/vocab-parallel.md
+    # Vocabulary parallelism (issue 24): ptdp/schedule/vocab.py, docs/vocab-parallel.md
     enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its loss by "
                                       "vocabulary over all p pipeline ranks (and t within each), as S and T "
                                       "passes in the schedule (Yeung et al. 2024; docs/vocab-parallel.md)")
@@ -227,10 +227,14 @@ class OptimizerConfig:
 
     @property
     def sharding(self) -> str:
-        """The effective ZeRO strategy: ``--use-distributed-optimizer`` alone means ``optim``."""
-        if self.data_parallel_sharding_strategy == "no_shard" and self.use_distributed_optimizer:
-            return "optim"
-        return self.data_parallel_sharding_strategy
+        """The effective ZeRO strategy (``effective_sharding``)."""
+        return effective_sharding(self.data_parallel_sharding_strategy, self.use_distributed_optimizer)
+
+
+def effective_sharding(strategy: str, use_distributed_optimizer: bool) -> str:
+    """The ZeRO strategy that runs: ``--use-distributed-optimizer`` alone (strategy ``no_shard``) means ``optim``
+    (``ptdp train``'s ``OptimizerConfig.sharding`` and the planner's ``ParallelConfig.strategy``)."""
+    return "optim" if strategy == "no_shard" and use_distributed_optimizer else strategy
 
 
 @dataclass

@@ -5,15 +5,15 @@ such as v from ``--num-layers-per-virtual-pipeline-stage``, come from ``ptdp.con
 returns a new object). It checks the whole tree before any process group exists and does not stop at the
 first problem: a check that needs a value another check rejected (the data-parallel size needs a world
 size that t·c·p divides) is skipped, so each line is a real, independent problem. Schedule constraints
-are the schedule registry's (``ptdp.pipeline.registry``).
+are the schedule registry's (``ptdp.schedule.registry``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..pipeline.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
-from ..pipeline.registry import schedule_problems
+from ..schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
+from ..schedule.registry import schedule_problems
 from .features import fp8_errors, recompute_errors
 from .load import type_problems
 from .schema import Config, MixedPrecisionConfig, ModelConfig
@@ -62,7 +62,7 @@ def layout_virtual_size(layout: str, p: int, per: int | None, v: int | None) -> 
 
 
 def pipeline_layout(config: Config, p: int, v: int) -> tuple[list[Stage], list[str]]:
-    """The p·v stages (``ptdp.pipeline.layout``) and, if they do not add up, the one problem line."""
+    """The p·v stages (``ptdp.schedule.layout``) and, if they do not add up, the one problem line."""
     try:
         return stages_of(config.model, config.parallel, p, v), []
     except LayoutError as e:
@@ -133,7 +133,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
 
     errors += moe_errors(config)
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
-        from ..parallel.expert_dims import expert_layout_errors
+        from .validate_moe import expert_layout_errors
 
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
@@ -149,7 +149,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from ..observability import observability_errors
 
     errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
-    from ..pipeline.vocab import vocab_parallel_errors  # issue 24
+    from ..schedule.vocab import vocab_parallel_errors  # issue 24
 
     errors += vocab_parallel_errors(config) if sizes_ok else []
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the

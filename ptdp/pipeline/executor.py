@@ -24,7 +24,7 @@ from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.pipeline.p2p import P2PComm, PendingRecv, message_key
 from ptdp.pipeline.param_sync import plan_param_sync
 from ptdp.pipeline.schedules import COMM_OPS, Action, virtual_stage
-from ptdp.pipeline.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE
+from ptdp.schedule.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE
 
 VOCAB_OPS = VOCAB_COLLECTIVES | VOCAB_COMPUTE
 

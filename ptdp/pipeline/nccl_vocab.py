@@ -1,4 +1,4 @@
-"""The NCCL model's view of the vocabulary-parallel passes (``ptdp.pipeline.vocab``): a trace stage that
+"""The NCCL model's view of the vocabulary-parallel passes (``ptdp.schedule.vocab``): a trace stage that
 records each collective as an issue on its own communicator (``"vocab"``: the pipeline group) and each
 compute's wait for the collectives it consumes (``vocab.waits_for``), exactly where ``VocabStage`` waits.
 ``nccl_model.check_trace`` completes a collective once every rank of the group has started it."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .actions import Action
+from ..schedule.actions import Action
+from ..schedule.vocab import end_ranks, waits_for
 from .nccl_model import RecordingComm, _TraceStage
-from .vocab import end_ranks, waits_for
 
 VOCAB_COMM = "vocab"
 
@@ -28,7 +28,7 @@ class VocabTraceStage(_TraceStage):
         self._posted: dict[tuple[str, int], int] = {}
 
     def _stage(self, chunk: int) -> int:
-        from .actions import virtual_stage
+        from ..schedule.actions import virtual_stage
 
         return virtual_stage(self.rank, chunk, self.p, self.placement)
 

@@ -14,7 +14,7 @@ what is proven deadlock-free.
 * ``reduce``: the chunk's gradient buckets are reduced right after its last B/I/W of the list (for the
   zero-bubble schedules that is its last W: W passes accumulate weight gradients with the gathered
   weights), overlapping the rest of the schedule. A forward-only list has no reduce.
-* Vocabulary parallelism (``ptdp.pipeline.vocab``): EF, S, T and EB read the vocabulary slices, which are
+* Vocabulary parallelism (``ptdp.schedule.vocab``): EF, S, T and EB read the vocabulary slices, which are
   parameters of local chunk 0 (``vocab_stage.VocabSlices``), so they are uses of chunk 0 like its F/B/I/W
   (gathered before, kept gathered); T (the output-weight slice) and EB (the embedding slice, after the
   ``EMB_G`` exchange, last in the list) add gradients, so chunk 0 is reduced only after the later of
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import COMPUTE_OPS, Action
-from .vocab import VOCAB_COMPUTE
+from ..schedule.actions import COMPUTE_OPS, Action
+from ..schedule.vocab import VOCAB_COMPUTE
 
 USES = COMPUTE_OPS | VOCAB_COMPUTE  # the actions that read a chunk's parameters (vocabulary ones: chunk 0)
 GRAD_OPS = frozenset({"B", "I", "W", "T", "EB"})  # ... and those that add to its gradients

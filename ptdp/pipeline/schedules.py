@@ -2,11 +2,11 @@
 
 A schedule is a pure function ``(p, v, m, rank) -> list[Action]``. The pieces live in:
 
-* ``ptdp.pipeline.actions``: ``Action``, the stage placement helpers and the stash counts;
-* ``ptdp.pipeline.builders``: the schedules themselves (compute actions only);
-* ``ptdp.pipeline.communication``: ``place_communication`` (NCCL-safe SEND/RECV placement), the timing
+* ``ptdp.schedule.actions``: ``Action``, the stage placement helpers and the stash counts;
+* ``ptdp.schedule.builders``: the schedules themselves (compute actions only);
+* ``ptdp.schedule.communication``: ``place_communication`` (NCCL-safe SEND/RECV placement), the timing
   it uses, and ``check_deadlock_free``;
-* ``ptdp.pipeline.registry``: each schedule declared once (builder, placement, constraints, help, bubble
+* ``ptdp.schedule.registry``: each schedule declared once (builder, placement, constraints, help, bubble
   and memory formulas), and ``build_schedule``.
 
 This module re-exports them so ``from ptdp.pipeline.schedules import X`` keeps working.
@@ -14,7 +14,7 @@ This module re-exports them so ``from ptdp.pipeline.schedules import X`` keeps w
 
 from __future__ import annotations
 
-from .actions import (
+from ..schedule.actions import (
     COMM_OPS,
     COMPUTE_OPS,
     Action,
@@ -25,9 +25,25 @@ from .actions import (
     stage_peers,
     virtual_stage,
 )
-from .builders import gpipe, interleaved, interleaved_warmup, one_f_one_b, v_half, v_min, zb_h1, zb_h2, zbv
-from .communication import TICKS, check_deadlock_free, compute_times, input_dependencies, place_communication
-from .registry import (
+from ..schedule.builders import (
+    gpipe,
+    interleaved,
+    interleaved_warmup,
+    one_f_one_b,
+    v_half,
+    v_min,
+    zb_h1,
+    zb_h2,
+    zbv,
+)
+from ..schedule.communication import (
+    TICKS,
+    check_deadlock_free,
+    compute_times,
+    input_dependencies,
+    place_communication,
+)
+from ..schedule.registry import (
     PLACEMENTS,
     REGISTRY,
     SCHEDULES,

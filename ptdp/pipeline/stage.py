@@ -1,7 +1,7 @@
 """Pipeline splitting of a plain model into chunks, and the tied embedding: its one home.
 
 The layers are split over the p·v virtual stages evenly or as Megatron's layout flags say
-(``ptdp.pipeline.layout``); a rank holds the stages its schedule's placement
+(``ptdp.schedule.layout``); a rank holds the stages its schedule's placement
 gives it (``virtual_stage``: Megatron's interleaving, with p=4, v=2 and 8 layers rank 0 holds layers 0 and
 4, or a V: zbv, v-half, v-min rank 0 holds layers 0 and 7). A chunk is the model itself with only its parts
 kept: the embedding on virtual stage 0, the final norm and logits on the last, its layers under their
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..models import TIED_EMBEDDING, GPTModel
+from ..schedule.layout import Stage, stages_from_counts
 from ..tensor_parallel.mappings import all_reduce
-from .layout import Stage, stages_from_counts
 
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
 
@@ -42,7 +42,7 @@ def split_model(model: GPTModel, stages: Sequence[int], num_stages: int,
                 plan: Sequence[Stage] | None = None) -> list[GPTModel]:
     """One chunk per virtual stage in ``stages`` (of ``num_stages``), each a copy of ``model`` (built on the
     meta device: copying costs nothing) with only that stage's parts: the layers ``plan`` gives it
-    (``ptdp.pipeline.layout``: Megatron's uneven layouts), or an even share."""
+    (``ptdp.schedule.layout``: Megatron's uneven layouts), or an even share."""
     plan = plan or stages_from_counts([len(model.layers) // num_stages] * num_stages)
     chunks = []
     for stage in stages:

@@ -8,7 +8,7 @@ group all-reduce), ordinary parameters of the chunk, so optimizers, ZeRO and che
 other (checkpoints save them as the global ``embedding.word_embeddings.weight`` / ``lm_head.weight``,
 sharded over the pipeline and tensor ranks: ``stage.logical_name``, ``checkpointing.state``).
 
-:class:`VocabStage` runs the actions of ``ptdp.pipeline.vocab``. The cross-entropy is the tensor-parallel
+:class:`VocabStage` runs the actions of ``ptdp.schedule.vocab``. The cross-entropy is the tensor-parallel
 one (``ptdp.tensor_parallel.cross_entropy``) taken one level up: the slices of a pipeline rank combine over
 the TP group inside S and T; the p pipeline ranks combine in the barriers, by rescaling each rank's
 sum of exponentials to the global max. With one barrier, S also computes this slice's input-gradient
@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from ..models import GPTModel
 from ..models.layers import mask_padding_
+from ..schedule.vocab import end_ranks, waits_for
 from ..tensor_parallel.mappings import all_gather, group_rank, group_size
 from .executor import ModuleStage
-from .vocab import end_ranks, waits_for
 
 SLICES = "vocab_slices"  # the attribute of chunk 0 holding this rank's vocabulary rows
 
@@ -136,7 +136,7 @@ def _tp_sum(x: Tensor, group) -> Tensor:
 
 
 class VocabStage(ModuleStage):
-    """``ModuleStage`` plus the vocabulary actions (``ptdp.pipeline.vocab``). ``labels(j)``: microbatch j's
+    """``ModuleStage`` plus the vocabulary actions (``ptdp.schedule.vocab``). ``labels(j)``: microbatch j's
     targets; ``scale``: each microbatch's loss factor (1/m times the loss scale)."""
 
     def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, v: int, first_input: Callable[[int], Any],
@@ -167,7 +167,7 @@ class VocabStage(ModuleStage):
 
     # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
-        from .actions import Action
+        from ..schedule.actions import Action
 
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
@@ -183,7 +183,7 @@ class VocabStage(ModuleStage):
         return None
 
     def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
-        from .actions import Action
+        from ..schedule.actions import Action
 
         self._wait(Action(op, microbatch, chunk))
         if chunk != self.last_chunk:

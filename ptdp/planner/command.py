@@ -10,7 +10,6 @@ import sys
 from ptdp import config as train_config
 from ptdp.config import ModelConfig, add_field_arguments, model_config
 from ptdp.hardware import ACCELERATORS, GIB
-from ptdp.pipeline.registry import default_virtual_size
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
@@ -22,6 +21,7 @@ from ptdp.planner.spec import (
     TrainingSpec,
 )
 from ptdp.planner.vocab import vocab_column, vocab_lines
+from ptdp.schedule.registry import default_virtual_size
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
@@ -147,7 +147,7 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
                           f"{t}x{c}x{p}")
     v = args.virtual_pipeline_model_parallel_size or 1
     if args.pipeline_model_parallel_layout and args.virtual_pipeline_model_parallel_size is None:
-        from ptdp.pipeline.layout import LayoutError, layout_num_stages
+        from ptdp.schedule.layout import LayoutError, layout_num_stages
 
         try:  # the layout string sets v, as for ptdp train
             v = max(1, layout_num_stages(args.pipeline_model_parallel_layout) // p)

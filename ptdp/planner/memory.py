@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.flops import architecture, layer_parameter_count
-from ptdp.pipeline.registry import schedule_spec
 from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
@@ -22,6 +21,7 @@ from ptdp.planner.stages import (
     vocab_parallel_extra_stashes,
     vocab_shares,
 )
+from ptdp.schedule.registry import schedule_spec
 
 # CUDA context, cuBLAS workspaces, NCCL buffers and allocator slack that any job pays (an assumption:
 # typically 1-3 GiB on A100/H100 with NCCL); counted once per GPU.

@@ -8,12 +8,12 @@ from itertools import product
 
 from ptdp.flops import architecture, flops_per_iteration
 from ptdp.hardware import GIB
-from ptdp.pipeline.registry import bubble_fraction_formula, schedule_problems
 from ptdp.planner.experts import expert_choices, expert_data_parallel_size, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES, MemoryEstimate, memory_per_gpu
 from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, tp_spans_nodes
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
+from ptdp.schedule.registry import bubble_fraction_formula, schedule_problems
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return (f"--global-batch-size {train.global_batch_size} must be divisible by micro-batch x data-parallel"
                 f" size {b}x{d}")
     problems = schedule_problems(cfg.pipeline_schedule, p, v, cfg.num_microbatches(train.global_batch_size))
-    if problems:  # the schedule's own constraints (ptdp.pipeline.registry)
+    if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"

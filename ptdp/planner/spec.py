@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
+from ptdp.config.schema import effective_sharding
 from ptdp.flops import MoEShape
 from ptdp.hardware import Accelerator, accelerator
-from ptdp.pipeline.registry import default_schedule
+from ptdp.schedule.registry import default_schedule
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -196,9 +197,7 @@ class ParallelConfig:
     @property
     def strategy(self) -> str:
         """The effective ZeRO strategy, as ``OptimizerConfig.sharding`` derives it for ``ptdp train``."""
-        if self.sharding_strategy == "no_shard" and self.use_distributed_optimizer:
-            return "optim"
-        return self.sharding_strategy
+        return effective_sharding(self.sharding_strategy, self.use_distributed_optimizer)
 
     @property
     def shards(self) -> int:
@@ -210,7 +209,7 @@ class ParallelConfig:
     @property
     def schedule(self) -> str:
         """Pipeline schedule the layout runs with: ``pipeline_schedule`` when set, else 1F1B, or Megatron's
-        interleaved 1F1B when v > 1 (``ptdp.pipeline.registry.default_schedule``, as ``ptdp train``)."""
+        interleaved 1F1B when v > 1 (``ptdp.schedule.registry.default_schedule``, as ``ptdp train``)."""
         return default_schedule(self.pipeline_schedule, self.virtual_pipeline_model_parallel_size)
 
     def num_microbatches(self, global_batch_size: int) -> int:

@@ -4,7 +4,7 @@ The vocabulary layers unbalance a pipeline (issue 24): the first stage holds the
 last the output layer and the softmax cross-entropy, each V x h. Two cures, both modelled here:
 
 * an uneven layout (Megatron's ``--pipeline-model-parallel-layout`` or first/last-stage flags): fewer
-  transformer layers on the ranks that hold E and L (:func:`rank_layers`, from ``ptdp.pipeline.layout``);
+  transformer layers on the ranks that hold E and L (:func:`rank_layers`, from ``ptdp.schedule.layout``);
 * vocabulary parallelism (Yeung et al., 2024; ``--enable-vocab-parallel``): both vocabulary layers split
   by vocabulary over all p ranks, so each rank does 1/p of their work and holds 1/p of their weights
   (:func:`vocab_shares`), at the price of the all-reduce barriers that join the slices
@@ -20,10 +20,10 @@ import functools
 import heapq
 from collections.abc import Sequence
 
-from ptdp.pipeline.actions import stage_location
-from ptdp.pipeline.actions import virtual_stage as stage_location_inverse
-from ptdp.pipeline.layout import layout_string, stages_from_counts, stages_from_string
-from ptdp.pipeline.registry import schedule_placement
+from ptdp.schedule.actions import stage_location
+from ptdp.schedule.actions import virtual_stage as stage_location_inverse
+from ptdp.schedule.layout import layout_string, stages_from_counts, stages_from_string
+from ptdp.schedule.registry import schedule_placement
 
 
 def _sizes(cfg) -> tuple[int, int, str]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from ptdp.pipeline.layout import LayoutError, stages_from_string
-from ptdp.pipeline.registry import schedule_placement
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import balanced_layout, end_ranks
+from ptdp.schedule.layout import LayoutError, stages_from_string
+from ptdp.schedule.registry import schedule_placement
 
 
 def vocab_layout_problem(model: GPTSpec, cfg: ParallelConfig) -> str | None:

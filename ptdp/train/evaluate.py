@@ -18,8 +18,8 @@ from ..data import get_microbatch
 from ..observability import flight_recorder
 from ..pipeline.executor import run_schedule
 from ..pipeline.schedules import build_schedule, virtual_stage
-from ..pipeline.vocab import vocab_barriers
 from ..pipeline.vocab_stage import VocabStage
+from ..schedule.vocab import vocab_barriers
 from ..tensor_parallel.mappings import group_size
 from .state import TrainState
 from .step import cp_shard, language_model_loss

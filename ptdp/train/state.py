@@ -26,7 +26,7 @@ from ..phases import phase
 from ..pipeline.p2p import P2PComm, direction_groups
 from ..pipeline.schedules import Action, build_schedule, schedule_placement
 from ..pipeline.stage import tied_embedding_weights
-from ..pipeline.vocab import vocab_barriers
+from ..schedule.vocab import vocab_barriers
 from ..tensor_parallel import model_parallel_seed
 from ..tensor_parallel.mappings import all_gather, split
 

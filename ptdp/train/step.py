@@ -18,8 +18,8 @@ from ..optim import learning_rate
 from ..parallel import ParallelState
 from ..pipeline.executor import ModuleStage, ScheduleStats, run_schedule
 from ..pipeline.stage import sync_embedding_grads
-from ..pipeline.vocab import vocab_barriers
 from ..pipeline.vocab_stage import VocabStage
+from ..schedule.vocab import vocab_barriers
 from ..sequence_parallel import all_reduce_sequence_parallel_grads
 from ..tensor_parallel import vocab_parallel_cross_entropy
 from ..tensor_parallel.mappings import group_size

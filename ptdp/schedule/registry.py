@@ -3,7 +3,7 @@
 The CLI's ``--pipeline-schedule`` choices and help (``ptdp.config``), the configuration check
 (``ptdp.config.validate``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate``) and the
 executor (``build_schedule``) all read :data:`REGISTRY`; a new schedule is one :class:`ScheduleSpec`
-entry here plus its builder in ``ptdp.pipeline.builders``. The schedules and their bubble/memory
+entry here plus its builder in ``ptdp.schedule.builders``. The schedules and their bubble/memory
 properties are in ptdp-facts.md, §Schedules, and docs/planner.md.
 
 Constraints are one function, :meth:`ScheduleSpec.problems`, whose lines name the flags
@@ -187,7 +187,7 @@ def build_schedule(name: str, p: int, v: int, m: int, rank: int, forward_only: b
 
     ``forward_only`` keeps the forwards (evaluation) and places communication for that list anew: a
     training list with its backwards struck out is not NCCL-safe (its batches were cut for the backwards).
-    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes (``ptdp.pipeline.vocab``).
+    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes (``ptdp.schedule.vocab``).
     """
     if not 0 <= rank < p:
         check_args(name, p, v, m, rank)

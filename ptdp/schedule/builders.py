@@ -3,8 +3,8 @@
 Keeping schedules as plain data lets one executor (``ptdp.pipeline.executor.run_schedule``) run all of
 them, lets the simulator and the pictures consume exactly what runs, and lets tests check ordering,
 matching and deadlock freedom without processes. Each is declared once, with its placement, constraints
-and formulas, in ``ptdp.pipeline.registry``; ``registry.build_schedule`` adds the SEND/RECV actions
-(``ptdp.pipeline.communication``). The schedules and their bubble/memory properties are in ptdp-facts.md,
+and formulas, in ``ptdp.schedule.registry``; ``registry.build_schedule`` adds the SEND/RECV actions
+(``ptdp.schedule.communication``). The schedules and their bubble/memory properties are in ptdp-facts.md,
 §Schedules, and docs/planner.md.
 """
 

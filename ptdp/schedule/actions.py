@@ -1,7 +1,7 @@
 """The vocabulary of pipeline schedules: one ``Action`` per step of a rank's list, and where stages live.
 
 Vocabulary (Megatron-Core): ``p`` pipeline size, ``v`` model chunks per rank, ``m`` microbatches. Which
-virtual stage a rank's chunk holds is the schedule's *placement* (``ptdp.pipeline.registry``): Megatron's
+virtual stage a rank's chunk holds is the schedule's *placement* (``ptdp.schedule.registry``): Megatron's
 loop (chunk c of rank r is stage c·p + r) or a V (rank r holds r and 2p-1-r). These helpers are shared by
 the builders, the communication placement, the executor, the simulator and the planner.
 """

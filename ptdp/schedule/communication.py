@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Container, Mapping, Sequence
 
 from .actions import Action, stage_location, virtual_stage
+from .progress import drain
 
 # Relative cost of each compute action in the timing that orders communication (t_b = 2 t_f, I + W = B).
 TICKS = {"F": 2, "B": 4, "I": 2, "W": 2}
@@ -38,23 +39,18 @@ def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int,
     last = p * v - 1
     end: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    clock, pos = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(computes[r]):
-                a = computes[r][pos[r]]
-                s = virtual_stage(r, a.chunk, p, placement)
-                deps = input_dependencies(a, s, last, end)
-                if any(d not in end for d in deps):
-                    break
-                start = max([clock[r], *(end[d] for d in deps)])
-                clock[r] = end[a.op, a.microbatch, s] = start + ticks[a.op]
-                times[r].append((start, clock[r]))
-                pos[r] += 1
-                progress = True
-    stuck = {r: computes[r][pos[r]] for r in range(p) if pos[r] < len(computes[r])}
+    clock = [0] * p
+
+    def step(r: int, a: Action, s: int) -> bool:
+        deps = input_dependencies(a, s, last, end)
+        if any(d not in end for d in deps):
+            return False
+        start = max([clock[r], *(end[d] for d in deps)])
+        clock[r] = end[a.op, a.microbatch, s] = start + ticks[a.op]
+        times[r].append((start, clock[r]))
+        return True
+
+    stuck = drain(computes, p, placement, step)
     if stuck:
         raise ValueError(f"schedule cannot finish: ranks wait forever at {stuck}")
     return times
@@ -101,32 +97,26 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int, p
     """
     channels: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
     done: set[tuple[str, int, int]] = set()  # (op, microbatch, virtual stage) finished anywhere
-    pos = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(schedules[r]):
-                a = schedules[r][pos[r]]
-                s = virtual_stage(r, a.chunk, p, placement)
-                if a.op.startswith("SEND"):
-                    kind = a.op[-1]
-                    dst_stage = s + 1 if kind == "F" else s - 1
-                    assert a.peer == stage_location(dst_stage, p, placement)[0], f"rank {r}: {a} has wrong peer"
-                    channels.setdefault((r, a.peer), deque()).append((kind, a.microbatch, dst_stage))
-                elif a.op.startswith("RECV"):
-                    q = channels.get((a.peer, r))
-                    if not q:
-                        break  # blocked
-                    got = q.popleft()
-                    assert got == (a.op[-1], a.microbatch, s), f"rank {r}: {a} matched message {got} instead"
-                else:
-                    if any(d not in done for d in input_dependencies(a, s, p * v - 1, done)):
-                        break
-                    done.add((a.op, a.microbatch, s))
-                pos[r] += 1
-                progress = True
-    stuck = {r: schedules[r][pos[r]] for r in range(p) if pos[r] < len(schedules[r])}
+
+    def step(r: int, a: Action, s: int) -> bool:
+        if a.op.startswith("SEND"):
+            kind = a.op[-1]
+            dst_stage = s + 1 if kind == "F" else s - 1
+            assert a.peer == stage_location(dst_stage, p, placement)[0], f"rank {r}: {a} has wrong peer"
+            channels.setdefault((r, a.peer), deque()).append((kind, a.microbatch, dst_stage))
+        elif a.op.startswith("RECV"):
+            q = channels.get((a.peer, r))
+            if not q:
+                return False  # blocked
+            got = q.popleft()
+            assert got == (a.op[-1], a.microbatch, s), f"rank {r}: {a} matched message {got} instead"
+        else:
+            if any(d not in done for d in input_dependencies(a, s, p * v - 1, done)):
+                return False
+            done.add((a.op, a.microbatch, s))
+        return True
+
+    stuck = drain(schedules, p, placement, step)
     assert not stuck, f"deadlock: ranks blocked at {stuck}"
     leftover = {k: list(q) for k, q in channels.items() if q}
     assert not leftover, f"messages never received: {leftover}"
