@@ -58,6 +58,19 @@ def vocab_costs(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, preci
     return per_layer, times[0].logits, times[1].logits
 
 
+def vocab_pass_times(embedding: tuple[float, float], output: tuple[float, float], p: int, m: int,
+                     barriers: int) -> dict[str, float]:
+    """Each vocabulary-parallel pass's time on one rank (what ``ptdp simulate`` draws), from the whole
+    vocabulary layers' (forward, backward) times per microbatch: ``embedding`` the input embedding's,
+    ``output`` the output layer's with the loss (``vocab_costs`` gives their sum; the simulator takes them in
+    transformer layers). Every rank does 1/p of each. EF and EB embed all m microbatches at once. The output
+    layer's three GEMMs split as ``ptdp.pipeline.vocab_stage`` runs them: S the logits (and with one barrier
+    also ``exp(z - max) W``, one of the two backward GEMMs), T the rest of the backward."""
+    (ef, eb), (of, ob) = embedding, output
+    moved = ob / 2 if barriers == 1 else 0.0
+    return {"EF": m * ef / p, "EB": m * eb / p, "S": (of + moved) / p, "T": (ob - moved) / p}
+
+
 def vocab_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec,
                    train: TrainingSpec) -> Iterator[ParallelConfig]:
     """The vocabulary-parallel and the balanced-layout versions of an even layout (none when p = 1)."""
