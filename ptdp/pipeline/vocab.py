@@ -58,8 +58,6 @@ def vocab_parallel_errors(config: Config) -> list[str]:
     if config.training.overlap_grad_reduce:
         errors.append("--enable-vocab-parallel does not support --overlap-grad-reduce yet (the vocabulary "
                       "slices get their gradients outside the chunks' backward); drop one of them")
-    if config.parallel.context_parallel_size > 1:
-        errors.append("--enable-vocab-parallel does not support --context-parallel-size > 1 yet")
     if config.optimizer.sharding == "optim_grads_params":  # ZeRO-3 gathers chunks around F/B/W only
         errors.append("--enable-vocab-parallel does not support --data-parallel-sharding-strategy "
                       "optim_grads_params yet (the S/T passes read chunk 0's slices outside its gathers)")
