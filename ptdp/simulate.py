@@ -257,7 +257,7 @@ def draw(result: SimulationResult, out: str | Path) -> None:
                      label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
     handles += result.draw_extra(ax) if hasattr(result, "draw_extra") else []
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 6), fontsize=7, frameon=False)
+              ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
