@@ -236,10 +236,9 @@ def draw(result: SimulationResult, out: str | Path) -> None:
     p, v = result.p, result.v
     fig, ax = plt.subplots(figsize=(11, 0.42 * p + 1.1), dpi=100)
     unit = min((b.end - b.start for row in result.timelines for b in row), default=1.0)
-    colours = getattr(result, "colours", {})  # issue 24: S, T, EF, EB (ptdp.simulate_vocab)
     for row in result.timelines:
         for b in row:
-            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(b.op, [colours.get(b.op)])
+            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(b.op) or [result.colours[b.op]]
             ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=palette[b.chunk % len(palette)],
                     edgecolor="black", linewidth=0.4)
             if b.end - b.start >= 0.99 * unit:
@@ -337,15 +336,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         return run_comm_trace(args)
     if error is None:
         try:
-            if args.enable_vocab_parallel:  # the executor's lists with S, T and the barriers (issue 24)
-                from ptdp.simulate_vocab import simulate_from_args
+            from ptdp.simulate_vocab import simulate_from_args  # with S, T and the barriers (issue 24) or not
 
-                result = simulate_from_args(args)
-            else:
-                result = simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                                  args.virtual_pipeline_model_parallel_size, args.num_microbatches,
-                                  args.forward_time, args.backward_time, args.p2p_time,
-                                  stage_scale=stage_scales(args))
+            result = simulate_from_args(args)
         except ValueError as err:
             error = str(err)
     if error is not None:

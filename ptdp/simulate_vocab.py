@@ -26,7 +26,7 @@ from ptdp.pipeline.actions import Action, peak_stashed, stage_location, virtual_
 from ptdp.pipeline.registry import build_schedule, schedule_placement
 from ptdp.pipeline.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE, end_ranks, waits_for
 from ptdp.planner.vocab import vocab_pass_times
-from ptdp.simulate import Box, SimulationResult, _duration, _peak_in_flight, stage_scales
+from ptdp.simulate import Box, SimulationResult, _duration, _peak_in_flight, simulate, stage_scales
 
 VOCAB_COLOURS = {"EF": "#8e44ad", "EB": "#c39bd3", "S": "#c0392b", "T": "#f1948a"}
 VOCAB_NAMES = {"EF": "embedding fwd (all m)", "EB": "embedding grad", "S": "S: logits, max, sum exp",
@@ -175,9 +175,14 @@ def _drain(lists: Sequence[Sequence[Action]], p: int, placement: str,
     return {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
 
 
-def simulate_from_args(args: argparse.Namespace) -> VocabSimulationResult:
-    """``ptdp simulate --enable-vocab-parallel``: the layers per stage from ``--num-layers`` and the layout
-    flags, the passes from ``--embedding-cost`` / ``--output-layer-cost``. ValueError names the flag."""
+def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
+    """``ptdp simulate``'s run: the plain schedule (``simulate``), or with ``--enable-vocab-parallel`` the
+    vocabulary-parallel lists, the layers per stage from ``--num-layers`` and the layout flags and the
+    passes from ``--embedding-cost`` / ``--output-layer-cost``. ValueError names the flag."""
+    if not args.enable_vocab_parallel:
+        return simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                        args.virtual_pipeline_model_parallel_size, args.num_microbatches, args.forward_time,
+                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args))
     if args.num_layers is None:
         raise ValueError("--enable-vocab-parallel needs --num-layers (the vocabulary costs are in layers)")
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches

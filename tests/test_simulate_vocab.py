@@ -122,3 +122,26 @@ def test_comm_trace_checks_the_vocabulary_lists(capsys, tmp_path):
                 "--comm-trace", str(trace)) == 0
     assert "deadlock-free" in capsys.readouterr().out
     assert any(e.get("op") == "C1" or "C1" in json.dumps(e) for r in json.loads(trace.read_text())["ranks"] for e in r)
+
+
+def test_plan_prints_the_simulate_command_of_its_layout(capsys):
+    """``ptdp plan`` ends with the ``ptdp simulate`` line that draws its choice, the vocabulary layers
+    priced as the plan prices them (``planner.vocab.vocab_costs``, in transformer layers)."""
+    import shlex
+
+    from ptdp.cli import main
+
+    shape = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "1024",
+             "--vocab-size", "65536", "--global-batch-size", "16", "--gpus", "4", "--gpus-per-node", "4",
+             "--micro-batch-size", "1", "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1"]
+    for extra in (["--enable-vocab-parallel"], []):
+        assert main(["plan", *shape, *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("picture: "))
+        argv = shlex.split(line.removeprefix("picture: ptdp simulate "))
+        cost = float(argv[argv.index("--output-layer-cost") + 1])
+        assert cost > 5  # V = 64k at h = 256: the output layer and the loss outweigh several layers
+        assert ("--enable-vocab-parallel" in argv) == bool(extra)
+        assert _cli(*argv[:argv.index("--out")], "--json") == 0
+        got = json.loads(capsys.readouterr().out)
+        busy = [sum(b[4] - b[3] for b in row) for row in got["timelines"]]
+        assert (max(busy) / min(busy) < 1.01) == bool(extra)

@@ -117,4 +117,16 @@ def vocab_lines(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best)
     if flags:
         lines.append(f"vocabulary: train with {flags} (not the even split with the embedding and the output "
                      "layer on the end stages)")
-    return lines
+    return lines + [simulate_line(model, cluster, train, cfg)]
+
+
+def simulate_line(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cfg: ParallelConfig) -> str:
+    """The ``ptdp simulate`` command that draws this layout with its vocabulary layers priced as here
+    (``vocab_costs`` in transformer layers; with vocabulary parallelism, its S and T passes)."""
+    even = replace(cfg, enable_vocab_parallel=False, disable_fb_fusion=False, pipeline_model_parallel_layout=None)
+    layer, embedding, output = vocab_costs(model, even, cluster, train.precision)
+    return (f"picture: ptdp simulate --pipeline-schedule {cfg.schedule} --pipeline-model-parallel-size "
+            f"{cfg.pipeline_model_parallel_size} --virtual-pipeline-model-parallel-size "
+            f"{cfg.virtual_pipeline_model_parallel_size} --num-microbatches {cfg.num_microbatches(train.global_batch_size)} "
+            f"--num-layers {model.num_layers} --embedding-cost {embedding / layer:.2f} --output-layer-cost "
+            f"{output / layer:.2f} {vocab_flags(cfg)} --out plan.png").replace("  ", " ")
