@@ -19,16 +19,18 @@ EVAL = ["--eval-interval", "3", "--eval-iters", "1"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One spawn: the one-process reference (with a validation pass), p=2 c=2 1f1b with one barrier, and
-    with two barriers and the distributed optimizer."""
+    """One spawn: the one-process reference (with a validation pass), p=2 c=2 1f1b with one barrier, with
+    two barriers and the distributed optimizer, and (t, c, p) = (2, 2, 2) with sequence parallelism (the
+    slices split over t too, each pipeline group at fixed t and c)."""
     return run_layouts(tmp_path_factory.mktemp("vocab-cp"), {
         "ref": (1, EVAL),
         "p2c2-1": (4, [*P2C2, *EVAL]),
         "p2c2-2": (4, [*P2C2, "--disable-fb-fusion", "--use-distributed-optimizer", *EVAL]),
+        "t2c2p2-sp": (8, [*P2C2, "--tensor-model-parallel-size", "2", "--sequence-parallel", *EVAL]),
     })
 
 
-@pytest.mark.parametrize("name", ["p2c2-1", "p2c2-2"])
+@pytest.mark.parametrize("name", ["p2c2-1", "p2c2-2", "t2c2p2-sp"])
 def test_context_parallel_vocab_parallel_matches_one_process(runs, name):
     assert_equivalent(runs[name], runs["ref"])
     got, want = ([r["val_loss"] for r in runs[k].records if "val_loss" in r] for k in (name, "ref"))
