@@ -232,7 +232,7 @@ def draw(result: SimulationResult, out: str | Path) -> None:
     unit = min((b.end - b.start for row in result.timelines for b in row), default=1.0)
     for row in result.timelines:
         for b in row:
-            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD}.get(b.op, _WEIGHT)
+            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(b.op) or [result.colours[b.op]]
             ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=palette[b.chunk % len(palette)],
                     edgecolor="black", linewidth=0.4)
             if b.end - b.start >= 0.99 * unit:
@@ -244,12 +244,13 @@ def draw(result: SimulationResult, out: str | Path) -> None:
     ax.set_xlabel("time")
     ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
                  f"of ideal time (formula {result.formula:.1%})", fontsize=9)
-    ops = sorted({b.op for row in result.timelines for b in row}, key="FIBW".index)
+    ops = sorted({b.op for row in result.timelines for b in row} & set("FIBW"), key="FIBW".index)
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
                      label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
+    handles += result.draw_extra(ax) if hasattr(result, "draw_extra") else []
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 6), fontsize=7, frameon=False)
+              ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -266,9 +267,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     # issue 24: uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
     add_field_arguments(parser, ParallelConfig, (
         "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "enable_vocab_parallel"),
-        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-        enable_vocab_parallel=False)
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "enable_vocab_parallel",
+        "disable_fb_fusion"), account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+        enable_vocab_parallel=False, disable_fb_fusion=False)
     parser.add_argument("--num-layers", type=int, help="transformer layers: with it, each stage costs its layers "
                         "(an uneven layout is drawn uneven) and --forward-time is an even stage's")
     parser.add_argument("--embedding-cost", type=float, default=0.0, help="the input embedding's time in "
@@ -311,6 +312,10 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     problems = schedule_problems(args.pipeline_schedule, p, v, m, "--num-microbatches", single_stage_ok=True)
     if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
+    if args.disable_fb_fusion and not args.enable_vocab_parallel:
+        return "--disable-fb-fusion needs --enable-vocab-parallel"
+    if args.enable_vocab_parallel and p < 2:
+        return f"--enable-vocab-parallel needs --pipeline-model-parallel-size > 1, got {p}"
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"
     if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -325,10 +330,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         return run_comm_trace(args)
     if error is None:
         try:
-            result = simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                              args.virtual_pipeline_model_parallel_size, args.num_microbatches,
-                              args.forward_time, args.backward_time, args.p2p_time,
-                              stage_scale=stage_scales(args))
+            from ptdp.simulate_vocab import simulate_from_args  # with S, T and the barriers (issue 24) or not
+
+            result = simulate_from_args(args)
         except ValueError as err:
             error = str(err)
     if error is not None:
@@ -347,7 +351,10 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}), "
               f"idle {result.idle_fraction:.1%} of total\n"
               f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}\n"
-              f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}"
+              f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}\n"
+              f"busy time per rank: {' '.join(f'{b:.3f}' for b in result.busy)}; slowest / median "
+              f"{max(result.busy) / sorted(result.busy)[result.p // 2]:.2f}"
+              + "".join(f"\n{line}" for line in getattr(result, "summary_lines", list)())
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
 
@@ -362,7 +369,8 @@ def run_comm_trace(args: argparse.Namespace) -> int:
     name, p = args.pipeline_schedule, args.pipeline_model_parallel_size
     v, m = args.virtual_pipeline_model_parallel_size, args.num_microbatches
     try:
-        trace = record_comm_trace(name, p, v, m, args.forward_only)
+        trace = record_comm_trace(name, p, v, m, args.forward_only, vocab_barriers=args.enable_vocab_parallel
+                                  and 1 + args.disable_fb_fusion)
         write_trace(trace, args.comm_trace)
     except ValueError as err:
         print(f"ptdp simulate: error: {err}", file=sys.stderr)

@@ -58,6 +58,19 @@ def vocab_costs(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, preci
     return per_layer, times[0].logits, times[1].logits
 
 
+def vocab_pass_times(embedding: tuple[float, float], output: tuple[float, float], p: int, m: int,
+                     barriers: int) -> dict[str, float]:
+    """Each vocabulary-parallel pass's time on one rank (what ``ptdp simulate`` draws), from the whole
+    vocabulary layers' (forward, backward) times per microbatch: ``embedding`` the input embedding's,
+    ``output`` the output layer's with the loss (``vocab_costs`` gives their sum; the simulator takes them in
+    transformer layers). Every rank does 1/p of each. EF and EB embed all m microbatches at once. The output
+    layer's three GEMMs split as ``ptdp.pipeline.vocab_stage`` runs them: S the logits (and with one barrier
+    also ``exp(z - max) W``, one of the two backward GEMMs), T the rest of the backward."""
+    (ef, eb), (of, ob) = embedding, output
+    moved = ob / 2 if barriers == 1 else 0.0
+    return {"EF": m * ef / p, "EB": m * eb / p, "S": (of + moved) / p, "T": (ob - moved) / p}
+
+
 def vocab_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec,
                    train: TrainingSpec) -> Iterator[ParallelConfig]:
     """The vocabulary-parallel and the balanced-layout versions of an even layout (none when p = 1)."""
@@ -104,4 +117,16 @@ def vocab_lines(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best)
     if flags:
         lines.append(f"vocabulary: train with {flags} (not the even split with the embedding and the output "
                      "layer on the end stages)")
-    return lines
+    return lines + [simulate_line(model, cluster, train, cfg)]
+
+
+def simulate_line(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cfg: ParallelConfig) -> str:
+    """The ``ptdp simulate`` command that draws this layout with its vocabulary layers priced as here
+    (``vocab_costs`` in transformer layers; with vocabulary parallelism, its S and T passes)."""
+    even = replace(cfg, enable_vocab_parallel=False, disable_fb_fusion=False, pipeline_model_parallel_layout=None)
+    layer, embedding, output = vocab_costs(model, even, cluster, train.precision)
+    return (f"picture: ptdp simulate --pipeline-schedule {cfg.schedule} --pipeline-model-parallel-size "
+            f"{cfg.pipeline_model_parallel_size} --virtual-pipeline-model-parallel-size "
+            f"{cfg.virtual_pipeline_model_parallel_size} --num-microbatches {cfg.num_microbatches(train.global_batch_size)} "
+            f"--num-layers {model.num_layers} --embedding-cost {embedding / layer:.2f} --output-layer-cost "
+            f"{output / layer:.2f} {vocab_flags(cfg)} --out plan.png").replace("  ", " ")

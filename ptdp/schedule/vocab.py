@@ -55,8 +55,6 @@ def vocab_parallel_errors(config: Config) -> list[str]:
     if m.vocab_size is not None and m.vocab_size < p * t:
         errors.append(f"--enable-vocab-parallel: --vocab-size {m.vocab_size} is smaller than pipeline x tensor "
                       f"parallel size {p}x{t}: every rank needs at least one vocabulary row")
-    if config.parallel.context_parallel_size > 1:
-        errors.append("--enable-vocab-parallel does not support --context-parallel-size > 1 yet")
     return errors
 
 

@@ -75,8 +75,9 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
                                      state.placement)
             if barriers:
                 stage = VocabStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
-                                   lambda j, batches=batches: batches[j][:, :-1], lambda j, batches=batches:
-                                   batches[j][:, 1:], 1.0 / m, m, state.placement, barriers, state.pp_group,
+                                   lambda j, batches=batches: cp_shard(batches[j][:, :-1], state),
+                                   lambda j, batches=batches: cp_shard(batches[j][:, 1:], state), 1.0 / m, m,
+                                   state.placement, barriers, state.pp_group,
                                    state.tp_group, state.pipeline_ranks(), par.sequence_parallel, forward_only=True)
             with torch.no_grad():
                 run_schedule(actions, stage, trainer.comm, param_sync=trainer.grads.param_sync)
