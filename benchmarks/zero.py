@@ -147,12 +147,13 @@ def main() -> None:
     print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case, {args.rounds} "
           f"round(s); load average (1 min) after each case: {[r['load_average_1min'] for r in out]}")
     print(f"{'layout':6} {'strategy':38} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
-          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
+          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}  per round: iter s, time/no_shard")
     for r in out:
         print(f"{r['layout']:6} {r['strategy']:38} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
               f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
               f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
-              f"{r.get('time_over_no_shard', float('nan')):14.3f}")
+              f"{r.get('time_over_no_shard', float('nan')):14.3f}  {r['iteration_time_s_per_round']} "
+              f"{r.get('time_over_no_shard_per_round', '')}")
 
 
 if __name__ == "__main__":

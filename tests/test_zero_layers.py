@@ -38,8 +38,8 @@ def _step(rank: int, flags: dict, prefetch: bool) -> tuple[list, int, bool, list
     layers gathered at once, whether every layer entry found its gather already issued, reduced shards)."""
     model = parallelize(GPTModel(dataclasses.replace(CFG, **flags), 50, 64))
     init_parameters(model, seed=7, tp_rank=0, tp_size=1, std=0.02, num_layers=CFG.num_layers)
-    grads = GradBuckets(list(model.parameters()), dist.group.WORLD, 4000, distributed_optimizer=True,
-                        param_buffer=True, shard_grads=True)  # ~1 kparam buckets: they straddle layers
+    grads = GradBuckets(list(model.parameters()), dist.group.WORLD, 16000, distributed_optimizer=True,
+                        param_buffer=True, shard_grads=True)  # 4k-parameter buckets: they straddle layers
     shard_parameters(grads)
     layers = list(model.layers.values())
     sync = LayerParamSync(grads, layers, prefetch=prefetch)
