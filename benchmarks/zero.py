@@ -3,6 +3,8 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
     python benchmarks/zero.py --layouts d4 --iters 4 --json
+    python benchmarks/zero.py --layouts d4 --strategies no_shard optim_grads_params optim_grads_params+reshard \
+        optim_grads_params+reshard-noprefetch --iters 3 --rounds 2     # per-layer prefetch on / off
     python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params --iters 2   # capacity
 
 Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
@@ -15,7 +17,8 @@ no_shard 16Ψ, optim 8Ψ + 8Ψ/d, optim_grads 4Ψ + 12Ψ/d, optim_grads_params 1
 the step, the gathered parameters of its chunks (4Ψ; ptdp keeps a chunk gathered through its backward).
 Goals: stage 3 states <= 1.05 x 16Ψ/d (+ a chunk's gathered parameters, which the step's peak shows),
 stage 2 within 10% of its formula, stage 3 time <= 1.15 x no_shard. Timings on a shared 2-core machine are
-noisy: read the ratios, not the seconds.
+noisy: read the ratios, not the seconds; ``--rounds R`` interleaves R passes over the strategies and takes
+the median of the per-round ratios to that round's no_shard.
 """
 
 from __future__ import annotations
@@ -35,21 +38,29 @@ MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
-# "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py)
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim_grads_params+reshard")
+# "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py,
+# each layer's all-gather prefetched one layer ahead); "...+reshard-noprefetch": the same with synchronous
+# per-layer gathers (``LayerParamSync(prefetch=False)``), the baseline for the prefetch: benchmark-only, its
+# workers run this file (``--worker``), which swaps the class before ptdp builds it.
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim_grads_params+reshard",
+              "optim_grads_params+reshard-noprefetch")
 FORMULA = {"no_shard": lambda d: 16, "optim": lambda d: 8 + 8 / d, "optim_grads": lambda d: 4 + 12 / d,
-           "optim_grads_params": lambda d: 16 / d, "optim_grads_params+reshard": lambda d: 16 / d}
+           "optim_grads_params": lambda d: 16 / d, "optim_grads_params+reshard": lambda d: 16 / d,
+           "optim_grads_params+reshard-noprefetch": lambda d: 16 / d}
 WORLD = 4
 
 
 def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> dict:
     metrics = workdir / f"{model}-{layout}-{strategy}.jsonl"
-    cmd = [sys.executable, "-m", "ptdp", "train", *MODELS[model], *LAYOUTS[layout],
-           "--data-parallel-sharding-strategy", strategy.split("+")[0],
-           *(["--reshard-after-forward"] if strategy.endswith("+reshard") else []), "--micro-batch-size", "1",
-           "--global-batch-size", str(WORLD // (2 if layout == "p2d2" else 1)), "--train-iters", str(iters),
-           "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-           "--log-interval", "1", "--nproc-per-node", str(WORLD), "--metrics-file", str(metrics)]
+    train = ["train", *MODELS[model], *LAYOUTS[layout], "--data-parallel-sharding-strategy", strategy.split("+")[0],
+             *(["--reshard-after-forward"] if "+reshard" in strategy else []), "--micro-batch-size", "1",
+             "--global-batch-size", str(WORLD // (2 if layout == "p2d2" else 1)), "--train-iters", str(iters),
+             "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--log-interval", "1", "--metrics-file", str(metrics)]
+    cmd = [sys.executable, "-m", "ptdp", *train, "--nproc-per-node", str(WORLD)]
+    if strategy.endswith("-noprefetch"):  # torchrun as ptdp's launcher calls it, on this file's worker entry
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+               __file__, "--worker", *train]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     if proc.returncode:
@@ -59,7 +70,27 @@ def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> di
     times = [r["iteration_time_s"] for r in records[1:]] or [records[0]["iteration_time_s"]]
     return {"layout": layout, "strategy": strategy, "model_state_bytes_per_rank": last["model_state_bytes_per_rank"],
             "peak_memory_bytes_per_rank": last["peak_memory_bytes_per_rank"],
-            "iteration_time_s": statistics.median(times), "losses": [r["loss"] for r in records]}
+            "iteration_time_s": statistics.median(times), "losses": [r["loss"] for r in records],
+            "load_average_1min": round(os.getloadavg()[0], 1)}
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per strategy from ``--rounds`` R passes over the strategy list (interleaved, so a change of
+    the machine's load hits every strategy): its time is the median of its per-round medians and its time
+    ratio the median of the per-round ratios to that round's no_shard (``compare``)."""
+    for rows in rounds:
+        compare(rows)
+    merged = []
+    for k, last in enumerate(rounds[-1]):
+        mine = [rows[k] for rows in rounds]
+        row = {**last, "iteration_time_s": statistics.median(r["iteration_time_s"] for r in mine),
+               "iteration_time_s_per_round": [r["iteration_time_s"] for r in mine],
+               "load_average_1min": [r["load_average_1min"] for r in mine]}
+        if "time_over_no_shard" in last:
+            row["time_over_no_shard_per_round"] = [r["time_over_no_shard"] for r in mine]
+            row["time_over_no_shard"] = round(statistics.median(row["time_over_no_shard_per_round"]), 3)
+        merged.append(row)
+    return merged
 
 
 def compare(rows: list[dict]) -> None:
@@ -80,32 +111,49 @@ def compare(rows: list[dict]) -> None:
                                                                                           strict=True))
 
 
+def worker(argv: list[str]) -> int:
+    """A ``ptdp train`` worker whose per-layer ZeRO-3 gathers are synchronous (the noprefetch variant)."""
+    from ptdp.cli import main as ptdp_main
+    from ptdp.optim import zero_layers
+
+    class NoPrefetch(zero_layers.LayerParamSync):
+        def __init__(self, grads, layers):
+            super().__init__(grads, layers, prefetch=False)
+
+    zero_layers.LayerParamSync = NoPrefetch  # ptdp.optim.setup imports it at build time
+    return ptdp_main(argv)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        raise SystemExit(worker(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="100m")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES[:4]))
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="pass over the strategies R times (interleaved)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts:
-            rows = [run(args.model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
-            compare(rows)
-            out += rows
+            out += merge_rounds([[run(args.model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
+                                 for _ in range(args.rounds)])
     if args.json:
         print(json.dumps(out, indent=1))
         return
     mib = 2**20
-    print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case")
-    print(f"{'layout':6} {'strategy':26} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
-          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
+    print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case, {args.rounds} "
+          f"round(s); load average (1 min) after each case: {[r['load_average_1min'] for r in out]}")
+    print(f"{'layout':6} {'strategy':38} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
+          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}  per round: iter s, time/no_shard")
     for r in out:
-        print(f"{r['layout']:6} {r['strategy']:26} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
+        print(f"{r['layout']:6} {r['strategy']:38} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
               f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
               f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
-              f"{r.get('time_over_no_shard', float('nan')):14.3f}")
+              f"{r.get('time_over_no_shard', float('nan')):14.3f}  {r['iteration_time_s_per_round']} "
+              f"{r.get('time_over_no_shard_per_round', '')}")
 
 
 if __name__ == "__main__":
