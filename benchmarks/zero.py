@@ -3,7 +3,9 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
     python benchmarks/zero.py --layouts d4 --iters 4 --json
-    python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params --iters 2   # capacity
+    python benchmarks/zero.py --model 100m 300m --layouts d4 --strategies optim_grads_params+reshard --iters 2
+                                                   # the run's peak per rank, extrapolated to the 1B preset
+    python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params+reshard --iters 2  # capacity
 
 Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
 the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after the step:
@@ -34,6 +36,39 @@ MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "300m": ["--num-layers", "16", "--hidden-size", "1280", "--num-attention-heads", "16", "--seq-length", "16"],
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
+VOCAB = 257  # the byte tokenizer of the mock data (bytes + end of document)
+
+
+def num_params(model: str) -> int:
+    """The preset's parameter count (built on the meta device: no memory)."""
+    import torch
+
+    from ptdp.cli import build_parser
+    from ptdp.config import config_from_args
+    from ptdp.models import GPTModel
+
+    cfg = config_from_args(build_parser().parse_args(["train", *MODELS[model]]))
+    with torch.device("meta"):
+        gpt = GPTModel(cfg.model, VOCAB, cfg.model.padded_vocab_size(VOCAB, 1), cfg.moe)
+    return sum(p.numel() for p in gpt.parameters())
+
+
+def extrapolate(rows: list[dict], target: str) -> list[dict]:
+    """Per (layout, strategy): the run's peak RSS per rank (start-up included) as a + b·Ψ through the two
+    smallest models measured, evaluated at ``target``'s Ψ (a: torch and the process; b: bytes/parameter)."""
+    out = []
+    for key in sorted({(r["layout"], r["strategy"]) for r in rows}):
+        pts = sorted((num_params(r["model"]), max(r["peak_resident_bytes_per_rank"])) for r in rows
+                     if (r["layout"], r["strategy"]) == key)
+        if len(pts) < 2:
+            continue
+        (x0, y0), (x1, y1) = pts[:2]
+        b = (y1 - y0) / (x1 - x0)
+        psi = num_params(target)
+        out.append({"layout": key[0], "strategy": key[1], "target": target, "params": psi,
+                    "bytes_per_param": round(b, 3), "fixed_bytes": int(y0 - b * x0),
+                    "predicted_peak_bytes_per_rank": int(y0 + b * (psi - x0))})
+    return out
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
 # "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim_grads_params+reshard")
@@ -59,6 +94,7 @@ def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> di
     times = [r["iteration_time_s"] for r in records[1:]] or [records[0]["iteration_time_s"]]
     return {"layout": layout, "strategy": strategy, "model_state_bytes_per_rank": last["model_state_bytes_per_rank"],
             "peak_memory_bytes_per_rank": last["peak_memory_bytes_per_rank"],
+            "peak_resident_bytes_per_rank": last["peak_resident_bytes_per_rank"], "model": model,
             "iteration_time_s": statistics.median(times), "losses": [r["loss"] for r in records]}
 
 
@@ -82,7 +118,9 @@ def compare(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="100m")
+    parser.add_argument("--model", nargs="+", choices=MODELS, default=["100m"],
+                        help="two or more: also the run's peak per rank extrapolated to --extrapolate-to")
+    parser.add_argument("--extrapolate-to", choices=MODELS, default="1b")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES[:4]))
     parser.add_argument("--iters", type=int, default=3)
@@ -90,22 +128,31 @@ def main() -> None:
     args = parser.parse_args()
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in args.layouts:
-            rows = [run(args.model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
-            compare(rows)
-            out += rows
+        for model in args.model:
+            for layout in args.layouts:
+                rows = [run(model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
+                compare(rows)
+                out += rows
+    fits = extrapolate(out, args.extrapolate_to) if len(args.model) > 1 else []
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out + fits, indent=1))
         return
     mib = 2**20
-    print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case")
-    print(f"{'layout':6} {'strategy':26} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
-          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
+    print(f"GPT {' '.join(args.model)}, fp32, {WORLD} CPU processes, {args.iters} iterations per case; "
+          "peak: the last iteration's; run peak: the whole run's, start-up included (max over ranks)")
+    print(f"{'model':5} {'layout':6} {'strategy':26} {'states MiB/rank':>15} {'/formula':>9} {'peak MiB':>9} "
+          f"{'run peak MiB':>12} {'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}")
     for r in out:
-        print(f"{r['layout']:6} {r['strategy']:26} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
-              f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
+        print(f"{r['model']:5} {r['layout']:6} {r['strategy']:26} {max(r['model_state_bytes_per_rank']) / mib:15.1f} "
+              f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:9.1f} "
+              f"{max(r['peak_resident_bytes_per_rank']) / mib:12.1f} "
               f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
               f"{r.get('time_over_no_shard', float('nan')):14.3f}")
+    for f in fits:
+        print(f"{f['layout']} {f['strategy']}: run peak per rank = {f['fixed_bytes'] / mib:.0f} MiB + "
+              f"{f['bytes_per_param']:.2f} B x params -> {f['target']} ({f['params'] / 1e9:.2f}B params): "
+              f"{f['predicted_peak_bytes_per_rank'] / 2**30:.2f} GiB per rank, "
+              f"{WORLD * f['predicted_peak_bytes_per_rank'] / 2**30:.1f} GiB for {WORLD} ranks")
 
 
 if __name__ == "__main__":
