@@ -3,7 +3,7 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
     python benchmarks/zero.py --layouts d4 --iters 4 --json
-    python benchmarks/zero.py --model 100m 300m --layouts d4 --strategies optim_grads_params+reshard --iters 2
+    python benchmarks/zero.py --model 1b-l2 1b-l4 --layouts d4 --strategies optim_grads_params+reshard --iters 2
                                                    # the run's peak per rank, extrapolated to the 1B preset
     python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params+reshard --iters 2  # capacity
 
@@ -35,6 +35,9 @@ MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64"],
     "300m": ["--num-layers", "16", "--hidden-size", "1280", "--num-attention-heads", "16", "--seq-length", "16"],
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
+    # 1b's width with fewer layers: every per-layer transient exactly as at 1b, a fraction of its states
+    "1b-l2": ["--num-layers", "2", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
+    "1b-l4": ["--num-layers", "4", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
 VOCAB = 257  # the byte tokenizer of the mock data (bytes + end of document)
 
