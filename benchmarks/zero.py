@@ -3,7 +3,7 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
     python benchmarks/zero.py --layouts d4 --iters 4 --json
-    python benchmarks/zero.py --model 1b-l2 1b-l4 --layouts d4 --strategies optim_grads_params+reshard --iters 2
+    python benchmarks/zero.py --model 1b-l4 --layouts d4 --strategies optim_grads_params+reshard --iters 2
                                                    # the run's peak per rank, extrapolated to the 1B preset
     python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params+reshard --iters 2  # capacity
 
@@ -57,21 +57,25 @@ def num_params(model: str) -> int:
 
 
 def extrapolate(rows: list[dict], target: str) -> list[dict]:
-    """Per (layout, strategy): the run's peak RSS per rank (start-up included) as a + b·Ψ through the two
-    smallest models measured, evaluated at ``target``'s Ψ (a: torch and the process; b: bytes/parameter)."""
+    """Per (layout, strategy): the run's peak RSS per rank (start-up included) at ``target``, from the
+    largest model measured: its peak plus the model states' formula (bytes/parameter at this d) times the
+    extra parameters. Exact in the states when the measured model has ``target``'s width and fewer layers
+    (``1b-l4`` for ``1b``): what else is held (runtime, one gathered layer, its gradient buckets) does not
+    grow with depth. (A line through two depths is not: the first gathered layer's bucket neighbours
+    change from l = 2 to 4 and would read as a slope.)"""
     out = []
     for key in sorted({(r["layout"], r["strategy"]) for r in rows}):
-        pts = sorted((num_params(r["model"]), max(r["peak_resident_bytes_per_rank"])) for r in rows
+        pts = sorted((num_params(r["model"]), max(r["peak_resident_bytes_per_rank"]), r["model"]) for r in rows
                      if (r["layout"], r["strategy"]) == key)
-        if len(pts) < 2:
-            continue
-        (x0, y0), (x1, y1) = pts[:2]
-        b = (y1 - y0) / (x1 - x0)
-        psi = num_params(target)
-        out.append({"layout": key[0], "strategy": key[1], "target": target, "params": psi,
-                    "bytes_per_param": round(b, 3), "fixed_bytes": int(y0 - b * x0),
-                    "predicted_peak_bytes_per_rank": int(y0 + b * (psi - x0))})
+        psi, peak, model = pts[-1]
+        per_param = FORMULA[key[1]](WORLD // (2 if key[0] == "p2d2" else 1))
+        target_psi = num_params(target)
+        out.append({"layout": key[0], "strategy": key[1], "target": target, "params": target_psi, "from": model,
+                    "bytes_per_param": per_param, "fixed_bytes": int(peak - per_param * psi),
+                    "predicted_peak_bytes_per_rank": int(peak + per_param * (target_psi - psi))})
     return out
+
+
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
 # "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim_grads_params+reshard")
@@ -122,7 +126,7 @@ def compare(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", choices=MODELS, default=["100m"],
-                        help="two or more: also the run's peak per rank extrapolated to --extrapolate-to")
+                        help="also the run's peak per rank extrapolated to --extrapolate-to (from the largest)")
     parser.add_argument("--extrapolate-to", choices=MODELS, default="1b")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES[:4]))
@@ -136,7 +140,7 @@ def main() -> None:
                 rows = [run(model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
                 compare(rows)
                 out += rows
-    fits = extrapolate(out, args.extrapolate_to) if len(args.model) > 1 else []
+    fits = extrapolate(out, args.extrapolate_to) if args.model != [args.extrapolate_to] else []
     if args.json:
         print(json.dumps(out + fits, indent=1))
         return
@@ -153,7 +157,8 @@ def main() -> None:
               f"{r.get('time_over_no_shard', float('nan')):14.3f}")
     for f in fits:
         print(f"{f['layout']} {f['strategy']}: run peak per rank = {f['fixed_bytes'] / mib:.0f} MiB + "
-              f"{f['bytes_per_param']:.2f} B x params -> {f['target']} ({f['params'] / 1e9:.2f}B params): "
+              f"{f['bytes_per_param']:.2f} B x params (from {f['from']}) -> {f['target']} ({f['params'] / 1e9:.2f}B "
+              "params): "
               f"{f['predicted_peak_bytes_per_rank'] / 2**30:.2f} GiB per rank, "
               f"{WORLD * f['predicted_peak_bytes_per_rank'] / 2**30:.1f} GiB for {WORLD} ranks")
 
