@@ -58,7 +58,7 @@ def num_params(model: str) -> int:
 
 def extrapolate(rows: list[dict], target: str) -> list[dict]:
     """Per (layout, strategy): the run's peak RSS per rank (start-up included) at ``target``, from the
-    largest model measured: its peak plus the model states' formula (bytes/parameter at this d) times the
+    largest model measured (so measure models of ``target``'s width only): its peak plus the model states' formula (bytes/parameter at this d) times the
     extra parameters. Exact in the states when the measured model has ``target``'s width and fewer layers
     (``1b-l4`` for ``1b``): what else is held (runtime, one gathered layer, its gradient buckets) does not
     grow with depth. (A line through two depths is not: the first gathered layer's bucket neighbours
