@@ -5,7 +5,9 @@ processes, against ZeRO's formulas and against ``no_shard`` measured in the same
     python benchmarks/zero.py --layouts d4 --iters 4 --json
     python benchmarks/zero.py --layouts d4 --strategies no_shard optim_grads_params optim_grads_params+reshard \
         optim_grads_params+reshard-noprefetch --iters 3 --rounds 2     # per-layer prefetch on / off
-    python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params --iters 2   # capacity
+    python benchmarks/zero.py --model 1b-l4 --layouts d4 --strategies optim_grads_params+reshard --iters 2
+                                                   # the run's peak per rank, extrapolated to the 1B preset
+    python benchmarks/zero.py --model 1b --layouts d4 --strategies optim_grads_params+reshard --iters 2  # capacity
 
 Each case is one ``ptdp train`` of a few iterations (fp32, dropout off, one microbatch per rank) and reads
 the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after the step:
@@ -36,7 +38,47 @@ MODELS = {  # byte vocabulary (padded to 384 at t = 1)
     "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "64"],
     "300m": ["--num-layers", "16", "--hidden-size", "1280", "--num-attention-heads", "16", "--seq-length", "16"],
     "1b": ["--num-layers", "16", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
+    # 1b's width with fewer layers: every per-layer transient exactly as at 1b, a fraction of its states
+    "1b-l2": ["--num-layers", "2", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
+    "1b-l4": ["--num-layers", "4", "--hidden-size", "2304", "--num-attention-heads", "16", "--seq-length", "16"],
 }
+VOCAB = 257  # the byte tokenizer of the mock data (bytes + end of document)
+
+
+def num_params(model: str) -> int:
+    """The preset's parameter count (built on the meta device: no memory)."""
+    import torch
+
+    from ptdp.cli import build_parser
+    from ptdp.config import config_from_args
+    from ptdp.models import GPTModel
+
+    cfg = config_from_args(build_parser().parse_args(["train", *MODELS[model]]))
+    with torch.device("meta"):
+        gpt = GPTModel(cfg.model, VOCAB, cfg.model.padded_vocab_size(VOCAB, 1), cfg.moe)
+    return sum(p.numel() for p in gpt.parameters())
+
+
+def extrapolate(rows: list[dict], target: str) -> list[dict]:
+    """Per (layout, strategy): the run's peak RSS per rank (start-up included) at ``target``, from the
+    largest model measured (so measure models of ``target``'s width only): its peak plus the model states' formula (bytes/parameter at this d) times the
+    extra parameters. Exact in the states when the measured model has ``target``'s width and fewer layers
+    (``1b-l4`` for ``1b``): what else is held (runtime, one gathered layer, its gradient buckets) does not
+    grow with depth. (A line through two depths is not: the first gathered layer's bucket neighbours
+    change from l = 2 to 4 and would read as a slope.)"""
+    out = []
+    for key in sorted({(r["layout"], r["strategy"]) for r in rows}):
+        pts = sorted((num_params(r["model"]), max(r["peak_resident_bytes_per_rank"]), r["model"]) for r in rows
+                     if (r["layout"], r["strategy"]) == key)
+        psi, peak, model = pts[-1]
+        per_param = FORMULA[key[1]](WORLD // (2 if key[0] == "p2d2" else 1))
+        target_psi = num_params(target)
+        out.append({"layout": key[0], "strategy": key[1], "target": target, "params": target_psi, "from": model,
+                    "bytes_per_param": per_param, "fixed_bytes": int(peak - per_param * psi),
+                    "predicted_peak_bytes_per_rank": int(peak + per_param * (target_psi - psi))})
+    return out
+
+
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
 # "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py,
 # each layer's all-gather prefetched one layer ahead); "...+reshard-noprefetch": the same with synchronous
@@ -70,6 +112,7 @@ def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> di
     times = [r["iteration_time_s"] for r in records[1:]] or [records[0]["iteration_time_s"]]
     return {"layout": layout, "strategy": strategy, "model_state_bytes_per_rank": last["model_state_bytes_per_rank"],
             "peak_memory_bytes_per_rank": last["peak_memory_bytes_per_rank"],
+            "peak_resident_bytes_per_rank": last["peak_resident_bytes_per_rank"], "model": model,
             "iteration_time_s": statistics.median(times), "losses": [r["loss"] for r in records],
             "load_average_1min": round(os.getloadavg()[0], 1)}
 
@@ -128,7 +171,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         raise SystemExit(worker(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="100m")
+    parser.add_argument("--model", nargs="+", choices=MODELS, default=["100m"],
+                        help="also the run's peak per rank extrapolated to --extrapolate-to (from the largest)")
+    parser.add_argument("--extrapolate-to", choices=MODELS, default="1b")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES[:4]))
     parser.add_argument("--iters", type=int, default=3)
@@ -137,23 +182,34 @@ def main() -> None:
     args = parser.parse_args()
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in args.layouts:
-            out += merge_rounds([[run(args.model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
-                                 for _ in range(args.rounds)])
+        for model in args.model:
+            for layout in args.layouts:
+                out += merge_rounds([[run(model, layout, s, args.iters, Path(tmp)) for s in args.strategies]
+                                     for _ in range(args.rounds)])
+    fits = extrapolate(out, args.extrapolate_to) if args.model != [args.extrapolate_to] else []
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out + fits, indent=1))
         return
     mib = 2**20
-    print(f"GPT {args.model}, fp32, {WORLD} CPU processes, {args.iters} iterations per case, {args.rounds} "
-          f"round(s); load average (1 min) after each case: {[r['load_average_1min'] for r in out]}")
-    print(f"{'layout':6} {'strategy':38} {'states MiB/rank (max)':>22} {'/formula':>9} {'peak MiB (max)':>15} "
-          f"{'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}  per round: iter s, time/no_shard")
+    print(f"GPT {' '.join(args.model)}, fp32, {WORLD} CPU processes, {args.iters} iterations per case, "
+          f"{args.rounds} round(s); peak: the last iteration's; run peak: the whole run's, start-up included (max "
+          f"over ranks); load average (1 min) after each case: {[r['load_average_1min'] for r in out]}")
+    print(f"{'model':5} {'layout':6} {'strategy':38} {'states MiB/rank':>15} {'/formula':>9} {'peak MiB':>9} "
+          f"{'run peak MiB':>12} {'peak/no_shard':>14} {'iter s':>8} {'time/no_shard':>14}  "
+          "per round: iter s, time/no_shard")
     for r in out:
-        print(f"{r['layout']:6} {r['strategy']:38} {max(r['model_state_bytes_per_rank']) / mib:22.1f} "
-              f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:15.1f} "
+        print(f"{r['model']:5} {r['layout']:6} {r['strategy']:38} {max(r['model_state_bytes_per_rank']) / mib:15.1f} "
+              f"{r.get('states_over_formula', float('nan')):9.3f} {max(r['peak_memory_bytes_per_rank']) / mib:9.1f} "
+              f"{max(r['peak_resident_bytes_per_rank']) / mib:12.1f} "
               f"{r.get('peak_over_no_shard', float('nan')):14.3f} {r['iteration_time_s']:8.2f} "
               f"{r.get('time_over_no_shard', float('nan')):14.3f}  {r['iteration_time_s_per_round']} "
               f"{r.get('time_over_no_shard_per_round', '')}")
+    for f in fits:
+        print(f"{f['layout']} {f['strategy']}: run peak per rank = {f['fixed_bytes'] / mib:.0f} MiB + "
+              f"{f['bytes_per_param']:.2f} B x params (from {f['from']}) -> {f['target']} ({f['params'] / 1e9:.2f}B "
+              "params): "
+              f"{f['predicted_peak_bytes_per_rank'] / 2**30:.2f} GiB per rank, "
+              f"{WORLD * f['predicted_peak_bytes_per_rank'] / 2**30:.1f} GiB for {WORLD} ranks")
 
 
 if __name__ == "__main__":

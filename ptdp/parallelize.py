@@ -21,7 +21,7 @@ from .optim import params_dtype
 from .parallel import ParallelState
 from .parallel.context import apply_context_parallel
 from .parallel.expert import apply_expert_parallel
-from .parallel.init import init_parameters, mark_no_weight_decay, materialize
+from .parallel.init import defer_init, init_parameters, mark_no_weight_decay, materialize
 from .parallel.tensor import apply_tensor_parallel
 from .pipeline.schedules import virtual_stage
 from .pipeline.stage import logical_name, split_model
@@ -61,6 +61,10 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
     chunks = split_model(model, stages, p * v, plan=stages_of(m, par, p, v))  # even or Megatron's layout
     dtype = params_dtype(config)
+    # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
+    # no rank materialises its chunks whole; ZeRO-3 keeps one bucket whole at a time (ptdp.parallel.init).
+    deferred = (config.optimizer.sharding != "no_shard" or dtype != torch.float32) \
+        and not par.enable_vocab_parallel and not m.compile  # these read or draw whole chunks here
     for chunk in chunks:
         parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
                     cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
@@ -70,10 +74,14 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
         if par.enable_vocab_parallel:  # issue 24: the vocabulary layers split over all pipeline ranks
             apply_vocab_parallel(chunk, chunks.index(chunk), state.pp_rank, p, state.tp_rank, state.dims.tp,
                                  padded_vocab_size)
-        materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
-        init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
-                        m.num_layers, logical_name)
-        init_vocab_slices(chunk, config.training.seed, m.init_method_std, padded_vocab_size)
+        if deferred:  # drawn straight into the flat parameter buffers, bucket by bucket (ptdp.optim.setup)
+            defer_init(chunk, state.device, dtype, config.training.seed, state.tp_rank, state.dims.tp,
+                       m.init_method_std, m.num_layers, logical_name)
+        else:
+            materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
+            init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
+                            m.num_layers, logical_name)
+            init_vocab_slices(chunk, config.training.seed, m.init_method_std, padded_vocab_size)
         chunk.to(dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if config.precision.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/fp8.py)
             from .fp8 import enable_fp8

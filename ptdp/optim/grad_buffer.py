@@ -119,13 +119,15 @@ class GradBuckets:
                  grad_dtype: torch.dtype | None = None, distributed_optimizer: bool = False,
                  param_buffer: bool = False, overlap_grad_reduce: bool = False,
                  separate: Iterable[nn.Parameter] = (), average_over: int | None = None,
-                 shard_grads: bool = False, chunk_of: dict[int, int] | None = None, replica_group=None):
+                 shard_grads: bool = False, chunk_of: dict[int, int] | None = None, replica_group=None,
+                 shard_params: bool = False):
         self.params = [p for p in params if p.requires_grad]
         self.dp_group = dp_group  # the group shards are spread over (one instance's under hybrid sharding)
         self.dp_size = group_size(dp_group)
         self.replica_group = replica_group  # hybrid sharding: the same shard in the other instances
         self.replicas = group_size(replica_group) if replica_group is not None else 1
         self.shard_grads = shard_grads and distributed_optimizer and self.dp_size > 1  # ZeRO-2 and -3
+        self.shard_params = shard_params and self.shard_grads and param_buffer  # ZeRO-3 (ptdp.optim.zero)
         # The sum is divided by this (the data replicas of the loss): d·c for expert grads reduced over the
         # expert-DP group, which holds fewer ranks (ptdp.optim.expert_grads); all replicas otherwise.
         self.divisor = self.dp_size * self.replicas if average_over is None else average_over
@@ -191,16 +193,23 @@ class GradBuckets:
         offset = 0
         for p in params:
             bucket.offsets.append(offset)
-            p.main_grad = grad_data[offset:offset + p.numel()].view_as(p)
-            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
             if param_data is not None:
                 view = param_data[offset:offset + p.numel()].view_as(p)
-                view.copy_(p.detach())
+                init = p.__dict__.pop("deferred_init", None)  # ptdp.parallel.init.defer_init: drawn here
+                if init is not None:
+                    init(view)
+                else:
+                    view.copy_(p.detach())
                 p.data = view
+            p.main_grad = grad_data[offset:offset + p.numel()].view_as(p)
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
             offset += p.numel()
             self._bucket_of[p] = bucket
         if self.shard_grads:  # ZeRO-2/3: never the whole model's gradients at once, not even at set-up
             free_storage(grad_data)  # (re)allocated per bucket: _arrive, or zero() for the kept ones
+        if self.shard_params:  # ZeRO-3: keep this rank's shard, so at most one bucket is ever whole here
+            bucket.param_shard = param_data[bucket.shard_start:bucket.shard_end].clone()
+            free_storage(param_data)
         self.buckets.append(bucket)
 
     # -- one iteration ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, MixedPrecisionConfig
+from ..parallel.init import materialize_deferred
 from .grad_buffer import GradBuckets
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
@@ -62,7 +63,8 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
         return GradBuckets(ps, group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
                            distributed_optimizer=distributed, param_buffer=main_params,
                            overlap_grad_reduce=tr.overlap_grad_reduce, separate=separate, average_over=average_over,
-                           shard_grads=shard_grads, chunk_of=chunk_of, replica_group=replica_group)
+                           shard_grads=shard_grads, chunk_of=chunk_of, replica_group=replica_group,
+                           shard_params=strategy == "optim_grads_params" and getattr(state, "expert", None) is None)
 
     experts = getattr(state, "expert", None) is not None  # issue 25: expert grads over the expert-DP group
     if experts:
@@ -72,6 +74,7 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
                                                  (dp_group, replica_group), opt.num_distributed_optimizer_instances)
     else:
         grads = make(params, dp_group, separate=shared_embedding)
+    materialize_deferred(params)  # parameters no bucket took (ptdp.parallel.init.defer_init)
     if strategy == "optim_grads_params":
         from .zero import ChunkParamSync, shard_model
 

@@ -30,8 +30,11 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 @torch.no_grad()
 def shard_parameters(grads: GradBuckets) -> None:
-    """Keep only this rank's shard of every bucket's parameters (a copy) and free the full buffers."""
+    """Keep only this rank's shard of every bucket's parameters (a copy) and free the full buffers (the
+    buckets ``GradBuckets(..., shard_params=True)`` sharded as it built them are left as they are)."""
     for b in grads.buckets:
+        if b.param_shard is not None:
+            continue
         b.param_shard = b.param_data[b.shard_start:b.shard_end].clone()
         free_storage(b.param_data)
 
