@@ -8,7 +8,9 @@ import json
 import sys
 
 from ptdp import config as train_config
-from ptdp.config import ModelConfig, add_field_arguments, model_config
+from ptdp.config import ModelConfig, MoEConfig, add_field_arguments, model_config
+from ptdp.config.validate_moe import moe_errors
+from ptdp.flops import moe_shape
 from ptdp.hardware import ACCELERATORS, GIB
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
@@ -26,6 +28,9 @@ from ptdp.schedule.registry import default_virtual_size
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "normalization", "position_embedding_type")
+# A mixture of experts' shape, as ``ptdp train`` spells it (the routing and loss flags change no count)
+_MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+              "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +39,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape; explicit flags override it")
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
+    add_field_arguments(m, train_config.MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -106,12 +112,21 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     groups = cfg.num_query_groups if cfg.group_query_attention else None
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
-    from ptdp.config import MoEConfig
-    from ptdp.flops import moe_shape
+    moe = _experts(args, cfg)
+    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe))
+
+
+def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
+    """``ptdp train``'s ``MoEConfig``: the preset's experts, then the flags given, checked by train's rules
+    (``validate_moe``); every problem one line."""
     from ptdp.presets import MOE_PRESETS
 
-    moe = moe_shape(cfg, MoEConfig(**MOE_PRESETS[args.model])) if args.model in MOE_PRESETS else None
-    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe)  # a preset's experts
+    moe = dataclasses.replace(MoEConfig(**MOE_PRESETS.get(args.model, {})),
+                              **{k: getattr(args, k) for k in _MOE_FLAGS if getattr(args, k) is not None})
+    errors = moe_errors(train_config.Config(model=model, moe=moe))
+    if errors:
+        raise _UsageError("\n".join(errors))
+    return moe
 
 
 def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec]:
@@ -207,8 +222,9 @@ def run_plan(args: argparse.Namespace) -> int:
             if result.num_evaluated == 0:
                 raise _UsageError("no valid layout: check --gpus against the heads, layers and --global-batch-size")
             best, runners, evaluated = result.best, result.runners_up, result.num_evaluated
-    except _UsageError as err:
-        print(f"ptdp plan: error: {err}", file=sys.stderr)
+    except _UsageError as err:  # one line per problem
+        for line in str(err).splitlines():
+            print(f"ptdp plan: error: {line}", file=sys.stderr)
         return 2
     if args.json:
         out = best.to_dict() if best is not None else {"fits": False}
