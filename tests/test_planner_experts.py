@@ -112,3 +112,70 @@ def test_bad_expert_layouts_are_refused_with_the_flag(changes, expected):
     dense = dataclasses.replace(MIXTRAL, moe=None)
     assert "needs a mixture-of-experts model" in invalid_reason(
         dense, ParallelConfig(1, 1, 16, expert_model_parallel_size=2), ClusterSpec.of("h100-80gb", 16), TRAIN)
+
+
+# --- ptdp train's MoE flags (issue 22: plan takes its model from train's dataclasses) -------------------------
+
+GPT3_EXPERTS = ["--model", "gpt3-175b", "--gpus", "1024", "--tensor-model-parallel-size", "8",
+                "--pipeline-model-parallel-size", "16", "--expert-model-parallel-size", "8"]
+
+
+def test_train_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts(capsys):
+    """``--num-experts 8 --moe-router-topk 2`` on GPT-3's shape: the plan prices 8 experts of 4h (train's
+    default expert size, --ffn-hidden-size), names e and counts the active parameters."""
+    from ptdp.cli import main
+    from ptdp.flops import model_parameter_count
+
+    assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--moe-router-topk", "2"]) == 0
+    out = capsys.readouterr().out
+    moe = dataclasses.replace(MODEL_PRESETS["gpt3-175b"], moe=MoEShape(8, 2, 4 * 12288, 96))
+    total, active = model_parameter_count(moe), model_parameter_count(moe, active=True)
+    assert f"model: {total / 1e9:.1f}B parameters ({active / 1e9:.1f}B active, E=8 k=2)" in out, out
+    assert active < total / 3
+    assert any(line.split()[:5] == ["t", "c", "p", "d", "e"] for line in out.splitlines()), out
+    # --moe-layer-freq and a shared expert change the counts as they change train's model
+    assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--moe-layer-freq", "2", "--json"]) == 0
+    every_other = json.loads(capsys.readouterr().out)
+    assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--json"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert every_other["model_state_bytes"] < every["model_state_bytes"]
+    assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--json",
+                 "--moe-shared-expert-intermediate-size", "4096"]) == 0
+    assert json.loads(capsys.readouterr().out)["flops_per_iteration"] > every["flops_per_iteration"]
+
+
+def test_flags_override_a_moe_preset_and_spell_it_from_a_dense_one(capsys):
+    """Mixtral's preset is Llama 3 8B's attention with 8 experts of 14336 at s = 32768, V = 32000: the same
+    plan from train's flags; and a flag given over the preset wins (16 experts, top-4)."""
+    from ptdp.cli import main
+
+    layout = ["--gpus", "64", "--gpu", "h100-80gb", "--bf16", "--global-batch-size", "256",
+              "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--expert-model-parallel-size", "8", "--micro-batch-size", "1", "--recompute-granularity", "full",
+              "--use-distributed-optimizer", "--json"]
+    assert main(["plan", "--model", "mixtral-8x7b", *layout]) == 0
+    preset = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "llama3-8b", "--seq-length", "32768", "--vocab-size", "32000",
+                 "--num-experts", "8", "--moe-router-topk", "2", *layout]) == 0
+    assert json.loads(capsys.readouterr().out) == preset
+    assert main(["plan", "--model", "mixtral-8x7b", *layout[:-1], "--num-experts", "16",
+                 "--moe-router-topk", "4"]) == 0
+    assert "E=16 k=4)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, first_words", [
+    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and --num-experts 8"),
+    (["--num-experts", "0"], "--num-experts must be a positive integer, got 0"),
+    (["--num-experts", "8", "--moe-layer-freq", "[1,0]"], "--moe-layer-freq '[1,0]' must list one 0 or 1 per layer"),
+    (["--num-experts", "8", "--moe-shared-expert-gate"], "--moe-shared-expert-gate needs a shared expert"),
+    (["--model", "mixtral-8x7b", "--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and"),
+    (["--num-experts", "6"], "--expert-model-parallel-size 8 does not divide --num-experts 6"),
+])
+def test_bad_moe_flags_are_one_line_and_exit_2(capsys, flags, first_words):
+    """train's rules (ptdp.config.validate_moe), one line naming the flag, exit 2, as in test_cli_messages."""
+    from ptdp.cli import main
+
+    assert main(["plan", *GPT3_EXPERTS, *flags]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(f"ptdp plan: error: {first_words}"), err
