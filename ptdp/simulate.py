@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptdp.config import ParallelConfig, add_field_arguments
+from ptdp.config import ModelConfig, ParallelConfig, add_field_arguments
 from ptdp.pipeline.schedules import (
     Action,
     bubble_fraction_formula,
@@ -270,8 +270,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "enable_vocab_parallel",
         "disable_fb_fusion"), account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
         enable_vocab_parallel=False, disable_fb_fusion=False)
-    parser.add_argument("--num-layers", type=int, help="transformer layers: with it, each stage costs its layers "
-                        "(an uneven layout is drawn uneven) and --forward-time is an even stage's")
+    add_field_arguments(parser, ModelConfig, ("num_layers",), overrides={"num_layers": {"help": "transformer "
+                        "layers: with it, each stage costs its layers (an uneven layout is drawn uneven) and "
+                        "--forward-time is an even stage's"}})  # train's flag, not given unless given
     parser.add_argument("--embedding-cost", type=float, default=0.0, help="the input embedding's time in "
                         "transformer layers (with --num-layers; default 0)")
     parser.add_argument("--output-layer-cost", type=float, default=0.0, help="the output layer's and the loss's "
@@ -302,7 +303,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         args.virtual_pipeline_model_parallel_size = default_virtual_size(args.pipeline_schedule)
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
     for flag, value in (("--pipeline-model-parallel-size", p), ("--virtual-pipeline-model-parallel-size", v),
-                        ("--num-microbatches", m)):
+                        ("--num-microbatches", m), ("--num-layers", 1 if args.num_layers is None else args.num_layers)):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     if args.forward_time <= 0 or args.backward_time <= 0:

@@ -93,6 +93,7 @@ def test_cli_json(capsys, tmp_path):
     (("--virtual-pipeline-model-parallel-size", "2",), "--pipeline-schedule"),
     (("--p2p-time", "-1",), "--p2p-time"),
     (("--out", "x.txt",), "--out"),
+    (("--num-layers", "0",), "--num-layers"),  # was a ZeroDivisionError traceback
 ])
 def test_cli_bad_input(capsys, argv, flag):
     assert _simulate_cli(*argv) == 2
