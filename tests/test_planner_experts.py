@@ -168,7 +168,7 @@ def test_flags_override_a_moe_preset_and_spell_it_from_a_dense_one(capsys):
     (["--num-experts", "0"], "--num-experts must be a positive integer, got 0"),
     (["--num-experts", "8", "--moe-layer-freq", "[1,0]"], "--moe-layer-freq '[1,0]' must list one 0 or 1 per layer"),
     (["--num-experts", "8", "--moe-shared-expert-gate"], "--moe-shared-expert-gate needs a shared expert"),
-    (["--model", "mixtral-8x7b", "--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and"),
+    (["--model", "mixtral-8x7b", "--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and"),  # E=8
     (["--num-experts", "6"], "--expert-model-parallel-size 8 does not divide --num-experts 6"),
 ])
 def test_bad_moe_flags_are_one_line_and_exit_2(capsys, flags, first_words):

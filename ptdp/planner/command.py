@@ -39,7 +39,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model", choices=sorted(MODEL_PRESETS), help="preset shape; explicit flags override it")
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
-    add_field_arguments(m, train_config.MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
+    add_field_arguments(m, MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -93,8 +93,8 @@ def _positive(args: argparse.Namespace, name: str) -> None:
 
 
 def _model(args: argparse.Namespace) -> GPTSpec:
-    """The planned model: ``ptdp train``'s ``ModelConfig`` (preset, then the flags given) as the planner's
-    frozen shape."""
+    """The planned model: ``ptdp train``'s ``ModelConfig`` and ``MoEConfig`` (preset, then the flags given)
+    as the planner's frozen shape."""
     from ptdp.presets import MODEL_PRESETS as ALL_PRESETS
 
     preset = ALL_PRESETS[args.model] if args.model else {}
