@@ -1,14 +1,6 @@
 """``ptdp simulate``: run the per-rank schedules through time and draw them like the paper's figures.
 
-A discrete-event model of exactly the action lists the executor runs (``ptdp.pipeline.schedules``):
-
-* a rank executes its list in order; F takes ``forward_time / v`` (times are per whole stage, a chunk is
-  1/v of it), B ``backward_time / v``, and for zero-bubble lists I and W split B (``weight_grad_fraction``);
-* SEND_* is non-blocking and posts at the sender's current time; RECV_* is posted (non-blocking) when the
-  rank reaches it and completes at max(posting, matching send + ``p2p_time``);
-* a compute action starts once the rank is free and its inputs are there: F needs the previous virtual
-  stage's F (received, or local when on the same rank), B/I need this stage's F and the next stage's B/I,
-  W needs its I.
+The model (``ptdp.simulate_core``) runs exactly the action lists the executor runs (``ptdp.pipeline.schedules``).
 
 Bubble fraction follows the paper (ptdp-facts.md, §Schedules): idle time over busy time, so that GPipe and
 1F1B give (p-1)/m and interleaved (p-1)/(v·m) in the ideal case; ``idle_fraction`` is idle over total.
@@ -20,87 +12,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptdp.config import ModelConfig, ParallelConfig, add_field_arguments
-from ptdp.pipeline.schedules import (
-    Action,
-    bubble_fraction_formula,
-    build_schedule,
-    peak_stashed,
-    schedule_placement,
-    stage_location,
-)
-from ptdp.schedule.progress import drain
+from ptdp.pipeline.schedules import Action, build_schedule
 from ptdp.schedule.registry import default_virtual_size, schedule_problems
-
-COMPUTE_OPS = ("F", "B", "I", "W")
-
-
-@dataclass(frozen=True)
-class Box:
-    """One compute action placed in time."""
-
-    rank: int
-    op: str
-    microbatch: int
-    chunk: int
-    start: float
-    end: float
-
-
-@dataclass
-class SimulationResult:
-    schedule: str
-    p: int
-    v: int
-    m: int
-    timelines: list[list[Box]]  # per rank, in execution order
-    total_time: float
-    busy: list[float]  # per rank
-    peak_in_flight: list[int]  # per rank: (microbatch, chunk) pairs between F and B/I
-    peak_stashed: list[int] = field(default_factory=list)  # per rank: activation stashes kept until B or W
-    formula: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule)
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle over busy time, summed over ranks: the paper's bubble fraction (p-1)/(v·m) when ideal."""
-        idle = sum(self.total_time - b for b in self.busy)
-        return idle / sum(self.busy)
-
-    @property
-    def idle_fraction(self) -> float:
-        """Idle over total time, summed over ranks."""
-        return 1.0 - sum(self.busy) / (self.p * self.total_time)
-
-    def to_dict(self) -> dict:
-        return {
-            "pipeline_schedule": self.schedule,
-            "pipeline_model_parallel_size": self.p,
-            "virtual_pipeline_model_parallel_size": self.v,
-            "num_microbatches": self.m,
-            "total_time": self.total_time,
-            "bubble_fraction": self.bubble_fraction,
-            "bubble_fraction_formula": self.formula,
-            "idle_fraction": self.idle_fraction,
-            "peak_in_flight": self.peak_in_flight,
-            "peak_stashed": self.peak_stashed,
-            "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
-        }
-
-
-def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:
-    per_chunk_backward = backward_time / v
-    return {
-        "F": forward_time / v,
-        "B": per_chunk_backward,
-        "I": per_chunk_backward * (1 - weight_grad_fraction),
-        "W": per_chunk_backward * weight_grad_fraction,
-    }[op]
+from ptdp.simulate_core import SimulationResult, run_lists
 
 
 def simulate(
@@ -123,64 +40,7 @@ def simulate(
     """
     name = schedule if isinstance(schedule, str) else "custom"
     lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
-    placement = schedule_placement(name)
-    last_stage = p * v - 1
-    cursor = [0.0] * p
-    ends: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage) -> end time
-    sends: dict[tuple[str, int, int], float] = {}  # ("F"|"B", microbatch, destination stage) -> send time
-    posted: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, microbatch, stage) -> RECV post time
-    timelines: list[list[Box]] = [[] for _ in range(p)]
-
-    def arrival(rank: int, kind: str, mb: int, stage: int, producer: tuple[str, int, int]) -> float | None:
-        """When the input of (mb, stage) from ``producer`` is usable on ``rank``; None if not yet known."""
-        producer_rank = stage_location(producer[2], p, placement)[0]
-        if producer_rank == rank:
-            return ends.get(producer)
-        sent = sends.get((kind, mb, stage))
-        if sent is None:
-            return None
-        return max(posted.get((rank, kind, mb, stage), 0.0), sent + p2p_time)
-
-    def ready_time(rank: int, a: Action, stage: int) -> float | None:
-        mb = a.microbatch
-        if a.op == "F":
-            return 0.0 if stage == 0 else arrival(rank, "F", mb, stage, ("F", mb, stage - 1))
-        if a.op == "W":
-            return ends.get(("I", mb, stage))
-        own_forward = ends.get(("F", mb, stage))
-        if own_forward is None or stage == last_stage:
-            return own_forward
-        grads = [arrival(rank, "B", mb, stage, (op, mb, stage + 1)) for op in ("B", "I")]
-        grads = [g for g in grads if g is not None]
-        return max(own_forward, min(grads)) if grads else None
-
-    def step(r: int, a: Action, stage: int) -> bool:
-        if a.op in ("SEND_F", "SEND_B"):
-            kind = a.op[-1]
-            sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
-        elif a.op in ("RECV_F", "RECV_B"):
-            posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
-        else:
-            ready = ready_time(r, a, stage)
-            if ready is None:
-                return False
-            start = max(cursor[r], ready)
-            scale = 1.0 if stage_scale is None else stage_scale[stage]
-            cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
-            ends[(a.op, a.microbatch, stage)] = cursor[r]
-            timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
-        return True
-
-    stuck = drain(lists, p, placement, step)
-    if stuck:
-        raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
-    return SimulationResult(
-        schedule=name, p=p, v=v, m=m, timelines=timelines,
-        total_time=max(cursor),
-        busy=[sum(b.end - b.start for b in row) for row in timelines],
-        peak_in_flight=[_peak_in_flight(row) for row in timelines],
-        peak_stashed=[peak_stashed(row) for row in lists],
-    )
+    return run_lists(name, lists, p, v, m, (forward_time, backward_time, p2p_time, weight_grad_fraction), stage_scale)
 
 
 def stage_scales(args: argparse.Namespace) -> list[float] | None:
@@ -197,18 +57,6 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     stages = stages_of(args, args, p, v)  # LayoutError (a ValueError) names the flag
     work = stage_work(stages, p, args.embedding_cost, args.output_layer_cost, args.enable_vocab_parallel)
     return [w / (args.num_layers / (p * v)) for w in work]
-
-
-def _peak_in_flight(row: Sequence[Box]) -> int:
-    """Most (microbatch, chunk) pairs with F finished and B/I not yet: the activations stashed over time."""
-    live, peak = 0, 0
-    for box in row:  # a rank runs one box at a time, so list order is time order
-        if box.op == "F":
-            live += 1
-            peak = max(peak, live)
-        elif box.op in ("B", "I"):
-            live -= 1
-    return peak
 
 
 # ------------------------------------------------------------------------------------------------ drawing

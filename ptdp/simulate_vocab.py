@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ptdp.planner.vocab import vocab_pass_times
-from ptdp.schedule.actions import Action, peak_stashed, stage_location
-from ptdp.schedule.progress import drain
+from ptdp.schedule.actions import Action, stage_location
 from ptdp.schedule.registry import build_schedule, schedule_placement
-from ptdp.schedule.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE, end_ranks, waits_for
-from ptdp.simulate import Box, SimulationResult, _duration, _peak_in_flight, simulate, stage_scales
+from ptdp.schedule.vocab import VOCAB_COLLECTIVES, end_ranks, waits_for
+from ptdp.simulate import simulate, stage_scales
+from ptdp.simulate_core import SimulationHooks, SimulationResult, run_lists
 
 VOCAB_COLOURS = {"EF": "#8e44ad", "EB": "#c39bd3", "S": "#c0392b", "T": "#f1948a"}
 VOCAB_NAMES = {"EF": "embedding fwd (all m)", "EB": "embedding grad", "S": "S: logits, max, sum exp",
@@ -75,6 +75,51 @@ def _fmt(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{x:.3g}" for x in values) + "]"
 
 
+class VocabHooks(SimulationHooks):
+    """The vocabulary passes (EF, S, T, EB: ``pass_times`` each, ends keyed by rank) and the collectives
+    (done ``p2p_time`` after the last of the p ranks posted them) added to ``run_lists``'s loop."""
+
+    def __init__(self, p: int, v: int, placement: str, barriers: int, pass_times: dict[str, float],
+                 p2p_time: float) -> None:
+        self.p, self.barriers, self.pass_times, self.p2p_time = p, barriers, pass_times, p2p_time
+        self.last_stage = p * v - 1
+        self.first_rank, self.last_rank, _ = end_ranks(p, v, placement)
+        self.first_chunk = stage_location(0, p, placement)[1]
+        self.last_chunk = stage_location(self.last_stage, p, placement)[1]
+        self.coll_posts: dict[tuple[str, int], list[float]] = {}
+
+    def done(self, op: str, mb: int) -> float | None:
+        posts = self.coll_posts.get((op, mb), [])
+        return max(posts) + self.p2p_time if len(posts) == self.p else None
+
+    def inputs(self, rank: int, action: Action, stage: int, ends: dict) -> list[float | None]:
+        """``waits_for``'s collectives; with one barrier the last stage's backward also follows its own T."""
+        mine = (self.first_chunk if rank == self.first_rank else None,
+                self.last_chunk if rank == self.last_rank else None)
+        deps = [self.done(op, j) for op, j in waits_for(action, *mine, self.barriers)]
+        if action.op in ("B", "I") and stage == self.last_stage and self.barriers == 1:
+            deps.append(ends.get(("T", action.microbatch, rank)))
+        return deps
+
+    def duration(self, action: Action) -> float:
+        return self.pass_times[action.op]
+
+    def post(self, rank: int, action: Action, time: float) -> bool:
+        if action.op not in VOCAB_COLLECTIVES:
+            return False
+        self.coll_posts.setdefault((action.op, action.microbatch), []).append(time)
+        return True
+
+    def collectives(self) -> list[tuple[str, int, float]]:
+        return sorted(((op, mb, self.done(op, mb)) for op, mb in self.coll_posts), key=lambda c: (c[2], c[0], c[1]))
+
+    def end_times(self) -> list[float]:
+        return [c[2] for c in self.collectives()]
+
+    def result_fields(self) -> dict:
+        return {"barriers": self.barriers, "collectives": self.collectives()}
+
+
 def simulate_vocab(schedule: str, p: int, v: int, m: int, barriers: int, pass_times: dict[str, float],
                    forward_time: float = 1.0, backward_time: float = 2.0, p2p_time: float = 0.0,
                    weight_grad_fraction: float = 0.5, stage_scale: Sequence[float] | None = None
@@ -82,83 +127,10 @@ def simulate_vocab(schedule: str, p: int, v: int, m: int, barriers: int, pass_ti
     """Simulate ``schedule`` with the vocabulary passes (module docstring). ``pass_times``: EF, S, T, EB on
     one rank (``vocab_pass_times``); ``stage_scale``: as ``simulate``'s, the layers only. Raises
     RuntimeError if the lists deadlock."""
-    placement = schedule_placement(schedule)
     lists = [build_schedule(schedule, p, v, m, r, vocab_barriers=barriers) for r in range(p)]
-    last_stage = p * v - 1
-    first_chunk, last_chunk = stage_location(0, p, placement)[1], stage_location(last_stage, p, placement)[1]
-    first_rank, last_rank, _ = end_ranks(p, v, placement)
-    cursor = [0.0] * p
-    ends: dict[tuple[str, int, int], float] = {}  # (op, microbatch, virtual stage, or rank for S/T/EF/EB)
-    sends: dict[tuple[str, int, int], float] = {}  # ("F"|"B", microbatch, destination stage) -> send time
-    posted: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, microbatch, stage) -> RECV post time
-    coll_posts: dict[tuple[str, int], list[float]] = {}
-    timelines: list[list[Box]] = [[] for _ in range(p)]
-
-    def done(op: str, mb: int) -> float | None:
-        posts = coll_posts.get((op, mb), [])
-        return max(posts) + p2p_time if len(posts) == p else None
-
-    def arrival(r: int, kind: str, mb: int, stage: int, producer: tuple[str, int, int]) -> float | None:
-        if stage_location(producer[2], p, placement)[0] == r:
-            return ends.get(producer)
-        sent = sends.get((kind, mb, stage))
-        return None if sent is None else max(posted.get((r, kind, mb, stage), 0.0), sent + p2p_time)
-
-    def ready_time(r: int, a: Action, stage: int) -> float | None:
-        mb = a.microbatch
-        mine = (first_chunk if r == first_rank else None, last_chunk if r == last_rank else None)
-        deps: list[float | None] = [done(op, j) for op, j in waits_for(a, *mine, barriers)]
-        if a.op in VOCAB_COMPUTE:
-            pass  # their inputs are the collectives above
-        elif a.op == "F":
-            deps.append(0.0 if stage == 0 else arrival(r, "F", mb, stage, ("F", mb, stage - 1)))
-        elif a.op == "W":
-            deps.append(ends.get(("I", mb, stage)))
-        else:
-            deps.append(ends.get(("F", mb, stage)))
-            if stage == last_stage and barriers == 1:
-                deps.append(ends.get(("T", mb, r)))
-            elif stage < last_stage:
-                grads = [arrival(r, "B", mb, stage, (op, mb, stage + 1)) for op in ("B", "I")]
-                grads = [g for g in grads if g is not None]
-                deps.append(min(grads) if grads else None)
-        return None if None in deps else max(deps, default=0.0)
-
-    def step(r: int, a: Action, stage: int) -> bool:
-        if a.op in ("SEND_F", "SEND_B"):
-            kind = a.op[-1]
-            sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
-        elif a.op in ("RECV_F", "RECV_B"):
-            posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
-        elif a.op in VOCAB_COLLECTIVES:
-            coll_posts.setdefault((a.op, a.microbatch), []).append(cursor[r])
-        else:
-            ready = ready_time(r, a, stage)
-            if ready is None:
-                return False
-            start = max(cursor[r], ready)
-            if a.op in VOCAB_COMPUTE:
-                cursor[r] = start + pass_times[a.op]
-                ends[(a.op, a.microbatch, r)] = cursor[r]
-            else:
-                scale = 1.0 if stage_scale is None else stage_scale[stage]
-                cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
-                ends[(a.op, a.microbatch, stage)] = cursor[r]
-            timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
-        return True
-
-    stuck = drain(lists, p, placement, step)
-    if stuck:
-        raise RuntimeError(f"schedule deadlocks: ranks wait forever at {stuck}")
-    collectives = sorted(((op, mb, done(op, mb)) for op, mb in coll_posts), key=lambda c: (c[2], c[0], c[1]))
-    return VocabSimulationResult(
-        schedule=schedule, p=p, v=v, m=m, timelines=timelines,
-        total_time=max(cursor + [c[2] for c in collectives]),
-        busy=[sum(b.end - b.start for b in row) for row in timelines],
-        peak_in_flight=[_peak_in_flight(row) for row in timelines],
-        peak_stashed=[peak_stashed(row) for row in lists],
-        barriers=barriers, collectives=collectives,
-    )
+    hooks = VocabHooks(p, v, schedule_placement(schedule), barriers, pass_times, p2p_time)
+    return run_lists(schedule, lists, p, v, m, (forward_time, backward_time, p2p_time, weight_grad_fraction),
+                     stage_scale, hooks, VocabSimulationResult)
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
