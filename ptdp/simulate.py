@@ -16,8 +16,10 @@ from pathlib import Path
 
 from ptdp.config import ModelConfig, ParallelConfig, add_field_arguments
 from ptdp.pipeline.schedules import Action, build_schedule
+from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.registry import default_virtual_size, schedule_problems
 from ptdp.simulate_core import SimulationResult, run_lists
+from ptdp.simulate_vocab import simulate_vocab  # S, T and the barriers (issue 24)
 
 
 def simulate(
@@ -172,6 +174,27 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
+    """``ptdp simulate``'s run: the plain schedule (``simulate``), or with ``--enable-vocab-parallel`` the
+    vocabulary-parallel lists, the layers per stage from ``--num-layers`` and the layout flags and the
+    passes from ``--embedding-cost`` / ``--output-layer-cost``. ValueError names the flag."""
+    if not args.enable_vocab_parallel:
+        return simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                        args.virtual_pipeline_model_parallel_size, args.num_microbatches, args.forward_time,
+                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args))
+    if args.num_layers is None:
+        raise ValueError("--enable-vocab-parallel needs --num-layers (the vocabulary costs are in layers)")
+    p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
+    layers_only = argparse.Namespace(**{**vars(args), "embedding_cost": 0.0, "output_layer_cost": 0.0,
+                                        "enable_vocab_parallel": False})
+    per_layer = (args.forward_time * p / args.num_layers, args.backward_time * p / args.num_layers)
+    barriers = 2 if args.disable_fb_fusion else 1
+    times = vocab_pass_times(tuple(args.embedding_cost * x for x in per_layer),
+                             tuple(args.output_layer_cost * x for x in per_layer), p, m, barriers)
+    return simulate_vocab(args.pipeline_schedule, p, v, m, barriers, times, args.forward_time, args.backward_time,
+                          args.p2p_time, stage_scale=stage_scales(layers_only))
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate, print a summary (or ``--json``) and optionally draw; 2 with one line on bad input."""
     error = _usage_error(args)
@@ -179,8 +202,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         return run_comm_trace(args)
     if error is None:
         try:
-            from ptdp.simulate_vocab import simulate_from_args  # with S, T and the barriers (issue 24) or not
-
             result = simulate_from_args(args)
         except ValueError as err:
             error = str(err)

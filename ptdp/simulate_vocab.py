@@ -18,15 +18,12 @@ The picture draws S, T, EF and EB as boxes and each barrier as a tick where it c
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.actions import Action, stage_location
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.schedule.vocab import VOCAB_COLLECTIVES, end_ranks, waits_for
-from ptdp.simulate import simulate, stage_scales
 from ptdp.simulate_core import SimulationHooks, SimulationResult, run_lists
 
 VOCAB_COLOURS = {"EF": "#8e44ad", "EB": "#c39bd3", "S": "#c0392b", "T": "#f1948a"}
@@ -131,24 +128,3 @@ def simulate_vocab(schedule: str, p: int, v: int, m: int, barriers: int, pass_ti
     hooks = VocabHooks(p, v, schedule_placement(schedule), barriers, pass_times, p2p_time)
     return run_lists(schedule, lists, p, v, m, (forward_time, backward_time, p2p_time, weight_grad_fraction),
                      stage_scale, hooks, VocabSimulationResult)
-
-
-def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
-    """``ptdp simulate``'s run: the plain schedule (``simulate``), or with ``--enable-vocab-parallel`` the
-    vocabulary-parallel lists, the layers per stage from ``--num-layers`` and the layout flags and the
-    passes from ``--embedding-cost`` / ``--output-layer-cost``. ValueError names the flag."""
-    if not args.enable_vocab_parallel:
-        return simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                        args.virtual_pipeline_model_parallel_size, args.num_microbatches, args.forward_time,
-                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args))
-    if args.num_layers is None:
-        raise ValueError("--enable-vocab-parallel needs --num-layers (the vocabulary costs are in layers)")
-    p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
-    layers_only = argparse.Namespace(**{**vars(args), "embedding_cost": 0.0, "output_layer_cost": 0.0,
-                                        "enable_vocab_parallel": False})
-    per_layer = (args.forward_time * p / args.num_layers, args.backward_time * p / args.num_layers)
-    barriers = 2 if args.disable_fb_fusion else 1
-    times = vocab_pass_times(tuple(args.embedding_cost * x for x in per_layer),
-                             tuple(args.output_layer_cost * x for x in per_layer), p, m, barriers)
-    return simulate_vocab(args.pipeline_schedule, p, v, m, barriers, times, args.forward_time, args.backward_time,
-                          args.p2p_time, stage_scale=stage_scales(layers_only))

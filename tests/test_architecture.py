@@ -52,3 +52,41 @@ def test_no_module_over_400_lines_in_the_architecture_packages():
     for package in ("models", "ops", "parallel", "train", "schedule", "config"):
         for path in (ROOT / package).glob("*.py"):
             assert len(path.read_text().splitlines()) <= 400, path
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), i.e. the import cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    """Issue 22: no module imports, directly or not, one that imports it back -- lazy imports inside
+    functions included (``typing.TYPE_CHECKING`` imports, never executed, excluded as lint-imports does)."""
+    grimp = pytest.importorskip("grimp")  # installed with import-linter (the dev extra)
+    graph = grimp.build_graph("ptdp", exclude_type_checking_imports=True)
+    assert _cycles(graph) == []
+    graph.add_import(importer="ptdp.models", imported="ptdp.cli")  # the check sees a cycle when there is one
+    assert _cycles(graph)

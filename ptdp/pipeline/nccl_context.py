@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .executor import run_schedule
-from .nccl_model import RecordingComm
+from .nccl_trace import RecordingComm
 from .nccl_vocab import VocabTraceStage
 from .schedules import Action, build_schedule, schedule_placement
 

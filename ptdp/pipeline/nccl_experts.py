@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .executor import run_schedule
-from .nccl_model import RecordingComm, _TraceStage
+from .nccl_trace import RecordingComm, _TraceStage
 from .schedules import Action, build_schedule, schedule_placement, virtual_stage
 
 FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..schedule.actions import Action
 from ..schedule.vocab import end_ranks, waits_for
-from .nccl_model import RecordingComm, _TraceStage
+from .nccl_trace import RecordingComm, _TraceStage
 
 VOCAB_COMM = "vocab"
 

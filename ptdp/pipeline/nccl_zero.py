@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 
-from .nccl_model import RecordingComm, record_comm_trace
+from .nccl_model import record_comm_trace
+from .nccl_trace import RecordingComm
 
 
 class RecordingParamSync:
