@@ -94,6 +94,7 @@ WORLD = 4
 
 def run(model: str, layout: str, strategy: str, iters: int, workdir: Path) -> dict:
     metrics = workdir / f"{model}-{layout}-{strategy}.jsonl"
+    metrics.unlink(missing_ok=True)  # ptdp appends to --metrics-file: a later --rounds pass reads its own only
     train = ["train", *MODELS[model], *LAYOUTS[layout], "--data-parallel-sharding-strategy", strategy.split("+")[0],
              *(["--reshard-after-forward"] if "+reshard" in strategy else []), "--micro-batch-size", "1",
              "--global-batch-size", str(WORLD // (2 if layout == "p2d2" else 1)), "--train-iters", str(iters),
