@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .tensor_parallel.mappings import all_gather, group_rank, group_size, reduce_scatter
+from .tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+)
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
 
@@ -131,23 +135,11 @@ def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Ten
 # ------------------------------------------------------------------------------------------- allgather
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence (dim 2, rank-major); the backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, group, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad.contiguous(), ctx.group, dim=2), None
-
-
 def _allgather_attention(q, k, v, group, scale: float) -> torch.Tensor:
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
-    k, v = _repeat_kv(_GatherSequence.apply(k, group), _GatherSequence.apply(v, group), q.shape[1] // k.shape[1])
+    k, v = _repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
+                      gather_from_sequence_parallel_region(v, group, dim=2), q.shape[1] // k.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_allgather_mask(s, c, r, q.device), scale=scale)
 
 

@@ -15,8 +15,9 @@ probabilities and sums the k choices of each token, so a layer behaves exactly a
   parallel group, keep the pairs routed to this rank's experts; ``combine`` scatters the weighted outputs
   into a ``[e·T, h]`` buffer and reduce-scatters it. Volume: every token to every rank; no count exchange.
 
-Autograd runs through the collectives (the functions below: the all-to-all's backward is the all-to-all with
-the splits swapped; all-gather and reduce-scatter are each other's backward). When the tokens are replicated
+Autograd runs through the collectives (the all-to-all below: its backward is the all-to-all with the splits
+swapped; the all-gather/reduce-scatter and split/all-gather pairs are tensor parallelism's operators of
+``ptdp.tensor_parallel.mappings``, along the token rows, dim 0). When the tokens are replicated
 over attention's tensor-parallel group (t > 1 without sequence parallelism) each TP rank first keeps its own
 1/t of them (backward: all-gather) and the combined output is all-gathered (backward: keep the slice), so
 every token meets its experts exactly once and expert gradients are not counted t times.
@@ -43,10 +44,13 @@ from ..observability import flight_recorder
 from ..tensor_parallel.mappings import (
     all_gather,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
     group_rank,
     group_size,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     split,
 )
 
@@ -71,59 +75,6 @@ def all_to_all(x: torch.Tensor, group, send: list[int], recv: list[int]) -> torc
     flight_recorder.record("all_to_all", group=group, tensor=x, action="moe_dispatch")
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0; backward reduce-scatters (each rank used different rows of the gather)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad.contiguous(), ctx.group, dim=0), None
-
-
-class _ReduceScatterTokens(torch.autograd.Function):
-    """Sum over the group and keep this rank's rows; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad.contiguous(), ctx.group, dim=0), None
-
-
-class _SliceReplicated(torch.autograd.Function):
-    """This rank's 1/t rows of a tensor replicated over ``group``; backward all-gathers the gradient (the
-    replicated input's gradient is the whole one on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return split(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad.contiguous(), ctx.group, dim=0), None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    """All-gather rows into a tensor used alike on every rank of ``group``; backward keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return split(grad, ctx.group, dim=0), None
 
 
 def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,22 +117,24 @@ class _Dispatcher:
 
     def _slice(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
         if self.gather_tokens:  # SP + expert tensor parallelism: every rank's tokens to the whole group
-            return (_GatherTokens.apply(hidden, self.etp_group), _GatherTokens.apply(probs, self.etp_group),
+            return (gather_from_sequence_parallel_region(hidden, self.etp_group, dim=0),
+                    gather_from_sequence_parallel_region(probs, self.etp_group, dim=0),
                     all_gather(indices.contiguous(), self.etp_group, dim=0))
         if group_size(self.etp_group) > 1:  # expert tensor parallelism: Megatron's f on the tokens and weights
             hidden = copy_to_tensor_model_parallel_region(hidden, self.etp_group)
             probs = copy_to_tensor_model_parallel_region(probs, self.etp_group)
         if group_size(self.token_group) == 1:
             return hidden, probs, indices
-        return (_SliceReplicated.apply(hidden, self.token_group), _SliceReplicated.apply(probs, self.token_group),
+        return (scatter_to_sequence_parallel_region(hidden, self.token_group, dim=0),
+                scatter_to_sequence_parallel_region(probs, self.token_group, dim=0),
                 split(indices, self.token_group, dim=0))
 
     def _unslice(self, out: torch.Tensor) -> torch.Tensor:
         if self.gather_tokens:  # the partial products summed, each rank keeping its own s/t tokens
-            return _ReduceScatterTokens.apply(out, self.etp_group)
+            return reduce_scatter_to_sequence_parallel_region(out, self.etp_group, dim=0)
         if group_size(self.etp_group) > 1:  # each expert-tensor rank summed its f-slice's partial outputs: g
             out = reduce_from_tensor_model_parallel_region(out, self.etp_group)
-        return out if group_size(self.token_group) == 1 else _GatherReplicated.apply(out, self.token_group)
+        return gather_from_tensor_model_parallel_region(out, self.token_group, dim=0)
 
     @staticmethod
     def _weighted_sum(rows: torch.Tensor, ctx: _Context) -> torch.Tensor:
@@ -235,8 +188,8 @@ class AllGatherDispatcher(_Dispatcher):
         hidden, probs, indices = self._slice(hidden, probs, indices)
         num_tokens = hidden.shape[0]
         if self.ep_size > 1:
-            hidden = _GatherTokens.apply(hidden, self.ep_group)
-            probs = _GatherTokens.apply(probs, self.ep_group)
+            hidden = gather_from_sequence_parallel_region(hidden, self.ep_group, dim=0)
+            probs = gather_from_sequence_parallel_region(probs, self.ep_group, dim=0)
             indices = all_gather(indices.contiguous(), self.ep_group, dim=0)
         first = self.ep_rank * self.local_experts
         flat = indices.reshape(-1)
@@ -252,7 +205,7 @@ class AllGatherDispatcher(_Dispatcher):
     def combine(self, expert_output: torch.Tensor, ctx: _Context) -> torch.Tensor:
         out = self._weighted_sum(expert_output, ctx)  # [e·T, h]: this rank's experts' part of every token
         if self.ep_size > 1:
-            out = _ReduceScatterTokens.apply(out, self.ep_group)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.ep_group, dim=0)
         return self._unslice(out)
 
 

@@ -125,73 +125,62 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension; gather gradients back."""
+class _Split(torch.autograd.Function):
+    """Keep this rank's slice along ``dim``; all-gather the gradient back (the input was the same on every
+    rank of the group, so each rank's slice of the gradient completes it)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, -1), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather the last dimension; split gradients back."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, -1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return split(grad, ctx.group, -1), None
+        return all_gather(grad, ctx.group, ctx.dim), None, None
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Enter sequence parallelism: keep this rank's slice of the sequence (dim 1 of [b, s, h])."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split(x, group, 1)
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim`` into a tensor used alike on every rank; split the gradient back."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, 1), None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """Sequence-parallel ``f``: all-gather the sequence forward, reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, 1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, 1), None
+        return split(grad, ctx.group, ctx.dim), None, None
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Sequence-parallel ``g``: reduce-scatter the sequence forward, all-gather the gradient backward."""
+class _GatherReduceScatter(torch.autograd.Function):
+    """Sequence-parallel ``f``: all-gather along ``dim`` forward; each rank used different rows of the
+    gather, so the gradient is reduce-scattered back."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group, 1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.group, 1), None
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
-def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
-    return x if group_size(group) == 1 else fn.apply(x, group)
+class _ReduceScatterGather(torch.autograd.Function):
+    """Sequence-parallel ``g``: reduce-scatter along ``dim`` forward, all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def _apply(fn, x: torch.Tensor, group, *args) -> torch.Tensor:
+    return x if group_size(group) == 1 else fn.apply(x, group, *args)
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -202,21 +191,26 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
     return _apply(_ReduceFromRegion, x, group)
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return _apply(_ScatterToRegion, x, group)
+# The scatter/gather operators default to Megatron's dimensions (the hidden dimension for tensor
+# parallelism, the sequence of ``[b, s, h]`` for sequence parallelism); ``dim`` serves the same pairs
+# elsewhere: the expert dispatch's token rows (dim 0), context parallelism's sequence of ``[b, a, s, d]``.
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return _apply(_GatherFromRegion, x, group)
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    return _apply(_Split, x, group, dim)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return _apply(_ScatterToSequenceRegion, x, group)
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    return _apply(_Gather, x, group, dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return _apply(_GatherFromSequenceRegion, x, group)
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _apply(_Split, x, group, dim)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return _apply(_ReduceScatterToSequenceRegion, x, group)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _apply(_GatherReduceScatter, x, group, dim)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    return _apply(_ReduceScatterGather, x, group, dim)
