@@ -8,8 +8,8 @@ import os
 import sys
 from datetime import timedelta
 
-from .config import ConfigError, add_config_arguments, config_from_args, derive, validate
-from .errors import print_error
+from ptdp.config import ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.errors import print_error
 
 
 def _train_parser(sub) -> None:
@@ -54,12 +54,12 @@ def run_train(args: argparse.Namespace) -> int:
     local_world_size = args.nproc_per_node if launching else int(
         os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if launching:  # at once: checking the configuration imports torch, which can take seconds
-        from .launch import launch_line
+        from ptdp.launch import launch_line
 
         par = config.parallel
         print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
                           par.pipeline_model_parallel_size), flush=True)
-    from .elastic import parse_nnodes, world_size_error
+    from ptdp.elastic import parse_nnodes, world_size_error
 
     try:
         nodes = parse_nnodes(args.nnodes)
@@ -80,7 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
     errors = validate(config, world_size, local_world_size)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if not errors:  # the machine (FP8 GPU) and the files (--save/--load, the checkpoint): ptdp.startup
-        from .startup import startup_problems, startup_warnings
+        from ptdp.startup import startup_problems, startup_warnings
 
         given, config = config, derive(config, world_size)  # validate never changes what it checks
         errors = startup_problems(config, world_size)
@@ -93,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
                 print_error("train", line)
         return 2
     if launching:
-        from .launch import launch_workers
+        from ptdp.launch import launch_workers
 
         rendezvous = None
         if args.nnodes is not None or args.rdzv_endpoint:
@@ -103,12 +103,12 @@ def run_train(args: argparse.Namespace) -> int:
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
         return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
 
-    from . import interrupt
-    from .data import DataError
+    from ptdp import interrupt
+    from ptdp.data import DataError
 
     interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
     try:
-        from .train.loop import train
+        from ptdp.train.loop import train
 
         train(config)
         code = interrupt.exit_code() or 0  # 130 (0 to ptdp's launcher) after a Ctrl-C stop
@@ -182,8 +182,8 @@ def _other_parsers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .cli_parser import Parser
+    from ptdp import __version__
+    from ptdp.cli_parser import Parser
 
     parser = Parser(prog="ptdp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"ptdp {__version__} ({_torch_version()})")
@@ -203,7 +203,7 @@ def _torch_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli_parser import parse
+    from ptdp.cli_parser import parse
 
     args = parse(build_parser(), argv)
     return args.run(args)

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import NoReturn
 
-from .errors import print_error
+from ptdp.errors import print_error
 
 
 class Parser(argparse.ArgumentParser):

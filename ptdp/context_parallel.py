@@ -28,11 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    group_rank,
-    group_size,
-)
+from ptdp.tensor_parallel.mappings import gather_from_sequence_parallel_region, group_rank, group_size
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
 

@@ -14,7 +14,7 @@ No torch import here: the launcher checks before any worker starts.
 
 from __future__ import annotations
 
-from .config import Config, validate
+from ptdp.config import Config, validate
 
 
 def parse_nnodes(value: str | None) -> tuple[int, int]:

@@ -55,7 +55,7 @@ def moe_shape(model: Any, moe: Any) -> MoEShape | None:
     """The :class:`MoEShape` of a ``ModelConfig`` and ``MoEConfig`` (None: dense)."""
     if moe is None or not moe.num_experts:
         return None
-    from .config.validate_moe import moe_layer_pattern
+    from ptdp.config.validate_moe import moe_layer_pattern
 
     return MoEShape(moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size or model.ffn_size,
                     sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers)),

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .config.features import FP8_FORMATS, FP8_RECIPES
+from ptdp.config.features import FP8_FORMATS, FP8_RECIPES
 
 _SKIPPED = ("router", "output_layer", "embedding")  # module-name parts that always stay bf16
 
@@ -90,7 +90,7 @@ def fp8_linear(config) -> Callable[..., torch.Tensor]:
 def fp8_modules(chunks: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs that go FP8: column/row-parallel linears inside transformer layers, whose
     dimensions FP8 GEMMs accept (multiples of 16), never the embedding, output layer or a router."""
-    from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from ptdp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     out = []
     for chunk in chunks:

@@ -20,13 +20,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .config import ConfigError
+from ptdp.config import ConfigError
 
 if TYPE_CHECKING:  # torch loads only when generating, not for `ptdp --help`
     import torch
 
-    from .data import Tokenizer
-    from .models import GPTModel
+    from ptdp.data import Tokenizer
+    from ptdp.models import GPTModel
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.models.TIED_EMBEDDING
 
@@ -154,8 +154,8 @@ def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None
     check_arguments(args)
     import torch
 
-    from .checkpointing import CheckpointError, read_full_model_state
-    from .hf import full_model_from_state
+    from ptdp.checkpointing import CheckpointError, read_full_model_state
+    from ptdp.hf import full_model_from_state
 
     try:
         tensors, config = read_full_model_state(args.load)
@@ -209,9 +209,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str | None = None) -> Tokenizer:
     """The tokenizer of ``tokenizer_file``, of ``override`` (a prefix) or of the run's first ``--data-path``
     prefix; bytes by default."""
-    from .data import ByteTokenizer, DataError, load_tokenizer
-    from .data.builder import _strip_suffix, parse_data_path
-    from .data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer
+    from ptdp.data import ByteTokenizer, DataError, load_tokenizer
+    from ptdp.data.builder import _strip_suffix, parse_data_path
+    from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer
 
     try:
         if tokenizer_file:
@@ -222,7 +222,7 @@ def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str
             return load_tokenizer(_strip_suffix(override))
         data = config.get("data", {})
         if data.get("tokenizer_type"):  # the run's Megatron tokenizer flags
-            from .data.tokenizer_flags import build_tokenizer
+            from ptdp.data.tokenizer_flags import build_tokenizer
 
             return build_tokenizer(data["tokenizer_type"], data.get("tokenizer_model"), data.get("vocab_file"),
                                    data.get("merge_file"), config.get("model", {}).get("vocab_size"))

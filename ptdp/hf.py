@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, ModelConfig, MoEConfig
+from ptdp.config import ConfigError, ModelConfig, MoEConfig
 
 if TYPE_CHECKING:  # torch loads only when a conversion runs, not for `ptdp --help`
     import torch
 
-    from .models import GPTModel
+    from ptdp.models import GPTModel
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.models.TIED_EMBEDDING
 
 HF_WEIGHTS = "model.safetensors"
@@ -89,8 +89,8 @@ def is_gpt2(cfg: ModelConfig) -> bool:
 
 def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -> GPTModel:
     """A single-process (t = 1) ptdp ``GPTModel`` holding ``tensors``, in eval mode (no dropout)."""
-    from .models import GPTModel
-    from .tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from ptdp.models import GPTModel
+    from ptdp.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     tracker = get_rng_tracker()
     if MODEL_PARALLEL_RNG not in tracker.states:  # attention forks this stream even without dropout
@@ -142,8 +142,8 @@ def _eod_id(config_dict: dict, vocab: int) -> int | None:
 
 
 def _tokenizer(config_dict: dict, vocab: int):
-    from .data import ByteTokenizer, load_tokenizer
-    from .data.builder import _strip_suffix, parse_data_path
+    from ptdp.data import ByteTokenizer, load_tokenizer
+    from ptdp.data.builder import _strip_suffix, parse_data_path
 
     data_path = config_dict.get("data", {}).get("data_path") or []
     try:
@@ -156,12 +156,12 @@ def _tokenizer(config_dict: dict, vocab: int):
 
 def export_hf(load: str | Path, out: str | Path) -> Path:
     """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``."""
-    from .checkpointing import read_full_model_state
+    from ptdp.checkpointing import read_full_model_state
 
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
-    from . import hf_llama, hf_moe
+    from ptdp import hf_llama, hf_moe
 
     moe = moe_config_from_dict(config_dict)
     kind = hf_moe.hf_kind(cfg, moe)
@@ -279,7 +279,7 @@ def import_hf(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfi
 
 def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, ModelConfig, MoEConfig]:
     """``import_hf``, also returning the mixture-of-experts settings (dense: ``num_experts`` None)."""
-    from .checkpointing import write_full_model_state
+    from ptdp.checkpointing import write_full_model_state
 
     directory = Path(directory)
     try:
@@ -291,12 +291,12 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
     if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
-        from . import hf_moe
+        from ptdp import hf_moe
 
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
     elif hf_config.get("model_type") == "llama":
-        from . import hf_llama
+        from ptdp import hf_llama
 
         cfg = hf_llama.model_config_from_hf(hf_config)
         tensors = hf_llama.from_hf_state(read_hf_tensors(directory), cfg)
@@ -368,7 +368,7 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .checkpointing import CheckpointError
+    from ptdp.checkpointing import CheckpointError
 
     try:
         out = export_hf(args.load, args.out)
@@ -392,7 +392,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def _fail(command: str, message: str) -> int:
-    from .errors import error_line
+    from ptdp.errors import error_line
 
     sys.stderr.write(error_line(command, message))
     return 2

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from . import hf_llama
-from .config import ConfigError, ModelConfig, MoEConfig
+from ptdp import hf_llama
+from ptdp.config import ConfigError, ModelConfig, MoEConfig
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ class MoEConversionError(ConfigError):
 
 
 def _pattern(moe: MoEConfig, num_layers: int) -> list[bool]:
-    from .models.moe import moe_layer_pattern
+    from ptdp.models.moe import moe_layer_pattern
 
     return moe_layer_pattern(moe.moe_layer_freq, num_layers) if moe.num_experts else [False] * num_layers
 

@@ -28,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import write_line
+from ptdp.errors import write_line
 
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 LAUNCHER_ENV = "PTDP_LAUNCHER_PID"

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from .errors import print_error
+from ptdp.errors import print_error
 
 
 def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str, str] | None = None) -> list[str]:
@@ -57,7 +57,7 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args([
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
-    from . import interrupt
+    from ptdp import interrupt
 
     interrupt.install_launcher()  # Ctrl-C goes to the workers as a graceful stop (ptdp/interrupt.py)
     try:

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from .config import Config
-from .models import GPTModel
-from .ops.fused import compile_layers, fused_ops
-from .optim import params_dtype
-from .parallel import ParallelState
-from .parallel.context import apply_context_parallel
-from .parallel.expert import apply_expert_parallel
-from .parallel.init import defer_init, init_parameters, mark_no_weight_decay, materialize
-from .parallel.tensor import apply_tensor_parallel
-from .pipeline.schedules import virtual_stage
-from .pipeline.stage import logical_name, split_model
-from .pipeline.vocab_stage import apply_vocab_parallel, init_vocab_slices
-from .recompute import apply_recompute
-from .schedule.layout import stages_of
+from ptdp.config import Config
+from ptdp.models import GPTModel
+from ptdp.ops.fused import compile_layers, fused_ops
+from ptdp.optim import params_dtype
+from ptdp.parallel import ParallelState
+from ptdp.parallel.context import apply_context_parallel
+from ptdp.parallel.expert import apply_expert_parallel
+from ptdp.parallel.init import defer_init, init_parameters, mark_no_weight_decay, materialize
+from ptdp.parallel.tensor import apply_tensor_parallel
+from ptdp.pipeline.schedules import virtual_stage
+from ptdp.pipeline.stage import logical_name, split_model
+from ptdp.pipeline.vocab_stage import apply_vocab_parallel, init_vocab_slices
+from ptdp.recompute import apply_recompute
+from ptdp.schedule.layout import stages_of
 
 
 def local_seq_length(config: Config, state: ParallelState) -> int:
@@ -84,7 +84,7 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
             init_vocab_slices(chunk, config.training.seed, m.init_method_std, padded_vocab_size)
         chunk.to(dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if config.precision.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/fp8.py)
-            from .fp8 import enable_fp8
+            from ptdp.fp8 import enable_fp8
 
             enable_fp8([chunk], config.precision.fp8_format, config.precision.fp8_recipe)
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import write_line
+from ptdp.errors import write_line
 
 AFTER_S = 2.0
 

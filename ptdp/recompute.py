@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from .tensor_parallel import get_rng_tracker
+from ptdp.tensor_parallel import get_rng_tracker
 
 
 def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:

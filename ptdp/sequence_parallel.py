@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .tensor_parallel.mappings import all_reduce, group_size
+from ptdp.tensor_parallel.mappings import all_reduce, group_size
 
 
 def sequence_parallel_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

@@ -9,13 +9,13 @@ every rank before any process group exists, so every rank stops with the same on
 
 from __future__ import annotations
 
-from .config import Config
+from ptdp.config import Config
 
 
 def startup_problems(config: Config, world_size: int) -> list[str]:
     """Every reason the derived ``config`` cannot start on this machine, one line each (none: it can)."""
-    from .checkpointing.validation import checkpoint_errors  # not in ptdp.config, which must not import it
-    from .fp8 import fp8_environment_errors
+    from ptdp.checkpointing.validation import checkpoint_errors  # not in ptdp.config, which must not import it
+    from ptdp.fp8 import fp8_environment_errors
 
     return [*fp8_environment_errors(config), *checkpoint_errors(config, world_size)]
 

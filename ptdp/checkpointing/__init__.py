@@ -7,10 +7,10 @@
 - ``full_model``: full tensors in one process, no process group (generate, Hugging Face import/export)
 """
 
-from .full_model import read_full_model_state, write_full_model_state
-from .manager import CheckpointManager, NonFiniteLossError
-from .state import load_checkpoint, save_checkpoint
-from .storage import CheckpointError, read_latest
+from ptdp.checkpointing.full_model import read_full_model_state, write_full_model_state
+from ptdp.checkpointing.manager import CheckpointManager, NonFiniteLossError
+from ptdp.checkpointing.state import load_checkpoint, save_checkpoint
+from ptdp.checkpointing.storage import CheckpointError, read_latest
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonFiniteLossError", "load_checkpoint", "read_full_model_state",
            "read_latest", "save_checkpoint", "write_full_model_state"]

@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..config import Config
-from ..models import TIED_EMBEDDING, GPTModel
-from . import storage
-from .validation import model_shape
+from ptdp.config import Config
+from ptdp.models import TIED_EMBEDDING, GPTModel
+from ptdp.checkpointing import storage
+from ptdp.checkpointing.validation import model_shape
 
 
 def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

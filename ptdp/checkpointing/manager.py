@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import interrupt
-from ..observability import flight_recorder
-from .state import load_checkpoint, save_checkpoint
-from .storage import CheckpointError
+from ptdp import interrupt
+from ptdp.observability import flight_recorder
+from ptdp.checkpointing.state import load_checkpoint, save_checkpoint
+from ptdp.checkpointing.storage import CheckpointError
 
 
 class NonFiniteLossError(CheckpointError):
@@ -51,12 +51,12 @@ class CheckpointManager:
         if state.mesh is not None and state.device.type != "cpu":
             self._agree_group = dist.new_group(backend="gloo")
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
-            from .saver import CheckpointWriter
+            from ptdp.checkpointing.saver import CheckpointWriter
 
             state = trainer.state
             self.writer = CheckpointWriter(state.rank, state.dims.world_size, self.ck.async_save)
             if state.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
-                from .storage import remove_leftovers
+                from ptdp.checkpointing.storage import remove_leftovers
 
                 for path in remove_leftovers(self.ck.save):
                     print(f" removed {path}, left by an interrupted save", flush=True)
@@ -94,9 +94,9 @@ class CheckpointManager:
 
     def _report_layout_change(self) -> None:
         """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/elastic.py)."""
-        from ..elastic import layout_change
-        from .state import _layout
-        from .storage import read_info, resolve
+        from ptdp.elastic import layout_change
+        from ptdp.checkpointing.state import _layout
+        from ptdp.checkpointing.storage import read_info, resolve
 
         trainer = self.trainer
         saved = read_info(resolve(self.ck.load))["layout"]
@@ -107,7 +107,7 @@ class CheckpointManager:
 
     def _report_data_mix(self) -> None:
         """One line per dataset: consumed so far, left in its epoch, old -> new weight (ptdp/data/train_stream.py)."""
-        from ..data.train_stream import summary_lines
+        from ptdp.data.train_stream import summary_lines
 
         resumed = self.trainer.data.train.resumed
         if resumed is None:
@@ -120,7 +120,7 @@ class CheckpointManager:
         flight_recorder.progress(iteration)
         interrupt.training(iteration)  # a first Ctrl-C from now on finishes the iteration and saves
         if self._first_phase is None:  # its one-off costs (allocation, compilation) can take a while
-            from ..phases import Phase
+            from ptdp.phases import Phase
 
             self._first_phase = Phase(f"iteration {iteration} (the first one pays one-off costs)",
                                           rank=self.trainer.state.rank)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..optim.optimizer import DistributedOptimizer
-from .sharded import add_boxes, piece_boxes, tp_geometry
+from ptdp.optim.optimizer import DistributedOptimizer
+from ptdp.checkpointing.sharded import add_boxes, piece_boxes, tp_geometry
 
 
 def owns_pieces(optimizer) -> bool:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from . import storage
-from .sharded import Boxes, BoxSavePlanner
+from ptdp.checkpointing import storage
+from ptdp.checkpointing.sharded import Boxes, BoxSavePlanner
 
 
 def stage(state_dict: dict) -> dict:

@@ -36,12 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..optim import MegatronOptimizer
-from ..pipeline.stage import logical_name
-from ..tensor_parallel import random as tp_random
-from . import optimizer_shards, storage
-from .sharded import BoxLoadPlanner
-from .validation import model_mismatch, model_shape
+from ptdp.optim import MegatronOptimizer
+from ptdp.pipeline.stage import logical_name
+from ptdp.tensor_parallel import random as tp_random
+from ptdp.checkpointing import optimizer_shards, storage
+from ptdp.checkpointing.sharded import BoxLoadPlanner
+from ptdp.checkpointing.validation import model_mismatch, model_shape
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
@@ -159,7 +159,7 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     background (``--async-save``: this call then returns after copying the state, and ``on_commit(iteration,
     path, write_seconds)`` runs once ``latest`` moved). Without one, the save is written inline.
     """
-    from .saver import CheckpointWriter, stage
+    from ptdp.checkpointing.saver import CheckpointWriter, stage
 
     ck, state = trainer.config.checkpoint, trainer.state
     if writer is None:
@@ -194,7 +194,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     if directory is None:
         return 0
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
-    from .saver import verify_data_files
+    from ptdp.checkpointing.saver import verify_data_files
 
     verify_data_files(directory, trainer.state.rank, trainer.state.dims.world_size)  # each rank a share
     info = storage.read_info(directory)

@@ -24,7 +24,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..config import ConfigError
+from ptdp.config import ConfigError
 
 FORMAT = "ptdp-dcp/1"
 LATEST = "latest"

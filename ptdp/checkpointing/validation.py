@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..config import Config, ModelConfig
-from .storage import CheckpointError, read_info, resolve, verify_checksums
+from ptdp.config import Config, ModelConfig
+from ptdp.checkpointing.storage import CheckpointError, read_info, resolve, verify_checksums
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
 SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -133,6 +133,6 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
     if problem:
         return [f"--load {directory}: {problem}"]
     # a dataset changed under its prefix: exit 2 before any worker starts
-    from ..data.mix_state import data_state_errors
+    from ptdp.data.mix_state import data_state_errors
 
     return data_state_errors(config.data.data_path, config.data.override_data_state, info, str(directory))

@@ -13,8 +13,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from .schema import Config, ConfigError
-from .validate import virtual_size
+from ptdp.config.schema import Config, ConfigError
+from ptdp.config.validate import virtual_size
 
 
 @dataclass(frozen=True)

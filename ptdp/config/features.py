@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .schema import Config
+    from ptdp.config.schema import Config
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schedule.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
+from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
 
 
 class ConfigError(Exception):

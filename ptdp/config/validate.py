@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
-from ..schedule.registry import schedule_problems
-from .features import fp8_errors, recompute_errors
-from .load import type_problems
-from .schema import Config, MixedPrecisionConfig, ModelConfig
+from ptdp.schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
+from ptdp.schedule.registry import schedule_problems
+from ptdp.config.features import fp8_errors, recompute_errors
+from ptdp.config.load import type_problems
+from ptdp.config.schema import Config, MixedPrecisionConfig, ModelConfig
 
 
 def virtual_size(config: Config) -> tuple[int | None, list[str]]:
@@ -129,11 +129,11 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    from .validate_moe import moe_errors  # issue 25
+    from ptdp.config.validate_moe import moe_errors  # issue 25
 
     errors += moe_errors(config)
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
-        from .validate_moe import expert_layout_errors
+        from ptdp.config.validate_moe import expert_layout_errors
 
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
@@ -146,10 +146,10 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
                       "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
                       f"a node: choose t dividing {local_world_size}")
-    from ..observability import observability_errors
+    from ptdp.observability import observability_errors
 
     errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
-    from ..schedule.vocab import vocab_parallel_errors  # issue 24
+    from ptdp.schedule.vocab import vocab_parallel_errors  # issue 24
 
     errors += vocab_parallel_errors(config) if sizes_ok else []
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the

@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no runtime import: the models import moe_layer_pattern from here
-    from .schema import Config
+    from ptdp.config.schema import Config
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:

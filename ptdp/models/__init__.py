@@ -5,9 +5,9 @@ contract in ``pyproject.toml``, and tests/test_architecture.py); ``ptdp.parallel
 modules from outside.
 """
 
-from .gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
-from .layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
-from .moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
+from ptdp.models.gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
+from ptdp.models.layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
+from ptdp.models.moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
 
 __all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
            "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",

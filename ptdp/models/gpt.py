@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fused import EAGER, FusedOps, fused_ops
-from .layers import CausalAttention, DropoutAdd, Linear, Logits, RngContext, SequencePositions, norm
-from .moe import MoELayer, moe_layer_pattern
-from .rotary import RotaryEmbedding
+from ptdp.ops.fused import EAGER, FusedOps, fused_ops
+from ptdp.models.layers import CausalAttention, DropoutAdd, Linear, Logits, RngContext, SequencePositions, norm
+from ptdp.models.moe import MoELayer, moe_layer_pattern
+from ptdp.models.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig, MoEConfig
+    from ptdp.config import ModelConfig, MoEConfig
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the input embedding, also the output weight when tied
 

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.fused import FusedOps
-from ..ops.norms import LayerNorm, RMSNorm
-from ..ops.weight_grad import linear
+from ptdp.ops.fused import FusedOps
+from ptdp.ops.norms import LayerNorm, RMSNorm
+from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from ptdp.config import ModelConfig
 
 RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-parallel RNG tracker's fork
 

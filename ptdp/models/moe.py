@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config.validate_moe import moe_layer_pattern
-from ..ops.grouped import grouped_linear
-from ..ops.weight_grad import linear
+from ptdp.config.validate_moe import moe_layer_pattern
+from ptdp.ops.grouped import grouped_linear
+from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig, MoEConfig
+    from ptdp.config import ModelConfig, MoEConfig
 
 __all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
            "moe_layers", "pop_moe_stats", "set_aux_loss_scale"]

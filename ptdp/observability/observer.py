@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import Config
-from .summary import run_summary, summary_line
-from .timeline import Timeline, merge_timelines
+from ptdp.config import Config
+from ptdp.observability.summary import run_summary, summary_line
+from ptdp.observability.timeline import Timeline, merge_timelines
 
 
 class RunObserver:
@@ -26,7 +26,7 @@ class RunObserver:
         self._timeline_saved = False
         self.tensorboard = None
         if tr.tensorboard_dir and rank == 0:
-            from .tensorboard import TensorBoardLogger
+            from ptdp.observability.tensorboard import TensorBoardLogger
 
             self.tensorboard = TensorBoardLogger(tr.tensorboard_dir)
 

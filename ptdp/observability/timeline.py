@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from .clock import Clock, seconds
+from ptdp.observability.clock import Clock, seconds
 
 # One row ("thread") per kind of work, so compute and waiting never overlap on one row.
 THREADS = {"compute": 0, "p2p": 1, "collective": 2}

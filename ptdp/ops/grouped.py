@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .weight_grad import WeightGrads, deferring_store
+from ptdp.ops.weight_grad import WeightGrads, deferring_store
 
 _SUPPORT: dict[tuple[str, torch.dtype], bool] = {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .weight_grad import WeightGrads, deferring_store, plain_path
+from ptdp.ops.weight_grad import WeightGrads, deferring_store, plain_path
 
 _aten = torch.ops.aten
 

@@ -6,13 +6,13 @@
 from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, counted and by formula.
 """
 
-from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
-from .grad_buffer import Bucket, GradBuckets
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler
-from .lr_schedule import learning_rate
-from .memory import model_state_bytes, model_state_formula_bytes
-from .optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
-from .setup import params_dtype, setup_optimizer
+from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
+from ptdp.optim.grad_buffer import Bucket, GradBuckets
+from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.optim.lr_schedule import learning_rate
+from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
+from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
+from ptdp.optim.setup import params_dtype, setup_optimizer
 
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",

@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.mappings import group_rank
-from .clip_grads import counts_in_grad_norm
-from .grad_buffer import Bucket, GradBuckets
+from ptdp.tensor_parallel.mappings import group_rank
+from ptdp.optim.clip_grads import counts_in_grad_norm
+from ptdp.optim.grad_buffer import Bucket, GradBuckets
 
 
 class ExpertGradBuckets:
@@ -118,7 +118,7 @@ def expert_grad_buckets(params: list[nn.Parameter], state, make: Callable[..., G
         dense_group = state.dp_cp_group
     expert_group, expert_replicas = expert.edp_group, None
     if distributed and instances > 1:  # the expert-DP group cut into K instances too (Megatron does the same)
-        from .hybrid import expert_instance_groups
+        from ptdp.optim.hybrid import expert_instance_groups
 
         expert_group, expert_replicas = expert_instance_groups(expert, state.rank, instances)
     dense = make(dense_params, dense_group, separate=shared_embedding, replica_group=dense_replicas)

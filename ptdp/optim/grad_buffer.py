@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..observability import flight_recorder
-from ..ops.weight_grad import grad_deferred
-from ..tensor_parallel.mappings import all_gather_single, group_rank, group_size, reduce_scatter_single
+from ptdp.observability import flight_recorder
+from ptdp.ops.weight_grad import grad_deferred
+from ptdp.tensor_parallel.mappings import all_gather_single, group_rank, group_size, reduce_scatter_single
 
 
 @dataclass

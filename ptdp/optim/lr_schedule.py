@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import OptimizerConfig
+from ptdp.config import OptimizerConfig
 
 
 def learning_rate(iteration: int, cfg: OptimizerConfig, train_iters: int) -> float:

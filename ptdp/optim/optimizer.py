@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import OptimizerConfig
-from ..tensor_parallel.mappings import all_gather_single
-from .clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm_tensor
-from .grad_buffer import Bucket, GradBuckets
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.config import OptimizerConfig
+from ptdp.tensor_parallel.mappings import all_gather_single
+from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm_tensor
+from ptdp.optim.grad_buffer import Bucket, GradBuckets
+from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -39,7 +39,7 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimize
     """
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer_cpu_offload:  # issue 26: state and step on the host
-        from .offload import HostOffloadAdamW
+        from ptdp.optim.offload import HostOffloadAdamW
 
         return HostOffloadAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     fused = any(t.is_cuda for t in (*decay, *no_decay)) or None

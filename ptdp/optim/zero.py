@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .grad_buffer import Bucket, GradBuckets, free_storage
+from ptdp.optim.grad_buffer import Bucket, GradBuckets, free_storage
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 

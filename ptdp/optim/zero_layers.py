@@ -43,9 +43,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.weight_grad import grad_deferred
-from .grad_buffer import Bucket, GradBuckets, free_storage
-from .zero import ChunkParamSync
+from ptdp.ops.weight_grad import grad_deferred
+from ptdp.optim.grad_buffer import Bucket, GradBuckets, free_storage
+from ptdp.optim.zero import ChunkParamSync
 
 
 def _in_backward() -> bool:

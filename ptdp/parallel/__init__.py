@@ -6,6 +6,6 @@ the meta device with the values one process would draw. Pipeline splitting is ``
 the order of application is ``ptdp.parallelize`` (see ``docs/architecture.md``).
 """
 
-from .dims import ParallelDims, ParallelState, init_distributed
+from ptdp.parallel.dims import ParallelDims, ParallelState, init_distributed
 
 __all__ = ["ParallelDims", "ParallelState", "init_distributed"]

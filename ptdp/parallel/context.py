@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..context_parallel import context_parallel_attention, load_balanced_positions
-from ..models import CausalAttention, SequencePositions
-from ..tensor_parallel.mappings import group_rank, group_size
+from ptdp.context_parallel import context_parallel_attention, load_balanced_positions
+from ptdp.models import CausalAttention, SequencePositions
+from ptdp.tensor_parallel.mappings import group_rank, group_size
 
 
 class LoadBalancedPositions(SequencePositions):

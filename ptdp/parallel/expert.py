@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .expert_aux import split_sequence_load_balancing
-from .expert_dims import ExpertParallel
-from .expert_dispatch import DISPATCHERS
+from ptdp.parallel.expert_aux import split_sequence_load_balancing
+from ptdp.parallel.expert_dims import ExpertParallel
+from ptdp.parallel.expert_dispatch import DISPATCHERS
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.mappings import all_reduce, group_size
+from ptdp.tensor_parallel.mappings import all_reduce, group_size
 
 
 def split_sequence_load_balancing(router: nn.Module, group, scale: float, z_loss_scale: float = 1.0) -> None:

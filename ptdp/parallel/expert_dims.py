@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # the layout rules are pure (``ptdp plan`` checks them without torch): they live with the MoE flag checks
-from ..config.validate_moe import expert_layout_errors, expert_tensor_size
+from ptdp.config.validate_moe import expert_layout_errors, expert_tensor_size
 
 __all__ = ["ExpertDims", "ExpertParallel", "build_expert_parallel", "expert_layout_errors", "expert_tensor_size"]
 

@@ -40,19 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..observability import flight_recorder
-from ..tensor_parallel.mappings import (
-    all_gather,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    group_rank,
-    group_size,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    split,
-)
+from ptdp.observability import flight_recorder
+from ptdp.tensor_parallel.mappings import all_gather, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region, group_rank, group_size, reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region, split
 
 
 class _AllToAll(torch.autograd.Function):

@@ -23,16 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import GPTModel, Linear
-from ..tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelLogits,
-    get_rng_tracker,
-    scatter_to_sequence_parallel_region,
-)
-from ..tensor_parallel.mappings import group_size
+from ptdp.models import GPTModel, Linear
+from ptdp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits, get_rng_tracker, scatter_to_sequence_parallel_region
+from ptdp.tensor_parallel.mappings import group_size
 
 
 def _carry(old: nn.Module, new: nn.Module) -> nn.Module:

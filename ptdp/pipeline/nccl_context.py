@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .executor import run_schedule
-from .nccl_trace import RecordingComm
-from .nccl_vocab import VocabTraceStage
-from .schedules import Action, build_schedule, schedule_placement
+from ptdp.pipeline.executor import run_schedule
+from ptdp.pipeline.nccl_trace import RecordingComm
+from ptdp.pipeline.nccl_vocab import VocabTraceStage
+from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement
 
 CP_COMM = "cp"
 

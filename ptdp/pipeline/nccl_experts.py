@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .executor import run_schedule
-from .nccl_trace import RecordingComm, _TraceStage
-from .schedules import Action, build_schedule, schedule_placement, virtual_stage
+from ptdp.pipeline.executor import run_schedule
+from ptdp.pipeline.nccl_trace import RecordingComm, _TraceStage
+from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement, virtual_stage
 
 FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],
            "allgather": ["gather-tokens", "gather-probs", "gather-choices", "combine-reduce-scatter"]}

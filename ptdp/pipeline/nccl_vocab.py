@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..schedule.actions import Action
-from ..schedule.vocab import end_ranks, waits_for
-from .nccl_trace import RecordingComm, _TraceStage
+from ptdp.schedule.actions import Action
+from ptdp.schedule.vocab import end_ranks, waits_for
+from ptdp.pipeline.nccl_trace import RecordingComm, _TraceStage
 
 VOCAB_COMM = "vocab"
 
@@ -28,7 +28,7 @@ class VocabTraceStage(_TraceStage):
         self._posted: dict[tuple[str, int], int] = {}
 
     def _stage(self, chunk: int) -> int:
-        from ..schedule.actions import virtual_stage
+        from ptdp.schedule.actions import virtual_stage
 
         return virtual_stage(self.rank, chunk, self.p, self.placement)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import copy
 
-from .nccl_model import record_comm_trace
-from .nccl_trace import RecordingComm
+from ptdp.pipeline.nccl_model import record_comm_trace
+from ptdp.pipeline.nccl_trace import RecordingComm
 
 
 class RecordingParamSync:

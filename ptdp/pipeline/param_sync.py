@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..schedule.actions import COMPUTE_OPS, Action
-from ..schedule.vocab import VOCAB_COMPUTE
+from ptdp.schedule.actions import COMPUTE_OPS, Action
+from ptdp.schedule.vocab import VOCAB_COMPUTE
 
 USES = COMPUTE_OPS | VOCAB_COMPUTE  # the actions that read a chunk's parameters (vocabulary ones: chunk 0)
 GRAD_OPS = frozenset({"B", "I", "W", "T", "EB"})  # ... and those that add to its gradients

@@ -14,47 +14,10 @@ This module re-exports them so ``from ptdp.pipeline.schedules import X`` keeps w
 
 from __future__ import annotations
 
-from ..schedule.actions import (
-    COMM_OPS,
-    COMPUTE_OPS,
-    Action,
-    compute_only,
-    peak_in_flight,
-    peak_stashed,
-    stage_location,
-    stage_peers,
-    virtual_stage,
-)
-from ..schedule.builders import (
-    gpipe,
-    interleaved,
-    interleaved_warmup,
-    one_f_one_b,
-    v_half,
-    v_min,
-    zb_h1,
-    zb_h2,
-    zbv,
-)
-from ..schedule.communication import (
-    TICKS,
-    check_deadlock_free,
-    compute_times,
-    input_dependencies,
-    place_communication,
-)
-from ..schedule.registry import (
-    PLACEMENTS,
-    REGISTRY,
-    SCHEDULES,
-    V_SCHEDULES,
-    ZERO_BUBBLE,
-    ScheduleSpec,
-    bubble_fraction_formula,
-    build_schedule,
-    schedule_placement,
-    schedule_spec,
-)
+from ptdp.schedule.actions import COMM_OPS, COMPUTE_OPS, Action, compute_only, peak_in_flight, peak_stashed, stage_location, stage_peers, virtual_stage
+from ptdp.schedule.builders import gpipe, interleaved, interleaved_warmup, one_f_one_b, v_half, v_min, zb_h1, zb_h2, zbv
+from ptdp.schedule.communication import TICKS, check_deadlock_free, compute_times, input_dependencies, place_communication
+from ptdp.schedule.registry import PLACEMENTS, REGISTRY, SCHEDULES, V_SCHEDULES, ZERO_BUBBLE, ScheduleSpec, bubble_fraction_formula, build_schedule, schedule_placement, schedule_spec
 
 __all__ = [
     "COMM_OPS", "COMPUTE_OPS", "PLACEMENTS", "REGISTRY", "SCHEDULES", "TICKS", "V_SCHEDULES", "ZERO_BUBBLE",

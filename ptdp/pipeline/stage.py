@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..models import TIED_EMBEDDING, GPTModel
-from ..schedule.layout import Stage, stages_from_counts
-from ..tensor_parallel.mappings import all_reduce
+from ptdp.models import TIED_EMBEDDING, GPTModel
+from ptdp.schedule.layout import Stage, stages_from_counts
+from ptdp.tensor_parallel.mappings import all_reduce
 
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
 

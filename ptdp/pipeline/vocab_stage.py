@@ -26,11 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import GPTModel
-from ..models.layers import mask_padding_
-from ..schedule.vocab import end_ranks, waits_for
-from ..tensor_parallel.mappings import all_gather, group_rank, group_size
-from .executor import ModuleStage
+from ptdp.models import GPTModel
+from ptdp.models.layers import mask_padding_
+from ptdp.schedule.vocab import end_ranks, waits_for
+from ptdp.tensor_parallel.mappings import all_gather, group_rank, group_size
+from ptdp.pipeline.executor import ModuleStage
 
 SLICES = "vocab_slices"  # the attribute of chunk 0 holding this rank's vocabulary rows
 
@@ -167,7 +167,7 @@ class VocabStage(ModuleStage):
 
     # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
-        from ..schedule.actions import Action
+        from ptdp.schedule.actions import Action
 
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
@@ -183,7 +183,7 @@ class VocabStage(ModuleStage):
         return None
 
     def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
-        from ..schedule.actions import Action
+        from ptdp.schedule.actions import Action
 
         self._wait(Action(op, microbatch, chunk))
         if chunk != self.last_chunk:

@@ -273,7 +273,7 @@ def search(
 
     Layouts that would be faster but do not fit come after the fitting ones.
     """
-    from ..data.progress import Progress  # a bar on a terminal, a line every 10 s in a log
+    from ptdp.data.progress import Progress  # a bar on a terminal, a line every 10 s in a log
 
     configs = list(candidates(model, cluster, train) if configs is None else configs)
     progress = Progress("plan", len(configs), unit="layouts")

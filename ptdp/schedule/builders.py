@@ -14,7 +14,7 @@ import functools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
-from .actions import Action, virtual_stage
+from ptdp.schedule.actions import Action, virtual_stage
 
 
 def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:

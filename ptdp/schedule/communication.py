@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Container, Mapping, Sequence
 
-from .actions import Action, stage_location, virtual_stage
-from .progress import drain
+from ptdp.schedule.actions import Action, stage_location, virtual_stage
+from ptdp.schedule.progress import drain
 
 # Relative cost of each compute action in the timing that orders communication (t_b = 2 t_f, I + W = B).
 TICKS = {"F": 2, "B": 4, "I": 2, "W": 2}

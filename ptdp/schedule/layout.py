@@ -30,8 +30,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import stage_location
-from .registry import default_schedule, schedule_placement
+from ptdp.schedule.actions import stage_location
+from ptdp.schedule.registry import default_schedule, schedule_placement
 
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .actions import Action, virtual_stage
+from ptdp.schedule.actions import Action, virtual_stage
 
 
 def drain(lists: Sequence[Sequence[Action]], p: int, placement: str,

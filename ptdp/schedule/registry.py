@@ -17,9 +17,9 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import builders
-from .actions import Action, check_args, peak_stashed
-from .communication import compute_times, place_communication
+from ptdp.schedule import builders
+from ptdp.schedule.actions import Action, check_args, peak_stashed
+from ptdp.schedule.communication import compute_times, place_communication
 
 Builder = Callable[[int, int, int, int], list[Action]]
 
@@ -202,7 +202,7 @@ def _cached_schedule(name: str, p: int, v: int, m: int, forward_only: bool, voca
     if forward_only:
         computes = [[a for a in c if a.op == "F"] for c in computes]
     if vocab_barriers:
-        from .vocab import add_vocab_passes
+        from ptdp.schedule.vocab import add_vocab_passes
 
         return tuple(tuple(r) for r in add_vocab_passes(computes, p, v, spec.placement, vocab_barriers, forward_only))
     return tuple(tuple(r) for r in place_communication(computes, p, v, spec.placement))

@@ -29,11 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .actions import Action, stage_location, virtual_stage
-from .communication import TICKS, add_p2p
+from ptdp.schedule.actions import Action, stage_location, virtual_stage
+from ptdp.schedule.communication import TICKS, add_p2p
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ptdp.config import Config
 
 VOCAB_COMPUTE = frozenset({"EF", "S", "T", "EB"})
 VOCAB_COLLECTIVES = frozenset({"EMB", "BCAST_H", "C0", "C1", "EMB_G"})

@@ -1,17 +1,9 @@
 """Tensor (intra-layer) model parallelism: layers, region operators, cross-entropy and RNG streams."""
 
-from .cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
-from .mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
-from .random import get_rng_tracker, model_parallel_seed
+from ptdp.tensor_parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
+from ptdp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
+from ptdp.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region
+from ptdp.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 
 __all__ = [
     "ColumnParallelLinear",

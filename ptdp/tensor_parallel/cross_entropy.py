@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.layers import mask_padding_
-from .mappings import all_reduce, group_rank, group_size
+from ptdp.models.layers import mask_padding_
+from ptdp.tensor_parallel.mappings import all_reduce, group_rank, group_size
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, group) -> torch.Tensor:

@@ -12,19 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import mask_padding_
-from ..ops.weight_grad import add_bias, linear
-from .mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    group_rank,
-    group_size,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
-from .sequence_linear import sequence_parallel_linear
+from ptdp.models.layers import mask_padding_
+from ptdp.ops.weight_grad import add_bias, linear
+from ptdp.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region, group_rank, group_size, reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region
+from ptdp.tensor_parallel.sequence_linear import sequence_parallel_linear
 
 
 def mark_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:

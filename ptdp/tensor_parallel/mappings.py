@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..observability import flight_recorder
+from ptdp.observability import flight_recorder
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

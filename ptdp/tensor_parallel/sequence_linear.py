@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops.weight_grad import WeightGrads, deferring_store, plain_path
-from .mappings import all_gather, all_gather_single, group_size, reduce_scatter
+from ptdp.ops.weight_grad import WeightGrads, deferring_store, plain_path
+from ptdp.tensor_parallel.mappings import all_gather, all_gather_single, group_size, reduce_scatter
 
 SEQ_DIM = 1  # activations are [b, s, h]
 

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..data import get_microbatch
-from ..observability import flight_recorder
-from ..pipeline.executor import run_schedule
-from ..pipeline.schedules import build_schedule, virtual_stage
-from ..pipeline.vocab_stage import VocabStage
-from ..schedule.vocab import vocab_barriers
-from ..tensor_parallel.mappings import group_size
-from .state import TrainState
-from .step import cp_shard, language_model_loss
+from ptdp.data import get_microbatch
+from ptdp.observability import flight_recorder
+from ptdp.pipeline.executor import run_schedule
+from ptdp.pipeline.schedules import build_schedule, virtual_stage
+from ptdp.pipeline.vocab_stage import VocabStage
+from ptdp.schedule.vocab import vocab_barriers
+from ptdp.tensor_parallel.mappings import group_size
+from ptdp.train.state import TrainState
+from ptdp.train.step import cp_shard, language_model_loss
 
 
 class ForwardOnlyStage:

@@ -7,14 +7,14 @@ import json
 import time
 from pathlib import Path
 
-from .. import flops, hardware
-from ..checkpointing import CheckpointManager
-from ..config import Config
-from ..observability.clock import Clock
-from ..observability.observer import RunObserver
-from .report import progress_line, rank_report, read_records, startup_summary, validation_record
-from .state import setup
-from .step import train_step
+from ptdp import flops, hardware
+from ptdp.checkpointing import CheckpointManager
+from ptdp.config import Config
+from ptdp.observability.clock import Clock
+from ptdp.observability.observer import RunObserver
+from ptdp.train.report import progress_line, rank_report, read_records, startup_summary, validation_record
+from ptdp.train.state import setup
+from ptdp.train.step import train_step
 
 
 def train(config: Config) -> list[dict]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..models.moe import moe_layer_pattern, pop_moe_stats, set_aux_loss_scale
-from ..observability import flight_recorder
-from ..tensor_parallel.mappings import group_size
-from .state import TrainState
+from ptdp.models.moe import moe_layer_pattern, pop_moe_stats, set_aux_loss_scale
+from ptdp.observability import flight_recorder
+from ptdp.tensor_parallel.mappings import group_size
+from ptdp.train.state import TrainState
 
 _LOSSES = ("load_balancing_loss", "z_loss")
 KEYS = ("moe_aux_loss", "moe_z_loss", "moe_max_load_ratio", "moe_dropped_tokens")  # record keys

@@ -6,15 +6,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import flops
-from ..observability import straggler
-from ..optim.memory import memory_fields, memory_row, model_states_at_start
-from ..pipeline.executor import ScheduleStats
-from ..pipeline.schedules import bubble_fraction_formula
-from .evaluate import evaluate, perplexity
-from .moe_metrics import moe_metrics, progress_suffix
-from .state import TrainState
-from .step import to_device
+from ptdp import flops
+from ptdp.observability import straggler
+from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
+from ptdp.pipeline.executor import ScheduleStats
+from ptdp.pipeline.schedules import bubble_fraction_formula
+from ptdp.train.evaluate import evaluate, perplexity
+from ptdp.train.moe_metrics import moe_metrics, progress_suffix
+from ptdp.train.state import TrainState
+from ptdp.train.step import to_device
 
 
 def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
@@ -81,7 +81,7 @@ def startup_summary(trainer: TrainState) -> str:
     rank, model-state bytes (parameters, gradients, optimizer state; Adam's moments counted before the first
     step allocates them) on the fullest rank, the layout, microbatches and tokens per iteration (collective:
     every rank calls it)."""
-    from ..presets import model_family
+    from ptdp.presets import model_family
 
     cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
     m = cfg.model

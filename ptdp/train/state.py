@@ -13,22 +13,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
-from ..data import DataSplits
-from ..data.training_data import datasets_for_config
-from ..models import GPTModel
-from ..observability.timeline import Timeline
-from ..optim import GradBuckets, MegatronOptimizer, params_dtype, setup_optimizer
-from ..parallel import ParallelDims, ParallelState, init_distributed
-from ..parallel.expert_dims import build_expert_parallel
-from ..parallelize import build_model_chunks, local_seq_length
-from ..phases import phase
-from ..pipeline.p2p import P2PComm, direction_groups
-from ..pipeline.schedules import Action, build_schedule, schedule_placement
-from ..pipeline.stage import tied_embedding_weights
-from ..schedule.vocab import vocab_barriers
-from ..tensor_parallel import model_parallel_seed
-from ..tensor_parallel.mappings import all_gather, split
+from ptdp.config import Config
+from ptdp.data import DataSplits
+from ptdp.data.training_data import datasets_for_config
+from ptdp.models import GPTModel
+from ptdp.observability.timeline import Timeline
+from ptdp.optim import GradBuckets, MegatronOptimizer, params_dtype, setup_optimizer
+from ptdp.parallel import ParallelDims, ParallelState, init_distributed
+from ptdp.parallel.expert_dims import build_expert_parallel
+from ptdp.parallelize import build_model_chunks, local_seq_length
+from ptdp.phases import phase
+from ptdp.pipeline.p2p import P2PComm, direction_groups
+from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement
+from ptdp.pipeline.stage import tied_embedding_weights
+from ptdp.schedule.vocab import vocab_barriers
+from ptdp.tensor_parallel import model_parallel_seed
+from ptdp.tensor_parallel.mappings import all_gather, split
 
 
 @dataclass

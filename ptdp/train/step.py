@@ -11,20 +11,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data import get_microbatch
-from ..observability import flight_recorder
-from ..observability.timeline import span
-from ..optim import learning_rate
-from ..parallel import ParallelState
-from ..pipeline.executor import ModuleStage, ScheduleStats, run_schedule
-from ..pipeline.stage import sync_embedding_grads
-from ..pipeline.vocab_stage import VocabStage
-from ..schedule.vocab import vocab_barriers
-from ..sequence_parallel import all_reduce_sequence_parallel_grads
-from ..tensor_parallel import vocab_parallel_cross_entropy
-from ..tensor_parallel.mappings import group_size
-from .moe_metrics import gather_moe_stats, set_loss_scale
-from .state import TrainState
+from ptdp.data import get_microbatch
+from ptdp.observability import flight_recorder
+from ptdp.observability.timeline import span
+from ptdp.optim import learning_rate
+from ptdp.parallel import ParallelState
+from ptdp.pipeline.executor import ModuleStage, ScheduleStats, run_schedule
+from ptdp.pipeline.stage import sync_embedding_grads
+from ptdp.pipeline.vocab_stage import VocabStage
+from ptdp.schedule.vocab import vocab_barriers
+from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
+from ptdp.tensor_parallel import vocab_parallel_cross_entropy
+from ptdp.tensor_parallel.mappings import group_size
+from ptdp.train.moe_metrics import gather_moe_stats, set_loss_scale
+from ptdp.train.state import TrainState
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
@@ -48,7 +48,7 @@ def cp_shard(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """This CP rank's load-balanced chunks of ``[b, s]`` (itself when c = 1)."""
     if state.dims.cp == 1:
         return x
-    from ..context_parallel import shard_sequence
+    from ptdp.context_parallel import shard_sequence
 
     return shard_sequence(x, state.dims.cp, state.cp_rank, dim=1)
 
