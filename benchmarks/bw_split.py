@@ -10,7 +10,7 @@ times the backward of the same forward three ways (the forward itself is not tim
 - ``new``: I = that backward under ``defer_weight_grads`` (graph freed, wgrad closures kept), then W =
   ``WeightGradStore.run`` (only the wgrad GEMMs and bias/norm reductions) -- ``ModuleStage``'s split;
 - ``old``: I = ``autograd.grad`` to the input with ``retain_graph``, then W = ``autograd.backward`` with
-  ``inputs=params`` (walks the graph again) -- the executor's split before ``ptdp.tensor_parallel.
+  ``inputs=params`` (walks the graph again) -- the executor's split before ``ptdp.parallel.tensor.
   weight_grad``.
 
 - ``B_torch``: B with torch's own linear/norm autograd instead of ptdp's Functions (the default path's

@@ -66,7 +66,7 @@ def _worker(rank: int, store: str, workdir: str, out: str, strategy: str) -> Non
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     from ptdp.checkpointing import load_checkpoint, save_checkpoint
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive
     from ptdp.optim.memory import model_state_bytes
     from ptdp.train.state import setup

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ptdp.context_parallel import COMM_TYPES, context_parallel_attention, shard_sequence
+from ptdp.parallel.context.attention import COMM_TYPES, context_parallel_attention, shard_sequence
 
 
 def _time(fn, repeats: int) -> list[float]:

@@ -85,7 +85,7 @@ def ptdp_setup(args):
     c = Config()
     m, tr, o = c.model, c.training, c.optimizer
     if args.model == "llama-1b":  # Llama 3.2 1B's shape (GQA, SwiGLU, RoPE, RMSNorm, tied) at s = --seq
-        from ptdp.presets import MODEL_PRESETS
+        from ptdp.config.presets import MODEL_PRESETS
 
         for key, value in MODEL_PRESETS["llama3-8b"].items():
             setattr(m, key, value)

@@ -24,7 +24,7 @@ the paper: zero-bubble and V schedules).
 
 ``korthikanti_bytes`` is Korthikanti et al.'s count with tensor parallelism, s·b·h·(10 + 24/t +
 5·a·s/(h·t)) per layer per microbatch, and s·b·h·(34 + 5·a·s/h)/t with sequence parallelism (issue 32:
-the column-parallel linears keep their s/t-token input, ``ptdp/tensor_parallel/sequence_linear.py``);
+the column-parallel linears keep their s/t-token input, ``ptdp/parallel/sequence/linear.py``);
 ``peak_resident_bytes`` is the worst worker's peak RSS (VmHWM) over the run.
 
     python benchmarks/memory.py            # table
@@ -44,9 +44,10 @@ from pathlib import Path
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import ByteTokenizer
-from ptdp.pipeline.schedules import build_schedule, peak_stashed
 from ptdp.planner.memory import activation_bytes_per_layer, activation_microbatches_in_flight
 from ptdp.planner.spec import GPTSpec, ParallelConfig
+from ptdp.schedule.actions import peak_stashed
+from ptdp.schedule.registry import build_schedule
 
 WORLD = 4
 MODEL = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}

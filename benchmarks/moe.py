@@ -12,7 +12,7 @@ Parts (each prints its numbers and ratios against a baseline measured in the sam
   model with the SAME ACTIVE parameters (dense ffn = k · expert ffn; the router's E·h is extra) --
   ``moe_over_dense`` is what routing, permutation and the smaller GEMMs cost.
 - ``dispatch``: expert parallelism over ``--ep`` CPU processes (gloo): a MoE layer's forward + backward
-  with the alltoall dispatcher against the allgather one (``ptdp.parallel.expert_dispatch``), T/e tokens
+  with the alltoall dispatcher against the allgather one (``ptdp.parallel.expert.dispatch``), T/e tokens
   per rank. Reports ``allgather_over_alltoall`` (> 1: all-to-all is faster).
 
 Median of ``--repeats`` timed iterations after ``--warmup``.
@@ -90,7 +90,7 @@ def _model(moe: MoEConfig | None, ffn: int, args: argparse.Namespace) -> GPTMode
 
 def bench_model(args: argparse.Namespace) -> dict:
     """Tokens/s of an MoE model and of the dense model with the same active parameters."""
-    from ptdp.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     if MODEL_PARALLEL_RNG not in get_rng_tracker().states:
         get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
@@ -117,8 +117,8 @@ def _dispatch_rank(rank: int, world: int, store: str, args: argparse.Namespace, 
     import torch.distributed as dist
 
     from ptdp.models.moe import MoELayer
-    from ptdp.parallel.expert import apply_expert_parallel
-    from ptdp.parallel.expert_dims import ExpertDims, ExpertParallel
+    from ptdp.parallel.expert.apply import apply_expert_parallel
+    from ptdp.parallel.expert.dims import ExpertDims, ExpertParallel
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

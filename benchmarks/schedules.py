@@ -7,7 +7,7 @@ ptdp-facts.md, §Beyond the paper: zero-bubble) is t_F = t_B = t_W, the default.
 m·(t_F+t_B+t_W)·(1 + bubble_fraction_formula(p, v, m, schedule)) with free communication (ptdp-facts.md,
 §Schedules); ``bubble_fraction`` is the measured step time over m·(t_F+t_B+t_W), minus one.
 
-ptdp's side runs ``ptdp.pipeline.run_schedule`` on ``SleepStage`` (the ``PipelineStage`` protocol with
+ptdp's side runs ``ptdp.parallel.pipeline.run_schedule`` on ``SleepStage`` (the ``PipelineStage`` protocol with
 those sleeps: the B/W split's real cost is ``benchmarks/bw_split.py``'s business, not the schedule's).
 torch's side runs its ``PipelineStage`` on ``SleepChunk``, whose autograd graph makes torch's own split
 cost the same: ``stage_backward_input`` reaches the input only through ``_SleepInput`` (t_B) and
@@ -38,15 +38,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from ptdp.pipeline.executor import run_schedule
-from ptdp.pipeline.p2p import P2PComm
-from ptdp.pipeline.schedules import (
+from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.schedule.actions import virtual_stage
+from ptdp.schedule.registry import (
     SCHEDULES,
     ZERO_BUBBLE,
     bubble_fraction_formula,
     build_schedule,
     schedule_placement,
-    virtual_stage,
 )
 
 MICRO_BATCH, HIDDEN = 2, 64

@@ -49,7 +49,7 @@ def num_params(model: str) -> int:
     """The preset's parameter count (built on the meta device: no memory)."""
     import torch
 
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args
     from ptdp.models import GPTModel
 
@@ -80,7 +80,7 @@ def extrapolate(rows: list[dict], target: str) -> list[dict]:
 
 
 LAYOUTS = {"d4": [], "p2d2": ["--pipeline-model-parallel-size", "2"]}
-# "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/optim/zero_layers.py,
+# "...+reshard": stage 3 with --reshard-after-forward (with p = 1: gathered per layer, ptdp/parallel/data/zero_layers.py,
 # each layer's all-gather prefetched one layer ahead); "...+reshard-noprefetch": the same with synchronous
 # per-layer gathers (``LayerParamSync(prefetch=False)``), the baseline for the prefetch: benchmark-only, its
 # workers run this file (``--worker``), which swaps the class before ptdp builds it.
@@ -157,7 +157,7 @@ def compare(rows: list[dict]) -> None:
 
 def worker(argv: list[str]) -> int:
     """A ``ptdp train`` worker whose per-layer ZeRO-3 gathers are synchronous (the noprefetch variant)."""
-    from ptdp.cli import main as ptdp_main
+    from ptdp.cli.main import main as ptdp_main
     from ptdp.optim import zero_layers
 
     class NoPrefetch(zero_layers.LayerParamSync):

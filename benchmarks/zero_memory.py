@@ -29,7 +29,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import ByteTokenizer
-from ptdp.flops import model_parameter_count
+from ptdp.models.flops import model_parameter_count
 from ptdp.optim.memory import model_state_formula_bytes
 
 MODELS = {

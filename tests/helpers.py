@@ -212,7 +212,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
     picklable hook, runs on every rank before each stage (to record or to inject a fault, tests/test_data_mix.py)."""
     import torch.distributed as dist
 
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive, validate
     from ptdp.train.loop import train
 
@@ -365,7 +365,7 @@ def initial_full_state(tensors: dict, config: dict) -> dict:
     ptdp initialises every layout identically, from (seed, logical name)."""
     import torch
 
-    from ptdp.hf import full_model_from_state
+    from ptdp.hf.convert import full_model_from_state
     from ptdp.parallel.init import init_parameters
 
     model = full_model_from_state(tensors, config)

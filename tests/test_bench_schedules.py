@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.pipeline.schedules import SCHEDULES
+from ptdp.schedule.registry import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

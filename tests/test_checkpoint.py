@@ -247,7 +247,7 @@ def test_nan_loss_stops_without_saving_over_the_last_good_checkpoint(tmp_path):
 
 
 def _config(*flags: str) -> Config:
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
 
     return config_from_args(build_parser().parse_args(["train", *SIX, *flags]))
 

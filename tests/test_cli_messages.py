@@ -13,12 +13,12 @@ import pytest
 from helpers import run_ptdp
 
 from ptdp import __version__
-from ptdp.cli import build_parser
-from ptdp.cli_parser import closest_flag, subparser
+from ptdp.cli.generate import TextStream
+from ptdp.cli.main import build_parser
+from ptdp.cli.parser import closest_flag, subparser
 from ptdp.config import Config, validate
 from ptdp.data import ByteTokenizer
-from ptdp.generate import TextStream
-from ptdp.phases import Phase
+from ptdp.runtime.phases import Phase
 
 ONE = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
        "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1"]

@@ -54,7 +54,7 @@ def test_bad_input_exits_with_one_line_and_no_traceback(tmp_path):
 def test_toml_config_with_command_line_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('num-layers = 6\nhidden_size = 48\nlr-decay-style = "linear"\n')
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args
 
     args = build_parser().parse_args(["train", "--config", str(path), "--num-layers", "2"])

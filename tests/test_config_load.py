@@ -117,7 +117,7 @@ def test_schedule_constraints_come_from_the_registry():
 
 
 def test_plan_and_simulate_share_train_flags():
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     for flag, commands in (("--num-layers", ("plan",)), ("--swiglu", ("plan",)), ("--pipeline-schedule", ("plan", "simulate")),
@@ -132,7 +132,7 @@ def test_plan_and_simulate_share_train_flags():
 def test_plan_declares_only_the_cluster_and_output_flags():
     """Every other flag of ``ptdp plan`` is ``ptdp train``'s (same name, same destination): the model, the
     layout, --bf16/--fp16, --recompute-granularity (plus plan's ``none``), --use-distributed-optimizer."""
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     plan_only = {"--gpus", "--gpu", "--gpus-per-node", "--intra-node-bandwidth", "--inter-node-bandwidth",

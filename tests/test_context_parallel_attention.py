@@ -5,7 +5,7 @@ same random inputs as a full-sequence ``F.scaled_dot_product_attention(is_causal
 each rank's output and its shards of dq, dk, dv must equal the reference's shards at fp32 tolerance at
 every position (so a wrong mask or a wrong log-sum-exp merge fails on the chunks after the first). The
 ring's real ``batch_isend_irecv`` calls are recorded and played through the NCCL model of
-``ptdp.pipeline.nccl_model``; variants of the same calls posted unsafely must fail it.
+``ptdp.simulate.nccl.model``; variants of the same calls posted unsafely must fail it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import pooled_spawn
 
-import ptdp.context_parallel as cp
-from ptdp.context_parallel import (
+import ptdp.parallel.context.attention as cp
+from ptdp.parallel.context.attention import (
     context_parallel_attention,
     load_balanced_chunks,
     load_balanced_positions,
@@ -140,7 +140,7 @@ def _check_against_sdpa(rank: int, c: int, out: str) -> None:
 
 @pytest.mark.parametrize("c", [2, 4])
 def test_every_comm_type_matches_single_process_sdpa(tmp_path, c):
-    from ptdp.pipeline.nccl_model import check_all_send_models, check_trace  # not in the spawned ranks
+    from ptdp.simulate.nccl.model import check_all_send_models, check_trace  # not in the spawned ranks
 
     pooled_spawn(_check_against_sdpa, c, tmp_path, str(tmp_path / "trace"))
     trace = {"p": c, "v": 1, "ranks": [json.loads((tmp_path / f"trace.{r}").read_text()) for r in range(c)]}
@@ -190,7 +190,13 @@ def _sends_then_receives(trace: dict) -> dict:
 def _ring_in_one_process(q, k, v, dout, c: int, dtype=None):
     """The ring's per-block flash calls and LSE merge for all c ranks, played in one process (no
     communication): each rank's merged output, and dq/dk/dv summed from every block's flash backward."""
-    from ptdp.context_parallel import _block, block_backward, block_forward, merge_block, shard_sequence
+    from ptdp.parallel.context.attention import (
+        _block,
+        block_backward,
+        block_forward,
+        merge_block,
+        shard_sequence,
+    )
 
     s = q.shape[2]
     n = s // (2 * c)
@@ -224,8 +230,8 @@ def test_flash_blocks_merged_by_lse_equal_full_attention(monkeypatch, kernel, c)
     """Issue 26: the ring's math (one flash call per block returning its LSE, blocks merged by the LSE, the
     backward per block from the merged output and LSE) against one full causal SDPA, on the CPU, with
     the CPU flash kernel and with the explicit fallback."""
-    import ptdp.context_parallel as cp
-    from ptdp.context_parallel import shard_sequence
+    import ptdp.parallel.context.attention as cp
+    from ptdp.parallel.context.attention import shard_sequence
 
     monkeypatch.setattr(cp, "block_kernel", lambda q: kernel)
     q, k, v, dout = (torch.randn(2, 4, 16 * c, 8, generator=torch.Generator().manual_seed(i)) for i in range(4))
@@ -244,7 +250,7 @@ def test_flash_blocks_merged_by_lse_equal_full_attention(monkeypatch, kernel, c)
 def test_cuda_flash_blocks_merged_by_lse_equal_full_attention():
     """The same on a GPU with FlashAttention-2 blocks in bf16 (``block_kernel`` == "cuda-flash"), against
     fp32 full attention: bf16 tolerances."""
-    from ptdp.context_parallel import block_kernel, shard_sequence
+    from ptdp.parallel.context.attention import block_kernel, shard_sequence
 
     c = 4
     q, k, v, dout = (torch.randn(2, 4, 64 * c, 64, generator=torch.Generator().manual_seed(i)).cuda()

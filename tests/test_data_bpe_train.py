@@ -14,10 +14,10 @@ import torch
 from helpers import TINY, losses, run_ptdp, train_metrics
 
 from ptdp.checkpointing import read_full_model_state
-from ptdp.cli import main as ptdp_main
+from ptdp.cli.generate import generate
+from ptdp.cli.main import main as ptdp_main
 from ptdp.data import BPETokenizer, load_tokenizer
-from ptdp.generate import generate
-from ptdp.hf import full_model_from_state
+from ptdp.hf.convert import full_model_from_state
 
 STDLIB_FILES = ("argparse.py", "textwrap.py", "json/decoder.py", "string.py")
 PROMPT = "def parse_args(self"

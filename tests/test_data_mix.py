@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from ptdp.cli import main
+from ptdp.cli.main import main
 from tests.helpers import _run_layouts, spawn
 from tests.test_data_megatron import random_corpus
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from ptdp.cli import main
+from ptdp.cli.main import main
 from tests.helpers import TINY, spawn
 from tests.test_data_megatron import megatron_blend, megatron_indices, megatron_sample, random_corpus
 

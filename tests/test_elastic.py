@@ -112,7 +112,7 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
 
 def test_a_world_size_that_cannot_hold_the_layout_names_the_ones_that_can(monkeypatch, capsys):
     """An elastic restart at 3 processes cannot hold p = 2: one line naming the world sizes that work."""
-    from ptdp.cli import main as ptdp_main
+    from ptdp.cli.main import main as ptdp_main
 
     for name, value in {"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}.items():
         monkeypatch.setenv(name, value)  # what torchrun sets on rank 0 of a 3-worker restart

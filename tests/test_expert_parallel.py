@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from helpers import spawn
 from torch import nn
 
-from ptdp.parallel.expert import apply_expert_parallel, is_expert_param
-from ptdp.parallel.expert_dims import ExpertDims, ExpertParallel, expert_layout_errors
-from ptdp.parallel.expert_dispatch import AllToAllDispatcher
+from ptdp.parallel.expert.apply import apply_expert_parallel, is_expert_param
+from ptdp.parallel.expert.dims import ExpertDims, ExpertParallel, expert_layout_errors
+from ptdp.parallel.expert.dispatch import AllToAllDispatcher
 
 E, H, F_, K, T = 4, 8, 12, 2, 6
 

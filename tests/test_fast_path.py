@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import TINY, spawn, validated_config
 
-from ptdp.tensor_parallel import random as tp_random
-from ptdp.tensor_parallel.cross_entropy import mask_padded_vocab_, vocab_parallel_cross_entropy
+from ptdp.parallel.tensor import random as tp_random
+from ptdp.parallel.tensor.cross_entropy import mask_padded_vocab_, vocab_parallel_cross_entropy
 
 # ------------------------------------------------------------------ ZeRO-1 collectives on torch < 2.10
 
@@ -47,7 +47,7 @@ def _zero1_with_old_collective_names(rank: int, world: int) -> None:
 def _check_gather_and_reduce_scatter(rank: int, world: int) -> None:
     """The tensor-parallel all-gather / reduce-scatter along any dim (the flat collectives) are torch.cat
     and the sum's chunk, bit for bit, and contiguous."""
-    from ptdp.tensor_parallel.mappings import all_gather, reduce_scatter
+    from ptdp.parallel.collectives import all_gather, reduce_scatter
 
     def piece(r: int, shape) -> torch.Tensor:
         return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) * (r + 1) + 0.25 * r

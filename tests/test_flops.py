@@ -2,8 +2,8 @@
 
 import pytest
 
-from ptdp.flops import flops_per_iteration, layer_forward_flops, parameter_count
-from ptdp.hardware import (
+from ptdp.models.flops import flops_per_iteration, layer_forward_flops, parameter_count
+from ptdp.runtime.hardware import (
     ACCELERATORS,
     accelerator,
     accelerator_for_device_name,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.flops import architecture, flops_per_iteration, layer_forward_flops, model_parameter_count
 from ptdp.models import GPTModel
+from ptdp.models.flops import architecture, flops_per_iteration, layer_forward_flops, model_parameter_count
 from ptdp.planner import ParallelConfig
 from ptdp.planner.command import add_plan_arguments, run_plan
 from ptdp.planner.memory import activation_bytes_per_layer, layer_parameters_per_rank

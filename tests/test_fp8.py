@@ -16,7 +16,7 @@ torchao = pytest.importorskip("torchao", reason="FP8 needs torchao (pip install 
 def _model(vocab: int = 200):
     from ptdp.models import GPTModel
     from ptdp.parallel.init import init_parameters
-    from ptdp.parallelize import parallelize
+    from ptdp.parallel.parallelize import parallelize
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
                       attention_dropout=0.0)
@@ -34,7 +34,7 @@ def _loss_and_grads(model, tokens):
 
 
 def test_only_the_transformer_linears_go_fp8():
-    from ptdp.fp8 import enable_fp8
+    from ptdp.parallel.fp8 import enable_fp8
 
     model = _model()
     switched = enable_fp8([model], "hybrid", emulate=True)
@@ -47,7 +47,7 @@ def test_only_the_transformer_linears_go_fp8():
 @pytest.mark.parametrize("fmt,recipe", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("e4m3", "rowwise")])
 def test_emulated_fp8_tracks_bf16_but_is_not_bf16(fmt, recipe):
     """FP8 rounding changes the numbers (so the GEMMs really are FP8), but stays within a few percent of bf16."""
-    from ptdp.fp8 import enable_fp8
+    from ptdp.parallel.fp8 import enable_fp8
 
     tokens = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(0))
     reference, ref_grads = _loss_and_grads(_model(), tokens)
@@ -61,7 +61,7 @@ def test_emulated_fp8_tracks_bf16_but_is_not_bf16(fmt, recipe):
 
 
 def test_e4m3_and_hybrid_differ_in_the_gradient_dtype():
-    from ptdp.fp8 import float8_config
+    from ptdp.parallel.fp8 import float8_config
 
     assert float8_config("e4m3").cast_config_grad_output.target_dtype == torch.float8_e4m3fn
     assert float8_config("hybrid").cast_config_grad_output.target_dtype == torch.float8_e5m2
@@ -90,7 +90,7 @@ def test_fp8_without_torchao_names_the_package(monkeypatch):
     import importlib.util
 
     from ptdp.config import Config
-    from ptdp.fp8 import fp8_environment_errors
+    from ptdp.parallel.fp8 import fp8_environment_errors
 
     config = Config()
     config.precision.fp8_format, config.precision.bf16 = "e4m3", True

@@ -14,11 +14,11 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_equivalent, run_layouts, worker_env
 
 from ptdp.checkpointing import read_full_model_state, storage, write_full_model_state
-from ptdp.cli import main as ptdp_main
+from ptdp.cli.generate import generate, sample
+from ptdp.cli.main import main as ptdp_main
 from ptdp.config import ModelConfig
 from ptdp.data import ByteTokenizer
-from ptdp.generate import generate, sample
-from ptdp.hf import full_model_from_state
+from ptdp.hf.convert import full_model_from_state
 from ptdp.models import GPTModel
 
 PROMPT = "def main("

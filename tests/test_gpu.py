@@ -74,7 +74,7 @@ def test_model_forward_backward_on_cuda_equals_cpu():
 
 
 def test_tensor_parallel_layers_at_t1_on_cuda():
-    from ptdp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.device("cuda"):
@@ -91,7 +91,7 @@ def test_tensor_parallel_layers_at_t1_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_on_cuda_equals_torch(dtype):
-    from ptdp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from ptdp.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (3 * torch.randn(4, 64, 1000, device="cuda", generator=g)).to(dtype)
@@ -122,7 +122,7 @@ def test_compiled_layers_equal_eager_on_cuda():
 
 
 def test_rng_tracker_add_leaves_every_generator_alone():
-    from ptdp.tensor_parallel import random as tp_random
+    from ptdp.parallel.tensor import random as tp_random
 
     torch.manual_seed(3)
     cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state()

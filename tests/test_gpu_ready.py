@@ -66,7 +66,7 @@ def test_watchdog_is_armed_after_the_first_iteration(tmp_path):
 def test_ring_blocks_never_materialise_scores_on_gpu():
     """CP memory: a ring block on FlashAttention-2 allocates O(s/c) per rank, where explicit math would
     allocate the (s/c)² scores (here 16 heads x 8192² fp32 = 4 GiB)."""
-    from ptdp.context_parallel import block_backward, block_forward, block_kernel
+    from ptdp.parallel.context.attention import block_backward, block_forward, block_kernel
 
     q, k, v, do = (torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     assert block_kernel(q) == "cuda-flash"

@@ -13,9 +13,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ptdp.checkpointing import read_full_model_state  # noqa: E402
-from ptdp.cli import main as ptdp_main  # noqa: E402
+from ptdp.cli.main import main as ptdp_main  # noqa: E402
 from ptdp.data import build_datasets, get_microbatch  # noqa: E402
-from ptdp.hf import full_model_from_state  # noqa: E402
+from ptdp.hf.convert import full_model_from_state  # noqa: E402
 
 VOCAB = 257  # the byte tokenizer of the default corpus
 

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ptdp.checkpointing import read_full_model_state  # noqa: E402
-from ptdp.cli import main  # noqa: E402
-from ptdp.generate import generate  # noqa: E402
-from ptdp.hf import export_hf, full_model_from_state, import_hf  # noqa: E402
+from ptdp.cli.generate import generate  # noqa: E402
+from ptdp.cli.main import main  # noqa: E402
+from ptdp.hf.convert import export_hf, full_model_from_state, import_hf  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -113,8 +113,8 @@ def test_llama_tokenizer_file_in_preprocess_and_generate(tmp_path, capsys):
     prompt the same way and decodes what HF's greedy search picks."""
     from argparse import Namespace
 
+    from ptdp.cli.generate import generate_text
     from ptdp.data import IndexedDataset
-    from ptdp.generate import generate_text
 
     tok_file = llama_style_tokenizer(tmp_path / "tokenizer.json")
     texts = ["def f1(x):\n    return x * 1\n", "def g(y): return y"]

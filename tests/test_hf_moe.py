@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ptdp.checkpointing import read_full_model_state  # noqa: E402
-from ptdp.generate import generate  # noqa: E402
-from ptdp.hf import export_hf, full_model_from_state, import_hf  # noqa: E402
+from ptdp.cli.generate import generate  # noqa: E402
+from ptdp.hf.convert import export_hf, full_model_from_state, import_hf  # noqa: E402
 
 V = 300
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

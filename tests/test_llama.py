@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from helpers import assert_equivalent, assert_same_run, run_layouts
 
-from ptdp.cli import build_parser, main
+from ptdp.cli.main import build_parser, main
 from ptdp.config import config_from_args
 
 RTOL = 1e-4  # fp32: other layouts sum in other orders
@@ -86,7 +86,7 @@ def test_explicit_flags_override_the_preset():
 def test_loading_a_llama_checkpoint_into_gpt2_flags_names_the_flags():
     from ptdp.checkpointing.validation import model_mismatch, model_shape
     from ptdp.config import ModelConfig
-    from ptdp.presets import MODEL_PRESETS
+    from ptdp.config.presets import MODEL_PRESETS
 
     llama = ModelConfig(**MODEL_PRESETS["tiny-llama"])
     gpt = ModelConfig(**{k: v for k, v in MODEL_PRESETS["tiny-llama"].items()

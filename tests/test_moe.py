@@ -151,8 +151,8 @@ def test_gelu_experts_and_layer_pattern():
 
 
 def test_recompute_counts_statistics_once():
-    from ptdp.recompute import apply_recompute
-    from ptdp.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from ptdp.parallel.recompute import apply_recompute
+    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     if MODEL_PARALLEL_RNG not in get_rng_tracker().states:
         get_rng_tracker().add(MODEL_PARALLEL_RNG, 1)

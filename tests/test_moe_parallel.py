@@ -6,7 +6,7 @@ with e folded over the tensor-parallel ranks, and with the experts' FFN split ov
 over expert weights); e = 4 with the distributed optimizer; a shared expert; the all-gather dispatcher
 against the all-to-all one; a checkpoint saved at e = 4 that continues identically at e = 1; and e = 4 folded over
 t = 2 and c = 2 with sequence parallelism and full recomputation (each rank routes s/(t·c) tokens: the
-load-balancing loss counts over the whole sequences, ``ptdp.parallel.expert_aux``); the experts' FFN split
+load-balancing loss counts over the whole sequences, ``ptdp.parallel.expert.load_balancing``); the experts' FFN split
 over t (etp = t) with sequence parallelism, at (t, e) = (2, 1), (t, c, e) = (2, 2, 2) with e folded over CP,
 and (t, e, d) = (2, 2, 2) with full recomputation (tokens gathered over TP before the experts). Dropless
 routing with the load-balancing loss on. All in one spawn of four processes (``helpers.run_layouts``).
@@ -106,7 +106,7 @@ def test_plan_estimates_the_measured_model_states(runs, name, t, d, e, etp, stra
     """``ptdp plan``'s model states for a MoE layout (experts 1/(e·etp) per rank, their optimizer states
     sharded over the expert-data-parallel group) are the run's measured ``model_state_bytes`` within 5%
     (as tests/test_zero_checkpoint.py checks the dense ZeRO strategies)."""
-    from ptdp.flops import MoEShape
+    from ptdp.models.flops import MoEShape
     from ptdp.planner.memory import memory_per_gpu
     from ptdp.planner.spec import GPTSpec, ParallelConfig
 

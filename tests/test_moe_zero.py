@@ -3,7 +3,7 @@ trains the tiny MoE model as one process does -- per iteration the loss AND the 
 shard counted twice, or once per hybrid instance, changes the norm, not the losses), and the final weights.
 
 Dense parameters shard over the dp-cp group, expert parameters over their expert-data-parallel group
-(``ptdp.optim.expert_grads``): with (e, d) = (2, 2) that group is one rank (only the dense part is
+(``ptdp.parallel.expert.grads``): with (e, d) = (2, 2) that group is one rank (only the dense part is
 sharded), with (e, d) = (2, 4), (t, e, d) = (2, 2, 2) folded and (p, d) = (2, 2) at e = 1 it has two, so
 both parts are sharded and ZeRO-3 gathers each chunk's dense and expert buckets over two groups. Hybrid
 sharding cuts both groups into K = 2 instances (at (e, d) = (2, 4) an expert instance is a single rank).

@@ -87,7 +87,7 @@ def test_two_nodes_with_tp_inside_each_node_match_one_process(tmp_path, referenc
 
 def test_tensor_parallel_group_must_fit_in_a_node(monkeypatch, capsys):
     """t = 2 with one process per node would put a TP pair across nodes: refused before any collective."""
-    from ptdp.cli import main as ptdp_main
+    from ptdp.cli.main import main as ptdp_main
 
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what torchrun --nnodes 2 --nproc-per-node 1 sets on rank 0

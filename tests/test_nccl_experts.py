@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 from test_nccl_model import microbatch_counts
 
-from ptdp.pipeline.nccl_experts import record_expert_trace
-from ptdp.pipeline.nccl_model import check_all_send_models
-from ptdp.pipeline.schedules import SCHEDULES, schedule_placement
+from ptdp.schedule.registry import SCHEDULES, schedule_placement
+from ptdp.simulate.nccl.experts import record_expert_trace
+from ptdp.simulate.nccl.model import check_all_send_models
 
 
 def problems(trace: dict) -> list[str]:

@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
-from ptdp.pipeline.nccl_model import check_all_send_models, check_trace, record_comm_trace
-from ptdp.pipeline.schedules import COMPUTE_OPS, SCHEDULES, Action, build_schedule, schedule_placement
+from ptdp.schedule.actions import COMPUTE_OPS, Action
+from ptdp.schedule.registry import SCHEDULES, build_schedule, schedule_placement
+from ptdp.simulate.nccl.model import check_all_send_models, check_trace, record_comm_trace
 
 
 def microbatch_counts(name: str, p: int) -> list[int]:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from helpers import TINY, run_ptdp
 
-from ptdp.cli import main as ptdp_main
+from ptdp.cli.main import main as ptdp_main
 from ptdp.observability.timeline import MERGED
 
 P, D, V, ITERS, TIMELINE_ITERS = 2, 2, 2, 3, 2

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ptdp.pipeline.executor import ModuleStage, run_schedule
-from ptdp.pipeline.p2p import P2PComm
-from ptdp.pipeline.schedules import build_schedule, peak_in_flight
+from ptdp.parallel.pipeline.executor import ModuleStage, run_schedule
+from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.schedule.actions import peak_in_flight
+from ptdp.schedule.registry import build_schedule
 
 HIDDEN, MICRO_BATCH = 8, 2
 

@@ -6,8 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from ptdp.hardware import GIB
-from ptdp.pipeline.schedules import build_schedule, peak_in_flight, peak_stashed
 from ptdp.planner import (
     GPT3_175B,
     ClusterSpec,
@@ -30,6 +28,9 @@ from ptdp.planner.perf import (
     stage_times,
 )
 from ptdp.planner.search import invalid_reason
+from ptdp.runtime.hardware import GIB
+from ptdp.schedule.actions import peak_in_flight, peak_stashed
+from ptdp.schedule.registry import build_schedule
 
 A100_1024 = ClusterSpec.of("a100-80gb", 1024)
 TRAIN_1536 = TrainingSpec(global_batch_size=1536)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from ptdp.flops import MoEShape
+from ptdp.models.flops import MoEShape
 from ptdp.planner import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec, add_plan_arguments, run_plan
 from ptdp.planner.experts import expert_data_parallel_size, layer_parameters
 from ptdp.planner.memory import memory_per_gpu
@@ -123,8 +123,8 @@ GPT3_EXPERTS = ["--model", "gpt3-175b", "--gpus", "1024", "--tensor-model-parall
 def test_train_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts(capsys):
     """``--num-experts 8 --moe-router-topk 2`` on GPT-3's shape: the plan prices 8 experts of 4h (train's
     default expert size, --ffn-hidden-size), names e and counts the active parameters."""
-    from ptdp.cli import main
-    from ptdp.flops import model_parameter_count
+    from ptdp.cli.main import main
+    from ptdp.models.flops import model_parameter_count
 
     assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--moe-router-topk", "2"]) == 0
     out = capsys.readouterr().out
@@ -147,7 +147,7 @@ def test_train_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts(capsys):
 def test_flags_override_a_moe_preset_and_spell_it_from_a_dense_one(capsys):
     """Mixtral's preset is Llama 3 8B's attention with 8 experts of 14336 at s = 32768, V = 32000: the same
     plan from train's flags; and a flag given over the preset wins (16 experts, top-4)."""
-    from ptdp.cli import main
+    from ptdp.cli.main import main
 
     layout = ["--gpus", "64", "--gpu", "h100-80gb", "--bf16", "--global-batch-size", "256",
               "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -173,7 +173,7 @@ def test_flags_override_a_moe_preset_and_spell_it_from_a_dense_one(capsys):
 ])
 def test_bad_moe_flags_are_one_line_and_exit_2(capsys, flags, first_words):
     """train's rules (ptdp.config.validate_moe), one line naming the flag, exit 2, as in test_cli_messages."""
-    from ptdp.cli import main
+    from ptdp.cli.main import main
 
     assert main(["plan", *GPT3_EXPERTS, *flags]) == 2
     err = capsys.readouterr().err

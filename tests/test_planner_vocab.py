@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from ptdp.cli import main
+from ptdp.cli.main import main
 from ptdp.planner.memory import rank_memory
 from ptdp.planner.perf import iteration_times, rank_stage_times
 from ptdp.planner.search import candidates, evaluate, search
@@ -110,7 +110,7 @@ def test_plan_prints_the_flags(capsys):
 
 def test_simulator_prices_the_vocabulary_layers_and_the_layout(capsys):
     from ptdp.schedule.layout import pipeline_stages, stage_work
-    from ptdp.simulate import simulate
+    from ptdp.simulate.command import simulate
 
     even = pipeline_stages(8, 4, 1)
     assert stage_work(even, 4, 1.0, 6.0) == [3.0, 2.0, 2.0, 8.0]

@@ -13,9 +13,9 @@ from ptdp import recompute
 from ptdp.config import Config, ModelConfig, validate
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
-from ptdp.parallelize import parallelize
-from ptdp.recompute import recompute_plan
-from ptdp.tensor_parallel import model_parallel_seed
+from ptdp.parallel.parallelize import parallelize
+from ptdp.parallel.recompute import recompute_plan
+from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4

@@ -6,22 +6,18 @@ from collections import Counter
 
 import pytest
 
-from ptdp.pipeline.schedules import (
-    SCHEDULES,
+from ptdp.schedule.actions import (
     Action,
-    bubble_fraction_formula,
-    build_schedule,
-    check_deadlock_free,
     compute_only,
-    compute_times,
-    interleaved_warmup,
     peak_in_flight,
     peak_stashed,
-    schedule_placement,
     stage_location,
     stage_peers,
     virtual_stage,
 )
+from ptdp.schedule.builders import interleaved_warmup
+from ptdp.schedule.communication import check_deadlock_free, compute_times
+from ptdp.schedule.registry import SCHEDULES, bubble_fraction_formula, build_schedule, schedule_placement
 
 V1 = [(p, m) for p in (1, 2, 3, 4, 8) for m in sorted({1, 2, max(1, p - 1), p, p + 1, 2 * p, 3 * p + 1})]
 INTERLEAVED = [(p, v, m) for p in (1, 2, 3, 4, 8) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]

@@ -12,10 +12,10 @@ from helpers import assert_equivalent, pooled_spawn, run_layouts
 from ptdp.config import Config, derive, validate
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
-from ptdp.parallelize import parallelize
-from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
-from ptdp.startup import startup_warnings
-from ptdp.tensor_parallel import model_parallel_seed
+from ptdp.parallel.parallelize import parallelize
+from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
+from ptdp.parallel.tensor import model_parallel_seed
+from ptdp.runtime.startup import startup_warnings
 from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4

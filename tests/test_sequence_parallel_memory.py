@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from helpers import spawn
 
 from ptdp.ops.weight_grad import defer_weight_grads
-from ptdp.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from ptdp.tensor_parallel.sequence_linear import sequence_parallel_linear
+from ptdp.parallel.collectives import gather_from_sequence_parallel_region
+from ptdp.parallel.sequence.linear import sequence_parallel_linear
 
 B, S, H, OUT = 3, 8, 6, 10
 

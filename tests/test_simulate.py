@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from ptdp.pipeline.schedules import Action, bubble_fraction_formula, build_schedule, peak_in_flight
-from ptdp.simulate import add_simulate_arguments, draw, run_simulate, simulate
+from ptdp.schedule.actions import Action, peak_in_flight
+from ptdp.schedule.registry import bubble_fraction_formula, build_schedule
+from ptdp.simulate.command import add_simulate_arguments, draw, run_simulate, simulate
 
 CASES = [
     ("gpipe", 2, 1, 4), ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 4, 1, 3), ("1f1b", 8, 1, 16),

@@ -12,8 +12,8 @@ import pytest
 from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.registry import REGISTRY, build_schedule
 from ptdp.schedule.vocab import end_ranks
-from ptdp.simulate import add_simulate_arguments, draw, run_simulate
-from ptdp.simulate_vocab import simulate_vocab
+from ptdp.simulate.command import add_simulate_arguments, draw, run_simulate
+from ptdp.simulate.vocab import simulate_vocab
 
 LARGE = ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--embedding-cost", "1",
          "--output-layer-cost", "6", "--num-microbatches", "8"]  # V ~ 64k at h = 256: the loss costs 6 layers
@@ -129,7 +129,7 @@ def test_plan_prints_the_simulate_command_of_its_layout(capsys):
     priced as the plan prices them (``planner.vocab.vocab_costs``, in transformer layers)."""
     import shlex
 
-    from ptdp.cli import main
+    from ptdp.cli.main import main
 
     shape = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "1024",
              "--vocab-size", "65536", "--global-batch-size", "16", "--gpus", "4", "--gpus-per-node", "4",

@@ -12,8 +12,8 @@ import pytest
 from helpers import TINY, run_ptdp, train_metrics
 
 from ptdp.config import OptimizerConfig
-from ptdp.errors import error_line
 from ptdp.optim import learning_rate
+from ptdp.runtime.errors import error_line
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:

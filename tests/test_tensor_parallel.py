@@ -15,8 +15,7 @@ from helpers import pooled_spawn
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
-from ptdp.parallel.tensor import apply_tensor_parallel
-from ptdp.tensor_parallel import (
+from ptdp.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -24,6 +23,7 @@ from ptdp.tensor_parallel import (
     mask_padded_vocab,
     vocab_parallel_cross_entropy,
 )
+from ptdp.parallel.tensor.apply import apply_tensor_parallel
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32: summation order differs across ranks
 

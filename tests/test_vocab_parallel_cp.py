@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from helpers import assert_equivalent, run_layouts
 
-from ptdp.pipeline.nccl_context import record_context_vocab_trace
-from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
 from ptdp.schedule.registry import REGISTRY
+from ptdp.simulate.nccl.context import record_context_vocab_trace
+from ptdp.simulate.nccl.model import check_all_send_models, check_trace
 
 P2C2 = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--enable-vocab-parallel"]
 EVAL = ["--eval-interval", "3", "--eval-iters", "1"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from helpers import run_ptdp
 
-from ptdp.pipeline.nccl_model import check_all_send_models, record_comm_trace
 from ptdp.schedule.registry import REGISTRY, build_schedule
 from ptdp.schedule.vocab import end_ranks
+from ptdp.simulate.nccl.model import check_all_send_models, record_comm_trace
 
 ONE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1"]
@@ -90,7 +90,7 @@ def test_bad_vocab_parallel_flags_are_one_line_exit_2(flags, first_words):
 
 
 def test_a_vocabulary_smaller_than_p_times_t_is_refused():
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, validate
 
     args = ["train", *ONE, "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",

@@ -1,5 +1,5 @@
 """Vocabulary parallelism with ZeRO-3 and with ``--overlap-grad-reduce`` (issue 24): the S/T/EF/EB passes
-are uses of chunk 0 in ZeRO-3's plan (``ptdp.pipeline.param_sync``), the combined lists are deadlock-free
+are uses of chunk 0 in ZeRO-3's plan (``ptdp.parallel.data.param_sync``), the combined lists are deadlock-free
 under the NCCL model, and training matches one process."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from helpers import assert_equivalent, run_layouts
 
-from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
-from ptdp.pipeline.nccl_zero import record_zero_trace
-from ptdp.pipeline.param_sync import USES, plan_param_sync
+from ptdp.parallel.data.param_sync import USES, plan_param_sync
 from ptdp.schedule.registry import build_schedule
+from ptdp.simulate.nccl.model import check_all_send_models, check_trace
+from ptdp.simulate.nccl.zero import record_zero_trace
 
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("v-half", 2))
 

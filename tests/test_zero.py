@@ -32,7 +32,7 @@ def plan(ckpt) -> dict[str, tuple[int, list[str]]]:
         "z3-p4d2-zbh1-overlap-recompute": (8, [*Z3, *P4, "--pipeline-schedule", "zb-h1", "--overlap-grad-reduce",
                                                *SELECTIVE]),
         "z3-t2c2d2": (8, [*Z3, *SP, "--context-parallel-size", "2"]),
-        "z3-d4-reshard-per-layer": (4, [*Z3, "--reshard-after-forward"]),  # p=1: ptdp.optim.zero_layers
+        "z3-d4-reshard-per-layer": (4, [*Z3, "--reshard-after-forward"]),  # p=1: ptdp.parallel.data.zero_layers
         "z3-d2-reshard-per-layer-recompute": (2, [*Z3, "--reshard-after-forward", *FULL]),
         "z3-hybrid-k2-d4": (4, [*Z3, "--num-distributed-optimizer-instances", "2", *SELECTIVE]),
     }

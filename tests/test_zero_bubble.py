@@ -80,7 +80,7 @@ def test_input_then_weight_equals_one_backward(cfg):
 
 
 def test_full_recompute_closures_keep_recomputed_tensors():
-    from ptdp.recompute import checkpoint
+    from ptdp.parallel.recompute import checkpoint
 
     stack = layer_stack(GPT)
     x = torch.randn(2, GPT.seq_length, GPT.hidden_size)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ptdp.optim.grad_buffer import GradBuckets
+from ptdp.parallel.data.buffer import GradBuckets
 
 LAYERS, WIDTH, MICRO = 6, 8, 2
 

@@ -1,7 +1,7 @@
-"""ZeRO-3 per-layer gathers with prefetch (p = 1, ``--reshard-after-forward``: ``ptdp.optim.zero_layers``).
+"""ZeRO-3 per-layer gathers with prefetch (p = 1, ``--reshard-after-forward``: ``ptdp.parallel.data.zero_layers``).
 
 The gathers come from module and gradient hooks, not from the action list the NCCL model checks
-(``ptdp.pipeline.nccl_zero``), so here: on two real gloo ranks fed *different* data, every rank issues
+(``ptdp.simulate.nccl.zero``), so here: on two real gloo ranks fed *different* data, every rank issues
 the same all-gathers in the same order (the NCCL condition) under every recomputation setting, forward
 and backward, over two microbatches and an evaluation forward; prefetch keeps at most two layers
 gathered, actually issues each layer's gather before the layer is entered, and leaves the reduced
@@ -20,10 +20,10 @@ from helpers import pooled_spawn
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
 from ptdp.optim import GradBuckets
-from ptdp.optim.zero import shard_parameters
-from ptdp.optim.zero_layers import LayerParamSync
+from ptdp.parallel.data.zero import shard_parameters
+from ptdp.parallel.data.zero_layers import LayerParamSync
 from ptdp.parallel.init import init_parameters
-from ptdp.parallelize import parallelize
+from ptdp.parallel.parallelize import parallelize
 from ptdp.train.step import language_model_loss
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,

@@ -1,4 +1,4 @@
-"""Where ZeRO-3 gathers, frees and reduces (``ptdp.pipeline.param_sync``), checked on every schedule's
+"""Where ZeRO-3 gathers, frees and reduces (``ptdp.parallel.data.param_sync``), checked on every schedule's
 action lists; the same collectives inside the schedules are deadlock-free under the NCCL model with two
 data-parallel replicas (and the check fails on replicas that disagree); bad sharding flags are one line
 each, exit 2."""
@@ -9,10 +9,11 @@ import pytest
 from helpers import TINY, run_ptdp
 
 from ptdp.config import add_config_arguments, config_from_args, validate
-from ptdp.pipeline.nccl_model import check_all_send_models, check_trace
-from ptdp.pipeline.nccl_zero import record_zero_trace
-from ptdp.pipeline.param_sync import plan_param_sync
-from ptdp.pipeline.schedules import COMPUTE_OPS, SCHEDULES, build_schedule, schedule_placement
+from ptdp.parallel.data.param_sync import plan_param_sync
+from ptdp.schedule.actions import COMPUTE_OPS
+from ptdp.schedule.registry import SCHEDULES, build_schedule, schedule_placement
+from ptdp.simulate.nccl.model import check_all_send_models, check_trace
+from ptdp.simulate.nccl.zero import record_zero_trace
 
 
 def chunk_counts(name: str) -> tuple[int, ...]:

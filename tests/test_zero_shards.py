@@ -11,7 +11,7 @@ from torch import nn
 
 from ptdp.config import OptimizerConfig
 from ptdp.optim import DistributedOptimizer, GradBuckets
-from ptdp.optim.zero import ChunkParamSync, full_parameters, shard_parameters
+from ptdp.parallel.data.zero import ChunkParamSync, full_parameters, shard_parameters
 
 
 def _check(rank: int, world: int) -> None:

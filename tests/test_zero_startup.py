@@ -58,13 +58,13 @@ class LiveStorage(TorchDispatchMode):
 
 def _start(rank: int, world: int, argv: list[str]):
     """This rank's chunks and buffers, built as ``ptdp.train.state.setup`` builds them."""
-    from ptdp.cli import build_parser
+    from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive, validate
     from ptdp.optim import setup_optimizer
     from ptdp.parallel import ParallelDims, ParallelState
-    from ptdp.parallelize import build_model_chunks
-    from ptdp.pipeline.schedules import schedule_placement
-    from ptdp.pipeline.stage import tied_embedding_weights
+    from ptdp.parallel.parallelize import build_model_chunks
+    from ptdp.parallel.pipeline.stage import tied_embedding_weights
+    from ptdp.schedule.registry import schedule_placement
 
     config = config_from_args(build_parser().parse_args(["train", *argv]))
     assert not validate(config, world)
@@ -89,7 +89,7 @@ def _eager_init(chunk, device, dtype, seed, tp_rank, tp_size, std, num_layers, l
 
 
 def _check(rank: int, world: int) -> None:
-    from ptdp.optim.zero import full_parameters
+    from ptdp.parallel.data.zero import full_parameters
 
     for name, (layout, flags) in CASES.items():
         eager, *_ = _start(rank, world, [*MODEL, *layout])  # fp32, no_shard: no flat buffers, drawn whole
@@ -98,7 +98,7 @@ def _check(rank: int, world: int) -> None:
         chunk_bytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
         if Z3[1] in flags:  # never the chunk whole: beyond the shards, one bucket and one parameter's draw
             # (observed at d=4: 0.22 x the chunk beyond the shards; 1.15 x before, the chunk whole)
-            with LiveStorage() as before, mock.patch("ptdp.parallelize.defer_init", _eager_init):
+            with LiveStorage() as before, mock.patch("ptdp.parallel.parallelize.defer_init", _eager_init):
                 _start(rank, world, [*MODEL, *layout, *flags])
             assert before.peak >= chunk_bytes, (name, before.peak, chunk_bytes)  # the measure can fail
             assert mode.transient() < 0.5 * chunk_bytes, (name, mode.transient(), chunk_bytes)

@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ptdp.config import Config
-from ptdp.models import TIED_EMBEDDING, GPTModel
 from ptdp.checkpointing import storage
 from ptdp.checkpointing.validation import model_shape
+from ptdp.config import Config
+from ptdp.models import TIED_EMBEDDING, GPTModel
 
 
 def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ptdp import interrupt
-from ptdp.observability import flight_recorder
 from ptdp.checkpointing.state import load_checkpoint, save_checkpoint
 from ptdp.checkpointing.storage import CheckpointError
+from ptdp.observability import flight_recorder
 
 
 class NonFiniteLossError(CheckpointError):
@@ -42,7 +42,7 @@ class CheckpointManager:
         self.last_stall_s: float | None = None
         self.writer = None
         self.watchdog = None
-        self._first_phase = None  # ptdp.phases.Phase of the run's first iteration
+        self._first_phase = None  # ptdp.runtime.phases.Phase of the run's first iteration
         self._first_iteration: int | None = None
         # The agreement's group: host tensors over gloo, so agreeing never synchronises with a GPU stream.
         # Created by every rank alike (new_group is collective); the default group already is gloo on CPUs.
@@ -93,10 +93,10 @@ class CheckpointManager:
         return iteration
 
     def _report_layout_change(self) -> None:
-        """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/elastic.py)."""
-        from ptdp.elastic import layout_change
+        """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/runtime/elastic.py)."""
         from ptdp.checkpointing.state import _layout
         from ptdp.checkpointing.storage import read_info, resolve
+        from ptdp.runtime.elastic import layout_change
 
         trainer = self.trainer
         saved = read_info(resolve(self.ck.load))["layout"]
@@ -120,7 +120,7 @@ class CheckpointManager:
         flight_recorder.progress(iteration)
         interrupt.training(iteration)  # a first Ctrl-C from now on finishes the iteration and saves
         if self._first_phase is None:  # its one-off costs (allocation, compilation) can take a while
-            from ptdp.phases import Phase
+            from ptdp.runtime.phases import Phase
 
             self._first_phase = Phase(f"iteration {iteration} (the first one pays one-off costs)",
                                           rank=self.trainer.state.rank)
@@ -163,7 +163,7 @@ class CheckpointManager:
         stop = signalled or sigint or bool(exit_interval and iteration % exit_interval == 0)
         if self.ck.save and (stop or (save_interval and iteration % save_interval == 0)):
             self.save(iteration)
-        if sigint:  # rank 0 says so once train() returned (the save committed): ptdp.interrupt
+        if sigint:  # rank 0 says so once train() returned (the save committed): ptdp.runtime.interrupt
             interrupt.stopped(iteration, saved=bool(self.ck.save))
         elif signalled and self.trainer.state.rank == 0:
             print(f" SIGTERM received: stopping after iteration {iteration}"

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.optim.optimizer import DistributedOptimizer
 from ptdp.checkpointing.sharded import add_boxes, piece_boxes, tp_geometry
+from ptdp.optim.optimizer import DistributedOptimizer
 
 
 def owns_pieces(optimizer) -> bool:

@@ -36,12 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ptdp.optim import MegatronOptimizer
-from ptdp.pipeline.stage import logical_name
-from ptdp.tensor_parallel import random as tp_random
 from ptdp.checkpointing import optimizer_shards, storage
 from ptdp.checkpointing.sharded import BoxLoadPlanner
 from ptdp.checkpointing.validation import model_mismatch, model_shape
+from ptdp.optim import MegatronOptimizer
+from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.tensor import random as tp_random
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
@@ -75,7 +75,7 @@ def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
     stacked expert parameter ``[E/e, ...]`` is the e-way ``Shard(0)`` of the global ``[E, ...]`` one (and
     ``Shard(2)`` over the expert-tensor ranks); a vocabulary-parallel slice (issue 24) is row block
     ``pp_rank·t + tp_rank``: sharded over (pp, tp)."""
-    experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert
+    experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert.apply
     if experts is not None and experts.size() > 1:
         return DTensor.from_local(tensor, experts, [Shard(d) for d in param.expert_shard_dims], run_check=False)
     if getattr(param, "vocab_parallel", False) and mesh is not None:

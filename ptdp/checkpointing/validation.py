@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ptdp.config import Config, ModelConfig
 from ptdp.checkpointing.storage import CheckpointError, read_info, resolve, verify_checksums
+from ptdp.config import Config, ModelConfig
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
 SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",

@@ -10,8 +10,29 @@
 from __future__ import annotations
 
 from ptdp.config.derive import Layout, derive, layout
-from ptdp.config.load import add_config_arguments, add_field_arguments, config_from_args, flag_of, model_config, read_toml, toml_values, type_problems
-from ptdp.config.schema import CheckpointConfig, Config, ConfigError, DataConfig, MixedPrecisionConfig, ModelConfig, MoEConfig, OptimizerConfig, ParallelConfig, TrainingConfig, opt
+from ptdp.config.load import (
+    add_config_arguments,
+    add_field_arguments,
+    config_from_args,
+    flag_of,
+    model_config,
+    read_toml,
+    toml_values,
+    type_problems,
+)
+from ptdp.config.schema import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    MixedPrecisionConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    opt,
+)
 from ptdp.config.validate import validate
 
 __all__ = [

@@ -3,7 +3,7 @@
 :func:`derive` returns a NEW :class:`Config` (the one given is left as it was) whose values are resolved:
 v from Megatron's alternative ``--num-layers-per-virtual-pipeline-stage``, and ``--sequence-parallel``
 turned off when t = 1, as Megatron-LM does, so one configuration moves between layouts (it prints
-nothing: ``ptdp.startup.startup_warnings`` says what was resolved). :func:`layout` gives the
+nothing: ``ptdp.runtime.startup.startup_warnings`` says what was resolved). :func:`layout` gives the
 sizes every part of a run agrees on (t, c, p, d, v, m, the schedule), computed once.
 """
 

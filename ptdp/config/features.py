@@ -1,7 +1,7 @@
 """Checks of feature flags that are properties of the configuration alone (pure, part of ``validate``):
-the recompute and FP8 flags. They live here rather than beside the features (``ptdp.recompute``,
-``ptdp.fp8``), which sit above ``ptdp.config`` and import torch: ``config`` imports nothing above it, so
-the package has no import cycle. What the machine must provide is a start-up check (``ptdp.startup``).
+the recompute and FP8 flags. They live here rather than beside the features (``ptdp.parallel.recompute``,
+``ptdp.parallel.fp8``), which sit above ``ptdp.config`` and import torch: ``config`` imports nothing above it, so
+the package has no import cycle. What the machine must provide is a start-up check (``ptdp.runtime.startup``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def recompute_errors(granularity: str | None, method: str | None, recompute_num_
 
 def fp8_errors(config: Config) -> list[str]:
     """One line per problem of the ``--fp8-*`` flags themselves (none without ``--fp8-format``): pure. What the machine
-    must have is ``ptdp.fp8.fp8_environment_errors``."""
+    must have is ``ptdp.parallel.fp8.fp8_environment_errors``."""
     mp = config.precision
     fmt = mp.fp8_format
     if not fmt:

@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ptdp.cli_parser import help_with_default
+from ptdp.cli.parser import help_with_default
 from ptdp.config.schema import Config, ConfigError, ModelConfig
 
 
@@ -116,9 +116,9 @@ def add_field_arguments(parser: Any, section: type, names: tuple[str, ...] | Non
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field; defaults are None so that a TOML file can sit under the command line."""
     parser.add_argument("--config", help="TOML file with the same keys as the flags")
-    from ptdp.presets import MODEL_PRESETS
+    from ptdp.config.presets import MODEL_PRESETS
 
-    parser.add_argument("--model", choices=list(MODEL_PRESETS), help="a named model shape (ptdp/presets.py); "
+    parser.add_argument("--model", choices=list(MODEL_PRESETS), help="a named model shape (ptdp/config/presets.py); "
                         "flags given explicitly override it")
     for name, section in zip(Config.section_names(), Config().sections(), strict=True):
         add_field_arguments(parser.add_argument_group(name), type(section))
@@ -185,14 +185,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config = Config()
     preset = getattr(args, "model", None) or values.pop("model", None)
     if preset is not None:  # --model NAME: under the TOML file and the flags
-        from ptdp.presets import MODEL_PRESETS
+        from ptdp.config.presets import MODEL_PRESETS
 
         if preset not in MODEL_PRESETS:
             problems.append(f"--model {preset!r} is not a preset; choose one of {', '.join(MODEL_PRESETS)}")
         else:
             for key, value in MODEL_PRESETS[preset].items():
                 setattr(config.model, key, value)
-            from ptdp.presets import MOE_PRESETS
+            from ptdp.config.presets import MOE_PRESETS
 
             for key, value in MOE_PRESETS.get(preset, {}).items():  # a mixture of experts' --num-experts etc.
                 setattr(config.moe, key, value)
@@ -208,8 +208,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def model_config(values: dict[str, Any], preset: str | None = None) -> ModelConfig:
-    """A ``ModelConfig`` from ``preset`` (``ptdp.presets``) with ``values`` (None: not given) over it."""
-    from ptdp.presets import MODEL_PRESETS
+    """A ``ModelConfig`` from ``preset`` (``ptdp.config.presets``) with ``values`` (None: not given) over it."""
+    from ptdp.config.presets import MODEL_PRESETS
 
     model = ModelConfig(**MODEL_PRESETS[preset]) if preset else ModelConfig()
     names = {f.name for f in dataclasses.fields(ModelConfig)}

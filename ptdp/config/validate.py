@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptdp.schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
-from ptdp.schedule.registry import schedule_problems
 from ptdp.config.features import fp8_errors, recompute_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, MixedPrecisionConfig, ModelConfig
+from ptdp.schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
+from ptdp.schedule.registry import schedule_problems
 
 
 def virtual_size(config: Config) -> tuple[int | None, list[str]]:

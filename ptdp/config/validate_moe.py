@@ -60,7 +60,7 @@ def moe_errors(config: Config) -> list[str]:
                       "has no capacity to pad to)")
     if moe.moe_aux_loss_coeff < 0 or (moe.moe_z_loss_coeff or 0.0) < 0:
         errors.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
-    # --sequence-parallel: each TP rank routes its s/t tokens; ptdp.parallel.expert supplies the reductions
+    # --sequence-parallel: each TP rank routes its s/t tokens; ptdp.parallel.expert.apply supplies the reductions
     # (router grads summed over TP, the load-balancing loss over whole sequences: expert_aux.py).
     if m.num_layers > 0:
         try:

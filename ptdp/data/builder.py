@@ -103,7 +103,7 @@ def build_datasets(
     ``train_valid_test_num_samples`` does (None: one epoch each); ``tokenizer`` (from the tokenizer flags)
     replaces the one recorded beside the data. Rank 0 says so when this takes more than 2 s (a first run
     tokenizes and caches the default corpus, an indexed dataset builds its sample index)."""
-    from ptdp.phases import phase
+    from ptdp.runtime.phases import phase
 
     with phase("building the datasets"):
         return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer)

@@ -29,7 +29,7 @@ from ptdp.data.inputs import Malformed, Task, check_columns, document_text, expa
 from ptdp.data.progress import Progress
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer, Tokenizer
 from ptdp.data.tokenizer_flags import TOKENIZER_TYPES, build_tokenizer
-from ptdp.errors import print_error
+from ptdp.runtime.errors import print_error
 
 
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

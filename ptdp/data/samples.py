@@ -90,7 +90,7 @@ def _text_view(record: dict) -> str:
 
 
 def _fail(message: str) -> int:
-    from ptdp.errors import print_error
+    from ptdp.runtime.errors import print_error
 
     print_error("samples", message)
     return 2

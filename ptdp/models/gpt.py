@@ -30,10 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.ops.fused import EAGER, FusedOps, fused_ops
-from ptdp.models.layers import CausalAttention, DropoutAdd, Linear, Logits, RngContext, SequencePositions, norm
+from ptdp.models.layers import (
+    CausalAttention,
+    DropoutAdd,
+    Linear,
+    Logits,
+    RngContext,
+    SequencePositions,
+    norm,
+)
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.rotary import RotaryEmbedding
+from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
@@ -179,7 +187,7 @@ class GPTModel(nn.Module):
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,
                                                                                   padded_vocab_size, bias=False)
-        # Tied, with the embedding in another model chunk: a copy of it (``ptdp.pipeline.stage``).
+        # Tied, with the embedding in another model chunk: a copy of it (``ptdp.parallel.pipeline.stage``).
         self.output_layer: nn.Module | None = None
         self.logits = Logits(vocab_size)
 
@@ -192,7 +200,7 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        """The transformer layers in order (full recomputation overrides this: ``ptdp.recompute``)."""
+        """The transformer layers in order (full recomputation overrides this: ``ptdp.parallel.recompute``)."""
         for layer in self.layers.values():
             x = layer(x)
         return x

@@ -12,7 +12,7 @@ a micro-batch, flattened):
 2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,
    indices) -> (expert_input [N, h], tokens_per_expert [E_local], ctx)`` and back, weighted by the
    probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``. :class:`LocalDispatcher` is the
-   single-process one; expert parallelism (``ptdp.parallel.expert``) swaps in all-to-all / all-gather
+   single-process one; expert parallelism (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather
    dispatchers from outside and slices ``experts`` to its ranks' experts.
 3. ``experts`` (:class:`GroupedExperts`) runs each local expert's MLP on its rows: one grouped GEMM
    (``--moe-grouped-gemm``, ``torch._grouped_mm``) or a loop, both through ``ptdp.ops.grouped`` whose weight

@@ -10,7 +10,7 @@ RoPE needs no parameters and acts per head, so tensor parallelism needs nothing:
 own heads. Attention sees the whole sequence (sequence parallelism gathers it before the QKV GEMM), so
 positions are those of the tokens this process holds, as its ``SequencePositions`` module says
 (``0 .. s-1``; under context parallelism the real positions of a CP rank's two load-balanced chunks,
-swapped in by ``ptdp.parallel.context``). The cos/sin tables are computed in fp32 whatever the model's
+swapped in by ``ptdp.parallel.context.apply``). The cos/sin tables are computed in fp32 whatever the model's
 dtype (as Megatron and HF do) and cached per (length, device), so a ``--bf16`` cast of the model cannot
 touch them.
 """

@@ -10,7 +10,7 @@ those GEMMs and reductions (Megatron/ZB's ``WeightGradStore``).
 
 The grads land where autograd would put them: ``run`` hands all of them to one ``torch.autograd.backward``
 call on the parameters themselves (leaves), so ``AccumulateGrad`` accumulates into ``param.grad`` (the
-flat ``main_grad`` buffer) and fires the post-accumulate hooks that ``ptdp.optim.grad_buffer`` counts --
+flat ``main_grad`` buffer) and fires the post-accumulate hooks that ``ptdp.parallel.data.buffer`` counts --
 once per parameter per microbatch, as in an ordinary backward (the empty call autograd makes in I is
 recognised by :func:`grad_deferred`). Only leaf parameters are deferred; a
 parameter used by a deferred op and elsewhere in the same chunk (the tied embedding when the output layer

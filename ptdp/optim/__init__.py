@@ -7,16 +7,16 @@ from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, cou
 """
 
 from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
-from ptdp.optim.grad_buffer import Bucket, GradBuckets
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.lr_schedule import learning_rate
 from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
-from ptdp.optim.setup import params_dtype, setup_optimizer
+from ptdp.optim.setup import setup_optimizer
+from ptdp.parallel.data.buffer import Bucket, GradBuckets
 
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
     "MegatronOptimizer", "build_optimizer", "clip_grads", "counts_in_grad_norm",
     "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "model_state_bytes", "model_state_formula_bytes",
-    "params_dtype", "setup_optimizer",
+    "setup_optimizer",
 ]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.observability import flight_recorder
-from ptdp.tensor_parallel.mappings import group_size
+from ptdp.parallel.collectives import group_size
 
 
 def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from ptdp.config import OptimizerConfig
-from ptdp.tensor_parallel.mappings import all_gather_single
 from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm_tensor
-from ptdp.optim.grad_buffer import Bucket, GradBuckets
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.parallel.collectives import all_gather_single
+from ptdp.parallel.data.buffer import Bucket, GradBuckets
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -309,7 +309,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     for k in ADAM_KEYS:
                         if state:
                             full[k][x.start:x.end] = state[k]
-            # An expert bucket is sharded over its own group (ptdp.optim.expert_grads).
+            # An expert bucket is sharded over its own group (ptdp.parallel.expert.grads).
             group = getattr(bucket, "group", self.grads.dp_group)
             if getattr(bucket, "shard_count", self.grads.shard_count) > 1:
                 handles = [all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),

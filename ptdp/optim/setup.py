@@ -9,16 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.config import Config, MixedPrecisionConfig
-from ptdp.parallel.init import materialize_deferred
-from ptdp.optim.grad_buffer import GradBuckets
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
-
-
-def params_dtype(config: Config) -> torch.dtype:
-    """The model's parameter (and activation) dtype."""
-    mp = config.precision
-    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32
+from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.init import materialize_deferred, params_dtype
 
 
 def grad_dtype(config: Config) -> torch.dtype:
@@ -50,10 +44,10 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     distributed = strategy != "no_shard"
     main_params = distributed or params_dtype(config) != torch.float32
     # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel/dims.py); it is the
-    # plain DP group when c = 1. Hybrid sharding splits it into K instances (ptdp/optim/hybrid.py).
+    # plain DP group when c = 1. Hybrid sharding splits it into K instances (ptdp/parallel/data/hybrid.py).
     dp_group, replica_group = state.dp_cp_group, None
     if distributed and opt.num_distributed_optimizer_instances > 1:
-        from ptdp.optim.hybrid import instance_groups
+        from ptdp.parallel.data.hybrid import instance_groups
 
         dp_group, replica_group = instance_groups(state, opt.num_distributed_optimizer_instances)
     chunk_of = {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()}
@@ -68,7 +62,7 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
 
     experts = getattr(state, "expert", None) is not None  # issue 25: expert grads over the expert-DP group
     if experts:
-        from ptdp.optim.expert_grads import expert_grad_buckets
+        from ptdp.parallel.expert.grads import expert_grad_buckets
 
         grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed,
                                                  (dp_group, replica_group), opt.num_distributed_optimizer_instances)
@@ -76,12 +70,12 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
         grads = make(params, dp_group, separate=shared_embedding)
     materialize_deferred(params)  # parameters no bucket took (ptdp.parallel.init.defer_init)
     if strategy == "optim_grads_params":
-        from ptdp.optim.zero import ChunkParamSync, shard_model
+        from ptdp.parallel.data.zero import ChunkParamSync, shard_model
 
         if shard_model(grads):
             grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
             if opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1:  # one chunk: per layer
-                from ptdp.optim.zero_layers import LayerParamSync
+                from ptdp.parallel.data.zero_layers import LayerParamSync
 
                 grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
     if experts:

@@ -2,8 +2,8 @@
 
 ``dims``: sizes, coordinates and every process group (``ParallelDims``, ``ParallelState``); ``tensor``:
 tensor + sequence parallelism; ``context``: context parallelism; ``init``: materialising a model built on
-the meta device with the values one process would draw. Pipeline splitting is ``ptdp.pipeline.stage`` and
-the order of application is ``ptdp.parallelize`` (see ``docs/architecture.md``).
+the meta device with the values one process would draw. Pipeline splitting is ``ptdp.parallel.pipeline.stage`` and
+the order of application is ``ptdp.parallel.parallelize`` (see ``docs/architecture.md``).
 """
 
 from ptdp.parallel.dims import ParallelDims, ParallelState, init_distributed

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ptdp.config import Config
+
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """Give every meta parameter real (uninitialised) storage on ``device``, keeping its attributes
@@ -44,7 +46,7 @@ def init_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, std
     """Initialise every parameter as the full model would be, then keep this rank's tensor-parallel piece.
 
     ``logical_name`` maps a local parameter name to the full model's (a pipeline stage's copy of the tied
-    embedding is the embedding: ``ptdp.pipeline.stage.logical_name``).
+    embedding is the embedding: ``ptdp.parallel.pipeline.stage.logical_name``).
     """
     for name, param in model.named_parameters():
         init_parameter(param, param, logical_name(name), seed, tp_rank, tp_size, std, num_layers)
@@ -66,7 +68,7 @@ def init_parameter(param: nn.Parameter, out: torch.Tensor, name: str, seed: int,
     parallel = getattr(param, "tensor_model_parallel", False)
     if parallel:
         full_shape[param.partition_dim] *= tp_size
-    experts = getattr(param, "expert_parallel_size", 1)  # ptdp.parallel.expert: this rank's experts
+    experts = getattr(param, "expert_parallel_size", 1)  # ptdp.parallel.expert.apply: this rank's experts
     full_shape[0] *= experts
     # Drawn on the CPU whatever the device: CPU and CUDA generators give different numbers, and the
     # model must be the same on every device (a CUDA run reproduces a CPU run; checkpoints move).
@@ -86,7 +88,7 @@ def defer_init(model: nn.Module, device: torch.device, dtype: torch.dtype, seed:
     """:func:`materialize` + :func:`init_parameters` + ``.to(dtype)``, deferred: each meta parameter becomes
     a ``dtype`` parameter on ``device`` with *no storage* (as a ZeRO-3 parameter between gathers), carrying
     ``param.deferred_init(out)``, which writes into ``out`` exactly what :func:`init_parameters` would
-    have drawn for it. The flat parameter buffers (``ptdp.optim.grad_buffer``) call it on the parameter's
+    have drawn for it. The flat parameter buffers (``ptdp.parallel.data.buffer``) call it on the parameter's
     view of them, bucket by bucket, so a rank that keeps only shards (ZeRO-3) never holds the whole model,
     not even at start-up; :func:`materialize_deferred` serves parameters outside any buffer."""
     for module in model.modules():
@@ -118,3 +120,9 @@ def materialize_deferred(params: Iterable[nn.Parameter]) -> None:
         if init is not None:
             param.untyped_storage().resize_(param.numel() * param.element_size())
             init(param.data)
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    """The model's parameter (and activation) dtype."""
+    mp = config.precision
+    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32

@@ -1,4 +1,4 @@
-"""``ptdp plan``: evaluate one PTD-P layout, or search for the fastest that fits. Wired into ptdp/cli.py."""
+"""``ptdp plan``: evaluate one PTD-P layout, or search for the fastest that fits. Wired into ptdp/cli/main.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import sys
 from ptdp import config as train_config
 from ptdp.config import ModelConfig, MoEConfig, add_field_arguments, model_config
 from ptdp.config.validate_moe import moe_errors
-from ptdp.flops import moe_shape
-from ptdp.hardware import ACCELERATORS, GIB
+from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
@@ -23,6 +22,7 @@ from ptdp.planner.spec import (
     TrainingSpec,
 )
 from ptdp.planner.vocab import vocab_column, vocab_lines
+from ptdp.runtime.hardware import ACCELERATORS, GIB
 from ptdp.schedule.registry import default_virtual_size
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
@@ -95,7 +95,7 @@ def _positive(args: argparse.Namespace, name: str) -> None:
 def _model(args: argparse.Namespace) -> GPTSpec:
     """The planned model: ``ptdp train``'s ``ModelConfig`` and ``MoEConfig`` (preset, then the flags given)
     as the planner's frozen shape."""
-    from ptdp.presets import MODEL_PRESETS as ALL_PRESETS
+    from ptdp.config.presets import MODEL_PRESETS as ALL_PRESETS
 
     preset = ALL_PRESETS[args.model] if args.model else {}
     values = {k: getattr(args, k) for k in (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention")}
@@ -119,7 +119,7 @@ def _model(args: argparse.Namespace) -> GPTSpec:
 def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
     """``ptdp train``'s ``MoEConfig``: the preset's experts, then the flags given, checked by train's rules
     (``validate_moe``); every problem one line."""
-    from ptdp.presets import MOE_PRESETS
+    from ptdp.config.presets import MOE_PRESETS
 
     moe = dataclasses.replace(MoEConfig(**MOE_PRESETS.get(args.model, {})),
                               **{k: getattr(args, k) for k in _MOE_FLAGS if getattr(args, k) is not None})
@@ -136,7 +136,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
         _positive(args, name)
     model = _model(args)
     if args.global_batch_size is None:
-        from ptdp.presets import PLAN_GLOBAL_BATCH
+        from ptdp.config.presets import PLAN_GLOBAL_BATCH
 
         if args.model not in PLAN_GLOBAL_BATCH:
             raise _UsageError("--global-batch-size is required")
@@ -264,7 +264,7 @@ def _row(rank: str, e: Estimate, moe: bool = False) -> list[str]:
 
 def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate | None,
            runners: list[Estimate], evaluated: int) -> str:
-    from ptdp.flops import model_parameter_count
+    from ptdp.models.flops import model_parameter_count
 
     params = model_parameter_count(model)
     if model.moe is not None:  # a mixture of experts: also what a token goes through

@@ -1,21 +1,21 @@
 """Expert parallelism in the planner (issue 25): what e and etp change in memory, time and validity.
 
 A mixture-of-experts layer keeps attention's ``t × c × d × p`` layout; its experts are split over the
-``etp × e × edp`` view of the same ranks (MoE Parallel Folding, ``ptdp.parallel.expert_dims``):
+``etp × e × edp`` view of the same ranks (MoE Parallel Folding, ``ptdp.parallel.expert.dims``):
 
 * **memory**: of one MoE layer, the E stacked experts (``mats·h·ffn_moe`` each, bias-free) are held 1/(e·etp)
   per rank; the router (E·h), the shared expert and its gate are replicated over the tensor-parallel group
-  (``ptdp.parallel.expert``: tensor parallelism leaves the MoE layer whole); attention and the norms are
+  (``ptdp.parallel.expert.apply``: tensor parallelism leaves the MoE layer whole); attention and the norms are
   split as in a dense layer. Expert gradients and optimizer states shard over the expert-data-parallel
-  group, ``edp = t·c·d / (etp·e)`` ranks (``ptdp.optim.expert_grads``), not over attention's d·c.
+  group, ``edp = t·c·d / (etp·e)`` ranks (``ptdp.parallel.expert.grads``), not over attention's d·c.
 * **time**: every MoE layer dispatches its routed tokens to the experts' ranks and combines them back,
   forward and backward (again when recomputed): ``alltoall`` sends the ``k`` (token, choice) pairs that leave
   the rank, (e-1)/e of them; ``allgather`` gathers every token of the group and reduce-scatters the outputs.
   With etp = t under sequence parallelism the tokens are first gathered over the TP group and the output
-  reduce-scattered (``ptdp.parallel.expert_dispatch``). Expert gradients reduce over edp ranks.
+  reduce-scattered (``ptdp.parallel.expert.dispatch``). Expert gradients reduce over edp ranks.
   The expert GEMMs do the same work per rank whatever e (each rank runs its E/e experts on the tokens
   routed to them), so compute stays ``ptdp.planner.perf``'s active-FFN count.
-* **validity**: the rules of ``ptdp.parallel.expert_dims.expert_layout_errors``.
+* **validity**: the rules of ``ptdp.parallel.expert.dims.expert_layout_errors``.
 
 Pure arithmetic: no torch.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ptdp.config.validate_moe import expert_layout_errors
-from ptdp.flops import architecture, layer_parameter_count
+from ptdp.models.flops import architecture, layer_parameter_count
 
 DISPATCHERS = ("alltoall", "allgather")
 DEFAULT_DISPATCHER = "allgather"  # --moe-token-dispatcher-type's default (Megatron-LM's)
@@ -100,7 +100,7 @@ def expert_parameters_per_rank(model, cfg, layers: float) -> float:
 
 def expert_layout_problem(model, cfg, world_size: int) -> str | None:
     """Why ``ptdp train`` would refuse this expert layout (naming the flag), or None: the rules of
-    ``ptdp.parallel.expert_dims.expert_layout_errors``."""
+    ``ptdp.parallel.expert.dims.expert_layout_errors``."""
     e, etp = expert_sizes(cfg)
     dispatcher = getattr(cfg, "moe_token_dispatcher_type", DEFAULT_DISPATCHER)
     if dispatcher not in DISPATCHERS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.flops import architecture, layer_parameter_count
+from ptdp.models.flops import architecture, layer_parameter_count
 from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
@@ -141,7 +141,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
 def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
-    Closed form of ``ptdp.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
+    Closed form of ``ptdp.parallel.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
     min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs before its
     backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
     their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less).

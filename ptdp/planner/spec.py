@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.flops import MoEShape
-from ptdp.hardware import Accelerator, accelerator
+from ptdp.models.flops import MoEShape
+from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -21,7 +21,7 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 class GPTSpec:
     """The planner's frozen view of ``ptdp train``'s ``ModelConfig`` (``from_model_config``): shape of a GPT (learned positions, tied embeddings, 4h MLP unless ``ffn_hidden_size`` says otherwise).
 
-    The Llama-family fields carry ``ModelConfig``'s names (so ``ptdp.flops.architecture`` reads both):
+    The Llama-family fields carry ``ModelConfig``'s names (so ``ptdp.models.flops.architecture`` reads both):
     ``num_query_groups`` G for grouped-query attention (None: one K/V head per query head), ``kv_channels``
     the head dimension (None: h/a), ``swiglu`` three ffn matrices, an untied output layer, RMSNorm, rotary
     positions (no s·h table) and no linear biases.
@@ -40,7 +40,7 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
-    moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.flops)
+    moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
 
     @property
     def ffn(self) -> int:
@@ -99,7 +99,7 @@ class GPTSpec:
 
     @classmethod
     def from_preset(cls, values: dict) -> GPTSpec:
-        """The shape of a ``ptdp.presets`` entry (which holds ``ModelConfig`` field values)."""
+        """The shape of a ``ptdp.config.presets`` entry (which holds ``ModelConfig`` field values)."""
         return cls.from_model_config(ModelConfig(**values))
 
 
@@ -107,9 +107,9 @@ def _published_presets() -> dict[str, GPTSpec]:
     import dataclasses
 
     from ptdp.config import MoEConfig
-    from ptdp.flops import moe_shape
-    from ptdp.presets import MODEL_PRESETS as ALL
-    from ptdp.presets import MOE_PRESETS
+    from ptdp.config.presets import MODEL_PRESETS as ALL
+    from ptdp.config.presets import MOE_PRESETS
+    from ptdp.models.flops import moe_shape
 
     specs = {name: GPTSpec.from_preset(values) for name, values in ALL.items() if "vocab_size" in values}
     for name in specs.keys() & MOE_PRESETS.keys():  # the experts: FLOPs count the active ones
@@ -141,7 +141,7 @@ class ClusterSpec:
         intra_node_bandwidth: float | None = None,
         inter_node_bandwidth: float | None = None,
     ) -> ClusterSpec:
-        """A cluster of a table GPU (``ptdp.hardware``); None keeps the server's default."""
+        """A cluster of a table GPU (``ptdp.runtime.hardware``); None keeps the server's default."""
         acc = accelerator(gpu)
         return cls(
             gpu=acc,

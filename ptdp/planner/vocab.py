@@ -64,7 +64,7 @@ def vocab_pass_times(embedding: tuple[float, float], output: tuple[float, float]
     vocabulary layers' (forward, backward) times per microbatch: ``embedding`` the input embedding's,
     ``output`` the output layer's with the loss (``vocab_costs`` gives their sum; the simulator takes them in
     transformer layers). Every rank does 1/p of each. EF and EB embed all m microbatches at once. The output
-    layer's three GEMMs split as ``ptdp.pipeline.vocab_stage`` runs them: S the logits (and with one barrier
+    layer's three GEMMs split as ``ptdp.parallel.vocab.stage`` runs them: S the logits (and with one barrier
     also ``exp(z - max) W``, one of the two backward GEMMs), T the rest of the backward."""
     (ef, eb), (of, ob) = embedding, output
     moved = ob / 2 if barriers == 1 else 0.0

@@ -1,6 +1,6 @@
 """The schedules themselves: pure functions ``(p, v, m, rank) -> list[Action]`` of compute actions only.
 
-Keeping schedules as plain data lets one executor (``ptdp.pipeline.executor.run_schedule``) run all of
+Keeping schedules as plain data lets one executor (``ptdp.parallel.pipeline.executor.run_schedule``) run all of
 them, lets the simulator and the pictures consume exactly what runs, and lets tests check ordering,
 matching and deadlock freedom without processes. Each is declared once, with its placement, constraints
 and formulas, in ``ptdp.schedule.registry``; ``registry.build_schedule`` adds the SEND/RECV actions

@@ -2,7 +2,7 @@
 
 A schedule function lists only the computes (F, B, or the zero-bubble split I and W);
 ``place_communication`` adds every SEND/RECV, which makes the lists NCCL-safe (its docstring, and
-``ptdp.pipeline.nccl_model`` which checks the calls the executor makes). ``check_deadlock_free`` drains
+``ptdp.simulate.nccl.model`` which checks the calls the executor makes). ``check_deadlock_free`` drains
 the lists with non-blocking sends and blocking receives (FIFO per channel).
 """
 
@@ -73,7 +73,7 @@ def place_communication(computes: Sequence[Sequence[Action]], p: int, v: int,
     wait for is later), and a send meets its receive, whether sends complete on their own or wait for
     their receive. FIFO matching per channel holds because both ends order by the same time. Transfers
     overlap compute: a receive is posted when its tensor is sent and waited on only by its consumer.
-    ``ptdp.pipeline.nccl_model`` checks the calls the executor actually makes against this argument.
+    ``ptdp.simulate.nccl.model`` checks the calls the executor actually makes against this argument.
     """
     times = compute_times(computes, p, v, placement=placement)
     events: list[list[tuple[int, int, int, Action]]] = [

@@ -1,7 +1,7 @@
 """One driver for walking per-rank action lists in dependency order.
 
 The timing that orders communication (``communication.compute_times``), the deadlock check
-(``communication.check_deadlock_free``) and the simulator (``ptdp.simulate``) all model the same thing:
+(``communication.check_deadlock_free``) and the simulator (``ptdp.simulate.command``) all model the same thing:
 every rank runs its list in order, and an action runs once what it waits for exists. They differ only in
 what "waits for" and "runs" mean, which each passes in as ``step``. Pure: no torch, no torch.distributed.
 """

@@ -1,7 +1,7 @@
 """Every pipeline schedule, declared once: its builder, placement, constraints, help, bubble and memory.
 
 The CLI's ``--pipeline-schedule`` choices and help (``ptdp.config``), the configuration check
-(``ptdp.config.validate``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate``) and the
+(``ptdp.config.validate``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate.command``) and the
 executor (``build_schedule``) all read :data:`REGISTRY`; a new schedule is one :class:`ScheduleSpec`
 entry here plus its builder in ``ptdp.schedule.builders``. The schedules and their bubble/memory
 properties are in ptdp-facts.md, §Schedules, and docs/planner.md.

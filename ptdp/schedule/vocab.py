@@ -2,7 +2,7 @@
 
 The input embedding and the output layer with its cross-entropy are split by vocabulary over all p
 pipeline ranks (ptdp-facts.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
-so the one executor (``ptdp.pipeline.executor``) runs any schedule with them:
+so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with them:
 
 * ``EF`` (once per iteration, first): this rank's rows of the embedding for every microbatch's ids; the
   collective ``EMB`` sums the partial embeddings onto the first stage, whose F of each microbatch reads it.
@@ -21,7 +21,7 @@ holding the last stage may run up to ``LOOKAHEAD`` later forwards while its back
 barrier (the paper's extra in-flight microbatches: p+2 with one barrier, p+1 with two). So the barriers
 overlap transformer work. Every message and collective then gets one global time, the end of what
 produces it, and every rank posts them in that order (``place_communication``'s argument, with a
-collective completing once all p ranks posted it); ``ptdp.pipeline.nccl_model`` checks the result.
+collective completing once all p ranks posted it); ``ptdp.simulate.nccl.model`` checks the result.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ from torch import Tensor, nn
 
 from ptdp.data import get_microbatch
 from ptdp.observability import flight_recorder
-from ptdp.pipeline.executor import run_schedule
-from ptdp.pipeline.schedules import build_schedule, virtual_stage
-from ptdp.pipeline.vocab_stage import VocabStage
+from ptdp.parallel.collectives import group_size
+from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.vocab.stage import VocabStage
+from ptdp.schedule.actions import virtual_stage
+from ptdp.schedule.registry import build_schedule
 from ptdp.schedule.vocab import vocab_barriers
-from ptdp.tensor_parallel.mappings import group_size
 from ptdp.train.state import TrainState
 from ptdp.train.step import cp_shard, language_model_loss
 

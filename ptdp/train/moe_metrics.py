@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ptdp.models.moe import moe_layer_pattern, pop_moe_stats, set_aux_loss_scale
 from ptdp.observability import flight_recorder
-from ptdp.tensor_parallel.mappings import group_size
+from ptdp.parallel.collectives import group_size
 from ptdp.train.state import TrainState
 
 _LOSSES = ("load_balancing_loss", "z_loss")

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from ptdp import flops
 from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
-from ptdp.pipeline.executor import ScheduleStats
-from ptdp.pipeline.schedules import bubble_fraction_formula
+from ptdp.parallel.pipeline.executor import ScheduleStats
+from ptdp.schedule.registry import bubble_fraction_formula
 from ptdp.train.evaluate import evaluate, perplexity
 from ptdp.train.moe_metrics import moe_metrics, progress_suffix
 from ptdp.train.state import TrainState
@@ -81,7 +81,7 @@ def startup_summary(trainer: TrainState) -> str:
     rank, model-state bytes (parameters, gradients, optimizer state; Adam's moments counted before the first
     step allocates them) on the fullest rank, the layout, microbatches and tokens per iteration (collective:
     every rank calls it)."""
-    from ptdp.presets import model_family
+    from ptdp.config.presets import model_family
 
     cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
     m = cfg.model

@@ -1,6 +1,6 @@
 """What one rank trains with, as one typed object, and how it is set up.
 
-``setup(config)``: process groups → seeds → data → model chunks (``ptdp.parallelize``) → gradient buffers
+``setup(config)``: process groups → seeds → data → model chunks (``ptdp.parallel.parallelize``) → gradient buffers
 and optimizer → the pipeline schedule's action list → point-to-point transport. Everything the step, the
 loop, evaluation and checkpointing read is a field of :class:`TrainState`.
 """
@@ -18,17 +18,19 @@ from ptdp.data import DataSplits
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
-from ptdp.optim import GradBuckets, MegatronOptimizer, params_dtype, setup_optimizer
+from ptdp.optim import GradBuckets, MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
-from ptdp.parallel.expert_dims import build_expert_parallel
-from ptdp.parallelize import build_model_chunks, local_seq_length
-from ptdp.phases import phase
-from ptdp.pipeline.p2p import P2PComm, direction_groups
-from ptdp.pipeline.schedules import Action, build_schedule, schedule_placement
-from ptdp.pipeline.stage import tied_embedding_weights
+from ptdp.parallel.collectives import all_gather, split
+from ptdp.parallel.expert.dims import build_expert_parallel
+from ptdp.parallel.init import params_dtype
+from ptdp.parallel.parallelize import build_model_chunks, local_seq_length
+from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
+from ptdp.parallel.pipeline.stage import tied_embedding_weights
+from ptdp.parallel.tensor import model_parallel_seed
+from ptdp.runtime.phases import phase
+from ptdp.schedule.actions import Action
+from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.schedule.vocab import vocab_barriers
-from ptdp.tensor_parallel import model_parallel_seed
-from ptdp.tensor_parallel.mappings import all_gather, split
 
 
 @dataclass

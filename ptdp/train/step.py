@@ -16,13 +16,13 @@ from ptdp.observability import flight_recorder
 from ptdp.observability.timeline import span
 from ptdp.optim import learning_rate
 from ptdp.parallel import ParallelState
-from ptdp.pipeline.executor import ModuleStage, ScheduleStats, run_schedule
-from ptdp.pipeline.stage import sync_embedding_grads
-from ptdp.pipeline.vocab_stage import VocabStage
+from ptdp.parallel.collectives import group_size
+from ptdp.parallel.pipeline.executor import ModuleStage, ScheduleStats, run_schedule
+from ptdp.parallel.pipeline.stage import sync_embedding_grads
+from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
+from ptdp.parallel.tensor import vocab_parallel_cross_entropy
+from ptdp.parallel.vocab.stage import VocabStage
 from ptdp.schedule.vocab import vocab_barriers
-from ptdp.sequence_parallel import all_reduce_sequence_parallel_grads
-from ptdp.tensor_parallel import vocab_parallel_cross_entropy
-from ptdp.tensor_parallel.mappings import group_size
 from ptdp.train.moe_metrics import gather_moe_stats, set_loss_scale
 from ptdp.train.state import TrainState
 
@@ -48,7 +48,7 @@ def cp_shard(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """This CP rank's load-balanced chunks of ``[b, s]`` (itself when c = 1)."""
     if state.dims.cp == 1:
         return x
-    from ptdp.context_parallel import shard_sequence
+    from ptdp.parallel.context.attention import shard_sequence
 
     return shard_sequence(x, state.dims.cp, state.cp_rank, dim=1)
 
@@ -94,7 +94,7 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
     stats = run_schedule(trainer.schedule, stage, trainer.comm, recorder=recorder, count_saved_bytes=count,
-                         param_sync=trainer.grads.param_sync)  # ZeRO-3: per-chunk gathers (ptdp.optim.zero)
+                         param_sync=trainer.grads.param_sync)  # ZeRO-3: per-chunk gathers (ptdp.parallel.data.zero)
     if count:
         trainer.peak_activation_bytes = stats.peak_saved_bytes
     stats.peak_saved_bytes = trainer.peak_activation_bytes

@@ -169,10 +169,10 @@ PATCHES = {
         ("ptdp.checkpointing.storage:_fsync", crash_before_latest),
     ],
     "PTDP_TEST_BUG=dp-sum": [
-        ("ptdp.optim.grad_buffer:GradBuckets._launch", dp_sum_instead_of_average),
+        ("ptdp.parallel.data.buffer:GradBuckets._launch", dp_sum_instead_of_average),
     ],
     "PTDP_TEST_BUG=tp-grad": [
-        ("ptdp.tensor_parallel.mappings:_CopyToRegion.backward", tp_input_grad_not_reduced),
+        ("ptdp.parallel.collectives:_CopyToRegion.backward", tp_input_grad_not_reduced),
     ],
 }
 

@@ -1,0 +1,213 @@
+"""``ptdp`` command line: train, plan, simulate, preprocess, generate, export, import, timeline."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from datetime import timedelta
+
+from ptdp.config import ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.runtime.errors import print_error
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT with PTD-P (under torchrun, or launching workers itself)")
+    add_config_arguments(p)
+    launch = p.add_argument_group("launch")
+    launch.add_argument("--nproc-per-node", type=int, default=None,
+                        help="start this many local workers through torch.distributed.run")
+    launch.add_argument("--max-restarts", type=int, default=None,
+                        help="restart all workers up to K times when one fails (torchrun's elastic restart; "
+                        "default 0, or 3 with --elastic / --nnodes MIN:MAX)")
+    launch.add_argument("--nnodes", default=None,
+                        help="nodes, N or MIN:MAX (torchrun's elastic agent: the job goes on with any number of "
+                        "agents in the range, d follows the world size); needs --rdzv-endpoint when MAX > 1")
+    launch.add_argument("--elastic", action="store_true",
+                        help="the world size may differ from the checkpoint's (one node: --nproc-per-node may "
+                        "change between relaunches): d follows it, t, p and the global batch are kept")
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the agents of a multi-node "
+                        "job meet (torchrun's c10d rendezvous)")
+    launch.add_argument("--rdzv-id", default=None, help="the job's rendezvous id, the same on every agent")
+    launch.add_argument("--rdzv-conf", default=None, help="torchrun's rendezvous options, e.g. "
+                        "last_call_timeout=5,join_timeout=600,keep_alive_interval=5")
+    launch.add_argument("--monitor-interval", type=float, default=None,
+                        help="seconds between the agent's checks of its workers (torchrun's flag)")
+    p.set_defaults(run=run_train)
+
+
+# The launcher's flags, which the workers do not get (each takes a value).
+_LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
+                   "--monitor-interval")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:  # every problem of the TOML file, one line each
+        for line in e.problems:
+            _fail(line, "train")
+        return 2
+    launching = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
+    world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    local_world_size = args.nproc_per_node if launching else int(
+        os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if launching:  # at once: checking the configuration imports torch, which can take seconds
+        from ptdp.runtime.launch import launch_line
+
+        par = config.parallel
+        print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
+                          par.pipeline_model_parallel_size), flush=True)
+    from ptdp.runtime.elastic import parse_nnodes, world_size_error
+
+    try:
+        nodes = parse_nnodes(args.nnodes)
+    except ValueError as e:
+        return _fail(str(e), "train")
+    elastic = args.elastic or nodes[0] != nodes[1]
+    if launching and nodes[1] > 1 and not args.rdzv_endpoint:
+        return _fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the agents meet", "train")
+    if launching and nodes[1] > 1:  # the workers check the world size they get; here: can any work?
+        world_size = next((n * args.nproc_per_node for n in range(nodes[0], nodes[1] + 1)
+                           if not validate(config, n * args.nproc_per_node, local_world_size)),
+                          nodes[0] * args.nproc_per_node)
+    if elastic:  # one line naming the world sizes that would work, instead of what this one breaks
+        line = world_size_error(config, world_size, local_world_size, nodes=local_world_size != world_size
+                                or nodes[1] > 1)
+        if line:
+            return _fail(line, "train")
+    errors = validate(config, world_size, local_world_size)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not errors:  # the machine (FP8 GPU) and the files (--save/--load, the checkpoint): ptdp.runtime.startup
+        from ptdp.runtime.startup import startup_problems, startup_warnings
+
+        given, config = config, derive(config, world_size)  # validate never changes what it checks
+        errors = startup_problems(config, world_size)
+        for line in startup_warnings(given, config) if rank0 and not launching else ():
+            print(f"warning: {line}", file=sys.stderr)
+    if errors:
+        # Every rank rejects the configuration before any collective; only rank 0 speaks.
+        if rank0:
+            for line in errors:
+                print_error("train", line)
+        return 2
+    if launching:
+        from ptdp.runtime.launch import launch_workers
+
+        rendezvous = None
+        if args.nnodes is not None or args.rdzv_endpoint:
+            rendezvous = {"nnodes": args.nnodes or "1", "rdzv_endpoint": args.rdzv_endpoint, "rdzv_id": args.rdzv_id,
+                          "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
+        restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
+        worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
+        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
+
+    from ptdp import interrupt
+    from ptdp.data import DataError
+
+    interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
+    try:
+        from ptdp.train.loop import train
+
+        train(config)
+        code = interrupt.exit_code() or 0  # 130 (0 to ptdp's launcher) after a Ctrl-C stop
+    except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy
+        code = _fail(str(e))
+    except Exception as e:  # a peer that left at once after a second Ctrl-C: leave quietly too
+        if not interrupt.interrupted_exception(e):
+            raise
+        interrupt.stop_now()
+    # gloo aborts the process at exit ("terminate called without an active exception") when its process
+    # groups are left for the interpreter to tear down. Not after other errors: a lost peer can make the
+    # teardown wait, and the launcher restarts or stops the job anyway.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if code and dist.get_backend() == "gloo":  # every rank raised: let all finish talking before teardown
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            except RuntimeError:
+                pass
+        dist.destroy_process_group()
+    return code
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The command line each worker runs: ours without the launcher's own flags."""
+    out, skip = [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _LAUNCHER_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def _fail(message: str, command: str | None = None) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_error(command, message)
+    return 2
+
+
+# Sub-commands besides train: (name, module, its add-arguments function, its run function, help).
+_COMMANDS = [
+    ("plan", "ptdp.planner", "add_plan_arguments", "run_plan", "choose (t, p, d, b, v) for a model on a cluster"),
+    ("simulate", "ptdp.simulate.command", "add_simulate_arguments", "run_simulate",
+     "simulate a pipeline schedule and draw its timeline"),
+    ("preprocess", "ptdp.data.preprocess", "add_preprocess_arguments", "run_preprocess",
+     "tokenize JSONL into indexed .bin/.idx files"),
+    ("samples", "ptdp.data.samples", "add_samples_arguments", "run_samples",
+     "print the training samples in the order training reads them (the flags of `ptdp train`)"),
+    ("generate", "ptdp.cli.generate", "add_generate_arguments", "run_generate",
+     "continue a prompt with a checkpoint (any layout, one process)"),
+    ("export", "ptdp.hf.convert", "add_export_arguments", "run_export",
+     "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
+    ("import", "ptdp.hf.convert", "add_import_arguments", "run_import", "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+    ("timeline", "ptdp.observability.timeline", "add_timeline_arguments", "run_timeline",
+     "merge the per-rank Chrome traces of a --timeline run"),
+]
+
+
+def _other_parsers(sub) -> None:
+    for name, module_name, add_arguments, run, help_text in _COMMANDS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text)
+        getattr(module, add_arguments)(p)
+        p.set_defaults(run=getattr(module, run))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ptdp import __version__
+    from ptdp.cli.parser import Parser
+
+    parser = Parser(prog="ptdp", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ptdp {__version__} ({_torch_version()})")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _other_parsers(sub)
+    return parser
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"torch {version('torch')}"
+    except PackageNotFoundError:
+        return "torch not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ptdp.cli.parser import parse
+
+    args = parse(build_parser(), argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The ``ptdp`` argument parser's manners, as Megatron-LM's: no abbreviated flags, one-line errors.
+
+- ``allow_abbrev=False`` (Megatron-LM's choice): ``--train-iter 3`` is not silently taken for
+  ``--train-iters 3``, and a flag added later cannot make an abbreviation that worked ambiguous.
+- A usage error is one line, ``ptdp <command>: error: ...`` (the shape of every ptdp error,
+  ``ptdp.runtime.errors``), not a 58-line usage block; an unknown flag names the closest valid one ("did you
+  mean --train-iters?"). ``--help`` still prints the whole usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from typing import NoReturn
+
+from ptdp.runtime.errors import print_error
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without abbreviations and with one-line errors (sub-parsers too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("ptdp").strip() or None
+        print_error(command, message)
+        sys.exit(2)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every long flag ``parser`` accepts."""
+    return [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+
+
+def closest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
+    """The valid flag nearest to ``name`` (``--train-iter`` -> ``--train-iters``), or None."""
+    flag = name.split("=", 1)[0]
+    options = option_strings(parser)
+    prefixed = [o for o in options if o.startswith(flag)]  # an abbreviation: the flag it abbreviates
+    if len(prefixed) == 1:
+        return prefixed[0]
+    match = difflib.get_close_matches(flag, prefixed or options, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_arguments_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """One line for the arguments no flag took, with a suggestion for the first unknown flag."""
+    message = f"unrecognized argument(s): {' '.join(extras)}"
+    flags = [e for e in extras if e.startswith("--")]
+    suggestion = closest_flag(flags[0], parser) if flags else None
+    return message + (f"; did you mean {suggestion}?" if suggestion else "")
+
+
+def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    """The sub-command parser ``name`` of ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` with :func:`unknown_arguments_message` for arguments nothing took."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = getattr(args, "command", None)
+        sub = subparser(parser, command) if command else None
+        print_error(command, unknown_arguments_message(extras, sub or parser))
+        sys.exit(2)
+    return args
+
+
+def help_with_default(help_text: str, default: object) -> str:
+    """A flag's help with its default said once: not when the text already says it ("default 4h"), and
+    not for None (the help says what happens without the flag)."""
+    if default is None or re.search(r"\(default[ :]", help_text):
+        return help_text
+    return f"{help_text} (default: {default})"

@@ -1,0 +1,58 @@
+"""Context parallelism applied to a plain model: the sequence of every sample split over c ranks.
+
+A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.context.attention``). Everything in the
+model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
+position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
+``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
+all-gather). The data loader shards the tokens the same way (``ptdp.train.step.cp_shard``); gradients are
+averaged over the d·c ranks of the dp-cp group (``ptdp.parallel.dims``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ptdp.models import CausalAttention, SequencePositions
+from ptdp.parallel.collectives import group_rank, group_size
+from ptdp.parallel.context.attention import context_parallel_attention, load_balanced_positions
+
+
+class LoadBalancedPositions(SequencePositions):
+    """The real positions of CP rank ``cp_rank``'s ``seq_len`` tokens (chunks i and 2c-1-i)."""
+
+    def __init__(self, cp_size: int, cp_rank: int):
+        super().__init__()
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def forward(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        return load_balanced_positions(seq_len * self.cp_size, self.cp_size, self.cp_rank, device=device)
+
+
+class ContextParallelAttention(CausalAttention):
+    """Causal attention of this rank's queries over the whole sequence, through the CP group."""
+
+    def __init__(self, cp_group, comm_type: str):
+        super().__init__()
+        self.cp_group, self.comm_type = cp_group, comm_type
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.comm_type,
+                                          dropout_p=dropout_p)
+
+
+def swap_modules(model: nn.Module, kind: type[nn.Module], new: nn.Module) -> None:
+    """Replace every submodule of exactly type ``kind``, wherever (and however often) it appears, by ``new``."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is kind:
+                setattr(parent, name, new)
+
+
+def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p") -> nn.Module:
+    """Make ``model`` (or a chunk) run on this CP rank's tokens; nothing to do when c = 1. Returns it."""
+    if group_size(cp_group) == 1:
+        return model
+    swap_modules(model, SequencePositions, LoadBalancedPositions(group_size(cp_group), group_rank(cp_group)))
+    swap_modules(model, CausalAttention, ContextParallelAttention(cp_group, comm_type))
+    return model

@@ -1,0 +1,384 @@
+"""Context parallelism: causal attention over a sequence split across the c ranks of a CP group.
+
+Layout (ptdp-facts.md §Beyond the paper: context parallelism). The sequence is cut into 2c equal chunks
+and CP rank i holds chunks i and 2c-1-i, concatenated in that order. Under a causal mask an early chunk
+attends to few keys and a late one to many, so pairing them gives every rank the same work. Everything
+outside attention is per-token and never notices the split; positions (learned or rotary) must follow
+``load_balanced_positions``.
+
+Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
+
+* ``p2p`` (ring attention, Li et al.): K/V blocks travel around the ring; each rank attends its queries
+  to each block as it passes, overlapping the transfer of the next block with the current block's math,
+  and merges the partial outputs by their log-sum-exp (as flash attention merges tiles). The backward
+  sends K/V around again, with their gradient accumulator following one step behind. Per-rank memory
+  stays O(s/c): the blocks' probabilities are recomputed in the backward from the saved LSE.
+* ``a2a`` (DeepSpeed Ulysses): an all-to-all turns sequence sharding into head sharding (every rank gets
+  all s tokens of heads/c heads), plain causal attention runs, and a second all-to-all turns it back.
+* ``allgather``: all-gather K/V, attend with a mask from the real positions; its backward reduce-scatters
+  dK/dV. The simplest, O(s) memory per rank; the reference the other two are checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
+
+COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+# ------------------------------------------------------------------------------------------- the layout
+
+
+def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of 2c sequence chunks this rank holds: (cp_rank, 2*cp_size-1-cp_rank)."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is not in [0, {cp_size})")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def _chunk_length(seq_length: int, cp_size: int) -> int:
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"--seq-length {seq_length} does not split into 2 x --context-parallel-size "
+                         f"= {2 * cp_size} equal chunks")
+    return seq_length // (2 * cp_size)
+
+
+def load_balanced_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """LongTensor [seq_length // cp_size]: the real token positions this rank holds (its two chunks, in order)."""
+    n = _chunk_length(seq_length, cp_size)
+    first, second = load_balanced_chunks(cp_size, cp_rank)
+    return torch.cat([torch.arange(first * n, (first + 1) * n, device=device),
+                      torch.arange(second * n, (second + 1) * n, device=device)])
+
+
+def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of a full-sequence tensor along `dim`, concatenated (contiguous copy)."""
+    n = _chunk_length(x.shape[dim], cp_size)
+    first, second = load_balanced_chunks(cp_size, cp_rank)
+    return torch.cat([x.narrow(dim, first * n, n), x.narrow(dim, second * n, n)], dim=dim)
+
+
+@functools.lru_cache(maxsize=32)
+def _natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index into the rank-major concatenation of every rank's shard giving the natural token order, and
+    its inverse. Built once per (c, chunk, device) and kept on the device: no host-to-device copy per layer."""
+    held = torch.cat([load_balanced_positions(2 * cp_size * n, cp_size, r) for r in range(cp_size)])
+    order = torch.argsort(held)
+    return order.to(device), torch.argsort(order).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _allgather_mask(seq_length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """[s/c, s] bool, True = attend: this rank's queries against the rank-major gathered keys. Built once
+    per (s, c, rank, device) on the device."""
+    q_pos = load_balanced_positions(seq_length, cp_size, cp_rank)
+    k_pos = torch.cat([load_balanced_positions(seq_length, cp_size, i) for i in range(cp_size)])
+    return (q_pos[:, None] >= k_pos[None, :]).to(device)
+
+
+# ------------------------------------------------------------------------------------------- entry point
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
+                               comm_type: str, dropout_p: float = 0.0,
+                               softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence. q: [b, heads, s/c, d];
+    k, v: [b, kv_heads, s/c, d] (kv_heads == heads after the caller's GQA repeat); all in the
+    load-balanced layout above (chunk i then chunk 2c-1-i). Returns [b, heads, s/c, d] in the same layout.
+    comm_type "p2p": ring attention; "a2a": Ulysses; "allgather": all-gather K/V then one masked attention.
+
+    kv_heads may also be any divisor of heads (grouped-query attention without the repeat: the ring then
+    sends the unrepeated K/V). With c = 1 (``cp_group`` None or of one rank) this is causal SDPA.
+    """
+    c = group_size(cp_group)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if c == 1:
+        k, v = _repeat_kv(k, v, heads // kv_heads)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+    if dropout_p > 0.0:  # every layout would need the single process's mask for the same numbers
+        raise ValueError("--attention-dropout > 0 is not supported with --context-parallel-size > 1")
+    if q.shape[2] % 2:
+        raise ValueError(f"the local sequence {q.shape[2]} is not two equal chunks: --seq-length must be a "
+                         f"multiple of 2 x --context-parallel-size = {2 * c}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if comm_type == "a2a":
+        if heads % c:
+            raise ValueError(f"--cp-comm-type a2a needs the local attention heads ({heads}) divisible by "
+                             f"--context-parallel-size {c}; use --cp-comm-type p2p")
+        return _ulysses(q, k, v, cp_group, scale)
+    if comm_type == "allgather":
+        return _allgather_attention(q, k, v, cp_group, scale)
+    return _RingAttention.apply(q, k, v, cp_group, scale)
+
+
+def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+# ------------------------------------------------------------------------------------------- allgather
+
+
+def _allgather_attention(q, k, v, group, scale: float) -> torch.Tensor:
+    c, r = group_size(group), group_rank(group)
+    s = q.shape[2] * c
+    k, v = _repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
+                      gather_from_sequence_parallel_region(v, group, dim=2), q.shape[1] // k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_allgather_mask(s, c, r, q.device), scale=scale)
+
+
+# ------------------------------------------------------------------------------------------- a2a (Ulysses)
+
+
+def _all_to_all(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Rank j gets chunk j of ``x`` along ``split_dim``; what arrives from rank i is concatenated along
+    ``cat_dim`` in rank order. One ``all_to_all_single`` (gloo supports it on CPU since torch 2.x)."""
+    c = group_size(group)
+    send = torch.stack(x.chunk(c, dim=split_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=cat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """The all-to-all between sequence and head sharding; its backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (split_dim, cat_dim)
+        return _all_to_all(x, group, split_dim, cat_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, cat_dim, split_dim), None, None, None
+
+
+def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
+    c = group_size(group)
+    heads = q.shape[1]
+    if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
+        k, v = _repeat_kv(k, v, heads // k.shape[1])
+    order, inverse = _natural_order(c, q.shape[2] // 2, q.device)
+    # [b, heads, s/c, d] sequence-sharded -> [b, heads/c, s, d] head-sharded, then natural token order
+    q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
+    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    y = y.index_select(2, inverse)  # back to the rank-major load-balanced layout
+    return _AllToAll.apply(y, group, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------- p2p (ring)
+
+
+def _ring_exchange(x: torch.Tensor, group, rank: int, size: int) -> tuple[torch.Tensor, list]:
+    """Send ``x`` to the next ring rank and receive the previous rank's into a new buffer, posted as ONE
+    ``batch_isend_irecv``: send first, then receive, on every rank (the NCCL argument is in
+    ``_RingAttention``). Returns the receive buffer and the works to wait on before reading it."""
+    recv = torch.empty_like(x)
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
+                                    dist.P2POp(dist.irecv, recv, prv, group)])
+    return recv, works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _block(rank: int, src: int, n: int) -> tuple[slice, slice, bool]:
+    """Which queries of this rank see which keys of rank ``src``'s block, and whether causally.
+
+    This rank holds chunks (r, 2c-1-r), ``src`` holds (s, 2c-1-s). s == r: the diagonal, a causal mask on
+    the local order (positions increase along it). s < r: chunk s precedes both query chunks and chunk
+    2c-1-s follows both, so all queries see the first half of the keys, unmasked. s > r: both key chunks
+    (s and 2c-1-s, each in [r+1, 2c-2-r]) follow chunk r and precede chunk 2c-1-r, so only the second
+    half of the queries sees them, all of them. Every step but the diagonal is thus one unmasked
+    (2n x n or n x 2n) product, the diagonal a causal 2n x 2n: equal work on every rank and step.
+    """
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, n), False
+    return slice(n, None), slice(None), False
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None)
+
+
+def block_kernel(q: torch.Tensor) -> str:
+    """Which kernel computes one ring block: ``"cuda-flash"`` (FlashAttention-2 through torch's aten op,
+    which returns the LSE: 16-bit inputs on a CUDA device of compute capability >= 8.0, head dim <= 256),
+    ``"cpu-flash"`` (torch's CPU flash kernel, any float dtype) or ``"math"`` (explicit, exact, but it
+    materialises the block's scores: the fallback, e.g. fp32 on a GPU)."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        return "cpu-flash"
+    if (q.device.type == "cuda" and _CUDA_FLASH is not None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8):
+        return "cuda-flash"
+    return "math"
+
+
+def block_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype blocks are computed in: the input's for the CUDA flash kernel (it takes 16-bit only and
+    accumulates in fp32 itself), fp32 otherwise. Merged outputs and LSEs are always fp32."""
+    return q.dtype if block_kernel(q) == "cuda-flash" else torch.float32
+
+
+def _no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rng_state, unused) pair the CUDA flash forward returns, of the same types: dropout is off, so
+    the backward never reads them (blocks are recomputed, their forward's pair is not kept)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and its fp32 log-sum-exp [b, h, s_q], by ``block_kernel(q)``."""
+    kernel = block_kernel(q)
+    if kernel == "cpu-flash":
+        return _CPU_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+    if kernel == "cuda-flash":
+        out, lse = _CUDA_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale)[:2]
+        return out, lse.float()
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
+def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of one block given the MERGED output and LSE: with them the flash-attention backward
+    (P = exp(S - LSE), dS = P * (dO V^T - rowsum(dO * O))) yields exactly this block's share."""
+    kernel = block_kernel(q)
+    if kernel == "cpu-flash":
+        return _CPU_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                   out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+    if kernel == "cuda-flash":
+        return _CUDA_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                    out.to(q.dtype).contiguous(), lse.contiguous(), None, None, q.shape[2],
+                                    k.shape[2], 0.0, causal, *_no_rng_state(q.device), scale=scale)[:3]
+    p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), do))
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold one block's (output, LSE) into the running fp32 (``out``, ``lse``) in place, as flash attention
+    merges its tiles: new = logaddexp(lse, blk); out = out·e^(lse-new) + blk_out·e^(blk-new)."""
+    new_lse = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(blk_out.float() * torch.exp(blk_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, 1)
+
+
+def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_expand``: sum each group's copies."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // groups, groups, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over the load-balanced layout. Each block is one flash-attention call that returns
+    its LSE (``block_kernel``: FlashAttention-2 on a CUDA GPU in bf16/fp16, torch's flash kernel on the CPU;
+    explicit math only as the fallback), and the blocks are merged by their LSE (``merge_block``) into an
+    fp32 output: no (s/c)² score block is materialised, so per-rank activation memory is O(s/c). The
+    backward recomputes each block from the merged output and LSE with the matching flash backward.
+
+    NCCL safety (ptdp-facts.md §NCCL point-to-point semantics). Every transfer is one
+    ``_ring_exchange``: a single ``batch_isend_irecv`` holding this rank's send to ring-next and its
+    receive from ring-prev. Every rank posts the same sequence of exchanges (forward: c-1 K/V exchanges;
+    backward: c-1 K/V exchanges interleaved with c dK/dV exchanges, in the same order on every rank), and
+    the host posts exchange n+1 only after exchange n (it never waits on a later one). Each channel
+    r -> r+1 carries exactly one message per exchange, so FIFO matching pairs the n-th send with the n-th
+    receive. By induction on n: once every rank's exchange n-1 has completed, every rank's exchange n can
+    start (the compute stream before it only waits on exchanges < n), every one of its sends finds its
+    receive posted in the neighbour's exchange n and every receive its send, so all complete - even if a
+    send waits for its receive. ``tests/test_context_parallel_attention.py`` records the real calls and
+    plays them through ``ptdp.simulate.nccl.model.check_trace``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float) -> torch.Tensor:
+        c, r = group_size(group), group_rank(group)
+        n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        dtype = block_dtype(q)
+        qf = q.to(dtype)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(c):
+            if step < c - 1:  # the next block travels while this one is computed
+                nxt, works = _ring_exchange(kv, group, r, c)
+            rows, cols, causal = _block(r, (r - step) % c, n)
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
+            merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+            if step < c - 1:
+                _wait(works)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        c, r = group_size(group), group_rank(group)
+        n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        dtype = block_dtype(q)
+        qf, do = q.to(dtype), dout.to(dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_in, dkv_works = None, None
+        for step in range(c):
+            if step < c - 1:
+                nxt, kv_works = _ring_exchange(kv, group, r, c)
+            rows, cols, causal = _block(r, (r - step) % c, n)
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
+                                               lse[:, :, rows], scale, causal)
+            dq[:, :, rows] += dq_b
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv[0][:, :, cols] = _fold(dk_b.float(), groups)
+            dkv[1][:, :, cols] = _fold(dv_b.float(), groups)
+            if dkv_in is not None:  # the gradient of this block from the ranks it already visited
+                _wait(dkv_works)
+                dkv += dkv_in
+            dkv_in, dkv_works = _ring_exchange(dkv, group, r, c)
+            if step < c - 1:
+                _wait(kv_works)
+                kv = nxt
+        _wait(dkv_works)  # after c hops this rank's own block is back, with every rank's contribution
+        dk, dv = dkv_in.unbind(0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

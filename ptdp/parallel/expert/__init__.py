@@ -1,0 +1,1 @@
+"""Expert parallelism for MoE models: ``apply`` (this rank's experts and the dispatcher), ``dims`` (the folded expert groups), ``dispatch`` (all-to-all / all-gather token dispatch), ``load_balancing``, ``grads`` (expert gradients over the expert-data-parallel group)."""

@@ -1,0 +1,157 @@
+"""Point-to-point transport between pipeline ranks: one ``dist.batch_isend_irecv`` per run of SEND/RECV.
+
+The executor hands ``P2PComm`` each run of consecutive SEND/RECV actions of its list; they go out in ONE
+``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward and its 4-op interleaved batch,
+generalised), so a send and the receives that stand beside it are posted together. Where the list puts
+them is what makes NCCL safe (``schedules.place_communication``; ``nccl_model`` checks the calls made
+here). Sends are waited on at the end of the schedule and receives when their tensor is consumed, so
+communication overlaps compute. Messages between two ranks are matched first-in first-out.
+
+``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
+1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
+§Communication per microbatch). Activations and their gradients have the same shape, so one packed shape
+serves both directions.
+
+With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks, issue 26) the
+activations travel on one communicator and the gradients on the other: each run is posted as up to two
+batches (activations first), each on its communicator's own NCCL stream, so a send forward never queues
+behind a send backward. ``nccl_model`` plays that layout too (``record_comm_trace(per_direction=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ptdp.observability import flight_recorder
+from ptdp.schedule.actions import Action
+
+Hook = Callable[[Tensor], Tensor]
+
+
+def message_key(action: Action) -> tuple[str, int, int]:
+    """Key under which a received tensor is consumed: ("F"|"B", microbatch, local chunk)."""
+    return action.op[-1], action.microbatch, action.chunk
+
+
+@dataclass
+class _Batch:
+    """Works of one batch_isend_irecv call; each work is waited exactly once (gloo hangs on a 2nd wait)."""
+
+    works: list
+    n_ops: int
+    waited: set[int] = field(default_factory=set)
+
+    def wait_for(self, index: int) -> None:
+        # NCCL coalesces a batch into one work; gloo returns one work per op.
+        i = index if len(self.works) == self.n_ops else 0
+        if i not in self.waited and i < len(self.works):
+            self.works[i].wait()
+            self.waited.add(i)
+
+    def completed(self, indices: range) -> bool:
+        return all(self.works[i].is_completed() for i in indices if i < len(self.works))
+
+
+@dataclass
+class PendingRecv:
+    """A posted receive: ``P2PComm.wait`` turns it into the (unpacked) tensor."""
+
+    buffer: Tensor
+    batch: _Batch
+    index: int
+
+
+@dataclass
+class P2PComm:
+    """Pipeline-parallel p2p over ``group``; ``pp_ranks[i]`` is the global rank of pipeline rank i.
+
+    ``shape``/``dtype``/``device`` describe the full activation; ``packed_shape`` what ``pack`` returns
+    (defaults to ``shape``). ``unpack`` restores the full tensor on the receiving side.
+    """
+
+    pp_ranks: Sequence[int]
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    group: dist.ProcessGroup | None = None
+    pack: Hook | None = None
+    unpack: Hook | None = None
+    packed_shape: tuple[int, ...] | None = None
+    groups: dict[str, dist.ProcessGroup] | None = None  # one communicator per direction: {"F": ..., "B": ...}
+    _sends: list = field(default_factory=list, repr=False)
+
+    def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
+        """Post sends and receives in one batch (one per direction with ``groups``); return
+        {message_key: PendingRecv} for the receives."""
+        if self.groups is None:
+            return self._issue(sends, recvs, self.group)
+        posted = {}
+        for kind in ("F", "B"):  # the order nccl_model.RecordingComm(per_direction=True) records
+            posted |= self._issue([(a, t) for a, t in sends if a.op[-1] == kind],
+                                  [a for a in recvs if a.op[-1] == kind], self.groups[kind])
+        return posted
+
+    def _issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action], group) -> dict:
+        ops: list[dist.P2POp] = []
+        for action, tensor in sends:
+            payload = self.pack(tensor) if self.pack is not None else tensor
+            ops.append(dist.P2POp(dist.isend, payload.contiguous(), self.pp_ranks[action.peer], group))
+        buffers = []
+        for action in recvs:
+            buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
+            buffers.append((action, buf, len(ops)))
+            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], group))
+        if not ops:
+            return {}
+        self._reap_sends()
+        flight_recorder.record("batch_isend_irecv", group=group, peer=[op.peer for op in ops],
+                               tensor=[op.tensor for op in ops],
+                               action=" ".join(map(repr, [a for a, _ in sends] + list(recvs))))
+        batch = _Batch(dist.batch_isend_irecv(ops), len(ops))
+        if sends:
+            self._sends.append((batch, [op.tensor for op in ops[: len(sends)]]))
+        return {message_key(a): PendingRecv(buf, batch, i) for a, buf, i in buffers}
+
+    def wait(self, pending: PendingRecv) -> Tensor:
+        """Block until a posted receive landed; return it unpacked."""
+        flight_recorder.record("p2p_wait", group=self.group, tensor=pending.buffer, action="recv")
+        pending.batch.wait_for(pending.index)
+        return self.unpack(pending.buffer) if self.unpack is not None else pending.buffer
+
+    def wait_sends(self) -> None:
+        """Block until every send issued so far left (their buffers may then be freed)."""
+        for batch, sent in self._sends:
+            for i in range(len(sent)):
+                batch.wait_for(i)
+        self._sends.clear()
+
+    def _reap_sends(self) -> None:
+        # keep send buffers alive only until gloo/NCCL are done with them; still wait each work once
+        keep = []
+        for batch, sent in self._sends:
+            if batch.completed(range(len(sent))):
+                for i in range(len(sent)):
+                    batch.wait_for(i)
+            else:
+                keep.append((batch, sent))
+        self._sends = keep
+
+
+def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:
+    """This rank's two pipeline communicators, {"F": activations, "B": gradients}: each a process group
+    over this rank's pipeline ranks. Collective: every rank creates every pipeline's pair, in one order."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for dp in range(dims.dp):
+        for cp in range(dims.cp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_of(s, dp, tp, cp) for s in range(dims.pp)]
+                for kind in ("F", "B"):
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[kind] = group
+    return mine

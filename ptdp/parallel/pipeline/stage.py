@@ -1,0 +1,95 @@
+"""Pipeline splitting of a plain model into chunks, and the tied embedding: its one home.
+
+The layers are split over the p·v virtual stages evenly or as Megatron's layout flags say
+(``ptdp.schedule.layout``); a rank holds the stages its schedule's placement
+gives it (``virtual_stage``: Megatron's interleaving, with p=4, v=2 and 8 layers rank 0 holds layers 0 and
+4, or a V: zbv, v-half, v-min rank 0 holds layers 0 and 7). A chunk is the model itself with only its parts
+kept: the embedding on virtual stage 0, the final norm and logits on the last, its layers under their
+global indices (names, hence checkpoints, do not depend on the layout).
+
+Tied embeddings (GPT-2: the logits' weight is the input embedding). When the first and last stage are
+different chunks, the last one holds a copy, ``output_layer.weight``, marked ``is_embedding_copy``: it is
+initialised as the embedding (:func:`logical_name`), saved once (checkpoints skip the copy), counted once
+in the grad norm (``ptdp.optim.clip_grads``), kept apart in the gradient buffers
+(:func:`tied_embedding_weights`) and its gradient summed with the embedding's after every backward
+(:func:`sync_embedding_grads`), as Megatron does, so the two copies stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+from ptdp.models import TIED_EMBEDDING, GPTModel
+from ptdp.parallel.collectives import all_reduce
+from ptdp.schedule.layout import Stage, stages_from_counts
+
+HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
+
+
+# issue 24: a rank's vocabulary rows (``ptdp.parallel.vocab.stage``) are slices of these full weights
+VOCAB_SLICE_NAMES = {"vocab_slices.embedding": TIED_EMBEDDING, "vocab_slices.head": "lm_head.weight"}
+
+
+def logical_name(name: str) -> str:
+    """The full-model name of a parameter (the last stage's tied copy is the input embedding)."""
+    return TIED_EMBEDDING if name == HEAD_COPY else VOCAB_SLICE_NAMES.get(name, name)
+
+
+def split_model(model: GPTModel, stages: Sequence[int], num_stages: int,
+                plan: Sequence[Stage] | None = None) -> list[GPTModel]:
+    """One chunk per virtual stage in ``stages`` (of ``num_stages``), each a copy of ``model`` (built on the
+    meta device: copying costs nothing) with only that stage's parts: the layers ``plan`` gives it
+    (``ptdp.schedule.layout``: Megatron's uneven layouts), or an even share."""
+    plan = plan or stages_from_counts([len(model.layers) // num_stages] * num_stages)
+    chunks = []
+    for stage in stages:
+        chunk = copy.deepcopy(model)
+        keep = {str(i) for i in plan[stage].layers}
+        for name in [n for n in chunk.layers if n not in keep]:
+            del chunk.layers[name]
+        first, last = stage == 0, stage == num_stages - 1
+        if not last:
+            chunk.final_layernorm = chunk.lm_head = None
+        if not first:
+            if last and chunk.lm_head is None:  # tied, the embedding elsewhere: keep a copy of its table
+                chunk.output_layer = chunk.embedding.word_embeddings
+                chunk.output_layer.weight.is_embedding_copy = True
+            chunk.embedding = None
+        chunks.append(chunk)
+    return chunks
+
+
+def is_first(chunk: GPTModel) -> bool:
+    return chunk.embedding is not None
+
+
+def is_last(chunk: GPTModel) -> bool:
+    return chunk.final_layernorm is not None
+
+
+def tied_embedding_weights(chunks: Sequence[GPTModel], p: int) -> list[nn.Parameter]:
+    """This rank's copies of the tied embedding when there are two (p > 1): the optimizer keeps them in a
+    separate gradient bucket (their gradients are summed across stages before the data-parallel sync)."""
+    if p == 1 or not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
+        return []  # vocabulary parallelism: one slice per rank serves both ends
+    return [c.output_weight() for c in chunks if is_first(c) or is_last(c)]
+
+
+def sync_embedding_grads(chunks: Sequence[GPTModel], p: int, embedding_group) -> None:
+    """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does: on
+    this rank when a V placement holds both, else over the embedding group (first and last stage)."""
+    if not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
+        return
+    ends = [chunk for chunk in chunks if is_first(chunk) or is_last(chunk)]
+    if len(ends) == 2 and p > 1:  # a V placement: both copies live on this rank
+        first, last = (chunk.output_weight().main_grad for chunk in ends)
+        first.add_(last)
+        last.copy_(first)
+        return
+    if embedding_group is None:
+        return
+    for chunk in ends:
+        all_reduce(chunk.output_weight().main_grad, embedding_group)  # fp32 with --bf16

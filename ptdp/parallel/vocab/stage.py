@@ -1,0 +1,330 @@
+"""Vocabulary parallelism across pipeline stages: the model transform and the runtime of S and T.
+
+``apply_vocab_parallel`` takes the vocabulary layers out of a (tensor-parallel) model chunk: the first
+stage keeps its position embeddings and dropout but reads the word embeddings the ``EMB`` collective
+summed; the last stage stops at the final norm. Each rank's chunk 0 gets :class:`VocabSlices`, its
+``V/(p·t)`` rows of the embedding and of the output weight (the same parameter when tied: no embedding
+group all-reduce), ordinary parameters of the chunk, so optimizers, ZeRO and checkpoints see them like any
+other (checkpoints save them as the global ``embedding.word_embeddings.weight`` / ``lm_head.weight``,
+sharded over the pipeline and tensor ranks: ``stage.logical_name``, ``checkpointing.state``).
+
+:class:`VocabStage` runs the actions of ``ptdp.schedule.vocab``. The cross-entropy is the tensor-parallel
+one (``ptdp.parallel.tensor.cross_entropy``) taken one level up: the slices of a pipeline rank combine over
+the TP group inside S and T; the p pipeline ranks combine in the barriers, by rescaling each rank's
+sum of exponentials to the global max. With one barrier, S also computes this slice's input-gradient
+terms ``exp(z - max_r) W_r`` and the target rows, which C0 carries with the statistics, so the last stage
+assembles the input gradient without a second barrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ptdp.models import GPTModel
+from ptdp.models.layers import mask_padding_
+from ptdp.parallel.collectives import all_gather, group_rank, group_size
+from ptdp.parallel.pipeline.executor import ModuleStage
+from ptdp.schedule.vocab import end_ranks, waits_for
+
+SLICES = "vocab_slices"  # the attribute of chunk 0 holding this rank's vocabulary rows
+
+
+class VocabSlices(nn.Module):
+    """This rank's rows ``[start, start + rows)`` of the padded vocabulary: input and output weights."""
+
+    def __init__(self, rows: int, hidden: int, start: int, tied: bool):
+        super().__init__()
+        self.start, self.rows = start, rows
+        self.embedding = self._mark(nn.Parameter(torch.empty(rows, hidden)))
+        self.head = None if tied else self._mark(nn.Parameter(torch.empty(rows, hidden)))
+
+    @staticmethod
+    def _mark(param: nn.Parameter) -> nn.Parameter:
+        param.tensor_model_parallel, param.partition_dim = True, 0  # distinct on every rank: counted in the norm
+        param.vocab_parallel, param.no_weight_decay = True, False
+        return param
+
+    def output_weight(self) -> Tensor:
+        return self.embedding if self.head is None else self.head
+
+
+class _Provided(nn.Module):
+    """Stands in for the word embeddings on the first stage: returns what the stage put in ``current``."""
+
+    current: Tensor | None = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.current
+
+
+class _NoWeight(nn.Module):
+    weight = None
+
+
+class _Hidden(nn.Module):
+    """Stands in for the logits on the last stage: the final-norm output goes to the vocabulary passes."""
+
+    def forward(self, x: Tensor, weight: Any, shared: bool) -> Tensor:
+        return x
+
+
+def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int, tp_rank: int, t: int,
+                         padded_vocab: int) -> GPTModel:
+    """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices."""
+    if chunk.embedding is not None:
+        chunk.embedding.word_embeddings = _Provided()
+    if chunk.final_layernorm is not None:
+        chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
+    if local_chunk == 0:
+        rows = padded_vocab // (p * t)
+        device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
+        with torch.device(device):
+            slices = VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows, chunk.cfg.tied_embeddings)
+        for param in slices.parameters():  # where the rows sit in the global table (checkpoint pieces)
+            param.vocab_rows = (slices.start, padded_vocab)
+        setattr(chunk, SLICES, slices)
+    return chunk
+
+
+@torch.no_grad()
+def init_vocab_slices(chunk: nn.Module, seed: int, std: float, padded_vocab: int) -> None:
+    """The rows one process would draw (``ptdp.parallel.init``: one generator per logical name)."""
+    import zlib
+
+    slices = getattr(chunk, SLICES, None)
+    if slices is None:
+        return
+    for name, param in (("embedding.word_embeddings.weight", slices.embedding), ("lm_head.weight", slices.head)):
+        if param is None:
+            continue
+        generator = torch.Generator()
+        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        full = torch.empty(padded_vocab, param.shape[1]).normal_(0.0, std, generator=generator)
+        param.copy_(full[slices.start:slices.start + slices.rows])
+
+
+def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
+    return getattr(chunks[0], SLICES, None) if chunks else None
+
+
+def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+    """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
+    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``GradBuckets``: no autograd hook sees this
+    one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
+    allocate = getattr(param, "allocate_main_grad", None)
+    if allocate is not None:
+        allocate()
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad.to(main.dtype))
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad.to(param.dtype))
+
+
+def _tp_sum(x: Tensor, group) -> Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class VocabStage(ModuleStage):
+    """``ModuleStage`` plus the vocabulary actions (``ptdp.schedule.vocab``). ``labels(j)``: microbatch j's
+    targets; ``scale``: each microbatch's loss factor (1/m times the loss scale)."""
+
+    def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, v: int, first_input: Callable[[int], Any],
+                 labels: Callable[[int], Tensor], scale: float, m: int, placement: str, barriers: int,
+                 pp_group, tp_group, pp_ranks: Sequence[int], sequence_parallel: bool, forward_only: bool = False):
+        super().__init__(chunks, rank, p, v, first_input, lambda y, j: y, placement)
+        self.labels, self.scale, self.m, self.barriers = labels, scale, m, barriers
+        self.pp_group, self.tp_group, self.pp_ranks = pp_group, tp_group, list(pp_ranks)
+        self.sp = sequence_parallel and group_size(tp_group) > 1
+        self.forward_only = forward_only
+        self.slices = vocab_slices(chunks)
+        self.vocab_size = chunks[0].vocab_size
+        self.first_chunk = next((c for c in range(v) if self.is_first(c)), None)
+        self.last_chunk = next((c for c in range(v) if self.is_last(c)), None)
+        self.first_rank, self.last_rank, _ = end_ranks(p, v, placement)
+        self._works: dict[tuple[str, int], Any] = {}
+        self._buf: dict[tuple[str, int], Any] = {}  # collective buffers
+        self._saved: dict[int, tuple] = {}  # S -> T
+        self._grad_h: dict[int, Tensor] = {}
+        self._leaves: dict[int, Tensor] = {}
+
+    # ---- waits -----------------------------------------------------------------------------------
+    def _wait(self, action) -> None:
+        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers):
+            work = self._works.pop(key, None)
+            if work is not None:
+                work.wait()
+
+    # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
+    def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
+        from ptdp.schedule.actions import Action
+
+        self._wait(Action("F", microbatch, chunk))
+        if chunk == self.first_chunk:
+            leaf = self._buf["EMB", 0][microbatch].detach().requires_grad_(not self.forward_only)
+            self._leaves[microbatch] = leaf
+            self.chunks[chunk].embedding.word_embeddings.current = leaf
+        if chunk != self.last_chunk:
+            return super().forward(chunk, microbatch, input)
+        x = input.detach().requires_grad_(True)
+        y = self.chunks[chunk](x)
+        self._stash[chunk, microbatch] = (x, y)
+        self._buf["H", microbatch] = y.detach().contiguous()
+        return None
+
+    def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
+        from ptdp.schedule.actions import Action
+
+        self._wait(Action(op, microbatch, chunk))
+        if chunk != self.last_chunk:
+            return grad
+        g = self._grad_h.pop(microbatch)
+        if self.sp:
+            g = g.chunk(group_size(self.tp_group), dim=1)[group_rank(self.tp_group)]
+        return g.to(self._stash[chunk, microbatch][1].dtype).contiguous()
+
+    def _keep_leaf_grad(self, chunk: int, microbatch: int) -> None:
+        if chunk == self.first_chunk:
+            leaf = self._leaves.pop(microbatch)
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self._emb_grads()[microbatch].copy_(grad)
+
+    def backward(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
+        dx = super().backward(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "B"))
+        self._keep_leaf_grad(chunk, microbatch)
+        return dx
+
+    def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
+        dx = super().backward_input(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "I"))
+        self._keep_leaf_grad(chunk, microbatch)
+        return dx
+
+    def _emb_grads(self) -> Tensor:
+        if ("EMB_G", 0) not in self._buf:
+            self._buf["EMB_G", 0] = torch.zeros_like(self._buf["EMB", 0])
+        return self._buf["EMB_G", 0]
+
+    # ---- collectives -------------------------------------------------------------------------------
+    def collective(self, action) -> None:
+        op, mb, group = action.op, action.microbatch, self.pp_group
+        if op == "EMB":
+            buf = self._buf["EMB", 0]
+            work = dist.reduce(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
+        elif op == "BCAST_H":
+            buf = self._buf.get(("H", mb))
+            if buf is None:
+                buf = self._buf["H", mb] = torch.empty(self._hidden_shape(), dtype=self._dtype())
+            work = dist.broadcast(buf, self.pp_ranks[self.last_rank], group=group, async_op=True)
+        elif op == "C0":
+            mine = self._buf.pop(("S", mb))
+            out = [torch.empty_like(mine) for _ in range(self.p)]
+            self._buf["C0", mb] = out
+            work = dist.all_gather(out, mine, group=group, async_op=True)
+        elif op == "C1":
+            buf = self._buf.pop(("C1", mb))
+            work = dist.reduce(buf, self.pp_ranks[self.last_rank], group=group, async_op=True)
+        elif op == "EMB_G":
+            work = dist.broadcast(self._emb_grads(), self.pp_ranks[self.first_rank], group=group, async_op=True)
+        else:
+            raise ValueError(f"unknown vocabulary collective {op}")
+        self._works[op, mb] = work
+
+    def _dtype(self) -> torch.dtype:
+        return self.slices.embedding.dtype
+
+    def _hidden_shape(self) -> tuple[int, ...]:
+        ids = self.first_input(0)
+        seq = ids.shape[1] // group_size(self.tp_group) if self.sp else ids.shape[1]
+        return (ids.shape[0], seq, self.slices.embedding.shape[1])
+
+    # ---- vocabulary computes -----------------------------------------------------------------------
+    def vocab(self, action) -> None:
+        self._wait(action)
+        with torch.no_grad():
+            {"EF": self._embed, "EB": self._embed_backward, "S": self._s, "T": self._t}[action.op](action.microbatch)
+
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        start = self.slices.start
+        outside = (ids < start) | (ids >= start + self.slices.rows)
+        return (ids - start).masked_fill(outside, 0), outside
+
+    def _embed(self, _: int) -> None:
+        ids = torch.stack([self.first_input(j) for j in range(self.m)])
+        local, outside = self._rows(ids)
+        part = F.embedding(local, self.slices.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
+        self._buf["EMB", 0] = _tp_sum(part, self.tp_group)
+        self._ids = (local, outside)
+
+    def _embed_backward(self, _: int) -> None:
+        local, outside = self._ids
+        grads = self._emb_grads()
+        keep = ~outside
+        dw = torch.zeros(self.slices.embedding.shape, dtype=torch.float32, device=grads.device)
+        dw.index_add_(0, local[keep], grads[keep].float())
+        _accumulate(self.slices.embedding, dw)
+        self._buf.clear()
+
+    def _s(self, mb: int) -> None:
+        x = self._buf.pop(("H", mb))
+        if self.sp:
+            x = all_gather(x, self.tp_group, dim=1)
+        w = self.slices.output_weight()
+        z = mask_padding_(F.linear(x, w).float(), self.vocab_size, self.slices.start)
+        lmax = _tp_max(z.max(dim=-1).values, self.tp_group).clamp_(min=-1e30)
+        z.sub_(lmax.unsqueeze(-1))
+        labels = self.labels(mb)
+        local, outside = self._rows(labels)
+        target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).add_(lmax).masked_fill_(outside, 0.0)
+        e = z.exp_()
+        stats = [lmax, _tp_sum(e.sum(dim=-1), self.tp_group), _tp_sum(target, self.tp_group)]
+        packed = torch.stack(stats, dim=-1)
+        if self.barriers == 1 and not self.forward_only:
+            a = _tp_sum(e @ w.float(), self.tp_group)
+            b = _tp_sum(F.embedding(local, w).float().masked_fill_(outside.unsqueeze(-1), 0.0), self.tp_group)
+            packed = torch.cat([packed, a, b], dim=-1)
+        self._buf["S", mb] = packed
+        self._saved[mb] = (x, e, local, outside)
+
+    def _t(self, mb: int) -> None:
+        gathered = torch.stack(self._buf.pop(("C0", mb)))  # [p, b, s, k]
+        x, e, local, outside = self._saved.pop(mb)
+        lmaxs = gathered[..., 0]
+        gmax = lmaxs.max(dim=0).values
+        c = (lmaxs - gmax).exp_()  # each rank's rescaling to the global max
+        gsum = (c * gathered[..., 1]).sum(dim=0)
+        if self.rank == self.last_rank:
+            loss = (gsum.log() + gmax - gathered[..., 2].sum(dim=0)).mean()
+            self.losses[mb] = loss * self.scale  # as ModuleStage's: over m, times the loss scale
+        if self.forward_only:
+            return
+        tokens = e.shape[0] * e.shape[1]
+        gscale = self.scale / tokens
+        factor = c / gsum  # [p, b, s]
+        grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
+        grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
+        w = self.slices.output_weight()
+        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float())
+        if self.barriers == 2:
+            self._buf["C1", mb] = _tp_sum((grad @ w.float()).to(self._dtype()), self.tp_group)
+            if self.rank == self.last_rank:
+                self._grad_h[mb] = self._buf["C1", mb]
+        elif self.rank == self.last_rank:
+            h = x.shape[-1]
+            a, b = gathered[..., 3:3 + h], gathered[..., 3 + h:]
+            self._grad_h[mb] = gscale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
+
+
+def _tp_max(x: Tensor, group) -> Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x

@@ -1,0 +1,1 @@
+"""``ptdp simulate`` and the NCCL model: the per-rank action lists run on a clock (``core``), the vocabulary passes (``vocab``), the picture (``command``); ``nccl/`` replays the same lists against NCCL's ordering rules."""
