@@ -12,7 +12,7 @@ from ptdp.config import ModelConfig, MoEConfig, add_field_arguments, model_confi
 from ptdp.config.validate_moe import moe_errors
 from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
-from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
+from ptdp.planner.search import Estimate, Space, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
     RECOMPUTE_CHOICES,
@@ -200,8 +200,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               "--pipeline-model-parallel-size too (the search tries both ways by itself)")
         else:
             pin = lambda v: None if v is None else [v]  # noqa: E731
-            configs = candidates(
-                model, cluster, train,
+            space = Space(
                 tensor_sizes=pin(args.tensor_model_parallel_size),
                 pipeline_sizes=pin(args.pipeline_model_parallel_size),
                 virtual_sizes=pin(args.virtual_pipeline_model_parallel_size),
@@ -218,7 +217,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
                 dispatchers=pin(args.moe_token_dispatcher_type),
             )
-            result = search(model, cluster, train, top=args.top, configs=configs)
+            result = search(model, cluster, train, top=args.top, space=space)
             if result.num_evaluated == 0:
                 raise _UsageError("no valid layout: check --gpus against the heads, layers and --global-batch-size")
             best, runners, evaluated = result.best, result.runners_up, result.num_evaluated
@@ -281,7 +280,8 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
         f"global batch {train.global_batch_size}",
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
-        f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
+        f"per GPU), {train.precision}; {evaluated:,} layout(s) estimated"
+        + (" (the others bounded out: docs/planner.md, The search)" if runners else ""),
     ]
     moe = model.moe is not None  # the expert layout's column: e (/etp when the experts' TP is not t)
     rows = [["", *_COLUMNS[:4], *(["e"] if moe else []), *_COLUMNS[4:], "why it loses"]]

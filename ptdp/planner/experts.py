@@ -22,6 +22,7 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 
 from ptdp.config.validate_moe import expert_layout_errors
@@ -59,6 +60,7 @@ def _mats(model) -> int:
     return 3 if model.swiglu else 2
 
 
+@functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few (t, e, etp)
 def layer_parameters(model, t: int, e: int = 1, etp: int | None = None) -> tuple[float, float]:
     """(non-expert, expert) parameters of the mean layer on one rank of a MoE model (``model.moe`` set).
 

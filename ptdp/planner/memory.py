@@ -8,6 +8,7 @@ is dominated by rank 0, so the planner checks those two.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ptdp.models.flops import architecture, layer_parameter_count
@@ -73,6 +74,11 @@ def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None
     """
     if model.moe is not None:
         return experts.layer_parameters_per_rank(model, t, cfg)
+    return _dense_layer_parameters_per_rank(model, t)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few t
+def _dense_layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     h, f = model.hidden_size, model.parameter_ffn
     replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,

@@ -83,8 +83,10 @@ class Estimate:
         return out
 
 
-def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
-    """Time, throughput and memory of one layout (assumed valid: see ``is_valid``)."""
+def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec,
+             memory: MemoryEstimate | None = None) -> Estimate:
+    """Time, throughput and memory of one layout (assumed valid: see ``invalid_reason``); ``memory`` its
+    ``memory_per_gpu`` when already known."""
     return Estimate(
         config=cfg,
         num_microbatches=cfg.num_microbatches(train.global_batch_size),
@@ -94,7 +96,7 @@ def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: T
             **architecture(model),
         ),
         times=iteration_times(model, cfg, cluster, train),
-        memory=memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
+        memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
         memory_limit=cluster.gpu.memory_bytes,
         peak_flops=cluster.gpu.peak_flops,
         num_gpus=cluster.num_gpus,
@@ -150,6 +152,80 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+@dataclass(frozen=True)
+class Space:
+    """The layouts ``candidates`` enumerates (``ptdp plan``'s flags): a given sequence pins that dimension.
+
+    Context parallelism is searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more
+    unless pinned: below that the s/c activations rarely pay for its attention traffic. With
+    ``vocab_layouts`` each layout with p > 1 comes also with vocabulary parallelism and with the uneven
+    layout that balances its stages (``vocab_variants``). A mixture of experts also searches e (dividing
+    E), etp in {t, 1} and, at e > 1, both token dispatchers (``experts.expert_choices``)."""
+
+    tensor_sizes: Sequence[int] | None = None
+    pipeline_sizes: Sequence[int] | None = None
+    virtual_sizes: Sequence[int] | None = None
+    micro_batch_sizes: Sequence[int] | None = None
+    recompute: Sequence[str] = RECOMPUTE_CHOICES
+    distributed_optimizer: Sequence[bool] = (False, True)
+    sequence_parallel: bool = False
+    pipeline_schedule: str | None = None
+    context_sizes: Sequence[int] | None = None
+    cp_comm_type: str = "p2p"
+    vocab_layouts: bool = True
+    strategies: Sequence[str] | None = None
+    instances: Sequence[int] | None = None
+    expert_sizes: Sequence[int] | None = None
+    expert_tensor_sizes: Sequence[int | None] | None = None
+    dispatchers: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The layouts of one (t, c, p, b, v, recomputation): every ZeRO sharding (outer) times every expert
+    layout (inner), in ``candidates``' order; ``index`` is the cell's place in that order."""
+
+    index: int
+    t: int
+    c: int
+    p: int
+    d: int
+    b: int
+    v: int
+    recompute: str
+    shardings: tuple[tuple[str, int], ...]
+    experts: tuple[tuple[int, int | None, str], ...]
+    space: Space
+
+    def config(self, sharding: int, expert: int) -> ParallelConfig:
+        (strategy, k), (e, etp, dispatcher) = self.shardings[sharding], self.experts[expert]
+        s = self.space
+        return ParallelConfig(self.t, self.p, self.d, self.v, self.b, self.recompute, strategy == "optim",
+                              s.sequence_parallel and self.t > 1, s.pipeline_schedule, context_parallel_size=self.c,
+                              cp_comm_type=s.cp_comm_type, sharding_strategy=strategy,
+                              distributed_optimizer_instances=k, expert_model_parallel_size=e,
+                              expert_tensor_parallel_size=etp, moe_token_dispatcher_type=dispatcher)
+
+
+def cells(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Space) -> Iterator[Cell]:
+    """The search space's cells in ``candidates``' order (validity not checked: ``invalid_reason``)."""
+    n, index = cluster.num_gpus, 0
+    for t, c in _tc_pairs(model, n, space.tensor_sizes, space.context_sizes):
+        for p in space.pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
+            if n % (t * c * p):
+                continue
+            d = n // (t * c * p)
+            per_pipeline = train.global_batch_size // d if train.global_batch_size % d == 0 else 0
+            shardings = tuple(_sharding(space.strategies, space.distributed_optimizer, space.instances, d * c))
+            experts = tuple(expert_choices(model, t, c, d, space.expert_sizes, space.expert_tensor_sizes,
+                                           space.dispatchers))
+            for b in space.micro_batch_sizes or _divisors(max(per_pipeline, 1)):
+                for v in space.virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
+                    for rc in space.recompute:
+                        yield Cell(index, t, c, p, d, b, v, rc, shardings, experts, space)
+                        index += 1
+
+
 def candidates(
     model: GPTSpec,
     cluster: ClusterSpec,
@@ -171,35 +247,18 @@ def candidates(
     expert_tensor_sizes: Sequence[int | None] | None = None,
     dispatchers: Sequence[str] | None = None,
 ) -> Iterator[ParallelConfig]:
-    """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
-    searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
-    that the s/c activations rarely pay for its attention traffic. With ``vocab_layouts`` each layout with
-    p > 1 comes also with vocabulary parallelism and with the uneven layout that balances its stages
-    (``vocab_variants``). A mixture of experts also searches e (dividing E), etp in {t, 1} and, at e > 1,
-    both token dispatchers (``experts.expert_choices``)."""
-    n = cluster.num_gpus
-    for t, c in _tc_pairs(model, n, tensor_sizes, context_sizes):
-        for p in pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
-            if n % (t * c * p):
-                continue
-            d = n // (t * c * p)
-            per_pipeline = train.global_batch_size // d if train.global_batch_size % d == 0 else 0
-            for b in micro_batch_sizes or _divisors(max(per_pipeline, 1)):
-                for v in virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
-                    for rc in recompute:
-                        for (strategy, k), (e, etp, dispatcher) in product(
-                                _sharding(strategies, distributed_optimizer, instances, d * c),
-                                list(expert_choices(model, t, c, d, expert_sizes, expert_tensor_sizes, dispatchers))):
-                            cfg = ParallelConfig(t, p, d, v, b, rc, strategy == "optim", sequence_parallel and t > 1,
-                                                 pipeline_schedule, context_parallel_size=c,
-                                                 cp_comm_type=cp_comm_type, sharding_strategy=strategy,
-                                                 distributed_optimizer_instances=k, expert_model_parallel_size=e,
-                                                 expert_tensor_parallel_size=etp,
-                                                 moe_token_dispatcher_type=dispatcher)
-                            if invalid_reason(model, cfg, cluster, train) is None:
-                                yield cfg
-                                if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
-                                    yield from vocab_variants(model, cfg, cluster, train)
+    """Every valid layout of the ``Space`` these arguments pin, each even layout followed by its
+    vocabulary variants."""
+    space = Space(tensor_sizes, pipeline_sizes, virtual_sizes, micro_batch_sizes, recompute, distributed_optimizer,
+                  sequence_parallel, pipeline_schedule, context_sizes, cp_comm_type, vocab_layouts, strategies,
+                  instances, expert_sizes, expert_tensor_sizes, dispatchers)
+    for cell in cells(model, cluster, train, space):
+        for i, j in product(range(len(cell.shardings)), range(len(cell.experts))):
+            cfg = cell.config(i, j)
+            if invalid_reason(model, cfg, cluster, train) is None:
+                yield cfg
+                if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
+                    yield from vocab_variants(model, cfg, cluster, train)
 
 
 def _sharding(strategies: Sequence[str] | None, distributed_optimizer: Sequence[bool], instances: Sequence[int] | None,
@@ -259,7 +318,7 @@ def why_it_loses(est: Estimate, best: Estimate, cluster: ClusterSpec) -> str:
 class SearchResult:
     best: Estimate | None  # None when nothing fits
     runners_up: list[Estimate]
-    num_evaluated: int
+    num_evaluated: int  # layouts estimated: memory, and time for those that fit (the others bounded out)
 
 
 def search(
@@ -268,14 +327,21 @@ def search(
     train: TrainingSpec,
     top: int = 5,
     configs: Iterable[ParallelConfig] | None = None,
+    space: Space | None = None,
 ) -> SearchResult:
     """Fastest layout that fits, plus the best layout of each other (t, p, c, e) ranked, each with why it loses.
 
-    Layouts that would be faster but do not fit come after the fitting ones.
+    Layouts that would be faster but do not fit come after the fitting ones. ``configs`` given: each of them
+    priced; else the layouts of ``space`` (default: all), of which ``ptdp.planner.bound`` prices only those
+    that can change the answer (the same answer).
     """
+    if configs is None:
+        from ptdp.planner.bound import pruned_search
+
+        return pruned_search(model, cluster, train, space or Space(), top)
     from ptdp.data.progress import Progress  # a bar on a terminal, a line every 10 s in a log
 
-    configs = list(candidates(model, cluster, train) if configs is None else configs)
+    configs = list(configs)
     progress = Progress("plan", len(configs), unit="layouts")
     estimates = []
     for c in configs:
@@ -283,7 +349,14 @@ def search(
         progress.update(1)
     progress.close()
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.iteration_time_s))
+    return ranked_result(ranked, top, cluster, len(estimates))
+
+
+def ranked_result(ranked: list[Estimate], top: int, cluster: ClusterSpec, evaluated: int) -> SearchResult:
+    """The answer from estimates ranked fitting first, fastest first: the first is the best if it fits,
+    then the first of each other (t, p, c, e), ``top`` of them, each with why it loses."""
     best = ranked[0] if ranked and ranked[0].fits else None
+
     def key_of(c: ParallelConfig) -> tuple[int, ...]:  # one runner-up per (t, p, c, e)
         return (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size,
                 c.expert_model_parallel_size)
@@ -301,4 +374,4 @@ def search(
         runners.append(replace(est, why_it_loses=why_it_loses(est, reference, cluster)))
         if len(runners) >= top:
             break
-    return SearchResult(best, runners, len(estimates))
+    return SearchResult(best, runners, evaluated)
