@@ -1,4 +1,4 @@
-"""``ptdp`` command line: train, plan, simulate, preprocess, generate, export, import, timeline."""
+"""ptdp command line: train, plan, simulate, preprocess, samples, generate, export, import, timeline."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ptdp.runtime.errors import print_error
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT with PTD-P (under torchrun, or launching workers itself)")
+    p = sub.add_parser("train", help="train a GPT, Llama or MoE model with PTD-P (under torchrun, or launching workers itself)")
     add_config_arguments(p)
     launch = p.add_argument_group("launch")
     launch.add_argument("--nproc-per-node", type=int, default=None,
@@ -156,18 +156,20 @@ def _fail(message: str, command: str | None = None) -> int:
 
 # Sub-commands besides train: (name, module, its add-arguments function, its run function, help).
 _COMMANDS = [
-    ("plan", "ptdp.planner", "add_plan_arguments", "run_plan", "choose (t, p, d, b, v) for a model on a cluster"),
+    ("plan", "ptdp.planner", "add_plan_arguments", "run_plan",
+     "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
     ("simulate", "ptdp.simulate.command", "add_simulate_arguments", "run_simulate",
      "simulate a pipeline schedule and draw its timeline"),
     ("preprocess", "ptdp.data.preprocess", "add_preprocess_arguments", "run_preprocess",
-     "tokenize JSONL into indexed .bin/.idx files"),
+     "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
     ("samples", "ptdp.data.samples", "add_samples_arguments", "run_samples",
      "print the training samples in the order training reads them (the flags of `ptdp train`)"),
     ("generate", "ptdp.cli.generate", "add_generate_arguments", "run_generate",
      "continue a prompt with a checkpoint (any layout, one process)"),
     ("export", "ptdp.hf.convert", "add_export_arguments", "run_export",
-     "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
-    ("import", "ptdp.hf.convert", "add_import_arguments", "run_import", "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+     "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model"),
+    ("import", "ptdp.hf.convert", "add_import_arguments", "run_import",
+     "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) as a ptdp checkpoint"),
     ("timeline", "ptdp.observability.timeline", "add_timeline_arguments", "run_timeline",
      "merge the per-rank Chrome traces of a --timeline run"),
 ]

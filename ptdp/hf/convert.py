@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` GPT-2 export and import: ``ptdp export`` / ``ptdp import``.
 
-(Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf.llama``; this module dispatches.)
+(Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf.llama``, Mixtral and Qwen2-MoE in
+``ptdp.hf.moe``; this module dispatches.)
 
 ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
 ptdp/models/gpt.py), so conversion is a renaming plus three layout changes:
@@ -354,14 +355,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face GPT-2 or Llama, whichever the model is)")
+                        help="output format (Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE, whichever the model is)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face GPT-2 or Llama: model_type gpt2 or llama)")
+                        help="input format (Hugging Face: model_type gpt2, llama, mixtral or qwen2_moe)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")
