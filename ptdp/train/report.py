@@ -38,23 +38,30 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
 
 
 def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
-    """Worst-rank bubble (measured idle / busy time), in-flight microbatches and saved activation bytes.
+    """Worst-rank bubble, in-flight microbatches and saved activation bytes.
 
-    The bubble is reported beside the formula (p-1)/(v*m) (ptdp-facts.md, §Schedules), so a user sees
-    what the pipeline really wastes. Read after the iteration's sync (CUDA-event timings are complete);
-    the worst rank is found with one small all-reduce (collective: every rank reads the same records).
+    ``bubble_fraction`` is the fraction of the worst rank's schedule time spent waiting on communication,
+    idle / (idle + busy), in [0, 1] by construction; ``bubble_fraction_formula`` is the same fraction for
+    the ideal schedule, r / (1 + r) with r the paper's bubble time over ideal time, (p-1)/(v*m) (or the
+    schedule's own: ptdp-facts.md, §Schedules). The paper's ratio is not a fraction: it exceeds 1 when
+    m < p - 1, and measured, the first iteration's waits (gloo's connections made on first use, the other
+    ranks' first allocations) made it 1.059 (issue 42). Read after the iteration's sync (CUDA-event
+    timings are complete); the worst rank is found with one small all-reduce (collective: every rank
+    reads the same records).
     """
     state = trainer.state
-    row = [float(stats.idle_s) / max(float(stats.busy_s), 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
+    idle, busy = float(stats.idle_s), float(stats.busy_s)
+    row = [idle / max(idle + busy, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
     if state.dims.world_size > 1:
         worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         row = worst.tolist()
     bubble, in_flight, saved = row
+    ratio = bubble_fraction_formula(state.dims.pp, len(trainer.chunks), trainer.num_microbatches,
+                                    trainer.config.parallel.schedule)
     return {
         "bubble_fraction": bubble,
-        "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
-                                                          trainer.num_microbatches, trainer.config.parallel.schedule),
+        "bubble_fraction_formula": ratio / (1 + ratio),
         "peak_in_flight_microbatches": int(in_flight),
         "peak_activation_bytes": int(saved),
     }
