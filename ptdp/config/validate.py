@@ -146,6 +146,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
                       "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
                       f"a node: choose t dividing {local_world_size}")
+    from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
+
+    errors += data_errors(config)
     from ptdp.observability import observability_errors
 
     errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)

@@ -85,7 +85,7 @@ def is_gpt2(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
     return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
-            and not cfg.disable_bias_linear and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
+            and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
 
 
 def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -> GPTModel:
@@ -146,7 +146,8 @@ def _tokenizer(config_dict: dict, vocab: int):
     from ptdp.data import ByteTokenizer, load_tokenizer
     from ptdp.data.builder import _strip_suffix, parse_data_path
 
-    data_path = config_dict.get("data", {}).get("data_path") or []
+    data = config_dict.get("data", {})
+    data_path = data.get("data_path") or data.get("train_data_path") or []  # the run's training data
     try:
         prefixes = parse_data_path(data_path)[0] if data_path else []
         tokenizer = load_tokenizer(_strip_suffix(prefixes[0])) if prefixes else ByteTokenizer()
@@ -162,7 +163,8 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
-    from ptdp import hf_llama, hf_moe
+    from ptdp.hf import llama as hf_llama
+    from ptdp.hf import moe as hf_moe
 
     moe = moe_config_from_dict(config_dict)
     kind = hf_moe.hf_kind(cfg, moe)
@@ -292,12 +294,12 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
     if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
-        from ptdp import hf_moe
+        from ptdp.hf import moe as hf_moe
 
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
     elif hf_config.get("model_type") == "llama":
-        from ptdp import hf_llama
+        from ptdp.hf import llama as hf_llama
 
         cfg = hf_llama.model_config_from_hf(hf_config)
         tensors = hf_llama.from_hf_state(read_hf_tensors(directory), cfg)

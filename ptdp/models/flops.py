@@ -140,10 +140,17 @@ def flops_per_iteration(
     return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
+def norm_parameters(hidden_size: int, normalization: str = "LayerNorm", norm_bias: bool = True) -> int:
+    """One norm's parameters: LayerNorm's weight and bias (2h; h with ``--disable-bias-norm``), RMSNorm's
+    weight (h)."""
+    return hidden_size * (2 if normalization != "RMSNorm" and norm_bias else 1)
+
+
 def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
-                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False) -> int:
+                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
+                          norm_bias: bool = True) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -156,10 +163,10 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
         return h * (2 * q + 2 * k) + mlp + ((q + 2 * k + h) + shared_biases if bias else 0) + \
-            2 * (h if normalization == "RMSNorm" else 2 * h)
+            2 * norm_parameters(h, normalization, norm_bias)
     weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
     biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
-    norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
+    norms = 2 * norm_parameters(h, normalization, norm_bias)
     return weights + biases + norms
 
 
@@ -202,4 +209,5 @@ def model_parameter_count(model: Any, vocab_size: int | None = None, moe: MoESha
         untied=getattr(model, "untie_embeddings_and_output_weights", False),
         rope=getattr(model, "position_embedding_type", "learned_absolute") == "rope",
         bias=not getattr(model, "disable_bias_linear", False),
-        normalization=getattr(model, "normalization", "LayerNorm"), **arch)
+        normalization=getattr(model, "normalization", "LayerNorm"),
+        norm_bias=not getattr(model, "disable_bias_norm", False), **arch)

@@ -26,7 +26,7 @@ import functools
 from collections.abc import Iterator, Sequence
 
 from ptdp.config.validate_moe import expert_layout_errors
-from ptdp.models.flops import architecture, layer_parameter_count
+from ptdp.models.flops import architecture, layer_parameter_count, norm_parameters
 
 DISPATCHERS = ("alltoall", "allgather")
 DEFAULT_DISPATCHER = "allgather"  # --moe-token-dispatcher-type's default (Megatron-LM's)
@@ -69,12 +69,15 @@ def layer_parameters(model, t: int, e: int = 1, etp: int | None = None) -> tuple
     """
     moe, h, etp = model.moe, model.hidden_size, t if etp is None else etp
     arch, bias = architecture(model), not model.disable_bias_linear
-    norms = 2 * h * (1 if model.normalization == "RMSNorm" else 2)
+    norm_bias = not model.disable_bias_norm
+    norms = 2 * norm_parameters(h, model.normalization, norm_bias)
     row_bias = 0 if model.disable_bias_linear else 2 * h  # attention output and MLP output biases
 
-    dense = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, **arch)
+    dense = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, norm_bias=norm_bias,
+                                  **arch)
     dense_rank = (dense - norms - row_bias) / t + norms + row_bias
-    whole = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, moe=moe, **arch)
+    whole = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, moe=moe,
+                                  norm_bias=norm_bias, **arch)
     experts = moe.num_experts * _mats(model) * h * moe.ffn
     router = moe.num_experts * h
     shared = _mats(model) * h * moe.shared_ffn + (h if moe.shared_gate else 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptdp import flops
+from ptdp.models import flops
 from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
@@ -97,7 +97,7 @@ def startup_summary(trainer: TrainState) -> str:
                                   ("total", "params", "grads", "optimizer"))], state.dims.world_size, state.device)
     fullest = max(rows, key=lambda r: r[1])  # the rank holding the most model-state bytes
     padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
-    norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    norm = flops.norm_parameters(m.hidden_size, m.normalization, not m.disable_bias_norm)
     moe = flops.moe_shape(m, cfg.moe)
     total = flops.model_parameter_count(m, padded, moe) + norm
     active = "" if moe is None else \
@@ -127,15 +127,43 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def validation_record(trainer: TrainState, iteration: int, is_logger: bool) -> dict:
-    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample)."""
-    if trainer.data.valid is None:
+def validation_record(trainer: TrainState, iteration: int, is_logger: bool, split: str = "valid",
+                      where: str = "") -> dict:
+    """``val_loss``/``val_ppl`` over the validation split (``split="test"``: ``test_loss``/``test_ppl`` over
+    the test split), ``--eval-iters`` global batches or with ``--full-validation`` the whole validation
+    split (``evaluation_iters``); empty when the split has no sample. ``where``: Megatron's " on
+    validation set" after the iteration (``--skip-train``'s lines)."""
+    from ptdp.data.training_data import evaluation_iters
+
+    dataset = getattr(trainer.data, split)
+    if dataset is None:
         return {}
-    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters)
+    iters = evaluation_iters(trainer.config, dataset) if split == "valid" else trainer.config.training.eval_iters
+    loss = evaluate(trainer, dataset, iters)
     if is_logger:
-        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-              f"lm loss PPL: {perplexity(loss):.6E}", flush=True)
-    return {"val_loss": loss, "val_ppl": perplexity(loss)}
+        print(f" {'validation' if split == 'valid' else 'test'} loss at iteration {iteration}{where} | lm loss value: "
+              f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}", flush=True)
+    key = "val" if split == "valid" else "test"
+    return {f"{key}_loss": loss, f"{key}_ppl": perplexity(loss)}
+
+
+def evaluate_checkpoint(trainer: TrainState, iteration: int) -> dict:
+    """``--skip-train`` (Megatron-LM's): no training step; the validation and the test split evaluated with
+    the model as loaded, one record (also appended to ``--metrics-file``)."""
+    import json
+
+    is_logger = trainer.state.rank == 0
+    if is_logger:
+        print(f" skipping training (--skip-train): evaluating the model at iteration {iteration}", flush=True)
+    record = {"iteration": iteration,
+              **validation_record(trainer, iteration, is_logger, "valid", " on validation set"),
+              **validation_record(trainer, iteration, is_logger, "test", " on test set")}
+    metrics_file = trainer.config.training.metrics_file
+    if metrics_file and is_logger:
+        with open(metrics_file, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+    trainer.metrics.append(record)
+    return record
 
 
 def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1) -> str:
