@@ -216,6 +216,7 @@ def _check_records(rank: int, world: int, out: str) -> None:
             trainer = setup(derive(config, world))
         assert not on_meta, (name, on_meta)
         train_step(trainer, 1)
+        assert set(map(id, trainer.placements)) == set(map(id, trainer.params)), name  # no stale record
         kinds = set()
         for chunk in trainer.chunks:
             for pname, param in chunk.named_parameters():

@@ -151,6 +151,11 @@ class Placements:
         """``new`` takes ``old``'s place in the model (materialised, sliced, swapped): it keeps the record."""
         self._records[new] = self._records.pop(old)
 
+    def remove(self, module: nn.Module) -> None:
+        """``module`` leaves the model: forget its parameters."""
+        for param in module.parameters():
+            self._records.pop(param, None)
+
     def counts_in_norm(self, param: nn.Parameter, tp_rank: int) -> bool:
         """:meth:`Placement.counts_in_norm`; a parameter nobody recorded (a plain model) is replicated."""
         placement = self._records.get(param)

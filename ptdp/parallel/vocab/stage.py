@@ -77,8 +77,12 @@ def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int
     ``placements``: distinct on every rank (each counts its own in the norm), weight-decayed as the full
     tables are."""
     if chunk.embedding is not None:
+        placements.remove(chunk.embedding.word_embeddings)
         chunk.embedding.word_embeddings = _Provided()
     if chunk.final_layernorm is not None:
+        for gone in (chunk.lm_head, chunk.output_layer):
+            if gone is not None:
+                placements.remove(gone)
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
