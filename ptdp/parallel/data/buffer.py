@@ -124,8 +124,8 @@ class GradBuckets:
                  shard_params: bool = False, placements: Placements | None = None,
                  deferred: DeferredInit | None = None):
         self.params = [p for p in params if p.requires_grad]
-        placements = Placements() if placements is None else placements  # vocabulary slices and SP parameters: see the docstring
-        self._deferred = DeferredInit() if deferred is None else deferred  # ptdp.parallel.init.defer_init: drawn in _make_bucket
+        placements = Placements() if placements is None else placements  # vocab slices, SP: the docstring
+        self._deferred = DeferredInit() if deferred is None else deferred  # drawn in _make_bucket
         self.dp_group = dp_group  # the group shards are spread over (one instance's under hybrid sharding)
         self.dp_size = group_size(dp_group)
         self.replica_group = replica_group  # hybrid sharding: the same shard in the other instances

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ptdp.models import GPTModel
 from ptdp.models.layers import mask_padding_
 from ptdp.parallel.collectives import all_gather, group_rank, group_size
+from ptdp.parallel.data.buffer import GradBuckets
 from ptdp.parallel.pipeline.executor import ModuleStage
 from ptdp.parallel.pipeline.stage import logical_name
 from ptdp.parallel.placement import Placement, Placements, Split
@@ -100,7 +101,7 @@ def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
     return getattr(chunks[0], SLICES, None) if chunks else None
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor, grads) -> None:
+def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradBuckets | None) -> None:
     """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
     ZeRO-2/3 bucket's buffer is allocated at its first gradient (``grads.allocate_main_grad``: no autograd
     hook sees this one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
@@ -128,7 +129,7 @@ class VocabStage(ModuleStage):
     def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, v: int, first_input: Callable[[int], Any],
                  labels: Callable[[int], Tensor], scale: float, m: int, placement: str, barriers: int,
                  pp_group, tp_group, pp_ranks: Sequence[int], sequence_parallel: bool, forward_only: bool = False,
-                 grads=None):
+                 grads: GradBuckets | None = None):
         super().__init__(chunks, rank, p, v, first_input, lambda y, j: y, placement)
         self.grads = grads  # the gradient buffers (``GradBuckets``) the slices' gradients go into
         self.labels, self.scale, self.m, self.barriers = labels, scale, m, barriers
