@@ -39,7 +39,7 @@ def _model(device: str, cfg: ModelConfig, vocab: int = 200):
     padded = cfg.padded_vocab_size(vocab, 1)
     with torch.device(device):
         model = GPTModel(cfg, vocab, padded)
-    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
+    init_parameters(model, 1234, cfg.init_method_std, cfg.num_layers)
     return model
 
 

@@ -26,6 +26,7 @@ from ptdp.parallel.init import params_dtype
 from ptdp.parallel.parallelize import build_model_chunks, local_seq_length
 from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
 from ptdp.parallel.pipeline.stage import tied_embedding_weights
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
@@ -40,6 +41,7 @@ class TrainState:
     config: Config
     state: ParallelState  # this rank's process groups and coordinates
     chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
+    placements: Placements  # where each of their parameters lives in the full model (ptdp.parallel.placement)
     data: DataSplits
     grads: GradBuckets
     optimizer: MegatronOptimizer
@@ -73,13 +75,13 @@ def setup(config: Config) -> TrainState:
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp * (dims.pp if par.enable_vocab_parallel else 1))
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
-        chunks = build_model_chunks(config, state, vocab_size, padded)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
+        model = build_model_chunks(config, state, vocab_size, padded)
+    grads, optimizer = setup_optimizer(model, config, state, tied_embedding_weights(model.chunks, dims.pp))
     m = config.num_microbatches(world_size)
     schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
                               vocab_barriers=vocab_barriers(par))
-    return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
+    return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, schedule,
+                      build_p2p(config, state))
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:

@@ -86,7 +86,8 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
         stage = VocabStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks), lambda j: batch(j)[0],
                            lambda j: batch(j)[1], scale / m, m, state.placement, barriers, state.pp_group,
-                           state.tp_group, state.pipeline_ranks(), trainer.config.parallel.sequence_parallel)
+                           state.tp_group, state.pipeline_ranks(), trainer.config.parallel.sequence_parallel,
+                           grads=trainer.grads)
     else:
         stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
                             first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
@@ -127,7 +128,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
     with span(trainer.timeline, "embedding_grad_sync"):
         sync_embedding_grads(trainer.chunks, state.dims.pp, state.embedding_group)
     with span(trainer.timeline, "sequence_parallel_grad_all_reduce"):
-        all_reduce_sequence_parallel_grads(trainer.params, state.tp_group)
+        all_reduce_sequence_parallel_grads(trainer.params, state.tp_group, trainer.placements)
     with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, AdamW, ZeRO-1 all-gather
         grad_norm, _ = trainer.optimizer.step()
     # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas

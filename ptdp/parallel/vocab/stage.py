@@ -6,7 +6,8 @@ summed; the last stage stops at the final norm. Each rank's chunk 0 gets :class:
 ``V/(p·t)`` rows of the embedding and of the output weight (the same parameter when tied: no embedding
 group all-reduce), ordinary parameters of the chunk, so optimizers, ZeRO and checkpoints see them like any
 other (checkpoints save them as the global ``embedding.word_embeddings.weight`` / ``lm_head.weight``,
-sharded over the pipeline and tensor ranks: ``stage.logical_name``, ``checkpointing.state``).
+sharded over the pipeline and tensor ranks: their placements are ``Split("pp", 0, p, pp_rank)`` then
+``Split("tp", 0, t, tp_rank)`` with the role ``vocab``, ``ptdp.parallel.placement``).
 
 :class:`VocabStage` runs the actions of ``ptdp.schedule.vocab``. The cross-entropy is the tensor-parallel
 one (``ptdp.parallel.tensor.cross_entropy``) taken one level up: the slices of a pipeline rank combine over
@@ -29,7 +30,10 @@ from torch import Tensor, nn
 from ptdp.models import GPTModel
 from ptdp.models.layers import mask_padding_
 from ptdp.parallel.collectives import all_gather, group_rank, group_size
+from ptdp.parallel.data.buffer import GradBuckets
 from ptdp.parallel.pipeline.executor import ModuleStage
+from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.placement import Placement, Placements, Split
 from ptdp.schedule.vocab import end_ranks, waits_for
 
 SLICES = "vocab_slices"  # the attribute of chunk 0 holding this rank's vocabulary rows
@@ -41,14 +45,8 @@ class VocabSlices(nn.Module):
     def __init__(self, rows: int, hidden: int, start: int, tied: bool):
         super().__init__()
         self.start, self.rows = start, rows
-        self.embedding = self._mark(nn.Parameter(torch.empty(rows, hidden)))
-        self.head = None if tied else self._mark(nn.Parameter(torch.empty(rows, hidden)))
-
-    @staticmethod
-    def _mark(param: nn.Parameter) -> nn.Parameter:
-        param.tensor_model_parallel, param.partition_dim = True, 0  # distinct on every rank: counted in the norm
-        param.vocab_parallel, param.no_weight_decay = True, False
-        return param
+        self.embedding = nn.Parameter(torch.empty(rows, hidden))
+        self.head = None if tied else nn.Parameter(torch.empty(rows, hidden))
 
     def output_weight(self) -> Tensor:
         return self.embedding if self.head is None else self.head
@@ -75,51 +73,40 @@ class _Hidden(nn.Module):
 
 
 def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int, tp_rank: int, t: int,
-                         padded_vocab: int) -> GPTModel:
-    """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices."""
+                         padded_vocab: int, placements: Placements) -> GPTModel:
+    """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices, recorded in
+    ``placements``: distinct on every rank (each counts its own in the norm), weight-decayed as the full
+    tables are."""
     if chunk.embedding is not None:
+        placements.remove(chunk.embedding.word_embeddings)
         chunk.embedding.word_embeddings = _Provided()
     if chunk.final_layernorm is not None:
+        for gone in (chunk.lm_head, chunk.output_layer):
+            if gone is not None:
+                placements.remove(gone)
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
         device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
         with torch.device(device):
             slices = VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows, chunk.cfg.tied_embeddings)
-        for param in slices.parameters():  # where the rows sit in the global table (checkpoint pieces)
-            param.vocab_rows = (slices.start, padded_vocab)
+        splits = (Split("pp", 0, p, pp_rank), Split("tp", 0, t, tp_rank))  # row block pp_rank·t + tp_rank
+        for name, param in slices.named_parameters():
+            placements.record(param, Placement(logical_name(f"{SLICES}.{name}"), splits, role="vocab"))
         setattr(chunk, SLICES, slices)
     return chunk
-
-
-@torch.no_grad()
-def init_vocab_slices(chunk: nn.Module, seed: int, std: float, padded_vocab: int) -> None:
-    """The rows one process would draw (``ptdp.parallel.init``: one generator per logical name)."""
-    import zlib
-
-    slices = getattr(chunk, SLICES, None)
-    if slices is None:
-        return
-    for name, param in (("embedding.word_embeddings.weight", slices.embedding), ("lm_head.weight", slices.head)):
-        if param is None:
-            continue
-        generator = torch.Generator()
-        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-        full = torch.empty(padded_vocab, param.shape[1]).normal_(0.0, std, generator=generator)
-        param.copy_(full[slices.start:slices.start + slices.rows])
 
 
 def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
     return getattr(chunks[0], SLICES, None) if chunks else None
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradBuckets | None) -> None:
     """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
-    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``GradBuckets``: no autograd hook sees this
-    one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
-    allocate = getattr(param, "allocate_main_grad", None)
-    if allocate is not None:
-        allocate()
+    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``grads.allocate_main_grad``: no autograd
+    hook sees this one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
+    if grads is not None:
+        grads.allocate_main_grad(param)
     main = getattr(param, "main_grad", None)
     if main is not None:
         main.add_(grad.to(main.dtype))
@@ -141,8 +128,10 @@ class VocabStage(ModuleStage):
 
     def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, v: int, first_input: Callable[[int], Any],
                  labels: Callable[[int], Tensor], scale: float, m: int, placement: str, barriers: int,
-                 pp_group, tp_group, pp_ranks: Sequence[int], sequence_parallel: bool, forward_only: bool = False):
+                 pp_group, tp_group, pp_ranks: Sequence[int], sequence_parallel: bool, forward_only: bool = False,
+                 grads: GradBuckets | None = None):
         super().__init__(chunks, rank, p, v, first_input, lambda y, j: y, placement)
+        self.grads = grads  # the gradient buffers (``GradBuckets``) the slices' gradients go into
         self.labels, self.scale, self.m, self.barriers = labels, scale, m, barriers
         self.pp_group, self.tp_group, self.pp_ranks = pp_group, tp_group, list(pp_ranks)
         self.sp = sequence_parallel and group_size(tp_group) > 1
@@ -271,7 +260,7 @@ class VocabStage(ModuleStage):
         keep = ~outside
         dw = torch.zeros(self.slices.embedding.shape, dtype=torch.float32, device=grads.device)
         dw.index_add_(0, local[keep], grads[keep].float())
-        _accumulate(self.slices.embedding, dw)
+        _accumulate(self.slices.embedding, dw, self.grads)
         self._buf.clear()
 
     def _s(self, mb: int) -> None:
@@ -313,7 +302,7 @@ class VocabStage(ModuleStage):
         grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
         grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
         w = self.slices.output_weight()
-        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float())
+        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float(), self.grads)
         if self.barriers == 2:
             self._buf["C1", mb] = _tp_sum((grad @ w.float()).to(self._dtype()), self.tp_group)
             if self.rank == self.last_rank:
