@@ -86,7 +86,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
     for sync in trainer.assembly.grad_syncs:
         with span(trainer.timeline, sync.name):
             sync()
-    with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, AdamW, ZeRO-1 all-gather
+    with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, step, sharded params gathered
         grad_norm, _ = trainer.optimizer.step()
     loss = reduce_loss(loss, trainer.state)
     # "loss" and "grad_norm" stay 0-dim device tensors: the host does not wait for the GPU here.

@@ -10,8 +10,9 @@ compute) and a ``P2PComm`` (how tensors travel). It knows compute and communicat
   ``ptdp.simulate.nccl.model``), and transfers overlap the computes between a message's post and its
   consumer;
 * every other op is run by the handler registered for it (``ptdp.parallel.pipeline.handlers``): the stage's
-  own (``stage.handlers()``) and those passed in (ZeRO-3's gathers, from the assembly). An op with no
-  handler is an error before anything runs.
+  own (``stage.handlers()``, for the actions a stage plug-in adds) and those passed in (the other
+  plug-ins', from ``ptdp.parallel.assembly``). An op with no handler is an error before anything runs.
+  The executor names no parallelism: ``ptdp.parallel.pipeline.handlers`` says how one plugs in.
 
 ``ptdp.parallel.pipeline.module_stage.ModuleStage`` is the autograd implementation of a stage.
 """
@@ -44,7 +45,7 @@ class PipelineStage(Protocol):
         ...
 
     def handlers(self) -> Mapping[str, ActionHandler]:
-        """The ops beyond F/B/I/W this stage runs (e.g. the vocabulary passes); empty for a plain stage."""
+        """The ops beyond F/B/I/W this stage runs (a stage plug-in's passes); empty for a plain stage."""
         ...
 
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
@@ -120,7 +121,7 @@ class _SavedBytes:
 
     def __init__(self, stage: PipelineStage) -> None:
         params = stage.parameters()
-        # By storage identity, not address: ZeRO-3 frees and re-allocates a parameter's storage.
+        # By storage identity, not address: parameter sharding frees and re-allocates a parameter's storage.
         self._ignore = {q.untyped_storage()._cdata for q in params}
         self._live: dict[tuple[int, int], dict[int, int]] = {}
         self.current = self.peak = 0
