@@ -13,7 +13,8 @@ naming any of them:
 * the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
   and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
 * the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule and its
-  statistics after the step.
+  statistics after the step;
+* the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation.
 
 A new parallelism adds its contribution here (and its apply step in ``parallelize``), not a branch in the
 step, evaluation or the executor.
@@ -24,12 +25,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ptdp.config import Config
+from ptdp.observability import flight_recorder
 from ptdp.parallel import ParallelState
+from ptdp.parallel.collectives import group_size
 from ptdp.parallel.data.zero import ChunkParamSync
 from ptdp.parallel.expert.step_hooks import MoEStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
@@ -54,6 +58,26 @@ class GradSync:
 
     def __call__(self) -> None:
         self.run()
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """The step's (or evaluation's) loss on every rank, in place: it lives on the last pipeline stage, so it
+    is summed over ``pipeline`` (the pipeline group), then averaged over ``replicas`` (the data-parallel
+    and CP ranks: each CP rank's loss is the mean over its s/c tokens of the same samples, as in Megatron)."""
+
+    pipeline: Any
+    replicas: Any
+
+    def __call__(self, loss: Tensor) -> Tensor:
+        if group_size(self.pipeline) > 1:
+            flight_recorder.record("all_reduce", group=self.pipeline, tensor=loss, action="loss")
+            dist.all_reduce(loss, group=self.pipeline)
+        n = group_size(self.replicas)
+        if n > 1:
+            flight_recorder.record("all_reduce", group=self.replicas, tensor=loss, action="loss")
+            dist.all_reduce(loss.div_(n), group=self.replicas)
+        return loss
 
 
 class StepHook(Protocol):
@@ -92,6 +116,7 @@ class Assembly:
     loss_fn: LossFn
     stage_factory: StageFactory
     schedule: Callable[[bool], list[Action]]  # forward_only -> this rank's action list
+    reduce_loss: LossReduction
     handlers: Mapping[str, ActionHandler] = field(default_factory=dict)
     grad_syncs: list[GradSync] = field(default_factory=list)
     step_hooks: list[StepHook] = field(default_factory=list)
@@ -136,4 +161,5 @@ def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], 
         hooks.append(MoEStepHook(chunks, config.moe.num_experts, config.moe.moe_layer_freq,
                                  config.model.num_layers, groups, state.device))
     return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=state.tp_group),
-                    stage_factory, schedule, sync.handlers() if sync is not None else {}, grad_syncs, hooks)
+                    stage_factory, schedule, LossReduction(state.pp_group, state.dp_cp_group),
+                    sync.handlers() if sync is not None else {}, grad_syncs, hooks)

@@ -16,7 +16,6 @@ from ptdp.observability import flight_recorder
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.train.batches import Microbatches
 from ptdp.train.state import TrainState
-from ptdp.train.step import reduce_loss
 
 
 def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
@@ -40,7 +39,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
         for chunk in trainer.chunks:
             chunk.train()
     loss = torch.tensor(total / eval_iters, dtype=torch.float64, device=state.device)
-    return reduce_loss(loss, state).item()
+    return run.reduce_loss(loss).item()
 
 
 def perplexity(loss: float) -> float:

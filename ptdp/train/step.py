@@ -3,7 +3,7 @@
     forward and backward of the m microbatches (the rank's action list: a pipeline schedule when p > 1)
     the post-backward gradient synchronisations the assembly returned, in order
     clip the global gradient norm; the optimizer step with Megatron's learning-rate schedule
-    the loss summed over the pipeline and averaged over the data/context-parallel replicas
+    the loss on every rank (``Assembly.reduce_loss``, shared with evaluation)
 
 What each parallelism adds to this (its actions and their handlers, its stage, its gradient syncs, the
 model's step hooks) comes from ``ptdp.parallel.assembly``; this module names none of them.
@@ -12,30 +12,12 @@ model's step hooks) comes from ``ptdp.parallel.assembly``; this module names non
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ptdp.observability import flight_recorder
 from ptdp.observability.timeline import span
 from ptdp.optim import learning_rate
-from ptdp.parallel import ParallelState
-from ptdp.parallel.collectives import group_size
 from ptdp.parallel.pipeline.executor import ScheduleStats, run_schedule
 from ptdp.train.batches import Microbatches
 from ptdp.train.state import TrainState
-
-
-def reduce_loss(loss: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """The step's (or evaluation's) loss on every rank, in place: it lives on the last pipeline stage, so
-    it is summed over the pipeline group, then averaged over the data-parallel and CP ranks (each CP rank's
-    loss is the mean over its s/c tokens of the same samples, as in Megatron)."""
-    if group_size(state.pp_group) > 1:
-        flight_recorder.record("all_reduce", group=state.pp_group, tensor=loss, action="loss")
-        dist.all_reduce(loss, group=state.pp_group)
-    replicas = group_size(state.dp_cp_group)
-    if replicas > 1:
-        flight_recorder.record("all_reduce", group=state.dp_cp_group, tensor=loss, action="loss")
-        dist.all_reduce(loss.div_(replicas), group=state.dp_cp_group)
-    return loss
 
 
 def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor, ScheduleStats]:
@@ -88,7 +70,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
             sync()
     with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, step, sharded params gathered
         grad_norm, _ = trainer.optimizer.step()
-    loss = reduce_loss(loss, trainer.state)
+    loss = trainer.assembly.reduce_loss(loss)  # summed over the pipeline, averaged over the replicas
     # "loss" and "grad_norm" stay 0-dim device tensors: the host does not wait for the GPU here.
     # read_records turns them into floats (and adds the pipeline metrics) once per logged iteration.
     record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
