@@ -218,8 +218,9 @@ def test_comm_actions_without_comm_is_an_error():
 def test_a_new_action_kind_runs_through_its_registered_handler():
     """How a new schedule plugs in (DualPipeV's overlapped pair, say): its lists carry an op the executor
     does not know, and a handler registered for it runs it with the schedule's context. Here "FX" is a
-    forward run by a handler (receive, stage.forward, deliver), "NOTE" a marker with a timed span; the
-    result equals the reference, and the spans say where the handler ran."""
+    forward run by a handler (receive, stage.forward, deliver), "BX" a backward through the context's own
+    compute (a composite action's building block), "NOTE" a marker with a timed span; the result equals the
+    reference, and the spans say where the handlers ran."""
     v, m = 2, 3
     ref_losses, ref_grads = reference(v, m)
     model = make_model(v)
@@ -234,13 +235,16 @@ def test_a_new_action_kind_runs_through_its_registered_handler():
 
     actions = []
     for a in build_schedule("interleaved", 1, v, m, 0):
-        actions += [Action("FX", a.microbatch, a.chunk), Action("NOTE", a.microbatch, a.chunk)] if a.op == "F" \
-            else [a]
+        renamed = {"F": [Action("FX", a.microbatch, a.chunk), Action("NOTE", a.microbatch, a.chunk)],
+                   "B": [Action("BX", a.microbatch, a.chunk)]}
+        actions += renamed.get(a.op, [a])
     spans = []
-    stats = run_schedule(actions, stage, handlers={"FX": Handler(forward),
-                                                   "NOTE": Handler(lambda a, _: None, "note", "p2p")},
+    handlers = {"FX": Handler(forward), "NOTE": Handler(lambda a, _: None, "note", "p2p"),
+                "BX": Handler(lambda a, schedule: schedule.compute(Action("B", a.microbatch, a.chunk)))}
+    stats = run_schedule(actions, stage, handlers=handlers,
                          recorder=lambda name, category, *_: spans.append((name, category)))
     assert len(ran) == v * m and spans.count(("note", "p2p")) == v * m
+    assert spans.count(("backward", "compute")) == v * m
     torch.testing.assert_close([float(x) for x in stats.losses.values()], ref_losses, rtol=1e-6, atol=0)
     for s in range(v):
         torch.testing.assert_close([q.grad for q in chunks[s].parameters()], ref_grads[s], rtol=1e-6, atol=1e-9)

@@ -40,6 +40,11 @@ class ScheduleContext(Protocol):
         list's SEND, or straight to the consumer on this rank."""
         ...
 
+    def compute(self, action: Action) -> None:
+        """Run an F, B, I or W as the executor does (its receive, span, saved-bytes and in-flight accounting,
+        delivery): a handler of a composite action (two microbatches' passes at once) builds on it."""
+        ...
+
 
 class ActionHandler(Protocol):
     """Runs the actions of one op. ``span``: the timeline name of the time it takes (None: not timed);
