@@ -28,7 +28,7 @@ def _model(vocab: int = 200):
 
 
 def _loss_and_grads(model, tokens):
-    from ptdp.train.step import language_model_loss
+    from ptdp.parallel.tensor import language_model_loss
 
     loss = language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]).float()
     loss.backward()

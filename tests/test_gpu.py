@@ -48,7 +48,7 @@ def _tokens(cfg: ModelConfig, vocab: int = 200) -> torch.Tensor:
 
 
 def _loss_and_grads(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    from ptdp.train.step import language_model_loss
+    from ptdp.parallel.tensor import language_model_loss
 
     logits = model(tokens[:, :-1])
     kept = logits.detach().float().clone()

@@ -16,8 +16,7 @@ from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.placement import Placements
 from ptdp.parallel.recompute import recompute_plan
-from ptdp.parallel.tensor import model_parallel_seed
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 
 RTOL = 1e-4
 DROPOUT_CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,

@@ -15,9 +15,8 @@ from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.placement import Placements
 from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
-from ptdp.parallel.tensor import model_parallel_seed
+from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 from ptdp.runtime.startup import startup_warnings
-from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4
 LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

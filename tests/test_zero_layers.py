@@ -25,7 +25,7 @@ from ptdp.parallel.data.zero_layers import LayerParamSync
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.placement import Placements
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.tensor import language_model_loss
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
                   attention_dropout=0.0)

@@ -1,7 +1,8 @@
 """What one rank trains with, as one typed object, and how it is set up.
 
 ``setup(config)``: process groups → seeds → data → model chunks (``ptdp.parallel.parallelize``) → gradient buffers
-and optimizer → the pipeline schedule's action list → point-to-point transport. Everything the step, the
+and optimizer → what the step runs (``ptdp.parallel.assembly``: the action list, handlers, stage factory, gradient
+syncs, step hooks) → point-to-point transport. Everything the step, the
 loop, evaluation and checkpointing read is a field of :class:`TrainState`.
 """
 
@@ -20,6 +21,7 @@ from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
 from ptdp.optim import GradBuckets, MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
+from ptdp.parallel.assembly import Assembly, assemble
 from ptdp.parallel.collectives import all_gather, split
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.init import params_dtype
@@ -30,8 +32,7 @@ from ptdp.parallel.placement import Placements
 from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
-from ptdp.schedule.registry import build_schedule, schedule_placement
-from ptdp.schedule.vocab import vocab_barriers
+from ptdp.schedule.registry import schedule_placement
 
 
 @dataclass
@@ -48,6 +49,7 @@ class TrainState:
     num_microbatches: int
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
+    assembly: Assembly  # what each parallelism adds to the step and evaluation
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
@@ -78,10 +80,9 @@ def setup(config: Config) -> TrainState:
         model = build_model_chunks(config, state, vocab_size, padded)
     grads, optimizer = setup_optimizer(model, config, state, tied_embedding_weights(model.chunks, dims.pp))
     m = config.num_microbatches(world_size)
-    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
-                              vocab_barriers=vocab_barriers(par))
-    return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, schedule,
-                      build_p2p(config, state))
+    assembly = assemble(config, state, model.chunks, grads, m, model.placements)
+    return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, assembly.actions(),
+                      build_p2p(config, state), assembly)
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:
