@@ -24,7 +24,7 @@ from ptdp.data import ByteTokenizer, IndexedDatasetWriter, build_datasets, get_m
 from ptdp.data.gpt_dataset import GPTDataset
 from ptdp.data.training_data import evaluation_iters
 from ptdp.hf.convert import full_model_from_state
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.tensor import language_model_loss
 
 NO_BIAS = ["--disable-bias-linear", "--disable-bias-norm"]
 

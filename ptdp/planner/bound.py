@@ -23,6 +23,7 @@ import math
 from dataclasses import replace
 
 from ptdp.planner import experts
+from ptdp.planner.estimate import Estimate, SearchResult, evaluate, ranked_result
 from ptdp.planner.memory import (
     RUNTIME_OVERHEAD_BYTES,
     activation_bytes_per_layer,
@@ -33,16 +34,7 @@ from ptdp.planner.memory import (
     step_buffer_bytes_per_param,
 )
 from ptdp.planner.perf import rank_stage_times
-from ptdp.planner.search import (
-    Cell,
-    Estimate,
-    SearchResult,
-    Space,
-    cells,
-    evaluate,
-    invalid_reason,
-    ranked_result,
-)
+from ptdp.planner.space import Cell, Space, cells, invalid_reason
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_variants
 from ptdp.schedule.registry import bubble_fraction_formula, default_schedule
