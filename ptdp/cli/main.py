@@ -8,7 +8,7 @@ import os
 import sys
 from datetime import timedelta
 
-from ptdp.config import ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.config import Config, ConfigError, add_config_arguments, config_from_args, derive, validate
 from ptdp.runtime.errors import print_error
 
 
@@ -79,11 +79,11 @@ def run_train(args: argparse.Namespace) -> int:
             return _fail(line, "train")
     errors = validate(config, world_size, local_world_size)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if not errors:  # the machine (FP8 GPU) and the files (--save/--load, the checkpoint): ptdp.runtime.startup
-        from ptdp.runtime.startup import startup_problems, startup_warnings
+    if not errors:  # the machine (FP8 GPU), the directories and the checkpoint on disk
+        from ptdp.runtime.startup import startup_warnings
 
         given, config = config, derive(config, world_size)  # validate never changes what it checks
-        errors = startup_problems(config, world_size)
+        errors = start_problems(config, world_size)
         for line in startup_warnings(given, config) if rank0 and not launching else ():
             print(f"warning: {line}", file=sys.stderr)
     if errors:
@@ -103,8 +103,8 @@ def run_train(args: argparse.Namespace) -> int:
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
         return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
 
-    from ptdp import interrupt
     from ptdp.data import DataError
+    from ptdp.runtime import interrupt
 
     interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
     try:
@@ -131,6 +131,16 @@ def run_train(args: argparse.Namespace) -> int:
                 pass
         dist.destroy_process_group()
     return code
+
+
+def start_problems(config: Config, world_size: int) -> list[str]:
+    """Every reason the derived ``config`` cannot start here, one line each (none: it can): the start-up
+    checks of the runtime (``ptdp.runtime.startup``), then of the features that own them (FP8, the checkpoint)."""
+    from ptdp.checkpointing.validation import checkpoint_errors
+    from ptdp.parallel.fp8 import fp8_environment_errors
+    from ptdp.runtime.startup import startup_problems
+
+    return [*fp8_environment_errors(config), *startup_problems(config), *checkpoint_errors(config, world_size)]
 
 
 def _worker_argv(argv: list[str]) -> list[str]:
@@ -161,7 +171,7 @@ _COMMANDS = [
      "simulate a pipeline schedule and draw its timeline"),
     ("preprocess", "ptdp.data.preprocess", "add_preprocess_arguments", "run_preprocess",
      "tokenize JSONL into indexed .bin/.idx files"),
-    ("samples", "ptdp.data.samples", "add_samples_arguments", "run_samples",
+    ("samples", "ptdp.cli.samples", "add_samples_arguments", "run_samples",
      "print the training samples in the order training reads them (the flags of `ptdp train`)"),
     ("generate", "ptdp.cli.generate", "add_generate_arguments", "run_generate",
      "continue a prompt with a checkpoint (any layout, one process)"),

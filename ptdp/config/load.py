@@ -15,17 +15,25 @@ import argparse
 import dataclasses
 import difflib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from ptdp.cli.parser import help_with_default
 from ptdp.config.schema import Config, ConfigError, ModelConfig
 
 
 def flag_of(f: dataclasses.Field) -> str:
     """The command-line flag of field ``f``: its metadata's, else ``--`` + the name with dashes."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def help_with_default(help_text: str, default: object) -> str:
+    """A flag's help with its default said once: not when the text already says it ("default 4h"), and
+    not for None (the help says what happens without the flag)."""
+    if default is None or re.search(r"\(default[ :]", help_text):
+        return help_text
+    return f"{help_text} (default: {default})"
 
 
 def default_of(f: dataclasses.Field) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import Config
+from ptdp.config.validate_pipeline import stages_of
 from ptdp.models import GPTModel
 from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel import ParallelState
@@ -26,7 +27,6 @@ from ptdp.parallel.recompute import apply_recompute
 from ptdp.parallel.tensor.apply import apply_tensor_parallel
 from ptdp.parallel.vocab.stage import apply_vocab_parallel, init_vocab_slices
 from ptdp.schedule.actions import virtual_stage
-from ptdp.schedule.layout import stages_of
 
 
 def local_seq_length(config: Config, state: ParallelState) -> int:
@@ -58,7 +58,7 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
         model = GPTModel(m, vocab_size, padded_vocab_size, config.moe)
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
-    chunks = split_model(model, stages, p * v, plan=stages_of(m, par, p, v))  # even or Megatron's layout
+    chunks = split_model(model, stages, p * v, plan=stages_of(config, p, v))  # even or Megatron's layout
     dtype = params_dtype(config)
     # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
     # no rank materialises its chunks whole; ZeRO-3 keeps one bucket whole at a time (ptdp.parallel.init).

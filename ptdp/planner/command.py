@@ -8,8 +8,9 @@ import json
 import sys
 
 from ptdp import config as train_config
-from ptdp.config import ModelConfig, MoEConfig, add_field_arguments, model_config
+from ptdp.config import ConfigError, ModelConfig, MoEConfig, add_field_arguments, model_config
 from ptdp.config.validate_moe import moe_errors
+from ptdp.config.validate_pipeline import layout_stage_count
 from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
@@ -162,11 +163,9 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
                           f"{t}x{c}x{p}")
     v = args.virtual_pipeline_model_parallel_size or 1
     if args.pipeline_model_parallel_layout and args.virtual_pipeline_model_parallel_size is None:
-        from ptdp.schedule.layout import LayoutError, layout_num_stages
-
         try:  # the layout string sets v, as for ptdp train
-            v = max(1, layout_num_stages(args.pipeline_model_parallel_layout) // p)
-        except LayoutError as e:
+            v = max(1, layout_stage_count(args.pipeline_model_parallel_layout) // p)
+        except ConfigError as e:
             raise _UsageError(str(e)) from None
     cfg = ParallelConfig(
         t, p, cluster.num_gpus // (t * c * p), v,

@@ -21,7 +21,6 @@ from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.vocab.stage import VocabStage
 from ptdp.schedule.actions import virtual_stage
 from ptdp.schedule.registry import build_schedule
-from ptdp.schedule.vocab import vocab_barriers
 from ptdp.train.state import TrainState
 from ptdp.train.step import cp_shard, language_model_loss
 
@@ -51,7 +50,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
     par = trainer.config.parallel
-    barriers = vocab_barriers(par)  # issue 24: the forward-only list with the S and T (loss only) passes
+    barriers = par.vocab_barriers  # issue 24: the forward-only list with the S and T (loss only) passes
     actions = build_schedule(par.schedule, state.dims.pp, par.virtual_size, m, state.pp_rank, forward_only=True,
                              vocab_barriers=barriers)
     for chunk in trainer.chunks:

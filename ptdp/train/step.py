@@ -22,7 +22,6 @@ from ptdp.parallel.pipeline.stage import sync_embedding_grads
 from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
 from ptdp.parallel.tensor import vocab_parallel_cross_entropy
 from ptdp.parallel.vocab.stage import VocabStage
-from ptdp.schedule.vocab import vocab_barriers
 from ptdp.train.moe_metrics import gather_moe_stats, set_loss_scale
 from ptdp.train.state import TrainState
 
@@ -82,7 +81,7 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
         return loss * scale if scale != 1.0 else loss
 
     set_loss_scale(trainer, scale / m)  # MoE auxiliary losses: weighted like the LM loss
-    barriers = vocab_barriers(trainer.config.parallel)
+    barriers = trainer.config.parallel.vocab_barriers
     if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
         stage = VocabStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks), lambda j: batch(j)[0],
                            lambda j: batch(j)[1], scale / m, m, state.placement, barriers, state.pp_group,
