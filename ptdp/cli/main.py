@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from datetime import timedelta
@@ -164,31 +163,30 @@ def _fail(message: str, command: str | None = None) -> int:
     return 2
 
 
-# Sub-commands besides train: (name, module, its add-arguments function, its run function, help).
-_COMMANDS = [
-    ("plan", "ptdp.planner", "add_plan_arguments", "run_plan", "choose (t, p, d, b, v) for a model on a cluster"),
-    ("simulate", "ptdp.simulate.command", "add_simulate_arguments", "run_simulate",
-     "simulate a pipeline schedule and draw its timeline"),
-    ("preprocess", "ptdp.data.preprocess", "add_preprocess_arguments", "run_preprocess",
-     "tokenize JSONL into indexed .bin/.idx files"),
-    ("samples", "ptdp.cli.samples", "add_samples_arguments", "run_samples",
-     "print the training samples in the order training reads them (the flags of `ptdp train`)"),
-    ("generate", "ptdp.cli.generate", "add_generate_arguments", "run_generate",
-     "continue a prompt with a checkpoint (any layout, one process)"),
-    ("export", "ptdp.hf.convert", "add_export_arguments", "run_export",
-     "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
-    ("import", "ptdp.hf.convert", "add_import_arguments", "run_import", "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
-    ("timeline", "ptdp.observability.timeline", "add_timeline_arguments", "run_timeline",
-     "merge the per-rank Chrome traces of a --timeline run"),
-]
-
-
 def _other_parsers(sub) -> None:
-    for name, module_name, add_arguments, run, help_text in _COMMANDS:
-        module = importlib.import_module(module_name)
+    """The sub-commands besides train: each module declares its flags and runs its command."""
+    from ptdp.cli.generate import add_generate_arguments, run_generate
+    from ptdp.cli.samples import add_samples_arguments, run_samples
+    from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
+    from ptdp.hf.convert import add_export_arguments, add_import_arguments, run_export, run_import
+    from ptdp.observability.timeline import add_timeline_arguments, run_timeline
+    from ptdp.planner import add_plan_arguments, run_plan
+    from ptdp.simulate.command import add_simulate_arguments, run_simulate
+
+    for name, add_arguments, run, help_text in (
+        ("plan", add_plan_arguments, run_plan, "choose (t, p, d, b, v) for a model on a cluster"),
+        ("simulate", add_simulate_arguments, run_simulate, "simulate a pipeline schedule and draw its timeline"),
+        ("preprocess", add_preprocess_arguments, run_preprocess, "tokenize JSONL into indexed .bin/.idx files"),
+        ("samples", add_samples_arguments, run_samples,
+         "print the training samples in the order training reads them (the flags of `ptdp train`)"),
+        ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
+        ("export", add_export_arguments, run_export, "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
+        ("import", add_import_arguments, run_import, "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+        ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
+    ):
         p = sub.add_parser(name, help=help_text)
-        getattr(module, add_arguments)(p)
-        p.set_defaults(run=getattr(module, run))
+        add_arguments(p)
+        p.set_defaults(run=run)
 
 
 def build_parser() -> argparse.ArgumentParser:

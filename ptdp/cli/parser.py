@@ -66,7 +66,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     """``parser.parse_args`` with :func:`unknown_arguments_message` for arguments nothing took."""
     args, extras = parser.parse_known_args(argv)
     if extras:
-        command = getattr(args, "command", None)
+        command = args.command  # the sub-command (required: argparse stops before this without one)
         sub = subparser(parser, command) if command else None
         print_error(command, unknown_arguments_message(extras, sub or parser))
         sys.exit(2)

@@ -334,12 +334,9 @@ class Config:
     precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
-    @classmethod
-    def section_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    def sections(self) -> list[Any]:
-        return [getattr(self, name) for name in self.section_names()]
+    def sections(self) -> dict[str, Any]:
+        """The sections by name (``model``, ``parallel``, ...), as checkpoints record them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def num_microbatches(self, world_size: int) -> int:
         par = self.parallel
