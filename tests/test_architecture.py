@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import tomllib
 from pathlib import Path
@@ -113,19 +114,27 @@ def test_every_module_has_a_place_in_the_package_layers():
     assert not placed("ptdp.newfolder.module")  # the control
 
 
+@functools.cache
+def _package_text(module: str) -> str | None:
+    """The text of ``module``'s ``__init__.py``, or None when it is not a package of this tree."""
+    init = ROOT.parent.joinpath(*module.split("."), "__init__.py")
+    return init.read_text() if init.exists() else None
+
+
 def _ptdp_imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every ``ptdp`` module an ``import`` names, with ``from ptdp.x import y`` as
     ``ptdp.x.y`` when ``y`` is not a name defined in (or re-exported by) ``ptdp/x/__init__.py``."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    text, out = path.read_text(), []
+    if "ptdp" not in text:
+        return out
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "ptdp"]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "ptdp":
-            init = ROOT.parent.joinpath(*node.module.split("."), "__init__.py")
-            names = init.read_text() if init.exists() else ""
+            names = _package_text(node.module)
             out += [(node.lineno, node.module)]
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
-                    if init.exists() and not re.search(rf"\b{a.name}\b", names)]
+                    if names is not None and not re.search(rf"\b{a.name}\b", names)]
     return out
 
 

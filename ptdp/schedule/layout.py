@@ -72,11 +72,6 @@ def parse_layout(text: str) -> list[str]:
     return stages
 
 
-def layout_num_stages(text: str) -> int:
-    """The number of virtual stages (p·v) of a layout string (LayoutError if it does not parse)."""
-    return len(parse_layout(text))
-
-
 def stages_from_string(text: str, num_layers: int, p: int) -> list[Stage]:
     """The stages of layout string ``text`` for a model of ``num_layers`` layers on p pipeline ranks."""
     stages = parse_layout(text)
@@ -140,11 +135,6 @@ def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, l
     if len(counts) != p * v or min(counts) < 0 or sum(counts) != num_layers:
         raise LayoutError(f"{counts} layers per stage do not place {num_layers} layers on p x v = {p}x{v} stages")
     return stages_from_counts(counts)
-
-
-def is_even(stages: Sequence[Stage]) -> bool:
-    """Every stage holds the same number of transformer layers (the default split)."""
-    return len({len(s.layers) for s in stages}) == 1
 
 
 def layout_string(stages: Sequence[Stage]) -> str:
