@@ -80,6 +80,14 @@ class SimulationResult:
             "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
         }
 
+    def summary_lines(self) -> list[str]:
+        """Lines ``ptdp simulate`` prints under the common summary: none here (a richer result adds its own)."""
+        return []
+
+    def draw_extra(self, ax) -> list:
+        """Marks drawn over the timeline, and their legend entries (``simulate.command.draw``'s hook): none here."""
+        return []
+
 
 def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:
     per_chunk_backward = backward_time / v
