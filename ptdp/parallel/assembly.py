@@ -47,7 +47,6 @@ from ptdp.parallel.vocab.stage import VocabParallel
 from ptdp.schedule.actions import Action
 from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule
-from ptdp.schedule.vocab import vocab_barriers
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], 
     ``grads``."""
     par, p = config.parallel, state.dims.pp
     layout = StageLayout(state.pp_rank, p, len(chunks), state.placement)
-    barriers = vocab_barriers(par)
+    barriers = par.vocab_barriers
     stage_factory: StageFactory = ModuleStage
     if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
         stage_factory = VocabParallel(barriers, state.pp_group, state.tp_group, tuple(state.pipeline_ranks()),

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ptdp.config import Config
+from ptdp.config.validate_pipeline import stages_of
 from ptdp.models import GPTModel
 from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel import ParallelState
@@ -39,7 +40,6 @@ from ptdp.parallel.recompute import apply_recompute
 from ptdp.parallel.tensor.apply import apply_tensor_parallel
 from ptdp.parallel.vocab.stage import apply_vocab_parallel
 from ptdp.schedule.actions import virtual_stage
-from ptdp.schedule.layout import stages_of
 
 
 def local_seq_length(config: Config, state: ParallelState) -> int:
@@ -88,7 +88,7 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
         model = GPTModel(m, vocab_size, padded_vocab_size, config.moe)
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
     placements, deferred = Placements(), DeferredInit()
-    chunks = split_model(model, stages, p * v, placements, plan=stages_of(m, par, p, v))  # even or Megatron's
+    chunks = split_model(model, stages, p * v, placements, plan=stages_of(config, p, v))  # even or Megatron's
     dtype = params_dtype(config)
     # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
     # no rank materialises its chunks whole; ZeRO-3 keeps one bucket whole at a time (ptdp.parallel.init).

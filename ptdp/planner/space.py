@@ -8,11 +8,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
+from ptdp.config.validate_pipeline import schedule_problems
 from ptdp.planner.experts import expert_choices, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
-from ptdp.schedule.registry import schedule_problems
 
 
 def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> str | None:

@@ -80,6 +80,15 @@ class SimulationResult:
             "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
         }
 
+    def summary_lines(self) -> list[str]:
+        """Lines ``ptdp simulate`` prints under the common summary: none here (a richer result adds its own)."""
+        return []
+
+    def extra_marks(self) -> tuple[list[float], list[tuple[str, str, str]]]:
+        """(times of dashed lines over the timeline, legend entries (kind, colour, label)) that a result adds
+        to the picture (``ptdp.simulate.draw``'s hook): none here."""
+        return [], []
+
 
 def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:
     per_chunk_backward = backward_time / v

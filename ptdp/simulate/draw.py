@@ -40,12 +40,7 @@ def _legend(result: SimulationResult) -> list[tuple[str, str, str]]:
     ops = sorted({b.op for row in result.timelines for b in row} & set("FIBW"), key="FIBW".index)
     entries = [("box", {"F": FORWARD, "W": WEIGHT}.get(op, BACKWARD)[c],
                 f"{_NAMES[op]}" + (f", chunk {c}" if result.v > 1 else "")) for op in ops for c in range(result.v)]
-    return entries + _extra(result)[1]
-
-
-def _extra(result: SimulationResult) -> tuple[list[float], list[tuple[str, str, str]]]:
-    """(times of dashed vertical lines, legend entries) a result adds (``extra_marks``), or none."""
-    return result.extra_marks() if hasattr(result, "extra_marks") else ([], [])
+    return entries + result.extra_marks()[1]
 
 
 def draw(result: SimulationResult, out: str | Path) -> None:
@@ -89,7 +84,7 @@ def svg(result: SimulationResult) -> str:
                 colour = "white" if b.chunk == 0 else "black"
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 3:.2f}" text-anchor="middle" '
                            f'font-size="{small}" fill="{colour}">{b.microbatch + 1}</text>')
-    lines, _ = _extra(result)
+    lines, _ = result.extra_marks()
     for t in lines:
         x = left + t * scale
         out.append(f'<line x1="{x:.2f}" y1="{top:.1f}" x2="{x:.2f}" y2="{top + p * row:.1f}" stroke="black" '
@@ -126,7 +121,7 @@ def _draw_matplotlib(result: SimulationResult, out: str | Path) -> None:
             if b.end - b.start >= 0.99 * unit:
                 ax.text((b.start + b.end) / 2, b.rank, str(b.microbatch + 1), ha="center", va="center",
                         fontsize=6 if result.m * v > 16 else 7, color="white" if b.chunk == 0 else "black")
-    for t in _extra(result)[0]:
+    for t in result.extra_marks()[0]:
         ax.vlines(t, -0.5, p - 0.5, colors="black", linewidth=0.6, linestyles="dashed", alpha=0.6)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)

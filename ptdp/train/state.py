@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
 from ptdp.data.training_data import datasets_for_config
@@ -73,7 +74,8 @@ def setup(config: Config) -> TrainState:
         state.expert = build_expert_parallel(state, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
                                              par.sequence_parallel)
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
-    data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
+    # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
+    data = datasets_for_config(config, *latest_info(config.checkpoint.load))
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp * (dims.pp if par.enable_vocab_parallel else 1))
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
