@@ -161,7 +161,8 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
-    from ptdp import hf_llama, hf_moe
+    from ptdp.hf import llama as hf_llama
+    from ptdp.hf import moe as hf_moe
 
     moe = moe_config_from_dict(config_dict)
     kind = hf_moe.hf_kind(cfg, moe)
@@ -291,7 +292,7 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
     if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
-        from ptdp import hf_moe
+        from ptdp.hf import moe as hf_moe
 
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
