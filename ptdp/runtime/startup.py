@@ -18,8 +18,10 @@ def startup_problems(config: Config, world_size: int) -> list[str]:
         checkpoint_errors,  # not in ptdp.config, which must not import it
     )
     from ptdp.parallel.fp8 import fp8_environment_errors
+    from ptdp.parallel.recompute import recompute_environment_errors
 
-    return [*fp8_environment_errors(config), *checkpoint_errors(config, world_size)]
+    return [*fp8_environment_errors(config), *recompute_environment_errors(config),
+            *checkpoint_errors(config, world_size)]
 
 
 def startup_warnings(given: Config, derived: Config) -> list[str]:
