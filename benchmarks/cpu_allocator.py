@@ -13,7 +13,7 @@ rule off: every tensor of at least that size is its own mapping, returned when f
 
 Each case trains the issue's model (t = 2 on 2 CPU processes, h = 256, s = 1024, b = 8, 8 layers, fp32)
 through ``ptdp train`` for ``--iters`` iterations, with and without ``--sequence-parallel``, under ptdp's
-launcher default (the threshold pinned, ``--cpu-mmap-threshold 65536``) and under glibc's own dynamic
+launcher default (the threshold pinned, ``--cpu-mmap-threshold 1048576``) and under glibc's own dynamic
 threshold (``--cpu-mmap-threshold 0``). Reported per case: the workers' peak RSS, ptdp's
 ``peak_memory_bytes_per_rank`` (the last window's), the saved activations, and the median iteration time
 after the first; per setting, the pinned threshold's time over the default's, from rounds that alternate
@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--iters", type=int, default=4, help="iterations per run (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the order of the two thresholds")
-    parser.add_argument("--threshold", type=int, default=65536, help="the pinned threshold measured (bytes)")
+    parser.add_argument("--threshold", type=int, default=1 << 20, help="the pinned threshold measured (bytes)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--parts", nargs="+", choices=["memory", "speed"], default=["memory", "speed"])
     parser.add_argument("--speed-iters", type=int, default=6, help="iterations per speed run (the first not timed)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import worker_env
 
-from ptdp.cli.main import _worker_argv
+from ptdp.cli.main import _worker_argv, build_parser
 from ptdp.runtime import interrupt, launch
 
 
@@ -46,6 +46,7 @@ def test_a_users_threshold_is_kept_and_zero_sets_none(launched, monkeypatch):
 
 
 def test_the_flag_is_the_launchers_and_a_bad_value_is_one_line():
+    assert build_parser().parse_args(["train"]).cpu_mmap_threshold == 1 << 20  # the default (BENCHMARKS.md)
     assert _worker_argv(["ptdp", "train", "--cpu-mmap-threshold", "0", "--num-layers", "2"]) == \
         ["train", "--num-layers", "2"]
     proc = subprocess.run([sys.executable, "-m", "ptdp", "train", "--cpu-mmap-threshold", "-1"], capture_output=True,

@@ -34,7 +34,7 @@ def _train_parser(sub) -> None:
                         "last_call_timeout=5,join_timeout=600,keep_alive_interval=5")
     launch.add_argument("--monitor-interval", type=float, default=None,
                         help="seconds between the agent's checks of its workers (torchrun's flag)")
-    launch.add_argument("--cpu-mmap-threshold", type=_bytes, default=65536, metavar="BYTES",
+    launch.add_argument("--cpu-mmap-threshold", type=_bytes, default=1 << 20, metavar="BYTES",
                         help="CPU workers: glibc's malloc serves allocations of at least BYTES by mmap and returns "
                         "them when freed, so the resident set follows what training holds (BENCHMARKS.md, CPU "
                         "allocator); 0 keeps glibc's dynamic threshold. Ignored on GPUs and if "

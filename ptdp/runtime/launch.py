@@ -51,7 +51,7 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    if cpu_mmap_threshold and not torch.cuda.is_available():  # --cpu-mmap-threshold: freed activations leave the RSS
+    if cpu_mmap_threshold and not torch.cuda.is_available():  # freed activations leave the RSS (BENCHMARKS.md)
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(cpu_mmap_threshold))
     if rendezvous:
         # Scale-up needs the rendezvous's own bootstrap keys. With torchrun's shared TCP store (the default
