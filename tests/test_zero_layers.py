@@ -19,8 +19,8 @@ from helpers import pooled_spawn
 
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
-from ptdp.optim import GradBuckets
-from ptdp.parallel.data.zero import shard_parameters
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 from ptdp.parallel.data.zero_layers import LayerParamSync
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
@@ -38,9 +38,8 @@ def _step(rank: int, flags: dict, prefetch: bool) -> tuple[list, int, bool, list
     layers gathered at once, whether every layer entry found its gather already issued, reduced shards)."""
     model = parallelize(GPTModel(dataclasses.replace(CFG, **flags), 50, 64))
     init_parameters(model, seed=7, tp_rank=0, tp_size=1, std=0.02, num_layers=CFG.num_layers)
-    grads = GradBuckets(list(model.parameters()), dist.group.WORLD, 16000, distributed_optimizer=True,
-                        param_buffer=True, shard_grads=True)  # 4k-parameter buckets: they straddle layers
-    shard_parameters(grads)
+    grads = build_reducer("optim_grads_params", list(model.parameters()), BucketLayout(16000, param_buffer=True),
+                          DataParallelGroup(dist.group.WORLD))  # 4k-parameter buckets: they straddle layers
     layers = list(model.layers.values())
     sync = LayerParamSync(grads, layers, prefetch=prefetch)
     index = {id(b): k for k, b in enumerate(grads.buckets)}
