@@ -158,13 +158,13 @@ def compare(rows: list[dict]) -> None:
 def worker(argv: list[str]) -> int:
     """A ``ptdp train`` worker whose per-layer ZeRO-3 gathers are synchronous (the noprefetch variant)."""
     from ptdp.cli.main import main as ptdp_main
-    from ptdp.optim import zero_layers
+    from ptdp.parallel.data import zero_layers
 
     class NoPrefetch(zero_layers.LayerParamSync):
         def __init__(self, grads, layers):
             super().__init__(grads, layers, prefetch=False)
 
-    zero_layers.LayerParamSync = NoPrefetch  # ptdp.optim.setup imports it at build time
+    zero_layers.LayerParamSync = NoPrefetch  # zero.GatherPlan looks it up when the reducer is built
     return ptdp_main(argv)
 
 

@@ -154,8 +154,8 @@ class Optim(NoShard):
         return Storage(shards=group_size(group), index=group_rank(group))
 
     def __init__(self, buffer: FlatBuffer, group, **kwargs):
+        self._ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(group_size(group))]
         super().__init__(buffer, group, **kwargs)
-        self._ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.size)]
 
     def _reduce(self, bucket: Bucket) -> dist.Work:
         if bucket.grad_data.device.type != "cpu":

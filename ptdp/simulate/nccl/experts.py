@@ -26,7 +26,7 @@ dispatcher's.
 
 With ``zero="optim_grads_params"`` (ZeRO-3) the trace also holds the per-chunk parameter gathers and
 gradient reductions at the points ``param_sync.plan_param_sync`` puts them, as the real gatherer over
-``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel communicator "dp"
+the dense and expert reducers' composite (``ptdp.parallel.data.reducer.Composite``) issues them: each one a collective on the dense data-parallel communicator "dp"
 (every pipeline's copy of the stage) and then one on the expert-data-parallel communicator "edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
 folding orders them), each with its own stream. A chunk's gathers are waited for together before its run; a
 reduction is waited for right after it is issued (stricter than the transient gradient buckets, which wait
@@ -91,7 +91,7 @@ class _ExpertTraceStage(_TraceStage):
 
 
 class _ExpertParamSync:
-    """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync`` over ``ExpertGradBuckets``: placeholders of its
+    """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync`` over a MoE model's reducers: placeholders of its
     collectives on "dp" and "edp" (``comms``: those with peers), which ``_globalise`` gives their groups."""
 
     def __init__(self, events: list[dict], reshard_after_forward: bool, comms: Sequence[str], gathers: bool) -> None:
