@@ -40,9 +40,9 @@ def build_reducer(strategy: str, params: Iterable[nn.Parameter], layout: BucketL
     reducer ends up holding parameter shards."""
     group, replicas = dp.group, dp.replicas
     divisor = dp.divisor or group_size(group) * group_size(replicas)
-    if group_size(group) == 1 and replicas is not None:  # one rank per instance: only the replicas' all-reduce
-        group, replicas = replicas, None
-    cls = REDUCERS[strategy] if group_size(group) > 1 else NoShard  # one rank: nothing to shard
+    cls = REDUCERS[strategy]
+    if group_size(group) == 1:  # nothing to shard over one rank: at most the replicas' all-reduce
+        cls, group, replicas = NoShard, group if replicas is None else replicas, None
     buffer = FlatBuffer(params, layout, cls.storage(group, hybrid=replicas is not None))
     if replicas is None:
         return cls(buffer, group, divisor=divisor, overlap=overlap, gather=gather)
