@@ -12,8 +12,8 @@ from torch import nn
 from ptdp.config import OptimizerConfig
 from ptdp.optim import DistributedOptimizer
 from ptdp.parallel.data.buffer import BucketLayout
-from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
-from ptdp.parallel.data.zero import GatherPlan, full_parameters
+from ptdp.parallel.data.strategy import DataParallelGroup, GatherPlan, build_reducer
+from ptdp.parallel.data.zero import full_parameters
 
 
 def _check(rank: int, world: int) -> None:

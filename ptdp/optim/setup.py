@@ -16,8 +16,7 @@ from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOp
 from ptdp.parallel.data.buffer import BucketLayout
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.data.reducer import Composite
-from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
-from ptdp.parallel.data.zero import GatherPlan
+from ptdp.parallel.data.strategy import DataParallelGroup, GatherPlan, build_reducer
 from ptdp.parallel.init import materialize_deferred, params_dtype
 
 

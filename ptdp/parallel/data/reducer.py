@@ -43,7 +43,7 @@ from ptdp.parallel.collectives import all_gather_single, group_rank, group_size,
 from ptdp.parallel.data.buffer import Bucket, FlatBuffer, Storage
 from ptdp.parallel.data.protocol import GradReducer, ParamSync
 
-Gatherer = Callable[[GradReducer], ParamSync]  # builds ZeRO-3's gatherer over a reducer (``zero.GatherPlan``)
+Gatherer = Callable[[GradReducer], ParamSync]  # builds ZeRO-3's gatherer over a reducer (``strategy.GatherPlan``)
 
 
 class NoShard:

@@ -15,7 +15,7 @@ lists, so the collectives on the data-parallel group are issued in the same orde
 parameter shards (``Storage.param_shards``: sharded bucket by bucket as the buffer is built, so start-up
 never holds a whole chunk either); it gathers a bucket from the shards into a freshly allocated flat
 buffer. :class:`ChunkParamSync` is the object the executor drives, built with the reducer from a
-:class:`GatherPlan` (or per layer, ``ptdp.parallel.data.zero_layers``); :func:`full_parameters` gathers
+``strategy.GatherPlan`` (or per layer, ``ptdp.parallel.data.zero_layers``); :func:`full_parameters` gathers
 everything for code that reads whole parameters outside the schedule (checkpoints).
 """
 
@@ -24,11 +24,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ptdp.parallel.data.buffer import Bucket, Storage, alloc_storage, free_storage
 from ptdp.parallel.data.protocol import GradReducer
@@ -54,24 +52,6 @@ class OptimGradsParams(OptimGrads):
             alloc_storage(bucket.param_data)
             bucket.param_data[bucket.shard_start:bucket.shard_end].copy_(bucket.param_shard)
             return super().gather_bucket(bucket)
-
-
-@dataclass(frozen=True)
-class GatherPlan:
-    """How ZeRO-3 gathers: per chunk at the points of the action list (``reshard_after_forward``: freed
-    whenever the rank turns to another chunk), or -- ``layers`` given: one chunk and no pipeline -- per
-    transformer layer (``ptdp.parallel.data.zero_layers``). Called with the reducer, it builds the gatherer."""
-
-    reshard_after_forward: bool = False
-    layers: tuple[nn.Module, ...] = ()
-
-    def __call__(self, grads: GradReducer) -> ChunkParamSync:
-        if self.layers:
-            # zero_layers imports this module; its class is looked up now (benchmarks/zero.py swaps it)
-            from ptdp.parallel.data import zero_layers
-
-            return zero_layers.LayerParamSync(grads, list(self.layers))
-        return ChunkParamSync(grads, self.reshard_after_forward)
 
 
 class ChunkParamSync:
