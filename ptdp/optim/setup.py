@@ -17,7 +17,8 @@ from ptdp.parallel.data.buffer import BucketLayout
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.data.reducer import Composite
 from ptdp.parallel.data.strategy import DataParallelGroup, GatherPlan, build_reducer
-from ptdp.parallel.init import materialize_deferred, params_dtype
+from ptdp.parallel.init import params_dtype
+from ptdp.parallel.parallelize import ParallelModel
 
 
 def grad_dtype(config: Config) -> torch.dtype:
@@ -34,22 +35,24 @@ def grad_scaler(mp: MixedPrecisionConfig) -> ConstantGradScaler | DynamicGradSca
     return DynamicGradScaler(mp.initial_loss_scale, mp.min_loss_scale, mp.loss_scale_window, mp.hysteresis)
 
 
-def setup_optimizer(params: list[nn.Parameter], config: Config, state,
-                    shared_embedding: list[nn.Parameter] = (), chunks: list[nn.Module] = ()
+def setup_optimizer(model: ParallelModel, config: Config, state, shared_embedding: list[nn.Parameter] = ()
                     ) -> tuple[GradReducer, MegatronOptimizer]:
-    """Gradient reducer and optimizer for this rank's ``params`` (already in :func:`params_dtype`).
+    """Gradient reducer and optimizer for this rank's ``model`` (its parameters already in
+    :func:`params_dtype`; those ``model.deferred`` holds are drawn into the buffers here).
 
     ``state`` is the rank's ``ParallelState``; ``shared_embedding`` the copies of the tied embedding on
-    the first and last stage (their own bucket, so that both stages shard them alike); ``chunks`` the
-    rank's model chunks (no bucket spans two: ZeRO-3 gathers each chunk's buckets, with the reducer's
-    ``param_sync``, which the executor drives).
+    the first and last stage (their own bucket, so that both stages shard them alike). No bucket spans two
+    of the model's chunks: ZeRO-3 gathers each chunk's buckets, with the reducer's ``param_sync``, whose
+    handlers the executor runs. The buffers and the optimizers read the parameters' placements
+    (``model.placements``: bucketing, weight decay, the gradient norm).
     """
+    params, chunks, placements = model.params, model.chunks, model.placements
     tr, opt = config.training, config.optimizer
     distributed = opt.sharding != "no_shard"
     main_params = distributed or params_dtype(config) != torch.float32
     layout = BucketLayout(int(tr.grad_bucket_size_mb * 2**20), grad_dtype(config), main_params,
                           {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()},
-                          frozenset(id(p) for p in shared_embedding))
+                          frozenset(id(p) for p in shared_embedding), placements, model.deferred)
     instances = opt.num_distributed_optimizer_instances if distributed else 1
     dense = data_parallel_group(state, instances)
     # ZeRO-3 with one chunk and no pipeline, resharding after the forward: gathered per layer (zero_layers).
@@ -58,17 +61,17 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     if state.expert is not None:  # issue 25: expert grads over the expert-DP group
         from ptdp.parallel.expert.grads import expert_data_parallel
 
-        parts, norm_groups = expert_data_parallel(params, state, dense, distributed, instances)
+        parts, norm_groups = expert_data_parallel(params, state, placements, dense, distributed, instances)
         grads = Composite([build_reducer(opt.sharding, ps, layout, dp, overlap=tr.overlap_grad_reduce)
                            for ps, dp in parts], gather)
     else:
         grads = build_reducer(opt.sharding, params, layout, dense, overlap=tr.overlap_grad_reduce, gather=gather)
         norm_groups = dense_norm_groups(state, distributed, dense)
-    materialize_deferred(params)  # parameters no bucket took (ptdp.parallel.init.defer_init)
+    model.deferred.materialize_rest()  # parameters no bucket took (ptdp.parallel.init.defer_init)
     if not main_params:
-        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups)
+        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements)
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                       grad_scaler(config.precision))
+                                       grad_scaler(config.precision), placements)
 
 
 def data_parallel_group(state, instances: int) -> DataParallelGroup:

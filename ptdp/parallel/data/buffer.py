@@ -26,11 +26,16 @@ over which group is the reducers' (``ptdp.parallel.data.reducer``, ``.zero``, ``
   FSDP1 does, so views survive a re-gather). Sharded bucket by bucket at build time: start-up never
   holds a whole chunk.
 
+What the buffer needs to know of a parameter it reads from the rank's registries, handed in with the
+:class:`BucketLayout`: its placement (``ptdp.parallel.placement``: vocabulary slices, sequence-parallel
+parameters) and, for a parameter created without storage, its initialiser (``ptdp.parallel.init.DeferredInit``).
+
 Buckets are filled in reverse order (the last layers' gradients are ready first), never span two model
 chunks (``BucketLayout.chunk_of``: ZeRO-3 gathers a chunk by its own buckets), and the tied embedding's
 copies (``BucketLayout.separate``, so the first and last stage shard them alike, as Megatron does) and
-vocabulary-parallel slices get a bucket of their own: their gradients come outside autograd (the S/T and
-EB passes of ``ptdp.parallel.vocab.stage``), no hook counts them, and the rest of chunk 0 still overlaps.
+vocabulary-parallel slices (placement role ``vocab``) get a bucket of their own: their gradients come
+outside autograd (the S/T and EB passes of ``ptdp.parallel.vocab.stage``, which call
+:meth:`FlatBuffer.allocate_main_grad` first), no hook counts them, and the rest of chunk 0 still overlaps.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.ops.weight_grad import grad_deferred
+from ptdp.parallel.init import DeferredInit
+from ptdp.parallel.placement import Placements
 
 
 @dataclass
@@ -111,13 +118,18 @@ def alloc_storage(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """How parameters are cut into buckets, whatever the strategy."""
+    """How parameters are cut into buckets, whatever the strategy, and the registries that say what each
+    parameter is (``placements``: vocabulary slices get a bucket of their own, sequence-parallel gradients
+    are read whole later; ``deferred``: the initialisers of parameters created without storage, drawn
+    straight into their views of the parameter buffer)."""
 
     bucket_bytes: int  # a bucket closes once its parameters reach this many bytes (--grad-bucket-size-mb)
     grad_dtype: torch.dtype | None = None  # of main_grad (None: the parameter's)
     param_buffer: bool = False  # param.data becomes a view of a flat parameter buffer
     chunk_of: Mapping[int, int] = field(default_factory=dict)  # id(param) -> its model chunk (default 0)
     separate: frozenset[int] = frozenset()  # ids of parameters with a bucket of their own (tied embedding)
+    placements: Placements = field(default_factory=Placements, compare=False)  # a plain model: none recorded
+    deferred: DeferredInit = field(default_factory=DeferredInit, compare=False)
 
 
 @dataclass(frozen=True)
@@ -129,25 +141,6 @@ class Storage:
     grad_shards: bool = False
     transient: bool = False
     param_shards: bool = False
-
-
-def _own_bucket(param: nn.Parameter) -> bool:
-    """Vocabulary-parallel slices get their gradients outside autograd: a bucket of their own."""
-    return getattr(param, "vocab_parallel", False)
-
-
-def _read_whole(param: nn.Parameter) -> bool:
-    """A later synchronisation reads this parameter's whole gradient (sequence-parallel parameters)."""
-    return getattr(param, "sequence_parallel", False)
-
-
-def _draw_into(param: nn.Parameter, view: torch.Tensor) -> None:
-    """``view`` := the parameter's values: drawn there if its initialisation was deferred, else copied."""
-    init = param.__dict__.pop("deferred_init", None)  # ptdp.parallel.init.defer_init
-    if init is not None:
-        init(view)
-    else:
-        view.copy_(param.detach())
 
 
 class FlatBuffer:
@@ -166,8 +159,6 @@ class FlatBuffer:
                 p.register_post_accumulate_grad_hook(self._accumulate_main)
             if self.bucket_of[p].transient:
                 p.register_hook(functools.partial(self._arrival, self.bucket_of[p]))
-            # Gradients added outside autograd (ptdp.parallel.vocab.stage) allocate their bucket first.
-            p.allocate_main_grad = functools.partial(self.ensure_grad, self.bucket_of[p])
 
     def _runs(self) -> Iterator[list[nn.Parameter]]:
         """The parameters of each bucket, in reverse order (the last layers' gradients are ready first)."""
@@ -176,7 +167,7 @@ class FlatBuffer:
             if run and chunk_of.get(id(p), 0) != chunk_of.get(id(run[-1]), 0):  # never across two chunks
                 yield run
                 run = []
-            if id(p) in self.layout.separate or _own_bucket(p):
+            if id(p) in self.layout.separate or self.layout.placements.has_role(p, "vocab"):
                 if run:
                     yield run
                 yield [p]
@@ -204,13 +195,18 @@ class FlatBuffer:
             bucket.offsets.append(offset)
             if param_data is not None:
                 view = param_data[offset:offset + p.numel()].view_as(p)
-                _draw_into(p, view)
+                init = layout.deferred.pop(p)  # ptdp.parallel.init.defer_init: drawn here
+                if init is not None:
+                    init(view)
+                else:
+                    view.copy_(p.detach())
                 p.data = view
             p.main_grad = grad_data[offset:offset + p.numel()].view_as(p)
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
             offset += p.numel()
             self.bucket_of[p] = bucket
-        bucket.transient = storage.transient and not any(id(p) in layout.separate or _read_whole(p) for p in params)
+        bucket.transient = storage.transient and not any(id(p) in layout.separate
+                                                          or layout.placements.sequence_parallel(p) for p in params)
         if storage.grad_shards:  # never the whole model's gradients at once, not even at set-up
             free_storage(grad_data)  # (re)allocated per bucket: ensure_grad, or zero() for the kept ones
         if storage.param_shards:  # keep this rank's shard, so at most one bucket is ever whole here
@@ -228,6 +224,11 @@ class FlatBuffer:
     def _arrival(self, bucket: Bucket, grad: torch.Tensor) -> None:
         """Runs before autograd accumulates ``grad`` into ``main_grad``: the bucket must be there."""
         self.ensure_grad(bucket)
+
+    def allocate_main_grad(self, param: nn.Parameter) -> None:
+        """Before a gradient is added into ``param.main_grad`` outside autograd (the vocabulary passes):
+        its bucket gets its buffer first (:meth:`ensure_grad`)."""
+        self.ensure_grad(self.bucket_of[param])
 
     @staticmethod
     @torch.no_grad()

@@ -25,8 +25,8 @@ With ``overlap`` (``--overlap-grad-reduce``), and always under ZeRO-2/3 (whose m
 bucket's collective is launched asynchronously from the backward hook as soon as every parameter in it
 has received its gradient of the iteration's *last* microbatch (the hooks count backward passes per
 parameter), so the communication hides behind the remaining backward. Vocabulary-parallel slices get
-their gradients outside autograd: no hook counts them, so their buckets are launched by ``finish_grad_sync``
-or by ZeRO-3's per-chunk reduction after EB.
+their gradients outside autograd (after :meth:`NoShard.allocate_main_grad`): no hook counts them, so their
+buckets are launched by ``finish_grad_sync`` or by ZeRO-3's REDUCE_GRADS after EB.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ class NoShard:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch(bucket)
+
+    def allocate_main_grad(self, param: nn.Parameter) -> None:
+        self.buffer.allocate_main_grad(param)
 
     def launch_chunk(self, chunk: int) -> None:
         for bucket in self.buckets:
@@ -256,6 +259,9 @@ class Composite:
 
     def grad_ready(self, param: nn.Parameter) -> None:
         self._part_of_param[param].grad_ready(param)
+
+    def allocate_main_grad(self, param: nn.Parameter) -> None:
+        self._part_of_param[param].allocate_main_grad(param)
 
     def launch_chunk(self, chunk: int) -> None:
         for part in self.parts:

@@ -1,22 +1,24 @@
 """ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``): each rank keeps only its 1/d shard of
 every parameter bucket, and a model chunk's parameters are all-gathered for the computations that need them.
 
-Where the gathers, releases and gradient reductions happen is not decided here but by the pipeline
-executor, from the rank's action list (``ptdp.parallel.data.param_sync.plan_param_sync``): every schedule --
-1F1B, interleaved, zero-bubble, V -- is a list of F/B/I/W actions per chunk, so one rule serves them all: a
-chunk is gathered before its first action of a run (prefetched one compute action earlier, so the
-all-gather overlaps the previous computation), released after the run, and its gradient buckets are
-reduced right after its LAST gradient-producing action of the step (its last B or W: zero-bubble W passes
-need the gathered weights too), overlapping the rest of the schedule. DP peers run identical action
-lists, so the collectives on the data-parallel group are issued in the same order everywhere
-(``ptdp.simulate.nccl.model`` checks it against the pipeline's p2p and the other communicators).
+Where the gathers, releases and gradient reductions happen is not decided here but in the rank's action
+list: ``ptdp.schedule.param_sync.add_param_sync`` inserts GATHER_PARAMS / WAIT_PARAMS / RELEASE_PARAMS /
+REDUCE_GRADS actions around the F/B/I/W (and vocabulary) actions of any schedule -- 1F1B, interleaved,
+zero-bubble, V -- so one rule serves them all: a chunk is gathered before its first action of a run
+(prefetched one action earlier, so the all-gather overlaps the previous computation), released after the
+run, and its gradient buckets are reduced right after its LAST gradient-producing action of the step (its
+last B or W: zero-bubble W passes need the gathered weights too), overlapping the rest of the schedule. DP
+peers run identical action lists, so the collectives on the data-parallel group are issued in the same
+order everywhere (``ptdp.simulate.nccl.zero`` checks the same list against the pipeline's p2p and the
+other communicators).
 
 :class:`OptimGradsParams` is the strategy's reducer: ZeRO-2's, over a buffer that keeps only this rank's
 parameter shards (``Storage.param_shards``: sharded bucket by bucket as the buffer is built, so start-up
 never holds a whole chunk either); it gathers a bucket from the shards into a freshly allocated flat
-buffer. :class:`ChunkParamSync` is the object the executor drives, built with the reducer from a
-``strategy.GatherPlan`` (or per layer, ``ptdp.parallel.data.zero_layers``); :func:`full_parameters` gathers
-everything for code that reads whole parameters outside the schedule (checkpoints).
+buffer. :class:`ChunkParamSync` runs the four actions (its :meth:`~ChunkParamSync.handlers` are the
+executor's), built with the reducer from a ``strategy.GatherPlan`` (or per layer,
+``ptdp.parallel.data.zero_layers``); :func:`full_parameters` gathers everything for code that reads whole
+parameters outside the schedule (checkpoints).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ptdp.parallel.data.buffer import Bucket, Storage, alloc_storage, free_storage
-from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.data.protocol import GradReducer, ParamSync
 from ptdp.parallel.data.reducer import OptimGrads
+from ptdp.parallel.pipeline.handlers import COMMUNICATION, ActionHandler, Handler
+from ptdp.schedule.param_sync import GATHER, REDUCE, RELEASE, WAIT
 
 
 class OptimGradsParams(OptimGrads):
@@ -54,8 +58,20 @@ class OptimGradsParams(OptimGrads):
             return super().gather_bucket(bucket)
 
 
+def param_sync_handlers(sync: ParamSync) -> dict[str, ActionHandler]:
+    """The executor's handlers of GATHER_PARAMS, WAIT_PARAMS, RELEASE_PARAMS and REDUCE_GRADS, run by
+    ``sync`` (the gatherer, or the NCCL model's recording stand-in); the gather and its wait are timed as
+    communication."""
+    return {
+        GATHER: Handler(lambda a, _: sync.gather(a.chunk), "zero_param_gather", COMMUNICATION),
+        WAIT: Handler(lambda a, _: sync.wait(a.chunk), "zero_param_wait", COMMUNICATION),
+        RELEASE: Handler(lambda a, _: sync.release(a.chunk)),
+        REDUCE: Handler(lambda a, _: sync.reduce_grads(a.chunk)),
+    }
+
+
 class ChunkParamSync:
-    """Per-chunk gather / wait / release / reduce, called by ``ptdp.parallel.pipeline.executor.run_schedule``."""
+    """Per-chunk gather / wait / release / reduce: the handlers of ZeRO-3's actions (:meth:`handlers`)."""
 
     def __init__(self, grads: GradReducer, reshard_after_forward: bool):
         """``grads``: the reducer whose buckets with a ``param_shard`` it gathers (through the reducer's
@@ -92,9 +108,8 @@ class ChunkParamSync:
         """Start the data-parallel reduction of ``chunk``'s gradients (waited for in ``finish_grad_sync``)."""
         self.grads.launch_chunk(chunk)
 
-    def release_all(self) -> None:
-        for chunk in sorted({*self._gathered, *self._in_flight}):
-            self.release(chunk)
+    def handlers(self) -> dict[str, ActionHandler]:
+        return param_sync_handlers(self)
 
 
 @torch.no_grad()
