@@ -30,9 +30,11 @@ from ptdp.parallel.collectives import group_rank
 from ptdp.parallel.data.strategy import DataParallelGroup
 from ptdp.parallel.placement import Placements
 
+Parts = list[tuple[list[nn.Parameter], DataParallelGroup]]  # (parameters, where they are reduced)
+
 
 def expert_data_parallel(params: list[nn.Parameter], state, placements: Placements, dense: DataParallelGroup,
-                         distributed: bool, instances: int = 1) -> tuple[list[tuple[list[nn.Parameter], DataParallelGroup]], list]:
+                         distributed: bool, instances: int = 1) -> tuple[Parts, list]:
     """The (parameters, group) pairs of a MoE model -- the dense ones over ``dense`` (the dp-cp group, or
     hybrid sharding's instance and replica groups for ``instances`` > 1), the experts over the
     expert-data-parallel group, divided by d·c -- and the norm's groups (the world). ``state`` is the
