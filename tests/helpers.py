@@ -72,9 +72,26 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     return proc
 
 
+# Flags that need a process of their own: the launcher's, and torch.compile (dynamo's caches and recompile
+# limit outlive a run: a later compile in the same process could fall back to eager unseen).
+_OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--compile"}
+
+
+def _in_pool(nproc: int, extra: list[str], base: list[str], env: dict[str, str] | None) -> bool:
+    return nproc == 1 and env is None and not _OWN_PROCESS_FLAGS.intersection(a.split("=")[0] for a in [*base, *extra])
+
+
 def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY,
                   env: dict[str, str] | None = None) -> list[dict]:
-    """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records."""
+    """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records.
+
+    A plain one-process run (no extra environment, no launcher or compile flag) trains in a rank of the
+    session's pool (:func:`run_layouts`): the same ``train()`` that ``ptdp train`` runs, without starting
+    Python and torch once more (about 3 s of CPU, ten times the tiny run itself). Tests of the command line
+    itself (its messages, exit codes, signals, launcher) call :func:`run_ptdp`."""
+    if _in_pool(nproc, extra, base, env):
+        name = f"run-{os.urandom(4).hex()}"
+        return run_layouts(tmp_path / name, {name: (1, extra)}, base, save=False)[name].records
     metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
     launch = [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
     run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)], env=env)
@@ -125,6 +142,9 @@ def train_run(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TI
               env: dict[str, str] | None = None, save: bool = True) -> Run:
     """Train like :func:`train_metrics`; with ``save`` (unless ``extra`` saves already) the run also saves
     its final checkpoint, so that its weights can be compared (saving changes nothing in training)."""
+    if _in_pool(nproc, extra, base, env):
+        name = f"run-{os.urandom(4).hex()}"
+        return run_layouts(tmp_path / name, {name: (1, extra)}, base, save=save)[name]
     ckpt = None
     if "--save" in extra:
         ckpt = Path(extra[extra.index("--save") + 1])
@@ -308,28 +328,59 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
     _POOL.run(fn, world_size, str(tmp_path / f"store-{os.urandom(4).hex()}"), args, timeout)
 
 
-def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY) -> dict[str, Run]:
+# Every run of the session that named no path, by (world size, flags): the same flags train the same
+# model bit for bit (dropout off, fixed seed, the session's corpus), so a module asking again for a run
+# another module made (a one-process reference, a common layout) gets that run's records and checkpoint.
+_DONE: dict[tuple[int, tuple[str, ...]], Run] = {}
+REUSED: list[str] = []  # the names of the runs taken from _DONE (the session summary counts them)
+
+
+def _reuse_key(world: int, argv: list[str], save: bool) -> tuple[int, tuple[str, ...]] | None:
+    """The key of a run in ``_DONE``, or None when its flags name a file or folder (what lies there may
+    change between two runs) or save somewhere of their own."""
+    if any(os.sep in a for a in argv):
+        return None
+    return (world, tuple(argv)) if save else (-world, tuple(argv))
+
+
+def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
+                save: bool = True) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
-    training the tiny model does, so a module's layouts share one start. Each run saves its final
-    checkpoint (unless its flags save elsewhere) for its weights. A failure in one fails them all."""
+    training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
+    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A run
+    with the flags (and no path) of one the session already made is not trained again: it is that run.
+    A failure in one fails them all."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    stages, runs = [], {}
+    stages, runs, fresh, pending = [], {}, {}, {}
     for name, (world, flags) in plan.items():
+        key = _reuse_key(world, [*base, *flags], save)
+        done = _DONE.get(key) or (_DONE.get((world, key[1])) if key and not save else None)
+        if done is not None or key in pending:
+            runs[name] = done or pending[key]
+            REUSED.append(name)
+            continue
+        if key is not None:
+            pending[key] = name
         metrics = tmp_path / f"{name}.jsonl"
         argv = [*base, *flags, "--metrics-file", str(metrics)]
+        ckpt = None
         if "--save" in flags:
             ckpt = Path(flags[flags.index("--save") + 1])
-        else:
+        elif save:
             ckpt = tmp_path / f"{name}-ckpt"
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))
-        runs[name] = (metrics, ckpt)
-    # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
-    pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
-                 timeout=300 + 120 * len(stages))
-    return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
-            for name, (metrics, ckpt) in runs.items()}
+        fresh[name] = (metrics, ckpt, key)
+    if stages:
+        # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
+        pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
+                     timeout=300 + 120 * len(stages))
+    for name, (metrics, ckpt, key) in fresh.items():
+        runs[name] = Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
+        if key is not None:
+            _DONE[key] = runs[name]
+    return {name: runs[runs[name]] if isinstance(runs[name], str) else runs[name] for name in plan}
 
 
 def assert_same_training(got: dict, expected: dict, initial: dict, rel: float = 1e-3) -> None:

@@ -5,10 +5,20 @@ contract in ``pyproject.toml``, and tests/test_architecture.py); ``ptdp.parallel
 modules from outside.
 """
 
-from ptdp.models.gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
-from ptdp.models.layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
-from ptdp.models.moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
+import importlib
 
-__all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
-           "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",
-           "TransformerLayer", "norm"]
+# Each name loads its module (and torch) on first use: ``ptdp.models.flops`` and ``ptdp.models.rotary`` are
+# plain arithmetic that the planner, the simulator and the command line's parsers read without torch.
+_MODULE_OF = {
+    **dict.fromkeys(["MLP", "TIED_EMBEDDING", "Attention", "Embedding", "GPTModel", "TransformerLayer"], "gpt"),
+    **dict.fromkeys(["CausalAttention", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm"], "layers"),
+    **dict.fromkeys(["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter"], "moe"),
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
