@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptdp.parallel.pipeline.executor import run_schedule
-from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
+from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.schedule.actions import Action, stage_location, virtual_stage
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.collectives import match_collectives
@@ -82,8 +83,8 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
         if vocab_barriers:
             stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
         recorder = plugin(comm) if plugin is not None else None
-        run_schedule(lists[r], stage, comm, recorder.handlers() if recorder is not None else None,
-                     count_saved_bytes=False)
+        handlers = merge_handlers(overlap_handlers(), recorder.handlers() if recorder is not None else {})
+        run_schedule(lists[r], stage, comm, handlers, count_saved_bytes=False)
         if recorder is not None:
             recorder.finish()
         ranks.append(events)
