@@ -64,8 +64,12 @@ def plan_param_sync(actions: Sequence[Action], reshard_after_forward: bool = Fal
         runs = sorted(((c, lo, hi) for c, (lo, hi) in span.items()), key=lambda r: r[1])
     before: dict[int, list[tuple[str, int]]] = {}
     after: dict[int, list[tuple[str, int]]] = {}
+    released: dict[int, int] = {}  # chunk -> index of the action its previous run ended at
     for c, lo, hi in runs:
-        issue = uses[lo - 1][0] if lo > 0 else uses[lo][0]  # prefetch one use early
+        issue = uses[lo - 1][0] if lo > 0 else uses[lo][0]  # prefetch one use early...
+        if released.get(c, -1) >= issue:  # ...unless that is the pair whose end releases this chunk
+            issue = uses[lo][0]
+        released[c] = uses[hi][0]
         before.setdefault(issue, []).append((GATHER, c))
         before.setdefault(uses[lo][0], []).append((WAIT, c))
         after.setdefault(uses[hi][0], []).append((RELEASE, c))

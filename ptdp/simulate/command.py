@@ -19,7 +19,7 @@ from ptdp.config.validate_pipeline import layout_stage_count, layout_stages, sch
 from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.actions import Action
 from ptdp.schedule.layout import stage_work
-from ptdp.schedule.registry import build_schedule, default_virtual_size
+from ptdp.schedule.registry import REGISTRY, build_schedule, default_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
 from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
 
@@ -34,8 +34,10 @@ def simulate(
     p2p_time: float = 0.0,
     weight_grad_fraction: float = 0.5,
     stage_scale: Sequence[float] | None = None,
+    overlap: bool = False,
 ) -> SimulationResult:
-    """Simulate a named schedule (built with ``build_schedule``) or given per-rank action lists.
+    """Simulate a named schedule (built with ``build_schedule``; ``overlap``: its combined-1F1B variant,
+    ``--overlap-moe-expert-parallel-comm``) or given per-rank action lists.
 
     ``stage_scale[s]`` multiplies virtual stage s's compute times (an uneven layout, the vocabulary layers:
     ``stage_scales``); None: every stage costs the same.
@@ -43,7 +45,8 @@ def simulate(
     Raises RuntimeError if the lists deadlock (an input that is never produced or sent).
     """
     name = schedule if isinstance(schedule, str) else "custom"
-    lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
+    lists = [build_schedule(schedule, p, v, m, r, overlap=overlap) for r in range(p)] if isinstance(schedule, str) \
+        else schedule
     return run_lists(name, lists, p, v, m, (forward_time, backward_time, p2p_time, weight_grad_fraction), stage_scale)
 
 
@@ -77,7 +80,8 @@ _WEIGHT = ("#b8860b", "#e0b84f", "#f0d68f", "#f7e8c0")
 
 def draw(result: SimulationResult, out: str | Path) -> None:
     """One row per rank (rank 0 on top), boxes numbered by microbatch (1-based, as in the paper) and shaded
-    by chunk; white gaps are the bubble. Format from the suffix (.png, .svg, .pdf)."""
+    by chunk; an overlapped pair (DualPipeV's F&B) is one cell with two shades, its forward above its
+    backward; white gaps are the bubble. Format from the suffix (.png, .svg, .pdf)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,28 +90,39 @@ def draw(result: SimulationResult, out: str | Path) -> None:
 
     p, v = result.p, result.v
     fig, ax = plt.subplots(figsize=(11, 0.42 * p + 1.1), dpi=100)
-    unit = min((b.end - b.start for row in result.timelines for b in row), default=1.0)
+    unit = min((b.end - b.start for row in result.timelines for b in row if not b.parts), default=1.0)
     for row in result.timelines:
         for b in row:
-            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(b.op) or [result.colours[b.op]]
-            ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=palette[b.chunk % len(palette)],
-                    edgecolor="black", linewidth=0.4)
-            if b.end - b.start >= 0.99 * unit:
-                ax.text((b.start + b.end) / 2, b.rank, str(b.microbatch + 1), ha="center", va="center",
-                        fontsize=6 if result.m * v > 16 else 7, color="white" if b.chunk == 0 else "black")
+            # an overlapped pair (F&B): two shades in one cell, its forward above its backward
+            halves = [(op, mb, c, 0.4 * (1 - 2 * k) / len(b.parts)) for k, (op, mb, c) in enumerate(b.parts)] or [
+                (b.op, b.microbatch, b.chunk, 0.0)]
+            height = 0.8 / len(halves)
+            for op, mb, chunk, offset in halves:
+                palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(op) or [result.colours[op]]
+                ax.barh(b.rank - offset, b.end - b.start, left=b.start, height=height,
+                        color=palette[chunk % len(palette)], edgecolor="black", linewidth=0.4)
+                if b.end - b.start >= 0.99 * unit:
+                    ax.text((b.start + b.end) / 2, b.rank - offset, str(mb + 1), ha="center", va="center",
+                            fontsize=(6 if result.m * v > 16 else 7) - (len(halves) > 1),
+                            color="white" if chunk == 0 else "black")
+            if b.parts:  # the pair's shared border, as in DeepSeek's figure
+                ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, fill=False, edgecolor="black", linewidth=1.2)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, result.total_time)
     ax.set_xlabel("time")
     ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
                  f"of ideal time (formula {result.formula:.1%})", fontsize=9)
-    ops = sorted({b.op for row in result.timelines for b in row} & set("FIBW"), key="FIBW".index)
+    done = {op for row in result.timelines for b in row for op, _, _ in b.parts or ((b.op, 0, 0),)}
+    ops = sorted(done & set("FIBW"), key="FIBW".index)
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
                      label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
+    if any(b.parts for row in result.timelines for b in row):
+        handles.append(Patch(fill=False, edgecolor="black", linewidth=1.2, label="overlapped F&B pair"))
     handles += result.draw_extra(ax)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 8), fontsize=7, frameon=False)
+              ncol=min(len(handles), 5 if len(handles) > 8 else 8), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -119,8 +134,10 @@ def draw(result: SimulationResult, out: str | Path) -> None:
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ptdp simulate`` (times are per whole pipeline stage, in any unit)."""
     add_field_arguments(parser, ParallelConfig, ("pipeline_schedule", "pipeline_model_parallel_size",
-                                                 "virtual_pipeline_model_parallel_size"),
-                        pipeline_schedule="1f1b", pipeline_model_parallel_size=4)  # ``ptdp train``'s flags
+                                                 "virtual_pipeline_model_parallel_size",
+                                                 "overlap_moe_expert_parallel_comm"),
+                        pipeline_schedule="1f1b", pipeline_model_parallel_size=4,
+                        overlap_moe_expert_parallel_comm=False)  # ``ptdp train``'s flags
     # issue 24: uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
     add_field_arguments(parser, ParallelConfig, (
         "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -174,6 +191,11 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--enable-vocab-parallel needs --pipeline-model-parallel-size > 1, got {p}"
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"
+    if args.overlap_moe_expert_parallel_comm and REGISTRY[default_schedule(args.pipeline_schedule, v)].combined is None:
+        return (f"--overlap-moe-expert-parallel-comm overlaps the steady state of 1f1b and interleaved, not "
+                f"--pipeline-schedule {args.pipeline_schedule}")
+    if args.overlap_moe_expert_parallel_comm and args.enable_vocab_parallel:
+        return "--overlap-moe-expert-parallel-comm: simulate it without --enable-vocab-parallel"
     if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         return f"--out {args.out}: use a .png, .svg or .pdf file name"
     return None
@@ -186,7 +208,8 @@ def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
     if not args.enable_vocab_parallel:
         return simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, args.num_microbatches, args.forward_time,
-                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args))
+                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args),
+                        overlap=args.overlap_moe_expert_parallel_comm)
     if args.num_layers is None:
         raise ValueError("--enable-vocab-parallel needs --num-layers (the vocabulary costs are in layers)")
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
@@ -223,7 +246,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(f"{result.schedule}: p={result.p} v={result.v} m={result.m}  total time {result.total_time:.3f}\n"
-              f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}), "
+              f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}{_closed_form(result)}), "
               f"idle {result.idle_fraction:.1%} of total\n"
               f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}\n"
               f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}\n"
@@ -232,6 +255,12 @@ def run_simulate(args: argparse.Namespace) -> int:
               + "".join(f"\n{line}" for line in result.summary_lines())
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
+
+
+def _closed_form(result: SimulationResult) -> str:
+    """The schedule's own bubble formula, printed beside its value (dualpipev's (p-1)(F&B+B-3W))."""
+    spec = REGISTRY.get(result.schedule)
+    return f" = {spec.bubble}" if spec is not None and spec.bubble_formula is not None else ""
 
 
 def run_comm_trace(args: argparse.Namespace) -> int:
@@ -245,7 +274,7 @@ def run_comm_trace(args: argparse.Namespace) -> int:
     v, m = args.virtual_pipeline_model_parallel_size, args.num_microbatches
     try:
         trace = record_comm_trace(name, p, v, m, args.forward_only, vocab_barriers=args.enable_vocab_parallel
-                                  and 1 + args.disable_fb_fusion)
+                                  and 1 + args.disable_fb_fusion, overlap=args.overlap_moe_expert_parallel_comm)
         write_trace(trace, args.comm_trace)
     except ValueError as err:
         print(f"ptdp simulate: error: {err}", file=sys.stderr)

@@ -66,14 +66,15 @@ class TracePlugin(Protocol):
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
                       lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
-                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0) -> dict:
+                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0,
+                      overlap: bool = False) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
     activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``plugin``: a
     factory ``(comm) -> TracePlugin`` whose handlers record the collectives of the lists' other actions
     (ZeRO-3's). ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives
-    (issue 24)."""
-    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
+    (issue 24). ``overlap``: the schedule's combined-1F1B lists (``--overlap-moe-expert-parallel-comm``)."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers, overlap) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
