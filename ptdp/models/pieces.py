@@ -20,7 +20,8 @@ A *program* is a list of steps over named values:
 
 :func:`run_sequential` runs a program at once with autograd through the exchanges (a MoE layer's plain
 ``forward`` is exactly that), :class:`ForwardRun` / :class:`BackwardRun` one step at a time, and
-:func:`interleave` alternates a forward and a backward run. The pieces compute what the layer's ``forward``
+:func:`interleave` alternates a forward and a backward run; :func:`fuse` first makes each stretch between
+two exchanges one piece, so that what overlaps an exchange is a whole piece of the other run. The pieces compute what the layer's ``forward``
 computes, op for op, and the backward sums a value's gradients from its consumers as autograd does, so the
 numbers are those of the sequential run. The module knows no parallelism: it only calls what it is given.
 """
@@ -85,6 +86,48 @@ class Exchange:
 
 
 Step = Compute | Exchange
+
+
+def fuse(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` with every run of consecutive compute steps made one: between two exchanges there is one
+    piece, so each exchange in flight overlaps a whole piece of the other run (the experts, or the combine's
+    end with the next layer's attention and router), not a sliver of it; and fewer pieces, fewer autograd
+    calls. The fused piece's outputs are all its steps' (a later step may read any of them)."""
+    out: list[Step] = []
+    run: list[Compute] = []
+
+    def flush() -> None:
+        if len(run) > 1:
+            out.append(_fused(tuple(run)))
+        elif run:
+            out.append(run[0])
+        run.clear()
+
+    for step in steps:
+        if isinstance(step, Compute):
+            run.append(step)
+        else:
+            flush()
+            out.append(step)
+    flush()
+    return out
+
+
+def _fused(run: tuple[Compute, ...]) -> Compute:
+    inputs: list[str] = []
+    produced: set[str] = set()
+    for step in run:
+        inputs += [n for n in step.inputs if n not in produced and n not in inputs]
+        produced.update(step.outputs)
+    outputs = tuple(n for step in run for n in step.outputs)
+
+    def fused(*args: Any) -> tuple:
+        values = dict(zip(inputs, args, strict=True))
+        for step in run:
+            values.update(zip(step.outputs, step.run(*(values[n] for n in step.inputs)), strict=True))
+        return tuple(values[n] for n in outputs)
+
+    return Compute(fused, tuple(inputs), outputs, "+".join(step.name for step in run))
 
 
 def _leaf(value: Any) -> Any:

@@ -14,7 +14,7 @@ from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, t
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
 from ptdp.runtime.hardware import GIB
-from ptdp.schedule.registry import bubble_fraction_formula
+from ptdp.schedule.registry import REGISTRY, bubble_fraction_formula
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,10 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
     problems = schedule_problems(cfg.pipeline_schedule, p, v, cfg.num_microbatches(train.global_batch_size))
     if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
+    if cfg.overlap_moe_expert_parallel_comm and model.moe is None:
+        return "--overlap-moe-expert-parallel-comm overlaps a mixture of experts' token movement: it needs --num-experts"
+    if cfg.overlap_moe_expert_parallel_comm and REGISTRY[cfg.schedule].combined is None:
+        return f"--overlap-moe-expert-parallel-comm overlaps the steady state of 1f1b and interleaved, not {cfg.schedule}"
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
     return expert_layout_problem(model, cfg, cluster.num_gpus)  # issue 25: e, etp and the dispatcher
@@ -171,13 +175,15 @@ def candidates(
     expert_sizes: Sequence[int] | None = None,
     expert_tensor_sizes: Sequence[int | None] | None = None,
     dispatchers: Sequence[str] | None = None,
+    overlap: bool | None = None,
 ) -> Iterator[ParallelConfig]:
     """Every valid layout; a given sequence pins that dimension to its values. Context parallelism is
     searched (c up to 16) only for sequences of ``LONG_SEQUENCE`` tokens or more unless pinned: below
     that the s/c activations rarely pay for its attention traffic. With ``vocab_layouts`` each layout with
     p > 1 comes also with vocabulary parallelism and with the uneven layout that balances its stages
     (``vocab_variants``). A mixture of experts also searches e (dividing E), etp in {t, 1} and, at e > 1,
-    both token dispatchers (``experts.expert_choices``)."""
+    both token dispatchers (``experts.expert_choices``) and the overlapped schedules (``overlap_variants``;
+    ``overlap`` pins ``--overlap-moe-expert-parallel-comm``)."""
     n = cluster.num_gpus
     for t, c in _tc_pairs(model, n, tensor_sizes, context_sizes):
         for p in pipeline_sizes or _divisors(n // (t * c) if n % (t * c) == 0 else 1):
@@ -196,11 +202,27 @@ def candidates(
                                                  cp_comm_type=cp_comm_type, sharding_strategy=strategy,
                                                  distributed_optimizer_instances=k, expert_model_parallel_size=e,
                                                  expert_tensor_parallel_size=etp,
-                                                 moe_token_dispatcher_type=dispatcher)
+                                                 moe_token_dispatcher_type=dispatcher,
+                                                 overlap_moe_expert_parallel_comm=bool(overlap))
                             if invalid_reason(model, cfg, cluster, train) is None:
                                 yield cfg
                                 if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
                                     yield from vocab_variants(model, cfg, cluster, train)
+                                if pipeline_schedule is None and overlap is None:  # issue 38
+                                    yield from overlap_variants(model, cfg, cluster, train)
+
+
+def overlap_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec
+                     ) -> Iterator[ParallelConfig]:
+    """A MoE layout moving tokens (e > 1) also with its expert communication overlapped (issue 38): its
+    schedule's combined 1F1B (``--overlap-moe-expert-parallel-comm``) and, at v = 2, dualpipev; those that are
+    valid (dualpipev needs m >= 2p)."""
+    if model.moe is None or cfg.expert_model_parallel_size == 1:
+        return
+    variants = [replace(cfg, overlap_moe_expert_parallel_comm=True)]
+    if cfg.virtual_pipeline_model_parallel_size == 2 and cfg.pipeline_model_parallel_size > 1:
+        variants.append(replace(cfg, pipeline_schedule="dualpipev"))
+    yield from (c for c in variants if invalid_reason(model, c, cluster, train) is None)
 
 
 def _sharding(strategies: Sequence[str] | None, distributed_optimizer: Sequence[bool], instances: Sequence[int] | None,

@@ -97,11 +97,12 @@ class ScheduleSpec:
         """Ideal bubble time over ideal compute time (``bubble_fraction_formula``)."""
         return bubble_fraction_formula(p, v, m, self.name)
 
-    def stashes(self, p: int, v: int, m: int, rank: int) -> int:
+    def stashes(self, p: int, v: int, m: int, rank: int, overlap: bool = False) -> int:
         """Peak activation stashes on ``rank`` in chunk units (one chunk's activations of one microbatch,
-        kept until its B, or its W when the backward is split): what the memory model charges."""
-        if self.split_backward or self.overlaps:
-            return peak_stashed(self.compute(p, v, m, rank))
+        kept until its B, or its W when the backward is split): what the memory model charges. ``overlap``:
+        of the ``combined`` lists (one more microbatch in flight)."""
+        if self.split_backward or self.overlaps or (overlap and self.combined is not None):
+            return peak_stashed(self.compute(p, v, m, rank, overlap and self.combined is not None))
         if self.name == "gpipe":
             return m * v
         if self.name == "interleaved":  # Megatron's warm-up + the steady state's forward before its backward
@@ -181,6 +182,23 @@ def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None)
         work = 3 * m * v
         return makespan / work - 1
     return (p - 1) / (v * m)
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks for every layout it evaluates
+def pair_share(schedule: str, p: int, v: int, m: int, overlap: bool = False) -> float:
+    """The share of a rank's forward and backward passes that run inside overlapped pairs (dualpipev's, or
+    combined 1F1B's with ``overlap``), averaged over the ranks: what the planner's overlap hides the expert
+    communication of. 0 for a schedule without pairs."""
+    spec = REGISTRY[schedule]
+    if not spec.overlaps and not (overlap and spec.combined is not None):
+        return 0.0
+    paired = total = 0
+    for rank in range(p):
+        for a in spec.compute(p, v, m, rank, overlap and spec.combined is not None):
+            passes = [part for part in a.parts if part.op != "W"]
+            total += len(passes)
+            paired += len(passes) if a.sub else 0
+    return paired / total
 
 
 def build_schedule(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False,

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from ptdp.models.pieces import BackwardRun, ForwardRun, interleave
+from ptdp.models.pieces import BackwardRun, ForwardRun, fuse, interleave
 from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import Action, virtual_stage
@@ -206,7 +206,7 @@ class ModuleStage:
     # ---- piece by piece -------------------------------------------------------------------------------
     def _pieces(self, chunk: int, x: Tensor) -> tuple[ForwardRun, str]:
         steps, name = self.chunks[chunk].program(INPUT)
-        return ForwardRun(steps, {INPUT: x}), name
+        return ForwardRun(fuse(steps), {INPUT: x}), name
 
     def _exit_pieces(self, chunk: int, microbatch: int, x: Tensor, run: ForwardRun, name: str) -> Tensor | None:
         """Leave a chunk run as pieces: its output becomes a leaf, the root's graph (the loss) starts there."""

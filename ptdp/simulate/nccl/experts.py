@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ptdp.models.pieces import BackwardRun, ForwardRun, interleave
+from ptdp.models.pieces import BackwardRun, ForwardRun, fuse, interleave
 from ptdp.parallel.data.zero import param_sync_handlers
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
@@ -127,7 +127,7 @@ class _ExpertTraceStage(_TraceStage):
         label = Label("F", microbatch, stage)
         steps, out = chunk_program(stage == 0, stage == self.p * self.v - 1, self.moe_layers, self.dispatcher,
                                    self.expert_tensor, self.recompute, self.recorder, label)
-        run = ForwardRun(steps, {"input": (torch.zeros(1, requires_grad=True),)})
+        run = ForwardRun(fuse(steps), {"input": (torch.zeros(1, requires_grad=True),)})  # as ModuleStage
         self._runs[chunk, microbatch] = (run, out, label)
         return run
 
