@@ -188,3 +188,20 @@ def _describe(name: str) -> str:
             "flex": "FlexAttention block masks (compiled)",
             "per-document": "per-document SDPA",
             "dense": "dense SDPA with an s x s mask (the fallback: every masked block computed)"}[name]
+
+
+@functools.cache
+def _chosen(device: torch.device, dtype: torch.dtype) -> DocumentAttention:
+    return select_document_attention(device, dtype)[0]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                       kernel: str | None = None) -> torch.Tensor:
+    """Document-causal attention outside a model (benchmarks, the GPU suite): ``cu_seqlens`` one sample's
+    boundaries (a sequence or a 1-D tensor; ``q`` of batch 1) or one per sample; ``kernel`` by name, else the
+    one :func:`select_document_attention` picks for ``q``'s device and dtype."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    bounds = [cu_seqlens] if cu_seqlens and isinstance(cu_seqlens[0], int) else cu_seqlens
+    chosen = BY_NAME[kernel] if kernel else _chosen(q.device, q.dtype)
+    return chosen(q, k, v, [tuple(int(x) for x in cu) for cu in bounds], 0.0, {})
