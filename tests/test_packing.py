@@ -206,3 +206,21 @@ def test_without_the_flags_the_packed_sample_is_one_causal_window():
         alone = hf(torch.from_numpy(row[a:e])[None]).logits[0]
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain, alone, atol=1e-3)
+
+
+def test_the_flex_block_mask_is_megatrons_mask():
+    """FlexAttention cannot train on the CPU, but its block mask can be checked here: eager flex_attention's
+    forward under it equals SDPA under Megatron's mask, and fully masked blocks are skipped."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from ptdp.ops.document_attention import flex_block_mask
+
+    rows = [random_tokens(1024, seed, mean_doc=40.0) for seed in (7, 8)]
+    bounds = [cu_seqlens(r, EOD) for r in rows]
+    mask = torch.from_numpy(np.stack([megatron_masks(r, EOD)[0] for r in rows]))[:, None]
+    q, k, v = (x.detach().float() for x in _qkv(2, 2, 1024, 16))
+    block_mask = flex_block_mask(bounds, 1024, torch.device("cpu"))
+    with torch.no_grad():
+        got = flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    assert block_mask.sparsity() > 70.0  # percent of 128 x 128 blocks never computed (causal alone: 43.75%)
