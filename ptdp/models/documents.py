@@ -37,6 +37,7 @@ class DocumentLayout:
     attention: DocumentAttention | None = None
     cache: dict = field(default_factory=dict)
 
+    @torch.compiler.disable  # --compile: the kernels loop over host boundaries; a compiled layer calls out here
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """Document-causal attention of q, k, v ``[b, heads, s, d]`` over whole samples."""
         return self.attention(q, k, v, self.bounds, dropout_p, self.cache)

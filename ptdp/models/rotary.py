@@ -74,6 +74,7 @@ class RotaryEmbedding:
             self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
+    @torch.compiler.disable  # --compile: built once per microbatch, outside the compiled layers
     def document_tables(self, documents: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables ``[b, 1, s, rotary_dim]`` at a packed microbatch's own position ids (restarting in every
         document), built once per microbatch and kept in its layout's cache for the other layers."""
