@@ -26,6 +26,7 @@ PLAN = {  # name: (world size, flags); each compared with the one-process run of
     "c2_allgather": (2, [*PACKED, "--context-parallel-size", "2", "--cp-comm-type", "allgather"]),
     "c2_ulysses": (2, [*PACKED, "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "zero3": (2, [*PACKED, "--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "recompute": (2, [*PACKED, "--context-parallel-size", "2", "--recompute-granularity", "full"]),
     "vocab": (2, [*PACKED, "--pipeline-model-parallel-size", "2", "--enable-vocab-parallel"]),
     "one_per_token": (1, [*PACKED, *PER_TOKEN]),
     "d2c2_per_token": (4, [*PACKED, *PER_TOKEN, "--context-parallel-size", "2"]),
@@ -37,7 +38,7 @@ PLAN = {  # name: (world size, flags); each compared with the one-process run of
     "e2": (2, [*PACKED, *MOE, "--expert-model-parallel-size", "2"]),
 }
 REFERENCE = {"t2_sp": "one", "p2_zbv": "one", "c2_ring": "one", "c2_allgather": "one", "c2_ulysses": "one",
-             "zero3": "one", "vocab": "one", "d2c2_per_token": "one_per_token",
+             "zero3": "one", "recompute": "one", "vocab": "one", "d2c2_per_token": "one_per_token",
              "p2d2_per_token_vocab": "one_per_token", "c2_ring_llama": "one_llama", "e2": "one_moe"}
 
 
