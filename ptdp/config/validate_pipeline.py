@@ -68,6 +68,13 @@ def overlap_errors(config: Config) -> list[str]:
             names = ", ".join(n for n, s in REGISTRY.items() if s.combined is not None)
             errors.append(f"--overlap-moe-expert-parallel-comm overlaps the steady state of {names}, not "
                           f"--pipeline-schedule {par.schedule}")
+    pairs = par.overlap_moe_expert_parallel_comm or (spec is not None and spec.overlaps)
+    for flag, on in (("--distribute-saved-activations", config.model.distribute_saved_activations),
+                     ("--checkpoint-in-cpu", config.model.checkpoint_in_cpu)):
+        if on and pairs:  # the pieces are checkpointed one by one (ptdp.parallel.recompute._checkpoint_steps)
+            errors.append(f"{flag} keeps a recomputed unit's input elsewhere, but overlapped forward-backward "
+                          "pairs recompute a layer piece by piece: drop it, or --overlap-moe-expert-parallel-comm "
+                          "and dualpipev")
     if par.delay_wgrad_compute and not (par.overlap_moe_expert_parallel_comm or (spec is not None and spec.overlaps)):
         overlapping = ", ".join(n for n, s in REGISTRY.items() if s.overlaps)
         errors.append("--delay-wgrad-compute delays weight gradients inside overlapped forward-backward pairs: "

@@ -21,6 +21,7 @@ from ptdp.schedule.actions import Action
 from ptdp.schedule.layout import stage_work
 from ptdp.schedule.registry import REGISTRY, build_schedule, default_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
+from ptdp.simulate.draw import NeedsMatplotlib, draw
 from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
 
 
@@ -71,63 +72,6 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     return [w / (args.num_layers / (p * v)) for w in work]
 
 
-# ------------------------------------------------------------------------------------------------ drawing
-
-_FORWARD = ("#1f5fa8", "#6fa8dc", "#a9cbeb", "#cfe2f3")  # one shade per chunk, dark first
-_BACKWARD = ("#2e8540", "#7cc48a", "#b5dfbd", "#d9efdc")
-_WEIGHT = ("#b8860b", "#e0b84f", "#f0d68f", "#f7e8c0")
-
-
-def draw(result: SimulationResult, out: str | Path) -> None:
-    """One row per rank (rank 0 on top), boxes numbered by microbatch (1-based, as in the paper) and shaded
-    by chunk; an overlapped pair (DualPipeV's F&B) is one cell with two shades, its forward above its
-    backward; white gaps are the bubble. Format from the suffix (.png, .svg, .pdf)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    p, v = result.p, result.v
-    fig, ax = plt.subplots(figsize=(11, 0.42 * p + 1.1), dpi=100)
-    unit = min((b.end - b.start for row in result.timelines for b in row if not b.parts), default=1.0)
-    for row in result.timelines:
-        for b in row:
-            # an overlapped pair (F&B): two shades in one cell, its forward above its backward
-            halves = [(op, mb, c, 0.4 * (1 - 2 * k) / len(b.parts)) for k, (op, mb, c) in enumerate(b.parts)] or [
-                (b.op, b.microbatch, b.chunk, 0.0)]
-            height = 0.8 / len(halves)
-            for op, mb, chunk, offset in halves:
-                palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(op) or [result.colours[op]]
-                ax.barh(b.rank - offset, b.end - b.start, left=b.start, height=height,
-                        color=palette[chunk % len(palette)], edgecolor="black", linewidth=0.4)
-                if b.end - b.start >= 0.99 * unit:
-                    ax.text((b.start + b.end) / 2, b.rank - offset, str(mb + 1), ha="center", va="center",
-                            fontsize=(6 if result.m * v > 16 else 7) - (len(halves) > 1),
-                            color="white" if chunk == 0 else "black")
-            if b.parts:  # the pair's shared border, as in DeepSeek's figure
-                ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, fill=False, edgecolor="black", linewidth=1.2)
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.set_ylim(p - 0.5, -0.5)
-    ax.set_xlim(0, result.total_time)
-    ax.set_xlabel("time")
-    ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
-                 f"of ideal time (formula {result.formula:.1%})", fontsize=9)
-    done = {op for row in result.timelines for b in row for op, _, _ in b.parts or ((b.op, 0, 0),)}
-    ops = sorted(done & set("FIBW"), key="FIBW".index)
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
-    handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
-                     label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
-    if any(b.parts for row in result.timelines for b in row):
-        handles.append(Patch(fill=False, edgecolor="black", linewidth=1.2, label="overlapped F&B pair"))
-    handles += result.draw_extra(ax)
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 5 if len(handles) > 8 else 8), fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
@@ -155,7 +99,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
     parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
     parser.add_argument("--p2p-time", type=float, default=0.0, help="one send/receive (default 0)")
-    parser.add_argument("--out", help="draw the timeline to this .png / .svg / .pdf file")
+    parser.add_argument("--out", help="draw the timeline to this .svg file (or .png / .pdf, with matplotlib: "
+                        "pip install 'ptdp[plot]')")
     parser.add_argument("--json", action="store_true", help="print one JSON object, timelines included")
     parser.add_argument("--comm-trace", metavar="FILE.json",
                         help="write the p2p calls and waits the executor makes for this schedule and check "
@@ -239,6 +184,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.out:
         try:
             draw(result, args.out)
+        except NeedsMatplotlib as err:
+            print(f"ptdp simulate: error: {err}", file=sys.stderr)
+            return 2
         except OSError as err:
             print(f"ptdp simulate: error: --out {args.out}: {err.strerror}", file=sys.stderr)
             return 2

@@ -3,7 +3,10 @@
 ``ModuleStage`` is what every training and evaluation step runs (``forward_only`` for evaluation); a
 parallelism that computes more on a stage wraps it (vocabulary parallelism: ``VocabStage``) and registers
 handlers for its own actions (``handlers()``). Microbatches come from a :class:`BatchSource` (the trainer's
-is ``ptdp.train.batches.Microbatches``), not from closures.
+is ``ptdp.train.batches.Microbatches``), not from closures: every stage reads from its own source what its
+chunks need of a microbatch -- the first stage its tokens, the last its labels and loss weights, every stage
+the keyword arguments of its chunks' forward (``extras``: a packed microbatch's document layout) -- so
+nothing but activations and their gradients travels between stages.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -21,18 +24,46 @@ from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import Action, virtual_stage
 
-LossFn = Callable[[Tensor, Tensor], Tensor]  # (last stage's output, the microbatch's labels) -> its mean loss
+# (last stage's output, the microbatch's labels, its per-token loss weights or None) -> the microbatch's loss:
+# sum(weights * per-token loss), or with None the mean of the per-token losses
+LossFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 INPUT = "input"  # the name of a chunk's input in its pieces' run
 
 
 class BatchSource(Protocol):
-    """One global batch's microbatches for this rank: the first stage reads ``inputs``, the last ``labels``."""
+    """One global batch's microbatches for this rank: the first stage reads ``inputs``, the last ``labels``
+    and ``loss_weights``, every stage ``extras``."""
 
     num_microbatches: int
 
     def inputs(self, microbatch: int) -> Tensor: ...
 
     def labels(self, microbatch: int) -> Tensor: ...
+
+    def extras(self, microbatch: int) -> Mapping[str, Any]:
+        """Keyword arguments of every chunk's forward for this microbatch besides its input ({}: none)."""
+        ...
+
+    def loss_weights(self, microbatch: int) -> Tensor | None:
+        """Per-token weights of the microbatch's loss, or None: the mean over its tokens."""
+        ...
+
+    def begin(self) -> None:
+        """Called on every rank before the schedule runs on this batch (a source's collectives go here)."""
+        ...
+
+
+class PlainBatches:
+    """The defaults of a :class:`BatchSource` whose microbatches are plain windows: no extras, mean loss."""
+
+    def extras(self, microbatch: int) -> Mapping[str, Any]:
+        return {}
+
+    def loss_weights(self, microbatch: int) -> Tensor | None:
+        return None
+
+    def begin(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -72,8 +103,8 @@ class ModuleStage:
 
     Keeps what each (chunk, microbatch) forward needs for its backward and drops it as soon as the backward
     ran, so live activations are exactly what the schedule keeps in flight. On the last virtual stage the
-    output goes through ``loss_fn(output, labels)``, divided by the number of microbatches and multiplied
-    by ``loss_scale`` (the fp16 loss scale), and the loss is the backward root. ``forward_only``
+    output goes through ``loss_fn(output, labels, loss_weights)``, divided by the number of microbatches and
+    multiplied by ``loss_scale`` (the fp16 loss scale), and the loss is the backward root. ``forward_only``
     (evaluation): no autograd graph, nothing kept, only the losses.
 
     ``piecewise`` (the overlapped schedules: ``ptdp.parallel.pipeline.overlap``): every training forward
@@ -114,7 +145,8 @@ class ModuleStage:
         return {}
 
     def _loss(self, output: Tensor, microbatch: int) -> Tensor:
-        loss = self.loss_fn(output, self.batches.labels(microbatch)) / self.batches.num_microbatches
+        b = self.batches
+        loss = self.loss_fn(output, b.labels(microbatch), b.loss_weights(microbatch)) / b.num_microbatches
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     # ---- what enters and leaves a chunk (a stage plug-in overrides these) --------------------------
@@ -146,12 +178,12 @@ class ModuleStage:
         x = self._enter(chunk, microbatch, input)
         if self.forward_only:
             with torch.no_grad():
-                return self._exit(chunk, microbatch, self.chunks[chunk](x))[1]
+                return self._exit(chunk, microbatch, self.chunks[chunk](x, **self.batches.extras(microbatch)))[1]
         if self.piecewise:
-            run, name = self._pieces(chunk, x)
+            run, name = self._pieces(chunk, microbatch, x)
             run.finish()
             return self._exit_pieces(chunk, microbatch, x, run, name)
-        root, send = self._exit(chunk, microbatch, self.chunks[chunk](x))
+        root, send = self._exit(chunk, microbatch, self.chunks[chunk](x, **self.batches.extras(microbatch)))
         self._stash[chunk, microbatch] = _Forwarded(x, root)
         return send
 
@@ -194,7 +226,7 @@ class ModuleStage:
         split = backward.op == "I"
         with defer_weight_grads(self.chunks[bc].parameters()) if split else contextlib.nullcontext() as store:
             back = self._backward_run(bc, done, grad, self.delay_weight_grads and not split)
-            run, name = self._pieces(fc, x)
+            run, name = self._pieces(fc, fmb, x)
             interleave(run, back, saving)
         if store is not None:
             self._weight_grad_todo[bc, bmb] = store
@@ -204,8 +236,8 @@ class ModuleStage:
             return self._exit_pieces(fc, fmb, x, run, name), dx
 
     # ---- piece by piece -------------------------------------------------------------------------------
-    def _pieces(self, chunk: int, x: Tensor) -> tuple[ForwardRun, str]:
-        steps, name = self.chunks[chunk].program(INPUT)
+    def _pieces(self, chunk: int, microbatch: int, x: Tensor) -> tuple[ForwardRun, str]:
+        steps, name = self.chunks[chunk].program(INPUT, **self.batches.extras(microbatch))
         return ForwardRun(fuse(steps), {INPUT: x}), name
 
     def _exit_pieces(self, chunk: int, microbatch: int, x: Tensor, run: ForwardRun, name: str) -> Tensor | None:
