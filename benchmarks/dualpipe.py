@@ -311,7 +311,7 @@ def _sleep_worker(rank: int, p: int, store: str, args, out: str) -> None:
             stage = SleepPieces(rank, p, args, _exchange_s(args) if with_comm else 0.0, overlap,
                                 schedule_placement(name))
             runs.append((stage, build_schedule(name, p, 2, args.m, rank), []))
-        for i in range(args.warmup + args.repeats):  # round robin: the machine's load falls on every run alike
+        for _ in range(args.warmup + args.repeats):  # round robin: the machine's load falls on every run alike
             for stage, actions, times in runs:
                 dist.barrier()
                 t0 = time.perf_counter()

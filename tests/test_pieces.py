@@ -19,7 +19,7 @@ from ptdp.models import GPTModel
 from ptdp.models.pieces import BackwardRun, Compute, Done, Exchange, ForwardRun, interleave, run_sequential
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.pipeline.executor import run_schedule
-from ptdp.parallel.pipeline.module_stage import ModuleStage, StageLayout
+from ptdp.parallel.pipeline.module_stage import ModuleStage, PlainBatches, StageLayout
 from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.parallel.recompute import apply_recompute
 from ptdp.schedule.registry import build_schedule
@@ -32,7 +32,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
        "--moe-shared-expert-intermediate-size", "16"]
 
 
-class Batches:
+class Batches(PlainBatches):
     num_microbatches = M
 
     def __init__(self) -> None:
@@ -45,7 +45,7 @@ class Batches:
         return self.data[mb, :, 1:]
 
 
-def loss_fn(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def loss_fn(y: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     return F.cross_entropy(y.float().reshape(-1, y.shape[-1]), target.reshape(-1))
 
 

@@ -304,7 +304,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     )
     m = cfg.num_microbatches(train.global_batch_size)
     stage = stage_times(model, cfg, cluster, train.precision)
-    bubble = bubble_fraction_formula(p, v, m, cfg.schedule) * m * stage.total
+    bubble = bubble_fraction_formula(p, v, m, cfg.schedule, cfg.overlap_moe_expert_parallel_comm) * m * stage.total
     ep_comm = m * stage.ep_comm - overlap_hidden(cfg, m, stage)
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,

@@ -166,17 +166,21 @@ def schedule_placement(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)  # the metrics ask every logged iteration; the zero-bubble answer is a timing
-def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None) -> float:
+def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None, overlap: bool = False) -> float:
     """Ideal bubble time over ideal compute time (ptdp-facts.md, §Schedules): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v·m) interleaved; for the zero-bubble family (zb-h1, zb-h2, zbv, v-half, v-min) the bubble of the
     schedule's own lists timed with the papers' t_F = t_B = t_W and free communication (for ZB-H1 and
     m >= p that is Qi et al.'s (p-1)/(3m)); a schedule's own closed form when it has one (dualpipev).
-    ``schedule`` None means the PTD-P formula."""
+    ``overlap``: of the combined-1F1B lists (``--overlap-moe-expert-parallel-comm``), timed the same way: a
+    pair delivers both results at its end, so under 1f1b at p > 1 each pair waits for its neighbour's
+    (about twice the steady state; Megatron-Core asks for a virtual pipeline there), under interleaved the
+    other chunk fills the wait. ``schedule`` None means the PTD-P formula."""
     spec = REGISTRY.get(schedule) if schedule else None
     if spec is not None and spec.bubble_formula is not None:
         return spec.bubble_formula(p, v, m)
-    if schedule in ZERO_BUBBLE:
-        computes = [SCHEDULES[schedule](p, v, m, r) for r in range(p)]
+    combined = overlap and spec is not None and spec.combined is not None
+    if schedule in ZERO_BUBBLE or combined:
+        computes = [spec.compute(p, v, m, r, combined) for r in range(p)]
         times = compute_times(computes, p, v, UNIT, schedule_placement(schedule))
         makespan = max(end for row in times for _, end in row)
         work = 3 * m * v

@@ -56,7 +56,8 @@ class SimulationResult:
     formula: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule)
+        combined = any(b.parts for row in self.timelines for b in row)  # pairs: dualpipev's, or combined 1F1B's
+        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule, combined)
 
     @property
     def bubble_fraction(self) -> float:

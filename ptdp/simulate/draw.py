@@ -156,7 +156,7 @@ def _draw_matplotlib(result: SimulationResult, out: str | Path) -> None:
                Line2D([], [], color=colour, linestyle="dashed", linewidth=0.6, alpha=0.6, label=label)
                for kind, colour, label in _legend(result)]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 8), fontsize=7, frameon=False)
+              ncol=min(len(handles), 5 if len(handles) > 8 else 8), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

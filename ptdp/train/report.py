@@ -58,7 +58,8 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
         row = worst.tolist()
     bubble, in_flight, saved = row
     ratio = bubble_fraction_formula(state.dims.pp, len(trainer.chunks), trainer.num_microbatches,
-                                    trainer.config.parallel.schedule)
+                                    trainer.config.parallel.schedule,
+                                    trainer.config.parallel.overlap_moe_expert_parallel_comm)
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": ratio / (1 + ratio),
