@@ -206,6 +206,8 @@ BAD = [
     (["--num-experts", "2", "--pipeline-schedule", "zbv", "--overlap-moe-expert-parallel-comm"],
      "not --pipeline-schedule zbv"),
     (["--delay-wgrad-compute"], "--delay-wgrad-compute delays weight gradients"),
+    (["--pipeline-schedule", "dualpipev", "--recompute-granularity", "full", "--distribute-saved-activations"],
+     "--distribute-saved-activations keeps a recomputed unit's input elsewhere"),
 ]
 
 
