@@ -30,9 +30,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ptdp.config import Config
 from ptdp.observability import flight_recorder
-from ptdp.parallel import ParallelState
 from ptdp.parallel.collectives import group_size
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
@@ -41,6 +39,7 @@ from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
 from ptdp.parallel.pipeline.stage import sync_embedding_grads, tied_embedding_weights
 from ptdp.parallel.placement import Placements
+from ptdp.parallel.plan import ParallelPlan
 from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
 from ptdp.parallel.tensor import language_model_loss
 from ptdp.parallel.vocab.stage import VocabParallel
@@ -122,39 +121,38 @@ class Assembly:
         return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
 
 
-def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradReducer,
-             num_microbatches: int, placements: Placements) -> Assembly:
+def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer, placements: Placements) -> Assembly:
     """The :class:`Assembly` of this rank's ``chunks`` and their ``placements`` (``build_model_chunks``) and
     ``grads`` (the data-parallel reducer, ``ptdp.optim.setup``: its ZeRO-3 ``param_sync`` places and runs the
-    gather actions, its ``finish_grad_sync`` is the first gradient sync)."""
-    par, p = config.parallel, state.dims.pp
-    layout = StageLayout(state.pp_rank, p, len(chunks), state.placement)
-    barriers = par.vocab_barriers
+    gather actions, its ``finish_grad_sync`` is the first gradient sync), as ``plan`` resolves them."""
+    g, p = plan.groups, plan.p
+    layout = StageLayout(g.pp_rank, p, len(chunks), plan.placement)
+    barriers = plan.vocab_barriers
     stage_factory: StageFactory = ModuleStage
     if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
-        stage_factory = VocabParallel(barriers, state.pp_group, state.tp_group, tuple(state.pipeline_ranks()),
-                                      par.sequence_parallel, grads)
+        stage_factory = VocabParallel(barriers, g.pp_group, g.tp_group, tuple(g.pipeline_ranks()),
+                                      plan.sequence_parallel, grads)
     sync = grads.param_sync
 
     def schedule(forward_only: bool) -> list[Action]:
-        actions = build_schedule(par.schedule, p, layout.v, num_microbatches, state.pp_rank, forward_only,
+        actions = build_schedule(plan.schedule, p, layout.v, plan.m, g.pp_rank, forward_only,
                                  vocab_barriers=barriers)
         return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
 
     grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
     if tied_embedding_weights(chunks, p):
         grad_syncs.append(GradSync("embedding_grad_sync",
-                                   functools.partial(sync_embedding_grads, chunks, p, state.embedding_group)))
-    if par.sequence_parallel:  # (config.derive: only with t > 1)
+                                   functools.partial(sync_embedding_grads, chunks, p, g.embedding_group)))
+    if plan.sequence_parallel:
         params = [q for chunk in chunks for q in chunk.parameters()]
         grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
-                                   functools.partial(all_reduce_sequence_parallel_grads, params, state.tp_group,
+                                   functools.partial(all_reduce_sequence_parallel_grads, params, g.tp_group,
                                                      placements)))
     hooks: list[StepHook] = []
-    if config.moe.num_experts:  # issue 25: statistics summed like the loss, and over TP under SP
-        groups = [state.pp_group, state.dp_cp_group, *([state.tp_group] if par.sequence_parallel else [])]
-        hooks.append(MoEStepHook(chunks, config.moe.num_experts, config.moe.moe_layer_freq,
-                                 config.model.num_layers, groups, state.device))
-    return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=state.tp_group),
-                    stage_factory, schedule, LossReduction(state.pp_group, state.dp_cp_group),
+    if plan.moe.num_experts:  # issue 25: statistics summed like the loss, and over TP under SP
+        groups = [g.pp_group, g.dp_cp_group, *([g.tp_group] if plan.sequence_parallel else [])]
+        hooks.append(MoEStepHook(chunks, plan.moe.num_experts, plan.moe.moe_layer_freq, plan.model.num_layers,
+                                 groups, g.device))
+    return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=g.tp_group),
+                    stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
                     sync.handlers() if sync is not None else {}, grad_syncs, hooks)
