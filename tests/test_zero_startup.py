@@ -63,8 +63,7 @@ def _start(rank: int, world: int, argv: list[str]):
     from ptdp.optim import setup_optimizer
     from ptdp.parallel.parallelize import build_model_chunks
     from ptdp.parallel.pipeline.stage import tied_embedding_weights
-    from ptdp.parallel.plan import resolve_plan
-    from ptdp.train.state import process_groups
+    from ptdp.parallel.plan import process_groups, resolve_plan
 
     config = config_from_args(build_parser().parse_args(["train", *argv]))
     assert not validate(config, world)

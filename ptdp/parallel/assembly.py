@@ -14,7 +14,10 @@ naming any of them:
   and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
 * the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule and its
   statistics after the step;
-* the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation.
+* the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation;
+
+and, beside it, the point-to-point transport between the pipeline stages (:func:`build_p2p`). Both read
+the rank's plan (``ptdp.parallel.plan``).
 
 A new parallelism adds its contribution here (and its apply step in ``parallelize``), not a branch in the
 step, evaluation or the executor.
@@ -27,16 +30,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ptdp.observability import flight_recorder
-from ptdp.parallel.collectives import group_size
+from ptdp.parallel.collectives import all_gather, group_size, split
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
 from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
+from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
 from ptdp.parallel.pipeline.stage import sync_embedding_grads, tied_embedding_weights
 from ptdp.parallel.placement import Placements
 from ptdp.parallel.plan import ParallelPlan
@@ -156,3 +161,34 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=g.tp_group),
                     stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
                     sync.handlers() if sync is not None else {}, grad_syncs, hooks)
+
+
+def build_p2p(plan: ParallelPlan) -> P2PComm | None:
+    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s/c, h]`` (``[b, s/(c·t), h]``
+    under sequence parallelism); None when p = 1.
+
+    With ``plan.scatter_gather`` the scatter/gather optimisation (paper §4.1) sends only this TP rank's 1/t
+    slice of the hidden dimension (every TP rank holds the same full tensor) and all-gathers it inside the
+    receiving stage's TP group, cutting inter-node traffic t-fold (under sequence parallelism the boundary
+    is already split: the plan turns it off).
+    """
+    if plan.p == 1:
+        return None
+    g, t = plan.groups, plan.t
+    shape = (plan.micro_batch_size, plan.local_seq_length, plan.model.hidden_size)
+    # The split is of the flat tensor (Megatron's split_tensor_into_1d_equal_chunks): a contiguous view
+    # to send and one flat all-gather on arrival, no transposing copies (b·s·h is divisible by t, as h is).
+    numel = shape[0] * shape[1] * shape[2]
+    # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
+    # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
+    dist.all_reduce(torch.zeros(1, device=g.device), group=g.pp_group)
+    groups = direction_groups(g.dims, g.rank)  # issue 26: one communicator per direction
+    for group in groups.values():
+        dist.all_reduce(torch.zeros(1, device=g.device), group=group)
+    scatter_gather = plan.scatter_gather
+    return P2PComm(groups=groups,
+        pp_ranks=g.pipeline_ranks(), shape=shape, device=g.device, group=g.pp_group, dtype=plan.dtype,
+        pack=(lambda x: split(x.reshape(-1), g.tp_group, 0)) if scatter_gather else None,
+        unpack=(lambda x: all_gather(x, g.tp_group, 0).view(shape)) if scatter_gather else None,
+        packed_shape=(numel // t,) if scatter_gather else None,
+    )

@@ -1,13 +1,15 @@
 """One resolved plan of a rank's parallel run: every size and decision below the assembly, made once.
 
-``ptdp.train.state.setup`` builds the process groups, then :func:`resolve_plan` reads the derived
+``ptdp.train.state.setup`` builds the process groups (:func:`process_groups`, the one place that builds
+the run's groups: ``ptdp.parallel.dims``'s and the MoE layers' folded ones), then :func:`resolve_plan` reads the derived
 configuration (``ptdp.config.derive``) once and answers every question the parallel layers used to ask it
 again: the sizes t, c, p, d, v, m (and the MoE layers' e, etp, edp), whether sequence parallelism is on
 (only with t > 1: decided here, read everywhere else), the schedule and how it places virtual stages, the
 layer split, the vocabulary barriers, the ZeRO strategy, the dtypes, whether initial values wait for the
 flat buffers. The plan is what crosses the assembly boundary -- ``build_model_chunks``, ``assemble``,
-``setup_optimizer``, ``build_p2p`` and checkpointing take it -- and what is below the boundary takes plain
-numbers, flags and groups from it.
+``build_p2p``, ``setup_optimizer`` and checkpointing take it -- and what is below the boundary (the apply
+steps, the layers, the reducers, the executor) takes plain numbers, flags and groups from it: none of them
+imports this module (pyproject.toml places it above them).
 
 Why the groups are a field (``plan.groups``, the rank's ``ParallelState``) rather than an object beside the
 plan: every function at the boundary needs both (a size to decide, a group to communicate in), so a pair
@@ -31,8 +33,10 @@ import torch
 from ptdp.config import Config, ModelConfig, MoEConfig, layout
 from ptdp.config.validate_moe import expert_tensor_size
 from ptdp.config.validate_pipeline import stages_of
-from ptdp.parallel.dims import ParallelState
+from ptdp.parallel.dims import ParallelDims, ParallelState
+from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.schedule.layout import Stage
+from ptdp.schedule.registry import schedule_placement
 
 
 @dataclass(frozen=True)
@@ -141,3 +145,16 @@ def resolve_plan(config: Config, groups: ParallelState) -> ParallelPlan:
         seed=tr.seed, micro_batch_size=tr.micro_batch_size, fp8_format=mp.fp8_format, fp8_recipe=mp.fp8_recipe,
         model=config.model, moe=config.moe,
     )
+
+
+def process_groups(config: Config, rank: int, world_size: int, device: torch.device) -> ParallelState:
+    """This rank's process groups for ``config``'s layout (``ptdp.parallel.dims``), with the MoE layers'
+    folded expert groups (``ptdp.parallel.expert.dims``); collective: every rank calls it."""
+    par = config.parallel
+    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                        par.context_parallel_size)
+    groups = ParallelState(dims, rank, device, schedule_placement(par.schedule))
+    if config.moe.num_experts:  # the MoE layers' own etp x e x edp layout over the same ranks
+        groups.expert = build_expert_parallel(groups, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
+                                              par.sequence_parallel)
+    return groups

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ptdp.checkpointing.storage import latest_info
@@ -21,19 +20,17 @@ from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
 from ptdp.optim import MegatronOptimizer, setup_optimizer
-from ptdp.parallel import ParallelDims, ParallelState, init_distributed
-from ptdp.parallel.assembly import Assembly, assemble
+from ptdp.parallel import init_distributed
+from ptdp.parallel.assembly import Assembly, assemble, build_p2p
 from ptdp.parallel.data.protocol import GradReducer
-from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.parallelize import build_model_chunks
-from ptdp.parallel.pipeline.p2p import P2PComm, build_p2p
+from ptdp.parallel.pipeline.p2p import P2PComm
 from ptdp.parallel.pipeline.stage import tied_embedding_weights
 from ptdp.parallel.placement import Placements
-from ptdp.parallel.plan import ParallelPlan, resolve_plan
+from ptdp.parallel.plan import ParallelPlan, process_groups, resolve_plan
 from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
-from ptdp.schedule.registry import schedule_placement
 
 
 @dataclass
@@ -65,11 +62,10 @@ class TrainState:
 
 def setup(config: Config) -> TrainState:
     """This rank's :class:`TrainState` for a validated, derived ``config`` (``ptdp.config.derive``)."""
-    par = config.parallel
-    rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
-    plan = resolve_plan(config, process_groups(config, rank, world_size, device))
-    g = plan.groups
-    model_parallel_seed(plan.seed, g.tp_rank, g.pp_rank, device)
+    rank, world_size, device = init_distributed(config.parallel.distributed_timeout_minutes)
+    groups = process_groups(config, rank, world_size, device)
+    plan = resolve_plan(config, groups)
+    model_parallel_seed(plan.seed, groups.tp_rank, groups.pp_rank, device)
     # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
     data = datasets_for_config(config, *latest_info(config.checkpoint.load))
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
@@ -82,15 +78,3 @@ def setup(config: Config) -> TrainState:
     return TrainState(config, plan, model.chunks, model.placements, data, grads, optimizer, assembly.actions(),
                       build_p2p(plan), assembly)
 
-
-def process_groups(config: Config, rank: int, world_size: int, device: torch.device) -> ParallelState:
-    """This rank's process groups for ``config``'s layout (``ptdp.parallel.dims``), with the MoE layers'
-    folded expert groups (issue 25); collective: every rank calls it."""
-    par = config.parallel
-    dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                        par.context_parallel_size)
-    groups = ParallelState(dims, rank, device, schedule_placement(par.schedule))
-    if config.moe.num_experts:  # the MoE layers' own etp x e x edp layout over the same ranks
-        groups.expert = build_expert_parallel(groups, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
-                                              par.sequence_parallel)
-    return groups

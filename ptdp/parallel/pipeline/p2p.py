@@ -28,8 +28,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ptdp.observability import flight_recorder
-from ptdp.parallel.collectives import all_gather, split
-from ptdp.parallel.plan import ParallelPlan
 from ptdp.schedule.actions import Action
 
 Hook = Callable[[Tensor], Tensor]
@@ -158,33 +156,3 @@ def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:
                         mine[kind] = group
     return mine
 
-
-def build_p2p(plan: ParallelPlan) -> P2PComm | None:
-    """Point-to-point transport between pipeline stages of boundary tensors ``[b, s/c, h]`` (``[b, s/(c·t), h]``
-    under sequence parallelism); None when p = 1.
-
-    With ``plan.scatter_gather`` the scatter/gather optimisation (paper §4.1) sends only this TP rank's 1/t
-    slice of the hidden dimension (every TP rank holds the same full tensor) and all-gathers it inside the
-    receiving stage's TP group, cutting inter-node traffic t-fold (under sequence parallelism the boundary
-    is already split: the plan turns it off).
-    """
-    if plan.p == 1:
-        return None
-    g, t = plan.groups, plan.t
-    shape = (plan.micro_batch_size, plan.local_seq_length, plan.model.hidden_size)
-    # The split is of the flat tensor (Megatron's split_tensor_into_1d_equal_chunks): a contiguous view
-    # to send and one flat all-gather on arrival, no transposing copies (b·s·h is divisible by t, as h is).
-    numel = shape[0] * shape[1] * shape[2]
-    # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
-    # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
-    dist.all_reduce(torch.zeros(1, device=g.device), group=g.pp_group)
-    groups = direction_groups(g.dims, g.rank)  # issue 26: one communicator per direction
-    for group in groups.values():
-        dist.all_reduce(torch.zeros(1, device=g.device), group=group)
-    scatter_gather = plan.scatter_gather
-    return P2PComm(groups=groups,
-        pp_ranks=g.pipeline_ranks(), shape=shape, device=g.device, group=g.pp_group, dtype=plan.dtype,
-        pack=(lambda x: split(x.reshape(-1), g.tp_group, 0)) if scatter_gather else None,
-        unpack=(lambda x: all_gather(x, g.tp_group, 0).view(shape)) if scatter_gather else None,
-        packed_shape=(numel // t,) if scatter_gather else None,
-    )
