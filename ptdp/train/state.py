@@ -16,12 +16,15 @@ from torch import nn
 from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
+from ptdp.data.documents import DocumentOptions
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
+from ptdp.ops.document_attention import select_document_attention
 from ptdp.optim import MegatronOptimizer, setup_optimizer
 from ptdp.parallel import init_distributed
 from ptdp.parallel.assembly import Assembly, assemble, build_p2p
+from ptdp.parallel.context.documents import context_parallel_document_line
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.parallelize import build_model_chunks
 from ptdp.parallel.pipeline.p2p import P2PComm
@@ -31,6 +34,7 @@ from ptdp.parallel.plan import ParallelPlan, process_groups, resolve_plan
 from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
+from ptdp.train.batches import BatchFormat
 
 
 @dataclass
@@ -47,6 +51,7 @@ class TrainState:
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
     assembly: Assembly  # what each parallelism adds to the step and evaluation
+    batch_format: BatchFormat  # how each global batch is cut, and what its microbatches carry (documents)
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
@@ -76,5 +81,21 @@ def setup(config: Config) -> TrainState:
                                        tied_embedding_weights(model.chunks, plan.p))
     assembly = assemble(plan, model.chunks, grads, model.placements)
     return TrainState(config, plan, model.chunks, model.placements, data, grads, optimizer, assembly.actions(),
-                      build_p2p(plan), assembly)
+                      build_p2p(plan), assembly, batch_format(config, plan, data.tokenizer.eod_id))
+
+
+def batch_format(config: Config, plan: ParallelPlan, eod: int) -> BatchFormat:
+    """The trainer's :class:`BatchFormat`; with ``--reset-attention-mask`` the attention kernel is chosen
+    here, once, and rank 0 prints the one line saying which (``ptdp.ops.document_attention``)."""
+    d, tr = config.data, config.training
+    options = DocumentOptions(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    kernel = None
+    if options.reset_attention_mask:
+        kernel, line = select_document_attention(plan.groups.device, plan.dtype, config.model.attention_dropout)
+        if plan.c > 1:
+            line += context_parallel_document_line(plan.cp_comm_type)
+        if plan.groups.rank == 0:
+            print(f" {line}", flush=True)
+    return BatchFormat(tr.global_batch_size, tr.micro_batch_size, options if options.any else None, kernel,
+                       tr.calculate_per_token_loss)
 
