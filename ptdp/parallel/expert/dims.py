@@ -87,7 +87,7 @@ class ExpertParallel:
         self.pp_rank, self.edp_rank, self.ep_rank, self.etp_rank = dims.coordinates(rank)
         self.token_group = token_group
         # The ranks holding parts of the same sequences (SP: TP, CP: CP, both: TP x CP), for the load-
-        # balancing loss (expert_aux.py); None when every rank routes whole sequences.
+        # balancing loss (load_balancing.py); None when every rank routes whole sequences.
         self.sequence_group, self.sequence_scale, self.z_loss_scale = sequence_group, sequence_scale, z_loss_scale
         self.mesh: DeviceMesh | None = None  # checkpoints: expert weights shard on its (ep[, etp]) dimensions
         self.ep_group = self.etp_group = self.edp_group = None
