@@ -60,6 +60,13 @@ def test_zero_dtypes_and_deferred_initialisation():
     assert vocab.vocab_parallel and vocab.vocab_divisor == 2 and not vocab.defer_init  # drawn whole at build
 
 
+def test_expert_sizes_fold_over_the_same_ranks():
+    plan = _plan(8, "--tensor-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4",
+                 "--expert-tensor-parallel-size", "1")
+    assert (plan.t, plan.d, plan.e, plan.etp, plan.edp) == (2, 4, 4, 1, 2)  # edp = world / (etp·e·p)
+    assert _plan(4, "--tensor-model-parallel-size", "2").etp == 2  # Megatron-Core's default: etp = t
+
+
 def test_every_rank_resolves_the_same_plan():
     flags = ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2")
     first, other = _plan(8, *flags), _plan(8, *flags, rank=5)

@@ -1,9 +1,9 @@
 """One resolved plan of a rank's parallel run: every size and decision below the assembly, made once.
 
-``ptdp.train.state.setup`` builds the process groups (:func:`process_groups`, the one place that builds
-the run's groups: ``ptdp.parallel.dims``'s and the MoE layers' folded ones), then :func:`resolve_plan` reads the derived
-configuration (``ptdp.config.derive``) once and answers every question the parallel layers used to ask it
-again: the sizes t, c, p, d, v, m (and the MoE layers' e, etp, edp), whether sequence parallelism is on
+``ptdp.train.state.setup`` builds the process groups (:func:`process_groups`, the one place that builds the
+run's groups: ``ptdp.parallel.dims``'s and the MoE layers' folded ones), then :func:`resolve_plan` reads the
+derived configuration (``ptdp.config.derive``) once and answers every question the parallel layers used to
+ask it again: the sizes t, c, p, d, v, m (and the MoE layers' e, etp, edp), whether sequence parallelism is on
 (only with t > 1: decided here, read everywhere else), the schedule and how it places virtual stages, the
 layer split, the vocabulary barriers, the ZeRO strategy, the dtypes, whether initial values wait for the
 flat buffers. The plan is what crosses the assembly boundary -- ``build_model_chunks``, ``assemble``,
@@ -16,8 +16,8 @@ plan: every function at the boundary needs both (a size to decide, a group to co
 would be passed everywhere together, and a plan could meet groups built for other sizes; as a field the
 groups are the ones the plan's sizes were resolved from (:func:`resolve_plan` reads t, c, p, d and the
 placement from them). The rule that keeps it readable: what every rank of the job agrees on is a field of
-the plan (equal on every rank: ``dataclasses.replace(plan, groups=None)`` compares), what is this rank's
-own -- its rank and coordinates, its device, its groups and meshes -- is in ``plan.groups``.
+the plan (equal on every rank: plans compare without their groups), what is this rank's own -- its rank
+and coordinates, its device, its groups and meshes -- is in ``plan.groups``.
 
 The model's description (``model``, ``moe``: the configuration sections as given) rides along, because the
 apply steps build the model they split; the plan decides how it is split, not what it is.
