@@ -9,9 +9,8 @@ Each step is one function in its own module and transforms the modules in place;
 files. :func:`build_model_chunks` reads every size and decision from the rank's plan (``ptdp.parallel.plan``,
 resolved once) and hands each step plain groups and flags. Each step records how it cut or marked the
 parameters in the rank's :class:`Placements` registry (``ptdp.parallel.placement``), returned with the chunks
-as a :class:`ParallelModel`. A new parallelism adds
-a module and one line here (``docs/architecture.md``). Data parallelism is applied to the gradients, not
-the model (``ptdp.parallel.data.buffer``).
+as a :class:`ParallelModel`. A new parallelism adds a module and one line here (``docs/architecture.md``).
+Data parallelism is applied to the gradients, not the model (``ptdp.parallel.data.buffer``).
 """
 
 from __future__ import annotations

@@ -156,4 +156,3 @@ def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:
                     if rank in ranks:
                         mine[kind] = group
     return mine
-
