@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ptdp.config import Config
 from ptdp.observability import flight_recorder
+from ptdp.ops.weight_grad import compute_at_once
 from ptdp.parallel import ParallelState
 from ptdp.parallel.collectives import group_size
 from ptdp.parallel.data.zero import ChunkParamSync
@@ -147,6 +148,9 @@ def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], 
         actions = build_schedule(par.schedule, p, layout.v, num_microbatches, state.pp_rank, forward_only,
                                  vocab_barriers=barriers)
         return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
+
+    if not any(a.op == "W" for a in schedule(False)):  # no zero-bubble W pass: nothing to defer, torch's ops
+        compute_at_once(q for chunk in chunks for q in chunk.parameters())
 
     grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
     if tied_embedding_weights(chunks, p):
