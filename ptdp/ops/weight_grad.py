@@ -142,8 +142,9 @@ def _forget(key: int) -> Callable[[weakref.ref], None]:
 
 
 def at_once(weight: Tensor) -> bool:
-    """Whether an op of ``weight`` may run torch's plain op: :func:`plain_path`, or :func:`compute_at_once`."""
-    return id(weight) in _AT_ONCE or plain_path()
+    """Whether an op of ``weight`` may run torch's plain op: :func:`plain_path`, or :func:`compute_at_once`
+    (asked second: torch.compile decides on ``is_compiling`` before it would trace an ``id()``)."""
+    return plain_path() or id(weight) in _AT_ONCE
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
