@@ -161,7 +161,9 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
                                  vocab_barriers=barriers, overlap=plan.overlap_moe_expert_parallel_comm)
         return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
 
-    if not any(a.op == "W" for a in schedule(False)):  # no zero-bubble W pass: nothing to defer, torch's ops
+    training = schedule(False)
+    delayed = plan.delay_wgrad_compute and has_pairs(training)  # pairs defer weight grads past an exchange
+    if not delayed and not any(a.op == "W" for a in training):  # no W pass: nothing to defer, torch's ops
         compute_at_once(q for chunk in chunks for q in chunk.parameters())
 
     grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
@@ -181,7 +183,7 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),
                     stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
-                    handlers, grad_syncs, hooks, has_pairs(schedule(False)), plan.delay_wgrad_compute)
+                    handlers, grad_syncs, hooks, has_pairs(training), plan.delay_wgrad_compute)
 
 
 def build_p2p(plan: ParallelPlan) -> P2PComm | None:
