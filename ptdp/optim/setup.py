@@ -10,6 +10,9 @@ from torch import nn
 
 from ptdp.config import Config, MixedPrecisionConfig
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.optim.muon import MuonLayout
+from ptdp.optim.muon_exchange import Shards
+from ptdp.optim.muon_units import QKVLayout
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
 from ptdp.parallel.data.buffer import GradBuckets
 from ptdp.parallel.init import params_dtype
@@ -83,14 +86,15 @@ def setup_optimizer(model: ParallelModel, config: Config, state, shared_embeddin
                 from ptdp.parallel.data.zero_layers import LayerParamSync
 
                 grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
+    layout = muon_layout(config, state, grads, params)
     if experts:
         if not main_params:
-            return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements)
+            return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements, layout)
         return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                           grad_scaler(config.precision), placements)
+                                           grad_scaler(config.precision), placements, layout)
     if not main_params:
         return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group],
-                                    placements)
+                                    placements, layout)
     # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over
     # TP, PP and one instance's shards under hybrid sharding: the other instances hold the same shards).
     sharded = distributed and state.dims.dp * state.dims.cp > 1
@@ -98,4 +102,24 @@ def setup_optimizer(model: ParallelModel, config: Config, state, shared_embeddin
     if sharded and replica_group is not None:
         norm_groups = [state.tp_group, state.pp_group, dp_group]
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                       grad_scaler(config.precision), placements)
+                                       grad_scaler(config.precision), placements, layout)
+
+
+def muon_layout(config: Config, state, grads: GradBuckets, params: list[nn.Parameter]) -> MuonLayout | None:
+    """Where ``--optimizer muon``'s matrices lie (``ptdp.optim.muon_exchange``): split over the tensor-
+    parallel group (experts: the expert-tensor group), sharded as the gradient buckets are over their
+    data-parallel group; grouped-query attention's QKV row order. None for the other optimizers."""
+    if config.optimizer.kind != "muon":
+        return None
+    where = {}
+    for bucket in grads.buckets:
+        group = getattr(bucket, "group", grads.dp_group)
+        count = getattr(bucket, "shard_count", grads.shard_count) if grads.distributed_optimizer else 1
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            where[param] = (group, Shards(offset, bucket.shard_end - bucket.shard_start, count))
+    m = config.model
+    qkv = QKVLayout(m.num_attention_heads // m.query_groups, m.head_dim) if m.group_query_attention else None
+    tp_groups = {"dense": state.tp_group}
+    if state.expert is not None:
+        tp_groups["expert"] = state.expert.etp_group
+    return MuonLayout(tuple(p for p in params if p.requires_grad), tp_groups, where.__getitem__, qkv, state.device)
