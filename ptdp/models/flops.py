@@ -82,6 +82,8 @@ class ModelShape(Protocol):
     @property
     def disable_bias_linear(self) -> bool: ...
     @property
+    def disable_bias_norm(self) -> bool: ...
+    @property
     def normalization(self) -> str: ...
 
 
@@ -173,10 +175,17 @@ def flops_per_iteration(
     return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
+def norm_parameters(hidden_size: int, normalization: str = "LayerNorm", norm_bias: bool = True) -> int:
+    """One norm's parameters: LayerNorm's weight and bias (2h; h with ``--disable-bias-norm``), RMSNorm's
+    weight (h)."""
+    return hidden_size * (2 if normalization != "RMSNorm" and norm_bias else 1)
+
+
 def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
-                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False) -> int:
+                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
+                          norm_bias: bool = True) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -189,10 +198,10 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
         return h * (2 * q + 2 * k) + mlp + ((q + 2 * k + h) + shared_biases if bias else 0) + \
-            2 * (h if normalization == "RMSNorm" else 2 * h)
+            2 * norm_parameters(h, normalization, norm_bias)
     weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
     biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
-    norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
+    norms = 2 * norm_parameters(h, normalization, norm_bias)
     return weights + biases + norms
 
 
@@ -233,5 +242,6 @@ def model_parameter_count(model: ModelShape, vocab_size: int | None = None, moe:
     return parameter_count(
         model.num_layers, model.hidden_size, model.seq_length, vocab, model.ffn_size,
         untied=model.untie_embeddings_and_output_weights, rope=model.position_embedding_type == "rope",
-        bias=not model.disable_bias_linear, normalization=model.normalization, moe=moe, active=active,
+        bias=not model.disable_bias_linear, normalization=model.normalization,
+        norm_bias=not model.disable_bias_norm, moe=moe, active=active,
         **architecture(model))

@@ -31,10 +31,11 @@ RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
-    """``--normalization``: LayerNorm (GPT-2) or RMSNorm (Llama: no bias, no mean subtraction)."""
+    """``--normalization``: LayerNorm (GPT-2; without its bias under ``--disable-bias-norm``) or RMSNorm
+    (Llama: no bias, no mean subtraction)."""
     if cfg.normalization == "RMSNorm":
         return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
 
 
 class Linear(nn.Module):

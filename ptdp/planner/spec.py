@@ -40,6 +40,7 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
+    disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
 
     @property
@@ -104,7 +105,7 @@ class GPTSpec:
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
-            disable_bias_linear=m.disable_bias_linear,
+            disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
         )
 
     @classmethod

@@ -140,7 +140,7 @@ class GradBuckets:
         self.shard_index = group_rank(dp_group) if distributed_optimizer else 0
         self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size * self.replicas > 1
         self._dp_ranks = [r if dp_group is None else dist.get_global_rank(dp_group, r) for r in range(self.dp_size)] \
-            if distributed_optimizer and self.dp_size > 1 else []
+            if distributed_optimizer else []  # a group of one too (the GPU suite's ZeRO-3 check)
         self.buckets: list[Bucket] = []
         self.param_sync = None  # ZeRO-3: the per-chunk gatherer the executor drives (ptdp.parallel.data.zero)
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
