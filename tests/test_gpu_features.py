@@ -136,8 +136,7 @@ def test_checkpoint_in_cpu_keeps_the_inputs_off_the_gpu_and_replays_dropout():
     from ptdp.models import GPTModel
     from ptdp.parallel.init import init_parameters
     from ptdp.parallel.parallelize import parallelize
-    from ptdp.parallel.tensor import model_parallel_seed
-    from ptdp.parallel.tensor import language_model_loss
+    from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 
     s, b, h = 128, 4, 256
     tokens = torch.randint(0, 200, (b, s + 1), generator=torch.Generator().manual_seed(0)).cuda()
