@@ -268,8 +268,8 @@ def zero3_layer_gather(device: str, hidden: int = 64, layers: int = 4, seq: int 
 
     from ptdp.config import ModelConfig
     from ptdp.models import GPTModel
-    from ptdp.optim import GradBuckets
-    from ptdp.parallel.data.zero import shard_parameters
+    from ptdp.parallel.data.buffer import BucketLayout, FlatBuffer
+    from ptdp.parallel.data.zero import OptimGradsParams
     from ptdp.parallel.data.zero_layers import LayerParamSync
     from ptdp.parallel.init import init_parameters
     from ptdp.parallel.parallelize import parallelize
@@ -280,25 +280,26 @@ def zero3_layer_gather(device: str, hidden: int = 64, layers: int = 4, seq: int 
                       hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity="full")
     data = torch.randint(0, 100, (2, 2, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def model() -> GPTModel:
+    def model() -> tuple[GPTModel, Placements]:
         placements = Placements()
         with torch.device(device):
             m = parallelize(GPTModel(cfg, 100, 128), placements)
         init_parameters(m, seed=7, std=0.02, num_layers=layers, placements=placements)
-        return m
+        return m, placements
 
     def backward(m: GPTModel) -> None:
         for tokens in data:
             language_model_loss(m(tokens[:, :-1]), tokens[:, 1:]).backward()
 
-    reference = model()
+    reference, _ = model()
     backward(reference)
     want = {id(p): p.grad for p in reference.parameters()}
-    ours = model()
+    ours, ours_placements = model()
     order = {id(p): q for p, q in zip(ours.parameters(), reference.parameters(), strict=True)}
-    grads = GradBuckets(list(ours.parameters()), dist.group.WORLD, 4 * hidden * hidden * 4,
-                        distributed_optimizer=True, param_buffer=True, shard_grads=True)
-    shard_parameters(grads)
+    # ZeRO-3's reducer itself over the group of one (build_reducer would choose no_shard for one rank)
+    layout = BucketLayout(4 * hidden * hidden * 4, param_buffer=True, placements=ours_placements)
+    storage = OptimGradsParams.storage(dist.group.WORLD, hybrid=False)
+    grads = OptimGradsParams(FlatBuffer(list(ours.parameters()), layout, storage), dist.group.WORLD)
     total = sum(b.param_data.numel() * b.param_data.element_size() for b in grads.buckets)
     sync = LayerParamSync(grads, list(ours.layers.values()), prefetch=True)
     grads.start_iteration(len(data))
@@ -311,7 +312,7 @@ def zero3_layer_gather(device: str, hidden: int = 64, layers: int = 4, seq: int 
     diff = 0.0
     for b in grads.buckets:
         for p, offset in zip(b.params, b.offsets, strict=True):
-            got = b.grad_data[offset:offset + p.numel()].view_as(p)
+            got = b.own_grad[offset:offset + p.numel()].view_as(p)  # one rank: its shard is the bucket
             diff = max(diff, (got - want[id(order[id(p)])]).abs().max().item())
     left = sum(b.param_data.untyped_storage().nbytes() for b in grads.buckets)
     return {"max_abs_grad_diff": diff, "peak_layers_whole": sync.peak_layers, "buckets": len(grads.buckets),

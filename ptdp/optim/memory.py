@@ -1,8 +1,8 @@
 """Model-state memory per rank: counted from the tensors actually held, and the formula it must equal.
 
 ``model_state_bytes`` walks what a rank keeps between iterations -- the model's parameters, their
-gradients (``.grad``, the flat ``main_grad`` buffers), the optimizer's main parameters and Adam state,
-and any communication buffer a bucket holds -- and adds the size of every *distinct* storage once. A view
+gradients (``.grad``, the flat ``main_grad`` buffers and their shards), the optimizer's main parameters
+and state -- and adds the size of every *distinct* storage once. A view
 costs nothing beyond the buffer it points into (fp32 ZeRO-1's main parameters are views of the flat
 parameter buffer), and a full-size tensor kept beside a shard shows up as the bytes it costs. That is
 what makes it a check rather than a restatement of :func:`model_state_formula_bytes`, which is the
@@ -11,6 +11,9 @@ accounting of ZeRO (Rajbhandari et al.) and Megatron's distributed optimizer (pt
 * fp32: 4 (parameters) + 4 (gradients) + 8 (Adam) bytes per parameter -> 8 + 8/d sharded;
 * bf16 parameters with fp32 gradients: 2 + 4 + 4 (fp32 main copy) + 8 = 18 -> 6 + 12/d;
 * fp16 parameters and fp16 gradients: 2 + 2 + 4 (fp32 main grad) + 4 + 8 = 20 -> 4 + 16/d.
+
+``--optimizer muon`` keeps one fp32 momentum (4 bytes) for the hidden matrices instead of Adam's 8, SGD one
+for every parameter (``state_bytes``; ptdp-facts.md, §Muon).
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-CATEGORIES = ("params", "grads", "optimizer", "comm")
+from ptdp.optim.optimizer import MegatronOptimizer
+from ptdp.parallel.data.protocol import GradReducer
+
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+def _torch_optimizer(optimizer: MegatronOptimizer | torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    return optimizer.optimizer if isinstance(optimizer, MegatronOptimizer) else optimizer
 
 
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
     """Main parameters, their ``.grad`` and every state tensor of the torch optimizer inside ``optimizer``
     (a :class:`~ptdp.optim.MegatronOptimizer`, or a plain ``torch.optim.Optimizer``)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     for group in inner.param_groups:
         for p in group["params"]:
             yield p
@@ -36,35 +46,26 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _held(params: Iterable[nn.Parameter], grads, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+def _held(params: Iterable[nn.Parameter], grads: GradReducer | None, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     params = list(params)
     for p in params:
         yield "params", p
     for p in params:
-        for grad in (p.grad, getattr(p, "main_grad", None)):
-            if grad is not None:
-                yield "grads", grad
-    for bucket in getattr(grads, "buckets", ()):
-        if bucket.param_data is not None:
-            yield "params", bucket.param_data
-        yield "grads", bucket.grad_data
-        if getattr(bucket, "param_shard", None) is not None:  # ZeRO-3's persistent parameter shard
-            yield "params", bucket.param_shard
-        if getattr(bucket, "grad_shard", None) is not None:  # ZeRO-2/3's persistent gradient shard
-            yield "grads", bucket.grad_shard
-        if bucket.shard_out is not None:
-            yield "comm", bucket.shard_out
+        if p.grad is not None:
+            yield "grads", p.grad
+    for bucket in grads.buckets if grads is not None else ():  # main_grad: views of these
+        yield from bucket.tensors()
     if optimizer is not None:
         for t in _optimizer_tensors(optimizer):
             yield "optimizer", t
 
 
-def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
+def model_state_bytes(params: Iterable[nn.Parameter], grads: GradReducer | None = None,
+                      optimizer=None) -> dict[str, int]:
     """Bytes of the distinct storages this rank holds for its model states, by category, and ``total``.
 
-    ``grads`` is the rank's :class:`~ptdp.optim.GradBuckets` (or None), ``optimizer`` its optimizer (or
-    None). A storage is counted once, under the first category that reaches it (params, grads, optimizer,
-    comm), at its whole size: a view into a buffer costs nothing more, a copy costs its bytes.
+    ``grads`` is the rank's gradient reducer (or None), ``optimizer`` its optimizer (or None). A storage is
+    counted once, under the first category that reaches it (params, grads, optimizer), at its whole size: a view into a buffer costs nothing more, a copy costs its bytes.
     """
     seen: set[tuple[str, int]] = set()
     out = dict.fromkeys(CATEGORIES, 0)
@@ -79,23 +80,25 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None
     return out
 
 
-def model_states_at_start(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
-    """:func:`model_state_bytes` before the first step, plus the Adam moments AdamW will allocate at it
-    (two tensors like each of its parameters that has no state yet) and, under ZeRO-2/3, the gradient
+def model_states_at_start(params: Iterable[nn.Parameter], grads: GradReducer | None = None,
+                          optimizer=None) -> dict[str, int]:
+    """:func:`model_state_bytes` before the first step, plus the state the optimizer will allocate at it
+    (``MegatronOptimizer.pending_state_bytes``: e.g. AdamW's two moments per parameter, Muon's one momentum
+    per hidden-matrix parameter; for a bare torch optimizer, two) and, under ZeRO-2/3, the gradient
     shards in place of the full buffers (which only the step holds): what the rank will hold in steady
     state, known at start-up (the start-up summary line states it)."""
     out = model_state_bytes(params, grads, optimizer)
-    if getattr(grads, "shard_grads", False):  # ZeRO-2/3 keep a gradient shard; the full buffer is the step's
-        for b in grads.buckets:
-            full = b.grad_data.untyped_storage().nbytes()
-            if getattr(b, "grad_shard", None) is None and full:
-                shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
-                out["grads"] += shard - full
-                out["total"] += shard - full
-    inner = getattr(optimizer, "optimizer", optimizer)
+    for b in grads.buckets if grads is not None else ():  # ZeRO-2/3 keep a gradient shard; the full buffer
+        full = b.grad_data.untyped_storage().nbytes()     # is the step's
+        if b.shard_grads and b.grad_shard is None and full:
+            shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
+            out["grads"] += shard - full
+            out["total"] += shard - full
+    inner = _torch_optimizer(optimizer)
     if inner is not None:
-        pending = sum(2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
-                      if not inner.state.get(p))
+        pending = optimizer.pending_state_bytes() if isinstance(optimizer, MegatronOptimizer) else sum(
+            2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
+            if not inner.state.get(p))
         out["optimizer"] += pending
         out["total"] += pending
     return out
@@ -103,15 +106,16 @@ def model_states_at_start(params: Iterable[nn.Parameter], grads=None, optimizer=
 
 def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.float32,
                               grad_dtype: torch.dtype = torch.float32, shards: int = 1,
-                              distributed: bool = False) -> float:
+                              distributed: bool = False, state_bytes: float = 8) -> float:
     """ZeRO's/Megatron's model-state bytes for ``num_params`` parameters on one rank (module docstring).
 
     What the optimizer owns -- the fp32 main copy (16-bit parameters), the fp32 main gradient (16-bit
-    gradients) and Adam's two fp32 moments -- is divided by ``shards`` (d) when ``distributed``.
+    gradients) and its state (``state_bytes`` per parameter: Adam's two fp32 moments; Muon's matrices 4) --
+    is divided by ``shards`` (d) when ``distributed``.
     """
     p_bytes = torch.finfo(param_dtype).bits // 8
     g_bytes = torch.finfo(grad_dtype).bits // 8
-    owned = 8 + (4 if param_dtype != torch.float32 else 0) + (4 if grad_dtype != torch.float32 else 0)
+    owned = state_bytes + (4 if param_dtype != torch.float32 else 0) + (4 if grad_dtype != torch.float32 else 0)
     return num_params * (p_bytes + g_bytes + owned / (shards if distributed else 1))
 
 
