@@ -72,13 +72,14 @@ def step_buffer_bytes_per_param(precision: str, strategy: str) -> float:
     return {"optim_grads": grads, "optim_grads_params": grads + params}.get(strategy, 0.0)
 
 
-def muon_step_bytes_per_param(shards: int, grid: int) -> float:
-    """Bytes per hidden-matrix parameter Muon's step holds only while it runs (``ptdp.optim.muon_exchange``):
-    the update input and output of the range this rank holds (4 + 4 bytes, over ``shards`` under ZeRO), and
-    for the matrices whose data-parallel owner it is -- 1/``grid`` of its tensor-parallel slices -- the
-    assembled slice, the received pieces, the whole matrix and its result (about 4·4 bytes). The gather's
-    traffic is about the size of a ZeRO-1 parameter all-gather, in fp32, twice (there and back)."""
-    return 8 / max(shards, 1) + 16 / max(grid, 1)
+def muon_step_bytes_per_param(shards: int, grid: int, tp: int = 1) -> float:
+    """Bytes per hidden-matrix parameter of a rank that Muon's step holds only while it runs
+    (``ptdp.optim.muon_exchange``): the update of the range this rank holds (4 bytes, over ``shards`` under
+    ZeRO); for the matrices whose data-parallel owner it is -- 1/``grid`` of its tensor-parallel slices --
+    the assembled slices and the updates handed back (4 + 4 bytes), and with ``tp`` > 1 the whole matrices
+    concatenated from the slices (4 more). Measured against it: benchmarks/muon.py. The gather's traffic is
+    that of a parameter all-gather in fp32, there and back."""
+    return 4 / max(shards, 1) + (8 + (4 if tp > 1 else 0)) / max(grid, 1)
 
 
 def _norm_params(model: GPTSpec) -> int:
@@ -226,7 +227,7 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     saved = state - rest_state  # per hidden-matrix parameter, sharded like the rest of the state
     matrix = hidden_matrix_fraction(model, t, cfg) if muon else 0.0
     grid = cfg.data_parallel_size * cfg.context_parallel_size // cfg.distributed_optimizer_instances
-    muon_step = muon_step_bytes_per_param(cfg.shards, grid) if muon else 0.0
+    muon_step = muon_step_bytes_per_param(cfg.shards, grid, t) if muon else 0.0
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
