@@ -42,6 +42,14 @@ class GPTSpec:
     disable_bias_linear: bool = False
     disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
+    # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
+    # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
+    attention_length: float | None = None
+
+    @property
+    def attended(self) -> float:
+        """What stands for the key length s in the attention terms: s, or the documents' ``attention_length``."""
+        return self.seq_length if self.attention_length is None else self.attention_length
 
     @property
     def ffn(self) -> int:

@@ -193,10 +193,10 @@ class VocabStage(ModuleStage):
             return super().forward(chunk, microbatch, input)
         if self.forward_only:
             with torch.no_grad():
-                self._buf["H", microbatch] = self.chunks[chunk](input).contiguous()
+                self._buf["H", microbatch] = self.chunks[chunk](input, **self.batches.extras(microbatch)).contiguous()
             return None
         x = input.detach().requires_grad_(True)
-        y = self.chunks[chunk](x)
+        y = self.chunks[chunk](x, **self.batches.extras(microbatch))
         self._stash[chunk, microbatch] = (x, y)
         self._buf["H", microbatch] = y.detach().contiguous()
         return None
@@ -319,13 +319,15 @@ class VocabStage(ModuleStage):
         gmax = lmaxs.max(dim=0).values
         c = (lmaxs - gmax).exp_()  # each rank's rescaling to the global max
         gsum = (c * gathered[..., 1]).sum(dim=0)
+        weights = self.batches.loss_weights(mb)  # the loss's per-token weights (--eod-mask-loss), or its mean
         if self.rank == self.last_rank:
-            loss = (gsum.log() + gmax - gathered[..., 2].sum(dim=0)).mean()
+            per_token = gsum.log() + gmax - gathered[..., 2].sum(dim=0)
+            loss = per_token.mean() if weights is None else (per_token * weights).sum()
             self.losses[mb] = loss * self.scale  # as ModuleStage's: over m, times the loss scale
         if self.forward_only:
             return
-        tokens = e.shape[0] * e.shape[1]
-        gscale = self.scale / tokens
+        # d(loss)/d(per-token loss), times the stage's factor: a number, or [b, s] with weights
+        gscale = self.scale / (e.shape[0] * e.shape[1]) if weights is None else weights * self.scale
         factor = c / gsum  # [p, b, s]
         grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
         grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
@@ -338,7 +340,8 @@ class VocabStage(ModuleStage):
         elif self.rank == self.last_rank:
             h = x.shape[-1]
             a, b = gathered[..., 3:3 + h], gathered[..., 3 + h:]
-            self._grad_h[mb] = gscale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
+            token_scale = gscale if weights is None else gscale.unsqueeze(-1)
+            self._grad_h[mb] = token_scale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
 
 
 def _tp_max(x: Tensor, group) -> Tensor:
