@@ -77,8 +77,8 @@ def muon_step_bytes_per_param(shards: int, grid: int, tp: int = 1) -> float:
     (``ptdp.optim.muon_exchange``): the update of the range this rank holds (4 bytes, over ``shards`` under
     ZeRO); for the matrices whose data-parallel owner it is -- 1/``grid`` of its tensor-parallel slices --
     the assembled slices and the updates handed back (4 + 4 bytes), and with ``tp`` > 1 the whole matrices
-    concatenated from the slices (4 more). Measured against it: benchmarks/muon.py. The gather's traffic is
-    that of a parameter all-gather in fp32, there and back."""
+    concatenated from the slices (4 more). Measured against it: benchmarks/muon.py. Its time:
+    ``ptdp.planner.muon``."""
     return 4 / max(shards, 1) + (8 + (4 if tp > 1 else 0)) / max(grid, 1)
 
 
