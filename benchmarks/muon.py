@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: st
 
     torch.set_num_threads(1)
     trainer = setup(derive(config_from_args(build_parser().parse_args(["train", *argv])), world))
-    device = trainer.state.device
+    device = trainer.plan.groups.device
     inner = trainer.optimizer.optimizer
     ns = {"wall": 0.0, "cpu": 0.0, "flops": 0.0}
     muon = next((m for m in inner.members if isinstance(m, Muon)), None) if isinstance(inner, Chained) else None

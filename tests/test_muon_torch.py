@@ -143,8 +143,8 @@ def test_one_process_equals_torch_muon_and_adamw(model, adjust, precision, monke
     for iteration in range(1, iterations + 1):
         record = train_step(trainer, iteration)
         lr = learning_rate(iteration, config.optimizer, config.training.train_iters)
-        batches = Microbatches(trainer.data.train, iteration - 1, trainer.batch_format, trainer.state,
-                               trainer.num_microbatches)
+        batches = Microbatches(trainer.data.train, iteration - 1, trainer.batch_format, trainer.plan.groups,
+                               trainer.plan.m)
         loss, norm = torch_side.step(batches, lr)
         assert float(record["loss"]) == pytest.approx(loss, rel=1e-5), iteration
         assert float(record["grad_norm"]) == pytest.approx(norm, rel=1e-5), iteration

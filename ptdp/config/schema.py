@@ -248,32 +248,25 @@ class OptimizerConfig:
         False, "ZeRO-3: free a chunk's gathered parameters after each run of its forwards and gather them "
         "again for its backward (less memory, more all-gathers); default: keep each chunk gathered from its "
         "first to its last use in the step (measured faster, BENCHMARKS.md)")
-    optimizer_cpu_offload: bool = opt(
-        False, "ZeRO-Offload: the optimizer's state and element-wise step on the host (pinned buffers; "
-        "ptdp/optim/offload.py)")
-    optimizer: str = opt(
-        "adam", "adam (AdamW), sgd (SGD with --sgd-momentum), or muon (dist_muon is Megatron-LM's name for the "
-        "same here): Muon on the 2-D hidden weights -- QKV (Q, K and V apart), attention output, MLP (gate and up "
-        "apart), each expert's matrices, the router -- each orthogonalised whole on one rank; AdamW (--adam-*) on "
-        "the embeddings, the output layer, norms and biases (docs/optimizers.md)",
-        choices=["adam", "sgd", "muon", "dist_muon"])
+    optimizer_cpu_offload: bool = opt(False, "ZeRO-Offload: the optimizer's state and element-wise step on the host "
+                                      "(pinned buffers; ptdp/optim/offload.py)")
+    optimizer: str = opt("adam", "adam (AdamW), sgd (SGD, --sgd-momentum) or muon (dist_muon: Megatron-LM's name for it): "
+                         "Muon on the 2-D hidden weights (Q, K, V apart; attention output; MLP, gate and up apart; each "
+                         "expert's; the router), each orthogonalised whole on one rank; AdamW (--adam-*) on the "
+                         "embeddings, output layer, norms and biases (docs/optimizers.md)",
+                         choices=["adam", "sgd", "muon", "dist_muon"])
     sgd_momentum: float = opt(0.9, "SGD momentum (--optimizer sgd)")
-    muon_momentum: float = opt(0.95, "Muon momentum: M <- mu M + (1 - mu) G (Megatron-Core's default)")
-    muon_nesterov: bool = opt(False, "Muon: orthogonalise G + mu (M - G) instead of M (Nesterov)",
-                              aliases=("--muon-use-nesterov",))
-    muon_split_qkv: bool = opt(True, "orthogonalise the fused QKV weight as one matrix (default: Q, K and V "
-                               "apart, per head group)", flag="--muon-no-split-qkv")
-    muon_scale_mode: str = opt("spectral", "Muon update scale: spectral sqrt(max(m, n)), shape_scaling "
-                               "sqrt(max(1, m/n)) (torch.optim.Muon's), unit_rms_norm sqrt(m/n)",
+    muon_momentum: float = opt(0.95, "Muon momentum: M <- mu M + (1 - mu) G")
+    muon_nesterov: bool = opt(False, "Muon: orthogonalise G + mu (M - G), not M", aliases=("--muon-use-nesterov",))
+    muon_split_qkv: bool = opt(True, "Muon: QKV as one matrix (default: Q, K, V apart)", flag="--muon-no-split-qkv")
+    muon_scale_mode: str = opt("spectral", "Muon's update scale: sqrt(max(m, n)), sqrt(max(1, m/n)) (torch's), sqrt(m/n)",
                                choices=["spectral", "shape_scaling", "unit_rms_norm"])
     muon_extra_scale_factor: float = opt(1.0, "multiplies the Muon update (0.2 with spectral matches AdamW's RMS)")
     muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations")
-    muon_coefficient_type: str = opt("quintic", "Newton-Schulz coefficients: quintic (one triple per step, 5k "
-                                     "steps), simple (torch.optim.Muon's), polar_express (>= 8 steps), aol (4k)",
-                                     choices=["quintic", "simple", "polar_express", "aol"])
-    muon_fp32_matmul_prec: str = opt("medium", "Newton-Schulz precision: low (all bf16, torch.optim.Muon's), "
-                                     "medium (normalised in fp32, iterated in bf16), high (fp32)",
-                                     choices=["low", "medium", "high"])
+    muon_coefficient_type: str = opt("quintic", "Newton-Schulz (a, b, c): quintic (5k steps), simple (torch's), "
+                                     "polar_express (>= 8), aol (4k)", choices=["quintic", "simple", "polar_express", "aol"])
+    muon_fp32_matmul_prec: str = opt("medium", "Newton-Schulz arithmetic: low all bf16 (torch's), medium fp32 norm + "
+                                     "bf16 (Megatron's), high fp32", choices=["low", "medium", "high"])
 
     @property
     def sharding(self) -> str:
@@ -380,8 +373,7 @@ class CheckpointConfig:
     exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
     async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
-    no_load_optim: bool = opt(False, "with --load: do not load the optimizer state (start it afresh, e.g. "
-                              "after changing --optimizer)")
+    no_load_optim: bool = opt(False, "with --load: start the optimizer afresh (e.g. after changing --optimizer)")
 
 
 @dataclass
