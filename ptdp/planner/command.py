@@ -24,7 +24,7 @@ from ptdp.planner.spec import (
 )
 from ptdp.planner.vocab import vocab_column, vocab_lines
 from ptdp.runtime.hardware import ACCELERATORS, GIB
-from ptdp.schedule.registry import default_virtual_size, pair_share
+from ptdp.schedule.registry import default_virtual_size, pair_share, schedule_spec
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
@@ -342,6 +342,13 @@ def overlap_lines(c: ParallelConfig, m: int, exposed: float, total: float) -> li
             f"{exposed / total:.0%} of the iteration (docs/dualpipe.md)"]
 
 
+def _bubble_words(schedule: str) -> str:
+    """The schedule's own bubble formula as the registry states it (the paper's (p-1)/(v·m) for 1F1B and
+    interleaved, DualPipe's for dualpipev), in parentheses where it is words."""
+    words = schedule_spec(schedule).bubble
+    return words if words.startswith("(") else f"({words})"
+
+
 _OPTIMIZER_WORDS = {"adam": "Adam", "sgd": "SGD momentum", "muon": "Muon's momentum; Adam on the rest"}
 
 
@@ -370,8 +377,8 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "
         f"all-reduces cost {share['tp_comm']:.0%} of the iteration",
-        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches: bubble (p-1)/(v·m) = "
-        f"{best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
+        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches ({c.schedule}): bubble "
+        f"{_bubble_words(c.schedule)} = {best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
         f"d = {d} data-parallel replicas take the rest of the {cluster.num_gpus} GPUs (takeaway 2); their gradient "
         f"reduction costs {share['dp_comm']:.0%}"
         + (f" with ZeRO ({c.strategy}) sharding over {c.shards} ranks" if c.strategy != "no_shard" else ""),
