@@ -27,11 +27,6 @@ def owns_pieces(optimizer) -> bool:
     return isinstance(optimizer, DistributedOptimizer)
 
 
-def model_is_sharded(grads) -> bool:
-    """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
-    return getattr(grads, "param_sync", None) is not None
-
-
 def _names(named: list[tuple[str, nn.Parameter]], copies: bool) -> dict[nn.Parameter, str]:
     return {param: name for name, param in named if copies or not getattr(param, "is_embedding_copy", False)}
 

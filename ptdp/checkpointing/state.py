@@ -31,12 +31,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ptdp.checkpointing import optimizer_shards, storage
+from ptdp.checkpointing.interface import Checkpointable
 from ptdp.checkpointing.sharded import BoxLoadPlanner
 from ptdp.checkpointing.validation import model_mismatch, model_shape
 from ptdp.optim import MegatronOptimizer
@@ -47,12 +47,12 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
 
 
-def _layout(trainer) -> dict:
+def _layout(run: Checkpointable) -> dict:
     """The layout ``ptdp.json`` records. Parameters and optimizer state are replicated over CP, as over
     DP (the distributed optimizer shards over the dp-cp group and :func:`optimizer_state` gathers over it),
     so c changes nothing in the saved tensors: it is recorded (only when c > 1, so c = 1 checkpoints keep
     their old layout) to tell a same-layout resume, whose RNG states apply, from a resharded one."""
-    dims, par = trainer.state.dims, trainer.config.parallel
+    dims, par = run.state.dims, run.config.parallel
     layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
               "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
               "pipeline_schedule": par.schedule}
@@ -63,9 +63,9 @@ def _layout(trainer) -> dict:
     return layout
 
 
-def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
+def named_parameters(run: Checkpointable) -> Iterator[tuple[str, nn.Parameter]]:
     """(logical name, parameter) for every local parameter, the last stage's tied copy included."""
-    for chunk in trainer.chunks:
+    for chunk in run.chunks:
         for name, param in chunk.named_parameters():
             yield logical_name(name), param
 
@@ -85,12 +85,12 @@ def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
 
 
-def _tp_mesh(trainer):
-    if trainer.state.mesh is None:
+def _tp_mesh(run: Checkpointable):
+    if run.state.mesh is None:
         return None
-    mesh = trainer.state.mesh["tp"]
-    if trainer.config.parallel.enable_vocab_parallel:  # issue 24: the slices are sharded over (pp, tp)
-        mesh.vocab_mesh = trainer.state.mesh["pp", "tp"]
+    mesh = run.state.mesh["tp"]
+    if run.config.parallel.enable_vocab_parallel:  # issue 24: the slices are sharded over (pp, tp)
+        mesh.vocab_mesh = run.state.mesh["pp", "tp"]
     return mesh
 
 
@@ -129,16 +129,16 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
     return {f"rng.rank{rank}.{name}": state for name, state in states.items()}
 
 
-def save_state_dict(trainer) -> dict[str, torch.Tensor]:
+def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
     state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
     the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
-    mesh = _tp_mesh(trainer)
-    pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
-    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)
-    optim = {} if pieces else optimizer_state(trainer.optimizer)
+    mesh = _tp_mesh(run)
+    pieces = optimizer_shards.owns_pieces(run.optimizer)  # sharded state: each rank writes its pieces
+    sharded_model = run.model_sharded
+    optim = {} if pieces else optimizer_state(run.optimizer)
     out: dict[str, torch.Tensor] = {}
-    for name, param in named_parameters(trainer):
+    for name, param in named_parameters(run):
         if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
             continue
         if not sharded_model:
@@ -146,13 +146,13 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
     if pieces:
-        out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
-                                                 trainer.state.tp_rank, trainer.state.dims.tp, sharded_model))
-    out.update(_rng_entries(trainer.state.rank))
+        out.update(optimizer_shards.save_entries(run.optimizer, list(named_parameters(run)),
+                                                 run.state.tp_rank, run.state.dims.tp, sharded_model))
+    out.update(_rng_entries(run.state.rank))
     return out
 
 
-def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Path:
+def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=None) -> Path:
     """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it).
 
     ``writer`` (a :class:`~.saver.CheckpointWriter`) decides whether the write happens now or in the
@@ -161,24 +161,24 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     """
     from ptdp.checkpointing.saver import CheckpointWriter, stage
 
-    ck, state = trainer.config.checkpoint, trainer.state
+    ck, state = run.config.checkpoint, run.state
     if writer is None:
         writer = CheckpointWriter(state.rank, state.dims.world_size, async_save=False)
-    state_dict = save_state_dict(trainer)
+    state_dict = save_state_dict(run)
     has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
     info = None
     if state.rank == 0:
         info = {
             "iteration": iteration,
-            "consumed_samples": trainer.data.train.consumed_samples(iteration),
-            "data": trainer.data.train.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
-            "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
-            "layout": _layout(trainer),
+            "consumed_samples": run.data_position.consumed_samples(iteration),
+            "data": run.data_position.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
+            "model": model_shape(run.config.model, run.chunks[0].vocab_size, _padded_vocab(run)),
+            "layout": _layout(run),
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
-            "config": trainer.config.to_dict(),
-            "grad_scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) else None,
+            "config": run.config.to_dict(),
+            "grad_scaler": _grad_scaler(run).state_dict() if _grad_scaler(run) else None,
             # fp16 overflows so far: the LR schedule stands at iteration - skipped_iterations
-            "skipped_iterations": trainer.optimizer.skipped_iterations,
+            "skipped_iterations": run.optimizer.skipped_iterations,
         }
     # A background write needs a private copy (the loop changes the live tensors at once); inline, none.
     staged = stage(state_dict) if writer.async_save else state_dict
@@ -186,7 +186,7 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     return storage.iteration_dir(ck.save, iteration)
 
 
-def load_checkpoint(trainer, path: str | Path) -> int:
+def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
     iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
     """
@@ -196,15 +196,15 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
     from ptdp.checkpointing.saver import verify_data_files
 
-    verify_data_files(directory, trainer.state.rank, trainer.state.dims.world_size)  # each rank a share
+    verify_data_files(directory, run.state.rank, run.state.dims.world_size)  # each rank a share
     info = storage.read_info(directory)
-    problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
-                             trainer.state.dims.tp)
+    problem = model_mismatch(info["model"], run.config.model, run.chunks[0].vocab_size,
+                             run.state.dims.tp)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
-    mesh = _tp_mesh(trainer)
+    mesh = _tp_mesh(run)
     request: dict[str, torch.Tensor] = {}
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
@@ -215,9 +215,9 @@ def load_checkpoint(trainer, path: str | Path) -> int:
             request[key] = _as_global(live, param, mesh) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
-    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)  # ZeRO-3: into the parameter shards
-    for name, param in named_parameters(trainer):
+    pieces = optimizer_shards.owns_pieces(run.optimizer) and "optimizer" in info["contents"]
+    sharded_model = run.model_sharded  # ZeRO-3: into the parameter shards
+    for name, param in named_parameters(run):
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
         if not sharded_model:
             want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
@@ -229,14 +229,14 @@ def load_checkpoint(trainer, path: str | Path) -> int:
                     param, dtype=torch.float32)
                 optim.setdefault(param, {})[field] = live
                 want(key, live, param, shard=field != "step")
-    same_layout = info["layout"] == _layout(trainer)
-    rng = _rng_entries(trainer.state.rank)
+    same_layout = info["layout"] == _layout(run)
+    rng = _rng_entries(run.state.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
     install_pieces = None
     if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
         extra, install_pieces = optimizer_shards.load_requests(
-            trainer.optimizer, list(named_parameters(trainer)), trainer.state.tp_rank, trainer.state.dims.tp,
+            run.optimizer, list(named_parameters(run)), run.state.tp_rank, run.state.dims.tp,
             saved_keys, model=sharded_model, state=pieces)
         request.update(extra)
     missing = sorted(set(request) - saved_keys)
@@ -254,21 +254,21 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for key, live in targets:
             loaded = request[key]
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
-    trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
+    run.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
-        load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+        load_optimizer_state(run.optimizer, optim)  # restores the fp32 master weights if saved
     if install_pieces is not None:
         install_pieces()  # restores the fp32 master weights if saved
-    if info.get("grad_scaler") and _grad_scaler(trainer):
-        _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
-    trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
+    if info.get("grad_scaler") and _grad_scaler(run):
+        _grad_scaler(run).load_state_dict(info["grad_scaler"])
+    run.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
-        prefix = f"rng.rank{trainer.state.rank}."
-        _restore_rng(trainer, {key.removeprefix(prefix): request[key] for key in rng})
+        prefix = f"rng.rank{run.state.rank}."
+        _restore_rng(run, {key.removeprefix(prefix): request[key] for key in rng})
     elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
-        tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
-                                      trainer.state.pp_rank, trainer.state.device)
+        tp_random.model_parallel_seed(reseed(run.config.training.seed, iteration), run.state.tp_rank,
+                                      run.state.pp_rank, run.state.device)
     return iteration
 
 
@@ -277,7 +277,7 @@ def reseed(seed: int, iteration: int) -> int:
     return (seed * 1_000_003 + iteration) % (2**31)
 
 
-def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
+def _restore_rng(run: Checkpointable, states: dict[str, torch.Tensor]) -> None:
     """Inverse of :func:`_rng_entries` (names without the ``rng.rank<k>.`` prefix)."""
     tracker = tp_random.get_rng_tracker()
     kind = tracker.device.type
@@ -287,20 +287,15 @@ def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
     tracker.set_states({name.removeprefix(f"{kind}."): state for name, state in states.items()})
 
 
-def _padded_vocab(trainer) -> int:
-    dims = trainer.state.dims
-    vocab_parallel = trainer.config.parallel.enable_vocab_parallel
-    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
+def _padded_vocab(run: Checkpointable) -> int:
+    dims = run.state.dims
+    vocab_parallel = run.config.parallel.enable_vocab_parallel
+    return run.config.model.padded_vocab_size(run.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
 
 
-def _grad_scaler(trainer):
+def _grad_scaler(run: Checkpointable):
     """The fp16 loss scaler, if the optimizer has one (its few numbers go to ``ptdp.json``)."""
-    return trainer.optimizer.scaler
-
-
-def _barrier(trainer) -> None:
-    if trainer.state.mesh is not None:
-        dist.barrier()
+    return run.optimizer.scaler
 
 
 def _dcp_load(state_dict: dict, directory: Path) -> None:

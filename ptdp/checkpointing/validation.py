@@ -58,8 +58,10 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
     return None
 
 
-def checkpoint_errors(config: Config, world_size: int) -> list[str]:
-    """Every problem with the checkpoint flags, one line each (empty when there is nothing to check)."""
+def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = None) -> list[str]:
+    """Every problem with the checkpoint flags, one line each (empty when there is nothing to check).
+    ``hash_data``: hash the checkpoint's data files too (default: in one process only; a launcher on one
+    node does, so that no worker starts on a corrupted checkpoint)."""
     ck = config.checkpoint
     errors = []
     for flag, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval),
@@ -74,7 +76,7 @@ def checkpoint_errors(config: Config, world_size: int) -> list[str]:
     if ck.save:
         errors += _save_errors(Path(ck.save))
     if ck.load and not errors:
-        errors += _load_errors(config, Path(ck.load), world_size)
+        errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
     return errors
 
 
@@ -104,7 +106,7 @@ def _missing(config: Config, path: Path) -> list[str]:
     return []
 
 
-def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
+def _load_errors(config: Config, path: Path, hash_data: bool = True) -> list[str]:
     ck = config.checkpoint
     if (path / MEGATRON_TRACKER).is_file() and not (path / "latest").exists():
         return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not read; "
@@ -124,7 +126,7 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
             return _missing(config, path)  # no `latest` yet: nothing was saved, start fresh
         # One process hashes everything; the ranks of a job hash the data files in shares after start-up
         # (saver.verify_data_files) instead of every rank reading every file.
-        verify_checksums(directory, hash_data=world_size == 1)
+        verify_checksums(directory, hash_data=hash_data)
         info = read_info(directory)
     except CheckpointError as e:
         return [str(e)]

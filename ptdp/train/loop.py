@@ -1,5 +1,6 @@
 """The training loop: the PTD-P algorithm, one iteration at a time (``step.train_step``), with logging,
-evaluation, checkpoints and signals around it."""
+evaluation, checkpoints (``CheckpointManager``) and the run's lifecycle (``RunController``: signals, the
+NaN guard, the hang watchdog) around it."""
 
 from __future__ import annotations
 
@@ -7,12 +8,23 @@ import json
 import time
 from pathlib import Path
 
-from ptdp import flops, hardware
 from ptdp.checkpointing import CheckpointManager
 from ptdp.config import Config
+from ptdp.models import flops
 from ptdp.observability.clock import Clock
+from ptdp.observability.flight_recorder import run_directory
 from ptdp.observability.observer import RunObserver
-from ptdp.train.report import progress_line, rank_report, read_records, startup_summary, validation_record
+from ptdp.runtime import hardware
+from ptdp.runtime.controller import RunController
+from ptdp.runtime.phases import phase
+from ptdp.train.report import (
+    progress_line,
+    rank_report,
+    read_records,
+    report_data_mix,
+    startup_summary,
+    validation_record,
+)
 from ptdp.train.state import setup
 from ptdp.train.step import train_step
 
@@ -20,8 +32,18 @@ from ptdp.train.step import train_step
 def train(config: Config) -> list[dict]:
     """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record)."""
     trainer = setup(config)
+    state = trainer.state
+    controller = RunController(state.rank, state.dims.world_size, state.device, state.mesh is not None,
+                               config.parallel.hang_timeout_s,
+                               run_directory(config.checkpoint.save, config.training.metrics_file))
+    controller.watch(trainer.chunks)
     checkpoints = CheckpointManager(trainer)
-    first_iteration = checkpoints.resume() + 1  # data and LR are functions of the iteration alone
+    with phase(f"loading the checkpoint {config.checkpoint.load}"):
+        resumed = checkpoints.resume()
+    controller.resumed(resumed)
+    if resumed and state.rank == 0:
+        report_data_mix(trainer)
+    first_iteration = resumed + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
     for chunk in trainer.chunks:
         chunk.train()
@@ -78,9 +100,10 @@ def train(config: Config) -> list[dict]:
         pending.clear()
         return trainer.metrics[-1]
 
+    iteration = None
     try:
         for iteration in range(first_iteration, tr.train_iters + 1):
-            checkpoints.before_iteration(iteration)
+            controller.before_iteration(iteration)
             observer.begin_iteration(iteration)
             t0 = clock.mark()
             record = train_step(trainer, iteration)
@@ -97,14 +120,24 @@ def train(config: Config) -> list[dict]:
                 if is_logger and logged:
                     print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
                           flush=True)
-            if checkpoints.after_iteration(iteration, loss):  # saves when due; NaN raises
+            signalled = controller.after_iteration(iteration, loss)  # agreed by every rank; NaN raises
+            stop = signalled is not None or checkpoints.exit_due(iteration)
+            if checkpoints.save_due(iteration) or (stop and checkpoints.saves):
+                with controller.saving(iteration):
+                    checkpoints.save(iteration)
+            if signalled:
+                controller.stopped(signalled, iteration, saved=checkpoints.saves)
+            if stop:
                 break
-        if pending:  # stopped by SIGTERM between logged iterations
+        if pending:  # stopped by a signal between logged iterations
             flush()
-        checkpoints.finish()
+        with controller.saving(iteration or 0):
+            checkpoints.finish(iteration)
+        controller.stop_watching()  # what follows (rank 0 merging traces) is no one's hang
         observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
     finally:
         observer.close()
+        controller.close()
         checkpoints.close()
         if metrics_file:
             metrics_file.close()

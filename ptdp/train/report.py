@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptdp import flops
+from ptdp.models import flops
 from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
@@ -148,3 +148,16 @@ def _duration(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, minutes = divmod(minutes, 60)
     return f"{h}:{minutes:02d}:{s:02d}"
+
+
+def report_data_mix(trainer: TrainState) -> None:
+    """After a resume, one line per dataset: consumed so far, left in its epoch, old -> new weight
+    (ptdp/data/train_stream.py)."""
+    from ptdp.data.train_stream import summary_lines
+
+    resumed = trainer.data.train.resumed
+    if resumed is None:
+        print(" data: the checkpoint has no data state (an older ptdp); reading on by iteration", flush=True)
+        return
+    for line in summary_lines(resumed):
+        print(line, flush=True)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ptdp.config import Config
 from ptdp.data import DataSplits
+from ptdp.data.train_stream import TrainStream
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
@@ -58,10 +59,21 @@ class TrainState:
     def vocab_size(self) -> int:
         return self.chunks[0].vocab_size
 
+    # ptdp.checkpointing.Checkpointable: what a checkpoint saves and loads of this state
+    @property
+    def model_sharded(self) -> bool:
+        """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
+        return self.grads.param_sync is not None
+
+    @property
+    def data_position(self) -> TrainStream:
+        return self.data.train
+
 
 def setup(config: Config) -> TrainState:
     par, tr = config.parallel, config.training
-    rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
+    with phase("joining the other processes: rendezvous and process groups"):  # rank 0 says so after 2 s
+        rank, world_size, device = init_distributed(par.distributed_timeout_minutes)
     dims = ParallelDims(world_size, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         par.context_parallel_size)
     state = ParallelState(dims, rank, device, schedule_placement(par.schedule))
@@ -69,17 +81,20 @@ def setup(config: Config) -> TrainState:
         state.expert = build_expert_parallel(state, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
                                              par.sequence_parallel)
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
-    data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
+    with phase("reading the data: tokenizer, indexes and sample order"):
+        data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp * (dims.pp if par.enable_vocab_parallel else 1))
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         chunks = build_model_chunks(config, state, vocab_size, padded)
     params = [p for chunk in chunks for p in chunk.parameters()]
-    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
-    m = config.num_microbatches(world_size)
-    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
-                              vocab_barriers=vocab_barriers(par))
-    return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
+    with phase("setting up the gradient buffers, the optimizer and the pipeline"):
+        grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
+        m = config.num_microbatches(world_size)
+        schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
+                                  vocab_barriers=vocab_barriers(par))
+        comm = build_p2p(config, state)
+    return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, comm)
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:

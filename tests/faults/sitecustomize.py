@@ -11,9 +11,13 @@ table is the one place to update.
 
 - ``PTDP_TEST_SLOW_RANK=R:SECONDS``: rank R (``*``: every rank) sleeps SECONDS before the first microbatch
   of each training step (inside the schedule's compute time) and before each validation batch.
+- ``PTDP_TEST_SLOW_LAYER=R:SECONDS``: rank R (``*``: every rank) sleeps SECONDS inside the forward of
+  each transformer layer (slow compute, on purpose: a rank that computes, however slowly, is no hang).
 - ``PTDP_TEST_KILL_AT_ITERATION=N[:SIGNAL]``: one rank (``PTDP_TEST_KILL_RANK``, default the last) sends
-  itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per ``--save`` directory (a
-  ``.test-killed-N`` marker there keeps a restarted run from dying again).
+  itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per run directory (a
+  ``.test-killed-<run dir>-N`` marker beside it keeps a restarted run from dying again).
+- ``PTDP_TEST_LOOP_AT_ITERATION=N``: that rank loops in Python without progress at the start of iteration N
+  (once per run directory, as above).
 - ``PTDP_TEST_CRASH_IN_SAVE=N``: every rank exits 17 once the data files of iteration N are written, before
   the commit. ``N:POINT`` instead SIGKILLs one rank (``PTDP_TEST_KILL_RANK``, default the last; rank 0 for
   ``before-latest``, which only rank 0 reaches) once per save directory (``.test-crashed-N-POINT``):
@@ -59,8 +63,8 @@ def _once(marker: Path) -> bool:
 
 # -- PTDP_TEST_SLOW_RANK ---------------------------------------------------------------------------------
 
-def _delay() -> None:
-    who, _, seconds = os.environ["PTDP_TEST_SLOW_RANK"].partition(":")
+def _delay(variable: str = "PTDP_TEST_SLOW_RANK") -> None:
+    who, _, seconds = os.environ[variable].partition(":")
     if who == "*" or int(who) == _rank():
         time.sleep(float(seconds))
 
@@ -79,12 +83,31 @@ def slow_validation_microbatch(original, *args, **kwargs):
 
 # -- PTDP_TEST_KILL_AT_ITERATION -------------------------------------------------------------------------
 
-def kill_at_iteration(original, manager, iteration, *args, **kwargs):
-    result = original(manager, iteration, *args, **kwargs)
+def slow_layer(original, layer, *args, **kwargs):
+    _delay("PTDP_TEST_SLOW_LAYER")
+    return original(layer, *args, **kwargs)
+
+
+def _marker(controller, what: str, iteration: int) -> Path:
+    run_dir = Path(controller.run_dir)
+    return run_dir.parent / f".test-{what}-{run_dir.name}-{iteration}"
+
+
+def kill_at_iteration(original, controller, iteration, *args, **kwargs):
+    result = original(controller, iteration, *args, **kwargs)
     at, _, name = os.environ["PTDP_TEST_KILL_AT_ITERATION"].partition(":")
     if int(at) == iteration and _rank() == _victim(_world_size() - 1):
-        if _once(Path(manager.ck.save or ".") / f".test-killed-{iteration}"):
+        if _once(_marker(controller, "killed", iteration)):
             os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
+    return result
+
+
+def loop_at_iteration(original, controller, iteration, *args, **kwargs):
+    result = original(controller, iteration, *args, **kwargs)
+    if int(os.environ["PTDP_TEST_LOOP_AT_ITERATION"]) == iteration and _rank() == _victim(_world_size() - 1):
+        if _once(_marker(controller, "looped", iteration)):
+            while True:  # no layer, no action, no communication: a rank stuck in its own Python code
+                pass
     return result
 
 
@@ -160,8 +183,14 @@ PATCHES = {
         ("ptdp.train.step:load_microbatch", slow_training_microbatch),
         ("ptdp.train.evaluate:get_microbatch", slow_validation_microbatch),
     ],
+    "PTDP_TEST_SLOW_LAYER": [
+        ("ptdp.models.gpt:TransformerLayer.forward", slow_layer),
+    ],
     "PTDP_TEST_KILL_AT_ITERATION": [
-        ("ptdp.checkpointing.manager:CheckpointManager.before_iteration", kill_at_iteration),
+        ("ptdp.runtime.controller:RunController.before_iteration", kill_at_iteration),
+    ],
+    "PTDP_TEST_LOOP_AT_ITERATION": [
+        ("ptdp.runtime.controller:RunController.before_iteration", loop_at_iteration),
     ],
     "PTDP_TEST_CRASH_IN_SAVE": [
         ("torch.distributed.checkpoint:save", crash_after_data_files),

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ptdp.observability import flight_recorder
 from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.parallel.data.param_sync import plan_param_sync
@@ -267,6 +268,7 @@ def run_schedule(
 
     i = 0
     while i < len(actions):
+        flight_recorder.tick()  # liveness: the previous action is done (ptdp/observability/watchdog.py)
         a = actions[i]
         if a.op in VOCAB_OPS:  # vocabulary parallelism: the stage issues the collective or computes S/T
             run_sync(sync_before.get(i, ()))  # ZeRO-3: EF/S/T/EB read chunk 0's slices (plan_param_sync)

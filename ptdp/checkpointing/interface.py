@@ -1,0 +1,70 @@
+"""What checkpointing needs from a run, as a typed interface: it reads and restores exactly this.
+
+A save writes this rank's model chunks (their parameters under the layout-independent names), the
+optimizer's state, where the training data stands, and the configuration and layout it was written by;
+a load restores the same into a run built from the configuration. Nothing else of the trainer (the
+schedule, the point-to-point transport, the metrics) is visible here, so the trainer's shape can change
+without checkpointing changing, and a test can save or load with a small object of its own.
+
+``ptdp.train.state.TrainState`` satisfies :class:`Checkpointable` structurally (no inheritance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from ptdp.config import Config
+from ptdp.optim import MegatronOptimizer
+from ptdp.parallel import ParallelState
+
+
+@runtime_checkable
+class DataPosition(Protocol):
+    """Where the training data stands after an iteration (``ptdp/data/train_stream.py``): what ``ptdp.json``
+    records beside the tensors, so that a resumed run reads on without repeating or skipping a sample."""
+
+    def consumed_samples(self, iteration: int) -> int:
+        """Samples read once ``iteration`` is done."""
+        ...
+
+    def state(self, iteration: int) -> dict:
+        """The data state (per dataset: identity, weight, samples read) once ``iteration`` is done."""
+        ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """What a checkpoint saves and loads on one rank (``ptdp/checkpointing/state.py``)."""
+
+    @property
+    def config(self) -> Config:
+        """The run's configuration: the model's shape and architecture (checked on load), the layout
+        (t, p, d, v, schedule: recorded), the seed (re-seeding in another layout), ``--save``'s options."""
+        ...
+
+    @property
+    def state(self) -> ParallelState:
+        """This rank's coordinates and groups: rank, sizes, the tensor-parallel mesh, the device."""
+        ...
+
+    @property
+    def chunks(self) -> Sequence[nn.Module]:
+        """This rank's model chunks (their ``vocab_size`` and named parameters)."""
+        ...
+
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        """Its per-parameter state, master weights, loss scaler and skipped iterations."""
+        ...
+
+    @property
+    def model_sharded(self) -> bool:
+        """Whether the model's weights live only as this rank's ZeRO-3 pieces (saved as those pieces)."""
+        ...
+
+    @property
+    def data_position(self) -> DataPosition:
+        ...
