@@ -109,6 +109,13 @@ class RunController:
                 "kept); lower --lr, raise --lr-warmup-iters or set --clip-grad")
         return "SIGINT" if sigint else "SIGTERM" if sigterm else None
 
+    def after_save(self) -> str | None:
+        """Like :meth:`after_iteration` right after a save (one more tiny all-reduce, per save only): a
+        signal that came during the save stops the run on the checkpoint just written, not one iteration
+        and one save later."""
+        sigterm, sigint = self._agree(self.sigterm, interrupt.requested())
+        return "SIGINT" if sigint else "SIGTERM" if sigterm else None
+
     @contextmanager
     def saving(self, iteration: int) -> Iterator[None]:
         """A save: every rank takes part, rank 0 commits while the others wait (an announced phase)."""

@@ -44,7 +44,7 @@ from ptdp.runtime.errors import write_line
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 LAUNCHER_ENV = "PTDP_LAUNCHER_PID"
 STATUS_ENV = "PTDP_STATUS_FILE"  # where rank 0 tells the launcher what a stop left behind
-NOTICE_S = 4.0  # a graceful stop still running after this long says what it waits for
+NOTICE_S = 5.0  # a graceful stop still running after this long says what it waits for
 GRACE_S = 2.0  # the launcher kills workers left this long after a peer (or the second Ctrl-C) stopped
 
 _STATE: dict = {"count": 0, "phase": "setup", "rank": 0, "iteration": None, "save": None, "loaded": 0,

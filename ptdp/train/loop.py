@@ -125,6 +125,9 @@ def train(config: Config) -> list[dict]:
             if checkpoints.save_due(iteration) or (stop and checkpoints.saves):
                 with controller.saving(iteration):
                     checkpoints.save(iteration)
+                if not stop:  # a signal during the save stops here, on what was just saved
+                    signalled = controller.after_save()
+                    stop = signalled is not None
             if signalled:
                 controller.stopped(signalled, iteration, saved=checkpoints.saves)
             if stop:
