@@ -7,15 +7,14 @@
 - **The device** (GPU): :class:`DeviceProgress` records a CUDA event after each executor action (a ring
   of 64, reused); the watchdog thread queries them (``cudaEventQuery``: no host synchronisation), so a
   host blocked while its GPU works through a long queue is seen making progress.
-- **One long native call** (CPU): :class:`MainThread` samples the main thread's Python frame: one that
-  stays on the same call instruction while the process burns CPU is inside one long kernel (a huge GEMM
-  under load), not stuck; a Python loop (its instruction moves, or is no call) and a blocking wait (no
-  CPU) are not progress.
+
+:class:`MainThread` tells the hang report where a silent rank's main thread is, and whether it waits
+(blocked: no CPU, or in a communication call: a peer's fault) or runs (its own: a Python loop).
 """
 
 from __future__ import annotations
 
-import dis
+import collections
 import sys
 import threading
 import time
@@ -89,47 +88,37 @@ class DeviceProgress:
 
 # --- the main thread -----------------------------------------------------------------------------------
 
-_CALLS = {dis.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX", "PRECALL", "BINARY_OP", "BINARY_SUBSCR",
-                                       "STORE_SUBSCR", "COMPARE_OP", "CALL_INTRINSIC_1", "CALL_INTRINSIC_2",
-                                       "CALL_KW") if name in dis.opmap}
 _COMM_FILES = ("torch/distributed/", "ptdp/parallel/pipeline/p2p.py")
 _WAITS = {"wait", "wait_for", "wait_sends", "barrier", "monitored_barrier"}
 
 
 class MainThread:
-    """Samples of the main thread: where it is, whether it waits in communication, and whether it sits
-    inside one native call while the process uses the CPU (see the module docstring)."""
+    """Where the main thread is, and whether it waits (read by the watchdog thread)."""
 
     def __init__(self) -> None:
         self.ident = threading.main_thread().ident
-        self._last: tuple | None = None
-        self._cpu, self._wall = time.process_time(), time.monotonic()
+        try:  # the main thread's own CPU clock: the watchdog's and gloo's threads do not count
+            self._clock: int | None = time.pthread_getcpuclockid(self.ident)
+        except (AttributeError, OSError):
+            self._clock = None
+        self._samples: collections.deque = collections.deque([(time.monotonic(), self._cpu_s())])
+
+    def _cpu_s(self) -> float:
+        return time.clock_gettime(self._clock) if self._clock is not None else time.process_time()
+
+    def cpu_share(self, window_s: float = 2.0) -> float:
+        """The share of one core the main thread used over about the last ``window_s`` seconds: about 0
+        while it is blocked (a collective, a receive, a lock), more while it runs (a loop gets some CPU even
+        on a machine loaded many times over, over a window of seconds)."""
+        now, cpu = time.monotonic(), self._cpu_s()
+        self._samples.append((now, cpu))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= window_s:
+            self._samples.popleft()
+        then, cpu_then = self._samples[0]
+        return (cpu - cpu_then) / max(now - then, 1e-6)
 
     def _frame(self):
         return sys._current_frames().get(self.ident)
-
-    def _signature(self) -> tuple | None:
-        frame = self._frame()
-        if frame is None:
-            return None
-        lasti = frame.f_lasti
-        code = frame.f_code.co_code
-        return id(frame), lasti, lasti >= 0 and lasti < len(code) and code[lasti] in _CALLS
-
-    def busy_in_one_call(self) -> bool:
-        """Whether, since the last sample, the main thread stayed in one native call and the process used
-        at least half a core (three quick looks, so a Python loop passing a call is not mistaken)."""
-        cpu, wall = time.process_time(), time.monotonic()
-        burning = (cpu - self._cpu) >= 0.5 * (wall - self._wall)
-        self._cpu, self._wall = cpu, wall
-        looks = []
-        for _ in range(3):
-            looks.append(self._signature())
-            time.sleep(0.001)
-        same = looks[0] is not None and looks.count(looks[0]) == 3 and looks[0][2]
-        stayed = same and self._last == looks[0]
-        self._last = looks[0] if same else None
-        return bool(burning and stayed)
 
     def where(self) -> tuple[str, bool]:
         """("file:line in function" of the innermost frame outside torch, whether it waits in communication)."""

@@ -2,7 +2,7 @@
 
 Each rank runs one :class:`Watchdog` thread. Twice a second it turns the rank's progress counters
 (``flight_recorder``: executor actions and layers, communication, iterations, announced phases;
-``liveness``: GPU events completed, one long native call on the CPU) into "seconds since the last
+``liveness``: layers, GPU events completed) into "seconds since the last
 progress of each kind", and writes a heartbeat to ``RUN/hang/heartbeat-rank<k>.json`` (RUN:
 ``flight_recorder.run_directory``; removed after a clean exit): pid, host, iteration, operations, those
 ages, where its main thread is and whether it waits in communication, the last operations.
@@ -82,15 +82,14 @@ def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_
 
 class Watchdog:
     """The heartbeat/hang-detection thread of one rank (see the module docstring). ``device``: on a GPU,
-    the :class:`DeviceProgress` the executor's ticks record into; ``native``: count one long native call
-    as progress (CPU runs only: a GPU host spins in its synchronisations)."""
+    the :class:`DeviceProgress` the executor's ticks record into."""
 
     def __init__(self, run_dir: str | Path, rank: int, world_size: int, timeout_s: float,
-                 device: DeviceProgress | None = None, native: bool = True):
+                 device: DeviceProgress | None = None):
         self.dir = Path(run_dir) / "hang"
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.stale_s = max(1.5, timeout_s / 2)  # a heartbeat older than this: the process stopped
-        self.device, self.native = device, native
+        self.device = device
         self._main = MainThread()
         self._stop = threading.Event()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -129,8 +128,6 @@ class Watchdog:
             self._last["device"] = now
         if flight_recorder.announced():
             self._last["announced"] = now
-        if self.native and self._main.busy_in_one_call():
-            self._last["native call"] = now
         self._seen = (counts, done)
 
     def idle_s(self) -> float:
@@ -139,6 +136,9 @@ class Watchdog:
     def heartbeat(self) -> dict:
         now = time.monotonic()
         where, comm = self._main.where()
+        # Waiting: the main thread is in a communication call, or blocked (an asynchronous collective's
+        # handle, a receive: no CPU). A silent rank that runs is stuck in its own code (a Python loop).
+        comm = comm or self._main.cpu_share() < 0.01
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
                 "iteration": COUNTS[ITERATION], "seq": COUNTS[COMM], "idle_s": self.idle_s(),
                 "ages": {kind: round(now - t, 3) for kind, t in self._last.items()},

@@ -91,8 +91,7 @@ class RunController:
             self._first_iteration = iteration
         if self.watchdog is None and self.watching and iteration > self._first_iteration:
             device = DeviceProgress() if self.device.type == "cuda" else None
-            self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.hang_timeout_s, device=device,
-                                     native=self.device.type == "cpu")
+            self.watchdog = Watchdog(self.run_dir, self.rank, self.world_size, self.hang_timeout_s, device=device)
 
     def after_iteration(self, iteration: int, loss: float | None) -> str | None:
         """Why every rank stops after ``iteration`` ("SIGINT", "SIGTERM") or None; raises
