@@ -24,6 +24,8 @@ table is the one place to update.
   ``written`` after its data files are written (its own file truncated first, as a write cut short leaves
   it), ``hashed`` after the files are fsynced and hashed, ``before-latest`` after the rename into place but
   before ``latest`` moves.
+- ``PTDP_TEST_WORKER_MARKER=DIR``: every worker process (``LOCAL_RANK`` set) touches ``DIR/worker-<rank>``
+  as it starts, so a test can tell that a launcher refused before any worker existed.
 - ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
   catch it: ``dp-sum`` sums the data-parallel gradients instead of averaging them (a wrong 1/d factor);
   ``tp-grad`` drops the all-reduce of the input gradient in the backward of the tensor-parallel ``f``
@@ -224,6 +226,9 @@ def patch(target: str, wrapper) -> None:
 
 
 def install() -> None:
+    marker = os.environ.get("PTDP_TEST_WORKER_MARKER")
+    if marker and "LOCAL_RANK" in os.environ:
+        Path(marker, f"worker-{_rank()}").touch()
     for key, patches in PATCHES.items():
         var, _, value = key.partition("=")
         if os.environ.get(var) and (not value or os.environ[var] == value):
