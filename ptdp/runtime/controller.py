@@ -5,7 +5,8 @@ The loop calls ``before_iteration(i)`` and ``after_iteration(i, loss)`` around e
 returns why the run must stop now ("SIGINT", "SIGTERM"), or None, after every rank agreed: a signal that
 reached some rank, a loss that is not finite (raised as :class:`NonFiniteLossError` on every rank) are
 ORed over all ranks with one tiny all-reduce, so no rank saves or stops alone and none is left waiting in
-a collective. That all-reduce is of a host tensor over a gloo group (the default group on the CPU, one of
+a collective (``after_save()`` agrees once more after each save, so a signal during a save stops on it).
+That all-reduce is of a host tensor over a gloo group (the default group on the CPU, one of
 its own on GPUs): it never touches a CUDA stream, so the host does not wait for the GPU queue to drain
 (issue 26: no host synchronisation in the steady-state loop). Saving is the checkpoint manager's
 (``ptdp/checkpointing/manager.py``); the loop asks both.

@@ -164,7 +164,9 @@ def _worker_signal(signum: int) -> None:
     if _STATE["count"] == 1 and _STATE["phase"] == "training":
         _report(None)  # the launcher learns the phase now, in case it has to stop us
         if not launched() and _STATE["rank"] == 0:  # one process: it talks to the terminal itself
-            threading.Timer(NOTICE_S, _notice).start()
+            notice = threading.Timer(NOTICE_S, _notice)
+            notice.daemon = True
+            notice.start()
         return
     stop_now()
 
