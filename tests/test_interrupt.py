@@ -93,15 +93,20 @@ def assert_latest_loads(ckpt: Path, line: str) -> None:
     assert not [p for p in ckpt.glob(".tmp-*") if p.is_dir()] or "at once" in line
 
 
-# Ctrl-C at 1, 3, 8 and 15 s after the launch of the issue's command (smaller: 2 workers, p = 2), and while
-# a save is being written: wherever the run is then (launch, imports, rendezvous, data, model build, the
-# first iterations, a save), one line within 5 s, exit 130, and the latest checkpoint loads.
-@pytest.mark.parametrize("moment", ["1", "3", "8", "15", "save"])
+# Ctrl-C at 1, 3, 8 and 15 s after the launch of the issue's command (smaller: 2 workers, p = 2), while a
+# save is being written, and during a long evaluation (200 validation batches): wherever the run is then
+# (launch, imports, rendezvous, data, model build, the first iterations, a save, an evaluation), one line
+# within 5 s, exit 130, and the latest checkpoint loads.
+@pytest.mark.parametrize("moment", ["1", "3", "8", "15", "save", "evaluation"])
 def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, moment):
     ckpt = tmp_path / "ck"
-    run = Run([*TINY, "--train-iters", "100000", "--log-interval", "1000", "--nproc-per-node", "2",
+    logging = ["--log-interval", "1", "--eval-interval", "4", "--eval-iters", "200"] if moment == "evaluation" \
+        else ["--log-interval", "1000"]
+    run = Run([*TINY, "--train-iters", "100000", *logging, "--nproc-per-node", "2",
                "--pipeline-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "3"])
-    if moment == "save":  # the first Ctrl-C while a checkpoint is being written
+    if moment == "evaluation":  # iteration 4 evaluates after its step: the Ctrl-C lands in it or just before
+        run.wait_for(r"iteration\s+3/")
+    elif moment == "save":  # the first Ctrl-C while a checkpoint is being written
         deadline = time.monotonic() + 240
         while not list(ckpt.glob(".tmp-iter_*")) and time.monotonic() < deadline and run.proc.poll() is None:
             time.sleep(0.002)
@@ -117,9 +122,11 @@ def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, momen
     assert len(lines) == 1 and lines[0].startswith("ptdp train: stopped "), err  # nothing else on stderr
     assert "Traceback" not in out
     assert_latest_loads(ckpt, lines[0])
-    if moment == "save":  # a first Ctrl-C lets the save finish, then saves where it stops
+    if moment in ("save", "evaluation"):  # a first Ctrl-C lets the save finish, then saves where it stops
         n = int(re.search(r"stopped at iteration (\d+); saved to", lines[0]).group(1))
         assert read_latest(ckpt) == n
+    if moment == "evaluation":  # stopped in iteration 4's evaluation, cut short: no partial validation loss
+        assert n == 4 and "validation loss at iteration 4" not in out, out[-2000:]
 
 
 @pytest.fixture(scope="module")

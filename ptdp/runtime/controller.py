@@ -109,6 +109,11 @@ class RunController:
                 "kept); lower --lr, raise --lr-warmup-iters or set --clip-grad")
         return "SIGINT" if sigint else "SIGTERM" if sigterm else None
 
+    def interrupted(self) -> bool:
+        """Whether a Ctrl-C or SIGTERM reached any rank (collective: a long evaluation asks after each
+        batch, so a stop during it is as quick as during training)."""
+        return any(self._agree(self.sigterm, interrupt.requested()))
+
     def after_save(self) -> str | None:
         """Like :meth:`after_iteration` right after a save (one more tiny all-reduce, per save only): a
         signal that came during the save stops the run on the checkpoint just written, not one iteration

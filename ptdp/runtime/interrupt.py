@@ -288,8 +288,7 @@ class _Stop:
             time.sleep(60)  # the other thread is exiting the process
             return
         _quiet_torchrun()
-        for pid in self.workers + _children():
-            _kill(pid, signal.SIGKILL)
+        pids = self.workers + _children()
         status = self._status()
         line = status.get("line") or immediate_line(status.get("phase", "setup"), status.get("iteration"),
                                                      self.save, status.get("loaded") or 0,
@@ -299,6 +298,9 @@ class _Stop:
             os.unlink(self.status)
         except OSError:
             pass
+        # Last, with no call between that could let torchrun's thread see a killed worker and restart it.
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
         os._exit(EXIT_CODE)
 
 

@@ -8,7 +8,7 @@ training list would keep batches cut for them, which NCCL can hang on. The one e
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,8 +46,11 @@ class ForwardOnlyStage:
         return y
 
 
-def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
-    """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
+def evaluate(trainer: TrainState, dataset, eval_iters: int,
+             interrupted: Callable[[], bool] | None = None) -> float | None:
+    """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time).
+    ``interrupted`` (collective: every rank calls it after each batch and gets the same answer) cuts the
+    evaluation short for a Ctrl-C or SIGTERM: then None, no partial loss."""
     cfg, state, m = trainer.config, trainer.state, trainer.num_microbatches
     tr = cfg.training
     par = trainer.config.parallel
@@ -83,6 +86,8 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             with torch.no_grad():
                 run_schedule(actions, stage, trainer.comm, param_sync=trainer.grads.param_sync)
             total += float(sum(stage.losses.values()))
+            if interrupted is not None and interrupted():
+                return None
     finally:
         for chunk in trainer.chunks:
             chunk.train()

@@ -90,7 +90,7 @@ def train(config: Config) -> list[dict]:
             if it == first_iteration and trainer.data.train.resumed:  # the data mix at resume (docs/data.md)
                 record["data_mix"] = trainer.data.train.resumed
             if it == evaluate_at:
-                record.update(validation_record(trainer, it, is_logger))
+                record.update(validation_record(trainer, it, is_logger, controller.interrupted))
             trainer.metrics.append(record)
             observer.log(record)
             if metrics_file:

@@ -3,6 +3,8 @@ summary, progress and validation lines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -120,11 +122,15 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def validation_record(trainer: TrainState, iteration: int, is_logger: bool) -> dict:
-    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample)."""
+def validation_record(trainer: TrainState, iteration: int, is_logger: bool,
+                      interrupted: Callable[[], bool] | None = None) -> dict:
+    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample, or when
+    ``interrupted`` cut it short: see ``evaluate``)."""
     if trainer.data.valid is None:
         return {}
-    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters)
+    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters, interrupted)
+    if loss is None:
+        return {}
     if is_logger:
         print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
               f"lm loss PPL: {perplexity(loss):.6E}", flush=True)
