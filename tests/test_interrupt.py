@@ -31,9 +31,9 @@ STOP_S = 5.0  # the promise: stopped this long after the Ctrl-C at the latest
 class Run:
     """A ``ptdp train`` started in a session of its own, its output read as it comes (with timestamps)."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.start = time.monotonic()
-        self.proc = start_command([sys.executable, "-m", "ptdp", "train", *args], worker_env())
+        self.proc = start_command([sys.executable, "-m", "ptdp", "train", *args], {**worker_env(), **(env or {})})
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
@@ -94,18 +94,22 @@ def assert_latest_loads(ckpt: Path, line: str) -> None:
 
 
 # Ctrl-C at 1, 3, 8 and 15 s after the launch of the issue's command (smaller: 2 workers, p = 2), while a
-# save is being written, and during a long evaluation (200 validation batches): wherever the run is then
-# (launch, imports, rendezvous, data, model build, the first iterations, a save, an evaluation), one line
-# within 5 s, exit 130, and the latest checkpoint loads.
+# save is being written, and during a long evaluation: wherever the run is then (launch, imports,
+# rendezvous, data, model build, the first iterations, a save, an evaluation), one line within 5 s, exit
+# 130, and the latest checkpoint loads.
 @pytest.mark.parametrize("moment", ["1", "3", "8", "15", "save", "evaluation"])
 def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, moment):
     ckpt = tmp_path / "ck"
-    logging = ["--log-interval", "1", "--eval-interval", "4", "--eval-iters", "200"] if moment == "evaluation" \
-        else ["--log-interval", "1000"]
-    run = Run([*TINY, "--train-iters", "100000", *logging, "--nproc-per-node", "2",
-               "--pipeline-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "3"])
-    if moment == "evaluation":  # iteration 4 evaluates after its step: the Ctrl-C lands in it or just before
+    flags = ["--train-iters", "100000", "--log-interval", "1000"]
+    env = None
+    if moment == "evaluation":  # 200 validation batches of at least 0.05 s each at iteration 4: 10 s or more
+        flags = ["--train-iters", "40", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "200"]
+        env = {"PTDP_TEST_SLOW_RANK": "*:0.05"}
+    run = Run([*TINY, *flags, "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
+               "--save-interval", "3"], env)
+    if moment == "evaluation":  # iteration 4 (about 0.5 s) and its evaluation follow the line of iteration 3
         run.wait_for(r"iteration\s+3/")
+        time.sleep(1.5)
     elif moment == "save":  # the first Ctrl-C while a checkpoint is being written
         deadline = time.monotonic() + 240
         while not list(ckpt.glob(".tmp-iter_*")) and time.monotonic() < deadline and run.proc.poll() is None:
