@@ -61,13 +61,10 @@ def install(*signums: int) -> None:
                 _INSTALLED.add(signum)
 
 
-def on(signum: int, callback: Callable[[int], None] | None) -> None:
-    """Run ``callback(signum)`` on the reader thread when ``signum`` arrives (None: do nothing)."""
+def on(signum: int, callback: Callable[[int], None]) -> None:
+    """Run ``callback(signum)`` on the reader thread when ``signum`` arrives."""
     with _LOCK:
-        if callback is None:
-            _CALLBACKS.pop(signum, None)
-        else:
-            _CALLBACKS[signum] = callback
+        _CALLBACKS[signum] = callback
 
 
 def installed(signum: int) -> bool:
