@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import spawn
 
-from ptdp.runtime.controller import NonFiniteLossError, RunController
+from ptdp.train.controller import NonFiniteLossError, RunController
 
 
 def _controller(rank: int, world_size: int, device: str, distributed: bool, run_dir: str,

@@ -1,6 +1,7 @@
 """What checkpointing needs from a run, as a typed interface: it reads and restores exactly this.
 
-A save writes this rank's model chunks (their parameters under the layout-independent names), the
+A save writes this rank's model chunks (their parameters under the layout-independent names their
+placements record), the
 optimizer's state, where the training data stands, and the configuration and layout it was written by;
 a load restores the same into a run built from the configuration. Nothing else of the trainer (the
 schedule, the point-to-point transport, the metrics) is visible here, so the trainer's shape can change
@@ -19,6 +20,7 @@ from torch import nn
 from ptdp.config import Config
 from ptdp.optim import MegatronOptimizer
 from ptdp.parallel import ParallelState
+from ptdp.parallel.placement import Placements
 
 
 @runtime_checkable
@@ -52,7 +54,13 @@ class Checkpointable(Protocol):
 
     @property
     def chunks(self) -> Sequence[nn.Module]:
-        """This rank's model chunks (their ``vocab_size`` and named parameters)."""
+        """This rank's model chunks (their ``vocab_size`` and parameters)."""
+        ...
+
+    @property
+    def placements(self) -> Placements:
+        """Where each of those parameters lives in the full model (``ptdp/parallel/placement.py``): its
+        layout-independent name, its splits (the ``DTensor`` a save hands DCP), the tied copy's role."""
         ...
 
     @property

@@ -4,7 +4,7 @@ saves by schedule (``--save-interval``, ``--exit-interval``) and at the end, inl
 
 The loop calls ``resume()`` (the iteration to continue after), ``save_due(i)`` / ``exit_due(i)`` (the same
 answer on every rank), ``save(i)`` (collective), ``finish(i)`` after the loop and ``close()``. When to stop
-for a signal or a NaN is the run controller's (``ptdp/runtime/controller.py``), not this class's.
+for a signal or a NaN is the run controller's (``ptdp/train/controller.py``), not this class's.
 """
 
 from __future__ import annotations

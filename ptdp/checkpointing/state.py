@@ -2,9 +2,9 @@
 
 The saved state is the *logical* model: one entry per full parameter, keyed by its layout-independent
 name (``model.layers.3.mlp.fc1.weight``), whatever t, p, d and v were. Each rank hands DCP its local
-piece as a ``DTensor`` on its tensor-parallel sub-mesh, ``Shard(param.partition_dim)`` for split
-parameters, a plain tensor for replicated ones; DCP records the global shape and each chunk's offset,
-keeps one copy of what DP replicas (and TP ranks, for replicated tensors) hold alike, and on load reads
+piece as a ``DTensor`` built from the parameter's placement (``ptdp.parallel.placement.to_dtensor``: one
+``Shard(dim)`` per split, on the mesh dimensions the splits name), a plain tensor for replicated ones;
+DCP records the global shape and each chunk's offset, keeps one copy of what DP replicas (and TP ranks, for replicated tensors) hold alike, and on load reads
 exactly the region every rank of the *new* layout asks for. That is the whole resharding story.
 
 Keys::
@@ -27,20 +27,21 @@ with dropout off). Loading never unpickles anything but DCP's own metadata.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import optimizer_shards, storage
 from ptdp.checkpointing.interface import Checkpointable
 from ptdp.checkpointing.sharded import BoxLoadPlanner
 from ptdp.checkpointing.validation import model_mismatch, model_shape
 from ptdp.optim import MegatronOptimizer
-from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.placement import to_dtensor
 from ptdp.parallel.tensor import random as tp_random
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -66,32 +67,23 @@ def _layout(run: Checkpointable) -> dict:
 def named_parameters(run: Checkpointable) -> Iterator[tuple[str, nn.Parameter]]:
     """(logical name, parameter) for every local parameter, the last stage's tied copy included."""
     for chunk in run.chunks:
-        for name, param in chunk.named_parameters():
-            yield logical_name(name), param
+        for param in chunk.parameters():
+            yield run.placements[param].name, param
 
 
-def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
-    """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor; a
-    stacked expert parameter ``[E/e, ...]`` is the e-way ``Shard(0)`` of the global ``[E, ...]`` one (and
-    ``Shard(2)`` over the expert-tensor ranks); a vocabulary-parallel slice (issue 24) is row block
-    ``pp_rank·t + tp_rank``: sharded over (pp, tp)."""
-    experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert.apply
-    if experts is not None and experts.size() > 1:
-        return DTensor.from_local(tensor, experts, [Shard(d) for d in param.expert_shard_dims], run_check=False)
-    if getattr(param, "vocab_parallel", False) and mesh is not None:
-        return DTensor.from_local(tensor, mesh.vocab_mesh, [Shard(0), Shard(0)], run_check=False)
-    if mesh is None or mesh.size() == 1 or not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
+def _mesh_for(run: Checkpointable) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
+    """The mesh over the dimensions a placement's splits name (``to_dtensor``): the expert mesh's ``ep``
+    and ``etp`` (issue 25), else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
+    meshes: dict[tuple[str, ...], DeviceMesh | None] = {}
 
+    def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:
+        if axes not in meshes:
+            expert = run.state.expert
+            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else run.state.mesh
+            meshes[axes] = None if whole is None else whole[axes]
+        return meshes[axes]
 
-def _tp_mesh(run: Checkpointable):
-    if run.state.mesh is None:
-        return None
-    mesh = run.state.mesh["tp"]
-    if run.config.parallel.enable_vocab_parallel:  # issue 24: the slices are sharded over (pp, tp)
-        mesh.vocab_mesh = run.state.mesh["pp", "tp"]
-    return mesh
+    return mesh_for
 
 
 def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
@@ -133,21 +125,21 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
     state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
     the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
-    mesh = _tp_mesh(run)
+    mesh_for = _mesh_for(run)
     pieces = optimizer_shards.owns_pieces(run.optimizer)  # sharded state: each rank writes its pieces
     sharded_model = run.model_sharded
     optim = {} if pieces else optimizer_state(run.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(run):
-        if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
+        placement = run.placements[param]
+        if placement.role == "embedding_copy":  # one copy of the tied embedding
             continue
         if not sharded_model:
-            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+            out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
-            out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
+            out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
     if pieces:
-        out.update(optimizer_shards.save_entries(run.optimizer, list(named_parameters(run)),
-                                                 run.state.tp_rank, run.state.dims.tp, sharded_model))
+        out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
     out.update(_rng_entries(run.state.rank))
     return out
 
@@ -204,7 +196,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
-    mesh = _tp_mesh(run)
+    mesh_for = _mesh_for(run)
     request: dict[str, torch.Tensor] = {}
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
@@ -212,7 +204,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
         if key in request:  # a rank holding both copies of the tied embedding reads it once, then copies
             targets.append((key, live))
         else:  # DCP reads straight into the live tensor: no full-size staging copy of the model
-            request[key] = _as_global(live, param, mesh) if shard else live
+            request[key] = to_dtensor(live, run.placements[param], mesh_for) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     pieces = optimizer_shards.owns_pieces(run.optimizer) and "optimizer" in info["contents"]
@@ -236,8 +228,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
     install_pieces = None
     if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
         extra, install_pieces = optimizer_shards.load_requests(
-            run.optimizer, list(named_parameters(run)), run.state.tp_rank, run.state.dims.tp,
-            saved_keys, model=sharded_model, state=pieces)
+            run.optimizer, run.placements, saved_keys, model=sharded_model, state=pieces)
         request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:

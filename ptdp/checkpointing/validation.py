@@ -1,14 +1,22 @@
-"""Start-up checks of the checkpoint flags: run by ``config.validate`` in the launcher and on every rank,
-before any process group exists, so a bad ``--save``/``--load`` or a corrupted checkpoint stops every
+"""Start-up checks of the checkpoint flags: run at start-up (``ptdp.cli.main.start_problems``) in the launcher
+and on every rank, before any process group exists, so a bad ``--save``/``--load`` or a corrupted checkpoint stops every
 rank with the same one-line message and none waits for another. No torch import here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
-from ptdp.checkpointing.storage import CheckpointError, read_info, resolve, verify_checksums
+from ptdp.checkpointing.storage import (
+    VERIFIED_ENV,
+    CheckpointError,
+    read_info,
+    resolve,
+    verified_token,
+    verify_checksums,
+)
 from ptdp.config import Config, ModelConfig
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
@@ -25,25 +33,27 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "disable_bias_linear": "--disable-bias-linear"}
 
 
+def _fields(model: ModelConfig) -> dict:
+    """The model's fields and its derived ffn size, under the keys ``ptdp.json`` records them by."""
+    return {**dataclasses.asdict(model), "ffn_size": model.ffn_size}
+
+
 def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> dict:
     """What ``ptdp.json`` records about the model: the config plus the values derived from it."""
-    import dataclasses
-
-    return {**dataclasses.asdict(model), "ffn_size": model.ffn_size, "vocab_size": vocab_size,
-            "padded_vocab_size": padded_vocab_size}
+    return {**_fields(model), "vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
 
 
 def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: int) -> str | None:
     """One line naming every shape flag whose value differs from the checkpoint's, or None."""
-    diffs = [f"{flag} {saved.get(key)} there, {getattr(model, key)} here"
-             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != getattr(model, key)
+    here, default = _fields(model), _fields(ModelConfig())  # checkpoints from before the Llama options: defaults
+    diffs = [f"{flag} {saved.get(key)} there, {here[key]} here"
+             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != here[key]
              # a default ffn size (4h) follows --hidden-size: name only the flag the user changed
              and not (key == "ffn_size" and model.ffn_hidden_size is None and saved.get("ffn_hidden_size") is None
                       and saved.get("hidden_size") != model.hidden_size)]
-    default = ModelConfig()  # checkpoints from before the Llama options hold the GPT-2 defaults
-    diffs += [f"{flag} {saved.get(key, getattr(default, key))} there, {getattr(model, key)} here"
+    diffs += [f"{flag} {saved.get(key, default[key])} there, {here[key]} here"
               for key, flag in ARCHITECTURE_FLAGS.items()
-              if saved.get(key, getattr(default, key)) != getattr(model, key)
+              if saved.get(key, default[key]) != here[key]
               and (key != "num_query_groups" or model.group_query_attention)]
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
@@ -78,6 +88,18 @@ def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = 
     if ck.load and not errors:
         errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
     return errors
+
+
+def share_verification(load: str | Path) -> None:
+    """Tell the workers (through the environment they inherit) that the launcher hashed ``--load``'s
+    checkpoint whole (:func:`checkpoint_errors` with ``hash_data``), so they do not hash it again."""
+    try:
+        directory = resolve(Path(load))
+    except CheckpointError:
+        return
+    token = verified_token(directory) if directory is not None else None
+    if token:
+        os.environ[VERIFIED_ENV] = token
 
 
 def _save_errors(path: Path) -> list[str]:

@@ -21,14 +21,13 @@ def data_prefixes(config: Config) -> list[tuple[str, str]]:
     """(flag, prefix) for every dataset the data flags name (``--data-path`` and any other
     ``*_data_path`` flag), each prefix once."""
     found: list[tuple[str, str]] = []
-    for field in dataclasses.fields(config.data):
-        value = getattr(config.data, field.name)
-        if field.name.endswith("data_path") and value and isinstance(value, list | tuple):
+    for name, value in dataclasses.asdict(config.data).items():
+        if name.endswith("data_path") and value and isinstance(value, list | tuple):
             try:
                 names = parse_data_path(list(value))[0]
             except DataError:
                 continue  # the blend's own syntax error is the worker's to say
-            flag = "--" + field.name.replace("_", "-")
+            flag = "--" + name.replace("_", "-")
             found += [(flag, _strip_suffix(p)) for p in names if _strip_suffix(p) not in [q for _, q in found]]
     return found
 

@@ -20,6 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+from torch import nn
+
 from ptdp.observability.flight_recorder import COMPUTE, COUNTS
 
 # --- layers --------------------------------------------------------------------------------------------
@@ -32,15 +35,13 @@ def _grad_tick(grad):
 def _forward_tick(module, args, output) -> None:
     COUNTS[COMPUTE] += 1
     out = output[0] if isinstance(output, tuple) and output else output
-    if getattr(out, "requires_grad", False):
+    if isinstance(out, torch.Tensor) and out.requires_grad:
         out.register_hook(_grad_tick)
 
 
 def watch_layers(chunks: Sequence) -> list:
     """Hook every model chunk, its children and each child of a layer container (``layers``); returns the
     hook handles (``handle.remove()`` undoes it)."""
-    from torch import nn
-
     handles = []
     for chunk in chunks:
         modules = [chunk]
@@ -62,8 +63,6 @@ class DeviceProgress:
 
     def __init__(self, size: int = 64, make_event: Callable | None = None) -> None:
         if make_event is None:
-            import torch
-
             make_event = torch.cuda.Event
         self.size = size
         self._events = [make_event() for _ in range(size)]

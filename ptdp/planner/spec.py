@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.models.flops import MoEShape
+from ptdp.models.flops import MoEShape, model_parameter_count
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -47,6 +47,16 @@ class GPTSpec:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def ffn_size(self) -> int:
+        """``ffn`` under ``ModelConfig``'s name: the FLOP counts read both (``ptdp.models.flops.ModelShape``)."""
+        return self.ffn
+
+    def parameter_count(self, active: bool = False) -> int:
+        """All parameters (the embeddings, the final norm not counted), or with ``active`` those a token
+        goes through (a mixture of experts' k routed experts)."""
+        return model_parameter_count(self, moe=self.moe, active=active)
 
     def _moe_ffn(self, experts_per_token: bool) -> float:
         """The MLP width of the mean layer: a MoE layer's experts (k of them, or all E) plus its shared expert."""

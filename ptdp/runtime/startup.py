@@ -1,56 +1,45 @@
 """Start-up checks of ``ptdp train``: what the machine and the files must provide, after the configuration
 itself passed ``config.validate``.
 
-``validate`` is pure (the configuration and the world size in, every problem out) and ``derive`` returns a
-new object without a word; what depends on this machine (an FP8 GPU, torchao) or on the files (the
-datasets' ``.bin``/``.idx``, the tokenizer's files, the checkpoint to load) or must be said to the user
-(a flag ``derive`` turned off) is checked and said here. The launcher checks everything before any
+``validate`` is pure (the configuration and the world size in, every problem out, nothing touched) and
+``derive`` returns a new object without a word; what depends on this machine or on disk, or must be said to the
+user (a flag ``derive`` turned off), is checked and said at start-up. The CLI runs the checks in order
+(``ptdp.cli.main.start_problems``): the ones here (the tensorboard package, the ``--tensorboard-dir`` and
+``--timeline`` directories, created now), then each feature's own, which live with the feature: the FP8 GPU
+(``ptdp.parallel.fp8``), the datasets' ``.bin``/``.idx`` and the tokenizer's files (``ptdp.data.files``) and
+the checkpoint on disk (``ptdp.checkpointing.validation``). ptdp's launcher checks everything before any
 worker starts (on one node it also hashes the whole checkpoint, with a few threads, and tells the workers
-it did); the workers of ptdp's launcher then skip what it checked, and a process started otherwise
-(one process, plain torchrun) checks everything itself, every rank before any process group exists, so
-every rank stops with the same one-line messages.
+it did); its workers then skip the files it checked, and a process started otherwise (one process, plain
+torchrun) checks everything itself, every rank before any process group exists, so every rank stops with
+the same one-line messages (exit 2). The runtime sits low in the package (every layer announces its phases
+and prints its errors through it), so it calls nothing above it.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 
 from ptdp.config import Config
 
 
-def startup_problems(config: Config, world_size: int, launcher: bool = False, one_node: bool = True) -> list[str]:
-    """Every reason the derived ``config`` cannot start on this machine, one line each (none: it can).
-    ``launcher``: this is ptdp's launcher (``one_node``: without a multi-node rendezvous)."""
-    from ptdp.checkpointing.validation import (
-        checkpoint_errors,  # not in ptdp.config, which must not import it
-    )
-    from ptdp.parallel.fp8 import fp8_environment_errors
-    from ptdp.runtime.interrupt import launched
-
-    errors = [*fp8_environment_errors(config)]
-    if launcher or not launched():  # the launcher's workers: it checked the files already
-        from ptdp.data.files import data_file_errors
-
-        errors += data_file_errors(config)
-    hash_data = True if launcher and one_node else None  # None: one process hashes, ranks share the work
-    errors += checkpoint_errors(config, world_size, hash_data=hash_data)
-    if launcher and not errors and config.checkpoint.load:
-        _share_verification(Path(config.checkpoint.load))
+def startup_problems(config: Config) -> list[str]:
+    """``--tensorboard-dir`` (the package must be installed) and ``--timeline``: each directory created now, so
+    a path that cannot be one is a line here rather than a traceback on rank 0 mid-run."""
+    tr, errors = config.training, []
+    if tr.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        errors.append(f"--tensorboard-dir {tr.tensorboard_dir} needs the tensorboard package: "
+                      "pip install 'ptdp[tensorboard]'")
+    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline)):
+        if directory is None:
+            continue
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            errors.append(f"{flag} {directory} is not a directory (a file is in the way); choose a directory path")
+        except OSError as e:
+            errors.append(f"{flag} {directory} cannot be created ({e.strerror}); choose a writable directory")
     return errors
-
-
-def _share_verification(load: Path) -> None:
-    """Tell the workers (through their environment) that the launcher hashed this checkpoint whole."""
-    from ptdp.checkpointing.storage import VERIFIED_ENV, CheckpointError, resolve, verified_token
-
-    try:
-        directory = resolve(load)
-    except CheckpointError:
-        return
-    token = verified_token(directory) if directory is not None else None
-    if token:
-        os.environ[VERIFIED_ENV] = token
 
 
 def startup_warnings(given: Config, derived: Config) -> list[str]:

@@ -15,8 +15,8 @@ from ptdp.observability.clock import Clock
 from ptdp.observability.flight_recorder import run_directory
 from ptdp.observability.observer import RunObserver
 from ptdp.runtime import hardware
-from ptdp.runtime.controller import RunController
 from ptdp.runtime.phases import phase
+from ptdp.train.controller import RunController
 from ptdp.train.report import (
     progress_line,
     rank_report,

@@ -13,10 +13,10 @@ from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
-from ptdp.train.evaluate import evaluate, perplexity
+from ptdp.train.batches import to_device
+from ptdp.train.evaluate import evaluate, never, perplexity
 from ptdp.train.moe_metrics import moe_metrics, progress_suffix
 from ptdp.train.state import TrainState
-from ptdp.train.step import to_device
 
 
 def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
@@ -123,7 +123,7 @@ def _count(n: float) -> str:
 
 
 def validation_record(trainer: TrainState, iteration: int, is_logger: bool,
-                      interrupted: Callable[[], bool] | None = None) -> dict:
+                      interrupted: Callable[[], bool] = never) -> dict:
     """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample, or when
     ``interrupted`` cut it short: see ``evaluate``)."""
     if trainer.data.valid is None:

@@ -1,4 +1,4 @@
-"""One rank of ``ptdp train``: train, and leave with one line and the right exit code whatever happened.
+"""One worker of ``ptdp train`` (a rank under a launcher, or the one process): train, and leave with one line and the right exit code whatever happened.
 
 The configuration was checked before (``ptdp.cli.main.run_train``); what can still go wrong here is said by
 the rank that knows (rank 0 for problems every rank finds alike) as one line, and the process groups are

@@ -15,6 +15,12 @@ The watchdog (``ptdp/observability/watchdog.py``) is armed from the run's second
 first iteration (a lazy ``torch.compile``, NCCL's communicator set-up) are bounded by
 ``--distributed-timeout-minutes`` instead. Progress is reported per executor action and per layer
 (:meth:`watch`), so a rank that computes is never called hung however long its iterations take.
+
+It lives in ``ptdp.train`` rather than ``ptdp.runtime`` (issue 37 named the runtime) because it joins two
+low packages that must not know each other: the runtime's signals, Ctrl-C state and phases, and the
+observability package's watchdog, flight recorder and layer hooks (``pyproject.toml``: "ptdp.observability |
+ptdp.runtime"). It is the training run's lifecycle; nothing in it reads the trainer, checkpoints,
+optimizer or parallelism, which reach it only as the loop's calls.
 """
 
 from __future__ import annotations
