@@ -129,15 +129,18 @@ def _watch_heartbeats(hang_dir, rank: int, seen: list[float], stop: threading.Ev
 
 
 def test_a_pipeline_whose_iterations_take_8x_the_timeout_finishes_without_a_restart(tmp_path):
-    """Stage 0 sleeps 0.5 s in each layer's forward (16 per iteration): iterations of 8 s against a 1 s
-    timeout. Stage 1 waits for it longer than the timeout, which is no hang while stage 0 ticks."""
+    """Stage 0 sleeps 0.5 s in each layer's forward (4 layers x 4 microbatches per iteration): iterations
+    of 8 s against a 1 s timeout. Stage 1 waits about 2 s for each microbatch, twice the timeout (with 2 layers
+    a stage it waited about 1 s, which a heartbeat every 0.5 s saw above 1 s or not by a few ms), which is
+    no hang while stage 0 ticks."""
     ckpt, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     seen: list[float] = []
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_heartbeats, args=(tmp_path / "ck.run" / "hang", 1, seen, stop))
     watcher.start()
     try:
-        proc = run_ptdp(["train", *TINY, *P2, "--train-iters", "3", "--hang-timeout-s", "1", "--max-restarts", "1",
+        proc = run_ptdp(["train", *TINY, *P2, "--num-layers", "8", "--global-batch-size", "8", "--train-iters", "3",
+                         "--hang-timeout-s", "1", "--max-restarts", "1",
                          "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics)],
                         env={"PTDP_TEST_SLOW_LAYER": "0:0.5"}, check=False, timeout=300)
     finally:
