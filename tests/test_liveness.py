@@ -36,6 +36,10 @@ def test_diagnose_waits_while_any_rank_progresses_and_names_the_kind_of_silence(
     timeout, stale = 5.0, 2.5
     # Rank 1 computes (a layer ticked 1 s ago): rank 0's 10 s in a receive is no hang.
     assert diagnose({0: beat(), 1: beat(idle_s=1.0, comm=False)}, NOW, timeout, stale) is None
+    # Rank 1's heartbeat is a poll period old and said 4.6 s: within the timeout (the wait for the next
+    # heartbeat is no silence); 0.5 s later than due, it is silent for 5.1 s.
+    assert diagnose({0: beat(), 1: beat(idle_s=4.6, time=NOW - 0.5)}, NOW, timeout, stale) is None
+    assert diagnose({0: beat(), 1: beat(idle_s=4.6, time=NOW - 1.0)}, NOW, timeout, stale) is not None
     # Rank 0 builds an index alone (an announced phase): rank 1's wait is no hang either.
     assert diagnose({0: beat(announced="building the index"), 1: beat()}, NOW, timeout, stale) is None
     # A stopped process: its heartbeat is older than the stale limit.

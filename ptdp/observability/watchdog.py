@@ -60,10 +60,12 @@ def _age(beat: dict, now: float) -> float:
 def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_s: float) -> Verdict | None:
     """None while the job progresses: a rank with a live heartbeat made progress within ``timeout_s``, or
     is in an announced phase. Else the culprits (the module docstring's step 2). ``beats``: every rank's
-    latest heartbeat (None: none written)."""
+    latest heartbeat (None: none written). A live heartbeat's silence is its ``idle_s`` plus the time since
+    the next one was due: the ``POLL_S`` a heartbeat waits for its successor is no silence (counted, a rank
+    ticking every 0.5 s read as silent for 1 s half the time, and was called hung under a 1 s timeout)."""
     alive = {r: b for r, b in beats.items() if b is not None and _age(b, now) <= stale_s}
     for b in alive.values():
-        if b.get("announced") or b["idle_s"] + _age(b, now) < timeout_s:
+        if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s:
             return None
     stopped = sorted(r for r in beats if r not in alive)
     if stopped:
