@@ -1,4 +1,4 @@
-"""``ptdp`` command line: train, plan, simulate, preprocess, generate, export, import, timeline."""
+"""ptdp command line: train, plan, simulate, preprocess, samples, generate, export, import, timeline."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ptdp.runtime.errors import print_error
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT with PTD-P (under torchrun, or launching workers itself)")
+    p = sub.add_parser("train", help="train a GPT, Llama or MoE model with PTD-P (under torchrun, or launching workers itself)")
     add_config_arguments(p)
     launch = p.add_argument_group("launch")
     launch.add_argument("--nproc-per-node", type=int, default=None,
@@ -32,12 +32,23 @@ def _train_parser(sub) -> None:
                         "last_call_timeout=5,join_timeout=600,keep_alive_interval=5")
     launch.add_argument("--monitor-interval", type=float, default=None,
                         help="seconds between the agent's checks of its workers (torchrun's flag)")
+    launch.add_argument("--cpu-mmap-threshold", type=_bytes, default=1 << 20, metavar="BYTES",
+                        help="CPU workers: glibc's malloc serves allocations of at least BYTES by mmap and returns "
+                        "them when freed, so the resident set follows what training holds (BENCHMARKS.md, CPU "
+                        "allocator); 0 keeps glibc's dynamic threshold. Ignored on GPUs and if "
+                        "MALLOC_MMAP_THRESHOLD_ is set")
     p.set_defaults(run=run_train)
+
+
+def _bytes(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0, got {text!r}")
+    return int(text)
 
 
 # The launcher's flags, which the workers do not get (each takes a value).
 _LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
-                   "--monitor-interval")
+                   "--monitor-interval", "--cpu-mmap-threshold")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -106,7 +117,8 @@ def run_train(args: argparse.Namespace) -> int:
                           "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
         restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
-        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, save=config.checkpoint.save)
+        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, save=config.checkpoint.save,
+                              cpu_mmap_threshold=args.cpu_mmap_threshold)
 
     from ptdp.cli.worker import run_worker
 
@@ -115,15 +127,17 @@ def run_train(args: argparse.Namespace) -> int:
 
 def start_problems(config: Config, world_size: int, launcher: bool = False, one_node: bool = True) -> list[str]:
     """Every reason the derived ``config`` cannot start here, one line each (none: it can): the start-up
-    checks of the runtime (``ptdp.runtime.startup``), then of the features that own them (FP8, the data
-    files, the checkpoint). ``launcher``: this is ptdp's launcher (``one_node``: without a multi-node
-    rendezvous), which checks every file before a worker starts; its workers skip what it checked."""
+    checks of the features that own them (FP8, ZeRO-R's CPU checkpointing), of the runtime
+    (``ptdp.runtime.startup``), then of the data files and the checkpoint. ``launcher``: this is ptdp's
+    launcher (``one_node``: without a multi-node rendezvous), which checks every file before a worker
+    starts; its workers skip what it checked."""
     from ptdp.checkpointing.validation import checkpoint_errors, share_verification
     from ptdp.parallel.fp8 import fp8_environment_errors
+    from ptdp.parallel.recompute import recompute_environment_errors
     from ptdp.runtime.interrupt import launched
     from ptdp.runtime.startup import startup_problems
 
-    errors = [*fp8_environment_errors(config), *startup_problems(config)]
+    errors = [*fp8_environment_errors(config), *recompute_environment_errors(config), *startup_problems(config)]
     if launcher or not launched():  # the launcher's workers: it checked the data files already
         from ptdp.data.files import data_file_errors
 
@@ -167,14 +181,18 @@ def _other_parsers(sub) -> None:
     from ptdp.simulate.command import add_simulate_arguments, run_simulate
 
     for name, add_arguments, run, help_text in (
-        ("plan", add_plan_arguments, run_plan, "choose (t, p, d, b, v) for a model on a cluster"),
+        ("plan", add_plan_arguments, run_plan,
+         "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
         ("simulate", add_simulate_arguments, run_simulate, "simulate a pipeline schedule and draw its timeline"),
-        ("preprocess", add_preprocess_arguments, run_preprocess, "tokenize JSONL into indexed .bin/.idx files"),
+        ("preprocess", add_preprocess_arguments, run_preprocess,
+         "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
         ("samples", add_samples_arguments, run_samples,
          "print the training samples in the order training reads them (the flags of `ptdp train`)"),
         ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
-        ("export", add_export_arguments, run_export, "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
-        ("import", add_import_arguments, run_import, "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+        ("export", add_export_arguments, run_export,
+         "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model"),
+        ("import", add_import_arguments, run_import,
+         "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) as a ptdp checkpoint"),
         ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
     ):
         p = sub.add_parser(name, help=help_text)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptdp.config.features import fp8_errors, recompute_errors
+from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
 from ptdp.config.validate_moe import expert_layout_errors, moe_errors
@@ -84,6 +84,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                    max((len(s.layers) for s in stages), default=m.num_layers // (p * v)))
+    errors += saved_activation_errors(config)
     errors += _optimizer_errors(config)
     if d is not None:
         errors += _sharding_errors(config, d)
@@ -106,6 +107,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if tr.timeline_iters is not None and tr.timeline_iters <= 0:
         errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
     errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
+    from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
+
+    errors += data_errors(config)
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

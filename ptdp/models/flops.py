@@ -11,6 +11,10 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   (two GEMMs of ``h × ffn``) + attention scores and weighted values ``4·B·s²·h``.
   With ``ffn = 4h`` that is the paper's ``24·B·s·h² + 4·B·s²·h``.
 * logits: ``2·B·s·h·V`` forward.
+* packed documents with ``--reset-attention-mask`` (ptdp-facts.md §Packed sequences): attention is
+  computed inside each document only, so a sample's scores-and-values term ``4·s²·h`` becomes
+  ``4·(sum of l_i²)·h`` over its documents' lengths l_i: ``attention_length`` is that sum divided by s
+  (averaged over the samples; s itself for whole windows), and the term is ``4·B·s·attention_length·h``.
 * a backward pass costs twice its forward; full activation recomputation runs the layers' forward once
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
@@ -82,6 +86,8 @@ class ModelShape(Protocol):
     @property
     def disable_bias_linear(self) -> bool: ...
     @property
+    def disable_bias_norm(self) -> bool: ...
+    @property
     def normalization(self) -> str: ...
 
 
@@ -128,16 +134,19 @@ def architecture(model: ModelShape) -> dict[str, Any]:
 
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
                         num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                        kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None) -> int:
+                        kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None,
+                        attention_length: float | None = None) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
     ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
-    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h.
+    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h. Packed documents:
+    ``attention_length`` (sum of l_i² / s, module docstring) replaces s in the attention term.
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
     mlp = (6 if swiglu else 4) * h * f if moe is None else 2 * _moe_mlp(h, moe, swiglu, moe.topk)[0]
-    return tokens * (2 * h * (2 * q + 2 * k) + mlp + 4 * seq_length * q)
+    attended = seq_length if attention_length is None else attention_length
+    return int(tokens * (2 * h * (2 * q + 2 * k) + mlp) + round(tokens * 4 * attended * q))
 
 
 def logit_forward_flops(hidden_size: int, vocab_size: int, tokens: int) -> int:
@@ -153,6 +162,7 @@ def flops_per_iteration(
     global_batch_size: int,
     recompute: bool,
     ffn_hidden_size: int | None = None,
+    attention_length: float | None = None,
     **arch: Any,
 ) -> int:
     """FLOPs of one training iteration (forward + backward [+ recomputed forward]) over the global batch.
@@ -160,23 +170,33 @@ def flops_per_iteration(
     With ``recompute=True`` (full activation recomputation) and ffn = 4h this is the paper's eq. (3),
     ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; without it the layer terms get 72 instead of 96 and the
     logit term stays ``6·B·s·h·V`` (ptdp-facts.md, §FLOPs). Selective recomputation re-runs only the
-    attention core; like Megatron we do not count it (pass ``recompute=False``).
+    attention core; like Megatron we do not count it (pass ``recompute=False``). ``attention_length``:
+    packed documents' attention (module docstring).
     """
     tokens = global_batch_size * seq_length
     layer_passes = 4 if recompute else 3
     moe = arch.pop("moe", None)
     dense = num_layers - (moe.moe_layers if moe else 0)
-    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, **arch)
+    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size,
+                                                        attention_length=attention_length, **arch)
     if moe is not None:
         layers += moe.moe_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens,
-                                                                      ffn_hidden_size, moe=moe, **arch)
+                                                                      ffn_hidden_size, moe=moe,
+                                                                      attention_length=attention_length, **arch)
     return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
+
+
+def norm_parameters(hidden_size: int, normalization: str = "LayerNorm", norm_bias: bool = True) -> int:
+    """One norm's parameters: LayerNorm's weight and bias (2h; h with ``--disable-bias-norm``), RMSNorm's
+    weight (h)."""
+    return hidden_size * (2 if normalization != "RMSNorm" and norm_bias else 1)
 
 
 def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
-                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False) -> int:
+                          normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
+                          norm_bias: bool = True) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -189,10 +209,10 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
         return h * (2 * q + 2 * k) + mlp + ((q + 2 * k + h) + shared_biases if bias else 0) + \
-            2 * (h if normalization == "RMSNorm" else 2 * h)
+            2 * norm_parameters(h, normalization, norm_bias)
     weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
     biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
-    norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
+    norms = 2 * norm_parameters(h, normalization, norm_bias)
     return weights + biases + norms
 
 
@@ -233,5 +253,6 @@ def model_parameter_count(model: ModelShape, vocab_size: int | None = None, moe:
     return parameter_count(
         model.num_layers, model.hidden_size, model.seq_length, vocab, model.ffn_size,
         untied=model.untie_embeddings_and_output_weights, rope=model.position_embedding_type == "rope",
-        bias=not model.disable_bias_linear, normalization=model.normalization, moe=moe, active=active,
+        bias=not model.disable_bias_linear, normalization=model.normalization,
+        norm_bias=not model.disable_bias_norm, moe=moe, active=active,
         **architecture(model))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -31,10 +32,11 @@ RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
-    """``--normalization``: LayerNorm (GPT-2) or RMSNorm (Llama: no bias, no mean subtraction)."""
+    """``--normalization``: LayerNorm (GPT-2; without its bias under ``--disable-bias-norm``) or RMSNorm
+    (Llama: no bias, no mean subtraction)."""
     if cfg.normalization == "RMSNorm":
         return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
 
 
 class Linear(nn.Module):
@@ -108,10 +110,15 @@ class SequencePositions(nn.Module):
 
 class CausalAttention(nn.Module):
     """softmax(QKᵀ/√d) V under a causal mask, through SDPA (flash kernels on GPU). q, k, v: ``[b, heads,
-    s, d]`` (k and v already repeated to the query heads). Context parallelism swaps in its ring/all-to-
-    all/all-gather version of the same function."""
+    s, d]`` (k and v already repeated to the query heads). With a ``documents`` layout that masks attention
+    (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
+    start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
+    version of the same function."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
+        if masks_attention(documents):
+            return documents.attend(q, k, v, dropout_p)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 

@@ -34,7 +34,7 @@ from ptdp.config import Config
 from ptdp.observability import flight_recorder
 from ptdp.parallel import ParallelState
 from ptdp.parallel.collectives import group_size
-from ptdp.parallel.data.zero import ChunkParamSync
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
 from ptdp.parallel.pipeline.handlers import ActionHandler
@@ -47,6 +47,11 @@ from ptdp.parallel.vocab.stage import VocabParallel
 from ptdp.schedule.actions import Action
 from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule
+
+
+def stage_loss(output: Tensor, labels: Tensor, weights: Tensor | None, tp_group=None) -> Tensor:
+    """The last stage's :data:`LossFn`: the vocabulary-parallel cross-entropy's mean, or its weighted sum."""
+    return language_model_loss(output, labels, tp_group, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -99,14 +104,6 @@ class StageFactory(Protocol):
                  loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage: ...
 
 
-class GradBuffers(Protocol):
-    """What the assembly reads of the gradient buffers (``GradBuckets`` or a MoE model's composite)."""
-
-    param_sync: ChunkParamSync | None  # ZeRO-3's per-chunk gatherer (``ptdp.optim.setup``), else None
-
-    def finish_grad_sync(self) -> None: ...
-
-
 @dataclass
 class Assembly:
     """What one rank's training and evaluation steps run (module docstring)."""
@@ -126,14 +123,18 @@ class Assembly:
         return self.schedule(forward_only)
 
     def make_stage(self, batches: BatchSource, loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage:
-        """The stage that runs one global batch ``batches``; ``loss_scale`` multiplies each microbatch's loss."""
+        """The stage that runs one global batch ``batches``; ``loss_scale`` multiplies each microbatch's loss.
+        Every rank calls it before the schedule, so the batch source's own collectives run here
+        (``BatchSource.begin``: the per-token loss's global count)."""
+        batches.begin()
         return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
 
 
-def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradBuffers,
+def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradReducer,
              num_microbatches: int, placements: Placements) -> Assembly:
     """The :class:`Assembly` of this rank's ``chunks`` and their ``placements`` (``build_model_chunks``) and
-    ``grads``."""
+    ``grads`` (the data-parallel reducer, ``ptdp.optim.setup``: its ZeRO-3 ``param_sync`` places and runs the
+    gather actions, its ``finish_grad_sync`` is the first gradient sync)."""
     par, p = config.parallel, state.dims.pp
     layout = StageLayout(state.pp_rank, p, len(chunks), state.placement)
     barriers = par.vocab_barriers
@@ -162,6 +163,6 @@ def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], 
         groups = [state.pp_group, state.dp_cp_group, *([state.tp_group] if par.sequence_parallel else [])]
         hooks.append(MoEStepHook(chunks, config.moe.num_experts, config.moe.moe_layer_freq,
                                  config.model.num_layers, groups, state.device))
-    return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=state.tp_group),
+    return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=state.tp_group),
                     stage_factory, schedule, LossReduction(state.pp_group, state.dp_cp_group),
                     sync.handlers() if sync is not None else {}, grad_syncs, hooks)

@@ -13,7 +13,7 @@ from ptdp.config.validate_moe import moe_errors
 from ptdp.config.validate_pipeline import layout_stage_count
 from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
-from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
+from ptdp.planner.search import Estimate, Space, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
     RECOMPUTE_CHOICES,
@@ -28,7 +28,7 @@ from ptdp.schedule.registry import default_virtual_size
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "normalization", "position_embedding_type")
+               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type")
 # A mixture of experts' shape, as ``ptdp train`` spells it (the routing and loss flags change no count)
 _MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
@@ -41,6 +41,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
     add_field_arguments(m, MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
+    add_field_arguments(m, train_config.DataConfig, ("reset_attention_mask",))  # issue 40: packed documents
+    m.add_argument("--mean-document-length", type=int, metavar="L",
+                   help="with --reset-attention-mask: documents of L tokens fill each window, so attention "
+                   "counts sum(l^2)/s = L keys per query instead of s (FLOPs, time, score memory)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -115,7 +119,22 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
     moe = _experts(args, cfg)
-    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe))
+    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe),
+                               attention_length=_attention_length(args, cfg.seq_length))
+
+
+def _attention_length(args: argparse.Namespace, seq_length: int) -> float | None:
+    """``GPTSpec.attention_length`` of ``--reset-attention-mask --mean-document-length L``: min(L, s)."""
+    length = vars(args)["mean_document_length"]
+    if not vars(args)["reset_attention_mask"]:
+        if length is not None:
+            raise _UsageError("--mean-document-length needs --reset-attention-mask (without it attention spans "
+                              "the whole window)")
+        return None
+    if length is None or length < 1:
+        raise _UsageError("--reset-attention-mask needs --mean-document-length L (a positive number of tokens): "
+                          "the attention computed depends on the documents' lengths")
+    return float(min(length, seq_length))
 
 
 def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
@@ -201,8 +220,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               "--pipeline-model-parallel-size too (the search tries both ways by itself)")
         else:
             pin = lambda v: None if v is None else [v]  # noqa: E731
-            configs = candidates(
-                model, cluster, train,
+            space = Space(
                 tensor_sizes=pin(args.tensor_model_parallel_size),
                 pipeline_sizes=pin(args.pipeline_model_parallel_size),
                 virtual_sizes=pin(args.virtual_pipeline_model_parallel_size),
@@ -219,7 +237,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
                 dispatchers=pin(args.moe_token_dispatcher_type),
             )
-            result = search(model, cluster, train, top=args.top, configs=configs)
+            result = search(model, cluster, train, top=args.top, space=space)
             if result.num_evaluated == 0:
                 raise _UsageError("no valid layout: check --gpus against the heads, layers and --global-batch-size")
             best, runners, evaluated = result.best, result.runners_up, result.num_evaluated
@@ -277,10 +295,13 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     lines = [
         f"model: {params / 1e9:.1f}B parameters{moe_note}, l={model.num_layers} h={model.hidden_size} "
         f"a={model.num_attention_heads}{llama} s={model.seq_length} V={model.vocab_size}, "
-        f"global batch {train.global_batch_size}",
+        f"global batch {train.global_batch_size}" + (
+            f"; attention inside documents only (--reset-attention-mask): {model.attention_length:.0f} keys per "
+            "query counted, sum(l^2)/s, not s" if model.attention_length is not None else ""),
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
-        f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
+        f"per GPU), {train.precision}; {evaluated:,} layout(s) estimated"
+        + (" (the others bounded out: docs/planner.md, The search)" if runners else ""),
     ]
     moe = model.moe is not None  # the expert layout's column: e (/etp when the experts' TP is not t)
     rows = [["", *_COLUMNS[:4], *(["e"] if moe else []), *_COLUMNS[4:], "why it loses"]]

@@ -40,7 +40,16 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
+    disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
+    # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
+    # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
+    attention_length: float | None = None
+
+    @property
+    def attended(self) -> float:
+        """What stands for the key length s in the attention terms: s, or the documents' ``attention_length``."""
+        return self.seq_length if self.attention_length is None else self.attention_length
 
     @property
     def ffn(self) -> int:
@@ -104,7 +113,7 @@ class GPTSpec:
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
-            disable_bias_linear=m.disable_bias_linear,
+            disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
         )
 
     @classmethod

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ptdp.checkpointing import CheckpointManager
 from ptdp.config import Config
-from ptdp.models import flops
 from ptdp.observability.clock import Clock
 from ptdp.observability.flight_recorder import run_directory
 from ptdp.observability.observer import RunObserver
@@ -18,6 +17,7 @@ from ptdp.runtime import hardware
 from ptdp.runtime.phases import phase
 from ptdp.train.controller import RunController
 from ptdp.train.report import (
+    evaluate_checkpoint,
     progress_line,
     rank_report,
     read_records,
@@ -27,6 +27,7 @@ from ptdp.train.report import (
 )
 from ptdp.train.state import setup
 from ptdp.train.step import train_step
+from ptdp.train.throughput import IterationFlops
 
 
 def train(config: Config) -> list[dict]:
@@ -45,17 +46,20 @@ def train(config: Config) -> list[dict]:
         report_data_mix(trainer)
     first_iteration = resumed + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
+    if tr.skip_train:  # Megatron's --skip-train: evaluate the checkpoint and exit
+        try:
+            evaluate_checkpoint(trainer, first_iteration - 1)
+        finally:
+            controller.close()
+            checkpoints.close()
+        return trainer.metrics
     for chunk in trainer.chunks:
         chunk.train()
-    vocab = trainer.vocab_size
-    moe = flops.moe_shape(m, config.moe)  # MoE: the FLOPs of the experts a token goes through
-    iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                                tr.global_batch_size, recompute=m.recompute_granularity == "full",
-                                                ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
-    # MFU counts the model's FLOPs only (no recomputation), tflops_per_gpu the paper's eq. (3) count.
-    model_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                            tr.global_batch_size, recompute=False,
-                                            ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
+    # eq. (3) per iteration (MoE: the experts a token goes through; packed documents: the attention inside
+    # them, ptdp.train.throughput); MFU counts the model's FLOPs only (no recomputation)
+    counter = IterationFlops(config, trainer.vocab_size, trainer.data.train, trainer.batch_format.documents)
+    recompute = m.recompute_granularity == "full"
+    counted: list[int] = []  # each logged iteration's count, for the run summary's average
     peak = hardware.peak_flops_for_current_device()
     is_logger = trainer.state.rank == 0
     if tr.metrics_file and is_logger:
@@ -80,17 +84,21 @@ def train(config: Config) -> list[dict]:
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")
             per_gpu = 1.0 / elapsed / trainer.state.dims.world_size
+            attention = counter.attention_length(it) if is_logger else None
+            counted.append(counter(recompute, attention))
             record = {
                 "iteration": it, **record, "iteration_time_s": elapsed,
                 "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
-                "tflops_per_gpu": iteration_flops * per_gpu / 1e12,
-                "mfu": model_flops * per_gpu / peak if peak else None,
+                "tflops_per_gpu": counted[-1] * per_gpu / 1e12,
+                "mfu": counter(False, attention) * per_gpu / peak if peak else None,
                 "consumed_samples": trainer.data.train.consumed_samples(it),
             }
+            if attention is not None:
+                record["attention_length"] = attention
             if it == first_iteration and trainer.data.train.resumed:  # the data mix at resume (docs/data.md)
                 record["data_mix"] = trainer.data.train.resumed
             if it == evaluate_at:
-                record.update(validation_record(trainer, it, is_logger, controller.interrupted))
+                record.update(validation_record(trainer, it, is_logger, interrupted=controller.interrupted))
             trainer.metrics.append(record)
             observer.log(record)
             if metrics_file:
@@ -137,7 +145,8 @@ def train(config: Config) -> list[dict]:
         with controller.saving(iteration or 0):
             checkpoints.finish(iteration)
         controller.stop_watching()  # what follows (rank 0 merging traces) is no one's hang
-        observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
+        observer.finish(trainer.metrics, time.perf_counter() - start, sum(counted) / max(len(counted), 1),
+                        checkpoints.last_saved)
     finally:
         observer.close()
         controller.close()

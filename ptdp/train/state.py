@@ -17,14 +17,18 @@ from torch import nn
 from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
+from ptdp.data.documents import DocumentOptions
 from ptdp.data.train_stream import TrainStream
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
-from ptdp.optim import GradBuckets, MegatronOptimizer, setup_optimizer
+from ptdp.ops.document_attention import select_document_attention
+from ptdp.optim import MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
 from ptdp.parallel.assembly import Assembly, assemble
 from ptdp.parallel.collectives import all_gather, split
+from ptdp.parallel.context.documents import context_parallel_document_line
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.init import params_dtype
 from ptdp.parallel.parallelize import build_model_chunks, local_seq_length
@@ -35,6 +39,7 @@ from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
 from ptdp.schedule.registry import schedule_placement
+from ptdp.train.batches import BatchFormat
 
 
 @dataclass
@@ -46,12 +51,13 @@ class TrainState:
     chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
     placements: Placements  # where each of their parameters lives in the full model (ptdp.parallel.placement)
     data: DataSplits
-    grads: GradBuckets
+    grads: GradReducer  # the data-parallel gradient synchronisation (ptdp.parallel.data)
     optimizer: MegatronOptimizer
     num_microbatches: int
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
     assembly: Assembly  # what each parallelism adds to the step and evaluation
+    batch_format: BatchFormat  # how each global batch is cut, and what its microbatches carry (documents)
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
@@ -99,7 +105,23 @@ def setup(config: Config) -> TrainState:
         assembly = assemble(config, state, model.chunks, grads, m, model.placements)
         comm = build_p2p(config, state)
     return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, assembly.actions(),
-                      comm, assembly)
+                      comm, assembly, batch_format(config, state, data.tokenizer.eod_id))
+
+
+def batch_format(config: Config, state: ParallelState, eod: int) -> BatchFormat:
+    """The trainer's :class:`BatchFormat`; with ``--reset-attention-mask`` the attention kernel is chosen
+    here, once, and rank 0 prints the one line saying which (``ptdp.ops.document_attention``)."""
+    d, tr = config.data, config.training
+    options = DocumentOptions(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    kernel = None
+    if options.reset_attention_mask:
+        kernel, line = select_document_attention(state.device, params_dtype(config), config.model.attention_dropout)
+        if state.dims.cp > 1:
+            line += context_parallel_document_line(config.parallel.cp_comm_type)
+        if state.rank == 0:
+            print(f" {line}", flush=True)
+    return BatchFormat(tr.global_batch_size, tr.micro_batch_size, options if options.any else None, kernel,
+                       tr.calculate_per_token_loss)
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:

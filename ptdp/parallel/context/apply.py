@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from ptdp.models import CausalAttention, SequencePositions
+from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.parallel.collectives import group_rank, group_size
 from ptdp.parallel.context.attention import context_parallel_attention, load_balanced_positions
+from ptdp.parallel.context.documents import document_context_attention
 
 
 class LoadBalancedPositions(SequencePositions):
@@ -30,13 +32,19 @@ class LoadBalancedPositions(SequencePositions):
 
 
 class ContextParallelAttention(CausalAttention):
-    """Causal attention of this rank's queries over the whole sequence, through the CP group."""
+    """Causal attention of this rank's queries over the whole sequence, through the CP group; inside each
+    document when a packed microbatch's layout masks attention (``ptdp.parallel.context.documents``)."""
 
     def __init__(self, cp_group, comm_type: str):
         super().__init__()
         self.cp_group, self.comm_type = cp_group, comm_type
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
+        if masks_attention(documents):
+            if dropout_p > 0.0:
+                raise ValueError("--attention-dropout > 0 is not supported with --context-parallel-size > 1")
+            return document_context_attention(q, k, v, documents, cp_group=self.cp_group, comm_type=self.comm_type)
         return context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.comm_type,
                                           dropout_p=dropout_p)
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ptdp.models import GPTModel
 from ptdp.models.layers import mask_padding_
 from ptdp.parallel.collectives import all_gather, group_rank, group_size
-from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
 from ptdp.parallel.pipeline.stage import logical_name
@@ -105,7 +105,7 @@ def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
     return getattr(chunks[0], SLICES, None) if chunks else None
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradBuckets | None) -> None:
+def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradReducer | None) -> None:
     """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
     ZeRO-2/3 bucket's buffer is allocated at its first gradient (``grads.allocate_main_grad``: no autograd
     hook sees this one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
@@ -137,7 +137,7 @@ class VocabParallel:
     tp_group: Any
     pp_ranks: tuple[int, ...]  # global ranks of this pipeline
     sequence_parallel: bool
-    grads: GradBuckets | None = None  # the gradient buffers the slices' gradients go into
+    grads: GradReducer | None = None  # the gradient buffers the slices' gradients go into
 
     def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
                  loss_scale: float = 1.0, forward_only: bool = False) -> VocabStage:
@@ -193,10 +193,10 @@ class VocabStage(ModuleStage):
             return super().forward(chunk, microbatch, input)
         if self.forward_only:
             with torch.no_grad():
-                self._buf["H", microbatch] = self.chunks[chunk](input).contiguous()
+                self._buf["H", microbatch] = self.chunks[chunk](input, **self.batches.extras(microbatch)).contiguous()
             return None
         x = input.detach().requires_grad_(True)
-        y = self.chunks[chunk](x)
+        y = self.chunks[chunk](x, **self.batches.extras(microbatch))
         self._stash[chunk, microbatch] = (x, y)
         self._buf["H", microbatch] = y.detach().contiguous()
         return None
@@ -319,13 +319,15 @@ class VocabStage(ModuleStage):
         gmax = lmaxs.max(dim=0).values
         c = (lmaxs - gmax).exp_()  # each rank's rescaling to the global max
         gsum = (c * gathered[..., 1]).sum(dim=0)
+        weights = self.batches.loss_weights(mb)  # the loss's per-token weights (--eod-mask-loss), or its mean
         if self.rank == self.last_rank:
-            loss = (gsum.log() + gmax - gathered[..., 2].sum(dim=0)).mean()
+            per_token = gsum.log() + gmax - gathered[..., 2].sum(dim=0)
+            loss = per_token.mean() if weights is None else (per_token * weights).sum()
             self.losses[mb] = loss * self.scale  # as ModuleStage's: over m, times the loss scale
         if self.forward_only:
             return
-        tokens = e.shape[0] * e.shape[1]
-        gscale = self.scale / tokens
+        # d(loss)/d(per-token loss), times the stage's factor: a number, or [b, s] with weights
+        gscale = self.scale / (e.shape[0] * e.shape[1]) if weights is None else weights * self.scale
         factor = c / gsum  # [p, b, s]
         grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
         grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
@@ -338,7 +340,8 @@ class VocabStage(ModuleStage):
         elif self.rank == self.last_rank:
             h = x.shape[-1]
             a, b = gathered[..., 3:3 + h], gathered[..., 3 + h:]
-            self._grad_h[mb] = gscale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
+            token_scale = gscale if weights is None else gscale.unsqueeze(-1)
+            self._grad_h[mb] = token_scale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
 
 
 def _tp_max(x: Tensor, group) -> Tensor:
