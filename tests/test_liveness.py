@@ -10,6 +10,7 @@ tests/test_resilience.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -22,6 +23,7 @@ from ptdp.observability import flight_recorder
 from ptdp.observability.flight_recorder import COMPUTE, COUNTS
 from ptdp.observability.liveness import DeviceProgress, watch_layers
 from ptdp.observability.watchdog import diagnose
+from ptdp.train.controller import RunController
 
 NOW = 1000.0
 
@@ -133,20 +135,22 @@ def _watch_heartbeats(hang_dir, rank: int, seen: list[float], stop: threading.Ev
 
 
 def test_a_pipeline_whose_iterations_take_8x_the_timeout_finishes_without_a_restart(tmp_path):
-    """Stage 0 sleeps 0.5 s in each layer's forward (4 layers x 4 microbatches per iteration): iterations
-    of 8 s against a 1 s timeout. Stage 1 waits about 2 s for each microbatch, twice the timeout (with 2 layers
-    a stage it waited about 1 s, which a heartbeat every 0.5 s saw above 1 s or not by a few ms), which is
-    no hang while stage 0 ticks."""
+    """Stage 0 sleeps 0.25 s in each layer's forward (8 layers x 4 microbatches per iteration): iterations
+    of 8 s against a 1 s timeout. Stage 1 waits about 2 s for each microbatch, twice the timeout, which is
+    no hang while stage 0 ticks. Stage 0 ticks twice per heartbeat period (POLL_S), so each of its
+    heartbeats says "progress just now": only a heartbeat 1 s overdue (a watchdog thread starved that long
+    on a loaded machine) would read as silence; with 0.5 s a layer, some heartbeats said 0.5 s and half
+    that lateness was enough. Without the layer ticks, stage 0's 2 s forwards are silences: a hang."""
     ckpt, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     seen: list[float] = []
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_heartbeats, args=(tmp_path / "ck.run" / "hang", 1, seen, stop))
     watcher.start()
     try:
-        proc = run_ptdp(["train", *TINY, *P2, "--num-layers", "8", "--global-batch-size", "8", "--train-iters", "3",
+        proc = run_ptdp(["train", *TINY, *P2, "--num-layers", "16", "--global-batch-size", "8", "--train-iters", "3",
                          "--hang-timeout-s", "1", "--max-restarts", "1",
                          "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics)],
-                        env={"PTDP_TEST_SLOW_LAYER": "0:0.5"}, check=False, timeout=300)
+                        env={"PTDP_TEST_SLOW_LAYER": "0:0.25"}, check=False, timeout=300)
     finally:
         stop.set()
         watcher.join()
@@ -157,6 +161,32 @@ def test_a_pipeline_whose_iterations_take_8x_the_timeout_finishes_without_a_rest
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert all(r["iteration_time_s"] >= 8 for r in records)
     assert max(seen, default=0.0) > 1.0, seen  # stage 1 really was silent longer than the timeout
+
+
+def test_a_new_job_forgets_old_reports_and_a_rank_failing_after_a_report_exits_3(tmp_path, monkeypatch):
+    """The reporter's exit closes the connection a peer waits on; the peer's step raises before its own
+    watchdog sees the hang: it must exit 3 without a traceback (the report stays the one line, which the
+    next test asserts when the looping rank reports itself). An earlier job's report, left beside the same
+    --save, must neither silence this job's errors nor its own report."""
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "report-attempt0.txt").write_text("hang: an earlier job's\n")
+    (hang / "rank1-ops.json").write_text("{}")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    controller = RunController(0, 2, torch.device("cpu"), False, 300.0, tmp_path)
+    try:
+        assert sorted(p.name for p in hang.iterdir()) == []  # a new job: the old reports are gone
+        controller.before_iteration(1)
+        controller.before_iteration(2)  # the watchdog is armed
+        controller.failed()
+        assert exits == []  # no report: this rank's own error, raised as it is
+        (hang / "report-attempt0.txt").write_text("hang: rank(s) 1 ...\n")  # a peer reported, then left
+        controller.failed()
+        assert exits == [3]
+    finally:
+        controller.close()
 
 
 def test_a_rank_looping_in_python_is_named_with_where_it_loops(tmp_path):

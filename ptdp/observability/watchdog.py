@@ -21,6 +21,10 @@ when every rank has been silent that long (or stopped), it
    are killed (a stopped process would otherwise hold the launcher's restart for its 30 s grace period);
 4. exits with code 3, so torchrun (``--max-restarts``) restarts every worker from the latest checkpoint.
 
+The reporter's exit (or its kill of a culprit) closes the connections the other ranks wait on, so their
+communication raises before their own watchdog sees the hang: :meth:`Watchdog.leave_if_reported` makes such
+a rank exit 3 quietly too (the training loop calls it when the step raises), so the report stays the one line.
+
 Heartbeats are files in the run directory (``DIR.run`` beside ``--save DIR``): on several nodes it must be
 shared storage, which a restart from the latest checkpoint needs anyway.
 """
@@ -168,6 +172,27 @@ class Watchdog:
             flight_recorder._NEW_ITERATION.wait(POLL_S - 0.1)
             flight_recorder._NEW_ITERATION.clear()
 
+    @staticmethod
+    def forget_reports(run_dir: str | Path) -> None:
+        """Remove an earlier job's hang reports (rank 0, as a job starts: before any watchdog is armed): a
+        ``report-attempt0.txt`` left by the last job would silence this job's report and make
+        :meth:`leave_if_reported` take any error for a peer's hang."""
+        folder = Path(run_dir) / "hang"
+        for old in [*folder.glob("report-attempt*.txt"), *folder.glob("rank*-ops.json")]:
+            old.unlink(missing_ok=True)
+
+    def _report_path(self) -> Path:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # one report per launcher attempt
+        return self.dir / f"report-attempt{attempt}.txt"
+
+    def leave_if_reported(self) -> None:
+        """Exit with code 3 at once, printing nothing, when some rank reported a hang in this launcher
+        attempt: called when this rank's main thread raised, which then is the report's consequence (a peer
+        that exited, or was killed, closed the connection this rank was waiting on), not news of its own."""
+        if self._report_path().exists():
+            sys.stdout.flush()
+            os._exit(HANG_EXIT_CODE)
+
     def _beats(self, mine: dict) -> dict[int, dict | None]:
         beats: dict[int, dict | None] = {}
         for r in range(self.world_size):
@@ -188,8 +213,7 @@ class Watchdog:
             f"; rank {self.rank} waits in {flight_recorder.describe(ops[-1] if ops else None)}" if mine["comm"]
             else f"; rank {self.rank} is at {mine['where']}")
         try:
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # one report per launcher attempt
-            fd = os.open(self.dir / f"report-attempt{attempt}.txt", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(self._report_path(), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             fd = None
         if fd is not None:

@@ -26,6 +26,7 @@ optimizer or parallelism, which reach it only as the loop's calls.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -71,6 +72,8 @@ class RunController:
             self._agree_group = dist.new_group(backend="gloo")
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.watching and rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            Watchdog.forget_reports(run_dir)  # a new job; a restarted one keeps its earlier attempts' reports
 
     @property
     def watching(self) -> bool:
@@ -150,6 +153,12 @@ class RunController:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def failed(self) -> None:
+        """The loop raised: when a rank reported a hang, this is its consequence (a peer's exit closed the
+        connection this rank waited on): exit 3 quietly, so the job's output is the report's one line."""
+        if self.watchdog is not None:
+            self.watchdog.leave_if_reported()
 
     def close(self) -> None:
         self.stop_watching()

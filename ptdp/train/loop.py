@@ -147,6 +147,9 @@ def train(config: Config) -> list[dict]:
         controller.stop_watching()  # what follows (rank 0 merging traces) is no one's hang
         observer.finish(trainer.metrics, time.perf_counter() - start, sum(counted) / max(len(counted), 1),
                         checkpoints.last_saved)
+    except Exception:
+        controller.failed()  # a peer's hang report closed this rank's connections: exit 3 without a word
+        raise
     finally:
         observer.close()
         controller.close()
