@@ -172,6 +172,7 @@ def test_a_new_job_forgets_old_reports_and_a_rank_failing_after_a_report_exits_3
     hang.mkdir()
     (hang / "report-attempt0.txt").write_text("hang: an earlier job's\n")
     (hang / "rank1-ops.json").write_text("{}")
+    (hang / "heartbeat-rank1.json").write_text("{}")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)

@@ -174,11 +174,12 @@ class Watchdog:
 
     @staticmethod
     def forget_reports(run_dir: str | Path) -> None:
-        """Remove an earlier job's hang reports (rank 0, as a job starts: before any watchdog is armed): a
-        ``report-attempt0.txt`` left by the last job would silence this job's report and make
-        :meth:`leave_if_reported` take any error for a peer's hang."""
+        """Remove an earlier job's hang reports and heartbeats (rank 0, as a job starts: before any watchdog
+        is armed): a ``report-attempt0.txt`` left by the last job would silence this job's report and make
+        :meth:`leave_if_reported` take any error for a peer's hang (a hang's exit leaves heartbeats too)."""
         folder = Path(run_dir) / "hang"
-        for old in [*folder.glob("report-attempt*.txt"), *folder.glob("rank*-ops.json")]:
+        for old in [*folder.glob("report-attempt*.txt"), *folder.glob("rank*-ops.json"),
+                    *folder.glob("heartbeat-rank*.json")]:
             old.unlink(missing_ok=True)
 
     def _report_path(self) -> Path:
