@@ -19,8 +19,8 @@ from torch import nn
 
 from ptdp.config import Config
 from ptdp.optim import MegatronOptimizer
-from ptdp.parallel import ParallelState
 from ptdp.parallel.placement import Placements
+from ptdp.parallel.plan import ParallelPlan
 
 
 @runtime_checkable
@@ -43,13 +43,15 @@ class Checkpointable(Protocol):
 
     @property
     def config(self) -> Config:
-        """The run's configuration: the model's shape and architecture (checked on load), the layout
-        (t, p, d, v, schedule: recorded), the seed (re-seeding in another layout), ``--save``'s options."""
+        """The run's configuration: the model's shape and architecture (checked on load), ``--save``'s
+        options; recorded whole in ``ptdp.json``."""
         ...
 
     @property
-    def state(self) -> ParallelState:
-        """This rank's coordinates and groups: rank, sizes, the tensor-parallel mesh, the device."""
+    def plan(self) -> ParallelPlan:
+        """The resolved layout (t, p, d, v, c, e, m, the schedule: recorded, and compared on load), the
+        vocabulary's divisor, the seed (re-seeding in another layout) and, in ``plan.groups``, this rank's
+        coordinates, meshes and device."""
         ...
 
     @property

@@ -24,12 +24,12 @@ class CheckpointManager:
         self._stall_s: float | None = None  # the loop's stall for the last save, until reported
         self.last_stall_s: float | None = None
         self.writer = None
-        state = run.state
+        rank = run.plan.groups.rank
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
             from ptdp.checkpointing.saver import CheckpointWriter
 
-            self.writer = CheckpointWriter(state.rank, state.dims.world_size, self.ck.async_save)
-            if state.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
+            self.writer = CheckpointWriter(rank, run.plan.world, self.ck.async_save)
+            if rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
                 from ptdp.checkpointing.storage import remove_leftovers
 
                 for path in remove_leftovers(self.ck.save):
@@ -52,9 +52,9 @@ class CheckpointManager:
         if not self.ck.load:
             return 0
         iteration = load_checkpoint(self.run, self.ck.load)
-        if not iteration and self.run.state.rank == 0:  # an empty DIR, or a --save DIR not saved yet
+        if not iteration and self.run.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet
             print(f" no checkpoint in {self.ck.load}: starting from scratch", flush=True)
-        if iteration and self.run.state.rank == 0:
+        if iteration and self.run.plan.groups.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
             self._report_layout_change()
         return iteration
@@ -66,8 +66,7 @@ class CheckpointManager:
 
         run = self.run
         saved = read_info(resolve(self.ck.load))["layout"]
-        line = layout_change(saved, _layout(run), run.config.training.global_batch_size,
-                             run.config.num_microbatches(run.state.dims.world_size))
+        line = layout_change(saved, _layout(run), run.config.training.global_batch_size, run.plan.m)
         if line:
             print(line, flush=True)
 
@@ -100,7 +99,7 @@ class CheckpointManager:
         self.last_saved = iteration
 
     def _committed(self, iteration: int, path: Path, write_s: float) -> None:
-        if self.run.state.rank == 0:
+        if self.run.plan.groups.rank == 0:
             stall = (f"; the loop stalled {self.last_stall_s:.3f} s" if self.writer.async_save and self.last_stall_s
                      else "")
             print(f" saved checkpoint {path} (written in {write_s:.3f} s{stall})", flush=True)

@@ -53,14 +53,14 @@ def _layout(run: Checkpointable) -> dict:
     DP (the distributed optimizer shards over the dp-cp group and :func:`optimizer_state` gathers over it),
     so c changes nothing in the saved tensors: it is recorded (only when c > 1, so c = 1 checkpoints keep
     their old layout) to tell a same-layout resume, whose RNG states apply, from a resharded one."""
-    dims, par = run.state.dims, run.config.parallel
-    layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
-              "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
-              "pipeline_schedule": par.schedule}
-    if dims.cp > 1:
-        layout["context_parallel_size"] = dims.cp
-    if par.expert_model_parallel_size > 1:
-        layout["expert_model_parallel_size"] = par.expert_model_parallel_size
+    plan = run.plan
+    layout = {"tensor_model_parallel_size": plan.t, "pipeline_model_parallel_size": plan.p,
+              "data_parallel_size": plan.d, "virtual_pipeline_model_parallel_size": plan.v,
+              "pipeline_schedule": plan.schedule}
+    if plan.c > 1:
+        layout["context_parallel_size"] = plan.c
+    if plan.e > 1:
+        layout["expert_model_parallel_size"] = plan.e
     return layout
 
 
@@ -78,8 +78,8 @@ def _mesh_for(run: Checkpointable) -> Callable[[tuple[str, ...]], DeviceMesh | N
 
     def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:
         if axes not in meshes:
-            expert = run.state.expert
-            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else run.state.mesh
+            expert = run.plan.groups.expert
+            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else run.plan.groups.mesh
             meshes[axes] = None if whole is None else whole[axes]
         return meshes[axes]
 
@@ -140,7 +140,7 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
     if pieces:
         out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
-    out.update(_rng_entries(run.state.rank))
+    out.update(_rng_entries(run.plan.groups.rank))
     return out
 
 
@@ -153,13 +153,13 @@ def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=
     """
     from ptdp.checkpointing.saver import CheckpointWriter, stage
 
-    ck, state = run.config.checkpoint, run.state
+    ck, rank = run.config.checkpoint, run.plan.groups.rank
     if writer is None:
-        writer = CheckpointWriter(state.rank, state.dims.world_size, async_save=False)
+        writer = CheckpointWriter(rank, run.plan.world, async_save=False)
     state_dict = save_state_dict(run)
     has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
     info = None
-    if state.rank == 0:
+    if rank == 0:
         info = {
             "iteration": iteration,
             "consumed_samples": run.data_position.consumed_samples(iteration),
@@ -188,10 +188,10 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
     from ptdp.checkpointing.saver import verify_data_files
 
-    verify_data_files(directory, run.state.rank, run.state.dims.world_size)  # each rank a share
+    verify_data_files(directory, run.plan.groups.rank, run.plan.world)  # each rank a share
     info = storage.read_info(directory)
     problem = model_mismatch(info["model"], run.config.model, run.chunks[0].vocab_size,
-                             run.state.dims.tp)
+                             run.plan.t)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -222,7 +222,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
                 optim.setdefault(param, {})[field] = live
                 want(key, live, param, shard=field != "step")
     same_layout = info["layout"] == _layout(run)
-    rng = _rng_entries(run.state.rank)
+    rng = _rng_entries(run.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
     install_pieces = None
@@ -255,11 +255,12 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
     run.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
-        prefix = f"rng.rank{run.state.rank}."
+        prefix = f"rng.rank{run.plan.groups.rank}."
         _restore_rng(run, {key.removeprefix(prefix): request[key] for key in rng})
     elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
-        tp_random.model_parallel_seed(reseed(run.config.training.seed, iteration), run.state.tp_rank,
-                                      run.state.pp_rank, run.state.device)
+        groups = run.plan.groups
+        tp_random.model_parallel_seed(reseed(run.plan.seed, iteration), groups.tp_rank, groups.pp_rank,
+                                      groups.device)
     return iteration
 
 
@@ -279,9 +280,7 @@ def _restore_rng(run: Checkpointable, states: dict[str, torch.Tensor]) -> None:
 
 
 def _padded_vocab(run: Checkpointable) -> int:
-    dims = run.state.dims
-    vocab_parallel = run.config.parallel.enable_vocab_parallel
-    return run.config.model.padded_vocab_size(run.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
+    return run.config.model.padded_vocab_size(run.chunks[0].vocab_size, run.plan.vocab_divisor)
 
 
 def _grad_scaler(run: Checkpointable):
