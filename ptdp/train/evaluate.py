@@ -42,7 +42,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int,
             batches = Microbatches(dataset, k, trainer.batch_format, groups, trainer.plan.m)
             stage = run.make_stage(batches, forward_only=True)
             with torch.no_grad():
-                run_schedule(actions, stage, trainer.comm, run.handlers)
+                run_schedule(actions, stage, trainer.comm, run.handlers, device=groups.device)
             total += float(sum(stage.losses.values()))
             if interrupted():
                 return None
