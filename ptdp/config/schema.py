@@ -204,6 +204,14 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
                                                   "default, as Megatron-Core) or 1, which lets e span the "
                                                   "tensor-parallel ranks")
+    # Overlapped forward-backward pairs (issue 38): ptdp/schedule/dualpipe.py, docs/dualpipe.md
+    overlap_moe_expert_parallel_comm: bool = opt(
+        False, "1f1b and interleaved: run each steady-state forward together with another microbatch's "
+        "backward, piece by piece, so that the expert dispatch and combine of one hide under the other's "
+        "compute (Megatron-Core's combined 1F1B; one more microbatch in flight; dualpipev always overlaps)")
+    delay_wgrad_compute: bool = opt(
+        False, "in an overlapped pair, compute a piece's weight gradients after issuing the communication of "
+        "its input gradients, as more work to hide it behind")
 
     @property
     def virtual_size(self) -> int:

@@ -11,9 +11,15 @@ a micro-batch, flattened):
    becomes ``E`` (one past the last expert) and their probability 0.
 2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,
    indices) -> (expert_input [N, h], tokens_per_expert [E_local], ctx)`` and back, weighted by the
-   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``. :class:`LocalDispatcher` is the
-   single-process one; expert parallelism (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather
-   dispatchers from outside and slices ``experts`` to its ranks' experts.
+   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``, each cut at its communication
+   (:class:`Dispatcher`). :class:`LocalDispatcher` is the single-process one; expert parallelism
+   (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather dispatchers from outside and slices
+   ``experts`` to its ranks' experts.
+
+The layer is also a program of pieces (:meth:`MoELayer.steps`, ``ptdp.models.pieces``): route, dispatch,
+experts, combine, finish, with the dispatcher's communication between them outside autograd. Its
+``forward`` runs that program at once; DualPipe's overlapped forward-and-backward runs it a piece at a
+time, interleaved with another microbatch's backward (``ptdp.parallel.pipeline.overlap``).
 3. ``experts`` (:class:`GroupedExperts`) runs each local expert's MLP on its rows: one grouped GEMM
    (``--moe-grouped-gemm``, ``torch._grouped_mm``) or a loop, both through ``ptdp.ops.grouped`` whose weight
    gradients a zero-bubble W pass can defer.
@@ -36,6 +42,7 @@ by the trainer (:func:`pop_moe_stats`) without a host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +51,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.config.validate_moe import moe_layer_pattern
+from ptdp.models.pieces import Compute, Done, Exchange, Step, Transfer, exchanged, run_sequential
 from ptdp.ops.grouped import grouped_linear
 from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-__all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
+__all__ = ["Dispatcher", "GroupedExperts", "Local", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
            "moe_layers", "pop_moe_stats", "set_aux_loss_scale"]
 
 
@@ -136,7 +144,50 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
 
 
-class LocalDispatcher:
+class Dispatcher:
+    """The token dispatcher seam: a dispatch and a combine, each cut at its communication so that the
+    pieces of ``ptdp.models.pieces`` can run it (``MoELayer.steps``)::
+
+        prepare(hidden [T, h], probs [T, k], indices [T, k]) -> (send, keep, ctx)
+        dispatch_transfer(ctx): send -> received                     (communication, outside autograd)
+        arrive(received, ctx) -> (expert_input [N, h], tokens_per_expert [E_local], carry)
+        depart(expert_output [N, h], carry, ctx) -> back
+        combine_transfer(ctx): back -> returned                       (communication)
+        finish(returned, keep, ctx) -> [T, h]     # Σ_k probs · expert output, per token
+
+    ``send``, ``keep``, ``carry``, ``back`` and ``returned`` are tuples of tensors (those that carry
+    gradients pass between the pieces as values); ``ctx`` holds only what carries none (orders, counts).
+    :meth:`dispatch` and :meth:`combine` compose them with autograd through the transfers.
+    """
+
+    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+        send, keep, ctx = self.prepare(hidden, probs, indices)
+        expert_input, tokens_per_expert, carry = self.arrive(exchanged(self.dispatch_transfer(ctx), send), ctx)
+        return expert_input, tokens_per_expert, (keep, carry, ctx)
+
+    def combine(self, expert_output: Tensor, state: Any) -> Tensor:
+        keep, carry, ctx = state
+        back = self.depart(expert_output, carry, ctx)
+        return self.finish(exchanged(self.combine_transfer(ctx), back), keep, ctx)
+
+    def dispatch_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+    def combine_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+
+class Local:
+    """The transfer of one process: the tensors stay where they are."""
+
+    def start(self, tensors: tuple) -> Done:
+        return Done(tensors)
+
+    def start_backward(self, grads: tuple) -> Done:
+        return Done(grads)
+
+
+class LocalDispatcher(Dispatcher):
     """Single-process dispatcher: sort the kept (token, expert) pairs by expert (stable: token order within
     an expert), optionally pad each expert's rows to its capacity; combine = weighted scatter-add back."""
 
@@ -144,7 +195,7 @@ class LocalDispatcher:
         self.num_experts, self.topk = num_experts, topk
         self.capacity_factor, self.pad = capacity_factor, pad and capacity_factor is not None
 
-    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+    def prepare(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[tuple, tuple, Any]:
         t, e = hidden.shape[0], self.num_experts
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
@@ -164,10 +215,17 @@ class LocalDispatcher:
             slots = expert * capacity + torch.arange(n, device=hidden.device) - starts[expert]
             rows = hidden.new_zeros(e * capacity, hidden.shape[1]).index_copy(0, slots, rows)
             kept = torch.full_like(kept, capacity)
-        return rows, kept, (tokens, weights, slots, t)
+        return (rows,), (weights,), (tokens, slots, t, kept)
 
-    def combine(self, expert_output: Tensor, ctx: Any) -> Tensor:
-        tokens, weights, slots, t = ctx
+    def arrive(self, received: tuple, ctx: Any) -> tuple[Tensor, Tensor, tuple]:
+        return received[0], ctx[3], ()
+
+    def depart(self, expert_output: Tensor, carry: tuple, ctx: Any) -> tuple:
+        return (expert_output,)
+
+    def finish(self, returned: tuple, keep: tuple, ctx: Any) -> Tensor:
+        tokens, slots, t, _ = ctx
+        (expert_output,), (weights,) = returned, keep
         if slots is not None:
             expert_output = expert_output[slots]
         weighted = expert_output * weights.unsqueeze(-1).to(expert_output.dtype)
@@ -212,21 +270,50 @@ class MoELayer(nn.Module):
         self.stats: dict[str, Tensor] = {}
 
     def forward(self, x: Tensor) -> Tensor:
+        return run_sequential(self.steps("x", "y"), {"x": x})["y"]
+
+    def steps(self, inp: str, out: str) -> list[Step]:
+        """The layer as pieces (``ptdp.models.pieces``) from the value ``inp`` ``[b, s, h]`` to ``out``: route
+        (router, shared expert, the dispatcher's ``prepare``), the dispatch transfer, the experts (between
+        the dispatcher's ``arrive`` and ``depart``), the combine transfer, then ``finish``."""
+        name = functools.partial("{}.{}".format, out)
+        return [
+            Compute(self._route, (inp,), (name("send"), name("keep"), name("ctx")), "moe_route"),
+            Exchange(lambda v: self.dispatcher.dispatch_transfer(v[name("ctx")][1]), name("send"), name("recv"),
+                     "moe_dispatch"),
+            Compute(self._experts, (name("recv"), name("ctx")), (name("back"),), "moe_experts"),
+            Exchange(lambda v: self.dispatcher.combine_transfer(v[name("ctx")][1]), name("back"),
+                     name("returned"), "moe_combine"),
+            Compute(self._finish, (name("returned"), name("keep"), name("ctx")), (out,), "moe_finish"),
+        ]
+
+    def _route(self, x: Tensor) -> tuple[tuple, tuple, tuple]:
         b, s, h = x.shape
         flat = x.reshape(-1, h)
         probs, indices, aux = self.router(flat, num_sequences=b)
-        expert_input, tokens_per_expert, ctx = self.dispatcher.dispatch(flat, probs, indices)
-        out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), ctx)
+        if self.training and not _in_backward():
+            self._record(aux, indices)
+        shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(linear(flat, self.shared_expert_gate.weight)) * shared
+        aux_loss = sum(aux.values()) if aux and self.training and torch.is_grad_enabled() else None
+        send, keep, ctx = self.dispatcher.prepare(flat, probs, indices)
+        return send, (aux_loss, shared, *keep), ((b, s, h), ctx)
+
+    def _experts(self, received: tuple, ctx: tuple) -> tuple[tuple]:
+        expert_input, tokens_per_expert, carry = self.dispatcher.arrive(received, ctx[1])
+        return (self.dispatcher.depart(self.experts(expert_input, tokens_per_expert), carry, ctx[1]),)
+
+    def _finish(self, returned: tuple, keep: tuple, ctx: tuple) -> tuple[Tensor]:
+        aux_loss, shared, *kept = keep
+        out = self.dispatcher.finish(returned, tuple(kept), ctx[1])
+        if shared is not None:
             out = out + shared
-        if self.training and not _in_backward():
-            self._record(aux, indices)
-        if aux and self.training and torch.is_grad_enabled():
-            out = _AuxLossGrad.apply(out, sum(aux.values()), self.aux_loss_scale)
-        return out.view(b, s, h)
+        if aux_loss is not None:
+            out = _AuxLossGrad.apply(out, aux_loss, self.aux_loss_scale)
+        return (out.view(ctx[0]),)
 
     @torch.no_grad()
     def _record(self, aux: dict[str, Tensor], indices: Tensor) -> None:
