@@ -148,7 +148,11 @@ def _exchange_worker(rank: int, world: int, sharded: bool) -> None:
         if hi > lo:
             inputs[p] = (lo, p.detach().reshape(-1)[lo:hi].clone())
     flight_recorder._OPS.clear()
-    out = Exchange([grid], transform, torch.device("cpu")).orthogonalize(inputs)
+    flight_recorder.enable()  # the watchdog's switch: records kept from here on
+    try:
+        out = Exchange([grid], transform, torch.device("cpu")).orthogonalize(inputs)
+    finally:
+        flight_recorder.enable(False)
     for name, _, dim in MATRICES:
         p = params[name]
         want = expected(fulls[name])
@@ -159,7 +163,8 @@ def _exchange_worker(rank: int, world: int, sharded: bool) -> None:
     everyone = [None] * world
     dist.all_gather_object(everyone, calls)
     assert sorted(c for rank_calls in everyone for c in rank_calls) == sorted(n for n, _, _ in MATRICES)
-    issued = [(op["action"], op["group"]) for op in flight_recorder._OPS if op["action"].startswith("muon")]
+    issued = [(op["action"], op["group"]) for op in flight_recorder.last_operations()
+              if (op["action"] or "").startswith("muon")]
     lay = StepLayout(world, tp=t, strategy="optim" if sharded else "no_shard")
     groups = groups_of(rank, lay)
     assert issued == [(what, groups[comm]) for comm, what in step_collectives(rank, lay) if what.startswith("muon")]
