@@ -9,7 +9,8 @@ exactly the region every rank of the *new* layout asks for. That is the whole re
 
 Keys::
 
-    model.<logical name>                      parameters (the tied embedding once: logical_name)
+    model.<logical name>                      parameters (the tied embedding once: logical_name) and
+                                              persistent buffers (a router's expert bias)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
     optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
     rng.rank<k>.cpu.default                   per-rank CPU generator state (same layout only)
@@ -68,6 +69,15 @@ def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
     for chunk in trainer.chunks:
         for name, param in chunk.named_parameters():
             yield logical_name(name), param
+
+
+def named_buffers(trainer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(logical name, buffer) for every persistent buffer (a router's expert bias): replicated state that
+    is not trained, saved and loaded whole like a replicated parameter."""
+    for chunk in trainer.chunks:
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                yield logical_name(name), value
 
 
 def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
@@ -145,6 +155,7 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
             out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
+    out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(trainer)})
     if pieces:
         out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
                                                  trainer.state.tp_rank, trainer.state.dims.tp, sharded_model))
@@ -229,6 +240,8 @@ def load_checkpoint(trainer, path: str | Path) -> int:
                     param, dtype=torch.float32)
                 optim.setdefault(param, {})[field] = live
                 want(key, live, param, shard=field != "step")
+    for name, buffer in named_buffers(trainer):
+        want(f"model.{name}", buffer, None, shard=False)
     same_layout = info["layout"] == _layout(trainer)
     rng = _rng_entries(trainer.state.rank)
     if same_layout and all(key in saved_keys for key in rng):

@@ -129,9 +129,10 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    from ptdp.config.validate_moe import moe_errors  # issue 25
+    from ptdp.config.validate_moe import deepseek_errors, moe_errors  # issues 25, 41
 
     errors += moe_errors(config)
+    errors += deepseek_errors(config) if sizes_ok and shape_ok else []
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         from ptdp.config.validate_moe import expert_layout_errors
 

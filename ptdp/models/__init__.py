@@ -6,9 +6,19 @@ modules from outside.
 """
 
 from ptdp.models.gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
-from ptdp.models.layers import CausalAttention, DropoutAdd, Linear, Logits, SequencePositions, norm
+from ptdp.models.layers import (
+           CausalAttention,
+           CrossEntropy,
+           DropoutAdd,
+           Linear,
+           Logits,
+           SequencePositions,
+           norm,
+)
+from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
+from ptdp.models.mtp import MultiTokenPrediction
 
-__all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "DropoutAdd", "Embedding", "GPTModel",
-           "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "SequencePositions", "TopKRouter",
-           "TransformerLayer", "norm"]
+__all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "CrossEntropy", "DropoutAdd", "Embedding",
+           "GPTModel", "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "MultiLatentAttention",
+           "MultiTokenPrediction", "SequencePositions", "TopKRouter", "TransformerLayer", "norm"]

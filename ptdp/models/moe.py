@@ -27,7 +27,8 @@ dim 0, expert tensor parallelism dim 2 (f), and checkpoints reshard across e by 
 no biases (whatever ``--disable-bias-linear``).
 
 Auxiliary losses (load balancing, z-loss) train the router without entering the reported LM loss: the
-layer's output carries them into the backward (:class:`_AuxLossGrad`, Megatron's ``MoEAuxLossAutoScaler``),
+layer's output carries them into the backward (``ptdp.models.layers.attach_aux_loss``, Megatron's
+``MoEAuxLossAutoScaler``),
 each with gradient ``aux_loss_scale`` (set by the trainer to the LM loss's own scale: 1/microbatches times
 the fp16 loss scale; 1.0 for a plain ``loss.backward()``). The layer also accumulates detached statistics
 per training forward (``stats``: the losses, the load per expert, the dropped assignments), read and reset
@@ -37,6 +38,7 @@ by the trainer (:func:`pop_moe_stats`) without a host sync.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.config.validate_moe import moe_layer_pattern
+from ptdp.models.layers import AuxiliaryLoss, attach_aux_loss, in_backward, set_aux_loss_scale
 from ptdp.ops.grouped import grouped_linear
 from ptdp.ops.weight_grad import linear
 
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
 __all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
-           "moe_layers", "pop_moe_stats", "set_aux_loss_scale"]
+           "moe_layer_names", "moe_layers", "pop_moe_stats", "set_aux_loss_scale", "update_expert_biases"]
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
@@ -60,27 +63,58 @@ def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float)
 
 
 class TopKRouter(nn.Module):
-    """Router logits ``x Wᵀ`` (``W [E, h]``), top-k selection, auxiliary losses and the capacity drop."""
+    """Router logits ``x Wᵀ`` (``W [E, h]``), scores, top-k selection, auxiliary losses and the capacity drop.
+
+    Scores (``--moe-router-score-function``): softmax (see the module docstring), or sigmoid (DeepSeek-V3):
+    the k chosen sigmoid scores normalised to sum 1 (k > 1). Options, Megatron-Core's semantics:
+
+    - expert bias (``--moe-router-enable-expert-bias``, auxiliary-loss-free balancing): a per-expert
+      ``expert_bias`` buffer (fp32, checkpointed, not trained) is added to the scores for the CHOICE only;
+      the weights are the unbiased scores. The router counts the tokens each expert received in training
+      forwards (``tokens_per_expert``, after any drop); after each optimizer step the trainer calls
+      :func:`update_expert_biases`, which moves the bias by ``rate · sign(mean load - load_i)``.
+    - group-limited routing (``--moe-router-num-groups G``, ``--moe-router-group-topk g``): the experts in G
+      equal groups; each token keeps the g groups with the highest sum of their top k/g scores, then its
+      top-k among their experts (DeepSeek's node-limited routing: with k/g = 2, HF's DeepSeek-V3 router).
+    - ``--moe-router-topk-scaling-factor``: the k weights are multiplied by it (DeepSeek-V3's 2.5).
+    """
 
     def __init__(self, hidden_size: int, moe: MoEConfig):
         super().__init__()
         self.num_experts, self.topk = moe.num_experts, moe.moe_router_topk
         self.pre_softmax = moe.moe_router_pre_softmax
+        self.sigmoid = moe.moe_router_score_function == "sigmoid"
+        self.num_groups, self.group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
+        self.scaling_factor = moe.moe_router_topk_scaling_factor
         self.load_balancing = moe.moe_router_load_balancing_type
         self.aux_coeff, self.z_coeff = moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
         self.capacity_factor = moe.moe_expert_capacity_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size))
+        self.bias_update_rate = moe.moe_router_bias_update_rate
+        bias = moe.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32) if bias else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64) if bias else None,
+                             persistent=False)
 
     def forward(self, x: Tensor, num_sequences: int = 1) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``x [T, h]`` (``num_sequences`` sequences of T/num_sequences tokens, one after the other) →
         ``probs [T, k]`` (fp32), ``indices [T, k]`` (``E`` = dropped), the auxiliary losses (with their
         coefficients; only those enabled)."""
         logits = linear(x, self.weight).float()
-        if self.pre_softmax:
-            probs, indices = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        if self.sigmoid:
+            scores = torch.sigmoid(logits)
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            indices = self._topk(choice)[1]
+            probs = scores.gather(1, indices)
+            if self.topk > 1:
+                probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        elif self.pre_softmax:
+            probs, indices = self._topk(torch.softmax(logits, dim=-1))
         else:
-            top, indices = logits.topk(self.topk, dim=-1)
+            top, indices = self._topk(logits)
             probs = torch.softmax(top, dim=-1)
+        if self.scaling_factor:
+            probs = probs * self.scaling_factor
         aux: dict[str, Tensor] = {}
         if self.load_balancing != "none" and self.aux_coeff > 0.0:
             aux["load_balancing_loss"] = self._load_balancing_loss(logits, indices, num_sequences)
@@ -88,15 +122,50 @@ class TopKRouter(nn.Module):
             aux["z_loss"] = self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean()
         if self.capacity_factor is not None:
             probs, indices = self._drop(probs, indices)
+        if self.expert_bias is not None and self.training and not in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=self.num_experts + 1)[:-1]
         return probs, indices, aux
+
+    def _topk(self, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """The k highest ``scores [T, E]`` per token, within its best groups under group-limited routing."""
+        if self.num_groups:
+            t, groups = scores.shape[0], self.num_groups
+            best = scores.view(t, groups, -1).topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
+            chosen = torch.zeros_like(best).scatter(1, best.topk(self.group_topk, dim=-1, sorted=False).indices, 1.0)
+            allowed = chosen.bool().unsqueeze(-1).expand(t, groups, self.num_experts // groups).reshape(t, -1)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores.topk(self.topk, dim=-1)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``Module.to(dtype)`` casts floating buffers too; the expert bias stays fp32, as in Megatron-Core:
+        its 1e-3 steps would vanish at 16 bits."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(self.expert_bias.device)
+        return self
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: Tensor) -> None:
+        """``b_i += rate · sign(mean load - load_i)`` from this step's token counts (summed over the ranks
+        that routed other tokens of the same batch), then a new count starts."""
+        load = tokens_per_expert.to(torch.float64)
+        self.expert_bias += torch.sign(load.mean() - load).to(torch.float32) * self.bias_update_rate
+        self.tokens_per_expert.zero_()
 
     def _load_balancing_loss(self, logits: Tensor, indices: Tensor, num_sequences: int) -> Tensor:
         """Switch's ``α·E·Σ_i f_i·P_i`` (f_i: share of the T·k assignments that chose expert i, before any
-        drop; P_i: mean softmax probability of i), over the micro-batch or (seq_aux_loss) per sequence,
-        averaged over sequences."""
+        drop; P_i: mean score of i: its softmax probability, or its sigmoid normalised over the E experts),
+        over the micro-batch or (seq_aux_loss) per sequence, averaged over sequences."""
         e = self.num_experts
         groups = num_sequences if self.load_balancing == "seq_aux_loss" else 1
-        scores = torch.softmax(logits, dim=-1).view(groups, -1, e)
+        if self.sigmoid:
+            scores = torch.sigmoid(logits)
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        scores = scores.view(groups, -1, e)
         chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
         f = chosen.sum(1) / (chosen.shape[1] * self.topk)
         return self.aux_coeff * e * (f * scores.mean(1)).sum(-1).mean()
@@ -173,28 +242,7 @@ class LocalDispatcher:
         return expert_output.new_zeros(t, expert_output.shape[-1]).index_add(0, tokens, weighted)
 
 
-class _AuxLossGrad(torch.autograd.Function):
-    """Identity on ``output``; in the backward, ``aux_loss`` gets the gradient ``scale`` (its weight in the
-    objective), so the router learns from it without the loss being added to the reported LM loss."""
-
-    @staticmethod
-    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, ctx.scale), None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward (a recomputed forward must not count its statistics twice)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class MoELayer(nn.Module):
+class MoELayer(AuxiliaryLoss):
     """``[b, s, h] → [b, s, h]``: router, dispatch, experts, combine (+ the shared expert)."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, shared_expert: nn.Module | None = None):
@@ -207,8 +255,6 @@ class MoELayer(nn.Module):
                                    if shared_expert is not None and moe.moe_shared_expert_gate else None)
         self.dispatcher = LocalDispatcher(moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor,
                                           moe.moe_pad_expert_input_to_capacity)
-        self.aux_loss_scale = 1.0  # the trainer sets it to the LM loss's scale (1/m · loss scale)
-        self.stats: dict[str, Tensor] = {}
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
@@ -221,10 +267,10 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(linear(flat, self.shared_expert_gate.weight)) * shared
             out = out + shared
-        if self.training and not _in_backward():
+        if self.training and not in_backward():
             self._record(aux, indices)
         if aux and self.training and torch.is_grad_enabled():
-            out = _AuxLossGrad.apply(out, sum(aux.values()), self.aux_loss_scale)
+            out = attach_aux_loss(out, sum(aux.values()), self.aux_loss_scale)
         return out.view(b, s, h)
 
     @torch.no_grad()
@@ -235,15 +281,18 @@ class MoELayer(nn.Module):
             self.stats[key] = self.stats[key] + value if key in self.stats else value.clone()
 
 
+def moe_layer_names(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
+    """The logical names of the whole model's MoE layers, in order: ``layers.<i>.mlp`` where
+    ``--moe-layer-freq`` says, then the multi-token prediction modules' (MoE when the last layer is)."""
+    pattern = moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers) if moe.num_experts else [False] * cfg.num_layers
+    names = [f"layers.{i}.mlp" for i, sparse in enumerate(pattern) if sparse]
+    mtp = range(cfg.mtp_num_layers or 0) if pattern and pattern[-1] else range(0)
+    return names + [f"mtp.layers.{k}.transformer_layer.mlp" for k in mtp]
+
+
 def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoELayer]]:
     """Every MoE layer of ``modules`` (model chunks), with its name, in order."""
     return [(name, m) for chunk in modules for name, m in chunk.named_modules() if isinstance(m, MoELayer)]
-
-
-def set_aux_loss_scale(modules: list[nn.Module], scale: float) -> None:
-    """The gradient each auxiliary loss gets in the backward (the LM loss's per-microbatch scale)."""
-    for _, layer in moe_layers(modules):
-        layer.aux_loss_scale = scale
 
 
 def pop_moe_stats(modules: list[nn.Module]) -> dict[str, dict[str, Tensor]]:
@@ -253,3 +302,17 @@ def pop_moe_stats(modules: list[nn.Module]) -> dict[str, dict[str, Tensor]]:
         if layer.stats:
             out[name], layer.stats = layer.stats, {}
     return out
+
+
+def update_expert_biases(modules: list[nn.Module], reduce: Callable[[Tensor], Tensor] | None = None) -> None:
+    """After each optimizer step: every router with an expert bias moves it from the token counts of the
+    step (:meth:`TopKRouter.update_expert_bias`). ``reduce`` sums the ``[routers, E]`` counts over the ranks
+    that routed other tokens of the same batch (one collective for all layers; identity in one process), so
+    that every layout moves the biases as one process would."""
+    routers = [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    counts = reduce(counts) if reduce is not None else counts
+    for router, count in zip(routers, counts, strict=True):
+        router.update_expert_bias(count)

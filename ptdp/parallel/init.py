@@ -23,7 +23,8 @@ from ptdp.config import Config
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """Give every meta parameter real (uninitialised) storage on ``device``, keeping its attributes
-    (``tensor_model_parallel``, ``sequence_parallel``, ...) and its place in the module. Returns ``model``."""
+    (``tensor_model_parallel``, ``sequence_parallel``, ...) and its place in the module; meta buffers start
+    at zero (:func:`materialize_buffers`). Returns ``model``."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
@@ -31,6 +32,16 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
                                    requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)
                 module._parameters[name] = new
+    return materialize_buffers(model, device)
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> nn.Module:
+    """Meta buffers become zeros on ``device``: the model's buffers all start at zero (a router's expert
+    bias and token counts, ``ptdp.models.moe``), the same in every layout."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     return model
 
 
@@ -102,7 +113,7 @@ def defer_init(model: nn.Module, device: torch.device, dtype: torch.dtype, seed:
         if param.numel() > 0 and param.untyped_storage().nbytes() == 0:
             param.deferred_init = functools.partial(init_parameter, param, name=logical_name(name), seed=seed,
                                                     tp_rank=tp_rank, tp_size=tp_size, std=std, num_layers=num_layers)
-    return model
+    return materialize_buffers(model, device)
 
 
 def _unallocated(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

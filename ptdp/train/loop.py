@@ -7,11 +7,12 @@ import json
 import time
 from pathlib import Path
 
-from ptdp import flops, hardware
 from ptdp.checkpointing import CheckpointManager
 from ptdp.config import Config
+from ptdp.models import flops
 from ptdp.observability.clock import Clock
 from ptdp.observability.observer import RunObserver
+from ptdp.runtime import hardware
 from ptdp.train.report import progress_line, rank_report, read_records, startup_summary, validation_record
 from ptdp.train.state import setup
 from ptdp.train.step import train_step

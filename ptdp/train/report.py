@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptdp import flops
+from ptdp.models import flops
 from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
 from ptdp.train.evaluate import evaluate, perplexity
-from ptdp.train.moe_metrics import moe_metrics, progress_suffix
+from ptdp.train.moe_metrics import moe_metrics, mtp_metrics, progress_suffix
 from ptdp.train.state import TrainState
 from ptdp.train.step import to_device
 
@@ -30,9 +30,10 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
         values = [float(v) for v in scalars]
     out = []
     for i, r in enumerate(records):
-        stats, moe = r.pop("schedule_stats", None), r.pop("moe_stats", None)
+        stats, moe, mtp = r.pop("schedule_stats", None), r.pop("moe_stats", None), r.pop("mtp_stats", None)
         r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
         r = r if moe is None else r | moe_metrics(moe, trainer)
+        r = r if mtp is None else r | mtp_metrics(mtp, trainer)
         out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
     return out
 

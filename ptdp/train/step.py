@@ -23,7 +23,7 @@ from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
 from ptdp.parallel.tensor import vocab_parallel_cross_entropy
 from ptdp.parallel.vocab.stage import VocabStage
 from ptdp.schedule.vocab import vocab_barriers
-from ptdp.train.moe_metrics import gather_moe_stats, set_loss_scale
+from ptdp.train.moe_metrics import gather_moe_stats, gather_mtp_losses, set_loss_scale, update_expert_biases
 from ptdp.train.state import TrainState
 
 
@@ -89,7 +89,8 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
                            state.tp_group, state.pipeline_ranks(), trainer.config.parallel.sequence_parallel)
     else:
         stage = ModuleStage(trainer.chunks, state.pp_rank, state.dims.pp, len(trainer.chunks),
-                            first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement)
+                            first_input=lambda j: batch(j)[0], loss_fn=loss_fn, placement=state.placement,
+                            labels=lambda j: batch(j)[1])  # multi-token prediction's targets (issue 41)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
@@ -130,6 +131,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
         all_reduce_sequence_parallel_grads(trainer.params, state.tp_group)
     with span(trainer.timeline, "optimizer_step", "compute"):  # unscale, clip, AdamW, ZeRO-1 all-gather
         grad_norm, _ = trainer.optimizer.step()
+    update_expert_biases(trainer)  # issue 41: auxiliary-loss-free balancing, from this step's token counts
     # The loss lives on the last stage; share it with rank 0 and average it over data-parallel replicas
     # and CP ranks (each CP rank's loss is the mean over its s/c tokens of the same samples, as in Megatron).
     if group_size(state.pp_group) > 1:
@@ -142,5 +144,5 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
     # read_records turns them into floats (and adds the pipeline metrics) once per logged iteration.
     record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
               "skipped_iterations": trainer.optimizer.skipped_iterations, "schedule_stats": stats}
-    moe = gather_moe_stats(trainer)  # None for a dense model
-    return record if moe is None else record | {"moe_stats": moe}
+    moe, mtp = gather_moe_stats(trainer), gather_mtp_losses(trainer)  # None without experts / MTP
+    return record | ({} if moe is None else {"moe_stats": moe}) | ({} if mtp is None else {"mtp_stats": mtp})

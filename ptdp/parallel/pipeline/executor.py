@@ -113,12 +113,14 @@ class ModuleStage:
         first_input: Callable[[int], Any],
         loss_fn: Callable[[Tensor, int], Tensor],
         placement: str = "loop",
+        labels: Callable[[int], Tensor] | None = None,
     ) -> None:
         if len(chunks) != v:
             raise ValueError(f"ModuleStage: got {len(chunks)} model chunks for v={v}")
         self.chunks, self.rank, self.p, self.v = list(chunks), rank, p, v
         self.placement = placement  # schedules.schedule_placement of the schedule that runs this stage
         self.first_input, self.loss_fn = first_input, loss_fn
+        self.labels = labels  # given: the last chunk's forward also gets the microbatch's labels (MTP, issue 41)
         self.losses: dict[int, Tensor] = {}
         self._stash: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         self._weight_grad_todo: dict[tuple[int, int], WeightGradStore] = {}
@@ -137,7 +139,8 @@ class ModuleStage:
             x = self.first_input(microbatch)
         else:
             x = input.detach().requires_grad_(True)  # a leaf: its .grad is what we send back
-        y = self.chunks[chunk](x)
+        labels = self.labels(microbatch) if self.labels is not None and self.is_last(chunk) else None
+        y = self.chunks[chunk](x) if labels is None else self.chunks[chunk](x, labels=labels)
         if self.is_last(chunk):
             y = self.loss_fn(y, microbatch)
             self.losses[microbatch] = y.detach()

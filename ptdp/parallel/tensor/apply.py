@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ptdp.models import GPTModel, Linear
+from ptdp.models import Attention, GPTModel, Linear
 from ptdp.parallel.collectives import group_size
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
@@ -89,8 +89,9 @@ def apply_tensor_parallel(model: GPTModel, tp_group, *, sequence_parallel: bool 
                 lambda module, args, out: scatter_to_sequence_parallel_region(out, tp_group))
     for layer in model.layers.values():
         attention, mlp = layer.attention, layer.mlp
-        attention.qkv = column_parallel(attention.qkv, tp_group, sp)
-        attention.proj = row_parallel(attention.proj, tp_group, sp)
+        if isinstance(attention, Attention):  # multi-latent attention runs at t = 1 only for now (issue 41)
+            attention.qkv = column_parallel(attention.qkv, tp_group, sp)
+            attention.proj = row_parallel(attention.proj, tp_group, sp)
         attention.dropout_rng = fork  # heads are split across ranks: masks must differ per rank
         if hasattr(mlp, "fc1"):  # a mixture of experts is split by its own layout (ptdp.parallel.expert.apply)
             mlp.fc1 = column_parallel(mlp.fc1, tp_group, sp)
