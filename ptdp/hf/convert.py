@@ -161,14 +161,24 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg = model_config_from_dict(config_dict)
-    from ptdp import hf_llama, hf_moe
+    from ptdp.hf import deepseek as hf_deepseek
+    from ptdp.hf import llama as hf_llama
+    from ptdp.hf import moe as hf_moe
 
     moe = moe_config_from_dict(config_dict)
-    kind = hf_moe.hf_kind(cfg, moe)
-    if moe.num_experts and kind is None:
+    kind = None if cfg.multi_latent_attention else hf_moe.hf_kind(cfg, moe)
+    if cfg.multi_latent_attention:  # issue 41: DeepSeek-V3
+        problem = hf_deepseek.export_problem(cfg, moe)
+        if problem:
+            raise HFError(f"--load {load}: {problem}")
+        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
+        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
+        state = hf_deepseek.to_hf_state(tensors, cfg, moe)
+        hf_config = transformers.DeepseekV3Config(**hf_deepseek.hf_config_kwargs(cfg, moe, bos, eos))
+    elif moe.num_experts and kind is None:
         raise HFError(f"--load {load}: the mixture of experts is neither a Mixtral (Llama, every layer MoE, no "
                       "shared expert) nor a Qwen2-MoE (Llama with a gated shared expert); HF export supports those")
-    if kind is not None:
+    elif kind is not None:
         tokenizer = _tokenizer(config_dict, cfg.vocab_size)
         bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
         state = hf_moe.to_hf_state(tensors, cfg, moe, kind)
@@ -223,7 +233,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     """ptdp's model flags for an HF GPT-2 ``config.json``; refuses variants ptdp does not compute."""
     if hf_config.get("model_type") != "gpt2":
         raise HFError(f"--in: config.json has model_type {hf_config.get('model_type')!r}; "
-                      "only 'gpt2' and 'llama' models import")
+                      "only 'gpt2', 'llama', 'mixtral', 'qwen2_moe' and 'deepseek_v3' models import")
     by_layer_idx = hf_config.get("scale_attn_by_inverse_layer_idx", False)
     checks = [
         ("activation_function", hf_config.get("activation_function", "gelu_new") in TANH_GELUS, "gelu_new"),
@@ -290,13 +300,20 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
     except json.JSONDecodeError as e:
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
-    if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
-        from ptdp import hf_moe
+    if hf_config.get("model_type") == "deepseek_v3":  # issue 41
+        from ptdp.hf import deepseek as hf_deepseek
+
+        cfg, moe = hf_deepseek.model_config_from_hf(hf_config)
+        hf_tensors = read_hf_tensors(directory)
+        cfg = hf_deepseek.with_mtp(cfg, moe, hf_config, hf_tensors)
+        tensors = hf_deepseek.from_hf_state(hf_tensors, cfg, moe)
+    elif hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
+        from ptdp.hf import moe as hf_moe
 
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
     elif hf_config.get("model_type") == "llama":
-        from ptdp import hf_llama
+        from ptdp.hf import llama as hf_llama
 
         cfg = hf_llama.model_config_from_hf(hf_config)
         tensors = hf_llama.from_hf_state(read_hf_tensors(directory), cfg)
@@ -311,7 +328,10 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "norm_epsilon",
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "kv_channels", "add_qkv_bias")
+                "disable_bias_linear", "kv_channels", "add_qkv_bias", "multi_latent_attention", "q_lora_rank",
+                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+                "beta_slow", "mtp_num_layers")
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
@@ -354,14 +374,15 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face GPT-2 or Llama, whichever the model is)")
+                        help="output format (Hugging Face GPT-2, Llama, Mixtral, Qwen2-MoE or DeepSeek-V3, "
+                        "whichever the model is)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face GPT-2 or Llama: model_type gpt2 or llama)")
+                        help="input format (Hugging Face model_type gpt2, llama, mixtral, qwen2_moe or deepseek_v3)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ptdp import hf_llama
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
+from ptdp.hf import llama as hf_llama
 
 if TYPE_CHECKING:
     import torch
