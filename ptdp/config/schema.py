@@ -100,7 +100,7 @@ class ModelConfig:
     beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
     # Multi-token prediction (DeepSeek-V3; Megatron-Core's flags; ptdp/models/mtp.py)
     mtp_num_layers: int | None = opt(None, "multi-token prediction: D sequential modules after the model, "
-                                     "module k predicting the token k+1 places further on (unset: none)")
+                                     "module k predicting the token k+1 places further on (unset or 0: none)")
     mtp_loss_scaling_factor: float = opt(0.1, "weight lambda of the MTP loss: the objective adds lambda * the "
                                          "mean over the D modules of their cross-entropy")
 

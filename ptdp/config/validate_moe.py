@@ -134,8 +134,10 @@ def deepseek_errors(config: Config) -> list[str]:
                 and m.beta_slow > 0):
             errors.append("--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast and "
                           "--beta-slow must be positive")
-    if m.mtp_num_layers is not None:
+    if m.mtp_num_layers:
         errors += _mtp_errors(config)
+    elif m.mtp_num_layers is not None and m.mtp_num_layers < 0:
+        errors.append(f"--mtp-num-layers must be >= 0 (0: none), got {m.mtp_num_layers}")
     return errors
 
 

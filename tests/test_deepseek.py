@@ -1,0 +1,245 @@
+"""DeepSeek-V3-style models in one process and under data parallelism (issue 41, phase 1): the multi-token
+prediction loss against a hand-written reference, the sigmoid router's group-limited choice and the
+expert-bias update against their formulas, the flags' one-line refusals, and ``ptdp train --model
+tiny-deepseek`` equal in every supported layout to one process, expert biases included. (The model against
+Hugging Face's DeepSeek-V3: tests/test_hf_deepseek.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ptdp.config import Config, ModelConfig, MoEConfig, validate
+from ptdp.config.presets import MODEL_PRESETS, MOE_PRESETS
+from ptdp.models import GPTModel
+from ptdp.models.layers import set_aux_loss_scale
+from ptdp.models.moe import TopKRouter, update_expert_biases
+from tests.helpers import assert_equivalent, train_run
+
+V = 100
+
+
+def tiny(**changes) -> tuple[ModelConfig, MoEConfig]:
+    cfg = ModelConfig(**{**MODEL_PRESETS["tiny-deepseek"], "num_layers": 2})
+    moe = MoEConfig(**{**MOE_PRESETS["tiny-deepseek"], "moe_layer_freq": "([0]+[1])"})
+    return dataclasses.replace(cfg, **changes), moe
+
+
+def model_of(cfg: ModelConfig, moe: MoEConfig, seed: int = 0) -> GPTModel:
+    torch.manual_seed(seed)
+    model = GPTModel(cfg, V, 128, moe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "layernorm" in name else torch.randn_like(p) * 0.2)
+    return model
+
+
+def reference_mtp_losses(model: GPTModel, sample: torch.Tensor) -> torch.Tensor:
+    """Module k = 1..D from its definition, position by position: at i it embeds t_{i+k} (token 0 past the
+    input, as Megatron-Core's rolled ids), and its CE averages over the i whose target t_{i+k+1} exists."""
+    b, s = sample.shape[0], sample.shape[1] - 1
+    emb, w = model.embedding.word_embeddings.weight, model.output_weight()
+    h = model.final_layernorm(model.run_layers(F.embedding(sample[:, :-1], emb)))
+    losses = []
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        for i in range(s):
+            if i + k <= s - 1:
+                tokens[:, i] = sample[:, i + k]
+        e = layer.embedding_layernorm(F.embedding(tokens, emb))
+        h = layer.final_layernorm(layer.transformer_layer(layer.eh_proj(torch.cat([e, layer.hidden_layernorm(h)], -1))))
+        logits = (h @ w.t())[..., :V]
+        terms = [F.cross_entropy(logits[j, i], sample[j, i + k + 1]) for j in range(b) for i in range(s - k)]
+        losses.append(torch.stack(terms).mean())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_loss_and_gradients_match_a_hand_written_reference(depth):
+    cfg, moe = tiny(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3)
+    model = model_of(cfg, moe).train()
+    sample = torch.randint(0, V, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
+    x, labels = sample[:, :-1], sample[:, 1:]
+    set_aux_loss_scale([model], 1.0)
+    logits = model(x, labels=labels)
+    main = F.cross_entropy(logits[..., :V].reshape(-1, V), labels.reshape(-1))
+    main.backward()  # the MTP loss rides along: its gradient enters through the hidden states
+    got_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    got = model.mtp.stats.pop("mtp_losses")
+
+    model.zero_grad()
+    want = reference_mtp_losses(model, sample)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the reported LM loss is the main head's only
+        torch.testing.assert_close(main, F.cross_entropy(model(x)[..., :V].reshape(-1, V), labels.reshape(-1)))
+    (F.cross_entropy(model(x)[..., :V].reshape(-1, V), labels.reshape(-1)) + 0.3 * want.mean()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert got_grads["mtp.layers.0.eh_proj.weight"].abs().sum() > 0
+
+
+def test_mtp_is_off_without_labels_and_in_eval():
+    cfg, moe = tiny(mtp_num_layers=1)
+    model = model_of(cfg, moe)
+    x = torch.randint(0, V, (2, cfg.seq_length))
+    plain = model(x)
+    assert not model.mtp.stats
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, labels=x), model(x))
+    assert not model.mtp.stats and plain.shape == (2, cfg.seq_length, 128)
+
+
+def reference_route(router: TopKRouter, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, Megatron-Core's sigmoid routing: groups ranked by the sum of their top k/g biased scores,
+    the best g kept, the top k biased scores among their experts chosen; weights = the unbiased scores of the
+    chosen, normalised, times the scaling factor."""
+    e, k, groups, g = router.num_experts, router.topk, router.num_groups, router.group_topk
+    size = e // groups
+    probs, indices = [], []
+    for token in x:
+        scores = torch.sigmoid(token @ router.weight.t())
+        biased = scores + router.expert_bias
+        rank = [sorted(biased[j * size:(j + 1) * size].tolist(), reverse=True)[: k // g] for j in range(groups)]
+        best = sorted(range(groups), key=lambda j: -sum(rank[j]))[:g]
+        allowed = [i for i in range(e) if i // size in best]
+        chosen = sorted(allowed, key=lambda i: -biased[i].item())[:k]
+        w = scores[chosen] / scores[chosen].sum() * router.scaling_factor
+        order = torch.tensor(chosen).argsort()
+        indices.append(torch.tensor(chosen)[order])
+        probs.append(w[order])
+    return torch.stack(probs), torch.stack(indices)
+
+
+def test_group_limited_sigmoid_router_with_bias_matches_the_formula():
+    moe = MoEConfig(num_experts=12, moe_router_topk=4, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+                    moe_router_topk_scaling_factor=2.5)
+    torch.manual_seed(0)
+    router = TopKRouter(16, moe)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.expert_bias.uniform_(-0.3, 0.3)
+    x = torch.randn(40, 16)
+    probs, indices, _ = router.eval()(x)
+    order = indices.argsort(dim=-1)
+    want_probs, want_indices = reference_route(router, x)
+    assert torch.equal(indices.gather(1, order), want_indices)
+    torch.testing.assert_close(probs.gather(1, order), want_probs)
+    # the bias changes the choice, not the weights' formula
+    router.expert_bias.zero_()
+    assert not torch.equal(router(x)[1].sort(-1).values, want_indices)
+
+
+def test_expert_bias_update_follows_the_formula():
+    moe = MoEConfig(num_experts=6, moe_router_topk=2, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
+    torch.manual_seed(0)
+    router = TopKRouter(8, moe)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.0, 0.05, 0.3, -0.1]))
+    start = router.expert_bias.clone()
+    for _ in range(3):  # three microbatches of one step
+        router(torch.randn(30, 8))
+    load = router.tokens_per_expert.clone()
+    assert load.sum() == 3 * 30 * 2
+    seen = []
+
+    def reduce(counts: torch.Tensor) -> torch.Tensor:  # all layers' counts in one call
+        seen.append(counts.clone())
+        return counts * 3  # as if three ranks had routed the same tokens: the sign ignores the factor
+
+    update_expert_biases([router], reduce)
+    assert torch.equal(seen[0], load.unsqueeze(0))
+    want = start + 0.01 * torch.sign(load.double().mean() - load.double()).float()
+    assert torch.equal(router.expert_bias, want) and not torch.equal(want, start)
+    assert router.tokens_per_expert.sum() == 0  # a new count starts
+    router.to(torch.bfloat16)  # --bf16: the weights are cast, the bias stays fp32
+    assert router.expert_bias.dtype == torch.float32 and router.weight.dtype == torch.bfloat16
+
+
+def test_expert_bias_counts_each_training_forward_once():
+    """Training forwards count (a recomputed one does not count again), eval forwards do not."""
+    from ptdp.parallel.recompute import checkpoint
+
+    moe = MoEConfig(num_experts=6, moe_router_topk=2, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True)
+    torch.manual_seed(0)
+    router = TopKRouter(8, moe)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x, y = torch.randn(30, 8, requires_grad=True), torch.randn(20, 8)
+    want = torch.bincount(router(x)[1].flatten(), minlength=6) + torch.bincount(router(y)[1].flatten(), minlength=6)
+    router.tokens_per_expert.zero_()
+    checkpoint(lambda t: router(t)[0], x).sum().backward()  # forward, then recomputed in the backward
+    router(y)
+    router.eval()(y)
+    assert torch.equal(router.tokens_per_expert, want)
+
+
+@pytest.mark.parametrize(("changes", "flag"), [
+    ({"moe": {"moe_router_score_function": "softmax"}}, "--moe-router-enable-expert-bias"),
+    ({"moe": {"moe_router_num_groups": 3}}, "--moe-router-num-groups"),
+    ({"moe": {"moe_router_group_topk": 3}}, "--moe-router-group-topk"),
+    ({"moe": {"moe_router_topk": 1, "moe_router_group_topk": 2, "moe_router_num_groups": 2}}, "--moe-router-topk"),
+    ({"moe": {"moe_router_pre_softmax": True, "moe_router_enable_expert_bias": False}}, "--moe-router-pre-softmax"),
+    ({"model": {"qk_pos_emb_head_dim": 3}}, "--qk-pos-emb-head-dim"),
+    ({"model": {"group_query_attention": True, "num_query_groups": 2}}, "--multi-latent-attention"),
+    ({"model": {"multi_latent_attention": False, "mtp_num_layers": 0, "rope_type": "yarn"}}, "--rope-type yarn"),
+    ({"model": {"mtp_num_layers": 16}}, "--mtp-num-layers"),
+    ({"parallel": {"tensor_model_parallel_size": 2}, "model": {"mtp_num_layers": 0}}, "--tensor-model-parallel-size"),
+    ({"parallel": {"pipeline_model_parallel_size": 2}}, "--pipeline-model-parallel-size"),
+    ({"parallel": {"context_parallel_size": 2}, "model": {"mtp_num_layers": 0}}, "--context-parallel-size"),
+])
+def test_bad_flag_combinations_are_one_line_each(changes, flag):
+    config = Config()
+    config.model = ModelConfig(**{**MODEL_PRESETS["tiny-deepseek"], **changes.get("model", {})})
+    config.moe = MoEConfig(**{**MOE_PRESETS["tiny-deepseek"], **changes.get("moe", {})})
+    for key, value in changes.get("parallel", {}).items():
+        setattr(config.parallel, key, value)
+    config.training.micro_batch_size, config.training.global_batch_size = 2, 8
+    assert not validate(_valid_copy(), 2)
+    problems = validate(config, 2)
+    assert len(problems) == 1 and flag in problems[0], problems
+
+
+def _valid_copy() -> Config:
+    config = Config()
+    config.model, config.moe = ModelConfig(**MODEL_PRESETS["tiny-deepseek"]), MoEConfig(**MOE_PRESETS["tiny-deepseek"])
+    config.training.micro_batch_size, config.training.global_batch_size = 2, 8
+    return config
+
+
+BASE = ["--model", "tiny-deepseek", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--log-interval", "1", "--moe-aux-loss-coeff", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deepseek")
+    return {"mtp": train_run(tmp, 1, [], base=BASE), "no-mtp": train_run(tmp, 1, ["--mtp-num-layers", "0"], base=BASE)}
+
+
+def _biases(run) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in run.weights.items() if k.endswith("expert_bias")}
+
+
+@pytest.mark.parametrize(("nproc", "extra", "reference"), [
+    (2, [], "mtp"),  # d = 2
+    (2, ["--expert-model-parallel-size", "2"], "mtp"),  # the experts over the two data-parallel ranks
+    (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "0"], "no-mtp"),  # MLA on two stages
+], ids=["d2", "d2-e2", "p2-mla"])
+def test_tiny_deepseek_trains_as_one_process(tmp_path, one_process, nproc, extra, reference):
+    ref = one_process[reference]
+    run = train_run(tmp_path, nproc, extra, base=BASE)
+    assert_equivalent(run, ref)
+    biases = _biases(ref)
+    assert len(biases) == (4 if reference == "mtp" else 3)  # three MoE layers (+ the MTP module's)
+    assert any(b.abs().sum() > 0 for b in biases.values())  # the biases moved ...
+    for name, bias in _biases(run).items():  # ... and equally in every layout
+        assert torch.equal(bias, biases[name]), name
+    if reference == "mtp":
+        for got, want in zip(run.records, ref.records, strict=True):
+            assert abs(got["mtp_loss"] - want["mtp_loss"]) <= 1e-5 * abs(want["mtp_loss"])
+    assert all("mtp_loss" in r for r in ref.records) == (reference == "mtp")
