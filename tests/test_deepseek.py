@@ -229,7 +229,8 @@ def _biases(run) -> dict[str, torch.Tensor]:
     (2, [], "mtp"),  # d = 2
     (2, ["--expert-model-parallel-size", "2"], "mtp"),  # the experts over the two data-parallel ranks
     (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "0"], "no-mtp"),  # MLA on two stages
-], ids=["d2", "d2-e2", "p2-mla"])
+    (2, ["--data-parallel-sharding-strategy", "optim_grads_params"], "mtp"),  # ZeRO-3: deferred initialisation
+], ids=["d2", "d2-e2", "p2-mla", "d2-zero3"])
 def test_tiny_deepseek_trains_as_one_process(tmp_path, one_process, nproc, extra, reference):
     ref = one_process[reference]
     run = train_run(tmp_path, nproc, extra, base=BASE)
@@ -243,3 +244,58 @@ def test_tiny_deepseek_trains_as_one_process(tmp_path, one_process, nproc, extra
         for got, want in zip(run.records, ref.records, strict=True):
             assert abs(got["mtp_loss"] - want["mtp_loss"]) <= 1e-5 * abs(want["mtp_loss"])
     assert all("mtp_loss" in r for r in ref.records) == (reference == "mtp")
+
+
+def test_flops_match_torch_flop_counter_and_parameters_the_model():
+    """FLOPs of MLA, the sigmoid-routed experts and MTP against torch's FlopCounterMode on the model itself
+    (the MTP heads compute b·(s-k) positions, the count b·s as Megatron-Core does), and the parameter count
+    against the model's: DeepSeek-V3's main model is the report's 671B."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ptdp.models.flops import architecture, flops_per_iteration, model_parameter_count, moe_shape
+
+    cfg, moe = tiny(mtp_num_layers=2)
+    model = model_of(cfg, moe)
+    b, s, h = 2, cfg.seq_length, cfg.hidden_size
+    x = torch.randint(0, V, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(x, labels=x)
+    want = flops_per_iteration(cfg.num_layers, h, s, 128, b, False, cfg.ffn_size, mtp_num_layers=2,
+                               moe=moe_shape(cfg, moe), **architecture(cfg)) // 3
+    skipped_logits = sum(2 * b * k * h * 128 for k in (1, 2))
+    assert counter.get_total_flops() == want - skipped_logits
+    counted = model_parameter_count(cfg, 128, moe_shape(cfg, moe)) + h  # + the final norm
+    assert counted == sum(p.numel() for p in model.parameters())
+
+    v3, v3_moe = ModelConfig(**MODEL_PRESETS["deepseek-v3"]), MoEConfig(**MOE_PRESETS["deepseek-v3"])
+    main = model_parameter_count(dataclasses.replace(v3, mtp_num_layers=0), moe=moe_shape(v3, v3_moe)) + v3.hidden_size
+    with torch.device("meta"):
+        full = GPTModel(v3, v3.vocab_size, v3.vocab_size, v3_moe)
+    assert main == sum(p.numel() for n, p in full.named_parameters() if not n.startswith("mtp.")) == 671_026_404_352
+    assert model_parameter_count(v3, moe=moe_shape(v3, v3_moe)) + v3.hidden_size == sum(p.numel() for p in full.parameters())
+
+
+def test_planner_memory_counts_mla_and_the_mtp_modules():
+    """The planner's MLA layer on t ranks keeps the down projections and latent norms whole and splits the
+    rest; the last pipeline rank holds the MTP modules and their extra logits."""
+    from ptdp.planner.memory import layer_parameters_per_rank, parameters_per_rank, rank_memory
+    from ptdp.planner.spec import GPTSpec, ParallelConfig
+
+    cfg = ModelConfig(**MODEL_PRESETS["tiny-deepseek"])
+    spec = GPTSpec.from_model_config(dataclasses.replace(cfg, vocab_size=V, mtp_num_layers=0))
+    with torch.device("meta"):
+        layer = GPTModel(dataclasses.replace(cfg, mtp_num_layers=0), V, V).layers["0"]
+    total = sum(p.numel() for p in layer.parameters())
+    whole = sum(p.numel() for n, p in layer.named_parameters() if "down_proj" in n or "layernorm" in n)
+    assert spec.mla_replicated == whole - 2 * cfg.hidden_size  # the layer's own two norms are counted apart
+    assert layer_parameters_per_rank(spec, 1) == total
+    assert layer_parameters_per_rank(spec, 2) == (total - whole) / 2 + whole
+
+    mtp = dataclasses.replace(spec, mtp_num_layers=2)
+    layout = ParallelConfig(1, 2, 1)
+    extra = 2 * (total + 2 * cfg.hidden_size ** 2 + 3 * cfg.hidden_size)
+    assert parameters_per_rank(mtp, 1, 2, 1, layout) - parameters_per_rank(spec, 1, 2, 1, layout) == extra
+    assert parameters_per_rank(mtp, 1, 2, 0, layout) == parameters_per_rank(spec, 1, 2, 0, layout)
+    first, last = rank_memory(mtp, layout, 8, "bf16")
+    base_first, base_last = rank_memory(spec, layout, 8, "bf16")
+    assert first.activations == base_first.activations and last.activations > base_last.activations

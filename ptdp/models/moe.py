@@ -6,7 +6,8 @@ a micro-batch, flattened):
 1. ``router`` (:class:`TopKRouter`, weight ``[E, h]``) scores the E experts and keeps k of them: by default
    the top-k logits then a softmax over those k (Megatron's default = Mixtral's softmax, top-k,
    renormalise); with ``--moe-router-pre-softmax`` a softmax over all E then the top-k (Qwen2-MoE without
-   ``norm_topk_prob``). It returns ``(probs [T, k], indices [T, k], aux_losses)``; with a capacity factor an
+   ``norm_topk_prob``); or sigmoid scores with DeepSeek-V3's expert bias, groups and scaling factor (see
+   :class:`TopKRouter`). It returns ``(probs [T, k], indices [T, k], aux_losses)``; with a capacity factor an
    expert keeps its ``ceil(C·k·T/E)`` most probable assignments and the others are DROPPED: their index
    becomes ``E`` (one past the last expert) and their probability 0.
 2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.models.flops import MoEShape
+from ptdp.models.flops import MLAShape, MoEShape, mla_shape
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -41,6 +41,8 @@ class GPTSpec:
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
+    mla: MLAShape | None = None  # multi-latent attention (issue 41)
+    mtp_num_layers: int = 0  # multi-token prediction modules, on the last pipeline stage
 
     @property
     def ffn(self) -> int:
@@ -77,13 +79,29 @@ class GPTSpec:
 
     @property
     def q_width(self) -> int:
-        """a·d: the query (and attention output) projection width."""
+        """a·d: the query (and attention output) projection width; with MLA, a·(d_k + d_r)."""
+        if self.mla is not None:
+            return self.num_attention_heads * (self.mla.qk_head_dim + self.mla.qk_pos_emb_head_dim)
         return self.num_attention_heads * (self.kv_channels or self.hidden_size // self.num_attention_heads)
 
     @property
     def kv_width(self) -> int:
-        """G·d: the key (and the value) projection width."""
+        """G·d: the key (and the value) projection width. With MLA the activations' and traffic's stand-in:
+        (K + V + the output projection's input) = 2·q_width + 2·kv_width wide as for GQA, kv_width = a·d_v
+        (keys are a·(d_k + d_r), values and the output's input a·d_v each)."""
+        if self.mla is not None:
+            return self.num_attention_heads * self.mla.v_head_dim
         return self.query_groups * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def mla_replicated(self) -> int:
+        """A multi-latent attention layer's parameters that stay whole under tensor parallelism (0 without
+        MLA): the down projections and the latent norms (Megatron-Core splits the others by heads)."""
+        if self.mla is None:
+            return 0
+        norm_width = 1 if self.normalization == "RMSNorm" else 2
+        return self.mla.replicated(self.hidden_size, self.num_attention_heads, not self.disable_bias_linear,
+                                   norm_width)
 
     @classmethod
     def from_model_config(cls, m: ModelConfig) -> GPTSpec:
@@ -94,7 +112,7 @@ class GPTSpec:
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
-            disable_bias_linear=m.disable_bias_linear,
+            disable_bias_linear=m.disable_bias_linear, mla=mla_shape(m), mtp_num_layers=m.mtp_num_layers or 0,
         )
 
     @classmethod

@@ -30,11 +30,12 @@ def train(config: Config) -> list[dict]:
     moe = flops.moe_shape(m, config.moe)  # MoE: the FLOPs of the experts a token goes through
     iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
                                                 tr.global_batch_size, recompute=m.recompute_granularity == "full",
-                                                ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
+                                                ffn_hidden_size=m.ffn_size, moe=moe, mtp_num_layers=flops.mtp_layers(m),
+                                                **flops.architecture(m))
     # MFU counts the model's FLOPs only (no recomputation), tflops_per_gpu the paper's eq. (3) count.
     model_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                            tr.global_batch_size, recompute=False,
-                                            ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
+                                            tr.global_batch_size, recompute=False, ffn_hidden_size=m.ffn_size,
+                                            moe=moe, mtp_num_layers=flops.mtp_layers(m), **flops.architecture(m))
     peak = hardware.peak_flops_for_current_device()
     is_logger = trainer.state.rank == 0
     if tr.metrics_file and is_logger:
