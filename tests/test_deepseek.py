@@ -299,3 +299,12 @@ def test_planner_memory_counts_mla_and_the_mtp_modules():
     first, last = rank_memory(mtp, layout, 8, "bf16")
     base_first, base_last = rank_memory(spec, layout, 8, "bf16")
     assert first.activations == base_first.activations and last.activations > base_last.activations
+
+
+def test_a_bad_combination_exits_2_with_one_line(tmp_path):
+    from tests.helpers import run_ptdp
+
+    proc = run_ptdp(["train", *BASE, "--moe-router-score-function", "softmax"], check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "--moe-router-enable-expert-bias" in lines[0], proc.stderr

@@ -209,7 +209,7 @@ def test_training_run_reports_moe_metrics(tmp_path):
 
 
 def test_flops_and_parameters_count_active_experts():
-    from ptdp import flops
+    from ptdp.models import flops
     from ptdp.planner.spec import MODEL_PRESETS
 
     mixtral = MODEL_PRESETS["mixtral-8x7b"]  # published: 46.7B parameters, 12.9B active

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import assert_equivalent, run_layouts
 
-from ptdp import recompute
 from ptdp.config import Config, ModelConfig, validate
 from ptdp.models import GPTModel
+from ptdp.parallel import recompute
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.recompute import recompute_plan

@@ -135,12 +135,6 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
     }
 
 
-def _eod_id(config_dict: dict, vocab: int) -> int | None:
-    """The end-of-document id of the run's tokenizer (the byte tokenizer's 256 by default), if knowable."""
-    tokenizer = _tokenizer(config_dict, vocab)
-    return None if tokenizer is None else tokenizer.eod_id
-
-
 def _tokenizer(config_dict: dict, vocab: int):
     from ptdp.data import ByteTokenizer, load_tokenizer
     from ptdp.data.builder import _strip_suffix, parse_data_path
@@ -157,41 +151,31 @@ def _tokenizer(config_dict: dict, vocab: int):
 def export_hf(load: str | Path, out: str | Path) -> Path:
     """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``."""
     from ptdp.checkpointing import read_full_model_state
-
-    tensors, config_dict = read_full_model_state(load)
-    transformers, safetensors_torch = _require_hf()
-    cfg = model_config_from_dict(config_dict)
     from ptdp.hf import deepseek as hf_deepseek
     from ptdp.hf import llama as hf_llama
     from ptdp.hf import moe as hf_moe
 
-    moe = moe_config_from_dict(config_dict)
+    tensors, config_dict = read_full_model_state(load)
+    transformers, safetensors_torch = _require_hf()
+    cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
     kind = None if cfg.multi_latent_attention else hf_moe.hf_kind(cfg, moe)
+    tokenizer = _tokenizer(config_dict, cfg.vocab_size)
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
     if cfg.multi_latent_attention:  # issue 41: DeepSeek-V3
-        problem = hf_deepseek.export_problem(cfg, moe)
-        if problem:
-            raise HFError(f"--load {load}: {problem}")
-        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
-        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
-        state = hf_deepseek.to_hf_state(tensors, cfg, moe)
-        hf_config = transformers.DeepseekV3Config(**hf_deepseek.hf_config_kwargs(cfg, moe, bos, eos))
+        state, hf_config = hf_deepseek.export(tensors, cfg, moe, bos, eos, f"--load {load}")
     elif moe.num_experts and kind is None:
         raise HFError(f"--load {load}: the mixture of experts is neither a Mixtral (Llama, every layer MoE, no "
                       "shared expert) nor a Qwen2-MoE (Llama with a gated shared expert); HF export supports those")
     elif kind is not None:
-        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
-        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
         state = hf_moe.to_hf_state(tensors, cfg, moe, kind)
         config_class = transformers.MixtralConfig if kind == "mixtral" else transformers.Qwen2MoeConfig
         hf_config = config_class(**hf_moe.hf_config_kwargs(cfg, moe, kind, bos, eos))
     elif hf_llama.is_llama(cfg):
-        tokenizer = _tokenizer(config_dict, cfg.vocab_size)
-        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
         state = hf_llama.to_hf_state(tensors, cfg)
         hf_config = transformers.LlamaConfig(**hf_llama.hf_config_kwargs(cfg, bos, eos))
     elif is_gpt2(cfg):
         state = to_hf_state(tensors, cfg)
-        hf_config = transformers.GPT2Config(**hf_config_dict(cfg, _eod_id(config_dict, cfg.vocab_size)))
+        hf_config = transformers.GPT2Config(**hf_config_dict(cfg, eos))
     else:
         raise HFError(f"--load {load}: the model is neither GPT-2 nor a Llama (rope + RMSNorm + SwiGLU, no "
                       "biases, --rotary-percent 1); Hugging Face export supports those two")
@@ -303,10 +287,7 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
     if hf_config.get("model_type") == "deepseek_v3":  # issue 41
         from ptdp.hf import deepseek as hf_deepseek
 
-        cfg, moe = hf_deepseek.model_config_from_hf(hf_config)
-        hf_tensors = read_hf_tensors(directory)
-        cfg = hf_deepseek.with_mtp(cfg, moe, hf_config, hf_tensors)
-        tensors = hf_deepseek.from_hf_state(hf_tensors, cfg, moe)
+        cfg, moe, tensors = hf_deepseek.import_model(hf_config, read_hf_tensors(directory))
     elif hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
         from ptdp.hf import moe as hf_moe
 
@@ -329,9 +310,8 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
                 "disable_bias_linear", "kv_channels", "add_qkv_bias", "multi_latent_attention", "q_lora_rank",
-                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
-                "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
-                "beta_slow", "mtp_num_layers")
+                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
+                "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast", "beta_slow", "mtp_num_layers")
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:

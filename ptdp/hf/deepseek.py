@@ -278,3 +278,21 @@ def hf_config_kwargs(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int
         "num_nextn_predict_layers": cfg.mtp_num_layers or 0, "bos_token_id": bos, "eos_token_id": eos,
         "pad_token_id": None, "architectures": ["DeepseekV3ForCausalLM"],
     }
+
+
+def import_model(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict[str, torch.Tensor]]:
+    """The flags and ptdp tensors of an HF DeepSeek-V3 checkpoint (``config.json`` and its tensors)."""
+    cfg, moe = model_config_from_hf(hf_config)
+    cfg = with_mtp(cfg, moe, hf_config, hf)
+    return cfg, moe, from_hf_state(hf, cfg, moe)
+
+
+def export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None,
+           source: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """HF tensors and ``DeepseekV3Config`` of a ptdp model (``source`` names it in the one-line refusal)."""
+    import transformers
+
+    problem = export_problem(cfg, moe)
+    if problem:
+        raise DeepSeekConversionError(f"{source}: {problem}")
+    return to_hf_state(tensors, cfg, moe), transformers.DeepseekV3Config(**hf_config_kwargs(cfg, moe, bos, eos))
