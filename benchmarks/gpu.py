@@ -151,7 +151,7 @@ def measure_ptdp(args) -> dict:
 
 def model_flops(config) -> float:
     """Model FLOPs of one iteration (no recomputation), by the formula the training loop's MFU uses."""
-    from ptdp import flops
+    from ptdp.models import flops
 
     m, tr = config.model, config.training
     return flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, m.vocab_size, tr.global_batch_size,
@@ -184,9 +184,9 @@ def measure_plain(args, batches) -> dict:
 
 def plan_estimate(args) -> dict:
     """``ptdp plan`` for the same case: one GPU, t = p = d = 1, bf16, no recomputation."""
-    from ptdp import hardware
     from ptdp.planner.search import evaluate
     from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+    from ptdp.runtime import hardware
 
     found = hardware.accelerator_for_device_name(torch.cuda.get_device_name())
     gpu = found.name if found else "h100-80gb"
@@ -226,7 +226,7 @@ def main() -> int:
         return 0
     args.padded_vocab = -(-args.vocab // 128) * 128
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 GEMMs (none in the hot path) may use TF32
-    from ptdp import hardware
+    from ptdp.runtime import hardware
 
     tokens = args.micro_batch_size * args.microbatches * args.seq
     peak = hardware.peak_flops_for_current_device()

@@ -308,3 +308,15 @@ def test_a_bad_combination_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "--moe-router-enable-expert-bias" in lines[0], proc.stderr
+
+
+def test_resume_restores_the_expert_bias(tmp_path, one_process):
+    """Stopped after iteration 2 and resumed, iteration 3 is the uninterrupted run's: the checkpoint holds
+    the expert biases, which decide iteration 3's routing."""
+    ckpt = tmp_path / "ckpt"
+    train_run(tmp_path, 1, ["--exit-interval", "2", "--save", str(ckpt)], base=BASE)
+    resumed = train_run(tmp_path, 1, ["--load", str(ckpt), "--save", str(ckpt)], base=BASE)
+    assert [r["iteration"] for r in resumed.records] == [3]
+    assert_equivalent(resumed, one_process["mtp"])
+    for name, bias in _biases(resumed).items():
+        assert torch.equal(bias, _biases(one_process["mtp"])[name]), name

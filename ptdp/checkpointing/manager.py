@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp import interrupt
 from ptdp.checkpointing.state import load_checkpoint, save_checkpoint
 from ptdp.checkpointing.storage import CheckpointError
 from ptdp.observability import flight_recorder
+from ptdp.runtime import interrupt
 
 
 class NonFiniteLossError(CheckpointError):

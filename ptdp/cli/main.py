@@ -103,8 +103,8 @@ def run_train(args: argparse.Namespace) -> int:
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
         return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
 
-    from ptdp import interrupt
     from ptdp.data import DataError
+    from ptdp.runtime import interrupt
 
     interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
     try:

@@ -57,7 +57,7 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args([
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
-    from ptdp import interrupt
+    from ptdp.runtime import interrupt
 
     interrupt.install_launcher()  # Ctrl-C goes to the workers as a graceful stop (ptdp/runtime/interrupt.py)
     try:
