@@ -119,6 +119,7 @@ def _dispatch_rank(rank: int, world: int, store: str, args: argparse.Namespace, 
     from ptdp.models.moe import MoELayer
     from ptdp.parallel.expert.apply import apply_expert_parallel
     from ptdp.parallel.expert.dims import ExpertDims, ExpertParallel
+    from ptdp.parallel.placement import Placements
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -132,7 +133,7 @@ def _dispatch_rank(rank: int, world: int, store: str, args: argparse.Namespace, 
         layer = MoELayer(cfg, MoEConfig(num_experts=args.experts, moe_router_topk=args.topk, moe_grouped_gemm=True))
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        apply_expert_parallel(layer, expert, kind)
+        apply_expert_parallel(layer, expert, Placements(), kind)
 
         def step(layer: MoELayer = layer) -> None:
             layer(x).sum().backward()

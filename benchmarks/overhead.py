@@ -202,14 +202,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from ptdp.train.step import load_microbatch, train_step
+    from ptdp.train.batches import Microbatches
+    from ptdp.train.step import train_step
 
     trainer = ptdp_trainer(args)
     model, opt = plain_from(trainer)
     clip = trainer.config.optimizer.clip_grad
     total_iters = 1 + args.repeats * args.iters
-    batches = {it: [load_microbatch(trainer, it, j) for j in range(args.microbatches)]
-               for it in range(1, total_iters + 1)}
+    def microbatches(it: int) -> list:
+        source = Microbatches(trainer.data.train, it - 1, trainer.config.training, trainer.state, args.microbatches)
+        return [(source.inputs(j), source.labels(j)) for j in range(args.microbatches)]
+
+    batches = {it: microbatches(it) for it in range(1, total_iters + 1)}
     losses = {"ptdp": [], "plain": []}
     times = {"ptdp": [], "plain": []}
     cpu = {"ptdp": [], "plain": []}  # process CPU time: steadier than wall time on a shared machine

@@ -62,6 +62,13 @@ class SleepStage:
                  placement: str) -> None:
         self.rank, self.p, self.v, self.x, self.placement = rank, p, v, x, placement
         self.t_f, self.t_b, self.t_w = t_f, t_b, t_w
+        self.losses: dict[int, Tensor] = {}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def handlers(self) -> dict:
+        return {}
 
     def _first(self, chunk: int) -> bool:
         return virtual_stage(self.rank, chunk, self.p, self.placement) == 0

@@ -158,7 +158,7 @@ def compare(rows: list[dict]) -> None:
 def worker(argv: list[str]) -> int:
     """A ``ptdp train`` worker whose per-layer ZeRO-3 gathers are synchronous (the noprefetch variant)."""
     from ptdp.cli.main import main as ptdp_main
-    from ptdp.optim import zero_layers
+    from ptdp.parallel.data import zero_layers
 
     class NoPrefetch(zero_layers.LayerParamSync):
         def __init__(self, grads, layers):

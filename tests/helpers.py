@@ -370,7 +370,7 @@ def initial_full_state(tensors: dict, config: dict) -> dict:
 
     model = full_model_from_state(tensors, config)
     with torch.no_grad():
-        init_parameters(model, config.get("training", {}).get("seed", 1234), 0, 1, model.cfg.init_method_std,
+        init_parameters(model, config.get("training", {}).get("seed", 1234), model.cfg.init_method_std,
                         model.cfg.num_layers)
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 

@@ -68,7 +68,7 @@ def write_initial_full_model(path: Path) -> dict:
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
                       attention_dropout=0.0)
     model = GPTModel(cfg, 257, cfg.padded_vocab_size(257, 1))
-    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
+    init_parameters(model, 1234, cfg.init_method_std, cfg.num_layers)
     full = {name: p.detach() for name, p in model.named_parameters()}
     full["embedding.word_embeddings.weight"] = full["embedding.word_embeddings.weight"][:257]  # unpadded ok
     write_full_model_state(path, full, {"model": {**vars(cfg), "vocab_size": 257}})

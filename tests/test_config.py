@@ -10,7 +10,7 @@ from ptdp.config import Config, ModelConfig, validate
 
 def _errors(world: int, **overrides) -> list[str]:
     config = Config()
-    for section in config.sections():
+    for section in config.sections().values():
         for key, value in overrides.items():
             if hasattr(section, key):
                 setattr(section, key, value)

@@ -97,12 +97,15 @@ def test_validate_does_not_mutate_and_derive_returns_a_new_object():
 
 
 def test_schedule_constraints_come_from_the_registry():
-    """One ``ScheduleSpec.problems`` line behind train's validation, the planner and the simulator."""
+    """One ``schedule_problems`` line (from the registry's ``ScheduleSpec``) behind train's validation, the
+    planner and the simulator; the schedule itself refuses the same numbers in its own terms."""
+    from ptdp.config.validate_pipeline import schedule_problems
     from ptdp.planner.search import invalid_reason
     from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
     from ptdp.schedule.registry import REGISTRY
 
-    line = REGISTRY["zbv"].problems(2, 3, 8)[0]
+    line = schedule_problems("zbv", 2, 3, 8)[0]
+    assert line.startswith("--pipeline-schedule zbv places 2 model chunks per rank")
     config = Config()
     config.model.num_layers = 12
     config.parallel.pipeline_model_parallel_size = 2
@@ -112,7 +115,7 @@ def test_schedule_constraints_come_from_the_registry():
     model = GPTSpec(12, 64, 4, 32, 256)
     assert invalid_reason(model, ParallelConfig(1, 2, 1, 3, 1, pipeline_schedule="zbv"), ClusterSpec.of("a100-80gb", 2),
                           TrainingSpec(8)) == line
-    with pytest.raises(ValueError, match="places 2 model chunks"):
+    with pytest.raises(ValueError, match=r"zbv runs 2 model chunk\(s\) per rank \(v=2\), got v=3"):
         REGISTRY["zbv"].compute(2, 3, 8, 0)
 
 

@@ -35,7 +35,7 @@ def _blend(root: Path, weights: dict[str, float]) -> list[str]:
 def _record(kill_at: dict[str, int], rank: int, out: str, name: str) -> None:
     """``helpers._run_layouts``' stage hook: every microbatch a rank loads in stage ``name`` goes to
     ``out/name.RANK``, and at iteration ``kill_at[name]`` every rank SIGKILLs itself before loading it."""
-    import ptdp.train.step as step
+    import ptdp.train.batches as step
 
     real = getattr(step.get_microbatch, "real", step.get_microbatch)
 
@@ -164,11 +164,13 @@ def test_extreme_weights_and_a_new_global_batch_size(runs, capsys):
     after = per_dataset(shown(capsys, flags, range(9, 17)))
     assert "a" not in after and after["b"] == list(range(64, 64 + len(after["b"])))  # a kept at weight 0: stops
     assert after.get("c", []) == list(range(len(after.get("c", []))))
+    from ptdp.checkpointing.storage import latest_info
     from ptdp.data.train_stream import summary_lines
     from ptdp.data.training_data import datasets_for_config
     from tests.helpers import validated_config
 
-    resumed = datasets_for_config(validated_config(flags)).train.resumed
+    config = validated_config(flags)
+    resumed = datasets_for_config(config, *latest_info(config.checkpoint.load)).train.resumed
     lines = summary_lines(resumed)
     assert len(lines) == 4 and lines[1].endswith("weight 0.5 -> 0") and " 64 samples consumed, " in lines[1]
     assert [row["remaining_in_epoch"] > 0 for row in resumed["datasets"]] == [True] * 3

@@ -26,12 +26,12 @@ def samples(capsys, *args) -> list[dict]:
 
 def _train_and_record(rank: int, world: int, args: list[str], out: str, kill_at: int | None) -> None:
     """One rank of ``ptdp train``: every microbatch it loads goes to ``out.RANK`` (killed at ``kill_at``)."""
+    import ptdp.train.batches as batches
     import ptdp.train.loop as training
-    import ptdp.train.step as step
     from ptdp.config import add_config_arguments, config_from_args
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    real = step.get_microbatch  # what load_microbatch reads
+    real = batches.get_microbatch  # what the trainer's Microbatches read
 
     def recording(dataset, it0, B, dp_rank, dp_size, b, j):
         if kill_at is not None and it0 + 1 == kill_at:
@@ -41,7 +41,7 @@ def _train_and_record(rank: int, world: int, args: list[str], out: str, kill_at:
             f.write(json.dumps([it0 + 1, dp_rank, j, batch.tolist()]) + "\n")
         return batch
 
-    step.get_microbatch = recording
+    batches.get_microbatch = recording
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ from helpers import TINY, run_layouts
 from ptdp.checkpointing import read_full_model_state
 from ptdp.data import build_datasets, get_microbatch
 from ptdp.hf.convert import full_model_from_state
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.tensor import language_model_loss
 
 EVAL = [*TINY, "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"]  # later flags win
 RTOL = 1e-4  # other layouts sum in another order: fp32 tolerance

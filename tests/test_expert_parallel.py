@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from helpers import spawn
 from torch import nn
 
-from ptdp.parallel.expert.apply import apply_expert_parallel, is_expert_param
+from ptdp.parallel.expert.apply import apply_expert_parallel
 from ptdp.parallel.expert.dims import ExpertDims, ExpertParallel, expert_layout_errors
 from ptdp.parallel.expert.dispatch import AllToAllDispatcher
+from ptdp.parallel.placement import Placements, Split
 
 E, H, F_, K, T = 4, 8, 12, 2, 6
 
@@ -83,7 +84,8 @@ def _worker(rank: int, world: int) -> None:
         layer = ToyMoE()
         token_group = tp_groups[t][rank // 2] if t > 1 else None
         expert = ExpertParallel(ExpertDims(world, 1, e, 1), rank, torch.device("cpu"), token_group)
-        apply_expert_parallel(layer, expert, kind)
+        placements = Placements()
+        apply_expert_parallel(layer, expert, placements, kind)
         replica = rank // t
         x = xs[replica].detach().clone().requires_grad_(True)
         out = layer(x)
@@ -100,7 +102,9 @@ def _worker(rank: int, world: int) -> None:
         local = E // e
         for (pname, param), full in zip(layer.experts.named_parameters(), ref.experts.parameters(), strict=True):
             full_grad = expected[f"experts.{pname}"]
-            assert is_expert_param(param) and param.shape[0] == local, (name, pname)
+            placement = placements[param]
+            assert placement.role == "expert" and param.shape[0] == local, (name, pname)
+            assert placement.splits == (Split("ep", 0, e, expert.ep_rank),), (name, pname)
             grad = param.grad.clone()
             dist.all_reduce(grad, group=expert.edp_group)
             mine = slice(expert.ep_rank * local, (expert.ep_rank + 1) * local)

@@ -17,16 +17,18 @@ def _model(vocab: int = 200):
     from ptdp.models import GPTModel
     from ptdp.parallel.init import init_parameters
     from ptdp.parallel.parallelize import parallelize
+    from ptdp.parallel.placement import Placements
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
                       attention_dropout=0.0)
-    model = parallelize(GPTModel(cfg, vocab, cfg.padded_vocab_size(vocab, 1)))  # t = 1: the linears FP8 swaps
-    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
+    placements = Placements()
+    model = parallelize(GPTModel(cfg, vocab, cfg.padded_vocab_size(vocab, 1)), placements)  # t = 1: FP8's linears
+    init_parameters(model, 1234, cfg.init_method_std, cfg.num_layers, placements)
     return model.bfloat16()
 
 
 def _loss_and_grads(model, tokens):
-    from ptdp.train.step import language_model_loss
+    from ptdp.parallel.tensor import language_model_loss
 
     loss = language_model_loss(model(tokens[:, :-1]), tokens[:, 1:]).float()
     loss.backward()

@@ -39,7 +39,7 @@ def _model(device: str, cfg: ModelConfig, vocab: int = 200):
     padded = cfg.padded_vocab_size(vocab, 1)
     with torch.device(device):
         model = GPTModel(cfg, vocab, padded)
-    init_parameters(model, 1234, 0, 1, cfg.init_method_std, cfg.num_layers)
+    init_parameters(model, 1234, cfg.init_method_std, cfg.num_layers)
     return model
 
 
@@ -48,7 +48,7 @@ def _tokens(cfg: ModelConfig, vocab: int = 200) -> torch.Tensor:
 
 
 def _loss_and_grads(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    from ptdp.train.step import language_model_loss
+    from ptdp.parallel.tensor import language_model_loss
 
     logits = model(tokens[:, :-1])
     kept = logits.detach().float().clone()

@@ -213,11 +213,11 @@ def test_flops_and_parameters_count_active_experts():
     from ptdp.planner.spec import MODEL_PRESETS
 
     mixtral = MODEL_PRESETS["mixtral-8x7b"]  # published: 46.7B parameters, 12.9B active
-    assert round(flops.model_parameter_count(mixtral) / 1e9, 1) == 46.7
-    assert round(flops.model_parameter_count(mixtral, active=True) / 1e9, 1) == 12.9
+    assert round(mixtral.parameter_count() / 1e9, 1) == 46.7
+    assert round(mixtral.parameter_count(active=True) / 1e9, 1) == 12.9
     qwen = MODEL_PRESETS["qwen1.5-moe-a2.7b"]  # published: 14.3B, 2.7B active
-    assert round(flops.model_parameter_count(qwen) / 1e9, 1) == 14.3
-    assert round(flops.model_parameter_count(qwen, active=True) / 1e9, 1) == 2.7
+    assert round(qwen.parameter_count() / 1e9, 1) == 14.3
+    assert round(flops.model_parameter_count(qwen, moe=qwen.moe, active=True) / 1e9, 1) == 2.7
     # an MoE layer with k experts of hidden size f costs a dense layer of ffn k·f plus the router 2·h·E
     shape = flops.MoEShape(num_experts=8, topk=2, ffn=96, moe_layers=2)
     moe = flops.flops_per_iteration(4, 64, 32, 100, 8, False, 128, swiglu=True, moe=shape)

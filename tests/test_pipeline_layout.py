@@ -10,7 +10,8 @@ import itertools
 import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp
 
-from ptdp.config import Config, validate
+from ptdp.config import Config, ConfigError, validate
+from ptdp.config.validate_pipeline import layout_problem, layout_stages
 from ptdp.schedule.layout import (
     LayoutError,
     Stage,
@@ -93,8 +94,29 @@ def test_layout_string_as_megatron_parses_it():
     ("Et*4|x|t*4L", "unknown symbol 'x'"), ("Et*4|t*4|L", "has 3 stages, not a multiple"),
 ])
 def test_bad_layout_strings_are_one_line(layout, words):
-    with pytest.raises(LayoutError, match=r"^--pipeline-model-parallel-layout .*" + words.replace("(", r"\(")):
+    """The configuration names the flag (``ptdp.config.validate_pipeline``); the schedule, which knows no flag,
+    refuses the same string in its own words."""
+    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-layout .*" + words.replace("(", r"\(")):
+        layout_stages(8, 2, 2, layout=layout)
+    with pytest.raises(LayoutError, match=r"^layout "):
         stages_from_string(layout, 8, 2)
+
+
+@pytest.mark.parametrize("n,p,v,kw", [
+    (8, 4, 1, dict(first=3)), (8, 4, 2, dict(last=3)), (8, 3, 1, dict(first=4, last=4)), (8, 4, 1, dict(emb=True)),
+    (9, 4, 1, dict()), (8, 4, 1, dict(first=0)),
+])
+def test_flags_that_do_not_add_up_never_reach_the_schedule_silently(n, p, v, kw):
+    """Every layout the configuration refuses either fails the schedule's own check or computes stages (a
+    zero-layer stage, say) that Megatron would refuse too: the schedule never places a layer twice or not at
+    all."""
+    args = (kw.get("first"), kw.get("last"), kw.get("emb", False), kw.get("loss", False))
+    assert layout_problem(n, p, v, *args) is not None
+    try:
+        stages = pipeline_stages(n, p, v, *args)
+    except LayoutError:
+        return
+    assert [i for s in stages for i in s.layers] == list(range(n)) and len(stages) == p * v
 
 
 def problems(**parallel) -> list[str]:

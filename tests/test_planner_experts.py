@@ -124,12 +124,11 @@ def test_train_moe_flags_turn_a_dense_preset_into_a_mixture_of_experts(capsys):
     """``--num-experts 8 --moe-router-topk 2`` on GPT-3's shape: the plan prices 8 experts of 4h (train's
     default expert size, --ffn-hidden-size), names e and counts the active parameters."""
     from ptdp.cli.main import main
-    from ptdp.models.flops import model_parameter_count
 
     assert main(["plan", *GPT3_EXPERTS, "--num-experts", "8", "--moe-router-topk", "2"]) == 0
     out = capsys.readouterr().out
     moe = dataclasses.replace(MODEL_PRESETS["gpt3-175b"], moe=MoEShape(8, 2, 4 * 12288, 96))
-    total, active = model_parameter_count(moe), model_parameter_count(moe, active=True)
+    total, active = moe.parameter_count(), moe.parameter_count(active=True)
     assert f"model: {total / 1e9:.1f}B parameters ({active / 1e9:.1f}B active, E=8 k=2)" in out, out
     assert active < total / 3
     assert any(line.split()[:5] == ["t", "c", "p", "d", "e"] for line in out.splitlines()), out

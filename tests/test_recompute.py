@@ -14,9 +14,9 @@ from ptdp.models import GPTModel
 from ptdp.parallel import recompute
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.recompute import recompute_plan
-from ptdp.parallel.tensor import model_parallel_seed
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 
 RTOL = 1e-4
 DROPOUT_CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -43,8 +43,9 @@ def test_no_layer_units_without_full(granularity):
 def one_step_grads(**recompute_flags) -> dict[str, torch.Tensor]:
     """Seeded forward + backward of one batch with dropout on; the gradients by parameter name."""
     cfg = dataclasses.replace(DROPOUT_CFG, **recompute_flags)
-    model = parallelize(GPTModel(cfg, 50, 64))  # t = 1: attention dropout on the tracker's stream
-    init_parameters(model, seed=7, tp_rank=0, tp_size=1, std=0.02, num_layers=cfg.num_layers)
+    placements = Placements()
+    model = parallelize(GPTModel(cfg, 50, 64), placements)  # t = 1: attention dropout on the tracker's stream
+    init_parameters(model, seed=7, std=0.02, num_layers=cfg.num_layers, placements=placements)
     model_parallel_seed(1234, 0, 0, torch.device("cpu"))
     tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # two microbatches: the second forward must see the RNG as advanced by the first

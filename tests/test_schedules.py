@@ -165,8 +165,8 @@ def test_stage_helpers():
 @pytest.mark.parametrize("name,p,v,m,match", [
     ("gpipe", 4, 2, 8, "v=1"),
     ("1f1b", 4, 2, 8, "v=1"),
-    ("interleaved", 4, 2, 6, "--global-batch-size"),
-    ("interleaved", 4, 2, 0, "--micro-batch-size"),
+    ("interleaved", 4, 2, 6, "m=6 to be a multiple of p=4"),
+    ("interleaved", 4, 2, 0, "at least 1 microbatch"),
     ("1f1b", 4, 1, 8, "rank"),
     ("zbv", 4, 1, 8, "2 model chunk"),
     ("zb-h2", 4, 2, 8, "1 model chunk"),

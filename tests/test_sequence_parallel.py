@@ -13,10 +13,10 @@ from ptdp.config import Config, derive, validate
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
-from ptdp.parallel.tensor import model_parallel_seed
+from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 from ptdp.runtime.startup import startup_warnings
-from ptdp.train.step import language_model_loss
 
 RTOL = 1e-4
 LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -47,16 +47,15 @@ def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     grads = {}
     for name, group, sp in (("full", None, False), ("sp", dist.group.WORLD, True)):
-        model = parallelize(GPTModel(cfg, 50, 64), tp_group=group, sequence_parallel=sp)
-        init_parameters(model, seed=3, tp_rank=rank if group else 0, tp_size=world_size if group else 1,
-                        std=0.02, num_layers=cfg.num_layers)
+        placements = Placements()
+        model = parallelize(GPTModel(cfg, 50, 64), placements, tp_group=group, sequence_parallel=sp)
+        init_parameters(model, seed=3, std=0.02, num_layers=cfg.num_layers, placements=placements)
         model_parallel_seed(1, rank if group else 0, 0, torch.device("cpu"))
         language_model_loss(model(tokens[:, :-1]), tokens[:, 1:], group).backward()
         if sp:
-            all_reduce_sequence_parallel_grads(model.parameters(), group)
-        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()
-                       if not getattr(p, "tensor_model_parallel", False)}
-    marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+            all_reduce_sequence_parallel_grads(model.parameters(), group, placements)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if not placements[p].split_over_tp}
+    marked = [n for n, p in model.named_parameters() if placements[p].sequence_parallel]
     assert len(marked) == 2 * 6 + 2  # per layer: 2 LayerNorms x (weight, bias) + 2 row-parallel biases
     for n, g in grads["full"].items():
         torch.testing.assert_close(grads["sp"][n], g, rtol=1e-5, atol=1e-7, msg=n)

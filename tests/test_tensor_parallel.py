@@ -15,6 +15,7 @@ from helpers import pooled_spawn
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -102,15 +103,20 @@ def _check_init_is_layout_independent(rank: int, world: int, group) -> None:
     """The full model's weights for a seed are the same for t=1 and t=world."""
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8)
     full = GPTModel(cfg, 50, 64)
-    init_parameters(full, 7, 0, 1, 0.02, 2)
-    part = apply_tensor_parallel(GPTModel(cfg, 50, 64), group)
-    init_parameters(part, 7, rank, world, 0.02, 2)
+    init_parameters(full, 7, 0.02, 2)
+    placements = Placements()
+    part = apply_tensor_parallel(GPTModel(cfg, 50, 64), group, placements)
+    init_parameters(part, 7, 0.02, 2, placements)
     full_params = dict(full.named_parameters())
+    split = 0
     for name, p in part.named_parameters():
         expected = full_params[name]
-        if getattr(p, "tensor_model_parallel", False):
-            expected = _shard(expected, p.partition_dim, rank, world)
+        for s in placements[p].splits:
+            assert (s.axis, s.size, s.index) == ("tp", world, rank), (name, s)
+            expected = _shard(expected, s.dim, rank, world)
+            split += 1
         torch.testing.assert_close(p, expected, rtol=0, atol=0, msg=name)
+    assert split > 0  # the comparison covers split parameters
 
 
 CHECKS = {  # name: (check, world size); all run in ONE spawn of 4 ranks, a world of 2 on ranks 0 and 1

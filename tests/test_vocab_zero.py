@@ -1,5 +1,5 @@
 """Vocabulary parallelism with ZeRO-3 and with ``--overlap-grad-reduce`` (issue 24): the S/T/EF/EB passes
-are uses of chunk 0 in ZeRO-3's plan (``ptdp.parallel.data.param_sync``), the combined lists are deadlock-free
+are uses of chunk 0 in ZeRO-3's plan (``ptdp.schedule.param_sync``), the combined lists are deadlock-free
 under the NCCL model, and training matches one process."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers import assert_equivalent, run_layouts
 
-from ptdp.parallel.data.param_sync import USES, plan_param_sync
+from ptdp.schedule.actions import Action
+from ptdp.schedule.param_sync import PARAM_USES, REDUCE, RELEASE, WAIT, add_param_sync
 from ptdp.schedule.registry import build_schedule
 from ptdp.simulate.nccl.model import check_all_send_models, check_trace
 from ptdp.simulate.nccl.zero import record_zero_trace
@@ -22,26 +23,25 @@ def test_vocab_passes_run_on_gathered_slices_and_chunk_0_is_reduced_after_eb(res
         for p in (2, 4):
             for forward_only in (False, True):
                 for r in range(p):
-                    actions = build_schedule(name, p, v, 2 * p, r, forward_only, barriers)
-                    before, after = plan_param_sync(actions, reshard)
+                    actions = add_param_sync(build_schedule(name, p, v, 2 * p, r, forward_only, barriers), reshard)
                     gathered, reduced = set(), []
-                    for i, a in enumerate(actions):
-                        gathered |= {op.chunk for op in before.get(i, ()) if op.op == "wait"}
-                        if a.op in USES:
+                    for a in actions:
+                        if a.op == WAIT:
+                            gathered.add(a.chunk)
+                        elif a.op in PARAM_USES:
                             assert a.chunk in gathered, f"{name} p={p} rank {r}: {a} on sharded weights"
                             assert a.chunk not in reduced, f"{name} p={p} rank {r}: {a} after the reduce"
-                        for op in after.get(i, ()):
-                            if op.op == "release":
-                                gathered.discard(op.chunk)
-                            elif op.op == "reduce":
-                                reduced.append(op.chunk)
+                        elif a.op == RELEASE:
+                            gathered.discard(a.chunk)
+                        elif a.op == REDUCE:
+                            reduced.append(a.chunk)
                     assert not gathered
                     if forward_only:
                         assert reduced == []  # a forward-only T adds no gradient
                     else:
                         assert sorted(reduced) == list(range(v))
                         eb = next(i for i, a in enumerate(actions) if a.op == "EB")
-                        assert any(op.op == "reduce" and op.chunk == 0 for op in after[eb])
+                        assert actions[eb + 1] == Action(REDUCE, 0, 0)  # chunk 0 reduced right after EB
 
 
 @pytest.mark.parametrize("reshard", [False, True])

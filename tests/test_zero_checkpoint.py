@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp
 
-from ptdp.checkpointing.sharded import flat_boxes, piece_boxes, tp_geometry
+from ptdp.checkpointing.sharded import flat_boxes, piece_boxes
+from ptdp.parallel.placement import Placement, Split
 
 RTOL = 1e-4
 SIX = [*TINY, "--train-iters", "6", "--lr", "1e-2"]  # a large LR: a lost Adam state shows at once
@@ -45,9 +46,8 @@ def test_flat_ranges_decompose_into_boxes():
 def test_piece_boxes_land_in_the_global_tensor():
     """A row-parallel weight (split on dim 1) of TP rank 1 of 2: a flat range of its local piece,
     written through its boxes into the global tensor, lands where the local piece's elements are."""
-    param = torch.nn.Parameter(torch.empty(3, 4))
-    param.tensor_model_parallel, param.partition_dim = True, 1
-    shape, offset = tp_geometry(param, 1, 2)
+    placement = Placement("w", (Split("tp", 1, 2, 1),))
+    shape, offset = placement.full_shape((3, 4)), placement.offset((3, 4))
     assert shape == (3, 8) and offset == (0, 4)
     full = torch.arange(24.0).view(3, 8)
     local = full[:, 4:].reshape(-1)

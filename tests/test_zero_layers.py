@@ -24,7 +24,8 @@ from ptdp.parallel.data.zero import shard_parameters
 from ptdp.parallel.data.zero_layers import LayerParamSync
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
-from ptdp.train.step import language_model_loss
+from ptdp.parallel.placement import Placements
+from ptdp.parallel.tensor import language_model_loss
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
                   attention_dropout=0.0)
@@ -36,8 +37,9 @@ RECOMPUTE = [{}, {"recompute_granularity": "selective"}, {"recompute_granularity
 def _step(rank: int, flags: dict, prefetch: bool) -> tuple[list, int, bool, list[torch.Tensor]]:
     """Two microbatches of training and one evaluation forward; (bucket gathers in issue order, most
     layers gathered at once, whether every layer entry found its gather already issued, reduced shards)."""
-    model = parallelize(GPTModel(dataclasses.replace(CFG, **flags), 50, 64))
-    init_parameters(model, seed=7, tp_rank=0, tp_size=1, std=0.02, num_layers=CFG.num_layers)
+    placements = Placements()
+    model = parallelize(GPTModel(dataclasses.replace(CFG, **flags), 50, 64), placements)
+    init_parameters(model, seed=7, std=0.02, num_layers=CFG.num_layers, placements=placements)
     grads = GradBuckets(list(model.parameters()), dist.group.WORLD, 16000, distributed_optimizer=True,
                         param_buffer=True, shard_grads=True)  # 4k-parameter buckets: they straddle layers
     shard_parameters(grads)

@@ -1,5 +1,5 @@
-"""Where ZeRO-3 gathers, frees and reduces (``ptdp.parallel.data.param_sync``), checked on every schedule's
-action lists; the same collectives inside the schedules are deadlock-free under the NCCL model with two
+"""Where ZeRO-3 gathers, frees and reduces (the actions ``ptdp.schedule.param_sync`` inserts), checked on every
+schedule's action lists; the same collectives inside the schedules are deadlock-free under the NCCL model with two
 data-parallel replicas (and the check fails on replicas that disagree); bad sharding flags are one line
 each, exit 2."""
 
@@ -9,8 +9,8 @@ import pytest
 from helpers import TINY, run_ptdp
 
 from ptdp.config import add_config_arguments, config_from_args, validate
-from ptdp.parallel.data.param_sync import plan_param_sync
-from ptdp.schedule.actions import COMPUTE_OPS
+from ptdp.schedule.actions import COMM_OPS, COMPUTE_OPS
+from ptdp.schedule.param_sync import GATHER, PARAM_SYNC_OPS, REDUCE, RELEASE, WAIT, add_param_sync
 from ptdp.schedule.registry import SCHEDULES, build_schedule, schedule_placement
 from ptdp.simulate.nccl.model import check_all_send_models, check_trace
 from ptdp.simulate.nccl.zero import record_zero_trace
@@ -32,36 +32,56 @@ def grid(max_p: int):
                     yield name, p, v, m, lists
 
 
+def comm_runs(actions) -> list[list]:
+    """The runs of consecutive SEND/RECV actions."""
+    runs, previous = [], False
+    for a in actions:
+        comm = a.op in COMM_OPS
+        if comm and not previous:
+            runs.append([])
+        if comm:
+            runs[-1].append(a)
+        previous = comm
+    return runs
+
+
+def walk(actions) -> tuple[list[int], int]:
+    """Play a list with ZeRO-3's actions: every compute runs on gathered weights of a chunk not yet reduced,
+    every wait follows its gather, everything is freed at the end; (the reduced chunks in order, gathers)."""
+    in_flight, gathered, reduced, gathers = set(), set(), [], 0
+    for a in actions:
+        if a.op == GATHER:
+            assert a.chunk not in gathered | in_flight, a
+            in_flight.add(a.chunk)
+            gathers += 1
+        elif a.op == WAIT:
+            assert a.chunk in in_flight, a  # always prefetched or issued just now
+            in_flight.discard(a.chunk)
+            gathered.add(a.chunk)
+        elif a.op == RELEASE:
+            gathered.remove(a.chunk)
+        elif a.op == REDUCE:
+            reduced.append(a.chunk)
+        elif a.op not in COMM_OPS:
+            assert a.chunk in gathered, f"{a} runs on unsharded weights"
+            assert a.chunk not in reduced, f"{a} after its chunk's gradients were reduced"
+    assert not gathered and not in_flight  # everything freed at the end
+    return reduced, gathers
+
+
 @pytest.mark.parametrize("reshard", [False, True])
 def test_plan_gathers_every_chunk_for_its_computes_and_reduces_after_its_last_weight_gradient(reshard):
     checked = 0
     for name, p, v, m, lists in grid(4):
         for actions in lists + [build_schedule(name, p, v, m, 0, forward_only=True)]:
-            before, after = plan_param_sync(actions, reshard)
-            in_flight, gathered, reduced, gathers = set(), set(), [], 0
-            for i, a in enumerate(actions):
-                for op in before.get(i, ()):
-                    if op.op == "gather":
-                        assert op.chunk not in gathered | in_flight, (name, i, op)
-                        in_flight.add(op.chunk)
-                        gathers += 1
-                    elif op.op == "wait":
-                        assert op.chunk in in_flight, (name, i, op)  # always prefetched or issued just now
-                        in_flight.discard(op.chunk)
-                        gathered.add(op.chunk)
-                if a.op in COMPUTE_OPS:
-                    assert a.chunk in gathered, f"{name} p={p} v={v}: {a} runs on unsharded weights"
-                    assert a.chunk not in reduced, f"{name}: {a} after its chunk's gradients were reduced"
-                for op in after.get(i, ()):
-                    if op.op == "release":
-                        gathered.remove(op.chunk)
-                    elif op.op == "reduce":
-                        reduced.append(op.chunk)
-            assert not gathered and not in_flight, name  # everything freed at the end
+            synced = add_param_sync(actions, reshard)
+            assert [a for a in synced if a.op not in PARAM_SYNC_OPS] == actions, name  # only insertions
+            reduced, gathers = walk(synced)
             grads = {a.chunk for a in actions if a.op in ("B", "I", "W")}
             assert sorted(reduced) == sorted(grads), (name, reduced)  # each chunk once; none forward-only
             if not reshard:
                 assert gathers == len({a.chunk for a in actions if a.op in COMPUTE_OPS})  # once per step
+            assert comm_runs(synced) == comm_runs(actions), name  # each SEND/RECV run stays one batched call
             checked += 1
     assert checked > 50
 
@@ -70,14 +90,13 @@ def test_reductions_overlap_the_rest_of_the_schedule():
     """With two chunks per rank, the first chunk whose gradients are final is reduced while the other
     still computes (zbv's rank 0: chunk 1 -- the last stage -- finishes first)."""
     for name, p, v in (("interleaved", 2, 2), ("zbv", 2, 2), ("zb-h1", 4, 1)):
-        actions = build_schedule(name, p, v, 2 * p, 0)
-        _, after = plan_param_sync(actions)
+        actions = add_param_sync(build_schedule(name, p, v, 2 * p, 0))
         compute = [i for i, a in enumerate(actions) if a.op in COMPUTE_OPS]
-        first_reduce = min(i for i, ops in after.items() if any(op.op == "reduce" for op in ops))
+        first_reduce = min(i for i, a in enumerate(actions) if a.op == REDUCE)
         if v > 1:
             assert first_reduce < compute[-1], name
         else:
-            assert first_reduce == compute[-1], name  # one chunk: its last W is the schedule's last compute
+            assert first_reduce == compute[-1] + 1, name  # one chunk: right after its last W, the last compute
 
 
 @pytest.mark.parametrize("reshard", [False, True])

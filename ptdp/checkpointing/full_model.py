@@ -91,8 +91,8 @@ def _config_from_dict(config_dict: dict) -> Config:
     sections = config_dict if "model" in config_dict else {"model": config_dict}
     config = Config()
     for section_name, values in sections.items():
-        section = getattr(config, section_name, None)
-        if section is None or not dataclasses.is_dataclass(section):
+        section = config.sections().get(section_name)
+        if section is None:
             raise ValueError(f"write_full_model_state: unknown config section {section_name!r}")
         known = {f.name for f in dataclasses.fields(section)}
         for key, value in values.items():

@@ -18,8 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.checkpointing.sharded import add_boxes, piece_boxes, tp_geometry
+from ptdp.checkpointing.sharded import add_boxes, piece_boxes
 from ptdp.optim.optimizer import DistributedOptimizer
+from ptdp.parallel.placement import Placements
 
 
 def owns_pieces(optimizer) -> bool:
@@ -32,22 +33,24 @@ def model_is_sharded(grads) -> bool:
     return getattr(grads, "param_sync", None) is not None
 
 
-def _names(named: list[tuple[str, nn.Parameter]], copies: bool) -> dict[nn.Parameter, str]:
-    return {param: name for name, param in named if copies or not getattr(param, "is_embedding_copy", False)}
+def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:
+    """The full-model name of each of this rank's parameters (with ``copies``, the tied copy's too)."""
+    return {param: placements[param].name for param in placements
+            if copies or placements[param].role != "embedding_copy"}
 
 
-def _boxes(x, flat: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[torch.Size, list]:
+def _boxes(x, flat: torch.Tensor, placements: Placements) -> tuple[torch.Size, list]:
     """(global shape, boxes) of piece ``x``'s values ``flat`` (a 1-D tensor as long as the piece)."""
-    shape, offset = tp_geometry(x.param, tp_rank, tp_size)
-    return shape, piece_boxes(flat.detach().reshape(-1), tuple(x.param.shape), x.start - x.param_offset, offset)
+    placement, local = placements[x.param], tuple(x.param.shape)
+    return placement.full_shape(local), piece_boxes(flat.detach().reshape(-1), local, x.start - x.param_offset,
+                                                    placement.offset(local))
 
 
-def save_entries(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Parameter]], tp_rank: int,
-                 tp_size: int, model: bool = False) -> dict:
+def save_entries(optimizer: DistributedOptimizer, placements: Placements, model: bool = False) -> dict:
     """This rank's entries: boxes of its pieces (views, no copy) -- the optimizer's master weights and Adam
     moments, and every parameter's ``step`` (none before the first step); with ``model`` (ZeRO-3) the
-    model's weights ``model.<name>`` too. ``named``: (logical name, parameter) of this rank's parameters."""
-    names = _names(named, copies=False)  # one copy of the tied embedding, as for the model
+    model's weights ``model.<name>`` too. ``placements``: where each of this rank's parameters lives."""
+    names = _names(placements, copies=False)  # one copy of the tied embedding, as for the model
     out: dict = {}
     if optimizer.adam_steps:
         step = torch.tensor(float(optimizer.adam_steps), dtype=torch.float32)
@@ -64,13 +67,12 @@ def save_entries(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Para
         for field, flat in fields:
             if flat is not None:
                 prefix, _, suffix = field.partition(".")
-                add_boxes(out, f"{prefix}.{name}" + (f".{suffix}" if suffix else ""), *_boxes(x, flat, tp_rank, tp_size))
+                add_boxes(out, f"{prefix}.{name}" + (f".{suffix}" if suffix else ""), *_boxes(x, flat, placements))
     return out
 
 
-def load_requests(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Parameter]], tp_rank: int,
-                  tp_size: int, saved_keys: set[str], model: bool = False, state: bool = True
-                  ) -> tuple[dict, Callable[[], None]]:
+def load_requests(optimizer: DistributedOptimizer, placements: Placements, saved_keys: set[str],
+                  model: bool = False, state: bool = True) -> tuple[dict, Callable[[], None]]:
     """What this rank asks DCP for and the function that installs the loaded values once DCP filled them.
 
     ``state``: the optimizer's pieces (master weights, Adam moments; every parameter's ``step``), read into
@@ -78,7 +80,7 @@ def load_requests(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Par
     straight into the persistent parameter shards (fp32 weights from the fp32 master copy when the
     checkpoint has one). Call the installer after the rest of the model is in place.
     """
-    names = _names(named, copies=True)  # the last stage's tied copy has its own pieces and state
+    names = _names(placements, copies=True)  # the last stage's tied copy has its own pieces and state
     request: dict = {}
     steps = {f"optimizer.{name}.step" for name in names.values()} & saved_keys if state else set()
     for key in steps:
@@ -90,14 +92,14 @@ def load_requests(optimizer: DistributedOptimizer, named: list[tuple[str, nn.Par
         if model:
             master = f"optimizer.{name}.main_param"
             key = master if x.model_view.dtype == torch.float32 and master in saved_keys else f"model.{name}"
-            add_boxes(request, key, *_boxes(x, x.model_view, tp_rank, tp_size))
+            add_boxes(request, key, *_boxes(x, x.model_view, placements))
         fields = {}
         for field in ("exp_avg", "exp_avg_sq", "main_param") if state else ():
             key = f"optimizer.{name}.{field}"
             if key not in saved_keys or (field == "main_param" and shares_model):
                 continue
             fields[field] = torch.empty(x.end - x.start, dtype=torch.float32, device=x.main.device)
-            add_boxes(request, key, *_boxes(x, fields[field], tp_rank, tp_size))
+            add_boxes(request, key, *_boxes(x, fields[field], placements))
         filled.append((x, fields))
 
     @torch.no_grad()

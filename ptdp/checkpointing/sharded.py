@@ -24,7 +24,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -97,30 +96,11 @@ class Boxes:
         return sum(t.numel() * t.element_size() for _, t in self.chunks)
 
 
-def tp_geometry(param: nn.Parameter, tp_rank: int, tp_size: int) -> tuple[torch.Size, tuple[int, ...]]:
-    """(global shape, offset of this rank's local piece in it) of ``param``: a vocabulary-parallel slice
-    (issue 24) is its rows of the whole table; an expert parameter (issue 25) its E/e experts of the
-    stacked E; a tensor-parallel one its 1/t of ``partition_dim``."""
-    local = tuple(param.shape)
-    shape, offset = list(local), [0] * len(local)
-    rows = getattr(param, "vocab_rows", None)  # (first row, rows of the whole table): set by apply_vocab_parallel
-    if rows is not None:
-        shape[0], offset[0] = rows[1], rows[0]
-        return torch.Size(shape), tuple(offset)
-    if getattr(param, "expert_parallel", False):
-        shape[0] *= param.expert_parallel_size
-        offset[0] = param.expert_parallel_rank * local[0]
-    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-        dim = param.partition_dim
-        shape[dim] *= tp_size
-        offset[dim] = tp_rank * local[dim]
-    return torch.Size(shape), tuple(offset)
-
-
 def piece_boxes(flat: torch.Tensor, local_shape: tuple[int, ...], lo: int, tp_offset: tuple[int, ...]
                 ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """``flat`` holds elements ``[lo, lo + numel)`` of a TP-local tensor of ``local_shape``: its boxes as
-    (global offsets, view of ``flat`` shaped like the box)."""
+    """``flat`` holds elements ``[lo, lo + numel)`` of a rank-local tensor of ``local_shape`` that starts at
+    ``tp_offset`` in the global one (``Placement.offset``): its boxes as (global offsets, view of ``flat``
+    shaped like the box)."""
     out = []
     for offsets, sizes, start in flat_boxes(tuple(local_shape), lo, lo + flat.numel()):
         n = 1

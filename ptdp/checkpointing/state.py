@@ -2,9 +2,9 @@
 
 The saved state is the *logical* model: one entry per full parameter, keyed by its layout-independent
 name (``model.layers.3.mlp.fc1.weight``), whatever t, p, d and v were. Each rank hands DCP its local
-piece as a ``DTensor`` on its tensor-parallel sub-mesh, ``Shard(param.partition_dim)`` for split
-parameters, a plain tensor for replicated ones; DCP records the global shape and each chunk's offset,
-keeps one copy of what DP replicas (and TP ranks, for replicated tensors) hold alike, and on load reads
+piece as a ``DTensor`` built from the parameter's placement (``ptdp.parallel.placement.to_dtensor``: one
+``Shard(dim)`` per split, on the mesh dimensions the splits name), a plain tensor for replicated ones;
+DCP records the global shape and each chunk's offset, keeps one copy of what DP replicas (and TP ranks, for replicated tensors) hold alike, and on load reads
 exactly the region every rank of the *new* layout asks for. That is the whole resharding story.
 
 Keys::
@@ -28,20 +28,21 @@ with dropout off). Loading never unpickles anything but DCP's own metadata.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import optimizer_shards, storage
 from ptdp.checkpointing.sharded import BoxLoadPlanner
 from ptdp.checkpointing.validation import model_mismatch, model_shape
 from ptdp.optim import MegatronOptimizer
-from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.placement import to_dtensor
 from ptdp.parallel.tensor import random as tp_random
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -67,41 +68,33 @@ def _layout(trainer) -> dict:
 def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
     """(logical name, parameter) for every local parameter, the last stage's tied copy included."""
     for chunk in trainer.chunks:
-        for name, param in chunk.named_parameters():
-            yield logical_name(name), param
+        for param in chunk.parameters():
+            yield trainer.placements[param].name, param
 
 
 def named_buffers(trainer) -> Iterator[tuple[str, torch.Tensor]]:
-    """(logical name, buffer) for every persistent buffer (a router's expert bias): replicated state that
-    is not trained, saved and loaded whole like a replicated parameter."""
+    """(name, buffer) for every persistent buffer (a router's expert bias): replicated state that is not
+    trained, saved and loaded whole like a replicated parameter. A chunk's module names are the full
+    model's (layers under their global indices), so the name is already logical."""
     for chunk in trainer.chunks:
         for name, value in chunk.state_dict(keep_vars=True).items():
             if not isinstance(value, nn.Parameter):
-                yield logical_name(name), value
+                yield name, value
 
 
-def _as_global(tensor: torch.Tensor, param: nn.Parameter, mesh) -> torch.Tensor:
-    """The local piece as DCP should see it: a TP-sharded DTensor, or a plain (replicated) tensor; a
-    stacked expert parameter ``[E/e, ...]`` is the e-way ``Shard(0)`` of the global ``[E, ...]`` one (and
-    ``Shard(2)`` over the expert-tensor ranks); a vocabulary-parallel slice (issue 24) is row block
-    ``pp_rank·t + tp_rank``: sharded over (pp, tp)."""
-    experts = getattr(param, "expert_mesh", None)  # issue 25: set by ptdp.parallel.expert.apply
-    if experts is not None and experts.size() > 1:
-        return DTensor.from_local(tensor, experts, [Shard(d) for d in param.expert_shard_dims], run_check=False)
-    if getattr(param, "vocab_parallel", False) and mesh is not None:
-        return DTensor.from_local(tensor, mesh.vocab_mesh, [Shard(0), Shard(0)], run_check=False)
-    if mesh is None or mesh.size() == 1 or not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
+def _mesh_for(trainer) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
+    """The mesh over the dimensions a placement's splits name (``to_dtensor``): the expert mesh's ``ep``
+    and ``etp`` (issue 25), else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
+    meshes: dict[tuple[str, ...], DeviceMesh | None] = {}
 
+    def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:
+        if axes not in meshes:
+            expert = trainer.state.expert
+            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else trainer.state.mesh
+            meshes[axes] = None if whole is None else whole[axes]
+        return meshes[axes]
 
-def _tp_mesh(trainer):
-    if trainer.state.mesh is None:
-        return None
-    mesh = trainer.state.mesh["tp"]
-    if trainer.config.parallel.enable_vocab_parallel:  # issue 24: the slices are sharded over (pp, tp)
-        mesh.vocab_mesh = trainer.state.mesh["pp", "tp"]
-    return mesh
+    return mesh_for
 
 
 def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
@@ -143,22 +136,22 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
     state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
     the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
-    mesh = _tp_mesh(trainer)
+    mesh_for = _mesh_for(trainer)
     pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
     sharded_model = optimizer_shards.model_is_sharded(trainer.grads)
     optim = {} if pieces else optimizer_state(trainer.optimizer)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(trainer):
-        if getattr(param, "is_embedding_copy", False):  # one copy of the tied embedding
+        placement = trainer.placements[param]
+        if placement.role == "embedding_copy":  # one copy of the tied embedding
             continue
         if not sharded_model:
-            out[f"model.{name}"] = _as_global(param.detach(), param, mesh)
+            out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
-            out[f"optimizer.{name}.{key}"] = tensor if key == "step" else _as_global(tensor, param, mesh)
+            out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
     out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(trainer)})
     if pieces:
-        out.update(optimizer_shards.save_entries(trainer.optimizer, list(named_parameters(trainer)),
-                                                 trainer.state.tp_rank, trainer.state.dims.tp, sharded_model))
+        out.update(optimizer_shards.save_entries(trainer.optimizer, trainer.placements, sharded_model))
     out.update(_rng_entries(trainer.state.rank))
     return out
 
@@ -215,7 +208,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
-    mesh = _tp_mesh(trainer)
+    mesh_for = _mesh_for(trainer)
     request: dict[str, torch.Tensor] = {}
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
@@ -223,7 +216,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         if key in request:  # a rank holding both copies of the tied embedding reads it once, then copies
             targets.append((key, live))
         else:  # DCP reads straight into the live tensor: no full-size staging copy of the model
-            request[key] = _as_global(live, param, mesh) if shard else live
+            request[key] = to_dtensor(live, trainer.placements[param], mesh_for) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
@@ -249,8 +242,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     install_pieces = None
     if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
         extra, install_pieces = optimizer_shards.load_requests(
-            trainer.optimizer, list(named_parameters(trainer)), trainer.state.tp_rank, trainer.state.dims.tp,
-            saved_keys, model=sharded_model, state=pieces)
+            trainer.optimizer, trainer.placements, saved_keys, model=sharded_model, state=pieces)
         request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:

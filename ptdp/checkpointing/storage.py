@@ -209,6 +209,18 @@ def read_info(directory: Path) -> dict:
     return info
 
 
+def latest_info(load: str | Path | None) -> tuple[dict | None, str | None]:
+    """``ptdp.json`` of ``--load``'s newest checkpoint and its directory; (None, None) without ``--load`` or
+    before the first save. What the data pipeline resumes from (``ptdp.data.training_data``), handed down to
+    it: the data package reads no checkpoint file itself."""
+    if not load:
+        return None, None
+    directory = resolve(load)
+    if directory is None:
+        return None, None
+    return read_info(directory), str(directory)
+
+
 def write_info(directory: Path, info: dict) -> None:
     (directory / INFO).write_text(json.dumps({"format": FORMAT, **info}, indent=1, sort_keys=True) + "\n")
 

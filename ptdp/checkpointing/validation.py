@@ -5,6 +5,7 @@ rank with the same one-line message and none waits for another. No torch import 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -25,25 +26,27 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "disable_bias_linear": "--disable-bias-linear"}
 
 
+def _fields(model: ModelConfig) -> dict:
+    """The model's fields and its derived ffn size, under the keys ``ptdp.json`` records them by."""
+    return {**dataclasses.asdict(model), "ffn_size": model.ffn_size}
+
+
 def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> dict:
     """What ``ptdp.json`` records about the model: the config plus the values derived from it."""
-    import dataclasses
-
-    return {**dataclasses.asdict(model), "ffn_size": model.ffn_size, "vocab_size": vocab_size,
-            "padded_vocab_size": padded_vocab_size}
+    return {**_fields(model), "vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
 
 
 def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: int) -> str | None:
     """One line naming every shape flag whose value differs from the checkpoint's, or None."""
-    diffs = [f"{flag} {saved.get(key)} there, {getattr(model, key)} here"
-             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != getattr(model, key)
+    here, default = _fields(model), _fields(ModelConfig())  # checkpoints from before the Llama options: defaults
+    diffs = [f"{flag} {saved.get(key)} there, {here[key]} here"
+             for key, flag in SHAPE_FLAGS.items() if saved.get(key) != here[key]
              # a default ffn size (4h) follows --hidden-size: name only the flag the user changed
              and not (key == "ffn_size" and model.ffn_hidden_size is None and saved.get("ffn_hidden_size") is None
                       and saved.get("hidden_size") != model.hidden_size)]
-    default = ModelConfig()  # checkpoints from before the Llama options hold the GPT-2 defaults
-    diffs += [f"{flag} {saved.get(key, getattr(default, key))} there, {getattr(model, key)} here"
+    diffs += [f"{flag} {saved.get(key, default[key])} there, {here[key]} here"
               for key, flag in ARCHITECTURE_FLAGS.items()
-              if saved.get(key, getattr(default, key)) != getattr(model, key)
+              if saved.get(key, default[key]) != here[key]
               and (key != "num_query_groups" or model.group_query_attention)]
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")

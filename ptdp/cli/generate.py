@@ -166,7 +166,7 @@ def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None
         raise GenerateError(f"--load {args.load}: the checkpoint holds no model weights; point --load at a "
                             "checkpoint saved by `ptdp train --save` or `ptdp import`")
     model = full_model_from_state(tensors, config)
-    tokenizer = checkpoint_tokenizer(config, args.tokenizer_prefix, getattr(args, "tokenizer_file", None))
+    tokenizer = checkpoint_tokenizer(config, args.tokenizer_prefix, args.tokenizer_file)
     if tokenizer.vocab_size > model.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's model only "
                             f"{model.vocab_size}; pass the run's --tokenizer-prefix")
@@ -190,7 +190,7 @@ def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None
 def check_arguments(args: argparse.Namespace) -> None:
     if not args.load:
         raise GenerateError("--load is required: give the checkpoint DIR written by `ptdp train --save DIR`")
-    if args.tokenizer_prefix and getattr(args, "tokenizer_file", None):
+    if args.tokenizer_prefix and args.tokenizer_file:
         raise GenerateError("--tokenizer-prefix and --tokenizer-file are exclusive; give one of them")
     if args.max_new_tokens < 0:
         raise GenerateError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")

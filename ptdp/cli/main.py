@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from datetime import timedelta
 
-from ptdp.config import ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.config import Config, ConfigError, add_config_arguments, config_from_args, derive, validate
 from ptdp.runtime.errors import print_error
 
 
@@ -79,11 +78,11 @@ def run_train(args: argparse.Namespace) -> int:
             return _fail(line, "train")
     errors = validate(config, world_size, local_world_size)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if not errors:  # the machine (FP8 GPU) and the files (--save/--load, the checkpoint): ptdp.runtime.startup
-        from ptdp.runtime.startup import startup_problems, startup_warnings
+    if not errors:  # the machine (FP8 GPU), the directories and the checkpoint on disk
+        from ptdp.runtime.startup import startup_warnings
 
         given, config = config, derive(config, world_size)  # validate never changes what it checks
-        errors = startup_problems(config, world_size)
+        errors = start_problems(config, world_size)
         for line in startup_warnings(given, config) if rank0 and not launching else ():
             print(f"warning: {line}", file=sys.stderr)
     if errors:
@@ -133,6 +132,16 @@ def run_train(args: argparse.Namespace) -> int:
     return code
 
 
+def start_problems(config: Config, world_size: int) -> list[str]:
+    """Every reason the derived ``config`` cannot start here, one line each (none: it can): the start-up
+    checks of the runtime (``ptdp.runtime.startup``), then of the features that own them (FP8, the checkpoint)."""
+    from ptdp.checkpointing.validation import checkpoint_errors
+    from ptdp.parallel.fp8 import fp8_environment_errors
+    from ptdp.runtime.startup import startup_problems
+
+    return [*fp8_environment_errors(config), *startup_problems(config), *checkpoint_errors(config, world_size)]
+
+
 def _worker_argv(argv: list[str]) -> list[str]:
     """The command line each worker runs: ours without the launcher's own flags."""
     out, skip = [], False
@@ -154,31 +163,30 @@ def _fail(message: str, command: str | None = None) -> int:
     return 2
 
 
-# Sub-commands besides train: (name, module, its add-arguments function, its run function, help).
-_COMMANDS = [
-    ("plan", "ptdp.planner", "add_plan_arguments", "run_plan", "choose (t, p, d, b, v) for a model on a cluster"),
-    ("simulate", "ptdp.simulate.command", "add_simulate_arguments", "run_simulate",
-     "simulate a pipeline schedule and draw its timeline"),
-    ("preprocess", "ptdp.data.preprocess", "add_preprocess_arguments", "run_preprocess",
-     "tokenize JSONL into indexed .bin/.idx files"),
-    ("samples", "ptdp.data.samples", "add_samples_arguments", "run_samples",
-     "print the training samples in the order training reads them (the flags of `ptdp train`)"),
-    ("generate", "ptdp.cli.generate", "add_generate_arguments", "run_generate",
-     "continue a prompt with a checkpoint (any layout, one process)"),
-    ("export", "ptdp.hf.convert", "add_export_arguments", "run_export",
-     "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
-    ("import", "ptdp.hf.convert", "add_import_arguments", "run_import", "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
-    ("timeline", "ptdp.observability.timeline", "add_timeline_arguments", "run_timeline",
-     "merge the per-rank Chrome traces of a --timeline run"),
-]
-
-
 def _other_parsers(sub) -> None:
-    for name, module_name, add_arguments, run, help_text in _COMMANDS:
-        module = importlib.import_module(module_name)
+    """The sub-commands besides train: each module declares its flags and runs its command."""
+    from ptdp.cli.generate import add_generate_arguments, run_generate
+    from ptdp.cli.samples import add_samples_arguments, run_samples
+    from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
+    from ptdp.hf.convert import add_export_arguments, add_import_arguments, run_export, run_import
+    from ptdp.observability.timeline import add_timeline_arguments, run_timeline
+    from ptdp.planner import add_plan_arguments, run_plan
+    from ptdp.simulate.command import add_simulate_arguments, run_simulate
+
+    for name, add_arguments, run, help_text in (
+        ("plan", add_plan_arguments, run_plan, "choose (t, p, d, b, v) for a model on a cluster"),
+        ("simulate", add_simulate_arguments, run_simulate, "simulate a pipeline schedule and draw its timeline"),
+        ("preprocess", add_preprocess_arguments, run_preprocess, "tokenize JSONL into indexed .bin/.idx files"),
+        ("samples", add_samples_arguments, run_samples,
+         "print the training samples in the order training reads them (the flags of `ptdp train`)"),
+        ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
+        ("export", add_export_arguments, run_export, "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
+        ("import", add_import_arguments, run_import, "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+        ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
+    ):
         p = sub.add_parser(name, help=help_text)
-        getattr(module, add_arguments)(p)
-        p.set_defaults(run=getattr(module, run))
+        add_arguments(p)
+        p.set_defaults(run=run)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
 import sys
 from typing import NoReturn
 
@@ -67,16 +66,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     """``parser.parse_args`` with :func:`unknown_arguments_message` for arguments nothing took."""
     args, extras = parser.parse_known_args(argv)
     if extras:
-        command = getattr(args, "command", None)
+        command = args.command  # the sub-command (required: argparse stops before this without one)
         sub = subparser(parser, command) if command else None
         print_error(command, unknown_arguments_message(extras, sub or parser))
         sys.exit(2)
     return args
-
-
-def help_with_default(help_text: str, default: object) -> str:
-    """A flag's help with its default said once: not when the text already says it ("default 4h"), and
-    not for None (the help says what happens without the flag)."""
-    if default is None or re.search(r"\(default[ :]", help_text):
-        return help_text
-    return f"{help_text} (default: {default})"

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ptdp.config.schema import Config, ConfigError
-from ptdp.config.validate import virtual_size
+from ptdp.config.validate_pipeline import virtual_size
 
 
 @dataclass(frozen=True)

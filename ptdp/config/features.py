@@ -1,7 +1,7 @@
 """Checks of feature flags that are properties of the configuration alone (pure, part of ``validate``):
 the recompute and FP8 flags. They live here rather than beside the features (``ptdp.parallel.recompute``,
 ``ptdp.parallel.fp8``), which sit above ``ptdp.config`` and import torch: ``config`` imports nothing above it, so
-the package has no import cycle. What the machine must provide is a start-up check (``ptdp.runtime.startup``).
+the package has no import cycle. What the machine must provide is a start-up check (``ptdp.cli.main.start_problems``).
 """
 
 from __future__ import annotations

@@ -15,17 +15,25 @@ import argparse
 import dataclasses
 import difflib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from ptdp.cli.parser import help_with_default
 from ptdp.config.schema import Config, ConfigError, ModelConfig
 
 
 def flag_of(f: dataclasses.Field) -> str:
     """The command-line flag of field ``f``: its metadata's, else ``--`` + the name with dashes."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def help_with_default(help_text: str, default: object) -> str:
+    """A flag's help with its default said once: not when the text already says it ("default 4h"), and
+    not for None (the help says what happens without the flag)."""
+    if default is None or re.search(r"\(default[ :]", help_text):
+        return help_text
+    return f"{help_text} (default: {default})"
 
 
 def default_of(f: dataclasses.Field) -> Any:
@@ -85,9 +93,10 @@ def value_problem(f: dataclasses.Field, value: Any) -> str | None:
 def type_problems(config: Config) -> list[str]:
     """Every field of ``config`` whose value does not fit its type, one line naming the flag."""
     problems = []
-    for section in config.sections():
+    for section in config.sections().values():
+        values = dataclasses.asdict(section)
         for f in dataclasses.fields(section):
-            problem = value_problem(f, getattr(section, f.name))
+            problem = value_problem(f, values[f.name])
             if problem:
                 problems.append(f"{flag_of(f)}: {problem}")
     return problems
@@ -120,7 +129,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", choices=list(MODEL_PRESETS), help="a named model shape (ptdp/config/presets.py); "
                         "flags given explicitly override it")
-    for name, section in zip(Config.section_names(), Config().sections(), strict=True):
+    for name, section in Config().sections().items():
         add_field_arguments(parser.add_argument_group(name), type(section))
 
 
@@ -137,7 +146,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def _fields() -> dict[str, dataclasses.Field]:
-    return {f.name: f for section in Config().sections() for f in dataclasses.fields(section)}
+    return {f.name: f for section in Config().sections().values() for f in dataclasses.fields(section)}
 
 
 def toml_values(raw: dict[str, Any], path: str) -> tuple[dict[str, Any], list[str]]:
@@ -176,14 +185,15 @@ def toml_values(raw: dict[str, Any], path: str) -> tuple[dict[str, Any], list[st
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """Defaults, then ``--model``, then the TOML file, then the command line; ConfigError with every
-    problem of the TOML file (one line each) if it has any."""
+    """Defaults, then ``--model``, then the TOML file, then the command line (``args`` from a parser that
+    :func:`add_config_arguments` made); ConfigError with every problem of the TOML file (one line each) if it
+    has any."""
     values: dict[str, Any] = {}
     problems: list[str] = []
-    if getattr(args, "config", None):
+    if args.config:
         values, problems = toml_values(read_toml(args.config), args.config)
     config = Config()
-    preset = getattr(args, "model", None) or values.pop("model", None)
+    preset = args.model or values.pop("model", None)
     if preset is not None:  # --model NAME: under the TOML file and the flags
         from ptdp.config.presets import MODEL_PRESETS
 
@@ -198,10 +208,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 setattr(config.moe, key, value)
     if problems:
         raise ConfigError(*problems)
-    for section in config.sections():
+    given = vars(args)  # the flags by field name, as add_field_arguments declared them
+    for section in config.sections().values():
         for f in dataclasses.fields(section):
-            if getattr(args, f.name, None) is not None:
-                setattr(section, f.name, getattr(args, f.name))
+            if given.get(f.name) is not None:
+                setattr(section, f.name, given[f.name])
             elif f.name in values:
                 setattr(section, f.name, values[f.name])
     return config

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size, schedule_help
+from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
 
 
 class ConfigError(Exception):
@@ -26,6 +26,14 @@ class ConfigError(Exception):
     def __init__(self, *problems: str) -> None:
         super().__init__("\n".join(problems))
         self.problems = list(problems)
+
+
+def schedule_help() -> str:
+    """The ``--pipeline-schedule`` help: each schedule's bubble and activation memory against 1F1B's
+    (the registry's ``ScheduleSpec`` fields)."""
+    return ("pipeline schedule (default: interleaved when v > 1, else 1f1b). Bubble / activation memory "
+            "against 1F1B's (p-1)/m / 1x: " + "; ".join(f"{s.name} ({s.help}) {s.bubble} / {s.memory}"
+                                                         for s in REGISTRY.values()))
 
 
 def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
@@ -239,6 +247,14 @@ class ParallelConfig:
     def schedule(self) -> str:
         return default_schedule(self.pipeline_schedule, self.virtual_size)
 
+    @property
+    def vocab_barriers(self) -> int:
+        """What ``ptdp.schedule.vocab`` takes: 0 without ``--enable-vocab-parallel``, else its barriers per
+        microbatch (2 with ``--disable-fb-fusion``)."""
+        if not self.enable_vocab_parallel:
+            return 0
+        return 2 if self.disable_fb_fusion else 1
+
 
 @dataclass
 class OptimizerConfig:
@@ -361,12 +377,9 @@ class Config:
     precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
-    @classmethod
-    def section_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    def sections(self) -> list[Any]:
-        return [getattr(self, name) for name in self.section_names()]
+    def sections(self) -> dict[str, Any]:
+        """The sections by name (``model``, ``parallel``, ...), as checkpoints record them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def num_microbatches(self, world_size: int) -> int:
         par = self.parallel

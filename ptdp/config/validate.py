@@ -4,8 +4,10 @@
 such as v from ``--num-layers-per-virtual-pipeline-stage``, come from ``ptdp.config.derive``, which
 returns a new object). It checks the whole tree before any process group exists and does not stop at the
 first problem: a check that needs a value another check rejected (the data-parallel size needs a world
-size that t·c·p divides) is skipped, so each line is a real, independent problem. Schedule constraints
-are the schedule registry's (``ptdp.schedule.registry``).
+size that t·c·p divides) is skipped, so each line is a real, independent problem. The pipeline flags (v,
+the schedule, the layout, the vocabulary) are checked by ``validate_pipeline``, the experts' by
+``validate_moe``. Nothing here touches the file system or asks what this machine has: directories, packages
+and GPUs are start-up checks (``ptdp.cli.main.start_problems``).
 """
 
 from __future__ import annotations
@@ -14,59 +16,18 @@ from typing import Any
 
 from ptdp.config.features import fp8_errors, recompute_errors
 from ptdp.config.load import type_problems
-from ptdp.config.schema import Config, MixedPrecisionConfig, ModelConfig
-from ptdp.schedule.layout import LAYOUT_FLAG, LayoutError, Stage, layout_num_stages, stages_of
-from ptdp.schedule.registry import schedule_problems
-
-
-def virtual_size(config: Config) -> tuple[int | None, list[str]]:
-    """Chunks per pipeline rank v, from either of Megatron's two flags (None with the problem if they
-    disagree or cannot divide the layers)."""
-    m, par = config.model, config.parallel
-    per, p = par.num_layers_per_virtual_pipeline_stage, par.pipeline_model_parallel_size
-    if par.pipeline_model_parallel_layout is not None:  # the layout string lists the p x v stages
-        return layout_virtual_size(par.pipeline_model_parallel_layout, p, per,
-                                   par.virtual_pipeline_model_parallel_size)
-    if per is None:
-        return par.virtual_size, []
-    if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
-        return None, ["--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-"
-                      "pipeline-num-layers (as in Megatron-LM): give --virtual-pipeline-model-parallel-size"]
-    # Megatron counts the embedding and loss the --account-for-* flags place as layers here too
-    layers = m.num_layers + par.account_for_embedding_in_pipeline_split + par.account_for_loss_in_pipeline_split
-    if per <= 0 or layers % (per * p):
-        return None, [f"--num-layers-per-virtual-pipeline-stage {per} must divide --num-layers {layers} / "
-                      f"--pipeline-model-parallel-size {p}"]
-    if par.virtual_pipeline_model_parallel_size not in (None, layers // (per * p)):
-        return None, ["give only one of --virtual-pipeline-model-parallel-size and "
-                      "--num-layers-per-virtual-pipeline-stage"]
-    return layers // (per * p), []
-
-
-def layout_virtual_size(layout: str, p: int, per: int | None, v: int | None) -> tuple[int | None, list[str]]:
-    """v from a ``--pipeline-model-parallel-layout`` (its stages / p), as Megatron-LM derives it; None with
-    the problem if the string does not parse or another v flag disagrees."""
-    try:
-        stages = layout_num_stages(layout)
-    except LayoutError as e:
-        return None, [str(e)]
-    if per is not None:
-        return None, [f"{LAYOUT_FLAG} sets v itself: drop --num-layers-per-virtual-pipeline-stage"]
-    if stages % p:
-        return None, [f"{LAYOUT_FLAG} {layout!r} has {stages} stages, not a multiple of "
-                      f"--pipeline-model-parallel-size {p} (it lists the p x v virtual stages)"]
-    if v is not None and v != stages // p:
-        return None, [f"{LAYOUT_FLAG} {layout!r} has {stages} stages = {stages // p} per rank, but "
-                      f"--virtual-pipeline-model-parallel-size is {v}; drop it (the layout sets v)"]
-    return stages // p, []
+from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
+from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
+from ptdp.config.validate_pipeline import schedule_problems, stages_of, virtual_size, vocab_parallel_errors
+from ptdp.schedule.layout import Stage
 
 
 def pipeline_layout(config: Config, p: int, v: int) -> tuple[list[Stage], list[str]]:
-    """The p·v stages (``ptdp.schedule.layout``) and, if they do not add up, the one problem line."""
+    """The p·v stages (``ptdp.schedule.layout``) and, if the layout flags do not add up, the one problem line."""
     try:
-        return stages_of(config.model, config.parallel, p, v), []
-    except LayoutError as e:
-        return [], [str(e)]
+        return stages_of(config, p, v), []
+    except ConfigError as e:
+        return [], e.problems
 
 
 def validate(config: Config, world_size: int, local_world_size: int | None = None) -> list[str]:
@@ -129,13 +90,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    from ptdp.config.validate_moe import deepseek_errors, moe_errors  # issues 25, 41
-
-    errors += moe_errors(config)
-    errors += deepseek_errors(config) if sizes_ok and shape_ok else []
+    errors += moe_errors(config)  # issue 25
+    errors += deepseek_errors(config) if sizes_ok and shape_ok else []  # issue 41
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
-        from ptdp.config.validate_moe import expert_layout_errors
-
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
             etp=par.expert_tensor_parallel_size, num_experts=config.moe.num_experts,
@@ -147,12 +104,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
                       "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "
                       f"a node: choose t dividing {local_world_size}")
-    from ptdp.observability import observability_errors
-
-    errors += observability_errors(tr.tensorboard_dir, tr.timeline, tr.timeline_iters)
-    from ptdp.schedule.vocab import vocab_parallel_errors  # issue 24
-
-    errors += vocab_parallel_errors(config) if sizes_ok else []
+    if tr.timeline_iters is not None and tr.timeline_iters <= 0:
+        errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
+    errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

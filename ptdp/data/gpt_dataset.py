@@ -179,6 +179,10 @@ class GPTDataset:
             parts.append((doc, start, stop - start))
         return parts
 
+    def locate(self, i: int) -> tuple[GPTDataset, int]:
+        """(dataset, sample index in it) of sample ``i``: this one (a blend or the train stream names a member)."""
+        return self, int(i)
+
     def document_ids(self, i: int) -> list[int]:
         """The sequence (document) ids sample ``i`` reads from, in order."""
         return [doc for doc, _, length in self._parts(int(i)) if length > 0]

@@ -182,7 +182,7 @@ def read_tasks(files: list[str], keys: list[str]) -> Iterator[Task]:
             yield from _batch_tasks(path, pf.iter_batches(batch_size=batch_rows, columns=keys), rows, keys)
         else:
             reader = _arrow_reader(path)
-            if hasattr(reader, "num_record_batches"):  # IPC file format
+            if isinstance(reader, _pyarrow().ipc.RecordBatchFileReader):  # IPC file format: batches by index
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             else:
                 batches = iter(reader)

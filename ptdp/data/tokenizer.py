@@ -26,6 +26,7 @@ BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
 class Tokenizer(Protocol):
     vocab_size: int
     eod_id: int
+    bos_id: int | None  # the id each document starts with (None: none, as GPT-2's)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -37,6 +38,7 @@ class ByteTokenizer:
 
     vocab_size: int = 257
     eod_id: int = 256
+    bos_id: int | None = None
     name = "byte"
     fingerprint = "byte"  # equal fingerprints <=> identical vocabularies (checked when blending)
 

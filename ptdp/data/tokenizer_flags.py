@@ -25,6 +25,7 @@ class NullTokenizer:
     """Megatron's ``NullTokenizer``: ids written as text ("12 7 3"); ``eod_id = vocab_size`` (one extra id)."""
 
     name = "null"
+    bos_id: int | None = None
 
     def __init__(self, vocab_size: int) -> None:
         self.eod_id = int(vocab_size)

@@ -7,7 +7,9 @@ exactly as in Megatron, so the same flags give the same batches in both.
 
 With ``--load``, the checkpoint's data state (``mix_state.py``) decides where the train split goes on: the
 same blend continues exactly; a changed one starts a new blend at the checkpoint's consumed samples in which
-every dataset continues from its first unread sample (``train_stream.py``).
+every dataset continues from its first unread sample (``train_stream.py``). The caller hands that record
+down (``ptdp.checkpointing.storage.latest_info``): data sits below checkpointing, which saves and verifies the
+data state along with the model, so nothing here reads a checkpoint's files.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from ptdp.data.blended_dataset import BlendedDataset
 from ptdp.data.builder import DataSplits, build_datasets, parse_data_path, parse_split, split_document_ranges
 from ptdp.data.errors import DataError
 from ptdp.data.gpt_dataset import GPTDataset
@@ -45,34 +48,23 @@ def train_valid_test_num_samples(config: Config) -> tuple[int, int, int]:
             tr.eval_iters * batch)
 
 
-def datasets_for_config(config: Config) -> DataSplits:
+def datasets_for_config(config: Config, saved: dict | None = None, directory: str | None = None) -> DataSplits:
     """train/valid/test of ``config`` (raises :class:`DataError` with one line on bad input); ``train`` is a
-    :class:`TrainStream` that continues the data state of ``--load``'s checkpoint, if it has one."""
+    :class:`TrainStream` that continues the data state of the checkpoint record ``saved`` (``ptdp.json`` of
+    ``--load``'s checkpoint, read from ``directory``), if it has one."""
     d = config.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
                                 config.model.vocab_size)
     splits = build_datasets(d.data_path or None, d.split, config.model.seq_length, config.training.seed,
                             num_samples=train_valid_test_num_samples(config), cache_path=d.data_cache_path,
                             tokenizer=tokenizer)
-    state, directory = checkpoint_data_state(config.checkpoint.load)
+    state = DataState.from_info(saved) if saved is not None else None
     splits.train = train_stream(config, splits.train, state, directory)
     return splits
 
 
-def checkpoint_data_state(load: str | None) -> tuple[DataState | None, str | None]:
-    """The data state of ``--load``'s latest checkpoint (None: no --load, no checkpoint, or an older one)."""
-    if not load:
-        return None, None
-    from ptdp.checkpointing.storage import read_info, resolve
-
-    directory = resolve(load)
-    if directory is None:
-        return None, None
-    return DataState.from_info(read_info(directory)), str(directory)
-
-
-def _built_members(train) -> dict[str, GPTDataset]:
-    members = train.datasets if hasattr(train, "datasets") else [train]
+def _built_members(train: GPTDataset | BlendedDataset) -> dict[str, GPTDataset]:
+    members = train.datasets if isinstance(train, BlendedDataset) else [train]
     return {os.path.abspath(m.indexed.prefix): m for m in members}
 
 

@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
+from ptdp.hf import deepseek as hf_deepseek
+from ptdp.hf import llama as hf_llama
+from ptdp.hf import moe as hf_moe
 
 if TYPE_CHECKING:  # torch loads only when a conversion runs, not for `ptdp --help`
     import torch
 
+    from ptdp.data import Tokenizer
     from ptdp.models import GPTModel
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # = ptdp.models.TIED_EMBEDDING
 
@@ -135,7 +139,13 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
     }
 
 
-def _tokenizer(config_dict: dict, vocab: int):
+def _special_ids(config_dict: dict, vocab: int) -> tuple[int | None, int | None]:
+    """(BOS, end-of-document) ids of the run's tokenizer (the byte tokenizer's None, 256 by default), if knowable."""
+    tokenizer = _tokenizer(config_dict, vocab)
+    return (None, None) if tokenizer is None else (tokenizer.bos_id, tokenizer.eod_id)
+
+
+def _tokenizer(config_dict: dict, vocab: int) -> Tokenizer | None:
     from ptdp.data import ByteTokenizer, load_tokenizer
     from ptdp.data.builder import _strip_suffix, parse_data_path
 
@@ -151,16 +161,12 @@ def _tokenizer(config_dict: dict, vocab: int):
 def export_hf(load: str | Path, out: str | Path) -> Path:
     """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``."""
     from ptdp.checkpointing import read_full_model_state
-    from ptdp.hf import deepseek as hf_deepseek
-    from ptdp.hf import llama as hf_llama
-    from ptdp.hf import moe as hf_moe
 
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
     cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
     kind = None if cfg.multi_latent_attention else hf_moe.hf_kind(cfg, moe)
-    tokenizer = _tokenizer(config_dict, cfg.vocab_size)
-    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eod_id", None)
+    bos, eos = _special_ids(config_dict, cfg.vocab_size)
     if cfg.multi_latent_attention:  # issue 41: DeepSeek-V3
         state, hf_config = hf_deepseek.export(tensors, cfg, moe, bos, eos, f"--load {load}")
     elif moe.num_experts and kind is None:
@@ -285,17 +291,11 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
     if hf_config.get("model_type") == "deepseek_v3":  # issue 41
-        from ptdp.hf import deepseek as hf_deepseek
-
         cfg, moe, tensors = hf_deepseek.import_model(hf_config, read_hf_tensors(directory))
     elif hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
-        from ptdp.hf import moe as hf_moe
-
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
     elif hf_config.get("model_type") == "llama":
-        from ptdp.hf import llama as hf_llama
-
         cfg = hf_llama.model_config_from_hf(hf_config)
         tensors = hf_llama.from_hf_state(read_hf_tensors(directory), cfg)
     else:
@@ -318,19 +318,21 @@ def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
     """The ``ptdp train`` flags that load an imported model (its shape flags, the Llama options if any, the
     mixture of experts if any)."""
     default = ModelConfig()
+    given, defaults = {**dataclasses.asdict(cfg), "ffn_hidden_size": cfg.ffn_size}, dataclasses.asdict(default)
     flags = []
     for name in _MODEL_FLAGS:
-        value = cfg.ffn_size if name == "ffn_hidden_size" else getattr(cfg, name)
+        value = given[name]
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
-        elif value is not None and (name in _MODEL_FLAGS[:6] or value != getattr(default, name)):
+        elif value is not None and (name in _MODEL_FLAGS[:6] or value != defaults[name]):
             flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
     if cfg.rope_scaling_factor == default.rope_scaling_factor and "--use-rope-scaling" not in flags:
         flags = [f for f in flags if not f.startswith("--rope-scaling-factor")]
     if moe is not None and moe.num_experts:
+        default_moe = dataclasses.asdict(MoEConfig())
         for name, value in dataclasses.asdict(moe).items():
-            if value != getattr(MoEConfig(), name):
+            if value != default_moe[name]:
                 flag = "--" + name.replace("_", "-")
                 flags += [flag] if value is True else [f"{flag} {value!r}" if isinstance(value, str) else f"{flag} {value}"]
     return " ".join(flags)

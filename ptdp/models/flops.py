@@ -41,7 +41,7 @@ last layer is), its ``eh_proj`` ``2·B·s·2h·h`` and a logit layer, and ``2h²
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,57 @@ class MLAShape:
         return 2 * (self.q_lora_rank or 0) + 2 * self.kv_lora_rank + self.qk_pos_emb_head_dim
 
 
-def mla_shape(model: Any) -> MLAShape | None:
-    """The :class:`MLAShape` of a ``ModelConfig`` (or a planner ``GPTSpec``'s own); None without MLA."""
-    if getattr(model, "mla", None) is not None:
-        return model.mla
-    if not getattr(model, "multi_latent_attention", False):
+class ModelShape(Protocol):
+    """What the counts read of a model: ``ptdp.config.ModelConfig`` (``ptdp train``) and the planner's
+    ``GPTSpec`` both provide it under these names (Megatron's)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def seq_length(self) -> int: ...
+    @property
+    def vocab_size(self) -> int | None: ...
+    @property
+    def ffn_size(self) -> int: ...
+    @property
+    def group_query_attention(self) -> bool: ...
+    @property
+    def num_query_groups(self) -> int | None: ...
+    @property
+    def kv_channels(self) -> int | None: ...
+    @property
+    def swiglu(self) -> bool: ...
+    @property
+    def untie_embeddings_and_output_weights(self) -> bool: ...
+    @property
+    def position_embedding_type(self) -> str: ...
+    @property
+    def disable_bias_linear(self) -> bool: ...
+    @property
+    def normalization(self) -> str: ...
+    @property
+    def multi_latent_attention(self) -> bool: ...
+    @property
+    def q_lora_rank(self) -> int | None: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def qk_head_dim(self) -> int: ...
+    @property
+    def qk_pos_emb_head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
+    def mtp_num_layers(self) -> int | None: ...
+
+
+def mla_shape(model: ModelShape) -> MLAShape | None:
+    """The :class:`MLAShape` of a ``ModelConfig`` or a planner ``GPTSpec``; None without MLA."""
+    if not model.multi_latent_attention:
         return None
     return MLAShape(model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim,
                     model.v_head_dim)
@@ -140,20 +186,18 @@ def _widths(h: int, num_attention_heads: int | None, num_query_groups: int | Non
     return num_attention_heads * d, (num_query_groups or num_attention_heads) * d
 
 
-def architecture(model: Any) -> dict[str, Any]:
-    """The keyword arguments below for a ``ModelConfig`` or a planner ``GPTSpec`` (same field names)."""
-    gqa = getattr(model, "group_query_attention", True)
+def architecture(model: ModelShape) -> dict[str, Any]:
+    """The keyword arguments below for a ``ModelConfig`` or a planner ``GPTSpec``."""
     return {
         "num_attention_heads": model.num_attention_heads,
-        "num_query_groups": getattr(model, "num_query_groups", None) if gqa else None,
-        "kv_channels": getattr(model, "kv_channels", None), "swiglu": getattr(model, "swiglu", False),
-        "mla": mla_shape(model),
+        "num_query_groups": model.num_query_groups if model.group_query_attention else None,
+        "kv_channels": model.kv_channels, "swiglu": model.swiglu, "mla": mla_shape(model),
     }
 
 
-def mtp_layers(model: Any) -> int:
+def mtp_layers(model: ModelShape) -> int:
     """The multi-token prediction modules D of a ``ModelConfig`` or ``GPTSpec`` (0: none)."""
-    return getattr(model, "mtp_num_layers", None) or 0
+    return model.mtp_num_layers or 0
 
 
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
@@ -283,16 +327,15 @@ def parameter_count(
     return layers + embeddings
 
 
-def model_parameter_count(model: Any, vocab_size: int | None = None, moe: MoEShape | None = None,
+def model_parameter_count(model: ModelShape, vocab_size: int | None = None, moe: MoEShape | None = None,
                           active: bool = False) -> int:
-    """:func:`parameter_count` of a ``ModelConfig`` or ``GPTSpec`` (vocabulary unpadded, final norm not counted);
-    with ``moe`` (default: a ``GPTSpec``'s own) all experts, or with ``active`` those a token uses."""
-    arch = architecture(model)
-    arch["moe"], arch["active"] = moe or getattr(model, "moe", None), active
+    """:func:`parameter_count` of a ``ModelConfig`` or ``GPTSpec`` (vocabulary ``model.vocab_size`` unless given,
+    unpadded; final norm not counted); with ``moe`` all experts, or with ``active`` those a token uses."""
+    vocab = vocab_size or model.vocab_size
+    if vocab is None:
+        raise ValueError("model_parameter_count needs a vocabulary size: the model's has none")
     return parameter_count(
-        model.num_layers, model.hidden_size, model.seq_length, vocab_size or model.vocab_size,
-        getattr(model, "ffn_size", None) or getattr(model, "ffn", None),
-        untied=getattr(model, "untie_embeddings_and_output_weights", False),
-        rope=getattr(model, "position_embedding_type", "learned_absolute") == "rope", mtp_num_layers=mtp_layers(model),
-        bias=not getattr(model, "disable_bias_linear", False),
-        normalization=getattr(model, "normalization", "LayerNorm"), **arch)
+        model.num_layers, model.hidden_size, model.seq_length, vocab, model.ffn_size,
+        untied=model.untie_embeddings_and_output_weights, rope=model.position_embedding_type == "rope",
+        bias=not model.disable_bias_linear, normalization=model.normalization, moe=moe, active=active,
+        mtp_num_layers=mtp_layers(model), **architecture(model))

@@ -225,6 +225,6 @@ class GPTModel(nn.Module):
             return x
         shared = self.lm_head is None and self.embedding is not None
         x = self.final_layernorm(x)
-        if self.mtp is not None and labels is not None:
+        if self.mtp is not None and labels is not None and self.training:
             x = self.mtp(x, labels, self.embedding, lambda h: self.logits(h, self.output_weight(), shared))
         return self.logits(x, self.output_weight(), shared)

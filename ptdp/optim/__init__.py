@@ -6,7 +6,7 @@
 from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, counted and by formula.
 """
 
-from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm, global_grad_norm_tensor
+from ptdp.optim.clip_grads import clip_grads, global_grad_norm, global_grad_norm_tensor
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.lr_schedule import learning_rate
 from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
@@ -16,7 +16,7 @@ from ptdp.parallel.data.buffer import Bucket, GradBuckets
 
 __all__ = [
     "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
-    "MegatronOptimizer", "build_optimizer", "clip_grads", "counts_in_grad_norm",
+    "MegatronOptimizer", "build_optimizer", "clip_grads",
     "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "model_state_bytes", "model_state_formula_bytes",
     "setup_optimizer",
 ]

@@ -1,4 +1,8 @@
-"""Global gradient norm across TP, PP (and DP shards), and clipping to ``--clip-grad``."""
+"""Global gradient norm across TP, PP (and DP shards), and clipping to ``--clip-grad``.
+
+Which rank counts which element is the parameters' placements' business (``Placement.counts_in_norm``,
+``ptdp.parallel.placement``): the optimizers pass only the counted gradients here.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ptdp.observability import flight_recorder
 from ptdp.parallel.collectives import group_size
-
-
-def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` is counted in the global norm (each element exactly once).
-
-    Replicated across TP (LayerNorm, row-parallel biases): only TP rank 0 counts it. The last stage's
-    copy of the tied embedding is never counted: the first stage's is.
-    """
-    owner = getattr(param, "grad_norm_owner", None)  # set when the norm is summed over the world (MoE)
-    if owner is not None:
-        return owner
-    if getattr(param, "is_embedding_copy", False):
-        return False
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
 
 @torch.no_grad()

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from ptdp.config import OptimizerConfig
-from ptdp.optim.clip_grads import clip_grads, counts_in_grad_norm, global_grad_norm_tensor
+from ptdp.optim.clip_grads import clip_grads, global_grad_norm_tensor
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.parallel.collectives import all_gather_single
 from ptdp.parallel.data.buffer import Bucket, GradBuckets
+from ptdp.parallel.placement import Placements
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -47,14 +48,13 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimize
                              fused=fused)
 
 
-def decays(param: nn.Parameter) -> bool:
-    """Weight decay on weight matrices only: not biases (the fused qkv bias is 2-D), not LayerNorm."""
-    return not getattr(param, "no_weight_decay", param.dim() < 2)
-
-
-def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """Plain AdamW over whole parameters with Megatron's decay groups (the reference the others match)."""
-    return adamw([p for p in params if decays(p)], [p for p in params if not decays(p)], cfg)
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig,
+                    placements: Placements | None = None) -> torch.optim.AdamW:
+    """Plain AdamW over whole parameters with Megatron's decay groups (the reference the others match):
+    weight matrices only, not biases (the fused qkv bias is 2-D) nor norms, as ``placements`` records
+    (``Placements.decays``; a plain model's parameters by their shape)."""
+    placements = Placements() if placements is None else placements
+    return adamw([p for p in params if placements.decays(p)], [p for p in params if not placements.decays(p)], cfg)
 
 
 class MegatronOptimizer:
@@ -65,8 +65,8 @@ class MegatronOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.AdamW, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
-                 scaler: ConstantGradScaler | DynamicGradScaler | None):
-        self.optimizer, self.cfg, self.tp_rank = optimizer, cfg, tp_rank
+                 scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements):
+        self.optimizer, self.cfg, self.tp_rank, self.placements = optimizer, cfg, tp_rank, placements
         self.norm_groups, self.scaler = norm_groups, scaler
         self.device = torch.device("cpu")  # the model's device (set by subclasses): where the norm lives
         self.skipped_iterations = 0  # fp16 overflows so far
@@ -131,9 +131,11 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 training without a master copy: AdamW on the model parameters (their grads are bucket views)."""
 
-    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, tp_rank: int, norm_groups: list):
+    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+                 placements: Placements | None = None):
         self.params = [p for p in params if p.requires_grad]
-        super().__init__(build_optimizer(self.params, cfg), cfg, tp_rank, norm_groups, None)
+        placements = Placements() if placements is None else placements
+        super().__init__(build_optimizer(self.params, cfg, placements), cfg, tp_rank, norm_groups, None, placements)
         self.device = self.params[0].device if self.params else self.device
 
     @property
@@ -142,7 +144,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state
 
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
-        return [p.grad for p in self.params], [counts_in_grad_norm(p, self.tp_rank) for p in self.params]
+        return [p.grad for p in self.params], [self.placements.counts_in_norm(p, self.tp_rank) for p in self.params]
 
     def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """{param: {"exp_avg", "exp_avg_sq", "step"}} (empty before the first step)."""
@@ -228,7 +230,7 @@ class DistributedOptimizer(MegatronOptimizer):
     """
 
     def __init__(self, grads: GradBuckets, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
-                 scaler: ConstantGradScaler | DynamicGradScaler | None):
+                 scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements | None = None):
         if any(b.param_data is None for b in grads.buckets):
             raise ValueError("DistributedOptimizer needs GradBuckets(..., param_buffer=True)")
         self.grads = grads
@@ -242,9 +244,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 model = own[start - bucket.shard_start:end - bucket.shard_start]
                 main = model if model.dtype == torch.float32 else model.detach().float()  # fp32: update in place
                 self.pieces.append(ShardPiece(param, bucket, start, end, offset, main))
-        decay = [x.main for x in self.pieces if decays(x.param)]
-        no_decay = [x.main for x in self.pieces if not decays(x.param)]
-        super().__init__(adamw(decay, no_decay, cfg), cfg, tp_rank, norm_groups, scaler)
+        placements = Placements() if placements is None else placements  # a plain model's parameters: whole, decayed by shape
+        decay = [x.main for x in self.pieces if placements.decays(x.param)]
+        no_decay = [x.main for x in self.pieces if not placements.decays(x.param)]
+        super().__init__(adamw(decay, no_decay, cfg), cfg, tp_rank, norm_groups, scaler, placements)
         if grads.buckets:  # a rank owning no shard still needs its norm on the device NCCL reduces on
             self.device = grads.buckets[0].grad_data.device
         self.adam_steps = 0  # AdamW's step count, the same on every rank (some may own no piece)
@@ -283,7 +286,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for x in self.pieces:  # fp32 grads: a view (no copy); 16-bit grads: an fp32 copy
             grad = x.grad_view
             x.main.grad = grad if grad.dtype == torch.float32 else grad.float()
-        return [x.main.grad for x in self.pieces], [counts_in_grad_norm(x.param, self.tp_rank) for x in self.pieces]
+        return [x.main.grad for x in self.pieces], [self.placements.counts_in_norm(x.param, self.tp_rank)
+                                                    for x in self.pieces]
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -12,7 +12,8 @@ from ptdp.config import Config, MixedPrecisionConfig
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
 from ptdp.parallel.data.buffer import GradBuckets
-from ptdp.parallel.init import materialize_deferred, params_dtype
+from ptdp.parallel.init import params_dtype
+from ptdp.parallel.parallelize import ParallelModel
 
 
 def grad_dtype(config: Config) -> torch.dtype:
@@ -29,16 +30,18 @@ def grad_scaler(mp: MixedPrecisionConfig) -> ConstantGradScaler | DynamicGradSca
     return DynamicGradScaler(mp.initial_loss_scale, mp.min_loss_scale, mp.loss_scale_window, mp.hysteresis)
 
 
-def setup_optimizer(params: list[nn.Parameter], config: Config, state,
-                    shared_embedding: list[nn.Parameter] = (), chunks: list[nn.Module] = ()
+def setup_optimizer(model: ParallelModel, config: Config, state, shared_embedding: list[nn.Parameter] = ()
                     ) -> tuple[GradBuckets, MegatronOptimizer]:
-    """Gradient buffers and optimizer for this rank's ``params`` (already in :func:`params_dtype`).
+    """Gradient buffers and optimizer for this rank's ``model`` (its parameters already in
+    :func:`params_dtype`; those ``model.deferred`` holds are drawn into the buffers here).
 
     ``state`` is the rank's ``ParallelState``; ``shared_embedding`` the copies of the tied embedding on
-    the first and last stage (their own bucket, so that both stages shard them alike); ``chunks`` the
-    rank's model chunks (ZeRO-3 gathers each chunk's buckets: no bucket spans two chunks). Under ZeRO-3
-    the returned ``GradBuckets`` carries ``param_sync``, the per-chunk gatherer the executor drives.
+    the first and last stage (their own bucket, so that both stages shard them alike). ZeRO-3 gathers each
+    chunk's buckets: no bucket spans two chunks. Under ZeRO-3 the returned ``GradBuckets`` carries
+    ``param_sync``, the per-chunk gatherer the executor drives. The buffers and the optimizers read the
+    parameters' placements (``model.placements``: bucketing, weight decay, the gradient norm).
     """
+    params, chunks, placements = model.params, model.chunks, model.placements
     tr, opt = config.training, config.optimizer
     strategy = opt.sharding
     distributed = strategy != "no_shard"
@@ -58,17 +61,19 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
                            distributed_optimizer=distributed, param_buffer=main_params,
                            overlap_grad_reduce=tr.overlap_grad_reduce, separate=separate, average_over=average_over,
                            shard_grads=shard_grads, chunk_of=chunk_of, replica_group=replica_group,
-                           shard_params=strategy == "optim_grads_params" and getattr(state, "expert", None) is None)
+                           shard_params=strategy == "optim_grads_params" and state.expert is None,
+                           placements=placements, deferred=model.deferred)
 
-    experts = getattr(state, "expert", None) is not None  # issue 25: expert grads over the expert-DP group
+    experts = state.expert is not None  # issue 25: expert grads over the expert-DP group
     if experts:
         from ptdp.parallel.expert.grads import expert_grad_buckets
 
         grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed,
-                                                 (dp_group, replica_group), opt.num_distributed_optimizer_instances)
+                                                 placements, (dp_group, replica_group),
+                                                 opt.num_distributed_optimizer_instances)
     else:
         grads = make(params, dp_group, separate=shared_embedding)
-    materialize_deferred(params)  # parameters no bucket took (ptdp.parallel.init.defer_init)
+    model.deferred.materialize_rest()  # parameters no bucket took (ptdp.parallel.init.defer_init)
     if strategy == "optim_grads_params":
         from ptdp.parallel.data.zero import ChunkParamSync, shard_model
 
@@ -80,11 +85,12 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
                 grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
     if experts:
         if not main_params:
-            return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups)
+            return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements)
         return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                           grad_scaler(config.precision))
+                                           grad_scaler(config.precision), placements)
     if not main_params:
-        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group])
+        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group],
+                                    placements)
     # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over
     # TP, PP and one instance's shards under hybrid sharding: the other instances hold the same shards).
     sharded = distributed and state.dims.dp * state.dims.cp > 1
@@ -92,4 +98,4 @@ def setup_optimizer(params: list[nn.Parameter], config: Config, state,
     if sharded and replica_group is not None:
         norm_groups = [state.tp_group, state.pp_group, dp_group]
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                       grad_scaler(config.precision))
+                                       grad_scaler(config.precision), placements)

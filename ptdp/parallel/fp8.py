@@ -33,7 +33,7 @@ _SKIPPED = ("router", "output_layer", "embedding")  # module-name parts that alw
 
 def fp8_environment_errors(config) -> list[str]:
     """One line per reason ``--fp8-format`` cannot run on this machine: torchao installed, a GPU of compute
-    capability >= 8.9 visible. A start-up check (``ptdp.runtime.startup``), not a property of the configuration."""
+    capability >= 8.9 visible. A start-up check (``ptdp.cli.main.start_problems``), not a property of the configuration."""
     if not config.precision.fp8_format:
         return []
     if importlib.util.find_spec("torchao") is None:

@@ -6,27 +6,40 @@
     →  cast to the parameter dtype  →  FP8 GEMMs (``--fp8-format``)  →  compile (``--compile`` on a GPU)
 
 Each step is one function in its own module and transforms the modules in place; none edits the model
-files. A new parallelism adds a module and one line here (``docs/architecture.md``). Data parallelism is
-applied to the gradients, not the model (``ptdp.parallel.data.buffer``).
+files. Each records how it cut or marked the parameters in the rank's :class:`Placements` registry
+(``ptdp.parallel.placement``), returned with the chunks as a :class:`ParallelModel`. A new parallelism adds
+a module and one line here (``docs/architecture.md``). Data parallelism is applied to the gradients, not
+the model (``ptdp.parallel.data.buffer``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+from torch import nn
 
 from ptdp.config import Config
+from ptdp.config.validate_pipeline import stages_of
 from ptdp.models import GPTModel
 from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel import ParallelState
 from ptdp.parallel.context.apply import apply_context_parallel
 from ptdp.parallel.expert.apply import apply_expert_parallel
-from ptdp.parallel.init import defer_init, init_parameters, mark_no_weight_decay, materialize, params_dtype
-from ptdp.parallel.pipeline.stage import logical_name, split_model
+from ptdp.parallel.init import (
+    DeferredInit,
+    defer_init,
+    init_parameters,
+    materialize,
+    params_dtype,
+    record_weight_decay,
+)
+from ptdp.parallel.pipeline.stage import split_model
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.recompute import apply_recompute
 from ptdp.parallel.tensor.apply import apply_tensor_parallel
-from ptdp.parallel.vocab.stage import apply_vocab_parallel, init_vocab_slices
+from ptdp.parallel.vocab.stage import apply_vocab_parallel
 from ptdp.schedule.actions import virtual_stage
-from ptdp.schedule.layout import stages_of
 
 
 def local_seq_length(config: Config, state: ParallelState) -> int:
@@ -36,20 +49,36 @@ def local_seq_length(config: Config, state: ParallelState) -> int:
     return seq // state.dims.tp if config.parallel.sequence_parallel and state.dims.tp > 1 else seq
 
 
-def parallelize(model: GPTModel, *, tp_group=None, sequence_parallel: bool = False, cp_group=None,
-                cp_comm_type: str = "p2p") -> GPTModel:
+@dataclass
+class ParallelModel:
+    """This rank's model: its chunks (in the order of its virtual stages), the placement of each of their
+    parameters, and the parameters whose initial values wait for the flat parameter buffers (``deferred``:
+    ``ptdp.optim.setup`` hands it to them)."""
+
+    chunks: list[GPTModel]
+    placements: Placements
+    deferred: DeferredInit = field(default_factory=DeferredInit)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+
+def parallelize(model: GPTModel, placements: Placements, *, tp_group=None, sequence_parallel: bool = False,
+                cp_group=None, cp_comm_type: str = "p2p") -> GPTModel:
     """Tensor (+ sequence) and context parallelism and ``model.cfg``'s recomputation, applied in place to
-    a model or pipeline chunk (on the meta device, or a real one: then initialise it afterwards)."""
+    a model or pipeline chunk (on the meta device, or a real one: then initialise it afterwards), recorded
+    in ``placements`` with Megatron's weight-decay rule."""
     m = model.cfg
-    apply_tensor_parallel(model, tp_group, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, tp_group, placements, sequence_parallel=sequence_parallel)
     apply_context_parallel(model, cp_group, cp_comm_type)
     apply_recompute(model, m.recompute_granularity, m.recompute_method, m.recompute_num_layers)
-    mark_no_weight_decay(model)
+    record_weight_decay(model, placements)
     return model
 
 
 def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
-                       padded_vocab_size: int) -> list[GPTModel]:
+                       padded_vocab_size: int) -> ParallelModel:
     """Chunk c holds virtual stage ``virtual_stage(pp_rank, c, p, placement)`` (``ptdp.parallel.pipeline.stage``)."""
     m, par, p = config.model, config.parallel, state.dims.pp
     v = par.virtual_size
@@ -58,29 +87,28 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
     with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
         model = GPTModel(m, vocab_size, padded_vocab_size, config.moe)
     stages = [virtual_stage(state.pp_rank, c, p, state.placement) for c in range(v)]
-    chunks = split_model(model, stages, p * v, plan=stages_of(m, par, p, v))  # even or Megatron's layout
+    placements, deferred = Placements(), DeferredInit()
+    chunks = split_model(model, stages, p * v, placements, plan=stages_of(config, p, v))  # even or Megatron's
     dtype = params_dtype(config)
     # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
     # no rank materialises its chunks whole; ZeRO-3 keeps one bucket whole at a time (ptdp.parallel.init).
-    deferred = (config.optimizer.sharding != "no_shard" or dtype != torch.float32) \
+    defer = (config.optimizer.sharding != "no_shard" or dtype != torch.float32) \
         and not par.enable_vocab_parallel and not m.compile  # these read or draw whole chunks here
     for chunk in chunks:
-        parallelize(chunk, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
+        parallelize(chunk, placements, tp_group=state.tp_group, sequence_parallel=par.sequence_parallel,
                     cp_group=state.cp_group, cp_comm_type=par.cp_comm_type)
         if config.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
-            apply_expert_parallel(chunk, state.expert, config.moe.moe_token_dispatcher_type,
+            apply_expert_parallel(chunk, state.expert, placements, config.moe.moe_token_dispatcher_type,
                                   par.sequence_parallel and state.dims.tp > 1)
         if par.enable_vocab_parallel:  # issue 24: the vocabulary layers split over all pipeline ranks
             apply_vocab_parallel(chunk, chunks.index(chunk), state.pp_rank, p, state.tp_rank, state.dims.tp,
-                                 padded_vocab_size)
-        if deferred:  # drawn straight into the flat parameter buffers, bucket by bucket (ptdp.optim.setup)
-            defer_init(chunk, state.device, dtype, config.training.seed, state.tp_rank, state.dims.tp,
-                       m.init_method_std, m.num_layers, logical_name)
+                                 padded_vocab_size, placements)
+        if defer:  # drawn straight into the flat parameter buffers, bucket by bucket (ptdp.optim.setup)
+            defer_init(chunk, state.device, dtype, placements, deferred, config.training.seed,
+                       m.init_method_std, m.num_layers)
         else:
-            materialize(chunk, state.device)  # built where it trains: no CPU copy, no host-to-device move
-            init_parameters(chunk, config.training.seed, state.tp_rank, state.dims.tp, m.init_method_std,
-                            m.num_layers, logical_name)
-            init_vocab_slices(chunk, config.training.seed, m.init_method_std, padded_vocab_size)
+            materialize(chunk, state.device, placements)  # built where it trains: no CPU copy, no H2D move
+            init_parameters(chunk, config.training.seed, m.init_method_std, m.num_layers, placements)
         chunk.to(dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
         if config.precision.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/parallel/fp8.py)
             from ptdp.parallel.fp8 import enable_fp8
@@ -90,4 +118,4 @@ def build_model_chunks(config: Config, state: ParallelState, vocab_size: int,
             compile_layers(chunk.layers.values(),
                            (config.training.micro_batch_size, local_seq_length(config, state), m.hidden_size),
                            dtype)
-    return chunks
+    return ParallelModel(chunks, placements, deferred)

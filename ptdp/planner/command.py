@@ -8,8 +8,9 @@ import json
 import sys
 
 from ptdp import config as train_config
-from ptdp.config import ModelConfig, MoEConfig, add_field_arguments, model_config
+from ptdp.config import ConfigError, ModelConfig, MoEConfig, add_field_arguments, model_config
 from ptdp.config.validate_moe import moe_errors
+from ptdp.config.validate_pipeline import layout_stage_count
 from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
@@ -90,7 +91,7 @@ class _UsageError(Exception):
 
 
 def _positive(args: argparse.Namespace, name: str) -> None:
-    value = getattr(args, name)
+    value = vars(args)[name]  # the flags by field name, as add_field_arguments declared them
     if value is not None and value < 1:
         raise _UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
 
@@ -101,7 +102,8 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     from ptdp.config.presets import MODEL_PRESETS as ALL_PRESETS
 
     preset = ALL_PRESETS[args.model] if args.model else {}
-    values = {k: getattr(args, k) for k in (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention")}
+    given = vars(args)  # the flags by field name, as add_field_arguments declared them
+    values = {k: given[k] for k in (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention")}
     for k in _MODEL_FLAGS:
         if values[k] is None and k not in preset:
             raise _UsageError(f"--{k.replace('_', '-')} is required (or pass --model gpt3-175b)")
@@ -124,8 +126,9 @@ def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
     (``validate_moe``); every problem one line."""
     from ptdp.config.presets import MOE_PRESETS
 
+    given = vars(args)  # the flags by field name, as add_field_arguments declared them
     moe = dataclasses.replace(MoEConfig(**MOE_PRESETS.get(args.model, {})),
-                              **{k: getattr(args, k) for k in _MOE_FLAGS if getattr(args, k) is not None})
+                              **{k: given[k] for k in _MOE_FLAGS if given[k] is not None})
     errors = moe_errors(train_config.Config(model=model, moe=moe))
     if errors:
         raise _UsageError("\n".join(errors))
@@ -165,11 +168,9 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
                           f"{t}x{c}x{p}")
     v = args.virtual_pipeline_model_parallel_size or 1
     if args.pipeline_model_parallel_layout and args.virtual_pipeline_model_parallel_size is None:
-        from ptdp.schedule.layout import LayoutError, layout_num_stages
-
         try:  # the layout string sets v, as for ptdp train
-            v = max(1, layout_num_stages(args.pipeline_model_parallel_layout) // p)
-        except LayoutError as e:
+            v = max(1, layout_stage_count(args.pipeline_model_parallel_layout) // p)
+        except ConfigError as e:
             raise _UsageError(str(e)) from None
     cfg = ParallelConfig(
         t, p, cluster.num_gpus // (t * c * p), v,
@@ -267,11 +268,9 @@ def _row(rank: str, e: Estimate, moe: bool = False) -> list[str]:
 
 def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate | None,
            runners: list[Estimate], evaluated: int) -> str:
-    from ptdp.models.flops import model_parameter_count
-
-    params = model_parameter_count(model)
+    params = model.parameter_count()
     if model.moe is not None:  # a mixture of experts: also what a token goes through
-        moe_note = f" ({model_parameter_count(model, active=True) / 1e9:.1f}B active, E={model.moe.num_experts} k={model.moe.topk})"
+        moe_note = f" ({model.parameter_count(active=True) / 1e9:.1f}B active, E={model.moe.num_experts} k={model.moe.topk})"
     else:
         moe_note = ""
     llama = ""
@@ -313,12 +312,13 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     t, p, d, v = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.data_parallel_size,
                   c.virtual_pipeline_model_parallel_size)
     states = params * model_state_bytes_per_param(train.precision, False, 1)
-    share = {k: getattr(times, k) / best.iteration_time_s for k in ("compute", "bubble", "tp_comm", "dp_comm")}
+    share = {k: seconds / best.iteration_time_s for k, seconds in (
+        ("compute", times.compute), ("bubble", times.bubble), ("tp_comm", times.tp_comm), ("dp_comm", times.dp_comm))}
     tp_where = "inside one server, on NVLink" if t <= cluster.gpus_per_node else "ACROSS servers"
     cp_line = ([f"c = {c.context_parallel_size} splits each {model.seq_length}-token sequence over c ranks "
                 f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
                 "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
-    return cp_line + expert_lines(model, best) + [
+    return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"

@@ -22,31 +22,32 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ptdp.config.validate_moe import expert_layout_errors
 from ptdp.models.flops import architecture, layer_parameter_count
+from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig
 
+Link = Callable[[bool], tuple[float, float]]  # spans nodes -> (bytes/s, latency): the planner's link model
 DISPATCHERS = ("alltoall", "allgather")
 DEFAULT_DISPATCHER = "allgather"  # --moe-token-dispatcher-type's default (Megatron-LM's)
 BYTES_PER_ELEMENT = 2  # 16-bit activations
 
 
-def expert_sizes(cfg) -> tuple[int, int]:
+def expert_sizes(cfg: ParallelConfig) -> tuple[int, int]:
     """(e, etp) of a planner ``ParallelConfig``: etp defaults to t, as Megatron-Core's."""
-    e = getattr(cfg, "expert_model_parallel_size", 1)
-    etp = getattr(cfg, "expert_tensor_parallel_size", None)
-    return e, cfg.tensor_model_parallel_size if etp is None else etp
+    etp = cfg.expert_tensor_parallel_size
+    return cfg.expert_model_parallel_size, cfg.tensor_model_parallel_size if etp is None else etp
 
 
-def expert_data_parallel_size(cfg) -> int:
+def expert_data_parallel_size(cfg: ParallelConfig) -> int:
     """edp: the ranks of one pipeline stage holding the same experts, t·c·d / (etp·e)."""
     e, etp = expert_sizes(cfg)
     stage = cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.data_parallel_size
     return max(stage // (etp * e), 1)
 
 
-def expert_shards(cfg) -> int:
+def expert_shards(cfg: ParallelConfig) -> int:
     """How many ranks split what the ZeRO strategy shards of the experts: the edp group (one hybrid
     instance of it when K divides it)."""
     if cfg.strategy == "no_shard":
@@ -55,11 +56,11 @@ def expert_shards(cfg) -> int:
     return edp // k if k > 1 and edp % k == 0 else edp
 
 
-def _mats(model) -> int:
+def _mats(model: GPTSpec) -> int:
     return 3 if model.swiglu else 2
 
 
-def layer_parameters(model, t: int, e: int = 1, etp: int | None = None) -> tuple[float, float]:
+def layer_parameters(model: GPTSpec, t: int, e: int = 1, etp: int | None = None) -> tuple[float, float]:
     """(non-expert, expert) parameters of the mean layer on one rank of a MoE model (``model.moe`` set).
 
     Dense layers: all but the two norms and the row-parallel biases split t ways. MoE layers: attention
@@ -85,13 +86,13 @@ def layer_parameters(model, t: int, e: int = 1, etp: int | None = None) -> tuple
     return ((layers - m) * dense_rank + m * moe_rank) / layers, m * experts / (e * etp) / layers
 
 
-def layer_parameters_per_rank(model, t: int, cfg=None) -> float:
+def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None = None) -> float:
     """All parameters of the mean layer on one rank (``memory.layer_parameters_per_rank`` for a MoE model)."""
     e, etp = expert_sizes(cfg) if cfg is not None else (1, t)
     return sum(layer_parameters(model, t, e, etp))
 
 
-def expert_parameters_per_rank(model, cfg, layers: float) -> float:
+def expert_parameters_per_rank(model: GPTSpec, cfg: ParallelConfig, layers: float) -> float:
     """The expert parameters of ``layers`` (mean) layers on one rank: 0 for a dense model."""
     if model.moe is None:
         return 0.0
@@ -99,23 +100,23 @@ def expert_parameters_per_rank(model, cfg, layers: float) -> float:
     return layers * layer_parameters(model, cfg.tensor_model_parallel_size, e, etp)[1]
 
 
-def expert_layout_problem(model, cfg, world_size: int) -> str | None:
+def expert_layout_problem(model: GPTSpec, cfg: ParallelConfig, world_size: int) -> str | None:
     """Why ``ptdp train`` would refuse this expert layout (naming the flag), or None: the rules of
     ``ptdp.parallel.expert.dims.expert_layout_errors``."""
     e, etp = expert_sizes(cfg)
-    dispatcher = getattr(cfg, "moe_token_dispatcher_type", DEFAULT_DISPATCHER)
+    dispatcher = cfg.moe_token_dispatcher_type
     if dispatcher not in DISPATCHERS:
         return f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}"
     c = cfg.context_parallel_size
     errors = expert_layout_errors(
         world_size=world_size, t=cfg.tensor_model_parallel_size, c=c, p=cfg.pipeline_model_parallel_size,
-        e=e, etp=getattr(cfg, "expert_tensor_parallel_size", None),
+        e=e, etp=cfg.expert_tensor_parallel_size,
         num_experts=None if model.moe is None else model.moe.num_experts, sequence_parallel=cfg.sequence_parallel,
         tokens_per_rank=cfg.micro_batch_size * model.seq_length // c)
     return errors[0] if errors else None
 
 
-def expert_choices(model, t: int, c: int, d: int, expert_sizes_: Sequence[int] | None = None,
+def expert_choices(model: GPTSpec, t: int, c: int, d: int, expert_sizes_: Sequence[int] | None = None,
                    expert_tensor_sizes: Sequence[int | None] | None = None,
                    dispatchers: Sequence[str] | None = None) -> Iterator[tuple[int, int | None, str]]:
     """(e, etp, dispatcher) triples to search for a stage of t·c·d ranks: e divides E and folds with etp over
@@ -134,7 +135,7 @@ def expert_choices(model, t: int, c: int, d: int, expert_sizes_: Sequence[int] |
                     yield e, etp, dispatcher
 
 
-def _routed_tokens(model, cfg) -> tuple[float, float]:
+def _routed_tokens(model: GPTSpec, cfg: ParallelConfig) -> tuple[float, float]:
     """(tokens this rank sends to the experts per MoE layer per microbatch, tokens it gathers over the
     expert-tensor group first)."""
     t, e_tp = cfg.tensor_model_parallel_size, expert_sizes(cfg)[1]
@@ -145,7 +146,7 @@ def _routed_tokens(model, cfg) -> tuple[float, float]:
     return tokens, (tokens if sp else 0.0)  # etp = t: the TP group shares (SP: gathers) the tokens
 
 
-def dispatch_seconds_per_layer(model, cfg, cluster, link) -> float:
+def dispatch_seconds_per_layer(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, link: Link) -> float:
     """Seconds one MoE layer spends moving tokens per microbatch (forward, backward and any recomputed
     forward) on one rank. ``link(spans_nodes) -> (bytes/s, latency)`` is the planner's link model."""
     if model.moe is None:
@@ -157,7 +158,7 @@ def dispatch_seconds_per_layer(model, cfg, cluster, link) -> float:
     seconds = 0.0
     if e > 1:
         bw, lat = link(etp * e > cluster.gpus_per_node)  # the ep group: every etp-th rank of etp·e in a row
-        if getattr(cfg, "moe_token_dispatcher_type", DEFAULT_DISPATCHER) == "allgather":
+        if cfg.moe_token_dispatcher_type == "allgather":
             sent = 2 * (e - 1) * routed * h  # all-gather the tokens, reduce-scatter the outputs
         else:
             sent = 2 * (e - 1) / e * routed * k * h  # the pairs leaving the rank, there and back
@@ -168,23 +169,23 @@ def dispatch_seconds_per_layer(model, cfg, cluster, link) -> float:
     return seconds
 
 
-def dispatch_seconds(model, cfg, cluster, layers: float, link) -> float:
+def dispatch_seconds(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, layers: float, link: Link) -> float:
     """Token movement of the MoE layers among ``layers`` (mean) layers, per microbatch."""
     if model.moe is None:
         return 0.0
     return layers * model.moe.moe_layers / model.num_layers * dispatch_seconds_per_layer(model, cfg, cluster, link)
 
 
-def expert_column(cfg) -> str:
+def expert_column(cfg: ParallelConfig) -> str:
     """``ptdp plan``'s e column: e, with the dispatcher's initial at e > 1 (a: alltoall, g: allgather) and
     "/etp1" when the experts are not split over the tensor-parallel group."""
     e, etp = expert_sizes(cfg)
-    dispatcher = getattr(cfg, "moe_token_dispatcher_type", DEFAULT_DISPATCHER)
+    dispatcher = cfg.moe_token_dispatcher_type
     tensor = "/etp1" if etp == 1 and cfg.tensor_model_parallel_size > 1 else ""
     return f"{e}{dispatcher[3 if dispatcher == 'allgather' else 0] if e > 1 else ''}{tensor}"
 
 
-def expert_split_words(model, cfg) -> str:
+def expert_split_words(model: GPTSpec, cfg: ParallelConfig) -> str:
     """`` (the experts over e·etp·p = N)`` for ``ptdp plan``'s memory line; empty for a dense model."""
     if model.moe is None:
         return ""
@@ -192,16 +193,15 @@ def expert_split_words(model, cfg) -> str:
     return f" (the experts over e·etp·p = {e * etp * cfg.pipeline_model_parallel_size})"
 
 
-def expert_lines(model, best) -> list[str]:
-    """``ptdp plan``'s explanation of the chosen expert layout (none for a dense model)."""
+def expert_lines(model: GPTSpec, cfg: ParallelConfig, share: float) -> list[str]:
+    """``ptdp plan``'s explanation of the chosen expert layout, whose token movement takes ``share`` of the
+    iteration (none for a dense model)."""
     if model.moe is None:
         return []
-    cfg, times = best.config, best.times
     e, etp = expert_sizes(cfg)
     edp = expert_data_parallel_size(cfg)
-    share = getattr(times, "ep_comm", 0.0) / best.iteration_time_s
     moe = model.moe
     return [f"e = {e} (etp = {etp}, edp = {edp}): each rank holds {moe.num_experts // e} of the {moe.num_experts} "
             f"experts{f', each 1/{etp} of its FFN' if etp > 1 else ''}; expert gradients and optimizer states over "
-            f"the {edp} expert-data-parallel ranks; token {getattr(cfg, 'moe_token_dispatcher_type', DEFAULT_DISPATCHER)} "
+            f"the {edp} expert-data-parallel ranks; token {cfg.moe_token_dispatcher_type} "
             f"{share:.0%} of the iteration (docs/expert-parallel.md)"]

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import product
 
+from ptdp.config.validate_pipeline import schedule_problems
 from ptdp.models.flops import architecture, flops_per_iteration
 from ptdp.planner.experts import expert_choices, expert_data_parallel_size, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES, MemoryEstimate, memory_per_gpu
@@ -13,7 +14,7 @@ from ptdp.planner.perf import IterationTimes, dp_spans_nodes, iteration_times, t
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
 from ptdp.runtime.hardware import GIB
-from ptdp.schedule.registry import bubble_fraction_formula, schedule_problems
+from ptdp.schedule.registry import bubble_fraction_formula
 
 
 @dataclass(frozen=True)

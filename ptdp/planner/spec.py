@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.models.flops import MLAShape, MoEShape, mla_shape
+from ptdp.models.flops import MLAShape, MoEShape, mla_shape, model_parameter_count
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -41,14 +41,34 @@ class GPTSpec:
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
-    mla: MLAShape | None = None  # multi-latent attention (issue 41)
+    multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     mtp_num_layers: int = 0  # multi-token prediction modules, on the last pipeline stage
+
+    @property
+    def mla(self) -> MLAShape | None:
+        """Multi-latent attention's sizes (None: standard attention)."""
+        return mla_shape(self)
 
     @property
     def ffn(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def ffn_size(self) -> int:
+        """``ffn`` under ``ModelConfig``'s name: the FLOP counts read both (``ptdp.models.flops.ModelShape``)."""
+        return self.ffn
+
+    def parameter_count(self, active: bool = False) -> int:
+        """All parameters (the embeddings, the final norm not counted), or with ``active`` those a token
+        goes through (a mixture of experts' k routed experts)."""
+        return model_parameter_count(self, moe=self.moe, active=active)
 
     def _moe_ffn(self, experts_per_token: bool) -> float:
         """The MLP width of the mean layer: a MoE layer's experts (k of them, or all E) plus its shared expert."""
@@ -112,7 +132,9 @@ class GPTSpec:
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
-            disable_bias_linear=m.disable_bias_linear, mla=mla_shape(m), mtp_num_layers=m.mtp_num_layers or 0,
+            disable_bias_linear=m.disable_bias_linear, multi_latent_attention=m.multi_latent_attention,
+            q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+            qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, mtp_num_layers=m.mtp_num_layers or 0,
         )
 
     @classmethod

@@ -20,21 +20,22 @@ import functools
 import heapq
 from collections.abc import Sequence
 
+from ptdp.planner.spec import ParallelConfig
 from ptdp.schedule.actions import stage_location
 from ptdp.schedule.actions import virtual_stage as stage_location_inverse
 from ptdp.schedule.layout import layout_string, stages_from_counts, stages_from_string
 from ptdp.schedule.registry import schedule_placement
 
 
-def _sizes(cfg) -> tuple[int, int, str]:
+def _sizes(cfg: ParallelConfig) -> tuple[int, int, str]:
     return (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
             schedule_placement(cfg.schedule))
 
 
-def rank_layers(num_layers: int, cfg) -> list[float]:
+def rank_layers(num_layers: int, cfg: ParallelConfig) -> list[float]:
     """Transformer layers on each pipeline rank (all its chunks), where the schedule's placement puts them."""
     p, v, placement = _sizes(cfg)
-    return list(_rank_layers(num_layers, p, v, placement, getattr(cfg, "pipeline_model_parallel_layout", None)))
+    return list(_rank_layers(num_layers, p, v, placement, cfg.pipeline_model_parallel_layout))
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every rank of thousands of layouts
@@ -47,29 +48,28 @@ def _rank_layers(num_layers: int, p: int, v: int, placement: str, layout: str | 
     return tuple(out)
 
 
-def end_ranks(cfg) -> tuple[int, int]:
+def end_ranks(cfg: ParallelConfig) -> tuple[int, int]:
     """The pipeline ranks holding the first and the last virtual stage (the last is rank 0 under a V)."""
     p, v, placement = _sizes(cfg)
     return stage_location(0, p, placement)[0], stage_location(p * v - 1, p, placement)[0]
 
 
-def vocab_shares(cfg, rank: int) -> tuple[float, float]:
+def vocab_shares(cfg: ParallelConfig, rank: int) -> tuple[float, float]:
     """(share of the input embedding, share of the output layer + loss) that ``rank`` computes and holds:
     1/p each with vocabulary parallelism, else 1 on the rank holding the first (last) virtual stage."""
     p = cfg.pipeline_model_parallel_size
-    if getattr(cfg, "enable_vocab_parallel", False) and p > 1:
+    if cfg.enable_vocab_parallel and p > 1:
         return 1 / p, 1 / p
     first, last = end_ranks(cfg)
     return float(rank == first), float(rank == last)
 
 
-def is_uniform(cfg) -> bool:
+def is_uniform(cfg: ParallelConfig) -> bool:
     """Even layers and no vocabulary parallelism: the first and last rank bound every other one."""
-    return not getattr(cfg, "pipeline_model_parallel_layout", None) and not getattr(cfg, "enable_vocab_parallel",
-                                                                                  False)
+    return not cfg.pipeline_model_parallel_layout and not cfg.enable_vocab_parallel
 
 
-def ranks_to_check(cfg, num_layers: int | None = None) -> list[int]:
+def ranks_to_check(cfg: ParallelConfig, num_layers: int | None = None) -> list[int]:
     """The pipeline ranks whose time can be the largest: the first and last under the even split, else one
     rank of each kind (its layers, its vocabulary shares, whether it holds an end), or all without
     ``num_layers``."""
@@ -84,27 +84,27 @@ def ranks_to_check(cfg, num_layers: int | None = None) -> list[int]:
     return sorted(kinds.values())
 
 
-def rank_kind(cfg, rank: int, layers: Sequence[float], ends: tuple[int, int]) -> tuple:
+def rank_kind(cfg: ParallelConfig, rank: int, layers: Sequence[float], ends: tuple[int, int]) -> tuple:
     """What a rank's time and parameters depend on: two ranks of one kind cost the same."""
     return layers[rank], vocab_shares(cfg, rank), rank == ends[0], rank == ends[1]
 
 
-def vocab_parallel_messages(cfg) -> int:
+def vocab_parallel_messages(cfg: ParallelConfig) -> int:
     """All-reduces of one microbatch's b·s·h activations over the pipeline group that vocabulary parallelism
     adds per microbatch: the embedding's partial outputs (forward), the last hidden state to every rank and
     the input-gradient contributions back (C1); the max / sum-of-exp barrier (C0) is b·s floats, fused into
     C1 with one barrier. Counted as exposed time, though the paper overlaps them with transformer layers."""
-    if not getattr(cfg, "enable_vocab_parallel", False) or cfg.pipeline_model_parallel_size == 1:
+    if not cfg.enable_vocab_parallel or cfg.pipeline_model_parallel_size == 1:
         return 0
     return 3
 
 
-def vocab_parallel_extra_stashes(cfg) -> int:
+def vocab_parallel_extra_stashes(cfg: ParallelConfig) -> int:
     """Extra microbatches of activations vocabulary parallelism keeps under 1F1B (Yeung et al.): p + 2
     instead of p with one barrier, p + 1 with two (``--disable-fb-fusion``)."""
-    if not getattr(cfg, "enable_vocab_parallel", False) or cfg.pipeline_model_parallel_size == 1:
+    if not cfg.enable_vocab_parallel or cfg.pipeline_model_parallel_size == 1:
         return 0
-    return 1 if getattr(cfg, "disable_fb_fusion", False) else 2
+    return 1 if cfg.disable_fb_fusion else 2
 
 
 def balanced_counts(num_layers: int, p: int, v: int, placement: str, layer_cost: float, first_cost: float,

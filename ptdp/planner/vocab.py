@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
+from ptdp.config.validate_pipeline import layout_problem
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import balanced_layout, end_ranks
-from ptdp.schedule.layout import LayoutError, stages_from_string
 from ptdp.schedule.registry import schedule_placement
 
 
@@ -30,17 +30,7 @@ def vocab_layout_problem(model: GPTSpec, cfg: ParallelConfig) -> str | None:
                cfg.tensor_model_parallel_size)
     if cfg.enable_vocab_parallel and (p == 1 or model.vocab_size < p * t):
         return f"--enable-vocab-parallel needs p > 1 and a vocabulary of at least p·t = {p * t} entries"
-    if cfg.pipeline_model_parallel_layout:
-        try:
-            stages = stages_from_string(cfg.pipeline_model_parallel_layout, model.num_layers, p)
-        except LayoutError as e:
-            return str(e)
-        if len(stages) != p * v:
-            return f"--pipeline-model-parallel-layout has {len(stages)} stages, not p x v = {p}x{v}"
-        return None
-    if model.num_layers % (p * v):
-        return f"--num-layers {model.num_layers} must be divisible by pipeline x virtual size {p}x{v}"
-    return None
+    return layout_problem(model.num_layers, p, v, layout=cfg.pipeline_model_parallel_layout)
 
 
 def vocab_costs(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str) -> tuple[float, float, float]:

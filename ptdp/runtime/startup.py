@@ -1,25 +1,42 @@
 """Start-up checks of ``ptdp train``: what the machine and the files must provide, after the configuration
 itself passed ``config.validate``.
 
-``validate`` is pure (the configuration and the world size in, every problem out) and ``derive`` returns a
-new object without a word; what depends on this machine (an FP8 GPU, torchao, the checkpoint on disk) or
-must be said to the user (a flag ``derive`` turned off) is checked and said here, in the launcher and on
-every rank before any process group exists, so every rank stops with the same one-line messages.
+``validate`` is pure (the configuration and the world size in, every problem out, nothing touched) and
+``derive`` returns a new object without a word; what depends on this machine or on disk, or must be said to the
+user (a flag ``derive`` turned off), is checked and said at start-up, in the launcher and on every rank before
+any process group exists, so every rank stops with the same one-line messages (exit 2). The CLI runs the
+checks in order (``ptdp.cli.main.start_problems``): the ones here (the tensorboard package, the
+``--tensorboard-dir`` and ``--timeline`` directories, created now), then each feature's own, which live with
+the feature: the FP8 GPU (``ptdp.parallel.fp8``) and the checkpoint on disk (``ptdp.checkpointing.validation``).
+The runtime sits low in the package (every layer announces its phases and prints its errors through it), so
+it calls nothing above it.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from ptdp.config import Config
 
 
-def startup_problems(config: Config, world_size: int) -> list[str]:
-    """Every reason the derived ``config`` cannot start on this machine, one line each (none: it can)."""
-    from ptdp.checkpointing.validation import (
-        checkpoint_errors,  # not in ptdp.config, which must not import it
-    )
-    from ptdp.parallel.fp8 import fp8_environment_errors
-
-    return [*fp8_environment_errors(config), *checkpoint_errors(config, world_size)]
+def startup_problems(config: Config) -> list[str]:
+    """``--tensorboard-dir`` (the package must be installed) and ``--timeline``: each directory created now, so
+    a path that cannot be one is a line here rather than a traceback on rank 0 mid-run."""
+    tr, errors = config.training, []
+    if tr.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        errors.append(f"--tensorboard-dir {tr.tensorboard_dir} needs the tensorboard package: "
+                      "pip install 'ptdp[tensorboard]'")
+    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline)):
+        if directory is None:
+            continue
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            errors.append(f"{flag} {directory} is not a directory (a file is in the way); choose a directory path")
+        except OSError as e:
+            errors.append(f"{flag} {directory} cannot be created ({e.strerror}); choose a writable directory")
+    return errors
 
 
 def startup_warnings(given: Config, derived: Config) -> list[str]:

@@ -88,8 +88,6 @@ def check_args(name: str, p: int, v: int, m: int, rank: int) -> None:
     if p < 1 or v < 1:
         raise ValueError(f"{name}: pipeline size p={p} and chunks v={v} must be >= 1")
     if m < 1:
-        raise ValueError(
-            f"{name}: need at least 1 microbatch, got m={m}; raise --global-batch-size or lower --micro-batch-size"
-        )
+        raise ValueError(f"{name}: need at least 1 microbatch, got m={m}")
     if not 0 <= rank < p:
         raise ValueError(f"{name}: rank {rank} outside pipeline of size {p}")

@@ -20,8 +20,11 @@ pipeline_parallel_layer_layout.py``, ``transformer_block.get_num_layers_to_build
 
 Every way gives a list of :class:`Stage`, one per virtual stage in pipeline order, with the layers
 numbered consecutively along the pipeline; E always opens stage 0 and L closes the last one (the
-executor reads microbatches on stage 0 and computes the loss on the last). Problems raise
-:class:`LayoutError`, one line naming the flag. Pure: no torch, no process group.
+executor reads microbatches on stage 0 and computes the loss on the last). Pure: plain numbers and a layout
+string in, stages out; no torch, no process group, no flag. Whether the user's flags add up is checked, one line
+naming the flag, by ``ptdp.config.validate_pipeline`` before anything here runs; what this module refuses
+itself (a :class:`LayoutError`) is only what it cannot compute: an unknown symbol, or counts that do not place
+every layer once.
 """
 
 from __future__ import annotations
@@ -31,17 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ptdp.schedule.actions import stage_location
-from ptdp.schedule.registry import default_schedule, schedule_placement
-
-LAYOUT_FLAG = "--pipeline-model-parallel-layout"
-FIRST_FLAG = "--decoder-first-pipeline-num-layers"
-LAST_FLAG = "--decoder-last-pipeline-num-layers"
-EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
-LOSS_FLAG = "--account-for-loss-in-pipeline-split"
 
 
 class LayoutError(ValueError):
-    """A layout that does not add up: the message is one line naming the flag."""
+    """Stages that cannot be computed from the numbers given (a caller's bug: the configuration's check,
+    ``ptdp.config.validate_pipeline``, refuses them first with a line naming the flag)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +53,9 @@ class Stage:
         return ("E" if self.embedding else "") + "t" * len(self.layers) + ("L" if self.loss else "")
 
 
+SYMBOLS = "EtL"  # the embedding, a transformer layer, the loss (and "|" between stages, "x*n", "(...)*n")
+
+
 def expand(text: str) -> str:
     """Megatron's unrolling: commas dropped, then ``(...)*n``, then ``x*n`` (one pass each, no nesting)."""
     text = text.replace(",", "")
@@ -66,36 +66,20 @@ def expand(text: str) -> str:
 def parse_layout(text: str) -> list[str]:
     """The symbols of each stage of a layout string, e.g. ``"Et*3|(tt|)*2,L"`` -> ``["Ettt", "tt", "tt", "L"]``."""
     stages = expand(text).split("|")
-    for symbol in sorted(set("".join(stages))):
-        if symbol == "m":
-            raise LayoutError(f"{LAYOUT_FLAG} {text!r}: 'm' (multi-token prediction layers) is not supported "
-                              "by ptdp; use E, t and L")
-        if symbol not in "EtL":
-            raise LayoutError(f"{LAYOUT_FLAG} {text!r}: unknown symbol {symbol!r}; use E (embedding), t (layer), "
-                              "L (loss), | between stages, x*n or (...)*n to repeat")
+    unknown = set("".join(stages)) - set(SYMBOLS)
+    if unknown:
+        raise LayoutError(f"layout {text!r}: unknown symbol(s) {''.join(sorted(unknown))!r}; the symbols are {SYMBOLS}")
     return stages
-
-
-def layout_num_stages(text: str) -> int:
-    """The number of virtual stages (p·v) of a layout string (LayoutError if it does not parse)."""
-    return len(parse_layout(text))
 
 
 def stages_from_string(text: str, num_layers: int, p: int) -> list[Stage]:
     """The stages of layout string ``text`` for a model of ``num_layers`` layers on p pipeline ranks."""
     stages = parse_layout(text)
     flat = "".join(stages)
-    if len(stages) % p:
-        raise LayoutError(f"{LAYOUT_FLAG} {text!r} has {len(stages)} stages, not a multiple of "
-                          f"--pipeline-model-parallel-size {p} (it lists the p x v virtual stages)")
-    if flat.count("t") != num_layers:
-        raise LayoutError(f"{LAYOUT_FLAG} {text!r} places {flat.count('t')} transformer layers (t), but "
-                          f"--num-layers is {num_layers}")
-    if flat.count("E") != 1 or not stages[0].startswith("E"):
-        raise LayoutError(f"{LAYOUT_FLAG} {text!r}: the embedding E must appear once, at the start of the "
-                          "first stage")
-    if flat.count("L") != 1 or not stages[-1].endswith("L"):
-        raise LayoutError(f"{LAYOUT_FLAG} {text!r}: the loss L must appear once, at the end of the last stage")
+    if (len(stages) % p or flat.count("t") != num_layers or flat.count("E") != 1 or flat.count("L") != 1
+            or not stages[0].startswith("E") or not stages[-1].endswith("L")):
+        raise LayoutError(f"layout {text!r} does not place {num_layers} layers on a multiple of p={p} stages with "
+                          "E opening the first and L closing the last")
     return stages_from_counts([s.count("t") for s in stages])
 
 
@@ -113,24 +97,9 @@ def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int
     """Per-virtual-stage counts of ``--decoder-first/last-pipeline-num-layers`` (Megatron's offsets: chunk
     j of rank r holds the rank's count / v, layers numbered along the p·v stages; under a V placement
     pipeline rank 0 is the one holding both ends)."""
-    for flag, value in ((FIRST_FLAG, first), (LAST_FLAG, last)):
-        if value is not None and value <= 0:
-            raise LayoutError(f"{flag} must be > 0, got {value}")
-        if value is not None and value % v:
-            raise LayoutError(f"{flag} {value} must be divisible by the virtual pipeline size {v} (each of the "
-                              f"rank's {v} chunks gets the same number of layers)")
     middle_ranks = p - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
-    flags = " and ".join(f"{f} {x}" for f, x in ((FIRST_FLAG, first), (LAST_FLAG, last)) if x is not None)
-    if middle_ranks < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
-        raise LayoutError(f"{flags} leave {middle_layers} of --num-layers {num_layers} for {max(middle_ranks, 0)} "
-                          f"middle pipeline ranks of --pipeline-model-parallel-size {p}: each middle rank needs "
-                          "layers, and layers need a middle rank")
-    per_rank = middle_layers // middle_ranks if middle_ranks else 0
-    if middle_ranks and (middle_layers % middle_ranks or per_rank % v):
-        raise LayoutError(f"{flags} leave {middle_layers} layers for {middle_ranks} middle pipeline ranks: "
-                          f"they must split evenly, into {v} equal chunk(s) per rank (the virtual size)")
-    ranks = [per_rank] * p
+    ranks = [middle_layers // middle_ranks if middle_ranks > 0 else 0] * p
     if first is not None:
         ranks[0] = first
     if last is not None:
@@ -140,69 +109,32 @@ def _uneven_counts(num_layers: int, p: int, v: int, first: int | None, last: int
 
 def _accounted_counts(num_layers: int, p: int, v: int, embedding: bool, loss: bool) -> list[int]:
     """Per-virtual-stage counts with the embedding and/or loss counted as a layer of the even split."""
-    total = num_layers + embedding + loss
-    names = " and ".join(f for f, on in ((EMBEDDING_FLAG, embedding), (LOSS_FLAG, loss)) if on)
-    if total % (p * v):
-        raise LayoutError(f"{names}: --num-layers {num_layers} + {embedding + loss} = {total} must be divisible by "
-                          f"--pipeline-model-parallel-size x virtual size = {p}x{v}")
-    counts = [total // (p * v)] * (p * v)
+    counts = [(num_layers + embedding + loss) // (p * v)] * (p * v)
     counts[0] -= embedding
     counts[-1] -= loss
-    if min(counts) < 0:
-        raise LayoutError(f"{names}: too few layers for {p * v} virtual stages")
     return counts
 
 
 def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, last: int | None = None,
                     account_embedding: bool = False, account_loss: bool = False,
                     layout: str | None = None, placement: str = "loop") -> list[Stage]:
-    """The p·v stages of a configuration (Megatron's semantics, see the module docstring); ``placement``
-    (the schedule's) says which pipeline rank is the first/last-stage flags' rank of each stage.
+    """The p·v stages of a configuration (Megatron's semantics, see the module docstring): ``layout``, else
+    ``first``/``last``, else the ``account_*`` split, else even; ``placement`` (the schedule's) says which
+    pipeline rank is the first/last-stage rank of each stage.
 
-    LayoutError (one line, naming the flag) if the flags cannot be combined or do not add up.
+    LayoutError if the numbers do not place every layer exactly once on p·v stages.
     """
-    uneven, accounted = first is not None or last is not None, account_embedding or account_loss
     if layout is not None:
-        given = [f for f, on in ((FIRST_FLAG, first is not None), (LAST_FLAG, last is not None),
-                                 (EMBEDDING_FLAG, account_embedding), (LOSS_FLAG, account_loss)) if on]
-        if given:
-            raise LayoutError(f"{LAYOUT_FLAG} places every layer itself: drop {', '.join(given)}")
-        stages = stages_from_string(layout, num_layers, p)
-        if len(stages) != p * v:
-            raise LayoutError(f"{LAYOUT_FLAG} {layout!r} has {len(stages)} stages, but --pipeline-model-parallel-"
-                              f"size x --virtual-pipeline-model-parallel-size = {p}x{v} = {p * v}")
-        return stages
-    if uneven and accounted:
-        raise LayoutError(f"{FIRST_FLAG}/{LAST_FLAG} cannot be combined with {EMBEDDING_FLAG} or {LOSS_FLAG} "
-                          "(as in Megatron-LM); use one way, or a --pipeline-model-parallel-layout")
-    if uneven:
-        return stages_from_counts(_uneven_counts(num_layers, p, v, first, last, placement))
-    if accounted:
-        return stages_from_counts(_accounted_counts(num_layers, p, v, account_embedding, account_loss))
-    if num_layers % (p * v):
-        raise LayoutError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size x "
-                          f"virtual size = {p}x{v}; choose sizes so every model chunk gets the same layers, or "
-                          f"place them with {FIRST_FLAG}/{LAST_FLAG} or {LAYOUT_FLAG}")
-    return stages_from_counts([num_layers // (p * v)] * (p * v))
-
-
-def stages_of(model, parallel, p: int | None = None, v: int | None = None) -> list[Stage]:
-    """:func:`pipeline_stages` of a ``ModelConfig`` and ``ParallelConfig`` (read by attribute: the
-    configuration imports this package, not the other way round)."""
-    p, v = p or parallel.pipeline_model_parallel_size, v or parallel.virtual_size
-    schedule = getattr(parallel, "schedule", None) or default_schedule(getattr(parallel, "pipeline_schedule", None), v)
-    return pipeline_stages(
-        model.num_layers, p, v,
-        getattr(parallel, "decoder_first_pipeline_num_layers", None),
-        getattr(parallel, "decoder_last_pipeline_num_layers", None),
-        getattr(parallel, "account_for_embedding_in_pipeline_split", False),
-        getattr(parallel, "account_for_loss_in_pipeline_split", False),
-        getattr(parallel, "pipeline_model_parallel_layout", None), schedule_placement(schedule))
-
-
-def is_even(stages: Sequence[Stage]) -> bool:
-    """Every stage holds the same number of transformer layers (the default split)."""
-    return len({len(s.layers) for s in stages}) == 1
+        counts = [len(s.layers) for s in stages_from_string(layout, num_layers, p)]
+    elif first is not None or last is not None:
+        counts = _uneven_counts(num_layers, p, v, first, last, placement)
+    elif account_embedding or account_loss:
+        counts = _accounted_counts(num_layers, p, v, account_embedding, account_loss)
+    else:
+        counts = [num_layers // (p * v)] * (p * v)
+    if len(counts) != p * v or min(counts) < 0 or sum(counts) != num_layers:
+        raise LayoutError(f"{counts} layers per stage do not place {num_layers} layers on p x v = {p}x{v} stages")
+    return stages_from_counts(counts)
 
 
 def layout_string(stages: Sequence[Stage]) -> str:

@@ -1,14 +1,14 @@
 """Every pipeline schedule, declared once: its builder, placement, constraints, help, bubble and memory.
 
 The CLI's ``--pipeline-schedule`` choices and help (``ptdp.config``), the configuration check
-(``ptdp.config.validate``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate.command``) and the
-executor (``build_schedule``) all read :data:`REGISTRY`; a new schedule is one :class:`ScheduleSpec`
+(``ptdp.config.validate_pipeline``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate.command``)
+and the executor (``build_schedule``) all read :data:`REGISTRY`; a new schedule is one :class:`ScheduleSpec`
 entry here plus its builder in ``ptdp.schedule.builders``. The schedules and their bubble/memory
 properties are in ptdp-facts.md, §Schedules, and docs/planner.md.
 
-Constraints are one function, :meth:`ScheduleSpec.problems`, whose lines name the flags
-(``--pipeline-schedule``, ``--virtual-pipeline-model-parallel-size``, ``--pipeline-model-parallel-size``)
-and the fix; callers pass how their users set the number of microbatches.
+Pure arithmetic on plain numbers and names: a spec says what it takes (:meth:`ScheduleSpec.takes_chunks`,
+:meth:`ScheduleSpec.takes_microbatches`) and refuses anything else with a ValueError in those terms; the lines
+that name the flags and the fix are the configuration's (``ptdp.config.validate_pipeline.schedule_problems``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ from ptdp.schedule.actions import Action, check_args, peak_stashed
 from ptdp.schedule.communication import compute_times, place_communication
 
 Builder = Callable[[int, int, int, int], list[Action]]
-
-# How the number of microbatches m is set by ``ptdp train`` and ``ptdp plan`` (``ptdp simulate`` passes
-# its own flag): the constraint lines name it.
-MICROBATCHES = "the number of microbatches m = --global-batch-size / (--micro-batch-size x d)"
 
 
 @dataclass(frozen=True)
@@ -54,36 +50,21 @@ class ScheduleSpec:
         """v when the user gives none: the chunks the schedule needs (1 for interleaved)."""
         return self.chunks or 1
 
-    def problems(self, p: int, v: int, m: int | None, microbatches: str = MICROBATCHES,
-                 single_stage_ok: bool = False) -> list[str]:
-        """Every reason ``(p, v, m)`` cannot run this schedule (m None: not known yet), one line each.
+    def takes_chunks(self, v: int) -> bool:
+        """Whether it runs with v model chunks per rank (``chunks``; any v for interleaved)."""
+        return self.chunks is None or v == self.chunks
 
-        Several chunks on a single pipeline rank build fine lists (the tests and ``ptdp simulate`` use
-        them), but a training run or a plan gains nothing from them: refused unless ``single_stage_ok``.
-        """
-        flag, errors = f"--pipeline-schedule {self.name}", []
-        if self.chunks == 1 and v != 1:
-            errors.append(f"{flag} needs 1 model chunk per rank (v=1), got v={v}; use --pipeline-schedule "
-                          "interleaved with --virtual-pipeline-model-parallel-size")
-        if self.chunks == 2 and v != 2:
-            errors.append(f"{flag} places 2 model chunks per rank in a V: leave out "
-                          f"--virtual-pipeline-model-parallel-size or set it to 2, got v={v}")
-        if self.placement == "v" and p < 2 and not single_stage_ok:
-            errors.append(f"{flag} needs --pipeline-model-parallel-size > 1, got {p}")
-        if self.chunks is None and v > 1 and p < 2 and not single_stage_ok:
-            errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; "
-                          "model chunks interleave across pipeline ranks")
-        if self.microbatches_multiple_of_p and m is not None and m % p:
-            errors.append(f"{flag} needs {microbatches} ({m}) to be a multiple of --pipeline-model-parallel-size "
-                          f"{p}; adjust --global-batch-size / --micro-batch-size")
-        return errors
+    def takes_microbatches(self, p: int, m: int) -> bool:
+        """Whether it runs m microbatches on p pipeline ranks (interleaved: a multiple of p, as Megatron)."""
+        return not self.microbatches_multiple_of_p or m % p == 0
 
     def compute(self, p: int, v: int, m: int, rank: int) -> list[Action]:
         """Rank ``rank``'s compute actions (no communication); ValueError naming the problem if invalid."""
         check_args(self.name, p, v, m, rank)
-        problems = self.problems(p, v, m, single_stage_ok=True)
-        if problems:
-            raise ValueError(problems[0])
+        if not self.takes_chunks(v):
+            raise ValueError(f"{self.name} runs {self.chunks} model chunk(s) per rank (v={self.chunks}), got v={v}")
+        if not self.takes_microbatches(p, m):
+            raise ValueError(f"{self.name} needs the number of microbatches m={m} to be a multiple of p={p}")
         return self.builder(p, v, m, rank)
 
     def bubble_fraction(self, p: int, v: int, m: int) -> float:
@@ -132,13 +113,6 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return REGISTRY[name]
 
 
-def schedule_help() -> str:
-    """The ``--pipeline-schedule`` help: each schedule's bubble and activation memory against 1F1B's."""
-    return ("pipeline schedule (default: interleaved when v > 1, else 1f1b). Bubble / activation memory "
-            "against 1F1B's (p-1)/m / 1x: " + "; ".join(f"{s.name} ({s.help}) {s.bubble} / {s.memory}"
-                                                         for s in REGISTRY.values()))
-
-
 def default_schedule(name: str | None, v: int) -> str:
     """The schedule that runs: ``name``, or Megatron's default for v chunks per rank."""
     return name or ("interleaved" if v > 1 else "1f1b")
@@ -147,15 +121,6 @@ def default_schedule(name: str | None, v: int) -> str:
 def default_virtual_size(name: str | None) -> int:
     """Chunks per rank when no v is given: 2 for the V schedules, else 1."""
     return REGISTRY[name].default_virtual_size() if name in REGISTRY else 1
-
-
-def schedule_problems(name: str | None, p: int, v: int, m: int | None, microbatches: str = MICROBATCHES,
-                      single_stage_ok: bool = False) -> list[str]:
-    """Every reason schedule ``name`` (None: the default for v) cannot run with (p, v, m)."""
-    resolved = default_schedule(name, v)
-    if resolved not in REGISTRY:
-        return [f"--pipeline-schedule {resolved!r} is unknown; choose one of {', '.join(REGISTRY)}"]
-    return REGISTRY[resolved].problems(p, v, m, microbatches, single_stage_ok)
 
 
 def schedule_placement(name: str) -> str:

@@ -27,42 +27,15 @@ collective completing once all p ranks posted it); ``ptdp.simulate.nccl.model`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ptdp.schedule.actions import Action, stage_location, virtual_stage
 from ptdp.schedule.communication import TICKS, add_p2p
-
-if TYPE_CHECKING:
-    from ptdp.config import Config
 
 VOCAB_COMPUTE = frozenset({"EF", "S", "T", "EB"})
 VOCAB_COLLECTIVES = frozenset({"EMB", "BCAST_H", "C0", "C1", "EMB_G"})
 VOCAB_TICKS = {"S": 1, "T": 1}  # 1/p of the output layer each; in TICKS units (F = 2)
 LOOKAHEAD = 2  # forwards the last stage may run ahead while its backward waits for the vocabulary barrier
 _LATE = 1 << 40  # the time of the end-of-iteration embedding gradient exchange
-
-
-def vocab_parallel_errors(config: Config) -> list[str]:
-    """``--enable-vocab-parallel`` against the layout, one line each (``ptdp.config.validate``)."""
-    par, m = config.parallel, config.model
-    if not par.enable_vocab_parallel:
-        return ["--disable-fb-fusion needs --enable-vocab-parallel"] if par.disable_fb_fusion else []
-    p, t = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
-    errors = []
-    if p < 2:
-        errors.append(f"--enable-vocab-parallel splits the vocabulary over pipeline ranks: it needs "
-                      f"--pipeline-model-parallel-size > 1, got {p}")
-    if m.vocab_size is not None and m.vocab_size < p * t:
-        errors.append(f"--enable-vocab-parallel: --vocab-size {m.vocab_size} is smaller than pipeline x tensor "
-                      f"parallel size {p}x{t}: every rank needs at least one vocabulary row")
-    return errors
-
-
-def vocab_barriers(parallel) -> int:
-    """0 without ``--enable-vocab-parallel``, else its barriers per microbatch: 2 with ``--disable-fb-fusion``."""
-    if not getattr(parallel, "enable_vocab_parallel", False):
-        return 0
-    return 2 if parallel.disable_fb_fusion else 1
 
 
 def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int

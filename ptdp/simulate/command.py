@@ -1,6 +1,6 @@
 """``ptdp simulate``: run the per-rank schedules through time and draw them like the paper's figures.
 
-The model (``ptdp.simulate.core``) runs exactly the action lists the executor runs (``ptdp.parallel.pipeline.schedules``).
+The model (``ptdp.simulate.core``) runs exactly the action lists the executor runs (``ptdp.schedule.registry``).
 
 Bubble fraction follows the paper (ptdp-facts.md, §Schedules): idle time over busy time, so that GPipe and
 1F1B give (p-1)/m and interleaved (p-1)/(v·m) in the ideal case; ``idle_fraction`` is idle over total.
@@ -14,10 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ptdp.config import ModelConfig, ParallelConfig, add_field_arguments
+from ptdp.config import ConfigError, ModelConfig, ParallelConfig, add_field_arguments
+from ptdp.config.validate_pipeline import layout_stage_count, layout_stages, schedule_problems
 from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.actions import Action
-from ptdp.schedule.registry import build_schedule, default_virtual_size, schedule_problems
+from ptdp.schedule.layout import stage_work
+from ptdp.schedule.registry import build_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
 from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
 
@@ -48,15 +50,20 @@ def simulate(
 def stage_scales(args: argparse.Namespace) -> list[float] | None:
     """Per virtual stage, its compute time over an even stage's: from ``--num-layers`` and the layout flags,
     plus ``--embedding-cost`` / ``--output-layer-cost`` (in layers) where the vocabulary layers live, or
-    1/p of them on every rank with ``--enable-vocab-parallel``. None when no layer count is given."""
-    from ptdp.schedule.layout import stage_work, stages_of
-
+    1/p of them on every rank with ``--enable-vocab-parallel``. None when no layer count is given; ValueError
+    naming the flag when the layout flags do not add up."""
     if args.num_layers is None:
         if args.embedding_cost or args.output_layer_cost or args.pipeline_model_parallel_layout:
             raise ValueError("--embedding-cost, --output-layer-cost and the layout flags need --num-layers")
         return None
     p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    stages = stages_of(args, args, p, v)  # LayoutError (a ValueError) names the flag
+    try:
+        stages = layout_stages(args.num_layers, p, v, args.decoder_first_pipeline_num_layers,
+                               args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split,
+                               args.account_for_loss_in_pipeline_split, args.pipeline_model_parallel_layout,
+                               args.pipeline_schedule)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     work = stage_work(stages, p, args.embedding_cost, args.output_layer_cost, args.enable_vocab_parallel)
     return [w / (args.num_layers / (p * v)) for w in work]
 
@@ -98,7 +105,7 @@ def draw(result: SimulationResult, out: str | Path) -> None:
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
                      label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
-    handles += result.draw_extra(ax) if hasattr(result, "draw_extra") else []
+    handles += result.draw_extra(ax)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
               ncol=min(len(handles), 8), fontsize=7, frameon=False)
     fig.tight_layout()
@@ -142,12 +149,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _usage_error(args: argparse.Namespace) -> str | None:
     if args.virtual_pipeline_model_parallel_size is None and args.pipeline_model_parallel_layout:
-        from ptdp.schedule.layout import LayoutError, layout_num_stages
-
         try:  # the layout string sets v, as for ptdp train
             args.virtual_pipeline_model_parallel_size = max(
-                1, layout_num_stages(args.pipeline_model_parallel_layout) // args.pipeline_model_parallel_size)
-        except LayoutError as err:
+                1, layout_stage_count(args.pipeline_model_parallel_layout) // args.pipeline_model_parallel_size)
+        except ConfigError as err:
             return str(err)
     if args.virtual_pipeline_model_parallel_size is None:
         args.virtual_pipeline_model_parallel_size = default_virtual_size(args.pipeline_schedule)
@@ -161,7 +166,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.p2p_time < 0:
         return f"--p2p-time must be >= 0, got {args.p2p_time}"
     problems = schedule_problems(args.pipeline_schedule, p, v, m, "--num-microbatches", single_stage_ok=True)
-    if problems:  # the schedule's own constraints (ptdp.schedule.registry)
+    if problems:  # the schedule's own constraints (ptdp.config.validate_pipeline)
         return problems[0]
     if args.disable_fb_fusion and not args.enable_vocab_parallel:
         return "--disable-fb-fusion needs --enable-vocab-parallel"
@@ -224,7 +229,7 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}\n"
               f"busy time per rank: {' '.join(f'{b:.3f}' for b in result.busy)}; slowest / median "
               f"{max(result.busy) / sorted(result.busy)[result.p // 2]:.2f}"
-              + "".join(f"\n{line}" for line in getattr(result, "summary_lines", list)())
+              + "".join(f"\n{line}" for line in result.summary_lines())
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
 

@@ -9,7 +9,10 @@ A discrete-event model of exactly the action lists the executor runs (``ptdp.par
   rank reaches it and completes at max(posting, matching send + ``p2p_time``);
 * a compute action starts once the rank is free and its inputs are there: F needs the previous virtual
   stage's F (received, or local when on the same rank), B/I need this stage's F and the next stage's B/I,
-  W needs its I; a hook adds inputs (collectives) and ops of its own.
+  W needs its I; a hook adds inputs (collectives) and ops of its own;
+* ZeRO-3's actions (``ptdp.schedule.param_sync``: the lists training runs under
+  ``--data-parallel-sharding-strategy optim_grads_params``) take no time here: their cost is the planner's
+  (``ptdp.planner.perf``), their ordering the NCCL model's (``ptdp.simulate.nccl.zero``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ptdp.schedule.actions import COMPUTE_OPS, Action, peak_stashed, stage_location
+from ptdp.schedule.param_sync import PARAM_SYNC_OPS
 from ptdp.schedule.progress import drain
 from ptdp.schedule.registry import bubble_fraction_formula, schedule_placement
 
@@ -75,6 +79,14 @@ class SimulationResult:
             "peak_stashed": self.peak_stashed,
             "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
         }
+
+    def summary_lines(self) -> list[str]:
+        """Lines ``ptdp simulate`` prints under the common summary: none here (a richer result adds its own)."""
+        return []
+
+    def draw_extra(self, ax) -> list:
+        """Marks drawn over the timeline, and their legend entries (``simulate.command.draw``'s hook): none here."""
+        return []
 
 
 def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:
@@ -158,6 +170,8 @@ def run_lists(name: str, lists: Sequence[Sequence[Action]], p: int, v: int, m: i
             sends[(kind, a.microbatch, stage + 1 if kind == "F" else stage - 1)] = cursor[r]
         elif a.op in ("RECV_F", "RECV_B"):
             posted[(r, a.op[-1], a.microbatch, stage)] = cursor[r]
+        elif a.op in PARAM_SYNC_OPS:
+            pass
         elif not hooks.post(r, a, cursor[r]):
             ready = ready_time(r, a, stage)
             if ready is None:

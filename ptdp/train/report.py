@@ -11,10 +11,10 @@ from ptdp.observability import straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
+from ptdp.train.batches import to_device
 from ptdp.train.evaluate import evaluate, perplexity
 from ptdp.train.moe_metrics import moe_metrics, mtp_metrics, progress_suffix
 from ptdp.train.state import TrainState
-from ptdp.train.step import to_device
 
 
 def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:

@@ -1,7 +1,8 @@
 """What one rank trains with, as one typed object, and how it is set up.
 
 ``setup(config)``: process groups → seeds → data → model chunks (``ptdp.parallel.parallelize``) → gradient buffers
-and optimizer → the pipeline schedule's action list → point-to-point transport. Everything the step, the
+and optimizer → what the step runs (``ptdp.parallel.assembly``: the action list, handlers, stage factory, gradient
+syncs, step hooks) → point-to-point transport. Everything the step, the
 loop, evaluation and checkpointing read is a field of :class:`TrainState`.
 """
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
 from ptdp.data.training_data import datasets_for_config
@@ -20,17 +22,18 @@ from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
 from ptdp.optim import GradBuckets, MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
+from ptdp.parallel.assembly import Assembly, assemble
 from ptdp.parallel.collectives import all_gather, split
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.init import params_dtype
 from ptdp.parallel.parallelize import build_model_chunks, local_seq_length
 from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
 from ptdp.parallel.pipeline.stage import tied_embedding_weights
+from ptdp.parallel.placement import Placements
 from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
-from ptdp.schedule.registry import build_schedule, schedule_placement
-from ptdp.schedule.vocab import vocab_barriers
+from ptdp.schedule.registry import schedule_placement
 
 
 @dataclass
@@ -40,12 +43,14 @@ class TrainState:
     config: Config
     state: ParallelState  # this rank's process groups and coordinates
     chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
+    placements: Placements  # where each of their parameters lives in the full model (ptdp.parallel.placement)
     data: DataSplits
     grads: GradBuckets
     optimizer: MegatronOptimizer
     num_microbatches: int
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
+    assembly: Assembly  # what each parallelism adds to the step and evaluation
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
@@ -69,17 +74,17 @@ def setup(config: Config) -> TrainState:
         state.expert = build_expert_parallel(state, par.expert_model_parallel_size, par.expert_tensor_parallel_size,
                                              par.sequence_parallel)
     model_parallel_seed(tr.seed, state.tp_rank, state.pp_rank, device)
-    data = datasets_for_config(config)  # Megatron's sample order, sized by train_iters (ptdp/data/training_data.py)
+    # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
+    data = datasets_for_config(config, *latest_info(config.checkpoint.load))
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, dims.tp * (dims.pp if par.enable_vocab_parallel else 1))
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
-        chunks = build_model_chunks(config, state, vocab_size, padded)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    grads, optimizer = setup_optimizer(params, config, state, tied_embedding_weights(chunks, dims.pp), chunks)
+        model = build_model_chunks(config, state, vocab_size, padded)
+    grads, optimizer = setup_optimizer(model, config, state, tied_embedding_weights(model.chunks, dims.pp))
     m = config.num_microbatches(world_size)
-    schedule = build_schedule(par.schedule, dims.pp, par.virtual_size, m, state.pp_rank,
-                              vocab_barriers=vocab_barriers(par))
-    return TrainState(config, state, chunks, data, grads, optimizer, m, schedule, build_p2p(config, state))
+    assembly = assemble(config, state, model.chunks, grads, m, model.placements)
+    return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, assembly.actions(),
+                      build_p2p(config, state), assembly)
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:

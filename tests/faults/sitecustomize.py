@@ -65,14 +65,8 @@ def _delay() -> None:
         time.sleep(float(seconds))
 
 
-def slow_training_microbatch(original, trainer, iteration, microbatch, *args, **kwargs):
-    if microbatch == 0:
-        _delay()
-    return original(trainer, iteration, microbatch, *args, **kwargs)
-
-
-def slow_validation_microbatch(original, *args, **kwargs):
-    if args[-1] == 0:  # get_microbatch(dataset, k, B, dp_rank, dp, b, j): once per validation batch k
+def slow_microbatch(original, *args, **kwargs):
+    if args[-1] == 0:  # get_microbatch(dataset, k, B, dp_rank, dp, b, j): once per (training or validation) batch k
         _delay()
     return original(*args, **kwargs)
 
@@ -157,8 +151,7 @@ def tp_input_grad_not_reduced(original, ctx, grad):
 
 PATCHES = {
     "PTDP_TEST_SLOW_RANK": [
-        ("ptdp.train.step:load_microbatch", slow_training_microbatch),
-        ("ptdp.train.evaluate:get_microbatch", slow_validation_microbatch),
+        ("ptdp.train.batches:get_microbatch", slow_microbatch),
     ],
     "PTDP_TEST_KILL_AT_ITERATION": [
         ("ptdp.checkpointing.manager:CheckpointManager.before_iteration", kill_at_iteration),

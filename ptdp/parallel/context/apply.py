@@ -4,7 +4,7 @@ A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.conte
 model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
 position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
-all-gather). The data loader shards the tokens the same way (``ptdp.train.step.cp_shard``); gradients are
+all-gather). The data loader shards the tokens the same way (``ptdp.train.batches.cp_shard``); gradients are
 averaged over the d·c ranks of the dp-cp group (``ptdp.parallel.dims``).
 """
 

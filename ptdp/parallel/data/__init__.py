@@ -1,1 +1,1 @@
-"""Data parallelism and ZeRO 1-3: flat gradient (and parameter) buffers reduced over the data-parallel group (``buffer``), sharded parameters gathered per chunk (``zero``, ``param_sync``) or per layer (``zero_layers``), hybrid sharding (``hybrid``)."""
+"""Data parallelism and ZeRO 1-3: flat gradient (and parameter) buffers reduced over the data-parallel group (``buffer``), sharded parameters gathered per chunk (``zero``: the handlers of ``ptdp.schedule.param_sync``'s actions) or per layer (``zero_layers``), hybrid sharding (``hybrid``)."""

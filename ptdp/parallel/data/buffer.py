@@ -36,9 +36,9 @@ With ``overlap_grad_reduce`` a bucket's collective is launched asynchronously fr
 soon as every parameter in it has received its gradient of the iteration's *last* microbatch (the
 hooks count backward passes per parameter), so the DP communication hides behind the remaining backward.
 
-Vocabulary-parallel slices (``param.vocab_parallel``, ``ptdp.parallel.vocab.stage``) get their gradients
+Vocabulary-parallel slices (placement role ``vocab``, ``ptdp.parallel.vocab.stage``) get their gradients
 outside autograd, in the S/T and EB passes, which add into ``main_grad`` after calling
-``param.allocate_main_grad()`` (a transient bucket's arrival). No hook ever counts them, so their buckets
+:meth:`GradBuckets.allocate_main_grad` (a transient bucket's arrival). No hook ever counts them, so their buckets
 -- their own, so the rest of chunk 0 still overlaps -- are reduced only after their last contribution:
 in :meth:`finish_grad_sync`, or by ZeRO-3's per-chunk reduction after EB (``pipeline.param_sync``).
 """
@@ -46,7 +46,6 @@ in :meth:`finish_grad_sync`, or by ZeRO-3's per-chunk reduction after EB (``pipe
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -57,6 +56,8 @@ from torch import nn
 from ptdp.observability import flight_recorder
 from ptdp.ops.weight_grad import grad_deferred
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size, reduce_scatter_single
+from ptdp.parallel.init import DeferredInit
+from ptdp.parallel.placement import Placements
 
 
 @dataclass
@@ -120,8 +121,11 @@ class GradBuckets:
                  param_buffer: bool = False, overlap_grad_reduce: bool = False,
                  separate: Iterable[nn.Parameter] = (), average_over: int | None = None,
                  shard_grads: bool = False, chunk_of: dict[int, int] | None = None, replica_group=None,
-                 shard_params: bool = False):
+                 shard_params: bool = False, placements: Placements | None = None,
+                 deferred: DeferredInit | None = None):
         self.params = [p for p in params if p.requires_grad]
+        placements = Placements() if placements is None else placements  # vocab slices, SP: the docstring
+        self._deferred = DeferredInit() if deferred is None else deferred  # drawn in _make_bucket
         self.dp_group = dp_group  # the group shards are spread over (one instance's under hybrid sharding)
         self.dp_size = group_size(dp_group)
         self.replica_group = replica_group  # hybrid sharding: the same shard in the other instances
@@ -150,7 +154,7 @@ class GradBuckets:
             if run and chunk_of.get(id(p), 0) != chunk_of.get(id(run[-1]), 0):  # never across two chunks
                 self._make_bucket(run, grad_dtype, param_buffer)
                 run = []
-            if id(p) in separate_ids or getattr(p, "vocab_parallel", False):  # own bucket: see the docstring
+            if id(p) in separate_ids or placements.has_role(p, "vocab"):  # own bucket: see the docstring
                 self._make_bucket(run, grad_dtype, param_buffer)
                 self._make_bucket([p], grad_dtype, param_buffer)
                 run = []
@@ -168,11 +172,8 @@ class GradBuckets:
         # :meth:`_arrive`), except where a later sync reads the whole buffer (tied embedding, SP params).
         self._launched: list[Bucket] = []
         for bucket in self.buckets if self.shard_grads and self.replicas == 1 else ():
-            bucket.transient = not any(id(p) in separate_ids or getattr(p, "sequence_parallel", False)
+            bucket.transient = not any(id(p) in separate_ids or placements.sequence_parallel(p)
                                        for p in bucket.params)
-        for bucket in self.buckets:  # for gradients added outside autograd (``vocab_stage``): buffer first
-            for p in bucket.params:
-                p.allocate_main_grad = functools.partial(self._arrive, bucket)
         self._per_bucket = self.overlap_grad_reduce or any(b.transient for b in self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
                        if p in self._copy_to_main or self._per_bucket]
@@ -195,7 +196,7 @@ class GradBuckets:
             bucket.offsets.append(offset)
             if param_data is not None:
                 view = param_data[offset:offset + p.numel()].view_as(p)
-                init = p.__dict__.pop("deferred_init", None)  # ptdp.parallel.init.defer_init: drawn here
+                init = self._deferred.pop(p)  # ptdp.parallel.init.defer_init: drawn here
                 if init is not None:
                     init(view)
                 else:
@@ -232,6 +233,11 @@ class GradBuckets:
             bucket.handle = None
             bucket.synced = False
         self._launched = []
+
+    def allocate_main_grad(self, param: nn.Parameter) -> None:
+        """Before a gradient is added into ``param.main_grad`` outside autograd (the vocabulary passes):
+        a transient bucket gets its buffer first."""
+        self._arrive(self._bucket_of[param])
 
     def _arrival_hook(self, param: nn.Parameter):
         bucket = self._bucket_of[param]

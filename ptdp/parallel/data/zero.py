@@ -1,29 +1,33 @@
 """ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``): each rank keeps only its 1/d shard of
 every parameter bucket, and a model chunk's parameters are all-gathered for the computations that need them.
 
-Where the gathers, releases and gradient reductions happen is not decided here but by the pipeline
-executor, from the rank's action list (``ptdp.parallel.data.param_sync.plan_param_sync``): every schedule --
-1F1B, interleaved, zero-bubble, V -- is a list of F/B/I/W actions per chunk, so one rule serves them all: a
-chunk is gathered before its first action of a run (prefetched one compute action earlier, so the
-all-gather overlaps the previous computation), released after the run, and its gradient buckets are
-reduced right after its LAST gradient-producing action of the step (its last B or W: zero-bubble W passes
-need the gathered weights too), overlapping the rest of the schedule. DP peers run identical action
-lists, so the collectives on the data-parallel group are issued in the same order everywhere
-(``ptdp.simulate.nccl.model`` checks it against the pipeline's p2p and the other communicators).
+Where the gathers, releases and gradient reductions happen is not decided here but in the rank's action
+list: ``ptdp.schedule.param_sync.add_param_sync`` inserts GATHER_PARAMS / WAIT_PARAMS / RELEASE_PARAMS /
+REDUCE_GRADS actions around the F/B/I/W (and vocabulary) actions of any schedule -- 1F1B, interleaved,
+zero-bubble, V -- so one rule serves them all: a chunk is gathered before its first action of a run
+(prefetched one action earlier, so the all-gather overlaps the previous computation), released after the
+run, and its gradient buckets are reduced right after its LAST gradient-producing action of the step (its
+last B or W: zero-bubble W passes need the gathered weights too), overlapping the rest of the schedule. DP
+peers run identical action lists, so the collectives on the data-parallel group are issued in the same
+order everywhere (``ptdp.simulate.nccl.zero`` checks the same list against the pipeline's p2p and the
+other communicators).
 
-:class:`ChunkParamSync` is the object the executor drives; :func:`shard_parameters` turns ZeRO-1 buckets
-into ZeRO-3 ones at set-up, and :func:`full_parameters` gathers everything for code that reads whole
-parameters outside the schedule (checkpoints).
+:class:`ChunkParamSync` registers the executor's handlers for those four actions (:meth:`handlers`);
+:func:`shard_parameters` turns ZeRO-1 buckets into ZeRO-3 ones at set-up, and :func:`full_parameters`
+gathers everything for code that reads whole parameters outside the schedule (checkpoints).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from ptdp.parallel.data.buffer import Bucket, GradBuckets, free_storage
+from ptdp.parallel.pipeline.handlers import COMMUNICATION, ActionHandler, Handler
+from ptdp.schedule.param_sync import GATHER, REDUCE, RELEASE, WAIT
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -48,8 +52,32 @@ def shard_model(grads) -> bool:
     return bool(parts)
 
 
+class ParamSync(Protocol):
+    """Per-chunk parameter gathering: what the four actions of ``ptdp.schedule.param_sync`` do."""
+
+    def gather(self, chunk: int) -> None: ...
+
+    def wait(self, chunk: int) -> None: ...
+
+    def release(self, chunk: int) -> None: ...
+
+    def reduce_grads(self, chunk: int) -> None: ...
+
+
+def param_sync_handlers(sync: ParamSync) -> dict[str, ActionHandler]:
+    """The executor's handlers of GATHER_PARAMS, WAIT_PARAMS, RELEASE_PARAMS and REDUCE_GRADS, run by
+    ``sync`` (the gatherer, or the NCCL model's recording stand-in); the gather and its wait are timed as
+    communication."""
+    return {
+        GATHER: Handler(lambda a, _: sync.gather(a.chunk), "zero_param_gather", COMMUNICATION),
+        WAIT: Handler(lambda a, _: sync.wait(a.chunk), "zero_param_wait", COMMUNICATION),
+        RELEASE: Handler(lambda a, _: sync.release(a.chunk)),
+        REDUCE: Handler(lambda a, _: sync.reduce_grads(a.chunk)),
+    }
+
+
 class ChunkParamSync:
-    """Per-chunk gather / wait / release / reduce, called by ``ptdp.parallel.pipeline.executor.run_schedule``."""
+    """Per-chunk gather / wait / release / reduce: the handlers of ZeRO-3's actions (:meth:`handlers`)."""
 
     def __init__(self, grads: GradBuckets, reshard_after_forward: bool):
         """``grads``: anything with ``buckets``, ``gather_bucket`` and ``launch_chunk`` (a GradBuckets, or a
@@ -86,9 +114,8 @@ class ChunkParamSync:
         """Start the data-parallel reduction of ``chunk``'s gradients (waited for in ``finish_grad_sync``)."""
         self.grads.launch_chunk(chunk)
 
-    def release_all(self) -> None:
-        for chunk in sorted({*self._gathered, *self._in_flight}):
-            self.release(chunk)
+    def handlers(self) -> dict[str, ActionHandler]:
+        return param_sync_handlers(self)
 
 
 @torch.no_grad()

@@ -1,12 +1,12 @@
 """ZeRO-3 with ``--reshard-after-forward`` and one model chunk per rank (no pipeline): gather per layer.
 
-With p = 1 the pipeline plan (``ptdp.parallel.data.param_sync``) has one chunk, the whole model, so gathering
+With p = 1 the list's gather plan (``ptdp.schedule.param_sync``) has one chunk, the whole model, so gathering
 per chunk would hold every parameter whole through the step (4Ψ beside the 16Ψ/d shards). Here, as
 PyTorch FSDP does per wrapped block, each transformer layer's buckets are whole while the layer is used
 and freed after: gathered for its forward and freed after it, gathered again when the gradient of its
 output arrives (just before its backward) and freed once every parameter of the layer has received its
 gradient of that backward. Parameters outside the layers (embedding, final norm, output layer) stay
-gathered by the executor's chunk-level ``wait``/``release`` for the step. A bucket may span two layers:
+gathered by the chunk-level WAIT_PARAMS/RELEASE_PARAMS actions (this class's handlers) for the step. A bucket may span two layers:
 it is whole while any layer that owns one of its parameters is active (in use or prefetched).
 
 **Prefetch** (``prefetch=True``, the default): each gather is issued asynchronously one layer ahead, in

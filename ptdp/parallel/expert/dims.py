@@ -89,7 +89,7 @@ class ExpertParallel:
         # The ranks holding parts of the same sequences (SP: TP, CP: CP, both: TP x CP), for the load-
         # balancing loss (expert_aux.py); None when every rank routes whole sequences.
         self.sequence_group, self.sequence_scale, self.z_loss_scale = sequence_group, sequence_scale, z_loss_scale
-        self.mesh: DeviceMesh | None = None
+        self.mesh: DeviceMesh | None = None  # checkpoints: expert weights shard on its (ep[, etp]) dimensions
         self.ep_group = self.etp_group = self.edp_group = None
         if dims.world_size > 1:
             self.mesh = init_device_mesh(device.type, (dims.pp, dims.edp, dims.ep, dims.etp),
@@ -102,13 +102,6 @@ class ExpertParallel:
     def ep_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh over the expert-parallel group."""
         return None if self.mesh is None else self.mesh["ep"]
-
-    @property
-    def expert_mesh(self) -> DeviceMesh | None:
-        """The mesh checkpoints shard expert weights on: ``ep`` (experts), with etp > 1 ``(ep, etp)``."""
-        if self.mesh is None:
-            return None
-        return self.mesh["ep"] if self.dims.etp == 1 else self.mesh["ep", "etp"]
 
 
 def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bool) -> ExpertParallel:

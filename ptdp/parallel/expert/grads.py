@@ -8,8 +8,8 @@ gradients averaged over the dp-cp group. So the expert parameters get their own 
 edp, divided by d·c; with the distributed optimizer sharded over edp) and :class:`ExpertGradBuckets` runs
 both as one.
 
-The gradient norm is then summed over the whole world, each element counted on exactly one rank
-(``param.grad_norm_owner``, read by ``clip_grads.counts_in_grad_norm``): a dense element on data-parallel
+The gradient norm is then summed over the whole world, each element counted on exactly one rank (the
+placement's ``norm_owner``, read by ``Placement.counts_in_norm``): a dense element on data-parallel
 rank 0 (unless the distributed optimizer shards it: each shard then counts) by the tensor-parallel rule, an
 expert element on expert-data-parallel rank 0 (or its shard's owner): expert-parallel ranks hold different
 experts, so each is counted once across e. Under hybrid sharding (``--num-distributed-optimizer-instances
@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ptdp.optim.clip_grads import counts_in_grad_norm
 from ptdp.parallel.collectives import group_rank
 from ptdp.parallel.data.buffer import Bucket, GradBuckets
+from ptdp.parallel.placement import Placements
 
 
 class ExpertGradBuckets:
@@ -49,6 +49,7 @@ class ExpertGradBuckets:
         self.shard_grads = dense.shard_grads or expert.shard_grads
         self.param_sync = None  # ZeRO-3: the per-chunk gatherer over both (ptdp.optim.setup)
         self._expert_ids = {id(b) for b in expert.buckets}
+        self._expert_params = {id(p) for p in expert.params}
 
     @property
     def parts(self) -> list[GradBuckets]:
@@ -89,6 +90,10 @@ class ExpertGradBuckets:
         self.dense.keep_grad_shards()
         self.expert.keep_grad_shards()
 
+    def allocate_main_grad(self, param: nn.Parameter) -> None:
+        """:meth:`GradBuckets.allocate_main_grad` of the buffer that holds ``param``."""
+        (self.expert if id(param) in self._expert_params else self.dense).allocate_main_grad(param)
+
     def gather_bucket(self, b: Bucket) -> list:
         """ZeRO-3: start the all-gather of ``b``'s parameters over the group it is sharded on."""
         return (self.expert if id(b) in self._expert_ids else self.dense).gather_bucket(b)
@@ -102,14 +107,15 @@ class ExpertGradBuckets:
 
 
 def expert_grad_buckets(params: list[nn.Parameter], state, make: Callable[..., GradBuckets],
-                        shared_embedding: list[nn.Parameter], distributed: bool,
+                        shared_embedding: list[nn.Parameter], distributed: bool, placements: Placements,
                         dense_groups: tuple = (None, None), instances: int = 1) -> tuple[ExpertGradBuckets, list]:
     """The buckets of a MoE model and the norm's groups (the world). ``make(params, group, average_over=,
     separate=, replica_group=)`` builds one :class:`GradBuckets` with the run's settings; ``state`` is the
     ``ParallelState``; ``dense_groups`` the (shard, replica) groups of the dense parameters (the dp-cp group
-    and None, or hybrid sharding's instance and replica groups for ``instances`` > 1)."""
+    and None, or hybrid sharding's instance and replica groups for ``instances`` > 1). Records in
+    ``placements`` which rank counts each parameter in the norm (module docstring)."""
     expert = state.expert
-    is_expert = [getattr(p, "expert_parallel", False) for p in params]
+    is_expert = [placements.has_role(p, "expert") for p in params]
     dense_params = [p for p, e in zip(params, is_expert, strict=True) if not e]
     expert_params = [p for p, e in zip(params, is_expert, strict=True) if e]
     replicas = state.dims.dp * state.dims.cp
@@ -126,10 +132,10 @@ def expert_grad_buckets(params: list[nn.Parameter], state, make: Callable[..., G
     dense_sharded = distributed and replicas > 1
     expert_sharded = distributed and expert.dims.edp > 1
     for p in dense_params:
-        p.grad_norm_owner = counts_in_grad_norm(p, state.tp_rank) and (
-            _first_instance(dense_replicas) if dense_sharded else (state.dp_rank == 0 and state.cp_rank == 0))
+        placements.update(p, norm_owner=placements.counts_in_norm(p, state.tp_rank) and (
+            _first_instance(dense_replicas) if dense_sharded else (state.dp_rank == 0 and state.cp_rank == 0)))
     for p in expert_params:
-        p.grad_norm_owner = _first_instance(expert_replicas) if expert_sharded else expert.edp_rank == 0
+        placements.update(p, norm_owner=_first_instance(expert_replicas) if expert_sharded else expert.edp_rank == 0)
     return ExpertGradBuckets(dense, experts), [dist.group.WORLD if state.dims.world_size > 1 else None]
 
 

@@ -8,9 +8,10 @@ kept: the embedding on virtual stage 0, the final norm and logits on the last, i
 global indices (names, hence checkpoints, do not depend on the layout).
 
 Tied embeddings (GPT-2: the logits' weight is the input embedding). When the first and last stage are
-different chunks, the last one holds a copy, ``output_layer.weight``, marked ``is_embedding_copy``: it is
-initialised as the embedding (:func:`logical_name`), saved once (checkpoints skip the copy), counted once
-in the grad norm (``ptdp.optim.clip_grads``), kept apart in the gradient buffers
+different chunks, the last one holds a copy, ``output_layer.weight``, recorded with the role
+``embedding_copy`` (``ptdp.parallel.placement``): it is initialised as the embedding (:func:`logical_name`
+is its record's name), saved once (checkpoints skip the copy), counted once in the grad norm
+(``Placement.counts_in_norm``), kept apart in the gradient buffers
 (:func:`tied_embedding_weights`) and its gradient summed with the embedding's after every backward
 (:func:`sync_embedding_grads`), as Megatron does, so the two copies stay equal.
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 from ptdp.models import TIED_EMBEDDING, GPTModel
 from ptdp.parallel.collectives import all_reduce
+from ptdp.parallel.placement import Placement, Placements
 from ptdp.schedule.layout import Stage, stages_from_counts
 
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
@@ -38,11 +40,12 @@ def logical_name(name: str) -> str:
     return TIED_EMBEDDING if name == HEAD_COPY else VOCAB_SLICE_NAMES.get(name, name)
 
 
-def split_model(model: GPTModel, stages: Sequence[int], num_stages: int,
+def split_model(model: GPTModel, stages: Sequence[int], num_stages: int, placements: Placements,
                 plan: Sequence[Stage] | None = None) -> list[GPTModel]:
     """One chunk per virtual stage in ``stages`` (of ``num_stages``), each a copy of ``model`` (built on the
     meta device: copying costs nothing) with only that stage's parts: the layers ``plan`` gives it
-    (``ptdp.schedule.layout``: Megatron's uneven layouts), or an even share."""
+    (``ptdp.schedule.layout``: Megatron's uneven layouts), or an even share. Every parameter of the chunks
+    is recorded in ``placements`` under its full-model name, whole (the later steps split it)."""
     plan = plan or stages_from_counts([len(model.layers) // num_stages] * num_stages)
     chunks = []
     for stage in stages:
@@ -56,8 +59,10 @@ def split_model(model: GPTModel, stages: Sequence[int], num_stages: int,
         if not first:
             if last and chunk.lm_head is None:  # tied, the embedding elsewhere: keep a copy of its table
                 chunk.output_layer = chunk.embedding.word_embeddings
-                chunk.output_layer.weight.is_embedding_copy = True
             chunk.embedding = None
+        for name, param in chunk.named_parameters():
+            role = "embedding_copy" if name == HEAD_COPY else "dense"
+            placements.record(param, Placement(logical_name(name), role=role))
         chunks.append(chunk)
     return chunks
 

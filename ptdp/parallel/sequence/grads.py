@@ -4,7 +4,8 @@ Under sequence parallelism (Korthikanti et al.; ptdp-facts.md, §Memory) each te
 LayerNorm and the row-parallel bias on its own s/t tokens, so the gradients of those replicated
 parameters are partial sums over the tokens. Summing them over the TP group after the backward makes them
 the gradients of the whole sequence again, equal on every TP rank (so the grad norm counts them once,
-on TP rank 0). The layers mark such parameters with ``param.sequence_parallel = True``.
+on TP rank 0). Their placements say so (``Placement.sequence_parallel``, recorded by the tensor- and
+expert-parallel apply steps: ``ptdp.parallel.placement``).
 
 Run it after the data-parallel gradient sync (as Megatron's ``finalize_model_grads`` does), so it never
 races an overlapped DP reduction; sum over TP and average over DP commute. With the distributed optimizer
@@ -21,19 +22,21 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ptdp.parallel.collectives import all_reduce, group_size
+from ptdp.parallel.placement import Placements
 
 
-def sequence_parallel_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    """The marked parameters' gradients: the fp32 ``main_grad`` where mixed precision keeps one."""
-    grads = (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
-             for p in params if getattr(p, "sequence_parallel", False))
+def sequence_parallel_grads(params: Iterable[nn.Parameter], placements: Placements) -> list[torch.Tensor]:
+    """The gradients of the ``sequence_parallel`` ones of ``params``, in their order: the fp32
+    ``main_grad`` where mixed precision keeps one."""
+    grads = (main if (main := getattr(p, "main_grad", None)) is not None else p.grad
+             for p in params if placements.sequence_parallel(p))
     return [g for g in grads if g is not None]
 
 
 @torch.no_grad()
-def all_reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], tp_group) -> None:
-    """Sum the marked parameters' gradients over the TP group, in one flat all-reduce."""
-    grads = sequence_parallel_grads(params)
+def all_reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], tp_group, placements: Placements) -> None:
+    """Sum the ``sequence_parallel`` parameters' gradients over the TP group, in one flat all-reduce."""
+    grads = sequence_parallel_grads(params, placements)
     if not grads or group_size(tp_group) == 1:
         return
     flat = all_reduce(_flatten_dense_tensors(grads), tp_group)

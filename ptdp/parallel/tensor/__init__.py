@@ -9,7 +9,11 @@ from ptdp.parallel.collectives import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from ptdp.parallel.tensor.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
+from ptdp.parallel.tensor.cross_entropy import (
+    language_model_loss,
+    mask_padded_vocab,
+    vocab_parallel_cross_entropy,
+)
 from ptdp.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -27,6 +31,7 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_rng_tracker",
+    "language_model_loss",
     "mask_padded_vocab",
     "model_parallel_seed",
     "reduce_from_tensor_model_parallel_region",

@@ -85,3 +85,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     (``retain_graph``, e.g. zero-bubble's split input/weight backward).
     """
     return _VocabParallelCrossEntropy.apply(logits, target, group, inplace_backward)
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                        inplace_backward: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-parallel logits (overwrites fp32 ``logits``: see
+    :func:`vocab_parallel_cross_entropy`, also for ``inplace_backward``): the pipeline stages' loss."""
+    return vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward).mean()

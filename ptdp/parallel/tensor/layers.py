@@ -1,9 +1,12 @@
 """Tensor-parallel layers (Megatron-Core names): column-/row-parallel linears and a vocab-parallel embedding.
 
-Each parameter that is split across the TP group carries ``tensor_model_parallel = True`` and
-``partition_dim`` (the dimension of the *full* parameter that is cut into t contiguous equal pieces,
-this rank holding piece ``tp_rank``). The model's layout-independent initialisation and the checkpoint
-code read these two attributes; nothing else needs to know how a layer is split.
+Each layer *declares* how its parameters are split across the TP group: ``PARTITION_DIMS`` maps a
+parameter to the dimension of the *full* parameter that is cut into t contiguous equal pieces (counted
+from the end, so a fused ``[3, out, in]`` weight and a plain ``[out, in]`` one say the same), this rank
+holding piece ``tp_rank``; ``SEQUENCE_PARALLEL`` names the replicated parameters whose gradients are
+partial under sequence parallelism. ``apply_tensor_parallel`` records both in the rank's placement
+registry (``ptdp.parallel.placement``), which initialisation, checkpoints, clipping and the gradient
+buffers read; nothing is set on the parameters.
 """
 
 from __future__ import annotations
@@ -27,12 +30,6 @@ from ptdp.parallel.collectives import (
 from ptdp.parallel.sequence.linear import sequence_parallel_linear
 
 
-def mark_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    return param
-
-
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
@@ -51,6 +48,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one (issue 26)
+    PARTITION_DIMS = {"weight": -2, "bias": -1}  # the output features (of each fused block)
+    SEQUENCE_PARALLEL: tuple[str, ...] = ()
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, fused: int = 1, sequence_parallel: bool = False,
@@ -62,8 +61,8 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_out = _divide(output_size, group_size(tp_group), "output size")
         shape = (local_out, input_size) if fused == 1 else (fused, local_out, input_size)
-        self.weight = mark_parallel(nn.Parameter(torch.empty(shape)), len(shape) - 2)
-        self.bias = mark_parallel(nn.Parameter(torch.zeros(shape[:-1])), len(shape) - 2) if bias else None
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.zeros(shape[:-1])) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # weight.flatten(0, -2) x + bias, with wgrad and bias grad deferrable to W (``weight_grad``)
@@ -92,6 +91,8 @@ class RowParallelLinear(nn.Module):
     """
 
     fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one (issue 26)
+    PARTITION_DIMS = {"weight": -1}  # the input features; the bias is replicated
+    SEQUENCE_PARALLEL = ("bias",)  # added after the reduce-scatter: each rank's tokens only
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, skip_bias_add: bool = False):
@@ -101,10 +102,8 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         local_in = _divide(input_size, group_size(tp_group), "input size")
-        self.weight = mark_parallel(nn.Parameter(torch.empty(output_size, local_in)), 1)
+        self.weight = nn.Parameter(torch.empty(output_size, local_in))
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
-        if self.bias is not None and self.sequence_parallel:
-            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -125,13 +124,16 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; each rank looks up the ids it owns, then ``g`` sums."""
 
+    PARTITION_DIMS = {"weight": 0}
+    SEQUENCE_PARALLEL: tuple[str, ...] = ()
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None):
         super().__init__()
         self.tp_group = tp_group
         local = _divide(num_embeddings, group_size(tp_group), "padded vocabulary size")
         self.vocab_start = group_rank(tp_group) * local
         self.vocab_end = self.vocab_start + local
-        self.weight = mark_parallel(nn.Parameter(torch.empty(local, embedding_dim)), 0)
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:

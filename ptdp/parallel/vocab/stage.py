@@ -6,9 +6,11 @@ summed; the last stage stops at the final norm. Each rank's chunk 0 gets :class:
 ``V/(p·t)`` rows of the embedding and of the output weight (the same parameter when tied: no embedding
 group all-reduce), ordinary parameters of the chunk, so optimizers, ZeRO and checkpoints see them like any
 other (checkpoints save them as the global ``embedding.word_embeddings.weight`` / ``lm_head.weight``,
-sharded over the pipeline and tensor ranks: ``stage.logical_name``, ``checkpointing.state``).
+sharded over the pipeline and tensor ranks: their placements are ``Split("pp", 0, p, pp_rank)`` then
+``Split("tp", 0, t, tp_rank)`` with the role ``vocab``, ``ptdp.parallel.placement``).
 
-:class:`VocabStage` runs the actions of ``ptdp.schedule.vocab``. The cross-entropy is the tensor-parallel
+:class:`VocabStage` runs the actions of ``ptdp.schedule.vocab`` (its handlers; :class:`VocabParallel` is the
+plug-in that makes such stages for training and evaluation). The cross-entropy is the tensor-parallel
 one (``ptdp.parallel.tensor.cross_entropy``) taken one level up: the slices of a pipeline rank combine over
 the TP group inside S and T; the p pipeline ranks combine in the barriers, by rescaling each rank's
 sum of exponentials to the global max. With one barrier, S also computes this slice's input-gradient
@@ -18,7 +20,8 @@ assembles the input gradient without a second barrier.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +32,13 @@ from torch import Tensor, nn
 from ptdp.models import GPTModel
 from ptdp.models.layers import mask_padding_
 from ptdp.parallel.collectives import all_gather, group_rank, group_size
-from ptdp.parallel.pipeline.executor import ModuleStage
-from ptdp.schedule.vocab import end_ranks, waits_for
+from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
+from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
+from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.placement import Placement, Placements, Split
+from ptdp.schedule.actions import Action
+from ptdp.schedule.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE, end_ranks, waits_for
 
 SLICES = "vocab_slices"  # the attribute of chunk 0 holding this rank's vocabulary rows
 
@@ -41,14 +49,8 @@ class VocabSlices(nn.Module):
     def __init__(self, rows: int, hidden: int, start: int, tied: bool):
         super().__init__()
         self.start, self.rows = start, rows
-        self.embedding = self._mark(nn.Parameter(torch.empty(rows, hidden)))
-        self.head = None if tied else self._mark(nn.Parameter(torch.empty(rows, hidden)))
-
-    @staticmethod
-    def _mark(param: nn.Parameter) -> nn.Parameter:
-        param.tensor_model_parallel, param.partition_dim = True, 0  # distinct on every rank: counted in the norm
-        param.vocab_parallel, param.no_weight_decay = True, False
-        return param
+        self.embedding = nn.Parameter(torch.empty(rows, hidden))
+        self.head = None if tied else nn.Parameter(torch.empty(rows, hidden))
 
     def output_weight(self) -> Tensor:
         return self.embedding if self.head is None else self.head
@@ -75,51 +77,40 @@ class _Hidden(nn.Module):
 
 
 def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int, tp_rank: int, t: int,
-                         padded_vocab: int) -> GPTModel:
-    """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices."""
+                         padded_vocab: int, placements: Placements) -> GPTModel:
+    """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices, recorded in
+    ``placements``: distinct on every rank (each counts its own in the norm), weight-decayed as the full
+    tables are."""
     if chunk.embedding is not None:
+        placements.remove(chunk.embedding.word_embeddings)
         chunk.embedding.word_embeddings = _Provided()
     if chunk.final_layernorm is not None:
+        for gone in (chunk.lm_head, chunk.output_layer):
+            if gone is not None:
+                placements.remove(gone)
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
         device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
         with torch.device(device):
             slices = VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows, chunk.cfg.tied_embeddings)
-        for param in slices.parameters():  # where the rows sit in the global table (checkpoint pieces)
-            param.vocab_rows = (slices.start, padded_vocab)
+        splits = (Split("pp", 0, p, pp_rank), Split("tp", 0, t, tp_rank))  # row block pp_rank·t + tp_rank
+        for name, param in slices.named_parameters():
+            placements.record(param, Placement(logical_name(f"{SLICES}.{name}"), splits, role="vocab"))
         setattr(chunk, SLICES, slices)
     return chunk
-
-
-@torch.no_grad()
-def init_vocab_slices(chunk: nn.Module, seed: int, std: float, padded_vocab: int) -> None:
-    """The rows one process would draw (``ptdp.parallel.init``: one generator per logical name)."""
-    import zlib
-
-    slices = getattr(chunk, SLICES, None)
-    if slices is None:
-        return
-    for name, param in (("embedding.word_embeddings.weight", slices.embedding), ("lm_head.weight", slices.head)):
-        if param is None:
-            continue
-        generator = torch.Generator()
-        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-        full = torch.empty(padded_vocab, param.shape[1]).normal_(0.0, std, generator=generator)
-        param.copy_(full[slices.start:slices.start + slices.rows])
 
 
 def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
     return getattr(chunks[0], SLICES, None) if chunks else None
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradBuckets | None) -> None:
     """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
-    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``GradBuckets``: no autograd hook sees this
-    one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
-    allocate = getattr(param, "allocate_main_grad", None)
-    if allocate is not None:
-        allocate()
+    ZeRO-2/3 bucket's buffer is allocated at its first gradient (``grads.allocate_main_grad``: no autograd
+    hook sees this one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
+    if grads is not None:
+        grads.allocate_main_grad(param)
     main = getattr(param, "main_grad", None)
     if main is not None:
         main.add_(grad.to(main.dtype))
@@ -135,28 +126,54 @@ def _tp_sum(x: Tensor, group) -> Tensor:
     return x
 
 
-class VocabStage(ModuleStage):
-    """``ModuleStage`` plus the vocabulary actions (``ptdp.schedule.vocab``). ``labels(j)``: microbatch j's
-    targets; ``scale``: each microbatch's loss factor (1/m times the loss scale)."""
+@dataclass(frozen=True)
+class VocabParallel:
+    """The executor plug-in of vocabulary parallelism: a stage factory (``ptdp.parallel.assembly``) whose
+    stages are :class:`VocabStage`s, which register the S/T/EF/EB passes and the barrier collectives as
+    handlers. ``barriers``: 1 (fused) or 2 (``--disable-fb-fusion``)."""
 
-    def __init__(self, chunks: Sequence[nn.Module], rank: int, p: int, v: int, first_input: Callable[[int], Any],
-                 labels: Callable[[int], Tensor], scale: float, m: int, placement: str, barriers: int,
-                 pp_group, tp_group, pp_ranks: Sequence[int], sequence_parallel: bool, forward_only: bool = False):
-        super().__init__(chunks, rank, p, v, first_input, lambda y, j: y, placement)
-        self.labels, self.scale, self.m, self.barriers = labels, scale, m, barriers
-        self.pp_group, self.tp_group, self.pp_ranks = pp_group, tp_group, list(pp_ranks)
-        self.sp = sequence_parallel and group_size(tp_group) > 1
-        self.forward_only = forward_only
+    barriers: int
+    pp_group: Any
+    tp_group: Any
+    pp_ranks: tuple[int, ...]  # global ranks of this pipeline
+    sequence_parallel: bool
+    grads: GradBuckets | None = None  # the gradient buffers the slices' gradients go into
+
+    def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
+                 loss_scale: float = 1.0, forward_only: bool = False) -> VocabStage:
+        return VocabStage(chunks, layout, batches, loss_fn, loss_scale, forward_only, vocab=self)
+
+
+class VocabStage(ModuleStage):
+    """``ModuleStage`` with the vocabulary layers taken out, plus the vocabulary actions
+    (``ptdp.schedule.vocab``) as handlers. The cross-entropy is computed by S and T, not ``loss_fn``; each
+    microbatch's loss factor is 1/m times ``loss_scale``, as ``ModuleStage``'s."""
+
+    def __init__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
+                 loss_scale: float = 1.0, forward_only: bool = False, *, vocab: VocabParallel):
+        super().__init__(chunks, layout, batches, loss_fn, loss_scale, forward_only)
+        self.m = batches.num_microbatches
+        self.scale, self.barriers = loss_scale / self.m, vocab.barriers
+        self.pp_group, self.tp_group, self.pp_ranks = vocab.pp_group, vocab.tp_group, list(vocab.pp_ranks)
+        self.sp = vocab.sequence_parallel and group_size(self.tp_group) > 1
+        self.grads = vocab.grads
         self.slices = vocab_slices(chunks)
         self.vocab_size = chunks[0].vocab_size
+        v = layout.v
         self.first_chunk = next((c for c in range(v) if self.is_first(c)), None)
         self.last_chunk = next((c for c in range(v) if self.is_last(c)), None)
-        self.first_rank, self.last_rank, _ = end_ranks(p, v, placement)
+        self.first_rank, self.last_rank, _ = end_ranks(layout.p, v, layout.placement)
         self._works: dict[tuple[str, int], Any] = {}
         self._buf: dict[tuple[str, int], Any] = {}  # collective buffers
         self._saved: dict[int, tuple] = {}  # S -> T
         self._grad_h: dict[int, Tensor] = {}
         self._leaves: dict[int, Tensor] = {}
+
+    def handlers(self) -> Mapping[str, ActionHandler]:
+        """The barrier collectives (posted, not timed) and the passes (timed as compute, ``vocab_<op>``)."""
+        table: dict[str, ActionHandler] = {op: Handler(lambda a, _: self.collective(a)) for op in VOCAB_COLLECTIVES}
+        table |= {op: Handler(lambda a, _: self.vocab(a), f"vocab_{op}") for op in VOCAB_COMPUTE}
+        return table
 
     # ---- waits -----------------------------------------------------------------------------------
     def _wait(self, action) -> None:
@@ -167,8 +184,6 @@ class VocabStage(ModuleStage):
 
     # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
-        from ptdp.schedule.actions import Action
-
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
             leaf = self._buf["EMB", 0][microbatch].detach().requires_grad_(not self.forward_only)
@@ -176,15 +191,17 @@ class VocabStage(ModuleStage):
             self.chunks[chunk].embedding.word_embeddings.current = leaf
         if chunk != self.last_chunk:
             return super().forward(chunk, microbatch, input)
+        if self.forward_only:
+            with torch.no_grad():
+                self._buf["H", microbatch] = self.run_chunk(chunk, microbatch, input).contiguous()
+            return None
         x = input.detach().requires_grad_(True)
-        y = self.chunks[chunk](x)
+        y = self.run_chunk(chunk, microbatch, x)
         self._stash[chunk, microbatch] = (x, y)
         self._buf["H", microbatch] = y.detach().contiguous()
         return None
 
     def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
-        from ptdp.schedule.actions import Action
-
         self._wait(Action(op, microbatch, chunk))
         if chunk != self.last_chunk:
             return grad
@@ -243,7 +260,7 @@ class VocabStage(ModuleStage):
         return self.slices.embedding.dtype
 
     def _hidden_shape(self) -> tuple[int, ...]:
-        ids = self.first_input(0)
+        ids = self.batches.inputs(0)
         seq = ids.shape[1] // group_size(self.tp_group) if self.sp else ids.shape[1]
         return (ids.shape[0], seq, self.slices.embedding.shape[1])
 
@@ -259,7 +276,7 @@ class VocabStage(ModuleStage):
         return (ids - start).masked_fill(outside, 0), outside
 
     def _embed(self, _: int) -> None:
-        ids = torch.stack([self.first_input(j) for j in range(self.m)])
+        ids = torch.stack([self.batches.inputs(j) for j in range(self.m)])
         local, outside = self._rows(ids)
         part = F.embedding(local, self.slices.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
         self._buf["EMB", 0] = _tp_sum(part, self.tp_group)
@@ -271,7 +288,7 @@ class VocabStage(ModuleStage):
         keep = ~outside
         dw = torch.zeros(self.slices.embedding.shape, dtype=torch.float32, device=grads.device)
         dw.index_add_(0, local[keep], grads[keep].float())
-        _accumulate(self.slices.embedding, dw)
+        _accumulate(self.slices.embedding, dw, self.grads)
         self._buf.clear()
 
     def _s(self, mb: int) -> None:
@@ -282,7 +299,7 @@ class VocabStage(ModuleStage):
         z = mask_padding_(F.linear(x, w).float(), self.vocab_size, self.slices.start)
         lmax = _tp_max(z.max(dim=-1).values, self.tp_group).clamp_(min=-1e30)
         z.sub_(lmax.unsqueeze(-1))
-        labels = self.labels(mb)
+        labels = self.batches.labels(mb)
         local, outside = self._rows(labels)
         target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).add_(lmax).masked_fill_(outside, 0.0)
         e = z.exp_()
@@ -313,7 +330,7 @@ class VocabStage(ModuleStage):
         grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
         grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
         w = self.slices.output_weight()
-        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float())
+        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float(), self.grads)
         if self.barriers == 2:
             self._buf["C1", mb] = _tp_sum((grad @ w.float()).to(self._dtype()), self.tp_group)
             if self.rank == self.last_rank:

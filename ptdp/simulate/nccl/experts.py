@@ -25,22 +25,26 @@ group before the dispatch and reduce-scatters the combined output after it, on a
 dispatcher's.
 
 With ``zero="optim_grads_params"`` (ZeRO-3) the trace also holds the per-chunk parameter gathers and
-gradient reductions at the points ``param_sync.plan_param_sync`` puts them, as the real gatherer over
+gradient reductions of the actions ``ptdp.schedule.param_sync.add_param_sync`` puts in the lists, as the real
+gatherer over
 ``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel communicator "dp"
 (every pipeline's copy of the stage) and then one on the expert-data-parallel communicator "edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
 folding orders them), each with its own stream. A chunk's gathers are waited for together before its run; a
 reduction is waited for right after it is issued (stricter than the transient gradient buckets, which wait
 for one when they launch the next). With ``zero="optim_grads"`` (ZeRO-2) only the reductions: there the
 backward hooks launch them during the chunk's last B/W pass, before anything the executor issues after it,
-which is where the plan puts them.
+which is where the list's REDUCE_GRADS stands.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ptdp.parallel.data.zero import param_sync_handlers
 from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import Action, virtual_stage
+from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.trace import RecordingComm, _TraceStage
 
@@ -94,11 +98,14 @@ class _ExpertParamSync:
     """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync`` over ``ExpertGradBuckets``: placeholders of its
     collectives on "dp" and "edp" (``comms``: those with peers), which ``_globalise`` gives their groups."""
 
-    def __init__(self, events: list[dict], reshard_after_forward: bool, comms: Sequence[str], gathers: bool) -> None:
-        self.events, self.reshard_after_forward, self.comms = events, reshard_after_forward, comms
+    def __init__(self, events: list[dict], comms: Sequence[str], gathers: bool) -> None:
+        self.events, self.comms = events, comms
         self.gathers = gathers  # ZeRO-3; ZeRO-2 only reduces
         self._gathers: dict[int, list[int]] = {}
         self._count = 0
+
+    def handlers(self) -> dict[str, ActionHandler]:
+        return param_sync_handlers(self)
 
     def _collective(self, what: str, chunk: int, comm: str) -> int:
         self._count += 1
@@ -139,15 +146,17 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
                    "edp": lambda k, r: [j * p + r for j in range(k % e, pipelines, e)]}
     comms = [c for c in ("dp", "edp") if len(zero_groups[c](0, 0)) > 1]
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    if zero:  # the gathers and reductions where training places them (ZeRO-2: the gathers record nothing)
+        lists = [add_param_sync(actions, reshard_after_forward) for actions in lists]
     placement = schedule_placement(schedule)
     per_rank = []
     for r in range(p):
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
                                   recompute=recompute, expert_tensor=expert_tensor)
-        sync = _ExpertParamSync(events, reshard_after_forward, comms, zero == "optim_grads_params") if zero else None
-        run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), count_saved_bytes=False,
-                     param_sync=sync)
+        sync = _ExpertParamSync(events, comms, zero == "optim_grads_params") if zero else None
+        run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction),
+                     sync.handlers() if sync is not None else None, count_saved_bytes=False)
         per_rank.append(events)
     if expert_tensor:
         etp_groups = etp_groups or [[k * p + r for k in range(j, min(j + 2, pipelines))]

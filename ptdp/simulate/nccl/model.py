@@ -21,7 +21,8 @@ and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, tor
 * ``wait`` makes the compute stream, not the host, wait for a whole issue;
 * messages between two ranks on one communicator match first-in first-out;
 * a collective (``{"op": "coll", "group": [ranks], "msg": ...}``, ZeRO-3's per-chunk all-gathers and
-  reduce-scatters on the data-parallel communicator, ``ptdp.simulate.nccl.zero``) completes once every
+  reduce-scatters on the data-parallel communicator -- the handlers of the list's GATHER_PARAMS and
+  REDUCE_GRADS actions, ``ptdp.simulate.nccl.zero`` -- ) completes once every
   member's matching collective -- its n-th on that communicator and group, carrying the same message --
   has started.
 
@@ -33,12 +34,13 @@ deadlock-free); ``ptdp simulate --comm-trace`` writes the trace and prints the v
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import Action, stage_location, virtual_stage
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.collectives import match_collectives
@@ -51,14 +53,25 @@ SEND_MODELS = {"sends complete on their own": False, "sends wait for their recei
 # ------------------------------------------------------------------------------------------- recording
 
 
+class TracePlugin(Protocol):
+    """Records what a plug-in's handlers communicate (``ptdp.simulate.nccl.zero.RecordingParamSync``)."""
+
+    def handlers(self) -> Mapping[str, ActionHandler]: ...
+
+    def finish(self) -> None:
+        """After the schedule: the waits the step makes for what the handlers left running."""
+        ...
+
+
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
                       lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
-                      param_sync=None, vocab_barriers: int = 0) -> dict:
+                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
-    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``param_sync``:
-    a factory ``(comm) -> object`` of the executor's ZeRO-3 gatherer that records its collectives.
-    ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives (issue 24)."""
+    activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``plugin``: a
+    factory ``(comm) -> TracePlugin`` whose handlers record the collectives of the lists' other actions
+    (ZeRO-3's). ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives
+    (issue 24)."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
@@ -68,10 +81,11 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
         stage = _TraceStage(r, p, v, events, placement)
         if vocab_barriers:
             stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
-        sync = param_sync(comm) if param_sync is not None else None
-        run_schedule(lists[r], stage, comm, count_saved_bytes=False, param_sync=sync)
-        if sync is not None:
-            sync.finish()
+        recorder = plugin(comm) if plugin is not None else None
+        run_schedule(lists[r], stage, comm, recorder.handlers() if recorder is not None else None,
+                     count_saved_bytes=False)
+        if recorder is not None:
+            recorder.finish()
         ranks.append(events)
     return {"schedule": schedule, "p": p, "v": v, "m": m, "forward_only": forward_only, "placement": placement,
             "per_direction": per_direction, "ranks": ranks}

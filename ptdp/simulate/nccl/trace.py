@@ -5,12 +5,13 @@ format is ``nccl_model``'s (its module docstring)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import Action, virtual_stage
 
 
@@ -75,6 +76,12 @@ class _TraceStage:
     def __init__(self, rank: int, p: int, v: int, events: list[dict], placement: str = "loop") -> None:
         self.rank, self.p, self.v, self.events, self.placement = rank, p, v, events, placement
         self.losses: dict[int, Tensor] = {}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def handlers(self) -> Mapping[str, ActionHandler]:
+        return {}
 
     def _record(self, op: str, chunk: int, microbatch: int) -> int:
         self.events.append({"compute": [op, microbatch, chunk]})

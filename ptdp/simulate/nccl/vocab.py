@@ -5,17 +5,21 @@ compute's wait for the collectives it consumes (``vocab.waits_for``), exactly wh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor
 
+from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
 from ptdp.schedule.actions import Action
-from ptdp.schedule.vocab import end_ranks, waits_for
+from ptdp.schedule.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE, end_ranks, waits_for
 from ptdp.simulate.nccl.trace import RecordingComm, _TraceStage
 
 VOCAB_COMM = "vocab"
 
 
 class VocabTraceStage(_TraceStage):
-    """``_TraceStage`` plus ``collective`` and ``vocab`` (the executor's vocabulary hooks)."""
+    """``_TraceStage`` plus the vocabulary actions' handlers, as ``VocabStage`` registers them: ``collective``
+    posts a barrier, ``vocab`` records a pass after its waits."""
 
     def __init__(self, rank: int, p: int, v: int, events: list[dict], placement: str, comm: RecordingComm,
                  barriers: int) -> None:
@@ -36,6 +40,10 @@ class VocabTraceStage(_TraceStage):
         for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers):
             if key in self._posted:
                 self.events.append({"wait": self._posted.pop(key)})
+
+    def handlers(self) -> Mapping[str, ActionHandler]:
+        table: dict[str, ActionHandler] = {op: Handler(lambda a, _: self.collective(a)) for op in VOCAB_COLLECTIVES}
+        return table | {op: Handler(lambda a, _: self.vocab(a)) for op in VOCAB_COMPUTE}
 
     def collective(self, action: Action) -> None:
         index = self.comm._issues

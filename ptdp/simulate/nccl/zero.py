@@ -3,10 +3,12 @@
 Under ZeRO-3 the executor all-gathers a chunk's parameters and reduce-scatters its gradients *between*
 the pipeline's sends and receives, on another communicator (the data-parallel one). That is a new way to
 hang under NCCL: a rank whose DP stream waits for a peer that waits for a pipeline message which waits for
-the first rank. :func:`record_zero_trace` runs the real executor with the real plan
-(``param_sync.plan_param_sync``) and a gatherer that records, on every pipeline rank, what the real one
-issues: each ``gather`` a collective on communicator "dp" (waited by the compute stream at the plan's
-``wait``), each ``reduce`` a collective waited at the end of the schedule (``finish_grad_sync``). The trace
+the first rank. :func:`record_zero_trace` runs the real executor on the lists training runs (the schedule's,
+with ``ptdp.schedule.param_sync.add_param_sync``'s actions) with the real handlers
+(``ptdp.parallel.data.zero.param_sync_handlers``) over a gatherer that records, on every pipeline rank,
+what the real one issues: each GATHER_PARAMS a collective on communicator "dp" (waited by the compute
+stream at its WAIT_PARAMS), each REDUCE_GRADS a collective waited at the end of the schedule
+(``finish_grad_sync``). The trace
 is then copied to ``replicas`` data-parallel replicas of the pipeline (ranks ``k·p + r``), whose rank r
 pairs in each collective are the DP group of pipeline rank r: identical action lists, identical
 collective sequences, as on the machines. ``check_trace`` plays it like any other trace.
@@ -16,6 +18,10 @@ from __future__ import annotations
 
 import copy
 
+from ptdp.parallel.data.zero import param_sync_handlers
+from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.schedule.param_sync import add_param_sync
+from ptdp.schedule.registry import build_schedule
 from ptdp.simulate.nccl.model import record_comm_trace
 from ptdp.simulate.nccl.trace import RecordingComm
 
@@ -23,10 +29,13 @@ from ptdp.simulate.nccl.trace import RecordingComm
 class RecordingParamSync:
     """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync``: its collectives become trace issues on "dp"."""
 
-    def __init__(self, comm: RecordingComm, reshard_after_forward: bool):
-        self.comm, self.reshard_after_forward = comm, reshard_after_forward
+    def __init__(self, comm: RecordingComm):
+        self.comm = comm
         self._gathers: dict[int, int] = {}
         self._reduces: list[int] = []
+
+    def handlers(self) -> dict[str, ActionHandler]:
+        return param_sync_handlers(self)
 
     def _collective(self, what: str, chunk: int) -> int:
         index = self.comm._issues
@@ -59,9 +68,10 @@ def record_zero_trace(schedule: str, p: int, v: int, m: int, reshard_after_forwa
     """The comm trace of ``replicas`` data-parallel copies of a ``schedule`` pipeline under ZeRO-3;
     ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes, whose collectives (communicator
     "vocab") span each replica's pipeline group while the gathers and reductions ("dp") span the DP group."""
-    trace = record_comm_trace(schedule, p, v, m, forward_only, per_direction=per_direction,
-                              param_sync=lambda comm: RecordingParamSync(comm, reshard_after_forward),
-                              vocab_barriers=vocab_barriers)
+    lists = [add_param_sync(build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers), reshard_after_forward)
+             for r in range(p)]
+    trace = record_comm_trace(schedule, p, v, m, forward_only, lists, per_direction, RecordingParamSync,
+                              vocab_barriers)
     ranks = []
     for k in range(replicas):
         for r, events in enumerate(trace["ranks"]):

@@ -1,0 +1,182 @@
+"""What a step runs, assembled once from the parallelisms in use: the one place that names them for the step.
+
+``parallelize.build_model_chunks`` transforms the model; :func:`assemble` then gathers what each applied
+parallelism contributes to an iteration, so ``ptdp.train.step`` and ``ptdp.train.evaluate`` run it without
+naming any of them:
+
+* the action lists (``actions``): the schedule's, with the vocabulary passes (``ptdp.schedule.vocab``) and
+  ZeRO-3's gathers and reductions (``ptdp.schedule.param_sync``) placed in them;
+* the handlers of the actions beyond compute and communication (``handlers``: ZeRO-3's; a stage adds its
+  own, e.g. the vocabulary passes');
+* one stage factory for training and evaluation (``make_stage``): ``ModuleStage``, or the plug-in that
+  wraps it (``ptdp.parallel.vocab.stage.VocabParallel``);
+* the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
+  and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
+* the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule, its
+  statistics and expert-bias update after the step; multi-token prediction's loss scale and losses;
+* the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation.
+
+A new parallelism adds its contribution here (and its apply step in ``parallelize``), not a branch in the
+step, evaluation or the executor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ptdp.config import Config
+from ptdp.models.moe import moe_layer_names
+from ptdp.observability import flight_recorder
+from ptdp.parallel import ParallelState
+from ptdp.parallel.collectives import group_size
+from ptdp.parallel.data.zero import ChunkParamSync
+from ptdp.parallel.expert.step_hooks import MoEStepHook
+from ptdp.parallel.mtp import MTPStepHook
+from ptdp.parallel.pipeline.executor import PipelineStage
+from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
+from ptdp.parallel.pipeline.stage import sync_embedding_grads, tied_embedding_weights
+from ptdp.parallel.placement import Placements
+from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
+from ptdp.parallel.tensor import language_model_loss
+from ptdp.parallel.vocab.stage import VocabParallel
+from ptdp.schedule.actions import Action
+from ptdp.schedule.param_sync import add_param_sync
+from ptdp.schedule.registry import build_schedule
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """One post-backward gradient synchronisation; ``name`` is its timeline span."""
+
+    name: str
+    run: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.run()
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """The step's (or evaluation's) loss on every rank, in place: it lives on the last pipeline stage, so it
+    is summed over ``pipeline`` (the pipeline group), then averaged over ``replicas`` (the data-parallel
+    and CP ranks: each CP rank's loss is the mean over its s/c tokens of the same samples, as in Megatron)."""
+
+    pipeline: Any
+    replicas: Any
+
+    def __call__(self, loss: Tensor) -> Tensor:
+        if group_size(self.pipeline) > 1:
+            flight_recorder.record("all_reduce", group=self.pipeline, tensor=loss, action="loss")
+            dist.all_reduce(loss, group=self.pipeline)
+        n = group_size(self.replicas)
+        if n > 1:
+            flight_recorder.record("all_reduce", group=self.replicas, tensor=loss, action="loss")
+            dist.all_reduce(loss.div_(n), group=self.replicas)
+        return loss
+
+
+class StepHook(Protocol):
+    """What a model adds to each training step around the schedule."""
+
+    def before_schedule(self, microbatch_loss_scale: float) -> None:
+        """Before the schedule runs: each microbatch's loss factor (1/m times the fp16 loss scale)."""
+        ...
+
+    def after_step(self) -> dict[str, Tensor]:
+        """After the optimizer step: entries for the step's record (device tensors: no host sync)."""
+        ...
+
+
+class StageFactory(Protocol):
+    """Makes this rank's stage for one global batch (``ModuleStage`` itself is one)."""
+
+    def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
+                 loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage: ...
+
+
+class GradBuffers(Protocol):
+    """What the assembly reads of the gradient buffers (``GradBuckets`` or a MoE model's composite)."""
+
+    param_sync: ChunkParamSync | None  # ZeRO-3's per-chunk gatherer (``ptdp.optim.setup``), else None
+
+    def finish_grad_sync(self) -> None: ...
+
+
+@dataclass
+class Assembly:
+    """What one rank's training and evaluation steps run (module docstring)."""
+
+    chunks: list[nn.Module]
+    layout: StageLayout
+    loss_fn: LossFn
+    stage_factory: StageFactory
+    schedule: Callable[[bool], list[Action]]  # forward_only -> this rank's action list
+    reduce_loss: LossReduction
+    handlers: Mapping[str, ActionHandler] = field(default_factory=dict)
+    grad_syncs: list[GradSync] = field(default_factory=list)
+    step_hooks: list[StepHook] = field(default_factory=list)
+
+    def actions(self, forward_only: bool = False) -> list[Action]:
+        """This rank's action list for one iteration (``forward_only``: evaluation's)."""
+        return self.schedule(forward_only)
+
+    def make_stage(self, batches: BatchSource, loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage:
+        """The stage that runs one global batch ``batches``; ``loss_scale`` multiplies each microbatch's loss."""
+        return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
+
+
+def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradBuffers,
+             num_microbatches: int, placements: Placements) -> Assembly:
+    """The :class:`Assembly` of this rank's ``chunks`` and their ``placements`` (``build_model_chunks``) and
+    ``grads``."""
+    par, p = config.parallel, state.dims.pp
+    layout = StageLayout(state.pp_rank, p, len(chunks), state.placement,
+                         labels_to_last=bool(config.model.mtp_num_layers))  # issue 41: MTP reads the labels
+    barriers = par.vocab_barriers
+    stage_factory: StageFactory = ModuleStage
+    if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
+        stage_factory = VocabParallel(barriers, state.pp_group, state.tp_group, tuple(state.pipeline_ranks()),
+                                      par.sequence_parallel, grads)
+    sync = grads.param_sync
+
+    def schedule(forward_only: bool) -> list[Action]:
+        actions = build_schedule(par.schedule, p, layout.v, num_microbatches, state.pp_rank, forward_only,
+                                 vocab_barriers=barriers)
+        return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
+
+    grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
+    if tied_embedding_weights(chunks, p):
+        grad_syncs.append(GradSync("embedding_grad_sync",
+                                   functools.partial(sync_embedding_grads, chunks, p, state.embedding_group)))
+    if par.sequence_parallel:  # (config.derive: only with t > 1)
+        params = [q for chunk in chunks for q in chunk.parameters()]
+        grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
+                                   functools.partial(all_reduce_sequence_parallel_grads, params, state.tp_group,
+                                                     placements)))
+    return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=state.tp_group),
+                    stage_factory, schedule, LossReduction(state.pp_group, state.dp_cp_group),
+                    sync.handlers() if sync is not None else {}, grad_syncs, step_hooks(config, state, chunks))
+
+
+def step_hooks(config: Config, state: ParallelState, chunks: Sequence[nn.Module]) -> list[StepHook]:
+    """The model's step hooks. The groups of ranks that saw other tokens of the global batch (one process
+    sees them all): the data- and context-parallel ranks, and the tensor-parallel ones under sequence
+    parallelism (each holds s/t tokens between the layers, and routes them); with the pipeline, the groups
+    over which per-layer statistics and losses add up."""
+    tokens = [state.dp_cp_group, *([state.tp_group] if config.parallel.sequence_parallel else [])]
+    hooks: list[StepHook] = []
+    if config.moe.num_experts:  # issue 25: statistics summed like the loss; issue 41: the expert biases
+        rows = moe_layer_names(config.model, config.moe)
+        hooks.append(MoEStepHook(chunks, config.moe.num_experts, rows, [state.pp_group, *tokens], tokens,
+                                 state.device))
+    if config.model.mtp_num_layers:  # issue 41: the MTP modules' losses, summed like the LM loss
+        hooks.append(MTPStepHook(chunks, config.model.mtp_num_layers, [state.pp_group, state.dp_cp_group],
+                                 state.device))
+    return hooks
