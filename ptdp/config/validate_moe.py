@@ -103,13 +103,9 @@ def _router_errors(config: Config) -> list[str]:
 
 
 def deepseek_errors(config: Config) -> list[str]:
-    """Multi-latent attention, YaRN and multi-token prediction (issue 41): shapes and the layouts they run in.
-
-    Phase 1 runs them in one process and under data parallelism; the layouts that split what they hold
-    (tensor and context parallelism; for MTP also pipeline and vocabulary parallelism) are refused until
-    they do."""
-    m, par = config.model, config.parallel
-    t, c = par.tensor_model_parallel_size, par.context_parallel_size
+    """Multi-latent attention, YaRN and multi-token prediction (issue 41): their shapes, and the one layout
+    they do not run in (MTP under vocabulary and context parallelism at once)."""
+    m = config.model
     errors = []
     if m.multi_latent_attention:
         for flag, value in (("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
@@ -123,10 +119,6 @@ def deepseek_errors(config: Config) -> list[str]:
                 or m.rotary_percent != 1.0:
             errors.append("--multi-latent-attention needs --position-embedding-type rope (for its decoupled RoPE "
                           "part), without --group-query-attention, --use-rope-scaling or --rotary-percent")
-        for flag, size in (("--tensor-model-parallel-size", t), ("--context-parallel-size", c)):
-            if size > 1:
-                errors.append(f"--multi-latent-attention with {flag} {size} is not supported yet (issue 41, "
-                              "phase 2); use data, pipeline or expert parallelism")
     if m.resolved_rope_type == "yarn":
         if not m.multi_latent_attention:
             errors.append("--rope-type yarn is applied by multi-latent attention; add --multi-latent-attention")
@@ -152,14 +144,10 @@ def _mtp_errors(config: Config) -> list[str]:
     if m.position_embedding_type != "rope":
         errors.append("--mtp-num-layers needs --position-embedding-type rope (the modules embed tokens "
                       "without learned positions)")
-    for flag, size in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
-                       ("--context-parallel-size", par.context_parallel_size),
-                       ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size)):
-        if size > 1:
-            errors.append(f"--mtp-num-layers with {flag} {size} is not supported yet (issue 41, phase 2); "
-                          "use data or expert parallelism")
-    if par.enable_vocab_parallel:
-        errors.append("--mtp-num-layers with --enable-vocab-parallel is not supported yet (issue 41, phase 2)")
+    if par.enable_vocab_parallel and par.context_parallel_size > 1:
+        errors.append("--mtp-num-layers with --enable-vocab-parallel and --context-parallel-size "
+                      f"{par.context_parallel_size} is not supported (the vocabulary passes would embed tokens "
+                      "another CP rank holds); drop one of them")
     return errors
 
 

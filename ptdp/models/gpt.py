@@ -199,6 +199,8 @@ class GPTModel(nn.Module):
                                                                                   padded_vocab_size, bias=False)
         # Tied, with the embedding in another model chunk: a copy of it (``ptdp.parallel.pipeline.stage``).
         self.output_layer: nn.Module | None = None
+        # Multi-token prediction's copy of the embedding, on a chunk without it (the same place).
+        self.embedding_copy: Embedding | None = None
         self.logits = Logits(vocab_size)
 
     def output_weight(self) -> torch.Tensor:
@@ -223,8 +225,9 @@ class GPTModel(nn.Module):
         x = self.run_layers(x)
         if self.final_layernorm is None:
             return x
-        shared = self.lm_head is None and self.embedding is not None
+        embedding = self.embedding if self.embedding is not None else self.embedding_copy
+        shared = self.lm_head is None and embedding is not None  # the output weight also embeds here
         x = self.final_layernorm(x)
         if self.mtp is not None and labels is not None and self.training:
-            x = self.mtp(x, labels, self.embedding, lambda h: self.logits(h, self.output_weight(), shared))
+            x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
         return self.logits(x, self.output_weight(), shared)

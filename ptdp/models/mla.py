@@ -74,6 +74,9 @@ class MultiLatentAttention(nn.Module):
             self.q_layernorm = norm(cfg, cfg.q_lora_rank)
             self.q_up_proj = Linear(cfg.q_lora_rank, q_width, bias=bias)
         self.kv_down_proj = Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=bias)
+        # The shared RoPE key's way to this rank's heads: identity in one process; tensor parallelism swaps in
+        # its region (the gradient summed over the ranks' heads; under sequence parallelism an all-gather).
+        self.rope_key_region: nn.Module = nn.Identity()
         self.kv_layernorm = norm(cfg, cfg.kv_lora_rank)
         self.kv_up_proj = Linear(cfg.kv_lora_rank, a * (self.qk_head_dim + self.v_head_dim), bias=bias)
         self.proj = Linear(a * self.v_head_dim, h, bias=bias, skip_bias_add=fuse_bias)
@@ -84,16 +87,18 @@ class MultiLatentAttention(nn.Module):
         self.dropout_rng: RngContext | None = None  # as Attention's: a mask per tensor-parallel rank's heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """The output, or with ``fuse_bias`` the output before its bias and the bias."""
-        b, s, _ = x.shape
+        """The output, or with ``fuse_bias`` the output before its bias and the bias. (Under sequence
+        parallelism ``x`` holds s/t tokens; the up projections return all s, the latents stay local.)"""
         dk, dr = self.qk_head_dim, self.rope_dim
         q = self.q_proj(x) if self.q_proj is not None else self.q_up_proj(self.q_layernorm(self.q_down_proj(x)))
+        b, s, _ = q.shape
         q_nope, q_rope = q.view(b, s, -1, dk + dr).transpose(1, 2).split([dk, dr], dim=-1)
         latent, k_rope = self.kv_down_proj(x).split([self.kv_lora_rank, dr], dim=-1)
         kv = self.kv_up_proj(self.kv_layernorm(latent)).view(b, s, -1, dk + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([dk, self.v_head_dim], dim=-1)
         q_rope = self.rotary(q_rope, self.positions)
-        k_rope = self.rotary(k_rope.unsqueeze(1), self.positions).expand(-1, k_nope.shape[1], -1, -1)
+        k_rope = self.rotary(self.rope_key_region(k_rope).unsqueeze(1), self.positions)
+        k_rope = k_rope.expand(-1, k_nope.shape[1], -1, -1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         return self.proj(self.core(q, k, v))

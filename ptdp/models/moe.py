@@ -161,15 +161,18 @@ class TopKRouter(nn.Module):
         over the micro-batch or (seq_aux_loss) per sequence, averaged over sequences."""
         e = self.num_experts
         groups = num_sequences if self.load_balancing == "seq_aux_loss" else 1
-        if self.sigmoid:
-            scores = torch.sigmoid(logits)
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            scores = torch.softmax(logits, dim=-1)
-        scores = scores.view(groups, -1, e)
+        scores = self.balance_scores(logits).view(groups, -1, e)
         chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
         f = chosen.sum(1) / (chosen.shape[1] * self.topk)
         return self.aux_coeff * e * (f * scores.mean(1)).sum(-1).mean()
+
+    def balance_scores(self, logits: Tensor) -> Tensor:
+        """``[T, E]`` the scores P_i of the load-balancing loss averages: the softmax probabilities, or the
+        sigmoid scores normalised over the E experts."""
+        if not self.sigmoid:
+            return torch.softmax(logits, dim=-1)
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
     def _drop(self, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
         """Keep each expert's ``capacity`` most probable assignments; the rest get index E, probability 0."""

@@ -10,9 +10,11 @@ final norm, and predicts ``t_{i+k+1}`` with the model's output layer:
 
 (ptdp-facts.md, §DeepSeek-V3; λ = ``--mtp-loss-scaling-factor``). The embedding and the output layer are
 the model's own (shared). The tokens are read from the labels, ``labels_i = t_{i+1}``, so that the module
-needs only what the loss already has: module k reads ``labels`` shifted left by k-1 places, the last k
-places filled with token 0 (Megatron-Core rolls the input ids; it fills the same places, whose targets do
-not exist and which causal attention keeps from the others).
+needs only what the loss already has: module k's targets are ``labels`` shifted left by k places, its
+tokens ``labels`` shifted by k-1 places, token 0 where the target does not exist (Megatron-Core rolls the
+input ids; it fills the same places, which causal attention keeps from the others). The shift is a seam,
+:class:`ShiftLabels`: context parallelism swaps in one that moves the labels across its ranks' chunks,
+and its mean over the positions whose target exists is the rank's share of the global one.
 
 The loss trains without entering the reported LM loss: it is attached to the backward of the hidden
 states the output layer reads (``attach_aux_loss``, Megatron's ``MTPLossAutoScaler``) with the LM loss's weight ``aux_loss_scale``, and
@@ -55,11 +57,20 @@ class MTPLayer(nn.Module):
         return self.final_layernorm(self.transformer_layer(x))
 
 
-def shift_left(labels: torch.Tensor, places: int) -> torch.Tensor:
-    """``labels [b, s]`` moved ``places`` to the left, the emptied last places filled with token 0."""
-    if places == 0:
-        return labels
-    return torch.cat([labels[:, places:], labels.new_zeros(labels.shape[0], places)], dim=1)
+class ShiftLabels(nn.Module):
+    """``labels [b, s]`` moved ``places`` to the left in sequence order, the emptied places -1 (no token),
+    and the mean over a module's positions whose target exists."""
+
+    def forward(self, labels: torch.Tensor, places: int) -> torch.Tensor:
+        if places == 0:
+            return labels
+        return torch.cat([labels[:, places:], labels.new_full((labels.shape[0], places), -1)], dim=1)
+
+    def mean(self, values: torch.Tensor, places: int) -> torch.Tensor:
+        """``values [b, s]`` (zero where the target is gone) summed over the b·(s - places) positions whose
+        target exists, divided by their number."""
+        b, s = values.shape
+        return values.sum() / (b * (s - places))
 
 
 class MultiTokenPrediction(AuxiliaryLoss):
@@ -70,14 +81,15 @@ class MultiTokenPrediction(AuxiliaryLoss):
         self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, layer) for k, layer in enumerate(transformer_layers)})
         self.scaling_factor = cfg.mtp_loss_scaling_factor
         self.cross_entropy = CrossEntropy()
+        self.shift = ShiftLabels()
 
     def hidden_states(self, hidden: torch.Tensor, labels: torch.Tensor,
                       embed: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """``h¹ .. h^D`` from the model's final hidden states ``h⁰`` and the labels (the tokens t_{i+1})."""
         out = []
-        for k, layer in enumerate(self.layers.values()):  # module k+1 reads t_{i+k+1} = labels_{i+k}
-            tokens = shift_left(labels, k).clone()
-            tokens[:, tokens.shape[1] - k - 1:] = 0  # Megatron-Core's zero-filled rolled input ids
+        for k, layer in enumerate(self.layers.values(), start=1):  # module k reads t_{i+k} = labels_{i+k-1}
+            gone = self.shift(labels, k) < 0
+            tokens = self.shift(labels, k - 1).masked_fill(gone, 0)  # Megatron-Core's zero-filled rolled ids
             hidden = layer(hidden, embed(tokens))
             out.append(hidden)
         return out
@@ -87,8 +99,9 @@ class MultiTokenPrediction(AuxiliaryLoss):
         """``[D]``: module k's mean cross-entropy over the positions whose target ``labels_{i+k}`` exists."""
         out = []
         for k, hidden in enumerate(hiddens, start=1):  # module k predicts t_{i+k+1} = labels_{i+k}
-            valid = labels.shape[1] - k
-            out.append(self.cross_entropy(head(hidden[:, :valid]), labels[:, k:]).mean())
+            target = self.shift(labels, k)
+            losses = self.cross_entropy(head(hidden), target.clamp(min=0)).masked_fill(target < 0, 0.0)
+            out.append(self.shift.mean(losses, k))
         return torch.stack(out)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],

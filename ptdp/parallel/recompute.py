@@ -112,11 +112,15 @@ def _run(layers: list[nn.Module], x: Tensor) -> Tensor:
 
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
                     recompute_num_layers: int | None = None) -> nn.Module:
-    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order); returns it."""
+    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order; the multi-token
+    prediction modules' layers alike, each a unit of its own under ``full``); returns it."""
+    mtp = [] if model.mtp is None else list(model.mtp.layers.values())
     if granularity == "selective":
-        for layer in model.layers.values():
+        for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
             layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
     elif granularity == "full":
         plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
         model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan)
+        for module in mtp:
+            module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model
