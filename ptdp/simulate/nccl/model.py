@@ -65,13 +65,15 @@ class TracePlugin(Protocol):
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
                       lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
-                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0) -> dict:
+                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0,
+                      vocab_embeds_last: bool = False) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
     activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``plugin``: a
     factory ``(comm) -> TracePlugin`` whose handlers record the collectives of the lists' other actions
     (ZeRO-3's). ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives
-    (issue 24)."""
+    (issue 24); ``vocab_embeds_last``: the last stage's forwards wait for EMB too (multi-token prediction,
+    issue 41)."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
@@ -80,7 +82,7 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
         comm = RecordingComm(r, p, events, placement, per_direction)
         stage = _TraceStage(r, p, v, events, placement)
         if vocab_barriers:
-            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
+            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers, vocab_embeds_last)
         recorder = plugin(comm) if plugin is not None else None
         run_schedule(lists[r], stage, comm, recorder.handlers() if recorder is not None else None,
                      count_saved_bytes=False)
