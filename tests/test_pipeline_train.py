@@ -33,6 +33,11 @@ PLAN = {
 }
 
 
+def _fraction(ratio: float) -> float:
+    """The metrics' bubble fraction (idle over the schedule's time) of the paper's idle over ideal time."""
+    return ratio / (1 + ratio)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("pipeline"), PLAN)
@@ -43,13 +48,14 @@ def test_pipeline_layouts_match_single_process(runs, reference, t, p, d, v, sche
     records = runs[f"t{t}p{p}d{d}v{v}-{schedule}"]
     assert_equivalent(records, reference, RTOL)
     m = 16 // (2 * d)
-    assert records.records[-1]["bubble_fraction_formula"] == pytest.approx((p - 1) / (v * m))
+    assert records.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction((p - 1) / (v * m)))
+    assert all(0 <= r["bubble_fraction"] <= 1 for r in records.records if "bubble_fraction" in r)
 
 
 def test_interleaved_four_stages_two_chunks(runs, reference_8_layers):
     got = runs["p4v2-8-layers"]
     assert_equivalent(got, reference_8_layers, RTOL)
-    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(3 / (2 * 8))
+    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(3 / (2 * 8)))
 
 
 def test_scatter_gather_off_gives_same_training(runs, reference):
@@ -59,7 +65,7 @@ def test_scatter_gather_off_gives_same_training(runs, reference):
 def test_megatron_layers_per_virtual_stage_flag(runs, reference):
     got = runs["p2-layers-per-virtual-stage"]
     assert_equivalent(got, reference, RTOL)
-    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(1 / (2 * 8))  # v = 4 / (1 * 2) = 2
+    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(1 / (2 * 8)))  # v = 4 / (1 * 2) = 2
 
 
 @pytest.mark.parametrize("schedule,expected", [("gpipe", 8), ("1f1b", 2)])

@@ -25,6 +25,10 @@ def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     the real vocabulary) of the checkpoint at ``path``: a ``--save`` directory (its ``latest``) or one
     ``iter_*`` directory. Checksums are verified first.
     """
+    if not Path(path).exists():
+        raise storage.CheckpointError(f"{path} does not exist")
+    if not Path(path).is_dir():
+        raise storage.CheckpointError(f"{path} is not a directory (give the --save directory of a run)")
     directory = storage.resolve(path)
     if directory is None:
         raise storage.CheckpointError(f"{path} holds no checkpoint yet (no {storage.LATEST} file)")

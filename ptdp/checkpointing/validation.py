@@ -23,7 +23,7 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "swiglu": "--swiglu", "group_query_attention": "--group-query-attention",
                       "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
                       "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                      "disable_bias_linear": "--disable-bias-linear"}
+                      "disable_bias_linear": "--disable-bias-linear", "disable_bias_norm": "--disable-bias-norm"}
 
 
 def _fields(model: ModelConfig) -> dict:
@@ -47,7 +47,8 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
     diffs += [f"{flag} {saved.get(key, default[key])} there, {here[key]} here"
               for key, flag in ARCHITECTURE_FLAGS.items()
               if saved.get(key, default[key]) != here[key]
-              and (key != "num_query_groups" or model.group_query_attention)]
+              and (key != "num_query_groups" or model.group_query_attention)
+              and (key != "disable_bias_norm" or model.normalization != "RMSNorm")]  # RMSNorm has no bias
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
     if diffs:
@@ -137,5 +138,6 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
         return [f"--load {directory}: {problem}"]
     # a dataset changed under its prefix: exit 2 before any worker starts
     from ptdp.data.mix_state import data_state_errors
+    from ptdp.data.training_data import train_data
 
-    return data_state_errors(config.data.data_path, config.data.override_data_state, info, str(directory))
+    return data_state_errors(train_data(config)[0], config.data.override_data_state, info, str(directory))

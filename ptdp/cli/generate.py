@@ -208,7 +208,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str | None = None) -> Tokenizer:
     """The tokenizer of ``tokenizer_file``, of ``override`` (a prefix) or of the run's first ``--data-path``
-    prefix; bytes by default."""
+    (or ``--train-data-path``) prefix; bytes by default."""
     from ptdp.data import ByteTokenizer, DataError, load_tokenizer
     from ptdp.data.builder import _strip_suffix, parse_data_path
     from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer
@@ -226,12 +226,13 @@ def checkpoint_tokenizer(config: dict, override: str | None, tokenizer_file: str
 
             return build_tokenizer(data["tokenizer_type"], data.get("tokenizer_model"), data.get("vocab_file"),
                                    data.get("merge_file"), config.get("model", {}).get("vocab_size"))
-        data_path = data.get("data_path") or []
+        flag = "--data-path" if data.get("data_path") else "--train-data-path"
+        data_path = data.get("data_path") or data.get("train_data_path") or []  # the run's training data
         if not data_path:
             return ByteTokenizer()
         prefix = _strip_suffix(parse_data_path(data_path)[0][0])
         if not any(os.path.exists(prefix + suffix) for suffix in (TOKENIZER_SUFFIX, ".idx")):
-            raise GenerateError(f"the checkpoint was trained on --data-path {prefix}, which is gone; pass "
+            raise GenerateError(f"the checkpoint was trained on {flag} {prefix}, which is gone; pass "
                                 "--tokenizer-prefix PREFIX (PREFIX.tokenizer.json, or none for bytes)")
         return load_tokenizer(prefix)
     except DataError as e:

@@ -1,4 +1,4 @@
-"""``ptdp`` command line: train, plan, simulate, preprocess, generate, export, import, timeline."""
+"""ptdp command line: train, plan, simulate, preprocess, samples, generate, export, import, timeline."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ptdp.runtime.errors import print_error
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a GPT with PTD-P (under torchrun, or launching workers itself)")
+    p = sub.add_parser("train", help="train a GPT, Llama or MoE model with PTD-P (under torchrun, or launching workers itself)")
     add_config_arguments(p)
     launch = p.add_argument_group("launch")
     launch.add_argument("--nproc-per-node", type=int, default=None,
@@ -174,14 +174,18 @@ def _other_parsers(sub) -> None:
     from ptdp.simulate.command import add_simulate_arguments, run_simulate
 
     for name, add_arguments, run, help_text in (
-        ("plan", add_plan_arguments, run_plan, "choose (t, p, d, b, v) for a model on a cluster"),
+        ("plan", add_plan_arguments, run_plan,
+         "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
         ("simulate", add_simulate_arguments, run_simulate, "simulate a pipeline schedule and draw its timeline"),
-        ("preprocess", add_preprocess_arguments, run_preprocess, "tokenize JSONL into indexed .bin/.idx files"),
+        ("preprocess", add_preprocess_arguments, run_preprocess,
+         "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
         ("samples", add_samples_arguments, run_samples,
          "print the training samples in the order training reads them (the flags of `ptdp train`)"),
         ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
-        ("export", add_export_arguments, run_export, "write a checkpoint (any layout) as a Hugging Face GPT-2 model"),
-        ("import", add_import_arguments, run_import, "write a Hugging Face GPT-2 model as a ptdp checkpoint"),
+        ("export", add_export_arguments, run_export,
+         "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model"),
+        ("import", add_import_arguments, run_import,
+         "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) as a ptdp checkpoint"),
         ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
     ):
         p = sub.add_parser(name, help=help_text)

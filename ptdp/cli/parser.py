@@ -4,13 +4,15 @@
   ``--train-iters 3``, and a flag added later cannot make an abbreviation that worked ambiguous.
 - A usage error is one line, ``ptdp <command>: error: ...`` (the shape of every ptdp error,
   ``ptdp.runtime.errors``), not a 58-line usage block; an unknown flag names the closest valid one ("did you
-  mean --train-iters?"). ``--help`` still prints the whole usage.
+  mean --train-iters?"), an unknown command or choice the closest one (``ptdp trian``: "did you mean
+  train?"). ``--help`` still prints the whole usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from typing import NoReturn
 
@@ -26,8 +28,19 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("ptdp").strip() or None
-        print_error(command, message)
+        print_error(command, with_suggestion(message))
         sys.exit(2)
+
+
+def with_suggestion(message: str) -> str:
+    """argparse's "invalid choice: 'trian' (choose from 'train', 'plan', ...)" with "did you mean train?"
+    (a sub-command or a flag's choice); other messages unchanged."""
+    match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if not match:
+        return message
+    choices = re.findall(r"'([^']*)'", match.group(2)) or [c.strip() for c in match.group(2).split(",")]
+    close = difflib.get_close_matches(match.group(1), choices, n=1, cutoff=0.6)
+    return message + (f"; did you mean {close[0]}?" if close else "")
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:

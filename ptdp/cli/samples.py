@@ -92,8 +92,10 @@ def run_samples(args: argparse.Namespace) -> int:
         splits = datasets_for_config(config, saved, directory)
         dataset = {"train": splits.train, "valid": splits.valid, "test": splits.test}[args.split_name]
         if dataset is None:
-            return _fail(f"--split-name {args.split_name}: the {args.split_name} split of --split {config.data.split} "
-                         "is empty")
+            d = config.data
+            source = (f"(no --{args.split_name}-data-path)" if d.train_data_path or d.valid_data_path or
+                      d.test_data_path else f"of --split {d.split}")
+            return _fail(f"--split-name {args.split_name}: the {args.split_name} split {source} is empty")
         tokenizer = splits.tokenizer if args.decode else None
         if args.iteration is not None:
             rows = [(i, args.iteration, r, j) for i, r, j in

@@ -75,6 +75,9 @@ class ModelConfig:
                                                     "embedding")
     disable_bias_linear: bool = opt(False, "no biases in the attention and MLP linears (Llama)")
     add_qkv_bias: bool = opt(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
+    disable_bias_norm: bool = opt(False, "no bias in the LayerNorms (with --disable-bias-linear: no bias anywhere, "
+                                  "nanoGPT's bias=False). Not a Megatron-LM flag: there the LayerNorm always has "
+                                  "one and RMSNorm none, so --disable-bias-linear leaves the LayerNorms' biases")
     kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
@@ -307,6 +310,11 @@ class TrainingConfig:
     grad_bucket_size_mb: float = opt(25.0, "data-parallel gradient all-reduce bucket size (MB)")
     eval_interval: int | None = opt(None, "compute the validation loss every N iterations and at the end")
     eval_iters: int = opt(10, "global batches of the validation split per evaluation")
+    full_validation: bool = opt(False, "each evaluation reads the whole validation split once, in whole global "
+                                "batches (instead of --eval-iters of them; Megatron-LM's flag)")
+    skip_train: bool = opt(False, "no training: evaluate the validation and test splits with --load's checkpoint "
+                           "(--eval-iters batches each, or the whole validation split with --full-validation) "
+                           "and exit")
     overlap_grad_reduce: bool = opt(
         False, "reduce each gradient bucket asynchronously during the last microbatch's backward")
     tensorboard_dir: str | None = opt(None, "write loss, lr, grad norm, throughput, memory as TensorBoard "
@@ -340,7 +348,12 @@ class MixedPrecisionConfig:
 class DataConfig:
     data_path: list[str] = opt([], "indexed dataset prefix(es), Megatron's [weight] prefix form; "
                                "default: the embedded standard-library corpus", nargs="*")
-    split: str = opt("969,30,1", "train,valid,test proportions")
+    split: str = opt("969,30,1", "train,valid,test proportions of --data-path's documents")
+    # Megatron's per-split datasets: each split reads all of its own datasets (--data-path and --split unused)
+    train_data_path: list[str] = opt([], "the training split's own dataset(s), all of each: a prefix, prefixes "
+                                     "or a [weight] prefix blend, as --data-path", nargs="*")
+    valid_data_path: list[str] = opt([], "the validation split's own dataset(s), as --train-data-path", nargs="*")
+    test_data_path: list[str] = opt([], "the test split's own dataset(s), as --train-data-path", nargs="*")
     # Megatron's data and tokenizer flags (ptdp/data/tokenizer_flags.py, docs/data.md)
     data_cache_path: str | None = opt(None, "save/load the sample-order index arrays (.npy) in this directory")
     tokenizer_type: str | None = opt(None, "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ByteTokenizer "

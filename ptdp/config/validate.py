@@ -107,6 +107,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if tr.timeline_iters is not None and tr.timeline_iters <= 0:
         errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
     errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
+    from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
+
+    errors += data_errors(config)
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

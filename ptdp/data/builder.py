@@ -1,4 +1,5 @@
-"""``build_datasets``: from ``--data-path`` / ``--split`` / ``--seq-length`` / ``--seed`` to train/valid/test.
+"""``build_datasets``: from ``--data-path`` / ``--split`` (or ``--train/valid/test-data-path``) / ``--seq-length`` /
+``--seed`` to train/valid/test.
 
 ``--data-path`` takes Megatron's forms: nothing (the embedded default corpus, see default_corpus.py),
 ``PREFIX``, ``A B`` (a blend weighted by each dataset's size) or ``0.3 A 0.7 B`` (explicit weights). The
@@ -98,15 +99,70 @@ def build_datasets(
     num_samples: Sequence[int | None] | None = None,
     cache_path: str | None = None,
     tokenizer: Tokenizer | None = None,
+    per_split: Sequence[Sequence[str]] | None = None,
+    whole_valid: bool = False,
 ) -> DataSplits:
     """The three splits. ``num_samples`` (train, valid, test) sizes the datasets as Megatron's
     ``train_valid_test_num_samples`` does (None: one epoch each); ``tokenizer`` (from the tokenizer flags)
-    replaces the one recorded beside the data. Rank 0 says so when this takes more than 2 s (a first run
-    tokenizes and caches the default corpus, an indexed dataset builds its sample index)."""
+    replaces the one recorded beside the data. ``per_split`` (``--train/valid/test-data-path``, Megatron's
+    ``blend_per_split``): each split reads all of its own datasets, as ``--data-path`` with the split's
+    whole share of ``--split`` would (``"100,0,0"`` for the training split); ``data_path`` and ``split``
+    are then unused. ``whole_valid`` (``--full-validation``): the validation split is every sample of its
+    datasets once, blended by size. Rank 0 says so when this takes more than 2 s (a first run tokenizes
+    and caches the default corpus, an indexed dataset builds its sample index)."""
     from ptdp.runtime.phases import phase
 
     with phase("building the datasets"):
-        return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer)
+        if per_split is not None and any(per_split):
+            return _build_per_split(per_split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid)
+        return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid)
+
+
+def _sources(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    prefixes, weights = parse_data_path(list(data_path))
+    return [_strip_suffix(p) for p in prefixes], weights
+
+
+def _shared_tokenizer(prefixes: list[str], flag: str = "--data-path") -> Tokenizer:
+    """The tokenizer saved beside the data, the same for every dataset (one vocabulary)."""
+    tokenizers = [load_tokenizer(p) for p in prefixes]
+    for prefix, tok in zip(prefixes[1:], tokenizers[1:]):
+        if tok.fingerprint != tokenizers[0].fingerprint:
+            raise DataError(f"{flag}: {prefix} uses a different tokenizer than {prefixes[0]}; blended datasets "
+                            "must share one vocabulary")
+    return tokenizers[0]
+
+
+def _split_dataset(indexed: list[IndexedDataset], weights: list[float] | None, fractions: list[float],
+                   split_id: int, target: int | None, seq_length: int, seed: int, cache_path: str | None,
+                   whole: bool = False) -> GPTDataset | BlendedDataset | None:
+    """Split ``split_id`` of the datasets: each one's share of its documents (``fractions``), blended
+    (None when no sample fits). ``whole``: one epoch of each, blended by size, whatever the weights."""
+    name = SPLIT_NAMES[split_id]
+    if whole:
+        target, weights = None, None
+    if weights is None and len(indexed) == 1:
+        weights = [1.0]
+    sizes = member_sizes(weights, target) if weights is not None and len(indexed) > 1 else [target] * len(indexed)
+    members = []
+    for k, data in enumerate(indexed):
+        if weights is not None and weights[k] <= 0:
+            continue  # a weight of 0 keeps the dataset in the list but reads nothing from it
+        doc_range = split_document_ranges(data.num_documents, fractions)[split_id]
+        dataset = GPTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name)
+        if len(dataset):
+            members.append((dataset, weights[k] if weights is not None else len(dataset)))
+    if not members:
+        return None
+    if len(indexed) == 1:
+        return members[0][0]
+    size = target if weights is not None else None
+    return BlendedDataset([d for d, _ in members], [w for _, w in members], size)
+
+
+def _no_train_sample(seq_length: int, flag: str) -> DataError:
+    return DataError(f"{flag}: the train split has no sample of {seq_length + 1} tokens; use more data, a smaller "
+                     "--seq-length" + (", or a larger train share in --split" if flag == "--data-path" else ""))
 
 
 def _build_datasets(
@@ -117,53 +173,39 @@ def _build_datasets(
     num_samples: Sequence[int | None] | None,
     cache_path: str | None,
     tokenizer: Tokenizer | None,
+    whole_valid: bool = False,
 ) -> DataSplits:
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1, got {seq_length}")
     fractions = parse_split(split)
     targets = list(num_samples) if num_samples is not None else [None, None, None]
-    if data_path:
-        prefixes, weights = parse_data_path(data_path)
-        prefixes = [_strip_suffix(p) for p in prefixes]
-    else:
-        prefixes, weights = [default_corpus_prefix()], None
-
-    if tokenizer is None:
-        tokenizers = [load_tokenizer(p) for p in prefixes]
-        for prefix, tok in zip(prefixes[1:], tokenizers[1:]):
-            if tok.fingerprint != tokenizers[0].fingerprint:
-                raise DataError(
-                    f"--data-path: {prefix} uses a different tokenizer than {prefixes[0]}; blended datasets "
-                    "must share one vocabulary"
-                )
-        tokenizer = tokenizers[0]
-
+    prefixes, weights = _sources(data_path) if data_path else ([default_corpus_prefix()], None)
+    tokenizer = tokenizer or _shared_tokenizer(prefixes)
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
-    if weights is None and len(prefixes) == 1:
-        weights = [1.0]
-    splits: list[GPTDataset | BlendedDataset | None] = []
-    for split_id, name in enumerate(SPLIT_NAMES):
-        target = targets[split_id]
-        sizes = member_sizes(weights, target) if weights is not None and len(prefixes) > 1 else [target] * len(prefixes)
-        members = []
-        for k, data in enumerate(indexed):
-            if weights is not None and weights[k] <= 0:
-                continue  # a weight of 0 keeps the dataset in the list but reads nothing from it
-            doc_range = split_document_ranges(data.num_documents, fractions)[split_id]
-            dataset = GPTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name)
-            if len(dataset):
-                members.append((dataset, weights[k] if weights is not None else len(dataset)))
-        if not members:
-            splits.append(None)
-        elif len(prefixes) == 1:
-            splits.append(members[0][0])
-        else:
-            size = target if weights is not None else None
-            splits.append(BlendedDataset([d for d, _ in members], [w for _, w in members], size))
-    train, valid, test = splits
+    train, valid, test = (_split_dataset(indexed, weights, fractions, k, targets[k], seq_length, seed, cache_path,
+                                         whole=whole_valid and k == 1) for k in range(3))
     if train is None:
-        raise DataError(
-            f"--data-path: the train split has no sample of {seq_length + 1} tokens; use more data, a smaller "
-            "--seq-length, or a larger train share in --split"
-        )
+        raise _no_train_sample(seq_length, "--data-path")
     return DataSplits(train=train, valid=valid, test=test, tokenizer=tokenizer)
+
+
+def _build_per_split(per_split: Sequence[Sequence[str]], seq_length: int, seed: int,
+                     num_samples: Sequence[int | None] | None, cache_path: str | None, tokenizer: Tokenizer | None,
+                     whole_valid: bool) -> DataSplits:
+    """Megatron's ``blend_per_split``: split k reads all the documents of its own datasets (the split
+    proportions spoofed to 100% for k), under split k's name and size, so ``--train-data-path X`` builds
+    exactly ``--data-path X --split 100,0,0``'s training split."""
+    if seq_length < 1:
+        raise DataError(f"--seq-length must be >= 1, got {seq_length}")
+    targets = list(num_samples) if num_samples is not None else [None, None, None]
+    sources = [_sources(path) if path else ([], None) for path in per_split]
+    tokenizer = tokenizer or _shared_tokenizer([p for prefixes, _ in sources for p in prefixes],
+                                               "--train/valid/test-data-path")
+    splits: list[GPTDataset | BlendedDataset | None] = []
+    for k, (prefixes, weights) in enumerate(sources):
+        fractions = [float(k == j) for j in range(3)]
+        splits.append(_split_dataset([IndexedDataset(p) for p in prefixes], weights, fractions, k, targets[k],
+                                     seq_length, seed, cache_path, whole=whole_valid and k == 1) if prefixes else None)
+    if splits[0] is None and per_split[0]:
+        raise _no_train_sample(seq_length, "--train-data-path")
+    return DataSplits(train=splits[0], valid=splits[1], test=splits[2], tokenizer=tokenizer)

@@ -40,24 +40,44 @@ MEGATRON_DEFAULT_EVAL_INTERVAL = 1000
 WEIGHT_TOLERANCE = 1e-9  # normalized weights closer than this are the same blend
 
 
-def train_valid_test_num_samples(config: Config) -> tuple[int, int, int]:
+def train_valid_test_num_samples(config: Config) -> tuple[int, int | None, int]:
+    """(train, valid, test) samples; valid None (one epoch, the whole split) with ``--full-validation``."""
     tr = config.training
     eval_interval = tr.eval_interval or MEGATRON_DEFAULT_EVAL_INTERVAL
     batch = tr.global_batch_size
-    return (tr.train_iters * batch, (tr.train_iters // eval_interval + 1) * tr.eval_iters * batch,
-            tr.eval_iters * batch)
+    valid = None if tr.full_validation else (tr.train_iters // eval_interval + 1) * tr.eval_iters * batch
+    return tr.train_iters * batch, valid, tr.eval_iters * batch
+
+
+def train_data(config: Config) -> tuple[list[str], str]:
+    """The training split's ``--data-path`` and ``--split``: ``--train-data-path``'s datasets whole
+    (``"100,0,0"``, which builds the same samples), or ``--data-path`` divided by ``--split``."""
+    d = config.data
+    return (list(d.train_data_path), "100,0,0") if d.train_data_path else (list(d.data_path), d.split)
+
+
+def evaluation_iters(config: Config, dataset) -> int:
+    """Global batches per evaluation of ``dataset``: ``--eval-iters``, or with ``--full-validation`` every
+    whole global batch of the validation split (the last n mod B samples are left out, as Megatron's
+    sampler drops an incomplete batch)."""
+    tr = config.training
+    return len(dataset) // tr.global_batch_size if tr.full_validation else tr.eval_iters
 
 
 def datasets_for_config(config: Config, saved: dict | None = None, directory: str | None = None) -> DataSplits:
     """train/valid/test of ``config`` (raises :class:`DataError` with one line on bad input); ``train`` is a
     :class:`TrainStream` that continues the data state of the checkpoint record ``saved`` (``ptdp.json`` of
     ``--load``'s checkpoint, read from ``directory``), if it has one."""
-    d = config.data
+    d, tr = config.data, config.training
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
                                 config.model.vocab_size)
-    splits = build_datasets(d.data_path or None, d.split, config.model.seq_length, config.training.seed,
+    splits = build_datasets(d.data_path or None, d.split, config.model.seq_length, tr.seed,
                             num_samples=train_valid_test_num_samples(config), cache_path=d.data_cache_path,
-                            tokenizer=tokenizer)
+                            tokenizer=tokenizer, per_split=[d.train_data_path, d.valid_data_path, d.test_data_path],
+                            whole_valid=tr.full_validation)
+    if tr.full_validation and splits.valid is not None and len(splits.valid) < tr.global_batch_size:
+        raise DataError(f"--full-validation: the validation split holds {len(splits.valid)} samples, fewer than one "
+                        f"global batch (--global-batch-size {tr.global_batch_size})")
     state = DataState.from_info(saved) if saved is not None else None
     splits.train = train_stream(config, splits.train, state, directory)
     return splits
@@ -71,11 +91,13 @@ def _built_members(train: GPTDataset | BlendedDataset) -> dict[str, GPTDataset]:
 def train_stream(config: Config, built, state: DataState | None, directory: str | None) -> TrainStream:
     """The train split as training reads it (``built``: the builder's train dataset for these flags)."""
     tr = config.training
-    prefixes = current_prefixes(config.data.data_path)
+    data_path = train_data(config)[0]
+    prefixes = current_prefixes(data_path)
     if len(set(prefixes)) != len(prefixes):
         twice = next(p for p in prefixes if prefixes.count(p) > 1)
-        raise DataError(f"--data-path names {twice} twice; give each dataset once (with the summed weight)")
-    given = parse_data_path(list(config.data.data_path))[1] if config.data.data_path else None
+        flag = "--train-data-path" if config.data.train_data_path else "--data-path"
+        raise DataError(f"{flag} names {twice} twice; give each dataset once (with the summed weight)")
+    given = parse_data_path(data_path)[1] if data_path else None
     datasets = _built_members(built)
     if given is None:  # one dataset, or a blend weighted by the datasets' sizes
         given = [float(len(datasets[p])) if p in datasets else 0.0 for p in prefixes]
@@ -155,5 +177,5 @@ def _dataset(config: Config, prefix: str, num_samples: int | None, built: dict[s
 def _train_split(config: Config, prefix: str) -> tuple[tuple[IndexedDataset, tuple[int, int]], int]:
     """((indexed dataset, train document range), tokens in that range) of ``prefix``."""
     indexed = IndexedDataset(prefix)
-    lo, hi = split_document_ranges(indexed.num_documents, parse_split(config.data.split))[0]
+    lo, hi = split_document_ranges(indexed.num_documents, parse_split(train_data(config)[1]))[0]
     return (indexed, (lo, hi)), int(indexed.sequence_lengths[lo:hi].astype("int64").sum())

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` GPT-2 export and import: ``ptdp export`` / ``ptdp import``.
 
-(Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf.llama``; this module dispatches.)
+(Llama-family models — ``model_type`` "llama" — convert in ``ptdp.hf.llama``, Mixtral and Qwen2-MoE in
+``ptdp.hf.moe``; this module dispatches.)
 
 ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
 ptdp/models/gpt.py), so conversion is a renaming plus three layout changes:
@@ -88,7 +89,7 @@ def is_gpt2(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
     return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
-            and not cfg.disable_bias_linear and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
+            and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
 
 
 def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -> GPTModel:
@@ -149,7 +150,8 @@ def _tokenizer(config_dict: dict, vocab: int) -> Tokenizer | None:
     from ptdp.data import ByteTokenizer, load_tokenizer
     from ptdp.data.builder import _strip_suffix, parse_data_path
 
-    data_path = config_dict.get("data", {}).get("data_path") or []
+    data = config_dict.get("data", {})
+    data_path = data.get("data_path") or data.get("train_data_path") or []  # the run's training data
     try:
         prefixes = parse_data_path(data_path)[0] if data_path else []
         tokenizer = load_tokenizer(_strip_suffix(prefixes[0])) if prefixes else ByteTokenizer()
@@ -364,7 +366,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face model_type gpt2, llama, mixtral, qwen2_moe or deepseek_v3)")
+                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe or deepseek_v3)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")

@@ -129,6 +129,8 @@ class ModelShape(Protocol):
     @property
     def disable_bias_linear(self) -> bool: ...
     @property
+    def disable_bias_norm(self) -> bool: ...
+    @property
     def normalization(self) -> str: ...
     @property
     def multi_latent_attention(self) -> bool: ...
@@ -264,11 +266,17 @@ def flops_per_iteration(
     return layers + 3 * (1 + mtp) * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
+def norm_parameters(hidden_size: int, normalization: str = "LayerNorm", norm_bias: bool = True) -> int:
+    """One norm's parameters: LayerNorm's weight and bias (2h; h with ``--disable-bias-norm``), RMSNorm's
+    weight (h)."""
+    return hidden_size * (2 if normalization != "RMSNorm" and norm_bias else 1)
+
+
 def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, *,
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
                           normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
-                          mla: MLAShape | None = None) -> int:
+                          norm_bias: bool = True, mla: MLAShape | None = None) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -279,11 +287,11 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
     if mla is not None:
-        attention = mla.weights(h, num_attention_heads) + mla.norms() * (1 if normalization == "RMSNorm" else 2)
+        attention = mla.weights(h, num_attention_heads) + mla.norms() * norm_parameters(1, normalization, norm_bias)
         attention_biases = mla.biases(h, num_attention_heads) - h  # the output bias is counted below
     else:
         attention, attention_biases = h * (2 * q + 2 * k), q + 2 * k
-    norms = 2 * (h if normalization == "RMSNorm" else 2 * h)
+    norms = 2 * norm_parameters(h, normalization, norm_bias)
     if moe is not None:  # an MoE layer: router, E (or, ``active``, k) bias-free experts, shared expert, gate
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
@@ -321,7 +329,7 @@ def parameter_count(
         layers += moe.moe_layers * layer_parameter_count(hidden_size, ffn_hidden_size, moe=moe, active=active, **layer)
     if mtp:  # per module: a layer like the last one, eh_proj [h, 2h] and three norms
         sparse = moe if moe is not None and moe.last_layer_sparse else None
-        norm = hidden_size * (1 if layer.get("normalization") == "RMSNorm" else 2)
+        norm = norm_parameters(hidden_size, layer.get("normalization", "LayerNorm"), layer.get("norm_bias", True))
         layers += mtp * (layer_parameter_count(hidden_size, ffn_hidden_size, moe=sparse, active=active, **layer)
                          + 2 * hidden_size * hidden_size + 3 * norm)
     return layers + embeddings
@@ -337,5 +345,6 @@ def model_parameter_count(model: ModelShape, vocab_size: int | None = None, moe:
     return parameter_count(
         model.num_layers, model.hidden_size, model.seq_length, vocab, model.ffn_size,
         untied=model.untie_embeddings_and_output_weights, rope=model.position_embedding_type == "rope",
-        bias=not model.disable_bias_linear, normalization=model.normalization, moe=moe, active=active,
-        mtp_num_layers=mtp_layers(model), **architecture(model))
+        bias=not model.disable_bias_linear, normalization=model.normalization,
+        norm_bias=not model.disable_bias_norm, moe=moe, active=active, mtp_num_layers=mtp_layers(model),
+        **architecture(model))

@@ -31,11 +31,11 @@ RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-
 
 
 def norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
-    """``--normalization`` over ``size`` features (default the hidden size): LayerNorm (GPT-2) or RMSNorm
-    (Llama: no bias, no mean subtraction)."""
+    """``--normalization`` over ``size`` features (default the hidden size): LayerNorm (GPT-2; without its bias
+    under ``--disable-bias-norm``) or RMSNorm (Llama: no bias, no mean subtraction)."""
     if cfg.normalization == "RMSNorm":
         return RMSNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon)
-    return LayerNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
 
 
 class Linear(nn.Module):

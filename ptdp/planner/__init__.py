@@ -1,7 +1,8 @@
 """``ptdp plan``: a first-principles performance and memory model of PTD-P layouts, and a search over them.
 
 Modules: ``spec`` (what is planned), ``memory`` (bytes per GPU), ``perf`` (seconds per iteration),
-``search`` (evaluate / search / why a layout loses), ``command`` (the CLI). See docs/planner.md.
+``space`` (the valid layouts), ``estimate`` (one layout's verdict, why a layout loses), ``bound`` (the
+branch and bound), ``search``, ``command`` (the CLI). See docs/planner.md.
 """
 
 from ptdp.planner.command import add_plan_arguments, run_plan

@@ -13,7 +13,7 @@ from ptdp.config.validate_moe import moe_errors
 from ptdp.config.validate_pipeline import layout_stage_count
 from ptdp.models.flops import moe_shape
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
-from ptdp.planner.search import Estimate, candidates, evaluate, invalid_reason, search
+from ptdp.planner.search import Estimate, Space, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
     MODEL_PRESETS,
     RECOMPUTE_CHOICES,
@@ -28,7 +28,7 @@ from ptdp.schedule.registry import default_virtual_size
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "normalization", "position_embedding_type",
+               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type",
                # issue 41: multi-latent attention and multi-token prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                "v_head_dim", "mtp_num_layers")
@@ -204,8 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               "--pipeline-model-parallel-size too (the search tries both ways by itself)")
         else:
             pin = lambda v: None if v is None else [v]  # noqa: E731
-            configs = candidates(
-                model, cluster, train,
+            space = Space(
                 tensor_sizes=pin(args.tensor_model_parallel_size),
                 pipeline_sizes=pin(args.pipeline_model_parallel_size),
                 virtual_sizes=pin(args.virtual_pipeline_model_parallel_size),
@@ -222,7 +221,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
                 dispatchers=pin(args.moe_token_dispatcher_type),
             )
-            result = search(model, cluster, train, top=args.top, configs=configs)
+            result = search(model, cluster, train, top=args.top, space=space)
             if result.num_evaluated == 0:
                 raise _UsageError("no valid layout: check --gpus against the heads, layers and --global-batch-size")
             best, runners, evaluated = result.best, result.runners_up, result.num_evaluated
@@ -283,7 +282,8 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
         f"global batch {train.global_batch_size}",
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
-        f"per GPU), {train.precision}; {evaluated} layout(s) evaluated",
+        f"per GPU), {train.precision}; {evaluated:,} layout(s) estimated"
+        + (" (the others bounded out: docs/planner.md, The search)" if runners else ""),
     ]
     moe = model.moe is not None  # the expert layout's column: e (/etp when the experts' TP is not t)
     rows = [["", *_COLUMNS[:4], *(["e"] if moe else []), *_COLUMNS[4:], "why it loses"]]

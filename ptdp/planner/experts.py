@@ -22,10 +22,11 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 from ptdp.config.validate_moe import expert_layout_errors
-from ptdp.models.flops import architecture, layer_parameter_count
+from ptdp.models.flops import architecture, layer_parameter_count, norm_parameters
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig
 
 Link = Callable[[bool], tuple[float, float]]  # spans nodes -> (bytes/s, latency): the planner's link model
@@ -60,6 +61,7 @@ def _mats(model: GPTSpec) -> int:
     return 3 if model.swiglu else 2
 
 
+@functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few (t, e, etp)
 def layer_parameters(model: GPTSpec, t: int, e: int = 1, etp: int | None = None) -> tuple[float, float]:
     """(non-expert, expert) parameters of the mean layer on one rank of a MoE model (``model.moe`` set).
 
@@ -68,13 +70,16 @@ def layer_parameters(model: GPTSpec, t: int, e: int = 1, etp: int | None = None)
     """
     moe, h, etp = model.moe, model.hidden_size, t if etp is None else etp
     arch, bias = architecture(model), not model.disable_bias_linear
-    norms = 2 * h * (1 if model.normalization == "RMSNorm" else 2)
+    norm_bias = not model.disable_bias_norm
+    norms = 2 * norm_parameters(h, model.normalization, norm_bias)
     row_bias = 0 if model.disable_bias_linear else 2 * h  # attention output and MLP output biases
 
     mla = model.mla_replicated  # multi-latent attention's down projections and latent norms stay whole
-    dense = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, **arch)
+    dense = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, norm_bias=norm_bias,
+                                  **arch)
     dense_rank = (dense - norms - row_bias - mla) / t + norms + row_bias + mla
-    whole = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, moe=moe, **arch)
+    whole = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, moe=moe,
+                                  norm_bias=norm_bias, **arch)
     experts = moe.num_experts * _mats(model) * h * moe.ffn
     router = moe.num_experts * h
     shared = _mats(model) * h * moe.shared_ffn + (h if moe.shared_gate else 0)

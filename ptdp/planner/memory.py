@@ -8,9 +8,10 @@ is dominated by rank 0, so the planner checks those two.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from ptdp.models.flops import architecture, layer_parameter_count
+from ptdp.models.flops import architecture, layer_parameter_count, norm_parameters
 from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
@@ -62,7 +63,7 @@ def step_buffer_bytes_per_param(precision: str, strategy: str) -> float:
 
 
 def _norm_params(model: GPTSpec) -> int:
-    return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
+    return norm_parameters(model.hidden_size, model.normalization, not model.disable_bias_norm)
 
 
 def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None = None) -> float:
@@ -73,10 +74,15 @@ def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None
     """
     if model.moe is not None:
         return experts.layer_parameters_per_rank(model, t, cfg)
+    return _dense_layer_parameters_per_rank(model, t)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few t
+def _dense_layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     h, f = model.hidden_size, model.parameter_ffn
     replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h) + model.mla_replicated
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
-                                  **architecture(model))
+                                  norm_bias=not model.disable_bias_norm, **architecture(model))
     return (total - replicated) / t + replicated
 
 

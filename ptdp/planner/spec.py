@@ -40,6 +40,7 @@ class GPTSpec:
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     disable_bias_linear: bool = False
+    disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
     multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
     q_lora_rank: int | None = None
@@ -132,9 +133,10 @@ class GPTSpec:
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
-            disable_bias_linear=m.disable_bias_linear, multi_latent_attention=m.multi_latent_attention,
-            q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
-            qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, mtp_num_layers=m.mtp_num_layers or 0,
+            disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
+            multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+            qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+            mtp_num_layers=m.mtp_num_layers or 0,
         )
 
     @classmethod

@@ -120,4 +120,4 @@ def simulate_line(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cfg
             f"{cfg.pipeline_model_parallel_size} --virtual-pipeline-model-parallel-size "
             f"{cfg.virtual_pipeline_model_parallel_size} --num-microbatches {cfg.num_microbatches(train.global_batch_size)} "
             f"--num-layers {model.num_layers} --embedding-cost {embedding / layer:.2f} --output-layer-cost "
-            f"{output / layer:.2f} {vocab_flags(cfg)} --out plan.png").replace("  ", " ")
+            f"{output / layer:.2f} {vocab_flags(cfg)} --out plan.svg").replace("  ", " ")

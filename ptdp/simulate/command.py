@@ -21,6 +21,7 @@ from ptdp.schedule.actions import Action
 from ptdp.schedule.layout import stage_work
 from ptdp.schedule.registry import build_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
+from ptdp.simulate.draw import NeedsMatplotlib, draw
 from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
 
 
@@ -68,51 +69,6 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     return [w / (args.num_layers / (p * v)) for w in work]
 
 
-# ------------------------------------------------------------------------------------------------ drawing
-
-_FORWARD = ("#1f5fa8", "#6fa8dc", "#a9cbeb", "#cfe2f3")  # one shade per chunk, dark first
-_BACKWARD = ("#2e8540", "#7cc48a", "#b5dfbd", "#d9efdc")
-_WEIGHT = ("#b8860b", "#e0b84f", "#f0d68f", "#f7e8c0")
-
-
-def draw(result: SimulationResult, out: str | Path) -> None:
-    """One row per rank (rank 0 on top), boxes numbered by microbatch (1-based, as in the paper) and shaded
-    by chunk; white gaps are the bubble. Format from the suffix (.png, .svg, .pdf)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    p, v = result.p, result.v
-    fig, ax = plt.subplots(figsize=(11, 0.42 * p + 1.1), dpi=100)
-    unit = min((b.end - b.start for row in result.timelines for b in row), default=1.0)
-    for row in result.timelines:
-        for b in row:
-            palette = {"F": _FORWARD, "B": _BACKWARD, "I": _BACKWARD, "W": _WEIGHT}.get(b.op) or [result.colours[b.op]]
-            ax.barh(b.rank, b.end - b.start, left=b.start, height=0.8, color=palette[b.chunk % len(palette)],
-                    edgecolor="black", linewidth=0.4)
-            if b.end - b.start >= 0.99 * unit:
-                ax.text((b.start + b.end) / 2, b.rank, str(b.microbatch + 1), ha="center", va="center",
-                        fontsize=6 if result.m * v > 16 else 7, color="white" if b.chunk == 0 else "black")
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.set_ylim(p - 0.5, -0.5)
-    ax.set_xlim(0, result.total_time)
-    ax.set_xlabel("time")
-    ax.set_title(f"{result.schedule}: p={p}, v={v}, m={result.m}; bubble {result.bubble_fraction:.1%} "
-                 f"of ideal time (formula {result.formula:.1%})", fontsize=9)
-    ops = sorted({b.op for row in result.timelines for b in row} & set("FIBW"), key="FIBW".index)
-    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
-    handles = [Patch(facecolor={"F": _FORWARD, "W": _WEIGHT}.get(op, _BACKWARD)[c], edgecolor="black",
-                     label=f"{names[op]}" + (f", chunk {c}" if v > 1 else "")) for op in ops for c in range(v)]
-    handles += result.draw_extra(ax)
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.22),
-              ncol=min(len(handles), 8), fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
@@ -138,7 +94,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-time", type=float, default=1.0, help="t_f of a whole stage (default 1)")
     parser.add_argument("--backward-time", type=float, default=2.0, help="t_b of a whole stage (default 2)")
     parser.add_argument("--p2p-time", type=float, default=0.0, help="one send/receive (default 0)")
-    parser.add_argument("--out", help="draw the timeline to this .png / .svg / .pdf file")
+    parser.add_argument("--out", help="draw the timeline to this .svg file (or .png / .pdf, with matplotlib: "
+                        "pip install 'ptdp[plot]')")
     parser.add_argument("--json", action="store_true", help="print one JSON object, timelines included")
     parser.add_argument("--comm-trace", metavar="FILE.json",
                         help="write the p2p calls and waits the executor makes for this schedule and check "
@@ -216,6 +173,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.out:
         try:
             draw(result, args.out)
+        except NeedsMatplotlib as err:
+            print(f"ptdp simulate: error: {err}", file=sys.stderr)
+            return 2
         except OSError as err:
             print(f"ptdp simulate: error: --out {args.out}: {err.strerror}", file=sys.stderr)
             return 2

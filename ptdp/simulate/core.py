@@ -84,9 +84,10 @@ class SimulationResult:
         """Lines ``ptdp simulate`` prints under the common summary: none here (a richer result adds its own)."""
         return []
 
-    def draw_extra(self, ax) -> list:
-        """Marks drawn over the timeline, and their legend entries (``simulate.command.draw``'s hook): none here."""
-        return []
+    def extra_marks(self) -> tuple[list[float], list[tuple[str, str, str]]]:
+        """(times of dashed lines over the timeline, legend entries (kind, colour, label)) that a result adds
+        to the picture (``ptdp.simulate.draw``'s hook): none here."""
+        return [], []
 
 
 def _duration(op: str, v: int, forward_time: float, backward_time: float, weight_grad_fraction: float) -> float:

@@ -54,18 +54,13 @@ class VocabSimulationResult(SimulationResult):
         return [f"vocabulary parallel, {self.barriers} barrier{'s' * (self.barriers > 1)}: S per rank "
                 f"{_fmt(s)}, T per rank {_fmt(t)}, {len(self.collectives)} collectives"]
 
-    def draw_extra(self, ax) -> list:
-        """Barrier ticks on every row; the passes' legend entries (``simulate.draw``'s hook)."""
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
-
-        barrier_ops = ("C0", "C1")
-        for op, _, done in self.collectives:
-            if op in barrier_ops:
-                ax.vlines(done, -0.5, self.p - 0.5, colors="black", linewidth=0.6, linestyles="dashed", alpha=0.6)
+    def extra_marks(self) -> tuple[list[float], list[tuple[str, str, str]]]:
+        """The barriers as dashed lines where they complete, and the passes' legend entries
+        (``ptdp.simulate.draw``'s hook)."""
         ops = [op for op in VOCAB_COLOURS if any(b.op == op for row in self.timelines for b in row)]
-        return [Patch(facecolor=VOCAB_COLOURS[op], edgecolor="black", label=VOCAB_NAMES[op]) for op in ops] + [
-            Line2D([], [], color="black", linestyle="dashed", linewidth=0.6, alpha=0.6, label="barrier (C0/C1) done")]
+        return ([done for op, _, done in self.collectives if op in ("C0", "C1")],
+                [("box", VOCAB_COLOURS[op], VOCAB_NAMES[op]) for op in ops] + [("dashed", "black",
+                                                                                 "barrier (C0/C1) done")])
 
 
 def _fmt(values: Sequence[float]) -> str:

@@ -13,7 +13,14 @@ from ptdp.models import flops
 from ptdp.observability.clock import Clock
 from ptdp.observability.observer import RunObserver
 from ptdp.runtime import hardware
-from ptdp.train.report import progress_line, rank_report, read_records, startup_summary, validation_record
+from ptdp.train.report import (
+    evaluate_checkpoint,
+    progress_line,
+    rank_report,
+    read_records,
+    startup_summary,
+    validation_record,
+)
 from ptdp.train.state import setup
 from ptdp.train.step import train_step
 
@@ -24,6 +31,12 @@ def train(config: Config) -> list[dict]:
     checkpoints = CheckpointManager(trainer)
     first_iteration = checkpoints.resume() + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
+    if tr.skip_train:  # Megatron's --skip-train: evaluate the checkpoint and exit
+        try:
+            evaluate_checkpoint(trainer, first_iteration - 1)
+        finally:
+            checkpoints.close()
+        return trainer.metrics
     for chunk in trainer.chunks:
         chunk.train()
     vocab = trainer.vocab_size

@@ -39,23 +39,30 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
 
 
 def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
-    """Worst-rank bubble (measured idle / busy time), in-flight microbatches and saved activation bytes.
+    """Worst-rank bubble, in-flight microbatches and saved activation bytes.
 
-    The bubble is reported beside the formula (p-1)/(v*m) (ptdp-facts.md, §Schedules), so a user sees
-    what the pipeline really wastes. Read after the iteration's sync (CUDA-event timings are complete);
-    the worst rank is found with one small all-reduce (collective: every rank reads the same records).
+    ``bubble_fraction`` is the fraction of the worst rank's schedule time spent waiting on communication,
+    idle / (idle + busy), in [0, 1] by construction; ``bubble_fraction_formula`` is the same fraction for
+    the ideal schedule, r / (1 + r) with r the paper's bubble time over ideal time, (p-1)/(v*m) (or the
+    schedule's own: ptdp-facts.md, §Schedules). The paper's ratio is not a fraction: it exceeds 1 when
+    m < p - 1, and measured, the first iteration's waits (gloo's connections made on first use, the other
+    ranks' first allocations) made it 1.059 (issue 42). Read after the iteration's sync (CUDA-event
+    timings are complete); the worst rank is found with one small all-reduce (collective: every rank
+    reads the same records).
     """
     state = trainer.state
-    row = [float(stats.idle_s) / max(float(stats.busy_s), 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
+    idle, busy = float(stats.idle_s), float(stats.busy_s)
+    row = [idle / max(idle + busy, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
     if state.dims.world_size > 1:
         worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         row = worst.tolist()
     bubble, in_flight, saved = row
+    ratio = bubble_fraction_formula(state.dims.pp, len(trainer.chunks), trainer.num_microbatches,
+                                    trainer.config.parallel.schedule)
     return {
         "bubble_fraction": bubble,
-        "bubble_fraction_formula": bubble_fraction_formula(state.dims.pp, len(trainer.chunks),
-                                                          trainer.num_microbatches, trainer.config.parallel.schedule),
+        "bubble_fraction_formula": ratio / (1 + ratio),
         "peak_in_flight_microbatches": int(in_flight),
         "peak_activation_bytes": int(saved),
     }
@@ -91,7 +98,7 @@ def startup_summary(trainer: TrainState) -> str:
                                   ("total", "params", "grads", "optimizer"))], state.dims.world_size, state.device)
     fullest = max(rows, key=lambda r: r[1])  # the rank holding the most model-state bytes
     padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
-    norm = m.hidden_size * (1 if m.normalization == "RMSNorm" else 2)
+    norm = flops.norm_parameters(m.hidden_size, m.normalization, not m.disable_bias_norm)
     moe = flops.moe_shape(m, cfg.moe)
     total = flops.model_parameter_count(m, padded, moe) + norm
     active = "" if moe is None else \
@@ -121,15 +128,43 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def validation_record(trainer: TrainState, iteration: int, is_logger: bool) -> dict:
-    """``val_loss``/``val_ppl`` over the validation split (empty when the split has no sample)."""
-    if trainer.data.valid is None:
+def validation_record(trainer: TrainState, iteration: int, is_logger: bool, split: str = "valid",
+                      where: str = "") -> dict:
+    """``val_loss``/``val_ppl`` over the validation split (``split="test"``: ``test_loss``/``test_ppl`` over
+    the test split), ``--eval-iters`` global batches or with ``--full-validation`` the whole validation
+    split (``evaluation_iters``); empty when the split has no sample. ``where``: Megatron's " on
+    validation set" after the iteration (``--skip-train``'s lines)."""
+    from ptdp.data.training_data import evaluation_iters
+
+    dataset = getattr(trainer.data, split)
+    if dataset is None:
         return {}
-    loss = evaluate(trainer, trainer.data.valid, trainer.config.training.eval_iters)
+    iters = evaluation_iters(trainer.config, dataset) if split == "valid" else trainer.config.training.eval_iters
+    loss = evaluate(trainer, dataset, iters)
     if is_logger:
-        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-              f"lm loss PPL: {perplexity(loss):.6E}", flush=True)
-    return {"val_loss": loss, "val_ppl": perplexity(loss)}
+        print(f" {'validation' if split == 'valid' else 'test'} loss at iteration {iteration}{where} | lm loss value: "
+              f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}", flush=True)
+    key = "val" if split == "valid" else "test"
+    return {f"{key}_loss": loss, f"{key}_ppl": perplexity(loss)}
+
+
+def evaluate_checkpoint(trainer: TrainState, iteration: int) -> dict:
+    """``--skip-train`` (Megatron-LM's): no training step; the validation and the test split evaluated with
+    the model as loaded, one record (also appended to ``--metrics-file``)."""
+    import json
+
+    is_logger = trainer.state.rank == 0
+    if is_logger:
+        print(f" skipping training (--skip-train): evaluating the model at iteration {iteration}", flush=True)
+    record = {"iteration": iteration,
+              **validation_record(trainer, iteration, is_logger, "valid", " on validation set"),
+              **validation_record(trainer, iteration, is_logger, "test", " on test set")}
+    metrics_file = trainer.config.training.metrics_file
+    if metrics_file and is_logger:
+        with open(metrics_file, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+    trainer.metrics.append(record)
+    return record
 
 
 def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1) -> str:
