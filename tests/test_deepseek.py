@@ -11,13 +11,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_ptdp
 
 from ptdp.config import Config, ModelConfig, MoEConfig, validate
 from ptdp.config.presets import MODEL_PRESETS, MOE_PRESETS
 from ptdp.models import GPTModel
 from ptdp.models.layers import set_aux_loss_scale
 from ptdp.models.moe import TopKRouter, update_expert_biases
-from helpers import run_ptdp
 
 V = 100
 
