@@ -275,3 +275,30 @@ def test_a_bad_combination_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "--moe-router-enable-expert-bias" in lines[0], proc.stderr
+
+
+def test_plan_places_deepseek_v3_on_h800s_with_an_uneven_pipeline():
+    """61 layers (a prime) on p = 16: the planner's own balanced layout string, MTP module on the last stage;
+    the report's layout (PP 16, EP 64, ZeRO-1, 2,048 H800) is a valid plan that fits with full recomputation."""
+    from ptdp.planner.estimate import evaluate
+    from ptdp.planner.space import invalid_reason, uneven_layout
+    from ptdp.planner.spec import MODEL_PRESETS as SPECS
+    from ptdp.planner.spec import ClusterSpec, ParallelConfig, TrainingSpec
+    from ptdp.runtime.hardware import accelerator
+    from ptdp.schedule.layout import stages_from_string
+
+    h800, h100 = accelerator("h800"), accelerator("h100-80gb")
+    assert h800.peak_flops == h100.peak_flops and h800.intra_node_bandwidth < h100.intra_node_bandwidth
+    spec = SPECS["deepseek-v3"]
+    layout = uneven_layout(spec, 16, None)
+    stages = stages_from_string(layout, 61, 16)
+    counts = [len(s.layers) for s in stages]
+    assert layout.endswith("mL") and max(counts) - min(counts) <= 1 + spec.mtp_num_layers and sum(counts) == 61
+    assert uneven_layout(spec, 1, None) is None
+    cluster, train = ClusterSpec.of("h800", 2048), TrainingSpec(15360, "bf16")
+    report = ParallelConfig(1, 16, 128, recompute_granularity="full", use_distributed_optimizer=True,
+                            pipeline_model_parallel_layout=layout, expert_model_parallel_size=64,
+                            moe_token_dispatcher_type="alltoall")
+    assert invalid_reason(spec, report, cluster, train) is None
+    estimate = evaluate(spec, report, cluster, train)
+    assert estimate.fits and estimate.memory.total > 20 * 2**30

@@ -38,13 +38,17 @@ LAYOUTS = {
 }
 
 
+RESUME = ["--pipeline-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepseek-parallel")
     ckpt = tmp / "resume"
     plan = {"one": (1, []), **LAYOUTS,
-            "stopped": (2, ["--data-parallel-sharding-strategy", "optim", "--exit-interval", "2", "--save", str(ckpt)]),
-            "resumed": (2, ["--data-parallel-sharding-strategy", "optim", "--load", str(ckpt), "--save", str(ckpt)])}
+            # p = 2, d = 2, ZeRO-1: the last stage's copy of the embedding (MTP) is saved once and loaded back
+            "stopped": (4, [*RESUME, "--exit-interval", "2", "--save", str(ckpt)]),
+            "resumed": (4, [*RESUME, "--load", str(ckpt), "--save", str(ckpt)])}
     return run_layouts(tmp, plan, base=BASE)
 
 
