@@ -164,7 +164,7 @@ def worker(argv: list[str]) -> int:
         def __init__(self, grads, layers):
             super().__init__(grads, layers, prefetch=False)
 
-    zero_layers.LayerParamSync = NoPrefetch  # ptdp.optim.setup imports it at build time
+    zero_layers.LayerParamSync = NoPrefetch  # strategy.GatherPlan looks it up when the reducer is built
     return ptdp_main(argv)
 
 

@@ -99,7 +99,7 @@ def test_no_import_cycle_anywhere_in_the_package():
 # --- Issue 37: nothing parallel is set on nn.Parameter outside ptdp/parallel/placement.py -------------------
 
 # The attributes ptdp used to hang on parameters (and read back with getattr); their successors are the
-# fields of ``Placement``, ``DeferredInit`` and ``GradBuckets.allocate_main_grad``.
+# fields of ``Placement``, ``DeferredInit`` and ``GradReducer.allocate_main_grad``.
 FORMER_PARAMETER_ATTRIBUTES = {
     "tensor_model_parallel", "partition_dim", "sequence_parallel", "expert_parallel", "expert_parallel_size",
     "expert_parallel_rank", "expert_mesh", "expert_shard_dims", "vocab_parallel", "vocab_rows",

@@ -17,7 +17,9 @@ from helpers import LAYOUT_2222, assert_equivalent, assert_same_training, pooled
 from torch import nn
 
 from ptdp.config import OptimizerConfig
-from ptdp.optim import DistributedOptimizer, GradBuckets, build_optimizer
+from ptdp.optim import DistributedOptimizer, build_optimizer
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 
 RTOL = 1e-4
 CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05)  # small clip: clipping is active
@@ -53,8 +55,8 @@ def distributed_run(model: nn.Module, rank: int, steps: int, overlap: bool, firs
                     state: dict | None = None):
     params = list(model.parameters())
     # 40-byte buckets: several buckets, parameters split between the two ranks' shards
-    grads = GradBuckets(params, dist.group.WORLD, 40, distributed_optimizer=True, param_buffer=True,
-                        overlap_grad_reduce=overlap)
+    grads = build_reducer("optim", params, BucketLayout(40, param_buffer=True), DataParallelGroup(dist.group.WORLD),
+                          overlap=overlap)
     opt = DistributedOptimizer(grads, CFG, tp_rank=0, norm_groups=[dist.group.WORLD], scaler=None)
     if state is not None:
         opt.load_state_per_param({params[i]: s for i, s in state.items()})

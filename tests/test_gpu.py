@@ -162,11 +162,10 @@ def test_checkpoints_move_between_cuda_and_cpu(tmp_path):
         assert_same_run(first + resumed, reference, 1e-4)  # losses and gradient norms
 
 
-@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--bf16", "--compile"], ["--bf16", "--use-distributed-optimizer"]],
-                         ids=["fp32", "bf16", "bf16-compile", "bf16-zero1"])
-def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
-    """From iteration 2 on, ``torch.cuda.set_sync_debug_mode("error")`` is on for the whole loop except
-    the one read of the logged records (``read_records``): any other host-device sync raises."""
+def steady_state_records(monkeypatch, tmp_path, extra: list[str]) -> list[dict]:
+    """8 iterations of TINY + ``extra`` in this process with ``torch.cuda.set_sync_debug_mode("error")`` on
+    from iteration 2 for the whole loop except the one read of the logged records (``read_records``) and
+    the checkpoint manager's ``finish``: any other host-device sync raises. The records."""
     import ptdp.train.loop as training
 
     original_step, original_read = training.train_step, training.read_records
@@ -193,9 +192,17 @@ def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
     monkeypatch.setattr(training, "read_records", read_records)
     monkeypatch.setattr(training.CheckpointManager, "finish", finish)
     try:
-        records = training.train(validated_config([*TINY, *extra, "--train-iters", "8", "--log-interval", "4",
-                                          "--save", str(Path(tmp_path) / "ckpt"), "--save-interval", "100"]))
+        return training.train(validated_config([*TINY, *extra, "--train-iters", "8", "--log-interval", "4",
+                                                "--save", str(Path(tmp_path) / "ckpt"), "--save-interval", "100"]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--bf16", "--compile"], ["--bf16", "--use-distributed-optimizer"]],
+                         ids=["fp32", "bf16", "bf16-compile", "bf16-zero1"])
+def test_steady_state_never_waits_for_the_gpu(monkeypatch, tmp_path, extra):
+    """From iteration 2 on, ``torch.cuda.set_sync_debug_mode("error")`` is on for the whole loop except
+    the one read of the logged records (``read_records``): any other host-device sync raises."""
+    records = steady_state_records(monkeypatch, tmp_path, extra)
     assert len(records) == 8 and all(r["loss"] == r["loss"] for r in records)
     assert records[-1]["mfu"] is None or 0 < records[-1]["mfu"] < 1

@@ -17,8 +17,11 @@ from helpers import spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
-from ptdp.optim import DistributedOptimizer, FP32Optimizer, GradBuckets
+from ptdp.optim import DistributedOptimizer, FP32Optimizer
 from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 
 BUCKET_BYTES = 16 * 1024  # several buckets; each pads to a multiple of d
 
@@ -28,12 +31,13 @@ def model(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(nn.Linear(48, 64), nn.LayerNorm(64), nn.Linear(64, 96), nn.Linear(96, 40)).to(dtype)
 
 
-def held_after_one_step(dtype: torch.dtype, distributed: bool) -> tuple[dict[str, int], int, GradBuckets]:
+def held_after_one_step(dtype: torch.dtype, distributed: bool) -> tuple[dict[str, int], int, GradReducer]:
     net = model(dtype)
     params = list(net.parameters())
     main_params = distributed or dtype != torch.float32
-    grads = GradBuckets(params, dist.group.WORLD, BUCKET_BYTES, grad_dtype=torch.float32,
-                        distributed_optimizer=distributed, param_buffer=main_params)
+    grads = build_reducer("optim" if distributed else "no_shard", params,
+                          BucketLayout(BUCKET_BYTES, torch.float32, param_buffer=main_params),
+                          DataParallelGroup(dist.group.WORLD))
     cfg = OptimizerConfig(lr=1e-3)
     opt = (DistributedOptimizer(grads, cfg, 0, [dist.group.WORLD], None) if main_params
            else FP32Optimizer(params, cfg, 0, [dist.group.WORLD]))
@@ -54,14 +58,15 @@ def _check(rank: int, world: int) -> None:
             # and Adam's scalar ``step`` per tensor it steps (4 bytes each)
             slack = len(grads.buckets) * (world - 1) * 24 + 4 * 2 * sum(len(b.params) for b in grads.buckets)
             assert 0 <= held["total"] - formula <= slack, (dtype, distributed, world, held, formula)
-            assert held["comm"] == 0
             owned = (8 + (4 if dtype != torch.float32 else 0)) * n / (world if distributed else 1)
             assert abs(held["optimizer"] - owned) <= slack, (dtype, distributed, held, owned)
     # The counter sees a duplicate: a full-size fp32 copy beside the buffers costs its bytes.
     held, n, grads = held_after_one_step(torch.float32, True)
-    grads.buckets[0].shard_out = torch.empty_like(grads.buckets[0].grad_data)
-    again = model_state_bytes([p for b in grads.buckets for p in b.params], grads, None)
-    assert again["comm"] == grads.buckets[0].grad_data.numel() * 4
+    params = [p for b in grads.buckets for p in b.params]
+    before = model_state_bytes(params, grads, None)
+    grads.buckets[0].grad_shard = torch.empty_like(grads.buckets[0].grad_data)
+    again = model_state_bytes(params, grads, None)
+    assert again["grads"] - before["grads"] == grads.buckets[0].grad_data.numel() * 4
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from helpers import LAYOUT_2222, assert_equivalent, pooled_spawn, run_layouts
 from torch import nn
 
-from ptdp.optim import GradBuckets
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 
 RTOL = 1e-4
 
@@ -23,12 +24,12 @@ def deep_model(dtype: torch.dtype) -> nn.Module:
 def _check_launch_points(rank: int, world: int, dtype: torch.dtype, distributed_optimizer: bool) -> None:
     model = deep_model(dtype)
     plain_model = copy.deepcopy(model)
-    kwargs = dict(grad_dtype=torch.float32, distributed_optimizer=distributed_optimizer, param_buffer=True)
+    strategy = "optim" if distributed_optimizer else "no_shard"
     # one bucket per layer (weight + bias: 72 elements), the last layer's first (Megatron's reverse order)
-    layer_bytes = 72 * model[0].weight.element_size()
-    overlapped = GradBuckets(list(model.parameters()), dist.group.WORLD, layer_bytes, overlap_grad_reduce=True,
-                             **kwargs)
-    plain = GradBuckets(list(plain_model.parameters()), dist.group.WORLD, layer_bytes, **kwargs)
+    layout = BucketLayout(72 * model[0].weight.element_size(), torch.float32, param_buffer=True)
+    world = DataParallelGroup(dist.group.WORLD)
+    overlapped = build_reducer(strategy, list(model.parameters()), layout, world, overlap=True)
+    plain = build_reducer(strategy, list(plain_model.parameters()), layout, world)
     assert len(overlapped.buckets) == 4
     seen: list[list[bool]] = []  # launch state when the first layer's weight (the last grad) arrives
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(overlapped.launched()))

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import assert_equivalent, run_layouts
+from test_nccl_model import microbatch_counts
 
 from ptdp.config import Config, ModelConfig, validate
 from ptdp.models import GPTModel
@@ -15,8 +16,11 @@ from ptdp.parallel import recompute
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.placement import Placements
-from ptdp.parallel.recompute import recompute_plan
+from ptdp.parallel.recompute import recompute_environment_errors, recompute_plan
 from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
+from ptdp.schedule.registry import SCHEDULES, schedule_placement
+from ptdp.simulate.nccl.model import check_all_send_models
+from ptdp.simulate.nccl.recompute import record_partitioned_trace
 
 RTOL = 1e-4
 DROPOUT_CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -79,10 +83,11 @@ def test_without_tracker_replay_masks_would_differ(monkeypatch, reference_grads)
     assert not torch.allclose(got[name], reference_grads[name], rtol=1e-3, atol=1e-6)
 
 
-def _errors(**model_flags) -> list[str]:
+def _errors(world: int = 1, parallel: dict | None = None, **model_flags) -> list[str]:
     config = Config()
     config.model = dataclasses.replace(config.model, **model_flags)
-    return validate(config, 1)
+    config.parallel = dataclasses.replace(config.parallel, **(parallel or {}))
+    return validate(config, world)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -92,10 +97,55 @@ def _errors(**model_flags) -> list[str]:
     ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 5},
      "--recompute-num-layers 5 must be between 0 and the 4 layers"),
     ({"recompute_granularity": "full", "recompute_num_layers": 0}, "--recompute-num-layers must be >= 1"),
+    ({"recompute_granularity": "selective", "distribute_saved_activations": True},
+     "--distribute-saved-activations applies only to --recompute-granularity full"),
+    ({"checkpoint_in_cpu": True}, "--checkpoint-in-cpu applies only to --recompute-granularity full"),
+    ({"recompute_granularity": "full", "distribute_saved_activations": True},
+     "--distribute-saved-activations needs --tensor-model-parallel-size > 1"),
 ])
 def test_bad_recompute_flags_give_one_line(flags, message):
     errors = _errors(**flags)
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_distributed_saved_activations_refuse_sequence_parallelism():
+    errors = _errors(2, {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+                     recompute_granularity="full", distribute_saved_activations=True)
+    assert len(errors) == 1 and "cannot be used with --sequence-parallel" in errors[0], errors
+    assert not _errors(2, {"tensor_model_parallel_size": 2}, recompute_granularity="full",
+                       distribute_saved_activations=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_checkpoint_in_cpu_is_refused_on_the_cpu_in_one_line():
+    config = Config()
+    config.model = dataclasses.replace(config.model, recompute_granularity="full", checkpoint_in_cpu=True)
+    assert not validate(config, 1)  # a valid configuration, which this machine cannot run
+    errors = recompute_environment_errors(config)
+    assert len(errors) == 1 and errors[0].startswith("--checkpoint-in-cpu needs a CUDA GPU"), errors
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_recompute_gathers_are_deadlock_free_under_nccl(name):
+    """The all-gather each recomputed unit's backward makes over the tensor-parallel group, in every schedule
+    (p = 2, 3; microbatch counts around the warm-up boundary; training and forward-only)."""
+    for p in (2, 3):
+        for v in (1, 2) if name == "interleaved" else (2,) if schedule_placement(name) == "v" else (1,):
+            for m in microbatch_counts(name, p)[:4]:
+                for forward_only in (False, True):
+                    trace = record_partitioned_trace(name, p, v, m, t=2, units=2, forward_only=forward_only)
+                    for model, found in check_all_send_models(trace).items():
+                        assert not found, (name, p, v, m, forward_only, model, found[:2])
+    trace = record_partitioned_trace(name, 2, 2 if name == "interleaved" or schedule_placement(name) == "v" else 1,
+                                     4, t=2)
+    gathers = [e for e in trace["ranks"][0] if e.get("comm") == "tp"]
+    assert gathers and all(op["op"] == "coll" for e in gathers for op in e["issue"])
+
+
+def test_a_tensor_parallel_group_across_stages_deadlocks():
+    """The control: gathering with a rank of another stage (a group ParallelState never builds) hangs."""
+    trace = record_partitioned_trace("1f1b", 2, 1, 4, t=2, tp_groups=[[0, 3], [1, 2]])
+    assert all(any("deadlock" in line for line in found) for found in check_all_send_models(trace).values())
 
 
 DROPOUT_ON = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -107,8 +157,14 @@ RECOMPUTE = {
 # Full recomputation at (2, 2, 2, 2) runs in tests/test_sequence_parallel.py (with sequence parallelism).
 SELECTIVE_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                   "--virtual-pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"]
+# ZeRO-R's partitioned activation checkpointing at t = 2 on 2 processes: against full recomputation at t = 2
+# with dropout on (the same masks), and against one process with dropout off (TINY: the session reference).
+T2_FULL = ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full"]
+DISTRIBUTE = [*T2_FULL, "--distribute-saved-activations"]
 PLAN = {"dropout": (1, DROPOUT_ON), **{f"dropout-{k}": (1, [*DROPOUT_ON, *v]) for k, v in RECOMPUTE.items()},
-        "selective-2222": (8, SELECTIVE_2222)}
+        "selective-2222": (8, SELECTIVE_2222), "t2-full-dropout": (2, [*DROPOUT_ON, *T2_FULL]),
+        "t2-distributed-dropout": (2, [*DROPOUT_ON, *DISTRIBUTE]), "t2-distributed": (2, DISTRIBUTE),
+        "t2-distributed-block": (2, [*DISTRIBUTE, "--recompute-method", "block", "--recompute-num-layers", "3"])}
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +182,20 @@ def test_single_process_with_dropout_matches_and_keeps_less(runs, name):
 
 def test_selective_in_interleaved_2222_matches_single_process(runs, reference):
     assert_equivalent(runs["selective-2222"], reference, RTOL)
+
+
+def test_distributed_saved_activations_match_one_process(runs, reference):
+    """Loss and gradient norm per iteration, final weights: one process's (TINY, dropout off)."""
+    assert_equivalent(runs["t2-distributed"], reference, RTOL)
+    assert_equivalent(runs["t2-distributed-block"], reference, RTOL)
+
+
+def test_distributed_saved_activations_keep_one_tth_of_each_layer_input(runs):
+    """With dropout on (the recompute must replay the masks of t = 2 full recomputation) the same training,
+    and the kept layer inputs are 1/t: exactly (1 - 1/t) of 4 units' s·b·h fp32 inputs less saved, one
+    microbatch in flight (p = 1)."""
+    got, want = runs["t2-distributed-dropout"], runs["t2-full-dropout"]
+    assert_equivalent(got, want, 1e-6)
+    s, b, h, units, t = 16, 2, 32, 4, 2
+    saved = [r["peak_activation_bytes"] for r in (want.records[0], got.records[0])]
+    assert saved[0] - saved[1] == units * s * b * h * 4 * (t - 1) // t, saved

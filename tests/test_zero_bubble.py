@@ -39,7 +39,7 @@ def grads_of(stack: nn.Sequential, x: torch.Tensor, split: bool) -> tuple[torch.
         p.grad = None
     hooks = {name: 0 for name, _ in stack.named_parameters()}
 
-    def count(param: torch.Tensor, name: str) -> None:  # what GradBuckets counts for --overlap-grad-reduce
+    def count(param: torch.Tensor, name: str) -> None:  # what the reducer counts for --overlap-grad-reduce
         if not grad_deferred(param):
             hooks[name] += 1
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 
 LAYERS, WIDTH, MICRO = 6, 8, 2
 
@@ -29,7 +30,7 @@ def _worker(rank: int, init: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     torch.set_num_threads(1)
     model = _model()
-    grads = GradBuckets(model.parameters(), dist.group.WORLD, 1, distributed_optimizer=True, shard_grads=True)
+    grads = build_reducer("optim_grads", model.parameters(), BucketLayout(1), DataParallelGroup(dist.group.WORLD))
     assert len(grads.buckets) == 2 * LAYERS and all(b.transient for b in grads.buckets)
     held: list[int] = []
 

@@ -19,8 +19,8 @@ from helpers import pooled_spawn
 
 from ptdp.config import ModelConfig
 from ptdp.models import GPTModel
-from ptdp.optim import GradBuckets
-from ptdp.parallel.data.zero import shard_parameters
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
 from ptdp.parallel.data.zero_layers import LayerParamSync
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
@@ -40,9 +40,8 @@ def _step(rank: int, flags: dict, prefetch: bool) -> tuple[list, int, bool, list
     placements = Placements()
     model = parallelize(GPTModel(dataclasses.replace(CFG, **flags), 50, 64), placements)
     init_parameters(model, seed=7, std=0.02, num_layers=CFG.num_layers, placements=placements)
-    grads = GradBuckets(list(model.parameters()), dist.group.WORLD, 16000, distributed_optimizer=True,
-                        param_buffer=True, shard_grads=True)  # 4k-parameter buckets: they straddle layers
-    shard_parameters(grads)
+    layout = BucketLayout(16000, param_buffer=True, placements=placements)  # 4k-parameter buckets: they straddle layers
+    grads = build_reducer("optim_grads_params", list(model.parameters()), layout, DataParallelGroup(dist.group.WORLD))
     layers = list(model.layers.values())
     sync = LayerParamSync(grads, layers, prefetch=prefetch)
     index = {id(b): k for k, b in enumerate(grads.buckets)}

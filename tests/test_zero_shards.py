@@ -10,8 +10,10 @@ from helpers import spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
-from ptdp.optim import DistributedOptimizer, GradBuckets
-from ptdp.parallel.data.zero import ChunkParamSync, full_parameters, shard_parameters
+from ptdp.optim import DistributedOptimizer
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.strategy import DataParallelGroup, GatherPlan, build_reducer
+from ptdp.parallel.data.zero import full_parameters
 
 
 def _check(rank: int, world: int) -> None:
@@ -19,12 +21,11 @@ def _check(rank: int, world: int) -> None:
     model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     params = list(model.parameters())
-    grads = GradBuckets(params, dist.group.WORLD, 40, distributed_optimizer=True, param_buffer=True,
-                        shard_grads=True)
-    shard_parameters(grads)
+    grads = build_reducer("optim_grads_params", params, BucketLayout(40, param_buffer=True),
+                          DataParallelGroup(dist.group.WORLD), gather=GatherPlan())
     opt = DistributedOptimizer(grads, OptimizerConfig(lr=1e-2), 0, [dist.group.WORLD], None)
     assert all(p.untyped_storage().nbytes() == 0 for p in params)  # only the shards are held
-    sync = ChunkParamSync(grads, reshard_after_forward=False)
+    sync = grads.param_sync  # a ChunkParamSync, built with the reducer
     grads.start_iteration(1)
     sync.wait(0)
     model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).square().mean().backward()

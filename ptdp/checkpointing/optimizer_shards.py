@@ -20,6 +20,7 @@ from torch import nn
 
 from ptdp.checkpointing.sharded import add_boxes, piece_boxes
 from ptdp.optim.optimizer import DistributedOptimizer
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.placement import Placements
 
 
@@ -28,9 +29,9 @@ def owns_pieces(optimizer) -> bool:
     return isinstance(optimizer, DistributedOptimizer)
 
 
-def model_is_sharded(grads) -> bool:
+def model_is_sharded(grads: GradReducer) -> bool:
     """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
-    return getattr(grads, "param_sync", None) is not None
+    return any(b.param_shard is not None for b in grads.buckets)
 
 
 def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:

@@ -33,12 +33,23 @@ def _train_parser(sub) -> None:
                         "last_call_timeout=5,join_timeout=600,keep_alive_interval=5")
     launch.add_argument("--monitor-interval", type=float, default=None,
                         help="seconds between the agent's checks of its workers (torchrun's flag)")
+    launch.add_argument("--cpu-mmap-threshold", type=_bytes, default=1 << 20, metavar="BYTES",
+                        help="CPU workers: glibc's malloc serves allocations of at least BYTES by mmap and returns "
+                        "them when freed, so the resident set follows what training holds (BENCHMARKS.md, CPU "
+                        "allocator); 0 keeps glibc's dynamic threshold. Ignored on GPUs and if "
+                        "MALLOC_MMAP_THRESHOLD_ is set")
     p.set_defaults(run=run_train)
+
+
+def _bytes(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number of bytes >= 0, got {text!r}")
+    return int(text)
 
 
 # The launcher's flags, which the workers do not get (each takes a value).
 _LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf",
-                   "--monitor-interval")
+                   "--monitor-interval", "--cpu-mmap-threshold")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -100,7 +111,7 @@ def run_train(args: argparse.Namespace) -> int:
                           "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
         restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
-        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous)
+        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, args.cpu_mmap_threshold)
 
     from ptdp.data import DataError
     from ptdp.runtime import interrupt
@@ -134,12 +145,15 @@ def run_train(args: argparse.Namespace) -> int:
 
 def start_problems(config: Config, world_size: int) -> list[str]:
     """Every reason the derived ``config`` cannot start here, one line each (none: it can): the start-up
-    checks of the runtime (``ptdp.runtime.startup``), then of the features that own them (FP8, the checkpoint)."""
+    checks of the features that own them (FP8, ZeRO-R's CPU checkpointing), of the runtime (``ptdp.runtime.startup``),
+    then of the checkpoint."""
     from ptdp.checkpointing.validation import checkpoint_errors
     from ptdp.parallel.fp8 import fp8_environment_errors
+    from ptdp.parallel.recompute import recompute_environment_errors
     from ptdp.runtime.startup import startup_problems
 
-    return [*fp8_environment_errors(config), *startup_problems(config), *checkpoint_errors(config, world_size)]
+    return [*fp8_environment_errors(config), *recompute_environment_errors(config), *startup_problems(config),
+            *checkpoint_errors(config, world_size)]
 
 
 def _worker_argv(argv: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """Checks of feature flags that are properties of the configuration alone (pure, part of ``validate``):
-the recompute and FP8 flags. They live here rather than beside the features (``ptdp.parallel.recompute``,
+the recompute (with ZeRO-R's kept-input flags) and FP8 flags. They live here rather than beside the features (``ptdp.parallel.recompute``,
 ``ptdp.parallel.fp8``), which sit above ``ptdp.config`` and import torch: ``config`` imports nothing above it, so
 the package has no import cycle. What the machine must provide is a start-up check (``ptdp.cli.main.start_problems``).
 """
@@ -35,6 +35,24 @@ def recompute_errors(granularity: str | None, method: str | None, recompute_num_
                       "model chunk with --recompute-method block")
     elif n is not None and method != "block" and n < 1:
         errors.append(f"--recompute-num-layers must be >= 1 with --recompute-method uniform, got {n}")
+    return errors
+
+
+def saved_activation_errors(config: Config) -> list[str]:
+    """ZeRO-R's flags for the kept layer inputs of full recomputation (``ptdp.parallel.recompute``)."""
+    m, tp = config.model, config.parallel.tensor_model_parallel_size
+    errors = [f"{flag} applies only to --recompute-granularity full; add it or drop {flag}"
+              for flag, on in (("--distribute-saved-activations", m.distribute_saved_activations),
+                               ("--checkpoint-in-cpu", m.checkpoint_in_cpu))
+              if on and m.recompute_granularity != "full"]
+    if errors or not m.distribute_saved_activations:
+        return errors
+    if tp == 1:
+        errors.append("--distribute-saved-activations needs --tensor-model-parallel-size > 1 (it splits each "
+                      "checkpointed layer input over the tensor-parallel ranks)")
+    elif config.parallel.sequence_parallel:
+        errors.append("--distribute-saved-activations cannot be used with --sequence-parallel: the layer inputs "
+                      "are split 1/t over the tensor-parallel ranks already")
     return errors
 
 

@@ -88,6 +88,13 @@ class ModelConfig:
         "--recompute-num-layers layers of each chunk); default uniform", choices=["uniform", "block"])
     recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers "
                                            "per chunk (block); default 1")
+    distribute_saved_activations: bool = opt(
+        False, "with --recompute-granularity full: keep each checkpointed layer input as 1/t across the "
+        "tensor-parallel ranks, all-gathered for the recompute (ZeRO-R's partitioned activation checkpointing; "
+        "needs t > 1, not with --sequence-parallel)")
+    checkpoint_in_cpu: bool = opt(
+        False, "with --recompute-granularity full on a GPU: keep the checkpointed layer inputs (or their 1/t "
+        "slices) in pinned host memory until the recompute (ZeRO-R's CPU checkpointing; Megatron-DeepSpeed's flag)")
     compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
                         "bias-dropout-add); eager if it fails")
     # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLA flags and defaults; ptdp/models/mla.py)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ptdp.config.features import fp8_errors, recompute_errors
+from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
 from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
@@ -84,6 +84,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors += schedule_problems(par.pipeline_schedule, p, v, microbatches)
         errors += recompute_errors(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                                    max((len(s.layers) for s in stages), default=m.num_layers // (p * v)))
+    errors += saved_activation_errors(config)
     errors += _optimizer_errors(config)
     if d is not None:
         errors += _sharding_errors(config, d)

@@ -223,7 +223,8 @@ class LocalDispatcher:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=e + 1)
         kept = counts[:e]
-        n = t * self.topk - int(counts[e])  # host sync: the number of rows must be known
+        # the number of rows kept: all of them without a capacity (no host sync), else a host read of the drops
+        n = t * self.topk if self.capacity_factor is None else t * self.topk - int(counts[e])
         order = order[:n]
         tokens = order // self.topk
         weights = probs.flatten()[order]

@@ -1,6 +1,6 @@
 """Gradients and the optimizer step (``from ptdp.optim import ...``).
 
-``grad_buffer``: flat per-bucket gradient buffers, DP reduction (overlapped with the backward if asked);
+(The gradient buffers and their data-parallel reducers live in ``ptdp.parallel.data``.)
 ``optimizer``: fp32 / mixed-precision / distributed (ZeRO-1) AdamW; ``grad_scaler``: fp16 loss scaling;
 ``clip_grads``: the global norm; ``lr_schedule``: Megatron's learning rate; ``setup``: building it all
 from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, counted and by formula.
@@ -12,10 +12,9 @@ from ptdp.optim.lr_schedule import learning_rate
 from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer, build_optimizer
 from ptdp.optim.setup import setup_optimizer
-from ptdp.parallel.data.buffer import Bucket, GradBuckets
 
 __all__ = [
-    "Bucket", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer", "GradBuckets",
+    "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "FP32Optimizer",
     "MegatronOptimizer", "build_optimizer", "clip_grads",
     "global_grad_norm", "global_grad_norm_tensor", "learning_rate", "model_state_bytes", "model_state_formula_bytes",
     "setup_optimizer",

@@ -1,8 +1,8 @@
 """Model-state memory per rank: counted from the tensors actually held, and the formula it must equal.
 
 ``model_state_bytes`` walks what a rank keeps between iterations -- the model's parameters, their
-gradients (``.grad``, the flat ``main_grad`` buffers), the optimizer's main parameters and Adam state,
-and any communication buffer a bucket holds -- and adds the size of every *distinct* storage once. A view
+gradients (``.grad``, the flat ``main_grad`` buffers and their shards), the optimizer's main parameters
+and Adam state -- and adds the size of every *distinct* storage once. A view
 costs nothing beyond the buffer it points into (fp32 ZeRO-1's main parameters are views of the flat
 parameter buffer), and a full-size tensor kept beside a shard shows up as the bytes it costs. That is
 what makes it a check rather than a restatement of :func:`model_state_formula_bytes`, which is the
@@ -20,13 +20,20 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-CATEGORIES = ("params", "grads", "optimizer", "comm")
+from ptdp.optim.optimizer import MegatronOptimizer
+from ptdp.parallel.data.protocol import GradReducer
+
+CATEGORIES = ("params", "grads", "optimizer")
+
+
+def _torch_optimizer(optimizer: MegatronOptimizer | torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    return optimizer.optimizer if isinstance(optimizer, MegatronOptimizer) else optimizer
 
 
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
     """Main parameters, their ``.grad`` and every state tensor of the torch optimizer inside ``optimizer``
     (a :class:`~ptdp.optim.MegatronOptimizer`, or a plain ``torch.optim.Optimizer``)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     for group in inner.param_groups:
         for p in group["params"]:
             yield p
@@ -36,35 +43,26 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _held(params: Iterable[nn.Parameter], grads, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+def _held(params: Iterable[nn.Parameter], grads: GradReducer | None, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     params = list(params)
     for p in params:
         yield "params", p
     for p in params:
-        for grad in (p.grad, getattr(p, "main_grad", None)):
-            if grad is not None:
-                yield "grads", grad
-    for bucket in getattr(grads, "buckets", ()):
-        if bucket.param_data is not None:
-            yield "params", bucket.param_data
-        yield "grads", bucket.grad_data
-        if getattr(bucket, "param_shard", None) is not None:  # ZeRO-3's persistent parameter shard
-            yield "params", bucket.param_shard
-        if getattr(bucket, "grad_shard", None) is not None:  # ZeRO-2/3's persistent gradient shard
-            yield "grads", bucket.grad_shard
-        if bucket.shard_out is not None:
-            yield "comm", bucket.shard_out
+        if p.grad is not None:
+            yield "grads", p.grad
+    for bucket in grads.buckets if grads is not None else ():  # main_grad: views of these
+        yield from bucket.tensors()
     if optimizer is not None:
         for t in _optimizer_tensors(optimizer):
             yield "optimizer", t
 
 
-def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
+def model_state_bytes(params: Iterable[nn.Parameter], grads: GradReducer | None = None,
+                      optimizer=None) -> dict[str, int]:
     """Bytes of the distinct storages this rank holds for its model states, by category, and ``total``.
 
-    ``grads`` is the rank's :class:`~ptdp.optim.GradBuckets` (or None), ``optimizer`` its optimizer (or
-    None). A storage is counted once, under the first category that reaches it (params, grads, optimizer,
-    comm), at its whole size: a view into a buffer costs nothing more, a copy costs its bytes.
+    ``grads`` is the rank's gradient reducer (or None), ``optimizer`` its optimizer (or None). A storage is
+    counted once, under the first category that reaches it (params, grads, optimizer), at its whole size: a view into a buffer costs nothing more, a copy costs its bytes.
     """
     seen: set[tuple[str, int]] = set()
     out = dict.fromkeys(CATEGORIES, 0)
@@ -79,20 +77,20 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads=None, optimizer=None
     return out
 
 
-def model_states_at_start(params: Iterable[nn.Parameter], grads=None, optimizer=None) -> dict[str, int]:
+def model_states_at_start(params: Iterable[nn.Parameter], grads: GradReducer | None = None,
+                          optimizer=None) -> dict[str, int]:
     """:func:`model_state_bytes` before the first step, plus the Adam moments AdamW will allocate at it
     (two tensors like each of its parameters that has no state yet) and, under ZeRO-2/3, the gradient
     shards in place of the full buffers (which only the step holds): what the rank will hold in steady
     state, known at start-up (the start-up summary line states it)."""
     out = model_state_bytes(params, grads, optimizer)
-    if getattr(grads, "shard_grads", False):  # ZeRO-2/3 keep a gradient shard; the full buffer is the step's
-        for b in grads.buckets:
-            full = b.grad_data.untyped_storage().nbytes()
-            if getattr(b, "grad_shard", None) is None and full:
-                shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
-                out["grads"] += shard - full
-                out["total"] += shard - full
-    inner = getattr(optimizer, "optimizer", optimizer)
+    for b in grads.buckets if grads is not None else ():  # ZeRO-2/3 keep a gradient shard; the full buffer
+        full = b.grad_data.untyped_storage().nbytes()     # is the step's
+        if b.shard_grads and b.grad_shard is None and full:
+            shard = (b.shard_end - b.shard_start) * b.grad_data.element_size()
+            out["grads"] += shard - full
+            out["total"] += shard - full
+    inner = _torch_optimizer(optimizer)
     if inner is not None:
         pending = sum(2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
                       if not inner.state.get(p))

@@ -27,7 +27,8 @@ from ptdp.config import OptimizerConfig
 from ptdp.optim.clip_grads import clip_grads, global_grad_norm_tensor
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.parallel.collectives import all_gather_single
-from ptdp.parallel.data.buffer import Bucket, GradBuckets
+from ptdp.parallel.data.buffer import Bucket
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.placement import Placements
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -229,10 +230,10 @@ class DistributedOptimizer(MegatronOptimizer):
     :meth:`load_state_per_param` (collectives over DP when sharded), so checkpoints do not depend on d.
     """
 
-    def __init__(self, grads: GradBuckets, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+    def __init__(self, grads: GradReducer, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
                  scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements | None = None):
         if any(b.param_data is None for b in grads.buckets):
-            raise ValueError("DistributedOptimizer needs GradBuckets(..., param_buffer=True)")
+            raise ValueError("DistributedOptimizer needs a parameter buffer (BucketLayout(param_buffer=True))")
         self.grads = grads
         self.pieces: list[ShardPiece] = []
         for bucket in grads.buckets:
@@ -313,11 +314,10 @@ class DistributedOptimizer(MegatronOptimizer):
                     for k in ADAM_KEYS:
                         if state:
                             full[k][x.start:x.end] = state[k]
-            # An expert bucket is sharded over its own group (ptdp.parallel.expert.grads).
-            group = getattr(bucket, "group", self.grads.dp_group)
-            if getattr(bucket, "shard_count", self.grads.shard_count) > 1:
+            if bucket.shards > 1:  # over its own group (a MoE model's expert buckets: expert-data-parallel)
+                group = self.grads.group_of(bucket)
                 handles = [all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
-                                                  group=group, async_op=True) for t in full.values()]
+                                             group=group, async_op=True) for t in full.values()]
                 for handle in handles:
                     handle.wait()
             for param, offset in zip(bucket.params, bucket.offsets, strict=True):

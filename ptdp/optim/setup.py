@@ -1,6 +1,8 @@
-"""Build the gradient buffers and the optimizer that ``--bf16/--fp16``, ``--use-distributed-optimizer``,
+"""Build the gradient reducer(s) and the optimizer that ``--bf16/--fp16``, ``--use-distributed-optimizer``,
 ``--data-parallel-sharding-strategy`` (ZeRO 1-3), ``--num-distributed-optimizer-instances`` and
-``--overlap-grad-reduce`` ask for."""
+``--overlap-grad-reduce`` ask for: one (parameters, group) pair -- two for a MoE model, whose experts
+reduce over their own group (``ptdp.parallel.expert.grads``) -- each reduced by the strategy's reducer
+(``ptdp.parallel.data.strategy``), and the optimizer over them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from torch import nn
 from ptdp.config import Config, MixedPrecisionConfig
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
-from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.data.buffer import BucketLayout
+from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.data.reducer import Composite
+from ptdp.parallel.data.strategy import DataParallelGroup, GatherPlan, build_reducer
 from ptdp.parallel.init import params_dtype
 from ptdp.parallel.parallelize import ParallelModel
 
@@ -31,71 +36,60 @@ def grad_scaler(mp: MixedPrecisionConfig) -> ConstantGradScaler | DynamicGradSca
 
 
 def setup_optimizer(model: ParallelModel, config: Config, state, shared_embedding: list[nn.Parameter] = ()
-                    ) -> tuple[GradBuckets, MegatronOptimizer]:
-    """Gradient buffers and optimizer for this rank's ``model`` (its parameters already in
+                    ) -> tuple[GradReducer, MegatronOptimizer]:
+    """Gradient reducer and optimizer for this rank's ``model`` (its parameters already in
     :func:`params_dtype`; those ``model.deferred`` holds are drawn into the buffers here).
 
     ``state`` is the rank's ``ParallelState``; ``shared_embedding`` the copies of the tied embedding on
-    the first and last stage (their own bucket, so that both stages shard them alike). ZeRO-3 gathers each
-    chunk's buckets: no bucket spans two chunks. Under ZeRO-3 the returned ``GradBuckets`` carries
-    ``param_sync``, the per-chunk gatherer the executor drives. The buffers and the optimizers read the
-    parameters' placements (``model.placements``: bucketing, weight decay, the gradient norm).
+    the first and last stage (their own bucket, so that both stages shard them alike). No bucket spans two
+    of the model's chunks: ZeRO-3 gathers each chunk's buckets, with the reducer's ``param_sync``, whose
+    handlers the executor runs. The buffers and the optimizers read the parameters' placements
+    (``model.placements``: bucketing, weight decay, the gradient norm).
     """
     params, chunks, placements = model.params, model.chunks, model.placements
     tr, opt = config.training, config.optimizer
-    strategy = opt.sharding
-    distributed = strategy != "no_shard"
+    distributed = opt.sharding != "no_shard"
     main_params = distributed or params_dtype(config) != torch.float32
-    # Over Megatron's dp-cp group: parameters are replicated over CP too (ptdp/parallel/dims.py); it is the
-    # plain DP group when c = 1. Hybrid sharding splits it into K instances (ptdp/parallel/data/hybrid.py).
-    dp_group, replica_group = state.dp_cp_group, None
-    if distributed and opt.num_distributed_optimizer_instances > 1:
-        from ptdp.parallel.data.hybrid import instance_groups
+    layout = BucketLayout(int(tr.grad_bucket_size_mb * 2**20), grad_dtype(config), main_params,
+                          {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()},
+                          frozenset(id(p) for p in shared_embedding), placements, model.deferred)
+    instances = opt.num_distributed_optimizer_instances if distributed else 1
+    dense = data_parallel_group(state, instances)
+    # ZeRO-3 with one chunk and no pipeline, resharding after the forward: gathered per layer (zero_layers).
+    per_layer = opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1
+    gather = GatherPlan(opt.reshard_after_forward, tuple(chunks[0].layers.values()) if per_layer else ())
+    if state.expert is not None:  # issue 25: expert grads over the expert-DP group
+        from ptdp.parallel.expert.grads import expert_data_parallel
 
-        dp_group, replica_group = instance_groups(state, opt.num_distributed_optimizer_instances)
-    chunk_of = {id(p): i for i, chunk in enumerate(chunks) for p in chunk.parameters()}
-    shard_grads = strategy in ("optim_grads", "optim_grads_params")
-
-    def make(ps, group, average_over=None, separate=(), replica_group=replica_group):
-        return GradBuckets(ps, group, int(tr.grad_bucket_size_mb * 2**20), grad_dtype=grad_dtype(config),
-                           distributed_optimizer=distributed, param_buffer=main_params,
-                           overlap_grad_reduce=tr.overlap_grad_reduce, separate=separate, average_over=average_over,
-                           shard_grads=shard_grads, chunk_of=chunk_of, replica_group=replica_group,
-                           shard_params=strategy == "optim_grads_params" and state.expert is None,
-                           placements=placements, deferred=model.deferred)
-
-    experts = state.expert is not None  # issue 25: expert grads over the expert-DP group
-    if experts:
-        from ptdp.parallel.expert.grads import expert_grad_buckets
-
-        grads, norm_groups = expert_grad_buckets(params, state, make, list(shared_embedding), distributed,
-                                                 placements, (dp_group, replica_group),
-                                                 opt.num_distributed_optimizer_instances)
+        parts, norm_groups = expert_data_parallel(params, state, placements, dense, distributed, instances)
+        grads = Composite([build_reducer(opt.sharding, ps, layout, dp, overlap=tr.overlap_grad_reduce)
+                           for ps, dp in parts], gather)
     else:
-        grads = make(params, dp_group, separate=shared_embedding)
+        grads = build_reducer(opt.sharding, params, layout, dense, overlap=tr.overlap_grad_reduce, gather=gather)
+        norm_groups = dense_norm_groups(state, distributed, dense)
     model.deferred.materialize_rest()  # parameters no bucket took (ptdp.parallel.init.defer_init)
-    if strategy == "optim_grads_params":
-        from ptdp.parallel.data.zero import ChunkParamSync, shard_model
-
-        if shard_model(grads):
-            grads.param_sync = ChunkParamSync(grads, opt.reshard_after_forward)
-            if opt.reshard_after_forward and state.dims.pp == 1 and len(chunks) == 1:  # one chunk: per layer
-                from ptdp.parallel.data.zero_layers import LayerParamSync
-
-                grads.param_sync = LayerParamSync(grads, list(getattr(chunks[0], "layers", {}).values()))
-    if experts:
-        if not main_params:
-            return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements)
-        return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
-                                           grad_scaler(config.precision), placements)
     if not main_params:
-        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, [state.tp_group, state.pp_group],
-                                    placements)
-    # Sharded: every DP rank holds different elements, so the norm is summed over the whole world (over
-    # TP, PP and one instance's shards under hybrid sharding: the other instances hold the same shards).
-    sharded = distributed and state.dims.dp * state.dims.cp > 1
-    norm_groups = [dist.group.WORLD] if sharded else [state.tp_group, state.pp_group]
-    if sharded and replica_group is not None:
-        norm_groups = [state.tp_group, state.pp_group, dp_group]
+        return grads, FP32Optimizer(params, config.optimizer, state.tp_rank, norm_groups, placements)
     return grads, DistributedOptimizer(grads, config.optimizer, state.tp_rank, norm_groups,
                                        grad_scaler(config.precision), placements)
+
+
+def data_parallel_group(state, instances: int) -> DataParallelGroup:
+    """Megatron's dp-cp group (parameters are replicated over CP too: ptdp/parallel/dims.py; the plain DP
+    group when c = 1), or, for ``instances`` > 1, hybrid sharding's (ptdp/parallel/data/hybrid.py)."""
+    if instances == 1:
+        return DataParallelGroup(state.dp_cp_group)
+    from ptdp.parallel.data.hybrid import instance_groups
+
+    return DataParallelGroup(*instance_groups(state, instances))
+
+
+def dense_norm_groups(state, distributed: bool, dense: DataParallelGroup) -> list:
+    """The groups the squared norm is summed over: TP and PP while DP replicas hold equal grads; sharded,
+    every DP rank holds different elements, so the whole world (TP, PP and one instance's shards under
+    hybrid sharding: the other instances hold the same shards)."""
+    if not (distributed and state.dims.dp * state.dims.cp > 1):
+        return [state.tp_group, state.pp_group]
+    if dense.replicas is not None:
+        return [state.tp_group, state.pp_group, dense.group]
+    return [dist.group.WORLD]

@@ -35,7 +35,7 @@ from ptdp.models.moe import moe_layer_names
 from ptdp.observability import flight_recorder
 from ptdp.parallel import ParallelState
 from ptdp.parallel.collectives import group_size
-from ptdp.parallel.data.zero import ChunkParamSync
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
 from ptdp.parallel.mtp import MTPStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
@@ -101,14 +101,6 @@ class StageFactory(Protocol):
                  loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage: ...
 
 
-class GradBuffers(Protocol):
-    """What the assembly reads of the gradient buffers (``GradBuckets`` or a MoE model's composite)."""
-
-    param_sync: ChunkParamSync | None  # ZeRO-3's per-chunk gatherer (``ptdp.optim.setup``), else None
-
-    def finish_grad_sync(self) -> None: ...
-
-
 @dataclass
 class Assembly:
     """What one rank's training and evaluation steps run (module docstring)."""
@@ -132,10 +124,11 @@ class Assembly:
         return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
 
 
-def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradBuffers,
+def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], grads: GradReducer,
              num_microbatches: int, placements: Placements) -> Assembly:
     """The :class:`Assembly` of this rank's ``chunks`` and their ``placements`` (``build_model_chunks``) and
-    ``grads``."""
+    ``grads`` (the data-parallel reducer, ``ptdp.optim.setup``: its ZeRO-3 ``param_sync`` places and runs the
+    gather actions, its ``finish_grad_sync`` is the first gradient sync)."""
     par, p = config.parallel, state.dims.pp
     layout = StageLayout(state.pp_rank, p, len(chunks), state.placement,
                          labels_to_last=bool(config.model.mtp_num_layers))  # issue 41: MTP reads the labels

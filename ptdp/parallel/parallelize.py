@@ -72,7 +72,9 @@ def parallelize(model: GPTModel, placements: Placements, *, tp_group=None, seque
     m = model.cfg
     apply_tensor_parallel(model, tp_group, placements, sequence_parallel=sequence_parallel)
     apply_context_parallel(model, cp_group, cp_comm_type)
-    apply_recompute(model, m.recompute_granularity, m.recompute_method, m.recompute_num_layers)
+    apply_recompute(model, m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
+                    distribute_group=tp_group if m.distribute_saved_activations else None,
+                    offload=m.checkpoint_in_cpu)
     record_weight_decay(model, placements)
     return model
 

@@ -8,6 +8,16 @@ Megatron's two granularities (Korthikanti et al., 2022; ptdp-facts.md, §Memory)
 - ``selective``: only the attention core (QK^T, softmax, dropout, times V -- the SDPA call) is recomputed.
   It holds the ``5·a·s²·b`` term of a layer's activations but only a few percent of its FLOPs.
 
+ZeRO-R's activation memory work (Rajbhandari et al., 2020; ptdp-facts.md, §ZeRO) on top of ``full``, for
+the input each checkpointed unit keeps:
+
+- ``--distribute-saved-activations`` (Megatron; ZeRO-R's *P_a*): without sequence parallelism that input is
+  the same on every tensor-parallel rank, so each rank keeps only its 1/t slice and the recompute
+  all-gathers it over the tensor-parallel group first (one all-gather of ``s·b·h`` per unit per backward).
+- ``--checkpoint-in-cpu`` (Megatron-DeepSpeed; ZeRO-R's *P_a+cpu*, DeepSpeed's ``cpu_checkpointing``): the
+  kept input (or its 1/t slice) moves to pinned host memory on a side stream and comes back for the
+  recompute. A GPU feature: on the CPU the input already is in host memory (refused at start-up).
+
 A recomputed forward must draw the same dropout masks as the first one. ``torch.utils.checkpoint``
 replays the default generator; :func:`checkpoint` also replays the tensor-parallel RNG tracker's streams
 (``ptdp.parallel.tensor.random``), which attention dropout and sequence-parallel dropout draw from.
@@ -26,7 +36,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ptdp.parallel.collectives import all_gather_single, group_rank, group_size
 from ptdp.parallel.tensor import get_rng_tracker
+
+
+def recompute_environment_errors(config) -> list[str]:
+    """``--checkpoint-in-cpu`` needs a GPU to move activations off (a start-up check, ``ptdp.runtime.startup``)."""
+    if config.model.checkpoint_in_cpu and not torch.cuda.is_available():
+        return ["--checkpoint-in-cpu needs a CUDA GPU: it moves the checkpointed layer inputs from GPU to host "
+                "memory, and on the CPU they are in host memory already; drop the flag"]
+    return []
 
 
 def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
@@ -34,6 +53,80 @@ def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
     held = tuple(_HoldForRecompute.apply(a) if _is_activation(a) else a for a in args)
     return torch_checkpoint(function, *held, use_reentrant=False, preserve_rng_state=True,
                             context_fn=_replay_tracker_states)
+
+
+def checkpoint_kept_elsewhere(function: Callable[[Tensor], Tensor], x: Tensor, group=None,
+                              offload: bool = False) -> Tensor:
+    """``function(x)`` keeping only a 1/t slice of ``x`` over ``group`` and/or a host copy of it for backward.
+
+    Non-reentrant checkpoint saves its arguments and reruns ``function`` on them, so the argument it gets
+    is what is kept (the slice, or its host copy; the executor's saved-tensor accounting sees exactly that)
+    plus an empty tensor on ``x``'s device (so that the device's generator is replayed and its autocast
+    state restored). The first forward runs on ``x`` itself, handed over once by a list and dropped; the
+    recompute rebuilds ``x`` from what was kept: copy back, all-gather, reshape.
+    """
+    first = [x]
+    shape, dtype, requires_grad = x.shape, x.dtype, x.requires_grad
+    kept = _slice(x.detach(), group) if group_size(group) > 1 else x.detach()
+    copied = None
+    if offload:
+        kept, copied = _to_host(kept)
+
+    def run(kept: Tensor, anchor: Tensor) -> Tensor:
+        if first:
+            return function(first.pop())
+        if copied is not None:
+            torch.cuda.current_stream(anchor.device).wait_event(copied)
+            kept = kept.to(anchor.device, non_blocking=True)
+        full = kept
+        if group_size(group) > 1:
+            full = _gather(full, group, shape, dtype)
+        return function(full.view(shape).detach().requires_grad_(requires_grad))
+
+    return torch_checkpoint(run, kept, x.new_empty(0), use_reentrant=False, preserve_rng_state=True,
+                            context_fn=_replay_tracker_states)
+
+
+def _slice(x: Tensor, group) -> Tensor:
+    """This rank's 1/t of ``x`` flattened (zero-padded to a multiple of t), in a storage of its own."""
+    t, flat = group_size(group), x.reshape(-1)
+    per = -(-flat.numel() // t)
+    if per * t != flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, per * t - flat.numel()))
+    return flat[group_rank(group) * per:(group_rank(group) + 1) * per].clone()
+
+
+def _gather(part: Tensor, group, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The tensor :func:`_slice` cut, from every rank's slice: one all-gather over ``group``."""
+    with torch.no_grad():
+        out = torch.empty(part.numel() * group_size(group), dtype=dtype, device=part.device)
+        all_gather_single(out, part, group=group)
+    return out[:shape.numel()]
+
+
+_OFFLOAD_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _to_host(t: Tensor) -> tuple[Tensor, torch.cuda.Event]:
+    """A pinned host copy of device tensor ``t``, made on a side stream after the work that produced ``t``,
+    and the event that marks it done.
+
+    ``record_stream`` keeps ``t``'s memory from being reused before the copy is done; the copy back (on
+    the compute stream) waits for the event first, and the host allocator keeps the pinned block until
+    that copy is done.
+    """
+    if t.device.type != "cuda":
+        raise ValueError("--checkpoint-in-cpu moves activations off a CUDA device; this tensor is on "
+                         f"{t.device}")
+    if t.device not in _OFFLOAD_STREAMS:
+        _OFFLOAD_STREAMS[t.device] = torch.cuda.Stream(t.device)
+    stream = _OFFLOAD_STREAMS[t.device]
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)
+    return host, stream.record_event()
 
 
 def _is_activation(a: object) -> bool:
@@ -97,10 +190,15 @@ def _maybe_checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
     return checkpoint(function, *args) if torch.is_grad_enabled() else function(*args)
 
 
-def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], x: Tensor) -> Tensor:
+def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distribute_group, offload: bool,
+                 x: Tensor) -> Tensor:
+    kept_elsewhere = offload or group_size(distribute_group) > 1
     for span, recompute in plan:  # full recomputation: a unit keeps only its input
         unit = functools.partial(_run, [layers[i] for i in span])
-        x = _maybe_checkpoint(unit, x) if recompute else unit(x)
+        if recompute and kept_elsewhere and torch.is_grad_enabled():
+            x = checkpoint_kept_elsewhere(unit, x, distribute_group, offload)
+        else:
+            x = _maybe_checkpoint(unit, x) if recompute else unit(x)
     return x
 
 
@@ -111,16 +209,21 @@ def _run(layers: list[nn.Module], x: Tensor) -> Tensor:
 
 
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
-                    recompute_num_layers: int | None = None) -> nn.Module:
+                    recompute_num_layers: int | None = None, distribute_group=None,
+                    offload: bool = False) -> nn.Module:
     """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order; the multi-token
-    prediction modules' layers alike, each a unit of its own under ``full``); returns it."""
+    prediction modules' layers alike, each a unit of its own under ``full``); returns it.
+
+    With ``full``, ``distribute_group`` (the tensor-parallel group, ``--distribute-saved-activations``) and
+    ``offload`` (``--checkpoint-in-cpu``) say where each unit's kept input lives (module docstring)."""
     mtp = [] if model.mtp is None else list(model.mtp.layers.values())
     if granularity == "selective":
         for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
             layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
     elif granularity == "full":
         plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
-        model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan)
+        model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan, distribute_group,
+                                             offload)
         for module in mtp:
             module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model

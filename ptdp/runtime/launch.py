@@ -42,13 +42,17 @@ def launch_line(nproc_per_node: int, world_size: int, tensor: int, context: int,
 
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],
-                   rendezvous: dict[str, str] | None = None) -> int:
+                   rendezvous: dict[str, str] | None = None, cpu_mmap_threshold: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     # One intra-op thread per worker unless the user chose: workers share the node's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    if cpu_mmap_threshold and not torch.cuda.is_available():  # freed activations leave the RSS (BENCHMARKS.md)
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(cpu_mmap_threshold))
     if rendezvous:
         # Scale-up needs the rendezvous's own bootstrap keys. With torchrun's shared TCP store (the default
         # since 2.4) an agent that stays rank 0 across rounds publishes MASTER_ADDR only in its first round,

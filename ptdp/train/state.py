@@ -20,10 +20,11 @@ from ptdp.data import DataSplits
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
-from ptdp.optim import GradBuckets, MegatronOptimizer, setup_optimizer
+from ptdp.optim import MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
 from ptdp.parallel.assembly import Assembly, assemble
 from ptdp.parallel.collectives import all_gather, split
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.init import params_dtype
 from ptdp.parallel.parallelize import build_model_chunks, local_seq_length
@@ -45,7 +46,7 @@ class TrainState:
     chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
     placements: Placements  # where each of their parameters lives in the full model (ptdp.parallel.placement)
     data: DataSplits
-    grads: GradBuckets
+    grads: GradReducer  # the data-parallel gradient synchronisation (ptdp.parallel.data)
     optimizer: MegatronOptimizer
     num_microbatches: int
     schedule: list[Action]  # this rank's action list for one iteration

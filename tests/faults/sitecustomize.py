@@ -137,10 +137,10 @@ def crash_before_latest(original, path, *args, **kwargs):
 
 # -- PTDP_TEST_BUG ---------------------------------------------------------------------------------------
 
-def dp_sum_instead_of_average(original, buckets, bucket, *args, **kwargs):
-    if buckets.dp_size > 1 and bucket.handle is None and not bucket.synced:
-        bucket.grad_data.mul_(buckets.dp_size)  # cancels the 1/d: the reduction sums
-    return original(buckets, bucket, *args, **kwargs)
+def dp_sum_instead_of_average(original, reducer, bucket, *args, **kwargs):
+    if reducer.size > 1 and bucket.handle is None and not bucket.synced:
+        bucket.grad_data.mul_(reducer.size)  # cancels the 1/d: the reduction sums
+    return original(reducer, bucket, *args, **kwargs)
 
 
 def tp_input_grad_not_reduced(original, ctx, grad):
@@ -162,7 +162,7 @@ PATCHES = {
         ("ptdp.checkpointing.storage:_fsync", crash_before_latest),
     ],
     "PTDP_TEST_BUG=dp-sum": [
-        ("ptdp.parallel.data.buffer:GradBuckets._launch", dp_sum_instead_of_average),
+        ("ptdp.parallel.data.reducer:NoShard._launch", dp_sum_instead_of_average),
     ],
     "PTDP_TEST_BUG=tp-grad": [
         ("ptdp.parallel.collectives:_CopyToRegion.backward", tp_input_grad_not_reduced),

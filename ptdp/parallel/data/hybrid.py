@@ -3,11 +3,33 @@ data-parallel (dp-cp) group form K *instances* of d·c/K consecutive ranks. ZeRO
 (reduce-scatter, all-gather: fast links inside a node) and the K instances are replicas of each other: a
 reduced shard is all-reduced once more over the K ranks that hold the same shard (slow links across nodes
 carry only 1/(d·c/K) of the gradients). Parameters and optimizer state cost d·c/K-fold less, not d·c-fold.
+
+:class:`Hybrid` is that composition: any sharded reducer over the instance group (its sum divided by all
+d·c replicas, its buffers kept whole until the step: ``OptimGrads.storage(hybrid=True)``), then one
+all-reduce of each reduced shard over the replica group. With one rank per instance there is nothing to
+shard: the strategy table (``ptdp.parallel.data.strategy``) gives a plain all-reduce over the replicas.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.data.reducer import Composite, Gatherer
+
+
+class Hybrid(Composite):
+    """``inner`` (sharded over one instance) + the replicas' all-reduce of its shards (Megatron's order)."""
+
+    def __init__(self, inner: GradReducer, replica_group, gather: Gatherer | None = None):
+        self.replica_group = replica_group
+        super().__init__([inner], gather)
+
+    def finish_grad_sync(self) -> None:
+        super().finish_grad_sync()
+        handles = [dist.all_reduce(b.shard, group=self.replica_group, async_op=True) for b in self.buckets]
+        for handle in handles:
+            handle.wait()
 
 
 def instance_groups(state, k: int) -> tuple[object, object]:

@@ -12,56 +12,50 @@ peers run identical action lists, so the collectives on the data-parallel group 
 order everywhere (``ptdp.simulate.nccl.zero`` checks the same list against the pipeline's p2p and the
 other communicators).
 
-:class:`ChunkParamSync` registers the executor's handlers for those four actions (:meth:`handlers`);
-:func:`shard_parameters` turns ZeRO-1 buckets into ZeRO-3 ones at set-up, and :func:`full_parameters`
-gathers everything for code that reads whole parameters outside the schedule (checkpoints).
+:class:`OptimGradsParams` is the strategy's reducer: ZeRO-2's, over a buffer that keeps only this rank's
+parameter shards (``Storage.param_shards``: sharded bucket by bucket as the buffer is built, so start-up
+never holds a whole chunk either); it gathers a bucket from the shards into a freshly allocated flat
+buffer. :class:`ChunkParamSync` runs the four actions (its :meth:`~ChunkParamSync.handlers` are the
+executor's), built with the reducer from a ``strategy.GatherPlan`` (or per layer,
+``ptdp.parallel.data.zero_layers``); :func:`full_parameters` gathers everything for code that reads whole
+parameters outside the schedule (checkpoints).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from ptdp.parallel.data.buffer import Bucket, GradBuckets, free_storage
+from ptdp.parallel.data.buffer import Bucket, Storage, alloc_storage, free_storage
+from ptdp.parallel.data.protocol import GradReducer, ParamSync
+from ptdp.parallel.data.reducer import OptimGrads
 from ptdp.parallel.pipeline.handlers import COMMUNICATION, ActionHandler, Handler
 from ptdp.schedule.param_sync import GATHER, REDUCE, RELEASE, WAIT
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
+class OptimGradsParams(OptimGrads):
+    """``optim_grads_params`` (ZeRO-3): ZeRO-2 with parameter shards, gathered per chunk by ``param_sync``."""
 
-@torch.no_grad()
-def shard_parameters(grads: GradBuckets) -> None:
-    """Keep only this rank's shard of every bucket's parameters (a copy) and free the full buffers (the
-    buckets ``GradBuckets(..., shard_params=True)`` sharded as it built them are left as they are)."""
-    for b in grads.buckets:
-        if b.param_shard is not None:
-            continue
-        b.param_shard = b.param_data[b.shard_start:b.shard_end].clone()
-        free_storage(b.param_data)
+    @classmethod
+    def storage(cls, group, hybrid: bool) -> Storage:
+        return dataclasses.replace(super().storage(group, hybrid), param_shards=True)
 
+    def gather_bucket(self, bucket: Bucket) -> list[dist.Work]:
+        """Allocate the full buffer, fill this rank's piece from its persistent shard, start the all-gather.
 
-def shard_model(grads) -> bool:
-    """ZeRO-3 at set-up: shard the buckets of every part of ``grads`` that has data-parallel peers (a MoE
-    model's dense and expert buffers, ``ptdp.parallel.expert.grads``, each over its own group); whether any was."""
-    parts = [p for p in getattr(grads, "parts", [grads]) if p.dp_size > 1]
-    for part in parts:
-        shard_parameters(part)
-    return bool(parts)
-
-
-class ParamSync(Protocol):
-    """Per-chunk parameter gathering: what the four actions of ``ptdp.schedule.param_sync`` do."""
-
-    def gather(self, chunk: int) -> None: ...
-
-    def wait(self, chunk: int) -> None: ...
-
-    def release(self, chunk: int) -> None: ...
-
-    def reduce_grads(self, chunk: int) -> None: ...
+        The in-place writes keep the buffer's autograd version: a chunk's parameters are saved for its
+        backward and gathered again, unchanged, before it (FSDP's reshard-after-forward).
+        """
+        if bucket.param_shard is None:
+            return super().gather_bucket(bucket)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(bucket.param_data):
+            alloc_storage(bucket.param_data)
+            bucket.param_data[bucket.shard_start:bucket.shard_end].copy_(bucket.param_shard)
+            return super().gather_bucket(bucket)
 
 
 def param_sync_handlers(sync: ParamSync) -> dict[str, ActionHandler]:
@@ -79,9 +73,9 @@ def param_sync_handlers(sync: ParamSync) -> dict[str, ActionHandler]:
 class ChunkParamSync:
     """Per-chunk gather / wait / release / reduce: the handlers of ZeRO-3's actions (:meth:`handlers`)."""
 
-    def __init__(self, grads: GradBuckets, reshard_after_forward: bool):
-        """``grads``: anything with ``buckets``, ``gather_bucket`` and ``launch_chunk`` (a GradBuckets, or a
-        MoE model's ``ExpertGradBuckets``, which hands each bucket to its own group)."""
+    def __init__(self, grads: GradReducer, reshard_after_forward: bool):
+        """``grads``: the reducer whose buckets with a ``param_shard`` it gathers (through the reducer's
+        ``gather_bucket``: a MoE model's composite hands each bucket to the group it is sharded over)."""
         self.grads = grads
         self.reshard_after_forward = reshard_after_forward
         self._in_flight: dict[int, list] = {}
@@ -119,7 +113,7 @@ class ChunkParamSync:
 
 
 @torch.no_grad()
-def keep_parameter_shards(grads: GradBuckets) -> None:
+def keep_parameter_shards(grads: GradReducer) -> None:
     """Inside :func:`full_parameters`: the (e.g. just loaded) whole parameters become the shards again."""
     for b in grads.buckets:
         if b.param_shard is not None:
@@ -127,7 +121,7 @@ def keep_parameter_shards(grads: GradBuckets) -> None:
 
 
 @contextlib.contextmanager
-def full_parameters(grads: GradBuckets) -> Iterator[None]:
+def full_parameters(grads: GradReducer) -> Iterator[None]:
     """Every parameter whole inside the block (ZeRO-3; nothing to do otherwise), e.g. for a checkpoint;
     freed again at its end (call :func:`keep_parameter_shards` inside to keep changes)."""
     buckets = [b for b in grads.buckets if b.param_shard is not None]

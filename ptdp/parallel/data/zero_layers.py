@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from ptdp.ops.weight_grad import grad_deferred
-from ptdp.parallel.data.buffer import Bucket, GradBuckets, free_storage
+from ptdp.parallel.data.buffer import Bucket, free_storage
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.data.zero import ChunkParamSync
 
 
@@ -57,7 +58,7 @@ class LayerParamSync(ChunkParamSync):
     """:class:`ChunkParamSync` whose chunk-level gather covers only the non-layer parameters; the layers'
     buckets are gathered per layer, prefetched one layer ahead unless ``prefetch`` is False."""
 
-    def __init__(self, grads: GradBuckets, layers: list[nn.Module], prefetch: bool = True):
+    def __init__(self, grads: GradReducer, layers: list[nn.Module], prefetch: bool = True):
         super().__init__(grads, reshard_after_forward=True)
         self.prefetch = prefetch
         bucket_of = {id(p): b for b in grads.buckets if b.param_shard is not None for p in b.params}

@@ -116,11 +116,13 @@ class _SavedBytes:
     A storage counts in full even when only a view of it is saved (SDPA saves q, k and v as views of the
     fused qkv output): the whole storage stays alive until the backward.
 
-    Parameters (and their views) are excluded: they are resident anyway, only activations count.
+    Parameters (and their views) are excluded: they are resident anyway, only activations count. So are
+    tensors saved in host memory by a GPU stage (``--checkpoint-in-cpu``): they hold no device memory.
     """
 
     def __init__(self, stage: PipelineStage) -> None:
         params = stage.parameters()
+        self._on_host = not params or params[0].device.type == "cpu"
         # By storage identity, not address: parameter sharding frees and re-allocates a parameter's storage.
         self._ignore = {q.untyped_storage()._cdata for q in params}
         self._live: dict[tuple[int, int], dict[int, int]] = {}
@@ -132,6 +134,8 @@ class _SavedBytes:
         def pack(t: Tensor) -> Tensor:
             ptr = t.untyped_storage().data_ptr()
             nbytes = t.untyped_storage().nbytes()  # a saved view keeps its whole storage alive
+            if t.device.type == "cpu" and not self._on_host:
+                return t
             if t.untyped_storage()._cdata not in self._ignore and nbytes > ledger.get(ptr, 0):
                 self.current += nbytes - ledger.get(ptr, 0)
                 ledger[ptr] = nbytes

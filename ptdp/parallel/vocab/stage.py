@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from ptdp.models import GPTModel
 from ptdp.models.mtp import MultiTokenPrediction, ShiftLabels
 from ptdp.parallel.collectives import group_rank, group_size
-from ptdp.parallel.data.buffer import GradBuckets
+from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
 from ptdp.parallel.pipeline.stage import logical_name
@@ -146,7 +146,7 @@ def vocab_slices(chunks: Sequence[nn.Module]) -> VocabSlices | None:
     return getattr(chunks[0], SLICES, None) if chunks else None
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradBuckets | None) -> None:
+def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradReducer | None) -> None:
     """Add into the gradient buffer (``main_grad``), as the buffers' hook does for autograd's grads; a
     ZeRO-2/3 bucket's buffer is allocated at its first gradient (``grads.allocate_main_grad``: no autograd
     hook sees this one, so its reduction waits for the step's end or ZeRO-3's reduce after EB)."""
@@ -172,7 +172,7 @@ class VocabParallel:
     tp_group: Any
     pp_ranks: tuple[int, ...]  # global ranks of this pipeline
     sequence_parallel: bool
-    grads: GradBuckets | None = None  # the gradient buffers the slices' gradients go into
+    grads: GradReducer | None = None  # the gradient buffers the slices' gradients go into
 
     def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
                  loss_scale: float = 1.0, forward_only: bool = False) -> VocabStage:

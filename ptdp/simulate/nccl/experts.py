@@ -26,8 +26,8 @@ dispatcher's.
 
 With ``zero="optim_grads_params"`` (ZeRO-3) the trace also holds the per-chunk parameter gathers and
 gradient reductions of the actions ``ptdp.schedule.param_sync.add_param_sync`` puts in the lists, as the real
-gatherer over
-``ExpertGradBuckets`` issues them: each one a collective on the dense data-parallel communicator "dp"
+gatherer over the dense and expert reducers' composite (``ptdp.parallel.data.reducer.Composite``) issues
+them: each one a collective on the dense data-parallel communicator "dp"
 (every pipeline's copy of the stage) and then one on the expert-data-parallel communicator "edp" (the copies with the same expert-parallel rank: pipeline k has ep rank k mod e, edp rank k // e, as
 folding orders them), each with its own stream. A chunk's gathers are waited for together before its run; a
 reduction is waited for right after it is issued (stricter than the transient gradient buckets, which wait
@@ -95,11 +95,12 @@ class _ExpertTraceStage(_TraceStage):
 
 
 class _ExpertParamSync:
-    """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync`` over ``ExpertGradBuckets``: placeholders of its
-    collectives on "dp" and "edp" (``comms``: those with peers), which ``_globalise`` gives their groups."""
+    """Stands in for ``ptdp.parallel.data.zero.ChunkParamSync`` over a MoE model's reducers (a
+    ``ptdp.parallel.data.protocol.ParamSync``): placeholders of its collectives on "dp" and "edp"
+    (``comms``: those with peers), which ``_globalise`` gives their groups."""
 
-    def __init__(self, events: list[dict], comms: Sequence[str], gathers: bool) -> None:
-        self.events, self.comms = events, comms
+    def __init__(self, events: list[dict], reshard_after_forward: bool, comms: Sequence[str], gathers: bool) -> None:
+        self.events, self.reshard_after_forward, self.comms = events, reshard_after_forward, comms
         self.gathers = gathers  # ZeRO-3; ZeRO-2 only reduces
         self._gathers: dict[int, list[int]] = {}
         self._count = 0
@@ -154,7 +155,7 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
                                   recompute=recompute, expert_tensor=expert_tensor)
-        sync = _ExpertParamSync(events, comms, zero == "optim_grads_params") if zero else None
+        sync = _ExpertParamSync(events, reshard_after_forward, comms, zero == "optim_grads_params") if zero else None
         run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction),
                      sync.handlers() if sync is not None else None, count_saved_bytes=False)
         per_rank.append(events)
