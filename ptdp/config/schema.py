@@ -98,8 +98,7 @@ class ModelConfig:
     compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
                         "bias-dropout-add); eager if it fails")
     # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLA flags and defaults; ptdp/models/mla.py)
-    multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): queries and keys/values "
-                                       "through low-rank compressions, with a decoupled RoPE part")
+    multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): low-rank q, kv; decoupled RoPE")
     q_lora_rank: int | None = opt(None, "rank of the query compression (unset: one full query projection)")
     kv_lora_rank: int = opt(32, "rank of the key/value compression (the latent an inference cache keeps)")
     qk_head_dim: int = opt(128, "per-head query/key dimension without the RoPE part")
@@ -108,19 +107,13 @@ class ModelConfig:
     rope_type: str | None = opt(None, "rope or yarn (default: yarn with --multi-latent-attention, else rope)",
                                 choices=["rope", "yarn"])
     rotary_scaling_factor: float = opt(1.0, "YaRN context-extension factor (1: no scaling)")
-    mscale: float = opt(1.0, "YaRN mscale: the rotary tables are scaled by mscale(factor, mscale) / "
-                        "mscale(factor, mscale-all-dim), mscale(f, m) = 0.1*m*ln(f) + 1")
-    mscale_all_dim: float = opt(0.0, "YaRN mscale-all-dim: the softmax scale is multiplied by "
-                                "mscale(factor, mscale-all-dim)^2")
-    original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at "
-                                                "(Megatron-Core MLATransformerConfig)")
+    mscale: float = opt(1.0, "YaRN: tables times mscale(f, mscale)/mscale(f, all-dim); mscale(f, m)=0.1*m*ln(f)+1")
+    mscale_all_dim: float = opt(0.0, "YaRN: the softmax scale times mscale(factor, mscale-all-dim)^2")
+    original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at")
     beta_fast: float = opt(32.0, "YaRN: rotations above which a dimension is not interpolated")
     beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
-    # Multi-token prediction (DeepSeek-V3; Megatron-Core's flags; ptdp/models/mtp.py)
-    mtp_num_layers: int | None = opt(None, "multi-token prediction: D sequential modules after the model, "
-                                     "module k predicting the token k+1 places further on (unset or 0: none)")
-    mtp_loss_scaling_factor: float = opt(0.1, "weight lambda of the MTP loss: the objective adds lambda * the "
-                                         "mean over the D modules of their cross-entropy")
+    mtp_num_layers: int | None = opt(None, "multi-token prediction: D modules, k-th predicting t+k+1 (0: none)")
+    mtp_loss_scaling_factor: float = opt(0.1, "lambda: the objective adds lambda * the MTP modules' mean CE")
 
     @property
     def ffn_size(self) -> int:
@@ -189,17 +182,13 @@ class MoEConfig:
     # DeepSeek-V3's router (Megatron-Core's flags and defaults; ptdp.models.moe.TopKRouter)
     moe_router_score_function: str = opt("softmax", "router scores: softmax, or sigmoid (DeepSeek-V3: the k "
                                          "chosen scores normalised to sum 1)", choices=["softmax", "sigmoid"])
-    moe_router_enable_expert_bias: bool = opt(
-        False, "auxiliary-loss-free balancing: a per-expert bias b added to the scores for the top-k choice only, "
-        "moved after each step by b_i += rate * sign(mean load - load_i) (needs the sigmoid score function)")
+    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: a bias b_i for the top-k choice only, "
+                                              "b_i += rate * sign(mean load - load_i) after each step (sigmoid)")
     moe_router_bias_update_rate: float = opt(1e-3, "the expert bias update rate (DeepSeek-V3's 1e-3)")
-    moe_router_num_groups: int | None = opt(
-        None, "group-limited routing: the experts in this many equal groups (device- or node-limited routing)")
-    moe_router_group_topk: int | None = opt(
-        None, "group-limited routing: the groups each token may use, chosen by the sum of their top "
-        "k/group-topk scores")
-    moe_router_topk_scaling_factor: float | None = opt(
-        None, "multiply the k routing weights by this (DeepSeek-V3's routed scaling factor 2.5)")
+    moe_router_num_groups: int | None = opt(None, "group-limited routing: the experts in this many equal groups")
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (by the sum "
+                                            "of their top k/group-topk scores)")
+    moe_router_topk_scaling_factor: float | None = opt(None, "the k routing weights times this (DeepSeek-V3: 2.5)")
 
 
 @dataclass

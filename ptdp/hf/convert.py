@@ -187,8 +187,7 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     else:
         raise HFError(f"--load {load}: the model is neither GPT-2 nor a Llama (rope + RMSNorm + SwiGLU, no "
                       "biases, --rotary-percent 1); Hugging Face export supports those two")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
     safetensors_torch.save_file(state, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     hf_config.save_pretrained(str(out))
     return out
@@ -311,9 +310,7 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "norm_epsilon",
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "kv_channels", "add_qkv_bias", "multi_latent_attention", "q_lora_rank",
-                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
-                "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast", "beta_slow", "mtp_num_layers")
+                "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS)
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
@@ -358,8 +355,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face GPT-2, Llama, Mixtral, Qwen2-MoE or DeepSeek-V3, "
-                        "whichever the model is)")
+                        help="output format (Hugging Face GPT-2, Llama, Mixtral, Qwen2-MoE or DeepSeek-V3)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 

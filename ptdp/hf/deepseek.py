@@ -31,6 +31,11 @@ from ptdp.config import ConfigError, ModelConfig, MoEConfig
 from ptdp.hf import llama as hf_llama
 from ptdp.hf import moe as hf_moe
 
+# ``ptdp train`` flags an imported DeepSeek-V3 needs beyond the Llama family's (``convert.train_flags``)
+MODEL_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+               "original_max_position_embeddings", "beta_fast", "beta_slow", "mtp_num_layers")
+
 if TYPE_CHECKING:
     import torch
 

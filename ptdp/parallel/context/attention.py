@@ -18,9 +18,7 @@ Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
 * ``allgather``: all-gather K/V, attend with a mask from the real positions; its backward reduce-scatters
   dK/dV. The simplest, O(s) memory per rank; the reference the other two are checked against.
 
-Values may be narrower than queries and keys (multi-latent attention: d_k + d_r for q and k, d_v for v,
-issue 41). The ring sends K and V as one ``[.., d_qk + d_v]`` block (nothing padded on the wire); a flash
-kernel, which wants one head size, gets V zero-padded to d_qk and its output cut back to d_v.
+Values may be narrower than q and k (MLA, issue 41): K and V travel as one block; flash kernels pad V.
 """
 
 from __future__ import annotations
@@ -99,8 +97,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     comm_type "p2p": ring attention; "a2a": Ulysses; "allgather": all-gather K/V then one masked attention.
 
     kv_heads may also be any divisor of heads (grouped-query attention without the repeat: the ring then
-    sends the unrepeated K/V). v's head size may differ from q's and k's (multi-latent attention). With
-    c = 1 (``cp_group`` None or of one rank) this is causal SDPA.
+    sends the unrepeated K/V); v may be narrower. With c = 1 (``cp_group`` None or of one rank) this is SDPA.
     """
     c = group_size(cp_group)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -260,11 +257,6 @@ def _no_rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64)
 
 
-def _pad_to(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` zero-padded along its last dimension to ``size`` (the flash kernels take one head size)."""
-    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
-
-
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output and its fp32 log-sum-exp [b, h, s_q], by ``block_kernel(q)``."""
@@ -282,14 +274,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
+def _pad_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))  # the flash kernels' one head size
+
+
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of one block given the MERGED output and LSE: with them the flash-attention backward
     (P = exp(S - LSE), dS = P * (dO V^T - rowsum(dO * O))) yields exactly this block's share."""
     kernel = block_kernel(q)
-    dv_size = v.shape[-1]
-    if kernel != "math" and dv_size != q.shape[-1]:  # as block_forward: the zero columns change nothing
-        d = q.shape[-1]
+    d, dv_size = q.shape[-1], v.shape[-1]
+    if kernel != "math" and dv_size != d:  # as block_forward: the zero columns change nothing
         dq, dk, dv = block_backward(_pad_to(do, d), q, k, _pad_to(v, d), _pad_to(out, d), lse, scale, causal)
         return dq, dk, dv[..., :dv_size]
     if kernel == "cpu-flash":
