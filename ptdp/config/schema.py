@@ -318,6 +318,10 @@ class TrainingConfig:
     timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
                                "of the first --timeline-iters iterations")
     timeline_iters: int = opt(3, "iterations the --timeline records")
+    calculate_per_token_loss: bool = opt(
+        False, "the loss is one mean over every unmasked token of the global batch (an all-reduce of the token "
+        "counts) instead of each microbatch's mean averaged over microbatches and data-parallel ranks; differs "
+        "only with --eod-mask-loss")
 
 
 @dataclass
@@ -359,6 +363,12 @@ class DataConfig:
     merge_file: str | None = opt(None, "GPT2BPETokenizer merges.txt")
     override_data_state: bool = opt(False, "with --load: start over every dataset whose files changed since the "
                                     "checkpoint (same prefix, other .idx/.bin) instead of refusing to resume")
+    # Packed documents: Megatron's GPTDataset flags (ptdp/data/documents.py, docs/packing.md)
+    reset_position_ids: bool = opt(False, "position ids restart at 0 after every end-of-document token")
+    reset_attention_mask: bool = opt(False, "a token attends only to earlier tokens of its own document (the "
+                                     "boundaries travel as cu_seqlens; only the blocks inside documents are computed)")
+    eod_mask_loss: bool = opt(False, "leave out of the loss the positions whose input is the end-of-document "
+                              "token (their target is the next document's first token)")
 
 
 @dataclass

@@ -144,6 +144,12 @@ def _mtp_errors(config: Config) -> list[str]:
     if m.position_embedding_type != "rope":
         errors.append("--mtp-num-layers needs --position-embedding-type rope (the modules embed tokens "
                       "without learned positions)")
+    packed = [flag for flag, on in (("--reset-position-ids", config.data.reset_position_ids),
+                                    ("--reset-attention-mask", config.data.reset_attention_mask),
+                                    ("--eod-mask-loss", config.data.eod_mask_loss)) if on]
+    if packed:  # the modules' targets t_{i+k+1} would cross document ends (Megatron rolls them per document)
+        errors.append(f"--mtp-num-layers with {packed[0]} is not supported (the modules' shifted targets would "
+                      "cross document boundaries); drop one of them")
     if par.enable_vocab_parallel and par.context_parallel_size > 1:
         errors.append("--mtp-num-layers with --enable-vocab-parallel and --context-parallel-size "
                       f"{par.context_parallel_size} is not supported (the vocabulary passes would embed tokens "

@@ -11,6 +11,10 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   (two GEMMs of ``h × ffn``) + attention scores and weighted values ``4·B·s²·h``.
   With ``ffn = 4h`` that is the paper's ``24·B·s·h² + 4·B·s²·h``.
 * logits: ``2·B·s·h·V`` forward.
+* packed documents with ``--reset-attention-mask`` (ptdp-facts.md §Packed sequences): attention is
+  computed inside each document only, so a sample's scores-and-values term ``4·s²·h`` becomes
+  ``4·(sum of l_i²)·h`` over its documents' lengths l_i: ``attention_length`` is that sum divided by s
+  (averaged over the samples; s itself for whole windows), and the term is ``4·B·s·attention_length·h``.
 * a backward pass costs twice its forward; full activation recomputation runs the layers' forward once
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
@@ -205,21 +209,23 @@ def mtp_layers(model: ModelShape) -> int:
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
                         num_attention_heads: int | None = None, num_query_groups: int | None = None,
                         kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None,
-                        mla: MLAShape | None = None) -> int:
+                        mla: MLAShape | None = None, attention_length: float | None = None) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
     ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
     ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h. With ``mla`` the
-    attention is ``2·(MLA projections) + 2·s·a·(d_k + d_r + d_v)`` per token.
+    attention is ``2·(MLA projections) + 2·s·a·(d_k + d_r + d_v)`` per token. Packed documents:
+    ``attention_length`` (sum of l_i² / s, module docstring) replaces s in the attention term.
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
     mlp = (6 if swiglu else 4) * h * f if moe is None else 2 * _moe_mlp(h, moe, swiglu, moe.topk)[0]
+    attended = seq_length if attention_length is None else attention_length
     if mla is not None:
         a = num_attention_heads
-        scores = 2 * seq_length * a * (mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
-        return tokens * (2 * mla.weights(h, a) + mlp + scores)
-    return tokens * (2 * h * (2 * q + 2 * k) + mlp + 4 * seq_length * q)
+        scores = 2 * attended * a * (mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
+        return int(tokens * (2 * mla.weights(h, a) + mlp) + round(tokens * scores))
+    return int(tokens * (2 * h * (2 * q + 2 * k) + mlp) + round(tokens * 4 * attended * q))
 
 
 def _mtp_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None,
@@ -244,6 +250,7 @@ def flops_per_iteration(
     recompute: bool,
     ffn_hidden_size: int | None = None,
     mtp_num_layers: int = 0,
+    attention_length: float | None = None,
     **arch: Any,
 ) -> int:
     """FLOPs of one training iteration (forward + backward [+ recomputed forward]) over the global batch.
@@ -251,18 +258,22 @@ def flops_per_iteration(
     With ``recompute=True`` (full activation recomputation) and ffn = 4h this is the paper's eq. (3),
     ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; without it the layer terms get 72 instead of 96 and the
     logit term stays ``6·B·s·h·V`` (ptdp-facts.md, §FLOPs). Selective recomputation re-runs only the
-    attention core; like Megatron we do not count it (pass ``recompute=False``).
+    attention core; like Megatron we do not count it (pass ``recompute=False``). ``attention_length``:
+    packed documents' attention (module docstring).
     """
     tokens = global_batch_size * seq_length
     layer_passes = 4 if recompute else 3
     moe, mtp = arch.pop("moe", None), mtp_num_layers
     dense = num_layers - (moe.moe_layers if moe else 0)
-    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, **arch)
+    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size,
+                                                        attention_length=attention_length, **arch)
     if moe is not None:
         layers += moe.moe_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens,
-                                                                      ffn_hidden_size, moe=moe, **arch)
+                                                                      ffn_hidden_size, moe=moe,
+                                                                      attention_length=attention_length, **arch)
     if mtp:  # each MTP module: eh_proj, a layer (recomputed like the others) and one more logit layer
-        layers += mtp * layer_passes * _mtp_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, moe, arch)
+        layers += mtp * layer_passes * _mtp_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, moe,
+                                                          dict(arch, attention_length=attention_length))
     return layers + 3 * (1 + mtp) * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 

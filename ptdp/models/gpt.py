@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.models.documents import DocumentLayout, position_ids
 from ptdp.models.layers import (
     CausalAttention,
     DropoutAdd,
@@ -77,12 +78,14 @@ class Attention(nn.Module):
         self.core_attention = CausalAttention()
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or with ``fuse_bias`` the output before its bias and the bias."""
-        return self.proj(self.core(self.qkv(x)))
+        return self.proj(self.core(self.qkv(x), documents))
 
-    def core(self, qkv: torch.Tensor) -> torch.Tensor:
-        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head.
+    def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,
+        inside each document of ``documents`` when it masks attention (``ptdp.models.documents``).
         Selective recomputation recomputes exactly this (it holds the a·s² activations, few FLOPs)."""
         b, s, _ = qkv.shape
         d = self.head_dim
@@ -93,7 +96,7 @@ class Attention(nn.Module):
         else:
             q, k, v = qkv.view(b, s, 3, -1, d).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
-            q, k = self.rotary(q, self.positions), self.rotary(k, self.positions)
+            q, k = self.rotary(q, self.positions, documents), self.rotary(k, self.positions, documents)
         if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
             k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
         dropout = self.dropout if self.training else 0.0
@@ -101,7 +104,7 @@ class Attention(nn.Module):
         # into pieces (graph breaks).
         rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
         with rng():
-            y = self.core_attention(q, k, v, dropout)
+            y = self.core_attention(q, k, v, dropout, documents)
         return y.transpose(1, 2).reshape(b, s, -1)
 
 
@@ -148,8 +151,8 @@ class TransformerLayer(nn.Module):
         self.mlp = moe_mlp(cfg, moe) if moe is not None else MLP(cfg, ops)
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout_add(self.attention(self.input_layernorm(x)), x)
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        x = self.dropout_add(self.attention(self.input_layernorm(x), documents), x)
         return self.dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
 
 
@@ -164,10 +167,11 @@ class Embedding(nn.Module):
         self.positions = positions
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device))
+            ids = position_ids(documents)  # --reset-position-ids: [b, s], restarting in every document
+            x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device) if ids is None else ids)
         return self.dropout(x)
 
 
@@ -211,18 +215,21 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         """The transformer layers in order (full recomputation overrides this: ``ptdp.parallel.recompute``)."""
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, documents)
         return x
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                documents: DocumentLayout | None = None) -> torch.Tensor:
         """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out.
-        ``labels`` (the next tokens, ``[b, s]``) feed the multi-token prediction loss, if the model has one."""
+        ``labels`` (the next tokens, ``[b, s]``) feed the multi-token prediction loss, if the model has one.
+        ``documents``: the packed microbatch's document layout (positions and attention stop at each end of
+        document; ``ptdp.models.documents``), or None: one causal window."""
         if self.embedding is not None:
-            x = self.embedding(x)
-        x = self.run_layers(x)
+            x = self.embedding(x, documents)
+        x = self.run_layers(x, documents)
         if self.final_layernorm is None:
             return x
         embedding = self.embedding if self.embedding is not None else self.embedding_copy

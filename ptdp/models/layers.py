@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -109,12 +110,16 @@ class SequencePositions(nn.Module):
 
 class CausalAttention(nn.Module):
     """softmax(QKᵀ/√d) V under a causal mask, through SDPA (flash kernels on GPU). q, k, v: ``[b, heads,
-    s, d]`` (k and v already repeated to the query heads). Context parallelism swaps in its ring/all-to-
-    all/all-gather version of the same function."""
+    s, d]`` (k and v already repeated to the query heads). With a ``documents`` layout that masks attention
+    (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
+    start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
+    version of the same function."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                scale: float | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
         """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature)."""
+        if masks_attention(documents):
+            return documents.attend(q, k, v, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
 
 

@@ -36,6 +36,7 @@ from ptdp.models.rotary import RotaryEmbedding, yarn_inverse_frequencies, yarn_m
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig
+    from ptdp.models.documents import DocumentLayout
 
 
 def mla_rotary(cfg: ModelConfig) -> tuple[RotaryEmbedding, float]:
@@ -86,9 +87,11 @@ class MultiLatentAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.dropout_rng: RngContext | None = None  # as Attention's: a mask per tensor-parallel rank's heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or with ``fuse_bias`` the output before its bias and the bias. (Under sequence
-        parallelism ``x`` holds s/t tokens; the up projections return all s, the latents stay local.)"""
+        parallelism ``x`` holds s/t tokens; the up projections return all s, the latents stay local.)
+        ``documents``: a packed microbatch's positions and attention inside documents, as in ``Attention``."""
         dk, dr = self.qk_head_dim, self.rope_dim
         q = self.q_proj(x) if self.q_proj is not None else self.q_up_proj(self.q_layernorm(self.q_down_proj(x)))
         b, s, _ = q.shape
@@ -96,18 +99,19 @@ class MultiLatentAttention(nn.Module):
         latent, k_rope = self.kv_down_proj(x).split([self.kv_lora_rank, dr], dim=-1)
         kv = self.kv_up_proj(self.kv_layernorm(latent)).view(b, s, -1, dk + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([dk, self.v_head_dim], dim=-1)
-        q_rope = self.rotary(q_rope, self.positions)
-        k_rope = self.rotary(self.rope_key_region(k_rope).unsqueeze(1), self.positions)
+        q_rope = self.rotary(q_rope, self.positions, documents)
+        k_rope = self.rotary(self.rope_key_region(k_rope).unsqueeze(1), self.positions, documents)
         k_rope = k_rope.expand(-1, k_nope.shape[1], -1, -1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        return self.proj(self.core(q, k, v))
+        return self.proj(self.core(q, k, v, documents))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: DocumentLayout | None = None) -> torch.Tensor:
         """``[b, heads, s, ·]`` q, k, v → ``[b, s, heads·d_v]``: softmax(q kᵀ · scale) v with dropout.
         Selective recomputation recomputes exactly this."""
         dropout = self.dropout if self.training else 0.0
         rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
         with rng():
-            y = self.core_attention(q, k, v, dropout, scale=self.softmax_scale)
+            y = self.core_attention(q, k, v, dropout, documents, scale=self.softmax_scale)
         return y.transpose(1, 2).flatten(2)

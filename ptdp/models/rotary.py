@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ptdp.models.documents import DocumentLayout, position_ids
+
 # Llama 3.1's frequency scaling, as published (HF ``rope_type: llama3``; Megatron ``--use-rope-scaling``).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
@@ -90,6 +92,8 @@ class RotaryEmbedding:
         self.rotary_dim = int(head_dim * rotary_percent)
         self.inv_freq = inverse_frequencies(self.rotary_dim, base, scaling_factor) if inv_freq is None else inv_freq
         self.attention_factor, self.interleaved = attention_factor, interleaved
+        # equal in every layer of a model (they share tables); given frequencies are multi-latent attention's YaRN
+        self.key = ("rotary", self.rotary_dim, base, scaling_factor, inv_freq is None, attention_factor)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, seq_len: int, device: torch.device, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +110,26 @@ class RotaryEmbedding:
                 self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
-    def __call__(self, x: torch.Tensor, positions) -> torch.Tensor:
+    @torch.compiler.disable  # --compile: built once per microbatch, outside the compiled layers
+    def document_tables(self, documents: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables ``[b, 1, s, rotary_dim]`` at a packed microbatch's own position ids (restarting in every
+        document), built once per microbatch and kept in its layout's cache for the other layers."""
+        key = (*self.key, "documents")
+        if key not in documents.cache:
+            pos = documents.positions.float()
+            freqs = pos[..., None] * self.inv_freq.to(pos.device)
+            angles = torch.cat([freqs, freqs], dim=-1)[:, None]
+            documents.cache[key] = (angles.cos() * self.attention_factor, angles.sin() * self.attention_factor)
+        return documents.cache[key]
+
+    def __call__(self, x: torch.Tensor, positions, documents: DocumentLayout | None = None) -> torch.Tensor:
         """Rotate ``x`` of shape ``[b, heads, s, head_dim]`` (any dtype; the tables are cast to it) at the
-        positions ``positions`` gives for its s tokens (see :meth:`tables`)."""
-        cos, sin = self.tables(x.shape[-2], x.device, positions)
+        positions ``positions`` gives for its s tokens (see :meth:`tables`), or at the position ids of
+        ``documents`` when it has its own (``--reset-position-ids``)."""
+        if position_ids(documents) is None:
+            cos, sin = self.tables(x.shape[-2], x.device, positions)
+        else:
+            cos, sin = self.document_tables(documents)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         if self.interleaved:

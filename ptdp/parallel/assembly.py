@@ -51,6 +51,11 @@ from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule
 
 
+def stage_loss(output: Tensor, labels: Tensor, weights: Tensor | None, tp_group=None) -> Tensor:
+    """The last stage's :data:`LossFn`: the vocabulary-parallel cross-entropy's mean, or its weighted sum."""
+    return language_model_loss(output, labels, tp_group, weights=weights)
+
+
 @dataclass(frozen=True)
 class GradSync:
     """One post-backward gradient synchronisation; ``name`` is its timeline span."""
@@ -120,7 +125,10 @@ class Assembly:
         return self.schedule(forward_only)
 
     def make_stage(self, batches: BatchSource, loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage:
-        """The stage that runs one global batch ``batches``; ``loss_scale`` multiplies each microbatch's loss."""
+        """The stage that runs one global batch ``batches``; ``loss_scale`` multiplies each microbatch's loss.
+        Every rank calls it before the schedule, so the batch source's own collectives run here
+        (``BatchSource.begin``: the per-token loss's global count)."""
+        batches.begin()
         return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
 
 
@@ -153,7 +161,7 @@ def assemble(config: Config, state: ParallelState, chunks: Sequence[nn.Module], 
         grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
                                    functools.partial(all_reduce_sequence_parallel_grads, params, state.tp_group,
                                                      placements)))
-    return Assembly(list(chunks), layout, functools.partial(language_model_loss, tp_group=state.tp_group),
+    return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=state.tp_group),
                     stage_factory, schedule, LossReduction(state.pp_group, state.dp_cp_group),
                     sync.handlers() if sync is not None else {}, grad_syncs, step_hooks(config, state, chunks))
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ptdp.models.documents import DocumentLayout
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size
 from ptdp.parallel.tensor import get_rng_tracker
 
@@ -48,7 +50,7 @@ def recompute_environment_errors(config) -> list[str]:
     return []
 
 
-def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
+def checkpoint(function: Callable[..., Tensor], *args: Any) -> Tensor:
     """``function(*args)`` keeping only ``args`` for backward; recomputed with identical RNG streams."""
     held = tuple(_HoldForRecompute.apply(a) if _is_activation(a) else a for a in args)
     return torch_checkpoint(function, *held, use_reentrant=False, preserve_rng_state=True,
@@ -185,16 +187,18 @@ def recompute_plan(num_layers: int, granularity: str | None, method: str | None,
     return [(range(i, i + 1), i < n) for i in range(num_layers)]
 
 
-def _maybe_checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
+def _maybe_checkpoint(function: Callable[..., Tensor], *args: Any) -> Tensor:
     """``function(*args)``, checkpointed when a backward will follow (no point without grad)."""
     return checkpoint(function, *args) if torch.is_grad_enabled() else function(*args)
 
 
 def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distribute_group, offload: bool,
-                 x: Tensor) -> Tensor:
+                 x: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+    """``GPTModel.run_layers`` by the plan; ``documents`` (a packed microbatch's layout) is not an activation:
+    the recomputed forward reads the same object."""
     kept_elsewhere = offload or group_size(distribute_group) > 1
     for span, recompute in plan:  # full recomputation: a unit keeps only its input
-        unit = functools.partial(_run, [layers[i] for i in span])
+        unit = functools.partial(_run, [layers[i] for i in span], documents=documents)
         if recompute and kept_elsewhere and torch.is_grad_enabled():
             x = checkpoint_kept_elsewhere(unit, x, distribute_group, offload)
         else:
@@ -202,9 +206,9 @@ def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distri
     return x
 
 
-def _run(layers: list[nn.Module], x: Tensor) -> Tensor:
+def _run(layers: list[nn.Module], x: Tensor, documents: DocumentLayout | None = None) -> Tensor:
     for layer in layers:
-        x = layer(x)
+        x = layer(x, documents)
     return x
 
 

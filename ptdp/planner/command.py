@@ -44,6 +44,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
     add_field_arguments(m, MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
+    add_field_arguments(m, train_config.DataConfig, ("reset_attention_mask",))  # issue 40: packed documents
+    m.add_argument("--mean-document-length", type=int, metavar="L",
+                   help="with --reset-attention-mask: documents of L tokens fill each window, so attention "
+                   "counts sum(l^2)/s = L keys per query instead of s (FLOPs, time, score memory)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -118,7 +122,22 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
     moe = _experts(args, cfg)
-    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe))
+    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe),
+                               attention_length=_attention_length(args, cfg.seq_length))
+
+
+def _attention_length(args: argparse.Namespace, seq_length: int) -> float | None:
+    """``GPTSpec.attention_length`` of ``--reset-attention-mask --mean-document-length L``: min(L, s)."""
+    length = vars(args)["mean_document_length"]
+    if not vars(args)["reset_attention_mask"]:
+        if length is not None:
+            raise _UsageError("--mean-document-length needs --reset-attention-mask (without it attention spans "
+                              "the whole window)")
+        return None
+    if length is None or length < 1:
+        raise _UsageError("--reset-attention-mask needs --mean-document-length L (a positive number of tokens): "
+                          "the attention computed depends on the documents' lengths")
+    return float(min(length, seq_length))
 
 
 def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
@@ -279,7 +298,9 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     lines = [
         f"model: {params / 1e9:.1f}B parameters{moe_note}, l={model.num_layers} h={model.hidden_size} "
         f"a={model.num_attention_heads}{llama} s={model.seq_length} V={model.vocab_size}, "
-        f"global batch {train.global_batch_size}",
+        f"global batch {train.global_batch_size}" + (
+            f"; attention inside documents only (--reset-attention-mask): {model.attention_length:.0f} keys per "
+            "query counted, sum(l^2)/s, not s" if model.attention_length is not None else ""),
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
         f"per GPU), {train.precision}; {evaluated:,} layout(s) estimated"

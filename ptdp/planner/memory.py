@@ -141,7 +141,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
         return 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h + (2 * s * b * model.mla.latent_width() if model.mla is not None else 0)
     split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.active_ffn)
-    attention_core = 5 * a * s * (s * c) * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
+    attention_core = 5 * a * s * model.attended * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 
 

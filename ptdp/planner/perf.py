@@ -111,13 +111,14 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
         + gemm_time(tokens, h, f / t, peak)  # MLP ffn -> h (row parallel)
     )
     heads = b * a / t
-    core = gemm_time(s // c, s, q / a, peak, heads) + gemm_time(s // c, q / a, s, peak, heads)  # QK^T, scores @ V
+    keys = model.attended  # s, or inside packed documents sum(l_i^2)/s
+    core = gemm_time(s // c, keys, q / a, peak, heads) + gemm_time(s // c, q / a, keys, peak, heads)  # QK^T, @ V
     # memory-bound ops, bytes moved: 2 LayerNorms (r+w: 8/elt) and 2 dropout+residual (r 2, w 1 + mask: 7/elt)
     # on s·b·h (replicated over t unless sequence parallel), bias+GeLU on the ffn activations (4/elt), and
     # the fused scale-mask-softmax + dropout on the a·s² scores (9/elt)
     sp = cfg.sequence_parallel and t > 1
     elementwise = (22 * tokens * h / (t if sp else 1) + (6 if model.swiglu else 4) * tokens * f / t
-                   + 9 * heads * s // c * s) / hbm  # SwiGLU: read gate and up, write the product
+                   + 9 * heads * s // c * keys) / hbm  # SwiGLU: read gate and up, write the product
     return dense, core, elementwise
 
 
@@ -170,7 +171,7 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         recompute = forward
     elif cfg.recompute_granularity == "selective":  # only the attention core and its softmax/dropout
         heads = b * model.num_attention_heads / t
-        recompute = core + 9 * heads * s // c * s / hbm
+        recompute = core + 9 * heads * s // c * model.attended / hbm
     else:
         recompute = 0.0
     recompute *= layers

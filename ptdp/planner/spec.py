@@ -42,6 +42,9 @@ class GPTSpec:
     disable_bias_linear: bool = False
     disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
+    # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
+    # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
+    attention_length: float | None = None
     multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
@@ -49,6 +52,11 @@ class GPTSpec:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     mtp_num_layers: int = 0  # multi-token prediction modules, on the last pipeline stage
+
+    @property
+    def attended(self) -> float:
+        """What stands for the key length s in the attention terms: s, or the documents' ``attention_length``."""
+        return self.seq_length if self.attention_length is None else self.attention_length
 
     @property
     def mla(self) -> MLAShape | None:

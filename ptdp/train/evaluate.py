@@ -30,7 +30,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             # A heartbeat per batch: a long evaluation is progress, not a hang (--hang-timeout-s), whatever
             # the layout (with p = 1 it issues no communication the flight recorder would see until the end).
             flight_recorder.record("evaluation", action=f"validation batch {k + 1}/{eval_iters}")
-            batches = Microbatches(dataset, k, trainer.config.training, state, trainer.num_microbatches)
+            batches = Microbatches(dataset, k, trainer.batch_format, state, trainer.num_microbatches)
             stage = run.make_stage(batches, forward_only=True)
             with torch.no_grad():
                 run_schedule(actions, stage, trainer.comm, run.handlers)

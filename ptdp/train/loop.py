@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ptdp.checkpointing import CheckpointManager
 from ptdp.config import Config
-from ptdp.models import flops
 from ptdp.observability.clock import Clock
 from ptdp.observability.observer import RunObserver
 from ptdp.runtime import hardware
@@ -23,6 +22,7 @@ from ptdp.train.report import (
 )
 from ptdp.train.state import setup
 from ptdp.train.step import train_step
+from ptdp.train.throughput import IterationFlops
 
 
 def train(config: Config) -> list[dict]:
@@ -39,16 +39,11 @@ def train(config: Config) -> list[dict]:
         return trainer.metrics
     for chunk in trainer.chunks:
         chunk.train()
-    vocab = trainer.vocab_size
-    moe = flops.moe_shape(m, config.moe)  # MoE: the FLOPs of the experts a token goes through
-    iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                                tr.global_batch_size, recompute=m.recompute_granularity == "full",
-                                                ffn_hidden_size=m.ffn_size, moe=moe, mtp_num_layers=flops.mtp_layers(m),
-                                                **flops.architecture(m))
-    # MFU counts the model's FLOPs only (no recomputation), tflops_per_gpu the paper's eq. (3) count.
-    model_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                            tr.global_batch_size, recompute=False, ffn_hidden_size=m.ffn_size,
-                                            moe=moe, mtp_num_layers=flops.mtp_layers(m), **flops.architecture(m))
+    # eq. (3) per iteration (MoE: the experts a token goes through; packed documents: the attention inside
+    # them, ptdp.train.throughput); MFU counts the model's FLOPs only (no recomputation)
+    counter = IterationFlops(config, trainer.vocab_size, trainer.data.train, trainer.batch_format.documents)
+    recompute = m.recompute_granularity == "full"
+    counted: list[int] = []  # each logged iteration's count, for the run summary's average
     peak = hardware.peak_flops_for_current_device()
     is_logger = trainer.state.rank == 0
     if tr.metrics_file and is_logger:
@@ -73,13 +68,17 @@ def train(config: Config) -> list[dict]:
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")
             per_gpu = 1.0 / elapsed / trainer.state.dims.world_size
+            attention = counter.attention_length(it) if is_logger else None
+            counted.append(counter(recompute, attention))
             record = {
                 "iteration": it, **record, "iteration_time_s": elapsed,
                 "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
-                "tflops_per_gpu": iteration_flops * per_gpu / 1e12,
-                "mfu": model_flops * per_gpu / peak if peak else None,
+                "tflops_per_gpu": counted[-1] * per_gpu / 1e12,
+                "mfu": counter(False, attention) * per_gpu / peak if peak else None,
                 "consumed_samples": trainer.data.train.consumed_samples(it),
             }
+            if attention is not None:
+                record["attention_length"] = attention
             if it == first_iteration and trainer.data.train.resumed:  # the data mix at resume (docs/data.md)
                 record["data_mix"] = trainer.data.train.resumed
             if it == evaluate_at:
@@ -117,7 +116,8 @@ def train(config: Config) -> list[dict]:
         if pending:  # stopped by SIGTERM between logged iterations
             flush()
         checkpoints.finish()
-        observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
+        observer.finish(trainer.metrics, time.perf_counter() - start, sum(counted) / max(len(counted), 1),
+                        checkpoints.last_saved)
     finally:
         observer.close()
         checkpoints.close()

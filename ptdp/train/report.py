@@ -175,7 +175,10 @@ def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration
             f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
             f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
             f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
-            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}"
+            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f}"
+            + (f" (attention inside documents only: sum(l^2)/s = {record['attention_length']:.1f})"
+               if "attention_length" in record else "")
+            + f" | ETA: {_duration(eta)}"
             + (f" | slowest rank: {record['slowest_rank']} ({record['step_time_max_over_median']:.2f}x median)"
                if "slowest_rank" in record else "") + progress_suffix(record))
 

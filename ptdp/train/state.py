@@ -17,13 +17,16 @@ from torch import nn
 from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
+from ptdp.data.documents import DocumentOptions
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
+from ptdp.ops.document_attention import select_document_attention
 from ptdp.optim import MegatronOptimizer, setup_optimizer
 from ptdp.parallel import ParallelDims, ParallelState, init_distributed
 from ptdp.parallel.assembly import Assembly, assemble
 from ptdp.parallel.collectives import all_gather, split
+from ptdp.parallel.context.documents import context_parallel_document_line
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.parallel.init import params_dtype
@@ -35,6 +38,7 @@ from ptdp.parallel.tensor import model_parallel_seed
 from ptdp.runtime.phases import phase
 from ptdp.schedule.actions import Action
 from ptdp.schedule.registry import schedule_placement
+from ptdp.train.batches import BatchFormat
 
 
 @dataclass
@@ -52,6 +56,7 @@ class TrainState:
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
     assembly: Assembly  # what each parallelism adds to the step and evaluation
+    batch_format: BatchFormat  # how each global batch is cut, and what its microbatches carry (documents)
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
@@ -85,7 +90,23 @@ def setup(config: Config) -> TrainState:
     m = config.num_microbatches(world_size)
     assembly = assemble(config, state, model.chunks, grads, m, model.placements)
     return TrainState(config, state, model.chunks, model.placements, data, grads, optimizer, m, assembly.actions(),
-                      build_p2p(config, state), assembly)
+                      build_p2p(config, state), assembly, batch_format(config, state, data.tokenizer.eod_id))
+
+
+def batch_format(config: Config, state: ParallelState, eod: int) -> BatchFormat:
+    """The trainer's :class:`BatchFormat`; with ``--reset-attention-mask`` the attention kernel is chosen
+    here, once, and rank 0 prints the one line saying which (``ptdp.ops.document_attention``)."""
+    d, tr = config.data, config.training
+    options = DocumentOptions(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    kernel = None
+    if options.reset_attention_mask:
+        kernel, line = select_document_attention(state.device, params_dtype(config), config.model.attention_dropout)
+        if state.dims.cp > 1:
+            line += context_parallel_document_line(config.parallel.cp_comm_type)
+        if state.rank == 0:
+            print(f" {line}", flush=True)
+    return BatchFormat(tr.global_batch_size, tr.micro_batch_size, options if options.any else None, kernel,
+                       tr.calculate_per_token_loss)
 
 
 def build_p2p(config: Config, state: ParallelState) -> P2PComm | None:

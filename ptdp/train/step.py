@@ -31,7 +31,7 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     scale = trainer.optimizer.loss_scale
     for hook in run.step_hooks:
         hook.before_schedule(scale / m)
-    batches = Microbatches(trainer.data.train, iteration - 1, trainer.config.training, trainer.state, m)
+    batches = Microbatches(trainer.data.train, iteration - 1, trainer.batch_format, trainer.state, m)
     stage = run.make_stage(batches, loss_scale=scale)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.

@@ -12,10 +12,13 @@ averaged over the d·c ranks of the dp-cp group (``ptdp.parallel.dims``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from ptdp.models import CausalAttention, SequencePositions
+from ptdp.models.documents import DocumentLayout, equal_widths, masks_attention
 from ptdp.models.mtp import ShiftLabels
 from ptdp.parallel.collectives import all_gather, group_rank, group_size
 from ptdp.parallel.context.attention import (
@@ -24,6 +27,7 @@ from ptdp.parallel.context.attention import (
     natural_order,
     shard_sequence,
 )
+from ptdp.parallel.context.documents import document_context_attention
 
 
 class LoadBalancedPositions(SequencePositions):
@@ -38,14 +42,20 @@ class LoadBalancedPositions(SequencePositions):
 
 
 class ContextParallelAttention(CausalAttention):
-    """Causal attention of this rank's queries over the whole sequence, through the CP group."""
+    """Causal attention of this rank's queries over the whole sequence, through the CP group; inside each
+    document when a packed microbatch's layout masks attention (``ptdp.parallel.context.documents``)."""
 
     def __init__(self, cp_group, comm_type: str):
         super().__init__()
         self.cp_group, self.comm_type = cp_group, comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                scale: float | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
+        if masks_attention(documents):
+            if dropout_p > 0.0:
+                raise ValueError("--attention-dropout > 0 is not supported with --context-parallel-size > 1")
+            return equal_widths(functools.partial(document_context_attention, documents=documents,
+                                                  cp_group=self.cp_group, comm_type=self.comm_type), q, k, v, scale)
         return context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.comm_type,
                                           dropout_p=dropout_p, softmax_scale=scale)
 

@@ -3,7 +3,10 @@
 ``ModuleStage`` is what every training and evaluation step runs (``forward_only`` for evaluation); a
 parallelism that computes more on a stage wraps it (vocabulary parallelism: ``VocabStage``) and registers
 handlers for its own actions (``handlers()``). Microbatches come from a :class:`BatchSource` (the trainer's
-is ``ptdp.train.batches.Microbatches``), not from closures.
+is ``ptdp.train.batches.Microbatches``), not from closures: every stage reads from its own source what its
+chunks need of a microbatch -- the first stage its tokens, the last its labels and loss weights, every stage
+the keyword arguments of its chunks' forward (``extras``: a packed microbatch's document layout) -- so
+nothing but activations and their gradients travels between stages.
 """
 
 from __future__ import annotations
@@ -19,17 +22,45 @@ from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.parallel.pipeline.handlers import ActionHandler
 from ptdp.schedule.actions import virtual_stage
 
-LossFn = Callable[[Tensor, Tensor], Tensor]  # (last stage's output, the microbatch's labels) -> its mean loss
+# (last stage's output, the microbatch's labels, its per-token loss weights or None) -> the microbatch's loss:
+# sum(weights * per-token loss), or with None the mean of the per-token losses
+LossFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 
 
 class BatchSource(Protocol):
-    """One global batch's microbatches for this rank: the first stage reads ``inputs``, the last ``labels``."""
+    """One global batch's microbatches for this rank: the first stage reads ``inputs``, the last ``labels``
+    and ``loss_weights``, every stage ``extras``."""
 
     num_microbatches: int
 
     def inputs(self, microbatch: int) -> Tensor: ...
 
     def labels(self, microbatch: int) -> Tensor: ...
+
+    def extras(self, microbatch: int) -> Mapping[str, Any]:
+        """Keyword arguments of every chunk's forward for this microbatch besides its input ({}: none)."""
+        ...
+
+    def loss_weights(self, microbatch: int) -> Tensor | None:
+        """Per-token weights of the microbatch's loss, or None: the mean over its tokens."""
+        ...
+
+    def begin(self) -> None:
+        """Called on every rank before the schedule runs on this batch (a source's collectives go here)."""
+        ...
+
+
+class PlainBatches:
+    """The defaults of a :class:`BatchSource` whose microbatches are plain windows: no extras, mean loss."""
+
+    def extras(self, microbatch: int) -> Mapping[str, Any]:
+        return {}
+
+    def loss_weights(self, microbatch: int) -> Tensor | None:
+        return None
+
+    def begin(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -59,7 +90,7 @@ class ModuleStage:
 
     Keeps (input, output) per (chunk, microbatch) between forward and backward and drops them as soon as
     the backward ran, so live activations are exactly what the schedule keeps in flight. On the last
-    virtual stage the output goes through ``loss_fn(output, labels)``, divided by the number of
+    virtual stage the output goes through ``loss_fn(output, labels, loss_weights)``, divided by the number of
     microbatches and multiplied by ``loss_scale`` (the fp16 loss scale), and the loss is the backward root.
     ``forward_only`` (evaluation): no autograd graph, nothing kept, only the losses.
     """
@@ -90,12 +121,14 @@ class ModuleStage:
 
     def run_chunk(self, chunk: int, microbatch: int, x: Tensor) -> Tensor:
         """Chunk ``chunk``'s forward of ``x`` (with the microbatch's labels: ``StageLayout.labels_to_last``)."""
+        extras = self.batches.extras(microbatch)  # a packed microbatch's document layout
         if self.layout.labels_to_last and self.is_last(chunk):
-            return self.chunks[chunk](x, labels=self.batches.labels(microbatch))
-        return self.chunks[chunk](x)
+            return self.chunks[chunk](x, labels=self.batches.labels(microbatch), **extras)
+        return self.chunks[chunk](x, **extras)
 
     def _loss(self, output: Tensor, microbatch: int) -> Tensor:
-        loss = self.loss_fn(output, self.batches.labels(microbatch)) / self.batches.num_microbatches
+        b = self.batches
+        loss = self.loss_fn(output, b.labels(microbatch), b.loss_weights(microbatch)) / b.num_microbatches
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:

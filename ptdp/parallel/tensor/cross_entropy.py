@@ -89,10 +89,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
-                        inplace_backward: bool = True) -> torch.Tensor:
+                        inplace_backward: bool = True, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of vocabulary-parallel logits (overwrites fp32 ``logits``: see
-    :func:`vocab_parallel_cross_entropy`, also for ``inplace_backward``): the pipeline stages' loss."""
-    return vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward).mean()
+    :func:`vocab_parallel_cross_entropy`, also for ``inplace_backward``): the pipeline stages' loss. With
+    per-token ``weights`` (a packed microbatch's loss mask and normalisation, ``ptdp.train.batches``) the
+    weighted sum instead."""
+    per_token = vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward)
+    return per_token.mean() if weights is None else (per_token * weights).sum()
 
 
 class VocabParallelCrossEntropy(nn.Module):

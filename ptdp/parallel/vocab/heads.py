@@ -86,10 +86,11 @@ class TResult:
 
 
 def t_pass(gathered: Tensor, saved: Saved, w: Tensor, rank: int, weights: Tensor, last: bool, barriers: int,
-           forward_only: bool, dtype: torch.dtype, tp_group: Any) -> TResult:
+           forward_only: bool, dtype: torch.dtype, tp_group: Any, token_weights: Tensor | None = None) -> TResult:
     """T from the C0-gathered statistics ``[p, heads, b, s, k]``: rescale each rank's sum to the global max,
     the loss (``last``), and unless ``forward_only`` the gradients of the heads' objective
-    ``Σ_k weights[k] · mean CE_k``."""
+    ``Σ_k weights[k] · mean CE_k``. ``token_weights`` ``[b, s]`` (a packed microbatch's loss mask and
+    normalisation, ``ptdp.train.batches``) turns the model head's mean into the weighted sum."""
     lmaxs = gathered[..., 0]
     gmax = lmaxs.max(dim=0).values
     c = (lmaxs - gmax).exp_()  # each rank's rescaling to the global max
@@ -100,12 +101,16 @@ def t_pass(gathered: Tensor, saved: Saved, w: Tensor, rank: int, weights: Tensor
     if last:
         ce = gsum.log() + gmax - gathered[..., 2].sum(dim=0)
         losses = (ce * valid).flatten(1).sum(dim=1) / counts
+        if token_weights is not None:
+            losses[0] = (ce[0] * token_weights).sum()
     if forward_only:
         return TResult(losses, torch.empty(0))
     x, e, local, outside = saved.x, saved.e, saved.local, saved.outside
-    gscale = (weights.double() / counts).float().view(-1, 1, 1)  # [heads, 1, 1]
+    gscale = (weights.double() / counts).float().view(-1, 1, 1) * valid  # [heads, b, s]: d objective / d CE
+    if token_weights is not None:
+        gscale[0] = token_weights * float(weights[0])
     factor = c / gsum  # [p, heads, b, s]
-    grad = e.mul_((factor[rank] * gscale * valid).unsqueeze(-1))  # softmax of this slice, scaled
+    grad = e.mul_((factor[rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
     grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
     result = TResult(losses, grad.flatten(0, -2).t() @ x.flatten(0, -2).float())
     if barriers == 2:
@@ -113,8 +118,7 @@ def t_pass(gathered: Tensor, saved: Saved, w: Tensor, rank: int, weights: Tensor
     elif last:
         h = x.shape[-1]
         a, b = gathered[..., 3:3 + h], gathered[..., 3 + h:]
-        coef = (gscale * valid).unsqueeze(-1)
-        result.whole = coef * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
+        result.whole = gscale.unsqueeze(-1) * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
     return result
 
 

@@ -358,7 +358,7 @@ class VocabStage(ModuleStage):
         last = self.rank == self.last_rank
         w = self.slices.output_weight()
         out = t_pass(gathered, self._saved.pop(mb), w, self.rank, self.weights, last, self.barriers,
-                     self.forward_only, self._dtype(), self.tp_group)
+                     self.forward_only, self._dtype(), self.tp_group, self.batches.loss_weights(mb))
         if last:
             self.losses[mb] = out.losses[0] * self.scale  # as ModuleStage's: over m, times the loss scale
             if self.heads > 1:  # the MTP modules' cross-entropies, for their step hook
