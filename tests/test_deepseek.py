@@ -194,13 +194,17 @@ def test_expert_bias_counts_each_training_forward_once():
      "places 0 MTP modules"),
     ({"parallel": {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Ettm|ttL"}},
      "a stage of its own"),
+    ({"data": {"reset_position_ids": True}}, "--mtp-num-layers with --reset-position-ids"),
+    ({"data": {"reset_attention_mask": True}}, "--mtp-num-layers with --reset-attention-mask"),
+    ({"data": {"eod_mask_loss": True}}, "--mtp-num-layers with --eod-mask-loss"),
 ])
 def test_bad_flag_combinations_are_one_line_each(changes, flag):
     config = Config()
     config.model = ModelConfig(**{**MODEL_PRESETS["tiny-deepseek"], **changes.get("model", {})})
     config.moe = MoEConfig(**{**MOE_PRESETS["tiny-deepseek"], **changes.get("moe", {})})
-    for key, value in changes.get("parallel", {}).items():
-        setattr(config.parallel, key, value)
+    for section in ("parallel", "data"):
+        for key, value in changes.get(section, {}).items():
+            setattr(getattr(config, section), key, value)
     config.training.micro_batch_size, config.training.global_batch_size = 2, 8
     world = config.parallel.context_parallel_size * config.parallel.pipeline_model_parallel_size
     assert not validate(_valid_copy(), 2)

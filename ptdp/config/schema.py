@@ -97,15 +97,13 @@ class ModelConfig:
         "slices) in pinned host memory until the recompute (ZeRO-R's CPU checkpointing; Megatron-DeepSpeed's flag)")
     compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
                         "bias-dropout-add); eager if it fails")
-    # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLA flags and defaults; ptdp/models/mla.py)
     multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): low-rank q, kv; decoupled RoPE")
     q_lora_rank: int | None = opt(None, "rank of the query compression (unset: one full query projection)")
     kv_lora_rank: int = opt(32, "rank of the key/value compression (the latent an inference cache keeps)")
     qk_head_dim: int = opt(128, "per-head query/key dimension without the RoPE part")
     qk_pos_emb_head_dim: int = opt(64, "per-head query/key RoPE dimension (the key's is shared by the heads)")
     v_head_dim: int = opt(128, "per-head value dimension")
-    rope_type: str | None = opt(None, "rope or yarn (default: yarn with --multi-latent-attention, else rope)",
-                                choices=["rope", "yarn"])
+    rope_type: str | None = opt(None, "rope or yarn (unset: yarn with MLA, else rope)", choices=["rope", "yarn"])
     rotary_scaling_factor: float = opt(1.0, "YaRN context-extension factor (1: no scaling)")
     mscale: float = opt(1.0, "YaRN: tables times mscale(f, mscale)/mscale(f, all-dim); mscale(f, m)=0.1*m*ln(f)+1")
     mscale_all_dim: float = opt(0.0, "YaRN: the softmax scale times mscale(factor, mscale-all-dim)^2")
@@ -121,11 +119,6 @@ class ModelConfig:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
         return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
-
-    @property
-    def resolved_rope_type(self) -> str:
-        """``--rope-type``, defaulting as Megatron-Core does: yarn for multi-latent attention, else rope."""
-        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
 
     @property
     def head_dim(self) -> int:
@@ -179,15 +172,12 @@ class MoEConfig:
                                          "parallelism): alltoall or allgather", choices=["alltoall", "allgather"])
     moe_grouped_gemm: bool = opt(False, "one grouped GEMM over the local experts (torch._grouped_mm) instead "
                                  "of a loop over experts")
-    # DeepSeek-V3's router (Megatron-Core's flags and defaults; ptdp.models.moe.TopKRouter)
-    moe_router_score_function: str = opt("softmax", "router scores: softmax, or sigmoid (DeepSeek-V3: the k "
-                                         "chosen scores normalised to sum 1)", choices=["softmax", "sigmoid"])
-    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: a bias b_i for the top-k choice only, "
-                                              "b_i += rate * sign(mean load - load_i) after each step (sigmoid)")
+    moe_router_score_function: str = opt("softmax", "router scores (DeepSeek-V3: sigmoid)",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: b += rate*sign(mean - load)")
     moe_router_bias_update_rate: float = opt(1e-3, "the expert bias update rate (DeepSeek-V3's 1e-3)")
     moe_router_num_groups: int | None = opt(None, "group-limited routing: the experts in this many equal groups")
-    moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (by the sum "
-                                            "of their top k/group-topk scores)")
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (top scores)")
     moe_router_topk_scaling_factor: float | None = opt(None, "the k routing weights times this (DeepSeek-V3: 2.5)")
 
 

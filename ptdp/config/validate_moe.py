@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no runtime import: the models import moe_layer_pattern from here
-    from ptdp.config.schema import Config
+    from ptdp.config.schema import Config, ModelConfig
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
@@ -119,7 +119,7 @@ def deepseek_errors(config: Config) -> list[str]:
                 or m.rotary_percent != 1.0:
             errors.append("--multi-latent-attention needs --position-embedding-type rope (for its decoupled RoPE "
                           "part), without --group-query-attention, --use-rope-scaling or --rotary-percent")
-    if m.resolved_rope_type == "yarn":
+    if rope_type(m) == "yarn":
         if not m.multi_latent_attention:
             errors.append("--rope-type yarn is applied by multi-latent attention; add --multi-latent-attention")
         if not (m.rotary_scaling_factor > 0 and m.original_max_position_embeddings > 0 and m.beta_fast > 0
@@ -131,6 +131,11 @@ def deepseek_errors(config: Config) -> list[str]:
     elif m.mtp_num_layers is not None and m.mtp_num_layers < 0:
         errors.append(f"--mtp-num-layers must be >= 0 (0: none), got {m.mtp_num_layers}")
     return errors
+
+
+def rope_type(m: ModelConfig) -> str:
+    """``--rope-type``, defaulting as Megatron-Core does: yarn with multi-latent attention, else rope."""
+    return m.rope_type or ("yarn" if m.multi_latent_attention else "rope")
 
 
 def _mtp_errors(config: Config) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
+from ptdp.config.validate_moe import rope_type
 from ptdp.hf import llama as hf_llama
 from ptdp.hf import moe as hf_moe
 
@@ -72,7 +73,7 @@ def export_problem(cfg: ModelConfig, moe: MoEConfig) -> str | None:
     k = pattern.index(True) if any(pattern) else cfg.num_layers
     if pattern != [False] * k + [True] * (cfg.num_layers - k):
         return "DeepSeek-V3 export needs the MoE layers to be all the layers after the first k (--moe-layer-freq)"
-    if cfg.resolved_rope_type == "yarn" and cfg.rotary_scaling_factor > 1 and not (
+    if rope_type(cfg) == "yarn" and cfg.rotary_scaling_factor > 1 and not (
             (cfg.mscale and cfg.mscale_all_dim) or cfg.mscale == 1.0):
         return "DeepSeek-V3 export of YaRN needs --mscale and --mscale-all-dim both non-zero, or --mscale 1"
     if not moe.num_experts:
@@ -260,7 +261,7 @@ def hf_config_kwargs(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int
     """``DeepseekV3Config`` keyword arguments that make HF compute what ptdp computes."""
     pattern = _pattern(cfg, moe)
     rope: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    if cfg.resolved_rope_type == "yarn" and cfg.rotary_scaling_factor != 1.0:
+    if rope_type(cfg) == "yarn" and cfg.rotary_scaling_factor != 1.0:
         rope = {**rope, "rope_type": "yarn", "factor": cfg.rotary_scaling_factor, "mscale": cfg.mscale,
                 "mscale_all_dim": cfg.mscale_all_dim, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
                 "original_max_position_embeddings": cfg.original_max_position_embeddings}

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ptdp.config.validate_moe import rope_type
 from ptdp.models.layers import CausalAttention, Linear, RngContext, SequencePositions, norm
 from ptdp.models.rotary import RotaryEmbedding, yarn_inverse_frequencies, yarn_mscale
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 def mla_rotary(cfg: ModelConfig) -> tuple[RotaryEmbedding, float]:
     """The rotary embedding of the d_r RoPE dimensions and the softmax scale (see the module docstring)."""
     dim, scale = cfg.qk_pos_emb_head_dim, (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim) ** -0.5
-    if cfg.resolved_rope_type != "yarn":
+    if rope_type(cfg) != "yarn":
         return RotaryEmbedding(dim, 1.0, cfg.rotary_base, interleaved=True), scale
     factor = cfg.rotary_scaling_factor
     inv_freq = yarn_inverse_frequencies(dim, cfg.rotary_base, factor, cfg.original_max_position_embeddings,
