@@ -6,8 +6,10 @@ position embeddings and rotary tables) becomes the real positions of this rank's
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
 all-gather). Multi-token prediction (issue 41) reads tokens k places ahead, which may sit in another rank's
 chunk: its ``ShiftLabels`` becomes :class:`ContextParallelShift`, which gathers the labels of the CP group
-(integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. The data loader shards the tokens the same way (``ptdp.train.batches.cp_shard``); gradients are
-averaged over the d·c ranks of the dp-cp group (``ptdp.parallel.dims``).
+(integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. Multi-latent attention
+inside packed documents reaches the document kernels through ``ptdp.models.documents.equal_widths``. The
+data loader shards the tokens the same way (``ptdp.train.batches.cp_shard``); gradients are averaged over
+the d·c ranks of the dp-cp group (``ptdp.parallel.dims``).
 """
 
 from __future__ import annotations

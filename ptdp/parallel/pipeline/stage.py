@@ -61,9 +61,7 @@ def split_model(model: GPTModel, stages: Sequence[int], num_stages: int, placeme
             del chunk.layers[name]
         first, last = stage == 0, stage == num_stages - 1
         if not last:
-            chunk.final_layernorm = chunk.lm_head = None
-        if not last:
-            chunk.mtp = None
+            chunk.final_layernorm = chunk.lm_head = chunk.mtp = None
         if not first:
             if last and chunk.mtp is not None:  # multi-token prediction embeds tokens: keep a copy
                 chunk.embedding_copy = chunk.embedding
