@@ -221,12 +221,12 @@ class GPTModel(nn.Module):
             x = layer(x, documents)
         return x
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                documents: DocumentLayout | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out.
-        ``labels`` (the next tokens, ``[b, s]``) feed the multi-token prediction loss, if the model has one.
         ``documents``: the packed microbatch's document layout (positions and attention stop at each end of
-        document; ``ptdp.models.documents``), or None: one causal window."""
+        document; ``ptdp.models.documents``), or None: one causal window. ``labels`` (the next tokens,
+        ``[b, s]``) feed the multi-token prediction loss, if the model has one."""
         if self.embedding is not None:
             x = self.embedding(x, documents)
         x = self.run_layers(x, documents)
