@@ -210,7 +210,7 @@ def main() -> None:
     clip = trainer.config.optimizer.clip_grad
     total_iters = 1 + args.repeats * args.iters
     def microbatches(it: int) -> list:
-        source = Microbatches(trainer.data.train, it - 1, trainer.batch_format, trainer.state, args.microbatches)
+        source = Microbatches(trainer.data.train, it - 1, trainer.batch_format, trainer.plan.groups, args.microbatches)
         return [(source.inputs(j), source.labels(j)) for j in range(args.microbatches)]
 
     batches = {it: microbatches(it) for it in range(1, total_iters + 1)}

@@ -47,15 +47,14 @@ class CheckpointManager:
         # The agreement's group: host tensors over gloo, so agreeing never synchronises with a GPU stream.
         # Created by every rank alike (new_group is collective); the default group already is gloo on CPUs.
         self._agree_group = None
-        state = trainer.state
-        if state.mesh is not None and state.device.type != "cpu":
+        groups = trainer.plan.groups
+        if groups.mesh is not None and groups.device.type != "cpu":
             self._agree_group = dist.new_group(backend="gloo")
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
             from ptdp.checkpointing.saver import CheckpointWriter
 
-            state = trainer.state
-            self.writer = CheckpointWriter(state.rank, state.dims.world_size, self.ck.async_save)
-            if state.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
+            self.writer = CheckpointWriter(groups.rank, trainer.plan.world, self.ck.async_save)
+            if groups.rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
                 from ptdp.checkpointing.storage import remove_leftovers
 
                 for path in remove_leftovers(self.ck.save):
@@ -84,9 +83,9 @@ class CheckpointManager:
             return 0
         iteration = load_checkpoint(self.trainer, self.ck.load)
         interrupt.loaded(iteration)
-        if not iteration and self.trainer.state.rank == 0:  # an empty DIR, or a --save DIR not saved yet
+        if not iteration and self.trainer.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet
             print(f" no checkpoint in {self.ck.load}: starting from scratch", flush=True)
-        if iteration and self.trainer.state.rank == 0:
+        if iteration and self.trainer.plan.groups.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
             self._report_layout_change()
             self._report_data_mix()
@@ -101,7 +100,7 @@ class CheckpointManager:
         trainer = self.trainer
         saved = read_info(resolve(self.ck.load))["layout"]
         line = layout_change(saved, _layout(trainer), trainer.config.training.global_batch_size,
-                             trainer.num_microbatches)
+                             trainer.plan.m)
         if line:
             print(line, flush=True)
 
@@ -123,19 +122,19 @@ class CheckpointManager:
             from ptdp.runtime.phases import Phase
 
             self._first_phase = Phase(f"iteration {iteration} (the first one pays one-off costs)",
-                                          rank=self.trainer.state.rank)
+                                          rank=self.trainer.plan.groups.rank)
         timeout = self.trainer.config.parallel.hang_timeout_s
         if self._first_iteration is None:
             self._first_iteration = iteration
-        if (self.watchdog is None and timeout and self.trainer.state.dims.world_size > 1
+        if (self.watchdog is None and timeout and self.trainer.plan.world > 1
                 and iteration > self._first_iteration):
             # Armed once the first iteration is done (start-up, loading and the first iteration's lazy
             # torch.compile and NCCL set-up are not watched: --distributed-timeout-minutes covers them),
             # so a long first compile is no false alarm. Progress is a host timestamp: reading it never
             # synchronises with a GPU. See flight_recorder.
             run_dir = flight_recorder.run_directory(self.ck.save, self.trainer.config.training.metrics_file)
-            self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.state.rank,
-                                                     self.trainer.state.dims.world_size, timeout)
+            self.watchdog = flight_recorder.Watchdog(run_dir, self.trainer.plan.groups.rank,
+                                                     self.trainer.plan.world, timeout)
 
     def due(self, iteration: int) -> bool:
         """Whether ``iteration`` saves or stops by schedule (the same answer on every rank). The loop reads
@@ -165,7 +164,7 @@ class CheckpointManager:
             self.save(iteration)
         if sigint:  # rank 0 says so once train() returned (the save committed): ptdp.runtime.interrupt
             interrupt.stopped(iteration, saved=bool(self.ck.save))
-        elif signalled and self.trainer.state.rank == 0:
+        elif signalled and self.trainer.plan.groups.rank == 0:
             print(f" SIGTERM received: stopping after iteration {iteration}"
                   + (" (checkpoint saved)" if self.ck.save else " (no --save, nothing saved)"), flush=True)
         return stop
@@ -187,7 +186,7 @@ class CheckpointManager:
         self.last_saved = iteration
 
     def _committed(self, iteration: int, path: Path, write_s: float) -> None:
-        if self.trainer.state.rank == 0:
+        if self.trainer.plan.groups.rank == 0:
             stall = (f"; the loop stalled {self.last_stall_s:.3f} s" if self.writer.async_save and self.last_stall_s
                      else "")
             print(f" saved checkpoint {path} (written in {write_s:.3f} s{stall})", flush=True)
@@ -200,7 +199,7 @@ class CheckpointManager:
 
     def _agree(self, *flags: bool) -> list[bool]:
         """The OR of each flag over all ranks (one tiny all-reduce; nothing to do in a single process)."""
-        if self.trainer.state.mesh is None:  # one process: no tensor, so no host-device sync either
+        if self.trainer.plan.groups.mesh is None:  # one process: no tensor, so no host-device sync either
             return [bool(f) for f in flags]
         values = torch.tensor([float(f) for f in flags])  # a host tensor: no GPU stream is involved
         flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, SIGINT, NaN)")

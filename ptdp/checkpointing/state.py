@@ -54,14 +54,14 @@ def _layout(trainer) -> dict:
     DP (the distributed optimizer shards over the dp-cp group and :func:`optimizer_state` gathers over it),
     so c changes nothing in the saved tensors: it is recorded (only when c > 1, so c = 1 checkpoints keep
     their old layout) to tell a same-layout resume, whose RNG states apply, from a resharded one."""
-    dims, par = trainer.state.dims, trainer.config.parallel
-    layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
-              "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
-              "pipeline_schedule": par.schedule}
-    if dims.cp > 1:
-        layout["context_parallel_size"] = dims.cp
-    if par.expert_model_parallel_size > 1:
-        layout["expert_model_parallel_size"] = par.expert_model_parallel_size
+    plan = trainer.plan
+    layout = {"tensor_model_parallel_size": plan.t, "pipeline_model_parallel_size": plan.p,
+              "data_parallel_size": plan.d, "virtual_pipeline_model_parallel_size": plan.v,
+              "pipeline_schedule": plan.schedule}
+    if plan.c > 1:
+        layout["context_parallel_size"] = plan.c
+    if plan.e > 1:
+        layout["expert_model_parallel_size"] = plan.e
     return layout
 
 
@@ -89,8 +89,8 @@ def _mesh_for(trainer) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
 
     def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:
         if axes not in meshes:
-            expert = trainer.state.expert
-            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else trainer.state.mesh
+            expert = trainer.plan.groups.expert
+            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else trainer.plan.groups.mesh
             meshes[axes] = None if whole is None else whole[axes]
         return meshes[axes]
 
@@ -152,7 +152,7 @@ def save_state_dict(trainer) -> dict[str, torch.Tensor]:
     out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(trainer)})
     if pieces:
         out.update(optimizer_shards.save_entries(trainer.optimizer, trainer.placements, sharded_model))
-    out.update(_rng_entries(trainer.state.rank))
+    out.update(_rng_entries(trainer.plan.groups.rank))
     return out
 
 
@@ -165,13 +165,13 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     """
     from ptdp.checkpointing.saver import CheckpointWriter, stage
 
-    ck, state = trainer.config.checkpoint, trainer.state
+    ck, rank = trainer.config.checkpoint, trainer.plan.groups.rank
     if writer is None:
-        writer = CheckpointWriter(state.rank, state.dims.world_size, async_save=False)
+        writer = CheckpointWriter(rank, trainer.plan.world, async_save=False)
     state_dict = save_state_dict(trainer)
     has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
     info = None
-    if state.rank == 0:
+    if rank == 0:
         info = {
             "iteration": iteration,
             "consumed_samples": trainer.data.train.consumed_samples(iteration),
@@ -200,10 +200,10 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
     from ptdp.checkpointing.saver import verify_data_files
 
-    verify_data_files(directory, trainer.state.rank, trainer.state.dims.world_size)  # each rank a share
+    verify_data_files(directory, trainer.plan.groups.rank, trainer.plan.world)  # each rank a share
     info = storage.read_info(directory)
     problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
-                             trainer.state.dims.tp)
+                             trainer.plan.t)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -236,7 +236,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     for name, buffer in named_buffers(trainer):
         want(f"model.{name}", buffer, None, shard=False)
     same_layout = info["layout"] == _layout(trainer)
-    rng = _rng_entries(trainer.state.rank)
+    rng = _rng_entries(trainer.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
     install_pieces = None
@@ -269,11 +269,12 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
-        prefix = f"rng.rank{trainer.state.rank}."
+        prefix = f"rng.rank{trainer.plan.groups.rank}."
         _restore_rng(trainer, {key.removeprefix(prefix): request[key] for key in rng})
     elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
-        tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
-                                      trainer.state.pp_rank, trainer.state.device)
+        groups = trainer.plan.groups
+        tp_random.model_parallel_seed(reseed(trainer.plan.seed, iteration), groups.tp_rank, groups.pp_rank,
+                                      groups.device)
     return iteration
 
 
@@ -293,9 +294,7 @@ def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
 
 
 def _padded_vocab(trainer) -> int:
-    dims = trainer.state.dims
-    vocab_parallel = trainer.config.parallel.enable_vocab_parallel
-    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
+    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, trainer.plan.vocab_divisor)
 
 
 def _grad_scaler(trainer):
@@ -304,7 +303,7 @@ def _grad_scaler(trainer):
 
 
 def _barrier(trainer) -> None:
-    if trainer.state.mesh is not None:
+    if trainer.plan.groups.mesh is not None:
         dist.barrier()
 
 

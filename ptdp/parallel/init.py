@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.config import Config
 from ptdp.parallel.placement import Placement, Placements
 
 
@@ -143,8 +142,3 @@ def _unallocated(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     t.untyped_storage().resize_(0)
     return t
 
-
-def params_dtype(config: Config) -> torch.dtype:
-    """The model's parameter (and activation) dtype."""
-    mp = config.precision
-    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32

@@ -20,7 +20,7 @@ from ptdp.train.state import TrainState
 
 def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
     """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
-    run, state = trainer.assembly, trainer.state
+    run, groups = trainer.assembly, trainer.plan.groups
     actions = run.actions(forward_only=True)
     for chunk in trainer.chunks:
         chunk.eval()
@@ -30,7 +30,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             # A heartbeat per batch: a long evaluation is progress, not a hang (--hang-timeout-s), whatever
             # the layout (with p = 1 it issues no communication the flight recorder would see until the end).
             flight_recorder.record("evaluation", action=f"validation batch {k + 1}/{eval_iters}")
-            batches = Microbatches(dataset, k, trainer.batch_format, state, trainer.num_microbatches)
+            batches = Microbatches(dataset, k, trainer.batch_format, groups, trainer.plan.m)
             stage = run.make_stage(batches, forward_only=True)
             with torch.no_grad():
                 run_schedule(actions, stage, trainer.comm, run.handlers)
@@ -38,7 +38,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
     finally:
         for chunk in trainer.chunks:
             chunk.train()
-    loss = torch.tensor(total / eval_iters, dtype=torch.float64, device=state.device)
+    loss = torch.tensor(total / eval_iters, dtype=torch.float64, device=groups.device)
     return run.reduce_loss(loss).item()
 
 

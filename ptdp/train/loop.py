@@ -45,18 +45,18 @@ def train(config: Config) -> list[dict]:
     recompute = m.recompute_granularity == "full"
     counted: list[int] = []  # each logged iteration's count, for the run summary's average
     peak = hardware.peak_flops_for_current_device()
-    is_logger = trainer.state.rank == 0
+    groups = trainer.plan.groups
+    is_logger = groups.rank == 0
     if tr.metrics_file and is_logger:
         Path(tr.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
     summary = startup_summary(trainer)
     if is_logger:
         print(summary, flush=True)
-    observer = RunObserver(config, trainer.state.rank, trainer.state.dims.world_size, first_iteration,
-                           trainer.state.device)
+    observer = RunObserver(config, groups.rank, trainer.plan.world, first_iteration, groups.device)
     trainer.timeline = observer.timeline
     start = time.perf_counter()
-    clock = Clock(trainer.state.device)  # CUDA events on a GPU: iteration times without a host sync
+    clock = Clock(groups.device)  # CUDA events on a GPU: iteration times without a host sync
     pending: list[tuple[float, float, dict]] = []  # (start mark, end mark, train_step record) not yet read
 
     def flush(evaluate_at: int | None = None) -> dict:
@@ -67,7 +67,7 @@ def train(config: Config) -> list[dict]:
         for (t0, t1, _), record in zip(pending, records, strict=True):
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")
-            per_gpu = 1.0 / elapsed / trainer.state.dims.world_size
+            per_gpu = 1.0 / elapsed / trainer.plan.world
             attention = counter.attention_length(it) if is_logger else None
             counted.append(counter(recompute, attention))
             record = {

@@ -18,7 +18,7 @@ def moe_metrics(stats: torch.Tensor, trainer: TrainState) -> dict:
     """The record's MoE numbers: each auxiliary loss summed over layers (each layer's mean over the
     micro-batches: what the objective adds), max over layers of the busiest expert's load / the mean load,
     and the routed (token, expert) assignments dropped over the global batch."""
-    replicas = trainer.num_microbatches * trainer.state.dims.dp * trainer.state.dims.cp
+    replicas = trainer.plan.m * trainer.plan.d * trainer.plan.c
     values = stats.to(torch.float64).cpu()
     load = values[:, 3:]
     ratio = (load.max(1).values / load.mean(1).clamp_min(1e-12)).max() if len(load) else torch.tensor(0.0)
@@ -29,7 +29,7 @@ def moe_metrics(stats: torch.Tensor, trainer: TrainState) -> dict:
 def mtp_metrics(losses: torch.Tensor, trainer: TrainState) -> dict:
     """``mtp_loss``: the mean over the D modules of their cross-entropy, averaged like the LM loss (the
     objective adds ``--mtp-loss-scaling-factor`` times it)."""
-    replicas = trainer.num_microbatches * trainer.state.dims.dp * trainer.state.dims.cp
+    replicas = trainer.plan.m * trainer.plan.d * trainer.plan.c
     return {"mtp_loss": float(losses.to(torch.float64).mean()) / replicas}
 
 

@@ -50,16 +50,15 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
     timings are complete); the worst rank is found with one small all-reduce (collective: every rank
     reads the same records).
     """
-    state = trainer.state
+    plan = trainer.plan
     idle, busy = float(stats.idle_s), float(stats.busy_s)
     row = [idle / max(idle + busy, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
-    if state.dims.world_size > 1:
-        worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
+    if plan.world > 1:
+        worst = to_device(torch.tensor(row, dtype=torch.float64), plan.groups.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         row = worst.tolist()
     bubble, in_flight, saved = row
-    ratio = bubble_fraction_formula(state.dims.pp, len(trainer.chunks), trainer.num_microbatches,
-                                    trainer.config.parallel.schedule)
+    ratio = bubble_fraction_formula(plan.p, len(trainer.chunks), plan.m, plan.schedule)
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": ratio / (1 + ratio),
@@ -79,8 +78,9 @@ def rank_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None])
     the gradient all-reduce, so only the time each spent computing tells the straggler apart. Read after
     ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``."""
     busy = straggler.mean_step_time([float(s.busy_s) for s in schedule_stats if s is not None])
-    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, trainer.state.device)
-    rows = straggler.gather_rows([busy, *memory], trainer.state.dims.world_size, trainer.state.device)
+    device = trainer.plan.groups.device
+    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, device)
+    rows = straggler.gather_rows([busy, *memory], trainer.plan.world, device)
     return {**straggler.step_time_fields([r[0] for r in rows]), **memory_fields([r[1:] for r in rows])}
 
 
@@ -91,13 +91,13 @@ def startup_summary(trainer: TrainState) -> str:
     every rank calls it)."""
     from ptdp.config.presets import model_family
 
-    cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
+    cfg, plan = trainer.config, trainer.plan
     m = cfg.model
     states = model_states_at_start(trainer.params, trainer.grads, trainer.optimizer)
     rows = straggler.gather_rows([float(sum(p.numel() for p in trainer.params)), *(float(states[k]) for k in
-                                  ("total", "params", "grads", "optimizer"))], state.dims.world_size, state.device)
+                                  ("total", "params", "grads", "optimizer"))], plan.world, plan.groups.device)
     fullest = max(rows, key=lambda r: r[1])  # the rank holding the most model-state bytes
-    padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
+    padded = m.padded_vocab_size(trainer.vocab_size, plan.t)
     norm = flops.norm_parameters(m.hidden_size, m.normalization, not m.disable_bias_norm)
     moe = flops.moe_shape(m, cfg.moe)
     total = flops.model_parameter_count(m, padded, moe) + norm
@@ -108,9 +108,8 @@ def startup_summary(trainer: TrainState) -> str:
             f"({_count(max(r[0] for r in rows))} on the fullest rank) | model states on the fullest rank: "
             f"{_bytes(fullest[1])} (params {_bytes(fullest[2])}, grads {_bytes(fullest[3])}, optimizer "
             f"{_bytes(fullest[4])}) | "
-            f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
-            f"d={state.dims.dp} v={par.virtual_size} "
-            f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
+            f"layout: t={plan.t} {f'c={plan.c} ' if plan.c > 1 else ''}p={plan.p} d={plan.d} v={plan.v} "
+            f"schedule={plan.schedule if plan.p > 1 else 'none'} | microbatches: {plan.m} "
             f"| tokens/iteration: {tokens}")
 
 
@@ -153,7 +152,7 @@ def evaluate_checkpoint(trainer: TrainState, iteration: int) -> dict:
     the model as loaded, one record (also appended to ``--metrics-file``)."""
     import json
 
-    is_logger = trainer.state.rank == 0
+    is_logger = trainer.plan.groups.rank == 0
     if is_logger:
         print(f" skipping training (--skip-train): evaluating the model at iteration {iteration}", flush=True)
     record = {"iteration": iteration,

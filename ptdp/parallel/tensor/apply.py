@@ -125,41 +125,43 @@ def apply_tensor_parallel(model: GPTModel, tp_group, placements: Placements, *,
     ``placements``; returns it.
 
     On the meta device (``ptdp.parallel.parallelize``) no memory is touched; on a real device the new parameters are
-    uninitialised (``ptdp.parallel.init.init_parameters`` fills them).
+    uninitialised (``ptdp.parallel.init.init_parameters`` fills them). ``sequence_parallel`` is decided by the
+    caller (``ptdp.parallel.plan``: only with more than one rank in ``tp_group``).
     """
-    sp = sequence_parallel and group_size(tp_group) > 1
     fork = model_parallel_rng
     placements.adopt(model)  # a plain model's parameters (a pipeline chunk's are recorded already)
     for embedding in (model.embedding, model.embedding_copy):
         if embedding is not None:
-            _split_embedding(model, embedding, tp_group, placements, sp)
+            _split_embedding(model, embedding, tp_group, placements, sequence_parallel)
     mtp = [] if model.mtp is None else list(model.mtp.layers.values())
     for module in mtp:  # issue 41: multi-token prediction's own projection, as Megatron-Core splits it
-        module.eh_proj = column_parallel(module.eh_proj, tp_group, placements, sp, gather_output=True)
-        if sp:  # back to this rank's tokens before its transformer layer
-            module.eh_proj.register_forward_hook(lambda _, args, out: scatter_to_sequence_parallel_region(out, tp_group))
+        module.eh_proj = column_parallel(module.eh_proj, tp_group, placements, sequence_parallel,
+                                         gather_output=True)
+        if sequence_parallel:  # back to this rank's tokens before its transformer layer
+            module.eh_proj.register_forward_hook(
+                lambda _, args, out: scatter_to_sequence_parallel_region(out, tp_group))
     if model.mtp is not None:
         model.mtp.cross_entropy = VocabParallelCrossEntropy(tp_group)
     for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
         attention, mlp = layer.attention, layer.mlp
         if isinstance(attention, MultiLatentAttention):
-            _split_mla(attention, tp_group, placements, sp)
+            _split_mla(attention, tp_group, placements, sequence_parallel)
         else:
-            attention.qkv = column_parallel(attention.qkv, tp_group, placements, sp)
-            attention.proj = row_parallel(attention.proj, tp_group, placements, sp)
+            attention.qkv = column_parallel(attention.qkv, tp_group, placements, sequence_parallel)
+            attention.proj = row_parallel(attention.proj, tp_group, placements, sequence_parallel)
         attention.dropout_rng = fork  # heads are split across ranks: masks must differ per rank
         if hasattr(mlp, "fc1"):  # a mixture of experts is split by its own layout (ptdp.parallel.expert.apply)
-            mlp.fc1 = column_parallel(mlp.fc1, tp_group, placements, sp)
-            mlp.fc2 = row_parallel(mlp.fc2, tp_group, placements, sp)
-        if sp:  # each rank holds different tokens: independent masks
+            mlp.fc1 = column_parallel(mlp.fc1, tp_group, placements, sequence_parallel)
+            mlp.fc2 = row_parallel(mlp.fc2, tp_group, placements, sequence_parallel)
+        if sequence_parallel:  # each rank holds different tokens: independent masks
             layer.dropout_add.rng = fork
     if model.lm_head is not None:
         model.lm_head = vocab_parallel(model.lm_head, tp_group, placements)
     if model.output_layer is not None and not isinstance(model.output_layer, VocabParallelEmbedding):
         model.output_layer = vocab_parallel(model.output_layer, tp_group, placements)
     if model.final_layernorm is not None:
-        model.logits = VocabParallelLogits(model.vocab_size, tp_group=tp_group, sequence_parallel=sp)
-    if sp:
+        model.logits = VocabParallelLogits(model.vocab_size, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
         for name, param in model.named_parameters():
             if "layernorm" in name:
                 placements.update(param, sequence_parallel=True)  # partial sums over this rank's tokens

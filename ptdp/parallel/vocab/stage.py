@@ -190,7 +190,7 @@ class VocabStage(ModuleStage):
         self.m = batches.num_microbatches
         self.scale, self.barriers = loss_scale / self.m, vocab.barriers
         self.pp_group, self.tp_group, self.pp_ranks = vocab.pp_group, vocab.tp_group, list(vocab.pp_ranks)
-        self.sp = vocab.sequence_parallel and group_size(self.tp_group) > 1
+        self.sp = vocab.sequence_parallel
         self.grads = vocab.grads
         self.slices = vocab_slices(chunks)
         cfg = chunks[0].cfg
