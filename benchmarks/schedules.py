@@ -145,23 +145,30 @@ class SleepChunk(nn.Module):
         return _SleepInput.apply(x, self.t_f, self.t_b) + _SleepWeight.apply(x.detach(), self.scale, self.t_w)
 
 
-def _timed(step, repeats: int, warmup: int) -> float:
-    """Median over ranks' slowest step time; a barrier lines the ranks up before each step."""
-    times = []
+def _timed(step, repeats: int, warmup: int) -> tuple[float, float]:
+    """(median over steps of the slowest rank's step time, the busiest rank's median CPU time per step);
+    a barrier lines the ranks up before each step. The stages sleep, so a step's CPU time is the schedule
+    machinery's own (executor, p2p, gloo's threads, the tensors handed on): a yardstick that the load of a
+    shared machine hardly moves, where the step time waits for every rank to be scheduled again."""
+    times, cpu = [], []
     for i in range(warmup + repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
+        c1 = time.process_time()
         elapsed = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
             times.append(elapsed.item())
-    return statistics.median(times)
+            cpu.append(c1 - c0)
+    busiest = torch.tensor([statistics.median(cpu)])
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    return statistics.median(times), busiest.item()
 
 
-def _ours(name: str, rank: int, p: int, v: int, m: int, args) -> tuple[float, float]:
-    """(median step time, the slowest rank's median busy time): busy over m·(t_F+t_B+t_W) is how much
-    the sleeps overran (CPU load delays each wake-up), apart from the bubble."""
+def _ours(name: str, rank: int, p: int, v: int, m: int, args) -> tuple[float, float, float]:
+    """(median step time, the busiest rank's CPU time per step, the slowest rank's median busy time): busy
+    over m·(t_F+t_B+t_W) is how much the sleeps overran (CPU load delays each wake-up), apart from the bubble."""
     x = torch.randn(m, MICRO_BATCH, HIDDEN)
     comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN))
     actions = build_schedule(name, p, v, m, rank)
@@ -171,13 +178,13 @@ def _ours(name: str, rank: int, p: int, v: int, m: int, args) -> tuple[float, fl
     def step() -> None:
         busy.append(run_schedule(actions, stage, comm, count_saved_bytes=False).busy_s)
 
-    took = _timed(step, args.repeats, args.warmup)
+    took, cpu = _timed(step, args.repeats, args.warmup)
     slowest = torch.tensor([statistics.median(busy[args.warmup:])])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return took, slowest.item()
+    return took, cpu, slowest.item()
 
 
-def _theirs(name: str, rank: int, p: int, v: int, m: int, args) -> float:
+def _theirs(name: str, rank: int, p: int, v: int, m: int, args) -> tuple[float, float]:
     from torch.distributed import pipelining
 
     placement = schedule_placement(name)
@@ -217,9 +224,9 @@ def _worker(rank: int, args, store: str, out: str) -> None:
             per_m = {}
             for name in args.schedules:
                 v = chunks_per_rank(name, args.v)
-                ours, busy = _ours(name, rank, args.p, v, m, args)
-                theirs = _theirs(name, rank, args.p, v, m, args) if name in TORCH_SCHEDULES else None
-                per_m[name] = (v, ours, theirs, busy)
+                ours, ours_cpu, busy = _ours(name, rank, args.p, v, m, args)
+                theirs, theirs_cpu = _theirs(name, rank, args.p, v, m, args) if name in TORCH_SCHEDULES else (None, None)
+                per_m[name] = (v, ours, theirs, busy, ours_cpu, theirs_cpu)
             results.append((m, per_m))
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -236,7 +243,7 @@ def report_for(args, m: int, raw: dict) -> dict:
     """Per schedule: times, ideal, measured and formula bubble, ratios (None where torch has none)."""
     work = m * (args.t_f + args.t_b + args.t_w)
     report = {}
-    for name, (v, ours, theirs, busy) in raw.items():
+    for name, (v, ours, theirs, busy, ours_cpu, theirs_cpu) in raw.items():
         formula = bubble_fraction_formula(args.p, v, m, schedule=name)
         ideal = work * (1 + formula)
         report[name] = {
@@ -247,6 +254,9 @@ def report_for(args, m: int, raw: dict) -> dict:
             "torch_bubble_fraction": None if theirs is None else theirs / work - 1,
             "torch_schedule": TORCH_SCHEDULES.get(name),
             "busy_over_work": busy / work,  # > 1: the sleeps overran (load), not a schedule bubble
+            # the busiest rank's CPU time per step (the stages sleep: this is the machinery's own cost)
+            "ours_cpu_s": ours_cpu, "torch_cpu_s": theirs_cpu,
+            "cpu_over_torch": None if theirs_cpu is None else ours_cpu / theirs_cpu,
         }
     return report
 
@@ -307,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"p={args.p} m={m} t_F={args.t_f * 1e3:.0f}ms t_B={args.t_b * 1e3:.0f}ms t_W={args.t_w * 1e3:.0f}ms "
               f"NCCL-safe placement, median of {args.repeats} after {args.warmup} warm-up")
         print(f"{'schedule':<12} {'v':>2} {'ideal s':>8} {'ours s':>8} {'torch s':>8} {'ours/ideal':>11} "
-              f"{'torch/ideal':>12} {'ours/torch':>11} {'bubble':>7} {'formula':>8} {'busy/work':>9}")
+              f"{'torch/ideal':>12} {'ours/torch':>11} {'bubble':>7} {'formula':>8} {'busy/work':>9} {'cpu ms':>7} "
+              f"{'cpu/torch':>9}")
         for name, r in report.items():
             print(f"{name:<12} {r['v']:>2} {r['ideal_s']:>8.3f} {r['ours_s']:>8.3f} {_fmt(r['torch_s'], 8)} "
                   f"{r['time_over_ideal']:>11.3f} {_fmt(r['torch_over_ideal'], 12)} {_fmt(r['time_over_torch'], 11)} "
-                  f"{r['bubble_fraction']:>7.3f} {r['bubble_fraction_formula']:>8.3f} {r['busy_over_work']:>9.3f}")
+                  f"{r['bubble_fraction']:>7.3f} {r['bubble_fraction_formula']:>8.3f} {r['busy_over_work']:>9.3f} "
+                  f"{r['ours_cpu_s'] * 1e3:>7.1f} {_fmt(r['cpu_over_torch'], 9)}")
         for line in goals(report, m * (args.t_f + args.t_b + args.t_w)):
             print("  goal: " + line)
     return 0

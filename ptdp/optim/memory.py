@@ -68,7 +68,7 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads: GradReducer | None 
     out = dict.fromkeys(CATEGORIES, 0)
     for category, tensor in _held(params, grads, optimizer):
         storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
+        key = (tensor.device, storage.data_ptr())  # the device itself: str() of it costs more than the rest
         if storage.nbytes() == 0 or key in seen:
             continue
         seen.add(key)
@@ -139,26 +139,27 @@ def window_peak_bytes(device: torch.device) -> int:
     ``max_memory_allocated`` on a GPU, the resident set's high-water mark on the CPU (reset through
     ``/proc/self/clear_refs``; where that is not writable it stays the run's peak). The run's peaks
     (:func:`peak_resident_bytes`, ``_lifetime_peak["cuda"]``) take this window's in first."""
-    peak_resident_bytes()
+    resident = _status_bytes("VmHWM")  # read once: this window's resident peak, and the run's
+    _lifetime_peak["rss"] = max(_lifetime_peak["rss"], resident)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         _lifetime_peak["cuda"] = max(_lifetime_peak["cuda"], peak)
         torch.cuda.reset_peak_memory_stats(device)
         return peak
-    peak = _status_bytes("VmHWM")
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # VmHWM := VmRSS
     except OSError:
         pass
-    return peak
+    return resident
 
 
 def memory_row(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> list[float]:
     """This rank's memory numbers, for one gather with the other per-rank numbers of a metrics window:
-    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU)."""
+    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU).
+    The window's reading has just updated the run's peaks (no second read of ``/proc``)."""
     window = float(window_peak_bytes(device))
-    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(peak_resident_bytes()),
+    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(_lifetime_peak["rss"]),
             float(_lifetime_peak["cuda"]) if device.type == "cuda" else -1.0]
 
 

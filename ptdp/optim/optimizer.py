@@ -18,6 +18,7 @@ parameter: ptdp-facts.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class MegatronOptimizer:
         self.device = torch.device("cpu")  # the model's device (set by subclasses): where the norm lives
         self.skipped_iterations = 0  # fp16 overflows so far
         self.successful_steps = 0
+        self._counts: list[bool] | None = None  # which main grads count in the norm (see _counted)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -89,6 +91,13 @@ class MegatronOptimizer:
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The gradients AdamW will read (set as its params' ``.grad``) and whether each counts in the norm."""
         raise NotImplementedError
+
+    def _counted(self, params: Iterable[nn.Parameter]) -> list[bool]:
+        """Whether each of ``params`` (one per main grad) counts in the norm on this rank: read off the
+        placements once (they are fixed after set-up), not per parameter per step."""
+        if self._counts is None:
+            self._counts = [self.placements.counts_in_norm(p, self.tp_rank) for p in params]
+        return self._counts
 
     def _publish_params(self) -> None:
         """Make the model parameters equal the updated main parameters (on every DP rank)."""
@@ -145,7 +154,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state
 
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
-        return [p.grad for p in self.params], [self.placements.counts_in_norm(p, self.tp_rank) for p in self.params]
+        return [p.grad for p in self.params], self._counted(self.params)
 
     def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """{param: {"exp_avg", "exp_avg_sq", "step"}} (empty before the first step)."""
@@ -287,8 +296,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for x in self.pieces:  # fp32 grads: a view (no copy); 16-bit grads: an fp32 copy
             grad = x.grad_view
             x.main.grad = grad if grad.dtype == torch.float32 else grad.float()
-        return [x.main.grad for x in self.pieces], [self.placements.counts_in_norm(x.param, self.tp_rank)
-                                                    for x in self.pieces]
+        return [x.main.grad for x in self.pieces], self._counted(x.param for x in self.pieces)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ptdp.models.moe import moe_layer_names
 from ptdp.observability import flight_recorder
+from ptdp.ops.weight_grad import compute_at_once
 from ptdp.parallel.collectives import all_gather, group_size, split
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
@@ -154,6 +155,9 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
         actions = build_schedule(plan.schedule, p, layout.v, plan.m, g.pp_rank, forward_only,
                                  vocab_barriers=barriers)
         return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
+
+    if not any(a.op == "W" for a in schedule(False)):  # no zero-bubble W pass: nothing to defer, torch's ops
+        compute_at_once(q for chunk in chunks for q in chunk.parameters())
 
     grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
     if tied_embedding_weights(chunks, p):

@@ -33,7 +33,7 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             batches = Microbatches(dataset, k, trainer.batch_format, groups, trainer.plan.m)
             stage = run.make_stage(batches, forward_only=True)
             with torch.no_grad():
-                run_schedule(actions, stage, trainer.comm, run.handlers)
+                run_schedule(actions, stage, trainer.comm, run.handlers, device=groups.device)
             total += float(sum(stage.losses.values()))
     finally:
         for chunk in trainer.chunks:

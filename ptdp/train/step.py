@@ -37,7 +37,7 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
     stats = run_schedule(trainer.schedule, stage, trainer.comm, run.handlers, recorder=recorder,
-                         count_saved_bytes=count)
+                         count_saved_bytes=count, device=trainer.plan.groups.device)
     if count:
         trainer.peak_activation_bytes = stats.peak_saved_bytes
     stats.peak_saved_bytes = trainer.peak_activation_bytes

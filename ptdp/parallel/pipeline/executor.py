@@ -153,10 +153,12 @@ class _Run:
     it as their ``ScheduleContext``."""
 
     def __init__(self, actions: Sequence[Action], stage: PipelineStage, comm: P2PComm | None,
-                 recorder: Recorder | None, count_saved_bytes: bool) -> None:
+                 recorder: Recorder | None, count_saved_bytes: bool, device: torch.device | str | None) -> None:
         self.stage, self.comm, self.recorder = stage, comm, recorder
-        params = stage.parameters()
-        self.clock = Clock(params[0].device if params else "cpu")
+        if device is None:  # walking the stage's parameters costs a Python call per module: callers pass it
+            params = stage.parameters()
+            device = params[0].device if params else "cpu"
+        self.clock = Clock(device)
         self.stats = ScheduleStats()
         self.spans = self.stats._spans = [("schedule", self.clock.mark(), None)]
         self.saved = _SavedBytes(stage) if count_saved_bytes else None
@@ -263,6 +265,7 @@ def run_schedule(
     handlers: Mapping[str, ActionHandler] | None = None,
     recorder: Recorder | None = None,
     count_saved_bytes: bool = True,
+    device: torch.device | str | None = None,
 ) -> ScheduleStats:
     """Run one rank's action list. ``comm`` may be None only if the list has no SEND/RECV (p == 1).
 
@@ -274,6 +277,7 @@ def run_schedule(
     and every timed handler (``ptdp.observability.timeline``), with ``Clock`` marks.
     ``count_saved_bytes=False`` skips the saved-tensor hooks (``peak_saved_bytes`` is then 0): the
     accounting costs a Python call per saved tensor, and its answer is the same every iteration.
+    ``device``: where the stage computes (what its clock marks); None reads it off ``stage.parameters()``.
     """
     if comm is None and any(a.op in COMM_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
@@ -282,7 +286,7 @@ def run_schedule(
     if unknown:
         raise ValueError(f"run_schedule: no handler registered for the action op(s) {unknown} "
                          f"(registered: {sorted(table) or 'none'})")
-    run = _Run(actions, stage, comm, recorder, count_saved_bytes)
+    run = _Run(actions, stage, comm, recorder, count_saved_bytes, device)
     batches = dict(_comm_runs(actions))
     i = 0
     while i < len(actions):

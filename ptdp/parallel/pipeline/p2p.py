@@ -132,15 +132,12 @@ class P2PComm:
         self._sends.clear()
 
     def _reap_sends(self) -> None:
-        # keep send buffers alive only until gloo/NCCL are done with them; still wait each work once
-        keep = []
-        for batch, sent in self._sends:
-            if batch.completed(range(len(sent))):
-                for i in range(len(sent)):
-                    batch.wait_for(i)
-            else:
-                keep.append((batch, sent))
-        self._sends = keep
+        """Drop the buffers of the sends gloo/NCCL are done with (each work still waited once), oldest
+        first, stopping at the first still in flight: one query per call, not one per send in flight."""
+        while self._sends and self._sends[0][0].completed(range(len(self._sends[0][1]))):
+            batch, sent = self._sends.pop(0)
+            for i in range(len(sent)):
+                batch.wait_for(i)
 
 
 def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:
