@@ -12,6 +12,7 @@ Keys::
     model.<logical name>                      parameters (the tied embedding once: logical_name) and
                                               persistent buffers (a router's expert bias)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
+    optimizer.<logical name>.momentum_buffer  Muon's (hidden matrices) or SGD's state instead of the moments
     optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
     rng.rank<k>.cpu.default                   per-rank CPU generator state (same layout only)
     rng.rank<k>.<device type>.{default,<tracker stream>}   the device's generator and the tracker's
@@ -40,13 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import optimizer_shards, storage
 from ptdp.checkpointing.sharded import BoxLoadPlanner
-from ptdp.checkpointing.validation import model_mismatch, model_shape
+from ptdp.checkpointing.validation import model_mismatch, model_shape, optimizer_mismatch
 from ptdp.optim import MegatronOptimizer
 from ptdp.parallel.placement import to_dtensor
 from ptdp.parallel.tensor import random as tp_random
-
-ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
 
 
 def _layout(trainer) -> dict:
@@ -97,26 +95,12 @@ def _mesh_for(trainer) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
     return mesh_for
 
 
-def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-    """The logical per-parameter optimizer state, ``{param: {exp_avg, exp_avg_sq, step[, main_param]}}``,
-    each tensor shaped like its (local TP piece of the) parameter; empty before the first step.
-
-    ``ptdp.optim``'s optimizers provide it (the distributed optimizer gathers its DP shards, a collective,
-    so every rank calls this exactly once per save); a bare ``torch.optim.AdamW`` is read directly.
-    """
-    if isinstance(optimizer, MegatronOptimizer):
-        return optimizer.state_per_param()
-    return {p: {k: s[k] for k in ADAM_STATE} for p, s in optimizer.state.items() if s}
-
-
-def load_optimizer_state(optimizer, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-    """Inverse of :func:`optimizer_state` (each rank keeps what it owns; no communication)."""
-    if isinstance(optimizer, MegatronOptimizer):
-        optimizer.load_state_per_param(states)
-        return
-    for param, state in states.items():  # torch AdamW's own layout: a float32 scalar step
-        optimizer.state[param] = {"step": state["step"].to(torch.float32).reshape(()).clone(),
-                                  **{k: state[k].detach().clone() for k in ADAM_STATE if k != "step"}}
+def optimizer_state(optimizer: MegatronOptimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """The logical per-parameter optimizer state, ``{param: {field..., step[, main_param]}}`` (the fields:
+    ``optimizer.state_fields(param)``), each tensor shaped like its (local TP piece of the) parameter; empty
+    before the first step. The distributed optimizer gathers its DP shards, a collective, so every rank
+    calls this exactly once per save."""
+    return optimizer.state_per_param()
 
 
 def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
@@ -203,7 +187,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     verify_data_files(directory, trainer.plan.groups.rank, trainer.plan.world)  # each rank a share
     info = storage.read_info(directory)
     problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
-                             trainer.plan.t)
+                             trainer.plan.t) or optimizer_mismatch(info, trainer.config)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -219,16 +203,19 @@ def load_checkpoint(trainer, path: str | Path) -> int:
             request[key] = to_dtensor(live, trainer.placements[param], mesh_for) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
+    # --no-load-optim: the model only (the optimizer starts afresh, e.g. after changing --optimizer)
+    load_optim = "optimizer" in info["contents"] and not trainer.config.checkpoint.no_load_optim
+    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and load_optim
     sharded_model = optimizer_shards.model_is_sharded(trainer.grads)  # ZeRO-3: into the parameter shards
     for name, param in named_parameters(trainer):
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
         if not sharded_model:
             want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
                  param.detach(), param)
-        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] and not pieces else ():
+        fields = (*trainer.optimizer.state_fields(param), "step", "main_param") if load_optim and not pieces else ()
+        for field in fields:
             key = f"optimizer.{name}.{field}"
-            if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
+            if key in saved_keys or field != "main_param":  # main_param only when the run had master weights
                 live = torch.zeros((), dtype=torch.float32) if field == "step" else torch.empty_like(
                     param, dtype=torch.float32)
                 optim.setdefault(param, {})[field] = live
@@ -261,7 +248,7 @@ def load_checkpoint(trainer, path: str | Path) -> int:
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
     trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
-        load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+        trainer.optimizer.load_state_per_param(optim)  # restores the fp32 master weights if saved
     if install_pieces is not None:
         install_pieces()  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(trainer):

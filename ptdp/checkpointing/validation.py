@@ -62,6 +62,17 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
     return None
 
 
+def optimizer_mismatch(info: dict, config: Config) -> str | None:
+    """One line when the checkpoint's optimizer state is another ``--optimizer``'s (AdamW's moments do not
+    become Muon's momentum, nor the reverse), unless ``--no-load-optim`` leaves it unread."""
+    saved = info.get("config", {}).get("optimizer", {}).get("optimizer", "adam")  # before --optimizer: AdamW
+    saved = "muon" if saved == "dist_muon" else saved
+    if "optimizer" not in info.get("contents", []) or config.checkpoint.no_load_optim or saved == config.optimizer.kind:
+        return None
+    return (f"the checkpoint holds --optimizer {saved}'s state, this run uses --optimizer {config.optimizer.optimizer}; "
+            "pass --no-load-optim to load the model and start the optimizer afresh")
+
+
 def checkpoint_errors(config: Config, world_size: int) -> list[str]:
     """Every problem with the checkpoint flags, one line each (empty when there is nothing to check)."""
     ck = config.checkpoint
@@ -133,7 +144,7 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     problem = model_mismatch(info["model"], config.model, config.model.vocab_size,
-                             config.parallel.tensor_model_parallel_size)
+                             config.parallel.tensor_model_parallel_size) or optimizer_mismatch(info, config)
     if problem:
         return [f"--load {directory}: {problem}"]
     # a dataset changed under its prefix: exit 2 before any worker starts

@@ -252,7 +252,7 @@ class OptimizerConfig:
     lr_warmup_iters: int = opt(10, "linear warm-up iterations")
     lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["cosine", "linear", "constant"])
     lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
-    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    weight_decay: float = opt(0.1, "weight decay, not on biases and norms (decoupled for AdamW and Muon, L2 for SGD)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.999, "AdamW beta2 (Megatron-LM's default; GPT-3 recipes set 0.95)")
     adam_eps: float = opt(1e-8, "AdamW epsilon")
@@ -270,13 +270,35 @@ class OptimizerConfig:
         False, "ZeRO-3: free a chunk's gathered parameters after each run of its forwards and gather them "
         "again for its backward (less memory, more all-gathers); default: keep each chunk gathered from its "
         "first to its last use in the step (measured faster, BENCHMARKS.md)")
-    optimizer_cpu_offload: bool = opt(
-        False, "ZeRO-Offload: Adam state and the Adam step on the host (pinned buffers; ptdp/optim/offload.py)")
+    optimizer_cpu_offload: bool = opt(False, "ZeRO-Offload: the optimizer's state and element-wise step on the host "
+                                      "(pinned buffers; ptdp/optim/offload.py)")
+    optimizer: str = opt("adam", "adam (AdamW), sgd (SGD, --sgd-momentum) or muon (dist_muon: Megatron-LM's name for it): "
+                         "Muon on the 2-D hidden weights (Q, K, V apart; attention output; MLP, gate and up apart; each "
+                         "expert's; the router), each orthogonalised whole on one rank; AdamW (--adam-*) on the "
+                         "embeddings, output layer, norms and biases (docs/optimizers.md)",
+                         choices=["adam", "sgd", "muon", "dist_muon"])
+    sgd_momentum: float = opt(0.9, "SGD momentum (--optimizer sgd)")
+    muon_momentum: float = opt(0.95, "Muon momentum: M <- mu M + (1 - mu) G")
+    muon_nesterov: bool = opt(False, "Muon: orthogonalise G + mu (M - G), not M", aliases=("--muon-use-nesterov",))
+    muon_split_qkv: bool = opt(True, "Muon: QKV as one matrix (default: Q, K, V apart)", flag="--muon-no-split-qkv")
+    muon_scale_mode: str = opt("spectral", "Muon's update scale: sqrt(max(m, n)), sqrt(max(1, m/n)) (torch's), sqrt(m/n)",
+                               choices=["spectral", "shape_scaling", "unit_rms_norm"])
+    muon_extra_scale_factor: float = opt(1.0, "multiplies the Muon update (0.2 with spectral matches AdamW's RMS)")
+    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations")
+    muon_coefficient_type: str = opt("quintic", "Newton-Schulz (a, b, c): quintic (5k steps), simple (torch's), "
+                                     "polar_express (>= 8), aol (4k)", choices=["quintic", "simple", "polar_express", "aol"])
+    muon_fp32_matmul_prec: str = opt("medium", "Newton-Schulz arithmetic: low all bf16 (torch's), medium fp32 norm + "
+                                     "bf16 (Megatron's), high fp32", choices=["low", "medium", "high"])
 
     @property
     def sharding(self) -> str:
         """The effective ZeRO strategy (``effective_sharding``)."""
         return effective_sharding(self.data_parallel_sharding_strategy, self.use_distributed_optimizer)
+
+    @property
+    def kind(self) -> str:
+        """The optimizer that runs: ``dist_muon`` is ``muon`` (ptdp's Muon always spreads the matrices)."""
+        return "muon" if self.optimizer == "dist_muon" else self.optimizer
 
 
 def effective_sharding(strategy: str, use_distributed_optimizer: bool) -> str:
@@ -373,6 +395,7 @@ class CheckpointConfig:
     exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
     async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
+    no_load_optim: bool = opt(False, "with --load: start the optimizer afresh (e.g. after changing --optimizer)")
 
 
 @dataclass

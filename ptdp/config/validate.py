@@ -155,6 +155,30 @@ def _optimizer_errors(config: Config) -> list[str]:
                       "it too): lower --lr-warmup-iters or raise --lr-decay-iters")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    return errors + _momentum_errors(opt_)
+
+
+# Newton-Schulz coefficient sets (ptdp.optim.newton_schulz.COEFFICIENTS): how many triples each has, and
+# whether the steps must be a multiple of that ("cycle") or at least that many ("at least").
+NS_COEFFICIENTS = {"simple": (1, "cycle"), "quintic": (5, "cycle"), "polar_express": (8, "at least"),
+                   "aol": (4, "cycle")}
+
+
+def _momentum_errors(opt_) -> list[str]:
+    """``--sgd-momentum``, ``--muon-momentum`` in [0, 1) and a Newton-Schulz step count the coefficient set
+    can run (emerging_optimizers' rules)."""
+    errors = []
+    for flag, value in (("--sgd-momentum", opt_.sgd_momentum), ("--muon-momentum", opt_.muon_momentum)):
+        if not 0 <= value < 1:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    steps, kind = opt_.muon_num_ns_steps, opt_.muon_coefficient_type
+    count, rule = NS_COEFFICIENTS[kind]
+    if steps < 1:
+        errors.append(f"--muon-num-ns-steps must be a positive integer, got {steps}")
+    elif (rule == "cycle" and steps % count) or (rule == "at least" and steps < count):
+        need = f"a multiple of {count}" if rule == "cycle" else f"at least {count}"
+        errors.append(f"--muon-num-ns-steps {steps} does not fit --muon-coefficient-type {kind}, whose "
+                      f"{count} coefficient triple(s) need {need} steps; change either")
     return errors
 
 

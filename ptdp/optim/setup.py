@@ -11,6 +11,9 @@ from torch import nn
 
 from ptdp.config import MixedPrecisionConfig, OptimizerConfig
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.optim.muon import MuonLayout
+from ptdp.optim.muon_exchange import Shards
+from ptdp.optim.muon_units import QKVLayout
 from ptdp.optim.optimizer import DistributedOptimizer, FP32Optimizer, MegatronOptimizer
 from ptdp.parallel import ParallelState
 from ptdp.parallel.data.buffer import BucketLayout
@@ -59,9 +62,32 @@ def setup_optimizer(model: ParallelModel, plan: ParallelPlan, hyper: OptimizerCo
         grads = build_reducer(zero.sharding, params, layout, dense, overlap=zero.overlap_grad_reduce, gather=gather)
         norm_groups = dense_norm_groups(plan, dense)
     model.deferred.materialize_rest()  # parameters no bucket took (ptdp.parallel.init.defer_init)
+    layout = muon_layout(plan, hyper, grads, params)
     if not plan.main_params:
-        return grads, FP32Optimizer(params, hyper, g.tp_rank, norm_groups, placements)
-    return grads, DistributedOptimizer(grads, hyper, g.tp_rank, norm_groups, grad_scaler(precision), placements)
+        return grads, FP32Optimizer(params, hyper, g.tp_rank, norm_groups, placements, layout)
+    return grads, DistributedOptimizer(grads, hyper, g.tp_rank, norm_groups, grad_scaler(precision), placements,
+                                       layout)
+
+
+def muon_layout(plan: ParallelPlan, hyper: OptimizerConfig, grads: GradReducer,
+                params: list[nn.Parameter]) -> MuonLayout | None:
+    """Where ``--optimizer muon``'s matrices lie (``ptdp.optim.muon_exchange``): split over the tensor-
+    parallel group (experts: the expert-tensor group), sharded as the reducer's buckets are over their
+    data-parallel group (``GradReducer.group_of``); grouped-query attention's QKV row order. None for the
+    other optimizers."""
+    if hyper.kind != "muon":
+        return None
+    where = {}
+    for bucket in grads.buckets:
+        group, size = grads.group_of(bucket), bucket.shard_end - bucket.shard_start
+        for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+            where[param] = (group, Shards(offset, size, bucket.shards))
+    m, g = plan.model, plan.groups
+    qkv = QKVLayout(m.num_attention_heads // m.query_groups, m.head_dim) if m.group_query_attention else None
+    tp_groups = {"dense": g.tp_group}
+    if g.expert is not None:
+        tp_groups["expert"] = g.expert.etp_group
+    return MuonLayout(tuple(p for p in params if p.requires_grad), tp_groups, where.__getitem__, qkv, g.device)
 
 
 def data_parallel_group(groups: ParallelState, instances: int) -> DataParallelGroup:

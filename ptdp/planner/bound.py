@@ -25,6 +25,7 @@ from dataclasses import replace
 from ptdp.planner import experts
 from ptdp.planner.estimate import Estimate, SearchResult, evaluate, ranked_result
 from ptdp.planner.memory import (
+    OPTIMIZER_STATE_BYTES,
     RUNTIME_OVERHEAD_BYTES,
     activation_bytes_per_layer,
     activation_microbatches_in_flight,
@@ -121,10 +122,12 @@ class LowerBound:
             else:
                 dense, expert = experts.layer_parameters(self.model, cell.t, e, etp)
             precision, least = self.train.precision, math.inf
+            state = OPTIMIZER_STATE_BYTES[self.train.optimizer]  # Muon: its matrices' 4 bytes for all, a bound
             for i in range(len(cell.shardings)):
                 cfg = cell.config(i, j)
-                least = min(least, dense * model_state_bytes_per_param(precision, cfg.strategy, cfg.shards)
-                            + expert * model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg))
+                least = min(least, dense * model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, state)
+                            + expert * model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg),
+                                                                   state)
                             + (dense + expert) * step_buffer_bytes_per_param(precision, cfg.strategy))
             self._states[key] = least
         return self._states[key]
@@ -185,7 +188,7 @@ def pruned_search(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, spa
         for order, cfg in _layouts(model, cluster, train, cell, j):
             if lower > fitting.bound(group):
                 break
-            memory = memory_per_gpu(model, cfg, train.global_batch_size, train.precision)
+            memory = memory_per_gpu(model, cfg, train.global_batch_size, train.precision, train.optimizer)
             count += 1
             if memory.total > limit:
                 unfit_groups.add(group)

@@ -80,6 +80,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "use_distributed_optimizer": {"action": argparse.BooleanOptionalAction,
                                       "help": "pin ZeRO-1 on, or off with --no-use-distributed-optimizer "
                                       "(default: search both)"}})
+    add_field_arguments(p, train_config.OptimizerConfig, ("optimizer",), optimizer="adam")
     add_field_arguments(p, train_config.OptimizerConfig, (
         "data_parallel_sharding_strategy", "num_distributed_optimizer_instances"), overrides={
         "data_parallel_sharding_strategy": {"help": "pin the ZeRO stage (default: search all four)"},
@@ -177,7 +178,8 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
     if args.bf16 and args.fp16:
         raise _UsageError("--bf16 and --fp16 are exclusive; give one of them")
     precision = "bf16" if args.bf16 else "fp16"
-    return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce)
+    optimizer = "muon" if args.optimizer == "dist_muon" else args.optimizer
+    return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce, optimizer)
 
 
 def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
@@ -325,14 +327,18 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     return "\n".join(lines)
 
 
+_OPTIMIZER_WORDS = {"adam": "Adam", "sgd": "SGD momentum", "muon": "Muon's momentum; Adam on the rest"}
+
+
 def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
     """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
-    from ptdp.planner.memory import model_state_bytes_per_param
+    from ptdp.planner.memory import OPTIMIZER_STATE_BYTES, model_state_bytes_per_param
 
     c, mem, times = best.config, best.memory, best.times
     t, p, d, v = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.data_parallel_size,
                   c.virtual_pipeline_model_parallel_size)
-    states = params * model_state_bytes_per_param(train.precision, False, 1)
+    state = OPTIMIZER_STATE_BYTES[train.optimizer]
+    states = params * model_state_bytes_per_param(train.precision, False, 1, state)
     share = {k: seconds / best.iteration_time_s for k, seconds in (
         ("compute", times.compute), ("bubble", times.bubble), ("tp_comm", times.tp_comm), ("dp_comm", times.dp_comm))}
     tp_where = "inside one server, on NVLink" if t <= cluster.gpus_per_node else "ACROSS servers"
@@ -340,7 +346,8 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
                 f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
                 "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
     return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + [
-        f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
+        f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + "
+        f"{_OPTIMIZER_WORDS[train.optimizer]}) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"
         f"{_sharded_words(c)}, just enough to fit "

@@ -95,7 +95,7 @@ def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: T
             **architecture(model),
         ),
         times=iteration_times(model, cfg, cluster, train),
-        memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
+        memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision, train.optimizer),
         memory_limit=cluster.gpu.memory_bytes,
         peak_flops=cluster.gpu.peak_flops,
         num_gpus=cluster.num_gpus,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ptdp.planner import experts
 from ptdp.planner.memory import parameters_per_rank
+from ptdp.planner.muon import NS_STEPS, MuonWork, muon_work
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
 from ptdp.schedule.registry import bubble_fraction_formula
@@ -291,6 +292,18 @@ def optimizer_bytes_per_param(precision: str) -> int:
     return OPTIMIZER_BYTES_PER_PARAM + copy + grad_bytes
 
 
+def muon_seconds(work: MuonWork, cfg: ParallelConfig, cluster: ClusterSpec) -> float:
+    """Muon's step beyond the element-wise update: Newton–Schulz (per step X·Xᵀ, A·A and B·X on the wide form,
+    16-bit GEMMs as with Megatron's ``medium`` precision) and the fp32 exchange (each way an all-gather)."""
+    peak = cluster.gpu.peak_flops
+    ns = sum(n * NS_STEPS * (2 * gemm_time(a, a, b, peak) + gemm_time(a, a, a, peak))
+             for r, c, n in work.matrices for a, b in [sorted((r, c))])
+    bw, lat = dp_link(cfg, cluster)
+    tbw, tlat = _link(cluster, tp_spans_nodes(cfg, cluster))
+    return ns + (ring_all_reduce_time(work.dp_bytes, work.dp, bw, lat)
+                 + ring_all_reduce_time(work.tp_bytes, cfg.tensor_model_parallel_size, tbw, tlat)) / 2
+
+
 def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> IterationTimes:
     """Iteration time = m·T_mb + bubble (p-1)/v·T_mb (or the schedule's own bubble fraction of m·T_mb) +
     exposed DP reduction + optimizer step."""
@@ -345,6 +358,9 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     local_params = params / max(cfg.shards // cfg.context_parallel_size, 1) + expert / experts.expert_shards(cfg)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+    if train.optimizer == "muon":  # + the orthogonalisation of the fullest rank's matrices and its exchange
+        layers = max(rank_layers(model.num_layers, cfg)[r] for r in checked)
+        optimizer += muon_seconds(muon_work(model, cfg, layers), cfg, cluster)
     return IterationTimes(
         compute=m * stage.compute,
         logits=m * stage.logits,

@@ -207,13 +207,15 @@ class TrainingSpec:
     """Per-iteration workload and numerics.
 
     ``precision``: "fp16" (the paper: fp16 grads, 20 bytes/param) or "bf16" (Megatron: fp32 main grads,
-    18 bytes/param); see ptdp-facts.md, §Memory. ``overlap_grad_reduce``: start the data-parallel gradient
+    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: its state is 8 bytes/param (AdamW's two
+    moments), 4 for SGD and for Muon's hidden matrices (one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
     reduction during the last microbatch's backward (modern Megatron); the paper's runs did not.
     """
 
     global_batch_size: int
     precision: str = "fp16"
     overlap_grad_reduce: bool = False
+    optimizer: str = "adam"  # --optimizer: adam, sgd or muon (Muon on the hidden matrices, AdamW on the rest)
 
 
 @dataclass(frozen=True)
