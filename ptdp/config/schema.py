@@ -14,36 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
+from ptdp.config.fields import opt, schedule_help
 from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
-
-
-class ConfigError(Exception):
-    """Problems with the user's configuration, one line each naming the flag (or TOML key) and the fix.
-
-    ``ConfigError(line)`` is one problem; ``ConfigError(*lines)`` several, all reported (``problems``).
-    """
-
-    def __init__(self, *problems: str) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = list(problems)
-
-
-def schedule_help() -> str:
-    """The ``--pipeline-schedule`` help: each schedule's bubble and activation memory against 1F1B's
-    (the registry's ``ScheduleSpec`` fields)."""
-    return ("pipeline schedule (default: interleaved when v > 1, else 1f1b). Bubble / activation memory "
-            "against 1F1B's (p-1)/m / 1x: " + "; ".join(f"{s.name} ({s.help}) {s.bubble} / {s.memory}"
-                                                         for s in REGISTRY.values()))
-
-
-def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
-    """A dataclass field with its command-line flag (derived from the field name unless given) and any
-    older spellings of it (``aliases``: flags and TOML keys that Megatron-LM still accepts)."""
-    metadata = {"help": help, "flag": flag, "aliases": aliases, "argparse": argparse_kwargs}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
 
 
 @dataclass
