@@ -197,6 +197,10 @@ def test_expert_bias_counts_each_training_forward_once():
     ({"data": {"reset_position_ids": True}}, "--mtp-num-layers with --reset-position-ids"),
     ({"data": {"reset_attention_mask": True}}, "--mtp-num-layers with --reset-attention-mask"),
     ({"data": {"eod_mask_loss": True}}, "--mtp-num-layers with --eod-mask-loss"),
+    ({"parallel": {"pipeline_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True}},
+     "--mtp-num-layers with overlapped forward-backward pairs"),
+    ({"parallel": {"pipeline_model_parallel_size": 2, "pipeline_schedule": "dualpipev"}},
+     "--mtp-num-layers with overlapped forward-backward pairs"),
 ])
 def test_bad_flag_combinations_are_one_line_each(changes, flag):
     config = Config()

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.config.fields import DELAY_WGRAD_HELP, OVERLAP_HELP, opt, schedule_help
 from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
-from ptdp.config.fields import opt, schedule_help
 from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
 
 
@@ -199,6 +199,9 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
                                                   "default, as Megatron-Core) or 1, which lets e span the "
                                                   "tensor-parallel ranks")
+    # Overlapped forward-backward pairs (issue 38): ptdp/schedule/dualpipe.py, docs/dualpipe.md
+    overlap_moe_expert_parallel_comm: bool = opt(False, OVERLAP_HELP)
+    delay_wgrad_compute: bool = opt(False, DELAY_WGRAD_HELP)
 
     @property
     def virtual_size(self) -> int:

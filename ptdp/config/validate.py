@@ -18,7 +18,13 @@ from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
 from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
-from ptdp.config.validate_pipeline import schedule_problems, stages_of, virtual_size, vocab_parallel_errors
+from ptdp.config.validate_pipeline import (
+    overlap_errors,
+    schedule_problems,
+    stages_of,
+    virtual_size,
+    vocab_parallel_errors,
+)
 from ptdp.schedule.layout import Stage
 
 
@@ -108,6 +114,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if tr.timeline_iters is not None and tr.timeline_iters <= 0:
         errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
     errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
+    errors += overlap_errors(config)  # issue 38
     from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
 
     errors += data_errors(config)

@@ -44,9 +44,44 @@ def schedule_problems(name: str | None, p: int, v: int, m: int | None, microbatc
     if spec.chunks is None and v > 1 and p < 2 and not single_stage_ok:
         errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; "
                       "model chunks interleave across pipeline ranks")
-    if m is not None and not spec.takes_microbatches(p, m):
+    k = spec.min_microbatches_per_p
+    if m is not None and k and m < k * p:
+        errors.append(f"{flag} needs {microbatches} ({m}) to be at least {k} x --pipeline-model-parallel-size "
+                      f"= {k * p}; raise --global-batch-size or lower --micro-batch-size")
+    elif m is not None and not spec.takes_microbatches(p, m):
         errors.append(f"{flag} needs {microbatches} ({m}) to be a multiple of --pipeline-model-parallel-size "
                       f"{p}; adjust --global-batch-size / --micro-batch-size")
+    return errors
+
+
+def overlap_errors(config: Config) -> list[str]:
+    """``--overlap-moe-expert-parallel-comm`` and ``--delay-wgrad-compute`` (Megatron-Core's flags; the
+    overlapped pairs of ``ptdp.schedule.dualpipe``) against the schedule and the model, one line each."""
+    par = config.parallel
+    spec = REGISTRY.get(par.schedule)
+    errors = []
+    if par.overlap_moe_expert_parallel_comm:
+        if not config.moe.num_experts:
+            errors.append("--overlap-moe-expert-parallel-comm overlaps the expert dispatch and combine of a "
+                          "mixture of experts: it needs --num-experts")
+        if spec is not None and spec.combined is None and not spec.overlaps:
+            names = ", ".join(n for n, s in REGISTRY.items() if s.combined is not None)
+            errors.append(f"--overlap-moe-expert-parallel-comm overlaps the steady state of {names}, not "
+                          f"--pipeline-schedule {par.schedule}")
+    pairs = par.overlap_moe_expert_parallel_comm or (spec is not None and spec.overlaps)
+    for flag, on in (("--distribute-saved-activations", config.model.distribute_saved_activations),
+                     ("--checkpoint-in-cpu", config.model.checkpoint_in_cpu)):
+        if on and pairs:  # the pieces are checkpointed one by one (ptdp.parallel.recompute._checkpoint_steps)
+            errors.append(f"{flag} keeps a recomputed unit's input elsewhere, but overlapped forward-backward "
+                          "pairs recompute a layer piece by piece: drop it, or --overlap-moe-expert-parallel-comm "
+                          "and dualpipev")
+    if pairs and config.model.mtp_num_layers:  # issue 41 x 38: the modules' expert exchanges are not pieces yet
+        errors.append("--mtp-num-layers with overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm "
+                      "or dualpipev) is not supported yet: drop one of them")
+    if par.delay_wgrad_compute and not pairs:
+        overlapping = ", ".join(n for n, s in REGISTRY.items() if s.overlaps)
+        errors.append("--delay-wgrad-compute delays weight gradients inside overlapped forward-backward pairs: "
+                      f"it needs --overlap-moe-expert-parallel-comm or --pipeline-schedule {overlapping}")
     return errors
 
 

@@ -18,12 +18,16 @@ splitting keeps only some of its parts, which is why each part runs only when pr
 ``final_layernorm`` may be None) and ``layers`` is keyed by the GLOBAL layer index: parameter names are the
 full model's (``layers.7.mlp.fc1.weight`` is layer 7 wherever it lives), so checkpoints do not depend on the
 layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention.core`.
+
+:meth:`GPTModel.program` is the same forward as pieces with explicit boundaries (``ptdp.models.pieces``):
+what DualPipe's overlapped forward-and-backward interleaves with another microbatch's backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +47,7 @@ from ptdp.models.layers import (
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
+from ptdp.models.pieces import Compute, Step
 from ptdp.models.rotary import RotaryEmbedding
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
@@ -152,8 +157,30 @@ class TransformerLayer(nn.Module):
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
 
     def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
-        x = self.dropout_add(self.attention(self.input_layernorm(x), documents), x)
+        return self.mlp_half(self.attention_half(x, documents))
+
+    def attention_half(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        return self.dropout_add(self.attention(self.input_layernorm(x), documents), x)
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
+
+    def steps(self, inp: str, out: str, documents: DocumentLayout | None = None) -> list[Step]:
+        """The layer as pieces (``ptdp.models.pieces``) from value ``inp`` to ``out``: its two halves, or with a
+        MoE the attention half (and the norm before the router), the MoE layer's pieces, the residual."""
+        name = functools.partial("{}.{}".format, out)
+        if not isinstance(self.mlp, MoELayer):
+            return [Compute(lambda x: (self.attention_half(x, documents),), (inp,), (name("x1"),), "attention"),
+                    Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
+        return [Compute(functools.partial(self._attention_and_norm, documents=documents), (inp,),
+                        (name("x1"), name("h")), "attention"),
+                *self.mlp.steps(name("h"), name("moe")),
+                Compute(lambda y, x: (self.dropout_add(y, x),), (name("moe"), name("x1")), (out,), "residual")]
+
+    def _attention_and_norm(self, x: torch.Tensor, documents: DocumentLayout | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.attention_half(x, documents)
+        return x, self.post_attention_layernorm(x)
 
 
 class Embedding(nn.Module):
@@ -232,9 +259,36 @@ class GPTModel(nn.Module):
         x = self.run_layers(x, documents)
         if self.final_layernorm is None:
             return x
+        return self.head(x, labels)
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the logits; training with ``labels``, the multi-token prediction modules first
+        (their loss attached to the backward of the hidden states the logits read)."""
         embedding = self.embedding if self.embedding is not None else self.embedding_copy
         shared = self.lm_head is None and embedding is not None  # the output weight also embeds here
         x = self.final_layernorm(x)
         if self.mtp is not None and labels is not None and self.training:
             x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
         return self.logits(x, self.output_weight(), shared)
+
+    def program(self, inp: str, documents: DocumentLayout | None = None, labels: torch.Tensor | None = None
+                ) -> tuple[list[Step], str]:
+        """``forward`` as pieces (``ptdp.models.pieces``) from the value ``inp``, and the name of its output:
+        the embedding, each layer's pieces (:meth:`layer_steps`), the head (with the multi-token prediction
+        modules, given the ``labels``) -- those this chunk holds."""
+        steps, name = [], inp
+        if self.embedding is not None:
+            steps.append(Compute(lambda ids: (self.embedding(ids, documents),), (name,), ("embedded",), "embedding"))
+            name = "embedded"
+        for key, layer in self.layers.items():
+            steps += self.layer_steps(key, layer.steps(name, f"layer{key}", documents))
+            name = f"layer{key}"
+        if self.final_layernorm is not None:
+            steps.append(Compute(lambda x: (self.head(x, labels),), (name,), ("logits",), "head"))
+            name = "logits"
+        return steps, name
+
+    def layer_steps(self, key: str, steps: list[Step]) -> list[Step]:
+        """Layer ``key``'s pieces as the program runs them (full recomputation overrides this, as
+        :meth:`run_layers`: ``ptdp.parallel.recompute``)."""
+        return steps

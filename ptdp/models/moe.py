@@ -12,9 +12,15 @@ a micro-batch, flattened):
    becomes ``E`` (one past the last expert) and their probability 0.
 2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,
    indices) -> (expert_input [N, h], tokens_per_expert [E_local], ctx)`` and back, weighted by the
-   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``. :class:`LocalDispatcher` is the
-   single-process one; expert parallelism (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather
-   dispatchers from outside and slices ``experts`` to its ranks' experts.
+   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``, each cut at its communication
+   (:class:`Dispatcher`). :class:`LocalDispatcher` is the single-process one; expert parallelism
+   (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather dispatchers from outside and slices
+   ``experts`` to its ranks' experts.
+
+The layer is also a program of pieces (:meth:`MoELayer.steps`, ``ptdp.models.pieces``): route, dispatch,
+experts, combine, finish, with the dispatcher's communication between them outside autograd. Its
+``forward`` runs that program at once; DualPipe's overlapped forward-and-backward runs it a piece at a
+time, interleaved with another microbatch's backward (``ptdp.parallel.pipeline.overlap``).
 3. ``experts`` (:class:`GroupedExperts`) runs each local expert's MLP on its rows: one grouped GEMM
    (``--moe-grouped-gemm``, ``torch._grouped_mm``) or a loop, both through ``ptdp.ops.grouped`` whose weight
    gradients a zero-bubble W pass can defer.
@@ -38,8 +44,7 @@ by the trainer (:func:`pop_moe_stats`) without a host sync.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,141 +53,17 @@ from torch import Tensor, nn
 
 from ptdp.config.validate_moe import moe_layer_pattern
 from ptdp.models.layers import AuxiliaryLoss, attach_aux_loss, in_backward, set_aux_loss_scale
+from ptdp.models.pieces import Compute, Done, Exchange, Step, Transfer, exchanged, run_sequential
+from ptdp.models.router import TopKRouter, expert_capacity, update_expert_biases
 from ptdp.ops.grouped import grouped_linear
 from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-__all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
-           "moe_layer_names", "moe_layers", "pop_moe_stats", "set_aux_loss_scale", "update_expert_biases"]
-
-
-def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Megatron's capacity: ``ceil(num_tokens · k / E · factor)`` assignments per expert."""
-    return math.ceil(num_tokens * topk / num_experts * factor)
-
-
-class TopKRouter(nn.Module):
-    """Router logits ``x Wᵀ`` (``W [E, h]``), scores, top-k selection, auxiliary losses and the capacity drop.
-
-    Scores (``--moe-router-score-function``): softmax (see the module docstring), or sigmoid (DeepSeek-V3):
-    the k chosen sigmoid scores normalised to sum 1 (k > 1). Options, Megatron-Core's semantics:
-
-    - expert bias (``--moe-router-enable-expert-bias``, auxiliary-loss-free balancing): a per-expert
-      ``expert_bias`` buffer (fp32, checkpointed, not trained) is added to the scores for the CHOICE only;
-      the weights are the unbiased scores. The router counts the tokens each expert received in training
-      forwards (``tokens_per_expert``, after any drop); after each optimizer step the trainer calls
-      :func:`update_expert_biases`, which moves the bias by ``rate · sign(mean load - load_i)``.
-    - group-limited routing (``--moe-router-num-groups G``, ``--moe-router-group-topk g``): the experts in G
-      equal groups; each token keeps the g groups with the highest sum of their top k/g scores, then its
-      top-k among their experts (DeepSeek's node-limited routing: with k/g = 2, HF's DeepSeek-V3 router).
-    - ``--moe-router-topk-scaling-factor``: the k weights are multiplied by it (DeepSeek-V3's 2.5).
-    """
-
-    def __init__(self, hidden_size: int, moe: MoEConfig):
-        super().__init__()
-        self.num_experts, self.topk = moe.num_experts, moe.moe_router_topk
-        self.pre_softmax = moe.moe_router_pre_softmax
-        self.sigmoid = moe.moe_router_score_function == "sigmoid"
-        self.num_groups, self.group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
-        self.scaling_factor = moe.moe_router_topk_scaling_factor
-        self.load_balancing = moe.moe_router_load_balancing_type
-        self.aux_coeff, self.z_coeff = moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
-        self.capacity_factor = moe.moe_expert_capacity_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size))
-        self.bias_update_rate = moe.moe_router_bias_update_rate
-        bias = moe.moe_router_enable_expert_bias
-        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32) if bias else None)
-        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64) if bias else None,
-                             persistent=False)
-
-    def forward(self, x: Tensor, num_sequences: int = 1) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``x [T, h]`` (``num_sequences`` sequences of T/num_sequences tokens, one after the other) →
-        ``probs [T, k]`` (fp32), ``indices [T, k]`` (``E`` = dropped), the auxiliary losses (with their
-        coefficients; only those enabled)."""
-        logits = linear(x, self.weight).float()
-        if self.sigmoid:
-            scores = torch.sigmoid(logits)
-            choice = scores if self.expert_bias is None else scores + self.expert_bias
-            indices = self._topk(choice)[1]
-            probs = scores.gather(1, indices)
-            if self.topk > 1:
-                probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-        elif self.pre_softmax:
-            probs, indices = self._topk(torch.softmax(logits, dim=-1))
-        else:
-            top, indices = self._topk(logits)
-            probs = torch.softmax(top, dim=-1)
-        if self.scaling_factor:
-            probs = probs * self.scaling_factor
-        aux: dict[str, Tensor] = {}
-        if self.load_balancing != "none" and self.aux_coeff > 0.0:
-            aux["load_balancing_loss"] = self._load_balancing_loss(logits, indices, num_sequences)
-        if self.z_coeff:
-            aux["z_loss"] = self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean()
-        if self.capacity_factor is not None:
-            probs, indices = self._drop(probs, indices)
-        if self.expert_bias is not None and self.training and not in_backward():
-            with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=self.num_experts + 1)[:-1]
-        return probs, indices, aux
-
-    def _topk(self, scores: Tensor) -> tuple[Tensor, Tensor]:
-        """The k highest ``scores [T, E]`` per token, within its best groups under group-limited routing."""
-        if self.num_groups:
-            t, groups = scores.shape[0], self.num_groups
-            best = scores.view(t, groups, -1).topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
-            chosen = torch.zeros_like(best).scatter(1, best.topk(self.group_topk, dim=-1, sorted=False).indices, 1.0)
-            allowed = chosen.bool().unsqueeze(-1).expand(t, groups, self.num_experts // groups).reshape(t, -1)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return scores.topk(self.topk, dim=-1)
-
-    def _apply(self, fn, recurse: bool = True):
-        """``Module.to(dtype)`` casts floating buffers too; the expert bias stays fp32, as in Megatron-Core:
-        its 1e-3 steps would vanish at 16 bits."""
-        bias = self.expert_bias
-        super()._apply(fn, recurse)
-        if bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = bias.to(self.expert_bias.device)
-        return self
-
-    @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: Tensor) -> None:
-        """``b_i += rate · sign(mean load - load_i)`` from this step's token counts (summed over the ranks
-        that routed other tokens of the same batch), then a new count starts."""
-        load = tokens_per_expert.to(torch.float64)
-        self.expert_bias += torch.sign(load.mean() - load).to(torch.float32) * self.bias_update_rate
-        self.tokens_per_expert.zero_()
-
-    def _load_balancing_loss(self, logits: Tensor, indices: Tensor, num_sequences: int) -> Tensor:
-        """Switch's ``α·E·Σ_i f_i·P_i`` (f_i: share of the T·k assignments that chose expert i, before any
-        drop; P_i: mean score of i: its softmax probability, or its sigmoid normalised over the E experts),
-        over the micro-batch or (seq_aux_loss) per sequence, averaged over sequences."""
-        e = self.num_experts
-        groups = num_sequences if self.load_balancing == "seq_aux_loss" else 1
-        scores = self.balance_scores(logits).view(groups, -1, e)
-        chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
-        f = chosen.sum(1) / (chosen.shape[1] * self.topk)
-        return self.aux_coeff * e * (f * scores.mean(1)).sum(-1).mean()
-
-    def balance_scores(self, logits: Tensor) -> Tensor:
-        """``[T, E]`` the scores P_i of the load-balancing loss averages: the softmax probabilities, or the
-        sigmoid scores normalised over the E experts."""
-        if not self.sigmoid:
-            return torch.softmax(logits, dim=-1)
-        scores = torch.sigmoid(logits)
-        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-
-    def _drop(self, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
-        """Keep each expert's ``capacity`` most probable assignments; the rest get index E, probability 0."""
-        t, e = probs.shape[0], self.num_experts
-        capacity = min(expert_capacity(t, self.topk, e, self.capacity_factor), t)
-        dense = probs.new_zeros(t, e).scatter(1, indices, probs)
-        routed = torch.zeros(t, e, dtype=torch.bool, device=probs.device).scatter(1, indices, True)
-        keep = torch.zeros_like(routed).scatter(0, dense.topk(capacity, dim=0).indices, True) & routed
-        kept = keep.gather(1, indices)
-        return probs.masked_fill(~kept, 0.0), indices.masked_fill(~kept, e)
+__all__ = ["Dispatcher", "GroupedExperts", "Local", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity",
+           "moe_layer_names", "moe_layer_pattern", "moe_layers", "pop_moe_stats", "set_aux_loss_scale",
+           "update_expert_biases"]
 
 
 class GroupedExperts(nn.Module):
@@ -209,7 +90,50 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
 
 
-class LocalDispatcher:
+class Dispatcher:
+    """The token dispatcher seam: a dispatch and a combine, each cut at its communication so that the
+    pieces of ``ptdp.models.pieces`` can run it (``MoELayer.steps``)::
+
+        prepare(hidden [T, h], probs [T, k], indices [T, k]) -> (send, keep, ctx)
+        dispatch_transfer(ctx): send -> received                     (communication, outside autograd)
+        arrive(received, ctx) -> (expert_input [N, h], tokens_per_expert [E_local], carry)
+        depart(expert_output [N, h], carry, ctx) -> back
+        combine_transfer(ctx): back -> returned                       (communication)
+        finish(returned, keep, ctx) -> [T, h]     # Σ_k probs · expert output, per token
+
+    ``send``, ``keep``, ``carry``, ``back`` and ``returned`` are tuples of tensors (those that carry
+    gradients pass between the pieces as values); ``ctx`` holds only what carries none (orders, counts).
+    :meth:`dispatch` and :meth:`combine` compose them with autograd through the transfers.
+    """
+
+    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+        send, keep, ctx = self.prepare(hidden, probs, indices)
+        expert_input, tokens_per_expert, carry = self.arrive(exchanged(self.dispatch_transfer(ctx), send), ctx)
+        return expert_input, tokens_per_expert, (keep, carry, ctx)
+
+    def combine(self, expert_output: Tensor, state: Any) -> Tensor:
+        keep, carry, ctx = state
+        back = self.depart(expert_output, carry, ctx)
+        return self.finish(exchanged(self.combine_transfer(ctx), back), keep, ctx)
+
+    def dispatch_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+    def combine_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+
+class Local:
+    """The transfer of one process: the tensors stay where they are."""
+
+    def start(self, tensors: tuple) -> Done:
+        return Done(tensors)
+
+    def start_backward(self, grads: tuple) -> Done:
+        return Done(grads)
+
+
+class LocalDispatcher(Dispatcher):
     """Single-process dispatcher: sort the kept (token, expert) pairs by expert (stable: token order within
     an expert), optionally pad each expert's rows to its capacity; combine = weighted scatter-add back."""
 
@@ -217,7 +141,7 @@ class LocalDispatcher:
         self.num_experts, self.topk = num_experts, topk
         self.capacity_factor, self.pad = capacity_factor, pad and capacity_factor is not None
 
-    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+    def prepare(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[tuple, tuple, Any]:
         t, e = hidden.shape[0], self.num_experts
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
@@ -237,10 +161,17 @@ class LocalDispatcher:
             slots = expert * capacity + torch.arange(n, device=hidden.device) - starts[expert]
             rows = hidden.new_zeros(e * capacity, hidden.shape[1]).index_copy(0, slots, rows)
             kept = torch.full_like(kept, capacity)
-        return rows, kept, (tokens, weights, slots, t)
+        return (rows,), (weights,), (tokens, slots, t, kept)
 
-    def combine(self, expert_output: Tensor, ctx: Any) -> Tensor:
-        tokens, weights, slots, t = ctx
+    def arrive(self, received: tuple, ctx: Any) -> tuple[Tensor, Tensor, tuple]:
+        return received[0], ctx[3], ()
+
+    def depart(self, expert_output: Tensor, carry: tuple, ctx: Any) -> tuple:
+        return (expert_output,)
+
+    def finish(self, returned: tuple, keep: tuple, ctx: Any) -> Tensor:
+        tokens, slots, t, _ = ctx
+        (expert_output,), (weights,) = returned, keep
         if slots is not None:
             expert_output = expert_output[slots]
         weighted = expert_output * weights.unsqueeze(-1).to(expert_output.dtype)
@@ -262,21 +193,50 @@ class MoELayer(AuxiliaryLoss):
                                           moe.moe_pad_expert_input_to_capacity)
 
     def forward(self, x: Tensor) -> Tensor:
+        return run_sequential(self.steps("x", "y"), {"x": x})["y"]
+
+    def steps(self, inp: str, out: str) -> list[Step]:
+        """The layer as pieces (``ptdp.models.pieces``) from the value ``inp`` ``[b, s, h]`` to ``out``: route
+        (router, shared expert, the dispatcher's ``prepare``), the dispatch transfer, the experts (between
+        the dispatcher's ``arrive`` and ``depart``), the combine transfer, then ``finish``."""
+        name = functools.partial("{}.{}".format, out)
+        return [
+            Compute(self._route, (inp,), (name("send"), name("keep"), name("ctx")), "moe_route"),
+            Exchange(lambda v: self.dispatcher.dispatch_transfer(v[name("ctx")][1]), name("send"), name("recv"),
+                     "moe_dispatch"),
+            Compute(self._experts, (name("recv"), name("ctx")), (name("back"),), "moe_experts"),
+            Exchange(lambda v: self.dispatcher.combine_transfer(v[name("ctx")][1]), name("back"),
+                     name("returned"), "moe_combine"),
+            Compute(self._finish, (name("returned"), name("keep"), name("ctx")), (out,), "moe_finish"),
+        ]
+
+    def _route(self, x: Tensor) -> tuple[tuple, tuple, tuple]:
         b, s, h = x.shape
         flat = x.reshape(-1, h)
         probs, indices, aux = self.router(flat, num_sequences=b)
-        expert_input, tokens_per_expert, ctx = self.dispatcher.dispatch(flat, probs, indices)
-        out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), ctx)
+        if self.training and not in_backward():
+            self._record(aux, indices)
+        shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(linear(flat, self.shared_expert_gate.weight)) * shared
+        aux_loss = sum(aux.values()) if aux and self.training and torch.is_grad_enabled() else None
+        send, keep, ctx = self.dispatcher.prepare(flat, probs, indices)
+        return send, (aux_loss, shared, *keep), ((b, s, h), ctx)
+
+    def _experts(self, received: tuple, ctx: tuple) -> tuple[tuple]:
+        expert_input, tokens_per_expert, carry = self.dispatcher.arrive(received, ctx[1])
+        return (self.dispatcher.depart(self.experts(expert_input, tokens_per_expert), carry, ctx[1]),)
+
+    def _finish(self, returned: tuple, keep: tuple, ctx: tuple) -> tuple[Tensor]:
+        aux_loss, shared, *kept = keep
+        out = self.dispatcher.finish(returned, tuple(kept), ctx[1])
+        if shared is not None:
             out = out + shared
-        if self.training and not in_backward():
-            self._record(aux, indices)
-        if aux and self.training and torch.is_grad_enabled():
-            out = attach_aux_loss(out, sum(aux.values()), self.aux_loss_scale)
-        return out.view(b, s, h)
+        if aux_loss is not None:
+            out = attach_aux_loss(out, aux_loss, self.aux_loss_scale)
+        return (out.view(ctx[0]),)
 
     @torch.no_grad()
     def _record(self, aux: dict[str, Tensor], indices: Tensor) -> None:
@@ -307,17 +267,3 @@ def pop_moe_stats(modules: list[nn.Module]) -> dict[str, dict[str, Tensor]]:
         if layer.stats:
             out[name], layer.stats = layer.stats, {}
     return out
-
-
-def update_expert_biases(modules: list[nn.Module], reduce: Callable[[Tensor], Tensor] | None = None) -> None:
-    """After each optimizer step: every router with an expert bias moves it from the token counts of the
-    step (:meth:`TopKRouter.update_expert_bias`). ``reduce`` sums the ``[routers, E]`` counts over the ranks
-    that routed other tokens of the same batch (one collective for all layers; identity in one process), so
-    that every layout moves the biases as one process would."""
-    routers = [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
-    if not routers:
-        return
-    counts = torch.stack([r.tokens_per_expert for r in routers])
-    counts = reduce(counts) if reduce is not None else counts
-    for router, count in zip(routers, counts, strict=True):
-        router.update_expert_bias(count)

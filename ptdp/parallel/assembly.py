@@ -6,10 +6,12 @@ naming any of them:
 
 * the action lists (``actions``): the schedule's, with the vocabulary passes (``ptdp.schedule.vocab``) and
   ZeRO-3's gathers and reductions (``ptdp.schedule.param_sync``) placed in them;
-* the handlers of the actions beyond compute and communication (``handlers``: ZeRO-3's; a stage adds its
-  own, e.g. the vocabulary passes');
+* the handlers of the actions beyond compute and communication (``handlers``: the overlapped pairs' of
+  DualPipeV and combined 1F1B, ``ptdp.parallel.pipeline.overlap``; ZeRO-3's; a stage adds its own, e.g. the
+  vocabulary passes');
 * one stage factory for training and evaluation (``make_stage``): ``ModuleStage``, or the plug-in that
-  wraps it (``ptdp.parallel.vocab.stage.VocabParallel``);
+  wraps it (``ptdp.parallel.vocab.stage.VocabParallel``), running its chunks in pieces when the list holds
+  overlapped pairs;
 * the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
   and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
 * the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule, its
@@ -42,8 +44,9 @@ from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
 from ptdp.parallel.mtp import MTPStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
-from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
+from ptdp.parallel.pipeline.overlap import has_pairs, overlap_handlers, stage_options
 from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
 from ptdp.parallel.pipeline.stage import sync_embedding_grads, tied_embedding_weights
 from ptdp.parallel.placement import Placements
@@ -105,10 +108,11 @@ class StepHook(Protocol):
 
 
 class StageFactory(Protocol):
-    """Makes this rank's stage for one global batch (``ModuleStage`` itself is one)."""
+    """Makes this rank's stage for one global batch (``ModuleStage`` itself is one); ``options``:
+    ``ModuleStage``'s ``piecewise`` and ``delay_weight_grads`` (``ptdp.parallel.pipeline.overlap``)."""
 
     def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
-                 loss_scale: float = 1.0, forward_only: bool = False) -> PipelineStage: ...
+                 loss_scale: float = 1.0, forward_only: bool = False, **options: bool) -> PipelineStage: ...
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Assembly:
     handlers: Mapping[str, ActionHandler] = field(default_factory=dict)
     grad_syncs: list[GradSync] = field(default_factory=list)
     step_hooks: list[StepHook] = field(default_factory=list)
+    overlap: bool = False  # the training list holds overlapped pairs: its stage runs in pieces
+    delay_weight_grads: bool = False  # --delay-wgrad-compute
 
     def actions(self, forward_only: bool = False) -> list[Action]:
         """This rank's action list for one iteration (``forward_only``: evaluation's)."""
@@ -134,7 +140,9 @@ class Assembly:
         Every rank calls it before the schedule, so the batch source's own collectives run here
         (``BatchSource.begin``: the per-token loss's global count)."""
         batches.begin()
-        return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only)
+        options = stage_options(self.overlap and not forward_only, self.delay_weight_grads)
+        return self.stage_factory(self.chunks, self.layout, batches, self.loss_fn, loss_scale, forward_only,
+                                  **options)
 
 
 def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer, placements: Placements) -> Assembly:
@@ -153,10 +161,12 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
 
     def schedule(forward_only: bool) -> list[Action]:
         actions = build_schedule(plan.schedule, p, layout.v, plan.m, g.pp_rank, forward_only,
-                                 vocab_barriers=barriers)
+                                 vocab_barriers=barriers, overlap=plan.overlap_moe_expert_parallel_comm)
         return actions if sync is None else add_param_sync(actions, sync.reshard_after_forward)
 
-    if not any(a.op == "W" for a in schedule(False)):  # no zero-bubble W pass: nothing to defer, torch's ops
+    training = schedule(False)
+    delayed = plan.delay_wgrad_compute and has_pairs(training)  # pairs defer weight grads past an exchange
+    if not delayed and not any(a.op == "W" for a in training):  # no W pass: nothing to defer, torch's ops
         compute_at_once(q for chunk in chunks for q in chunk.parameters())
 
     grad_syncs = [GradSync("dp_grad_all_reduce", grads.finish_grad_sync)]  # all-reduce, or reduce-scatter
@@ -168,9 +178,10 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
         grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
                                    functools.partial(all_reduce_sequence_parallel_grads, params, g.tp_group,
                                                      placements)))
+    handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),
                     stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
-                    sync.handlers() if sync is not None else {}, grad_syncs, step_hooks(plan, chunks))
+                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute)
 
 
 def step_hooks(plan: ParallelPlan, chunks: Sequence[nn.Module]) -> list[StepHook]:

@@ -23,12 +23,14 @@ replays the default generator; :func:`checkpoint` also replays the tensor-parall
 (``ptdp.parallel.tensor.random``), which attention dropout and sequence-parallel dropout draw from.
 
 :func:`apply_recompute` applies either to a plain model (or a pipeline chunk) from outside: ``full``
-overrides its ``run_layers``, ``selective`` each attention's ``core``; the model files do not change.
+overrides its ``run_layers`` (and ``layer_steps``, for the overlapped schedules' pieces), ``selective`` each
+attention's ``core``; the model files do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ptdp.models.documents import DocumentLayout
+from ptdp.models.pieces import Compute, Step
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size
 from ptdp.parallel.tensor import get_rng_tracker
 
@@ -212,6 +215,15 @@ def _run(layers: list[nn.Module], x: Tensor, documents: DocumentLayout | None = 
     return x
 
 
+def _checkpoint_steps(recomputed: frozenset[str], key: str, steps: list[Step]) -> list[Step]:
+    """A recomputed layer's pieces (``GPTModel.program``), each checkpointed: the overlapped schedules run a
+    layer a piece at a time, so each piece keeps only its inputs (not the whole unit's first input)."""
+    if key not in recomputed:
+        return steps
+    return [dataclasses.replace(s, run=functools.partial(_maybe_checkpoint, s.run)) if isinstance(s, Compute)
+            else s for s in steps]
+
+
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
                     recompute_num_layers: int | None = None, distribute_group=None,
                     offload: bool = False) -> nn.Module:
@@ -228,6 +240,9 @@ def apply_recompute(model: nn.Module, granularity: str | None, method: str | Non
         plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
         model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan, distribute_group,
                                              offload)
+        keys = list(model.layers)
+        recomputed = frozenset(keys[i] for span, on in plan if on for i in span)
+        model.layer_steps = functools.partial(_checkpoint_steps, recomputed)
         for module in mtp:
             module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model

@@ -24,7 +24,7 @@ from ptdp.planner.spec import (
 )
 from ptdp.planner.vocab import vocab_column, vocab_lines
 from ptdp.runtime.hardware import ACCELERATORS, GIB
-from ptdp.schedule.registry import default_virtual_size
+from ptdp.schedule.registry import default_virtual_size, pair_share, schedule_spec
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
@@ -72,6 +72,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     # issue 25: a mixture of experts' expert layout (default: search e, etp and the dispatcher)
     add_field_arguments(p, train_config.ParallelConfig, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
     add_field_arguments(p, train_config.MoEConfig, ("moe_token_dispatcher_type",))
+    # issue 38: pin the combined 1F1B overlap (default: search it, and dualpipev, for a MoE layout at e > 1)
+    add_field_arguments(p, train_config.ParallelConfig, ("overlap_moe_expert_parallel_comm",),
+                        overlap_moe_expert_parallel_comm=None)
     # The search space has two values train spells by leaving a flag out: no recomputation (``none``), and
     # the distributed optimizer pinned off (``--no-use-distributed-optimizer``).
     add_field_arguments(p, ModelConfig, ("recompute_granularity",), overrides={"recompute_granularity": {
@@ -204,6 +207,7 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
         expert_model_parallel_size=args.expert_model_parallel_size or 1,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type or DEFAULT_DISPATCHER,
+        overlap_moe_expert_parallel_comm=bool(args.overlap_moe_expert_parallel_comm),
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -241,6 +245,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 expert_sizes=pin(args.expert_model_parallel_size),
                 expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
                 dispatchers=pin(args.moe_token_dispatcher_type),
+                overlap=args.overlap_moe_expert_parallel_comm,
             )
             result = search(model, cluster, train, top=args.top, space=space)
             if result.num_evaluated == 0:
@@ -327,6 +332,26 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     return "\n".join(lines)
 
 
+def overlap_lines(c: ParallelConfig, m: int, exposed: float, total: float) -> list[str]:
+    """The overlapped pairs of the chosen layout (issue 38, docs/dualpipe.md): how much token movement they
+    hide; none without pairs."""
+    share = pair_share(c.schedule, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size, m,
+                       c.overlap_moe_expert_parallel_comm)
+    if not share:
+        return []
+    how = "dualpipev" if c.schedule == "dualpipev" else f"{c.schedule} with --overlap-moe-expert-parallel-comm"
+    return [f"{how}: {share:.0%} of the forward and backward passes run in overlapped pairs, each microbatch's "
+            f"expert dispatch and combine under the other's compute; token movement left exposed "
+            f"{exposed / total:.0%} of the iteration (docs/dualpipe.md)"]
+
+
+def _bubble_words(schedule: str) -> str:
+    """The schedule's own bubble formula as the registry states it (the paper's (p-1)/(v·m) for 1F1B and
+    interleaved, DualPipe's for dualpipev), in parentheses where it is words."""
+    words = schedule_spec(schedule).bubble
+    return words if words.startswith("(") else f"({words})"
+
+
 _OPTIMIZER_WORDS = {"adam": "Adam", "sgd": "SGD momentum", "muon": "Muon's momentum; Adam on the rest"}
 
 
@@ -345,7 +370,8 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     cp_line = ([f"c = {c.context_parallel_size} splits each {model.seq_length}-token sequence over c ranks "
                 f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
                 "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
-    return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + [
+    return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + overlap_lines(
+        c, best.num_microbatches, times.ep_comm, best.iteration_time_s) + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + "
         f"{_OPTIMIZER_WORDS[train.optimizer]}) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
@@ -354,8 +380,8 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "
         f"all-reduces cost {share['tp_comm']:.0%} of the iteration",
-        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches: bubble (p-1)/(v·m) = "
-        f"{best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
+        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches ({c.schedule}): bubble "
+        f"{_bubble_words(c.schedule)} = {best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
         f"d = {d} data-parallel replicas take the rest of the {cluster.num_gpus} GPUs (takeaway 2); their gradient "
         f"reduction costs {share['dp_comm']:.0%}"
         + (f" with ZeRO ({c.strategy}) sharding over {c.shards} ranks" if c.strategy != "no_shard" else ""),

@@ -46,7 +46,7 @@ class Estimate:
         """The paper's bubble: idle time over ideal time, (p-1)/(v·m), or the schedule's own (zero bubble)."""
         c = self.config
         return bubble_fraction_formula(c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
-                                       self.num_microbatches, c.schedule)
+                                       self.num_microbatches, c.schedule, c.overlap_moe_expert_parallel_comm)
 
     @property
     def fits(self) -> bool:

@@ -174,15 +174,16 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 
 
-def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
+def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int, overlap: bool = False) -> int:
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
     Closed form of ``ptdp.parallel.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
     min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs before its
     backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
-    their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less).
+    their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less),
+    DualPipeV 2p + 1 (DualPipe's PP + 1 with PP = 2p stages); ``overlap`` (combined 1F1B) one more microbatch.
     """
-    return schedule_spec(schedule).stashes(p, v, m, rank)  # the registry's memory formula
+    return schedule_spec(schedule).stashes(p, v, m, rank, overlap)  # the registry's memory formula
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
         kind = rank_kind(cfg, rank, layers, ends)
         if kind not in params_of:
             params_of[kind] = parameters_per_rank(model, t, p, rank, cfg)
-        in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank)
+        in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank,
+                                                          cfg.overlap_moe_expert_parallel_comm)
                         + vocab_parallel_extra_stashes(cfg), m * v)
         mtp = model.mtp_num_layers if rank == ends[1] else 0  # the MTP modules: more layers on the last rank
         acts = in_flight * (layers[rank] + mtp) / v * stash + working

@@ -11,7 +11,9 @@ and one iteration is
 
     T = (m + (p-1)/v) · T_mb + tied-embedding all-reduce + exposed data-parallel reduction + optimizer step
 
-i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3).
+i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3). The
+overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement of their paired passes up to
+the other microbatch's compute (:func:`overlap_hidden`).
 Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
 in one server and otherwise over the network (Megatron orders ranks t fastest, then d, then p). Every
 constant below is a hardware or implementation fact with its source; none is fitted to the paper's
@@ -27,7 +29,7 @@ from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.muon import NS_STEPS, MuonWork, muon_work
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
-from ptdp.schedule.registry import bubble_fraction_formula
+from ptdp.schedule.registry import bubble_fraction_formula, pair_share
 
 # Large 16-bit GEMMs reach ~85-90% of the datasheet peak with cuBLAS on A100/H100; a dimension x only
 # fills the tensor-core tiles and SM waves in proportion x / (x + GEMM_HALF_DIM) (1024^3 -> ~69% of peak,
@@ -315,7 +317,8 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     )
     m = cfg.num_microbatches(train.global_batch_size)
     stage = stage_times(model, cfg, cluster, train.precision)
-    bubble = bubble_fraction_formula(p, v, m, cfg.schedule) * m * stage.total
+    bubble = bubble_fraction_formula(p, v, m, cfg.schedule, cfg.overlap_moe_expert_parallel_comm) * m * stage.total
+    ep_comm = m * stage.ep_comm - overlap_hidden(cfg, m, stage)
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
@@ -372,5 +375,17 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         dp_comm=dp_comm,
         optimizer=optimizer,
         cp_comm=m * stage.cp_comm,
-        ep_comm=m * stage.ep_comm,
+        ep_comm=ep_comm,
     )
+
+
+def overlap_hidden(cfg: ParallelConfig, m: int, stage: StageTimes) -> float:
+    """Seconds of MoE token movement an iteration hides with overlapped forward-backward pairs (dualpipev,
+    or ``--overlap-moe-expert-parallel-comm`` under 1f1b / interleaved; ``ptdp.schedule.dualpipe``): inside a
+    pair each microbatch's dispatch and combine run under the other microbatch's compute, so a paired pass
+    hides its communication up to that compute (``min(ep_comm, compute)`` per microbatch); the passes
+    outside pairs (warm-up, cool-down) hide nothing. The share of paired passes is the schedule's own
+    (``pair_share``)."""
+    share = pair_share(cfg.schedule, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
+                       m, cfg.overlap_moe_expert_parallel_comm)
+    return share * m * min(stage.ep_comm, stage.compute)

@@ -245,6 +245,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"  # ptdp train's (and Megatron-LM's) default
+    # issue 38: combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
+    overlap_moe_expert_parallel_comm: bool = False
 
     @property
     def strategy(self) -> str:

@@ -58,7 +58,8 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         row = worst.tolist()
     bubble, in_flight, saved = row
-    ratio = bubble_fraction_formula(plan.p, len(trainer.chunks), plan.m, plan.schedule)
+    ratio = bubble_fraction_formula(plan.p, len(trainer.chunks), plan.m, plan.schedule,
+                                    plan.overlap_moe_expert_parallel_comm)
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": ratio / (1 + ratio),

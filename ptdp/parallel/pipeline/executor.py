@@ -64,6 +64,13 @@ class PipelineStage(Protocol):
         """Weight-gradient half of ``backward`` (zero-bubble W), after backward_input of the same pair."""
         ...
 
+    def forward_backward(self, forward: Action, input: Tensor | None, backward: Action, output_grad: Tensor | None,
+                         saving: Callable[[], contextlib.AbstractContextManager]) -> tuple[Tensor | None, Tensor | None]:
+        """An overlapped pair (``ptdp.parallel.pipeline.overlap``): ``forward`` (an F) and ``backward`` (a B or
+        I of another microbatch) at once; ``saving()`` wraps what the forward saves for its backward.
+        Returns (the activation to send, the input gradient), as ``forward`` and ``backward`` do."""
+        ...
+
 
 @dataclass
 class ScheduleStats:
@@ -199,36 +206,46 @@ class _Run:
         sends = [(s, self.outbox.pop(message_key(s))) for s in batch if s.op.startswith("SEND")]
         self.pending.update(self.comm.issue(sends, [r for r in batch if r.op.startswith("RECV")]))
 
-    def _saving(self, mb: int, chunk: int) -> contextlib.AbstractContextManager:
+    def saving(self, mb: int, chunk: int) -> contextlib.AbstractContextManager:
         return self.saved.hooks((mb, chunk)) if self.saved is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def timed(self, name: str, mb: int, chunk: int) -> Iterator[None]:
+        t0 = self.clock.mark()
+        yield
+        self.span(name, COMPUTE, t0, mb, chunk)
+
+    def computed(self, a: Action) -> None:
+        """The accounting of an F, B, I or W that ran: activations in flight and saved."""
+        key = (a.microbatch, a.chunk)
+        if a.op == "F":
+            self.live.add(key)
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.live))
+            return
+        if a.op in ("B", "I"):
+            self.live.discard(key)
+        if a.op in ("B", "W") and self.saved is not None:
+            self.saved.free(key)
 
     def compute(self, a: Action) -> None:
         """F, B, I or W through the stage."""
         mb, c, stage = a.microbatch, a.chunk, self.stage
         if a.op == "F":
             x = self.receive("F", mb, c)
-            t0 = self.clock.mark()
-            with self._saving(mb, c):
+            with self.timed("forward", mb, c), self.saving(mb, c):
                 y = stage.forward(c, mb, x)
-            self.span("forward", COMPUTE, t0, mb, c)
-            self.live.add((mb, c))
-            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.live))
+            self.computed(a)
             self.deliver("F", mb, c, y)
         elif a.op in ("B", "I"):
             g = self.receive("B", mb, c)
-            t0 = self.clock.mark()
-            dx = stage.backward(c, mb, g) if a.op == "B" else stage.backward_input(c, mb, g)
-            self.span("backward" if a.op == "B" else "backward_input", COMPUTE, t0, mb, c)
-            if a.op == "B" and self.saved is not None:
-                self.saved.free((mb, c))
-            self.live.discard((mb, c))
+            with self.timed("backward" if a.op == "B" else "backward_input", mb, c):
+                dx = stage.backward(c, mb, g) if a.op == "B" else stage.backward_input(c, mb, g)
+            self.computed(a)
             self.deliver("B", mb, c, dx)
         else:
-            t0 = self.clock.mark()
-            stage.backward_weight(c, mb)
-            self.span("backward_weight", COMPUTE, t0, mb, c)
-            if self.saved is not None:
-                self.saved.free((mb, c))
+            with self.timed("backward_weight", mb, c):
+                stage.backward_weight(c, mb)
+            self.computed(a)
 
     def finish(self) -> ScheduleStats:
         if self.comm is not None:

@@ -175,8 +175,9 @@ class VocabParallel:
     grads: GradReducer | None = None  # the gradient buffers the slices' gradients go into
 
     def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
-                 loss_scale: float = 1.0, forward_only: bool = False) -> VocabStage:
-        return VocabStage(chunks, layout, batches, loss_fn, loss_scale, forward_only, vocab=self)
+                 loss_scale: float = 1.0, forward_only: bool = False, **options: bool) -> VocabStage:
+        """``options``: ``ModuleStage``'s (``piecewise``, ``delay_weight_grads``)."""
+        return VocabStage(chunks, layout, batches, loss_fn, loss_scale, forward_only, vocab=self, **options)
 
 
 class VocabStage(ModuleStage):
@@ -185,8 +186,8 @@ class VocabStage(ModuleStage):
     microbatch's loss factor is 1/m times ``loss_scale``, as ``ModuleStage``'s (the MTP heads' λ/D of it)."""
 
     def __init__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
-                 loss_scale: float = 1.0, forward_only: bool = False, *, vocab: VocabParallel):
-        super().__init__(chunks, layout, batches, loss_fn, loss_scale, forward_only)
+                 loss_scale: float = 1.0, forward_only: bool = False, *, vocab: VocabParallel, **options: bool):
+        super().__init__(chunks, layout, batches, loss_fn, loss_scale, forward_only, **options)
         self.m = batches.num_microbatches
         self.scale, self.barriers = loss_scale / self.m, vocab.barriers
         self.pp_group, self.tp_group, self.pp_ranks = vocab.pp_group, vocab.tp_group, list(vocab.pp_ranks)
@@ -221,7 +222,7 @@ class VocabStage(ModuleStage):
             if work is not None:
                 work.wait()
 
-    # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
+    # ---- what enters and leaves a chunk, with the vocabulary layers taken out (ModuleStage's hooks) ------
     def _leaf(self, chunk: int, microbatch: int, columns: int | None) -> Tensor:
         """EMB's rows of the microbatch (its first ``columns`` positions) as a leaf whose gradient EB needs."""
         rows = self._buf["EMB", 0][microbatch]
@@ -229,51 +230,38 @@ class VocabStage(ModuleStage):
         self._leaves[chunk, microbatch] = leaf
         return leaf
 
-    def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
+    def _enter(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor:
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
             ids = self.batches.inputs(microbatch)
             self.chunks[chunk].embedding.word_embeddings.current = self._leaf(chunk, microbatch, ids.shape[1])
-        if chunk != self.last_chunk:
-            return super().forward(chunk, microbatch, input)
-        if self.heads > 1:  # the MTP modules' embedding rows
+        if chunk == self.last_chunk and self.heads > 1:  # the MTP modules' embedding rows
             provided = self.chunks[chunk].embedding_copy.word_embeddings
             provided.current, provided.ids = self._leaf(chunk, microbatch, None), self._ids[0][microbatch]
-        if self.forward_only:
-            with torch.no_grad():
-                self._buf["H", microbatch] = self.run_chunk(chunk, microbatch, input).view(self._hidden_shape())
-            return None
-        x = input.detach().requires_grad_(True)
-        y = self.run_chunk(chunk, microbatch, x)
-        self._stash[chunk, microbatch] = (x, y)
-        self._buf["H", microbatch] = y.detach().contiguous().view(self._hidden_shape())
-        return None
+        return super()._enter(chunk, microbatch, input)
 
-    def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
-        self._wait(Action(op, microbatch, chunk))
+    def _exit(self, chunk: int, microbatch: int, y: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The last stage's final-norm output goes to the vocabulary passes (``BCAST_H``); it is the
+        backward's root, seeded by T's gradient."""
         if chunk != self.last_chunk:
-            return grad
+            return super()._exit(chunk, microbatch, y)
+        self._buf["H", microbatch] = y.detach().contiguous().view(self._hidden_shape())
+        return y, None
+
+    def _seed(self, chunk: int, microbatch: int, output_grad: Tensor | None, root: Tensor) -> Tensor | None:
+        self._wait(Action("B", microbatch, chunk))  # B and I wait for the same barrier
+        if chunk != self.last_chunk:
+            return output_grad
         g = self._grad_h.pop(microbatch)
         if self.sp:
             g = g.chunk(group_size(self.tp_group), dim=2)[group_rank(self.tp_group)]
-        y = self._stash[chunk, microbatch][1]
-        return g.to(y.dtype).view(y.shape).contiguous()
+        return g.to(root.dtype).view(root.shape).contiguous()
 
-    def _keep_leaf_grad(self, chunk: int, microbatch: int) -> None:
+    def _after_backward(self, chunk: int, microbatch: int) -> None:
         """The embedding rows' gradient, into EMB_G's buffer: the first stage's and the MTP modules'."""
         leaf = self._leaves.pop((chunk, microbatch), None)
         if leaf is not None and leaf.grad is not None:
             self._emb_grads()[microbatch, :, :leaf.shape[1]].add_(leaf.grad)
-
-    def backward(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
-        dx = super().backward(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "B"))
-        self._keep_leaf_grad(chunk, microbatch)
-        return dx
-
-    def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
-        dx = super().backward_input(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "I"))
-        self._keep_leaf_grad(chunk, microbatch)
-        return dx
 
     def _emb_grads(self) -> Tensor:
         if ("EMB_G", 0) not in self._buf:
