@@ -22,18 +22,12 @@ from torch import nn
 from ptdp.checkpointing.sharded import add_boxes, piece_boxes
 from ptdp.optim import kinds
 from ptdp.optim.optimizer import DistributedOptimizer
-from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.placement import Placements
 
 
 def owns_pieces(optimizer) -> bool:
     """Whether ``optimizer`` keeps its state as flat pieces (then this module saves and loads it)."""
     return isinstance(optimizer, DistributedOptimizer)
-
-
-def model_is_sharded(grads: GradReducer) -> bool:
-    """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
-    return any(b.param_shard is not None for b in grads.buckets)
 
 
 def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:

@@ -3,22 +3,27 @@
 Nothing here imports torch's distributed package or ptdp's parallelism modules (an import-linter
 contract in ``pyproject.toml``, and tests/test_architecture.py); ``ptdp.parallel.parallelize`` transforms these
 modules from outside.
+
+The names below are imported on first use (PEP 562), so ``ptdp.models.flops`` (pure arithmetic, read by
+the planner and the CLI's parser) does not import torch: ``ptdp train`` prints its first line before
+torch loads.
 """
 
-from ptdp.models.gpt import MLP, TIED_EMBEDDING, Attention, Embedding, GPTModel, TransformerLayer
-from ptdp.models.layers import (
-           CausalAttention,
-           CrossEntropy,
-           DropoutAdd,
-           Linear,
-           Logits,
-           SequencePositions,
-           norm,
-)
-from ptdp.models.mla import MultiLatentAttention
-from ptdp.models.moe import GroupedExperts, LocalDispatcher, MoELayer, TopKRouter
-from ptdp.models.mtp import MultiTokenPrediction
+import importlib
 
-__all__ = ["MLP", "TIED_EMBEDDING", "Attention", "CausalAttention", "CrossEntropy", "DropoutAdd", "Embedding",
-           "GPTModel", "GroupedExperts", "Linear", "LocalDispatcher", "Logits", "MoELayer", "MultiLatentAttention",
-           "MultiTokenPrediction", "SequencePositions", "TopKRouter", "TransformerLayer", "norm"]
+_WHERE = {
+    **dict.fromkeys(("MLP", "TIED_EMBEDDING", "Attention", "Embedding", "GPTModel", "TransformerLayer"), "gpt"),
+    **dict.fromkeys(("CausalAttention", "CrossEntropy", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm"),
+                    "layers"),
+    **dict.fromkeys(("GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter"), "moe"),
+    "MultiLatentAttention": "mla",
+    "MultiTokenPrediction": "mtp",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ptdp.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ptdp.models.{_WHERE[name]}"), name)

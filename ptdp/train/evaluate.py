@@ -9,6 +9,7 @@ executor runs it on the training step's stage in its forward-only mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -18,8 +19,16 @@ from ptdp.train.batches import Microbatches
 from ptdp.train.state import TrainState
 
 
-def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
-    """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time)."""
+def never() -> bool:
+    """The stop flag of a run that is never interrupted (a test, ``evaluate`` called on its own)."""
+    return False
+
+
+def evaluate(trainer: TrainState, dataset, eval_iters: int,
+             interrupted: Callable[[], bool] = never) -> float | None:
+    """Mean loss over ``eval_iters`` global batches of ``dataset`` (the same batches every time).
+    ``interrupted`` (the run controller's stop flag, collective: every rank calls it after each batch and
+    gets the same answer) cuts the evaluation short for a Ctrl-C or SIGTERM: then None, no partial loss."""
     run, groups = trainer.assembly, trainer.plan.groups
     actions = run.actions(forward_only=True)
     for chunk in trainer.chunks:
@@ -35,6 +44,8 @@ def evaluate(trainer: TrainState, dataset, eval_iters: int) -> float:
             with torch.no_grad():
                 run_schedule(actions, stage, trainer.comm, run.handlers, device=groups.device)
             total += float(sum(stage.losses.values()))
+            if interrupted():
+                return None
     finally:
         for chunk in trainer.chunks:
             chunk.train()

@@ -3,6 +3,8 @@ summary, progress and validation lines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -12,7 +14,7 @@ from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
 from ptdp.train.batches import to_device
-from ptdp.train.evaluate import evaluate, perplexity
+from ptdp.train.evaluate import evaluate, never, perplexity
 from ptdp.train.moe_metrics import moe_metrics, mtp_metrics, progress_suffix
 from ptdp.train.state import TrainState
 
@@ -129,18 +131,21 @@ def _count(n: float) -> str:
 
 
 def validation_record(trainer: TrainState, iteration: int, is_logger: bool, split: str = "valid",
-                      where: str = "") -> dict:
+                      where: str = "", interrupted: Callable[[], bool] = never) -> dict:
     """``val_loss``/``val_ppl`` over the validation split (``split="test"``: ``test_loss``/``test_ppl`` over
     the test split), ``--eval-iters`` global batches or with ``--full-validation`` the whole validation
-    split (``evaluation_iters``); empty when the split has no sample. ``where``: Megatron's " on
-    validation set" after the iteration (``--skip-train``'s lines)."""
+    split (``evaluation_iters``); empty when the split has no sample, or when ``interrupted`` (the run
+    controller's stop flag) cut it short (see ``evaluate``). ``where``: Megatron's " on validation set"
+    after the iteration (``--skip-train``'s lines)."""
     from ptdp.data.training_data import evaluation_iters
 
     dataset = getattr(trainer.data, split)
     if dataset is None:
         return {}
     iters = evaluation_iters(trainer.config, dataset) if split == "valid" else trainer.config.training.eval_iters
-    loss = evaluate(trainer, dataset, iters)
+    loss = evaluate(trainer, dataset, iters, interrupted)
+    if loss is None:
+        return {}
     if is_logger:
         print(f" {'validation' if split == 'valid' else 'test'} loss at iteration {iteration}{where} | lm loss value: "
               f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}", flush=True)
@@ -187,3 +192,16 @@ def _duration(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, minutes = divmod(minutes, 60)
     return f"{h}:{minutes:02d}:{s:02d}"
+
+
+def report_data_mix(trainer: TrainState) -> None:
+    """After a resume, one line per dataset: consumed so far, left in its epoch, old -> new weight
+    (ptdp/data/train_stream.py)."""
+    from ptdp.data.train_stream import summary_lines
+
+    resumed = trainer.data.train.resumed
+    if resumed is None:
+        print(" data: the checkpoint has no data state (an older ptdp); reading on by iteration", flush=True)
+        return
+    for line in summary_lines(resumed):
+        print(line, flush=True)

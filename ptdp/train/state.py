@@ -17,6 +17,7 @@ from ptdp.checkpointing.storage import latest_info
 from ptdp.config import Config
 from ptdp.data import DataSplits
 from ptdp.data.documents import DocumentOptions
+from ptdp.data.train_stream import TrainStream
 from ptdp.data.training_data import datasets_for_config
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
@@ -64,24 +65,38 @@ class TrainState:
     def vocab_size(self) -> int:
         return self.chunks[0].vocab_size
 
+    # ptdp.checkpointing.Checkpointable: what a checkpoint saves and loads of this state
+    @property
+    def model_sharded(self) -> bool:
+        """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
+        return self.grads.param_sync is not None
+
+    @property
+    def data_position(self) -> TrainStream:
+        return self.data.train
+
 
 def setup(config: Config) -> TrainState:
     """This rank's :class:`TrainState` for a validated, derived ``config`` (``ptdp.config.derive``)."""
-    rank, world_size, device = init_distributed(config.parallel.distributed_timeout_minutes)
-    groups = process_groups(config, rank, world_size, device)
+    with phase("joining the other processes: rendezvous and process groups"):  # rank 0 says so after 2 s
+        rank, world_size, device = init_distributed(config.parallel.distributed_timeout_minutes)
+        groups = process_groups(config, rank, world_size, device)
     plan = resolve_plan(config, groups)
     model_parallel_seed(plan.seed, groups.tp_rank, groups.pp_rank, device)
-    # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
-    data = datasets_for_config(config, *latest_info(config.checkpoint.load))
+    with phase("reading the data: tokenizer, indexes and sample order"):
+        # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
+        data = datasets_for_config(config, *latest_info(config.checkpoint.load))
     vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, plan.vocab_divisor)
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         model = build_model_chunks(plan, vocab_size, padded)
-    grads, optimizer = setup_optimizer(model, plan, config.optimizer, config.precision,
-                                       tied_embedding_weights(model.chunks, plan.p))
-    assembly = assemble(plan, model.chunks, grads, model.placements)
+    with phase("setting up the gradient buffers, the optimizer and the pipeline"):
+        grads, optimizer = setup_optimizer(model, plan, config.optimizer, config.precision,
+                                           tied_embedding_weights(model.chunks, plan.p))
+        assembly = assemble(plan, model.chunks, grads, model.placements)
+        comm = build_p2p(plan)
     return TrainState(config, plan, model.chunks, model.placements, data, grads, optimizer, assembly.actions(),
-                      build_p2p(plan), assembly, batch_format(config, plan, data.tokenizer.eod_id))
+                      comm, assembly, batch_format(config, plan, data.tokenizer.eod_id))
 
 
 def batch_format(config: Config, plan: ParallelPlan, eod: int) -> BatchFormat:

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ptdp.observability import flight_recorder
 from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.parallel.pipeline.handlers import COMMUNICATION, COMPUTE, ActionHandler, merge_handlers
 from ptdp.parallel.pipeline.p2p import P2PComm, PendingRecv, message_key
@@ -307,6 +308,7 @@ def run_schedule(
     batches = dict(_comm_runs(actions))
     i = 0
     while i < len(actions):
+        flight_recorder.tick()  # liveness: the previous action is done (ptdp/observability/watchdog.py)
         a = actions[i]
         if i in batches:
             run.communicate(actions[i:batches[i]])
