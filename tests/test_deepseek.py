@@ -310,3 +310,5 @@ def test_plan_places_deepseek_v3_on_h800s_with_an_uneven_pipeline():
     assert invalid_reason(spec, report, cluster, train) is None
     estimate = evaluate(spec, report, cluster, train)
     assert estimate.fits and estimate.memory.total > 20 * 2**30
+    overlapped = dataclasses.replace(report, overlap_moe_expert_parallel_comm=True)  # not with MTP yet (issue 38)
+    assert "--mtp-num-layers" in invalid_reason(spec, overlapped, cluster, train)
