@@ -31,6 +31,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-layer-freq", "2",
        "--moe-shared-expert-intermediate-size", "16"]
 
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--q-lora-rank", "8"]  # issue 41: pieces run MLA too
+
 
 class Batches(PlainBatches):
     num_microbatches = M
@@ -65,8 +68,9 @@ def train(flags: list[str], overlap: bool, piecewise: bool, delay: bool = False)
 
 
 @pytest.mark.parametrize("flags", [[], MOE, [*MOE, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                              "--recompute-num-layers", "2"], [*MOE, "--recompute-granularity", "selective"]],
-                         ids=["dense", "moe", "moe-full-recompute", "moe-selective"])
+                                              "--recompute-num-layers", "2"], [*MOE, "--recompute-granularity", "selective"],
+                                   [*MOE, *MLA, "--recompute-granularity", "selective"]],
+                         ids=["dense", "moe", "moe-full-recompute", "moe-selective", "mla-selective"])
 def test_pieces_and_overlapped_pairs_give_the_plain_run(flags):
     loss, grads = train(flags, overlap=False, piecewise=False)
     for overlap, delay in ((False, False), (True, False), (True, True)):

@@ -9,7 +9,8 @@ exactly the region every rank of the *new* layout asks for. That is the whole re
 
 Keys::
 
-    model.<logical name>                      parameters (the tied embedding once: logical_name)
+    model.<logical name>                      parameters (the tied embedding once: logical_name) and
+                                              persistent buffers (a router's expert bias)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
     optimizer.<logical name>.momentum_buffer  Muon's (hidden matrices) or SGD's state instead of the moments
     optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
@@ -69,6 +70,16 @@ def named_parameters(run: Checkpointable) -> Iterator[tuple[str, nn.Parameter]]:
             yield run.placements[param].name, param
 
 
+def named_buffers(run: Checkpointable) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) for every persistent buffer (a router's expert bias): replicated state that is not
+    trained, saved and loaded whole like a replicated parameter. A chunk's module names are the full
+    model's (layers under their global indices), so the name is already logical."""
+    for chunk in run.chunks:
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                yield name, value
+
+
 def _mesh_for(run: Checkpointable) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
     """The mesh over the dimensions a placement's splits name (``to_dtensor``): the expert mesh's ``ep``
     and ``etp`` (issue 25), else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
@@ -122,6 +133,7 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
             out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
+    out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(run)})
     if pieces:
         out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
     out.update(_rng_entries(run.plan.groups.rank))
@@ -208,6 +220,8 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
                     param, dtype=torch.float32)
                 optim.setdefault(param, {})[field] = live
                 want(key, live, param, shard=field != "step")
+    for name, buffer in named_buffers(run):
+        want(f"model.{name}", buffer, None, shard=False)
     same_layout = info["layout"] == _layout(run)
     rng = _rng_entries(run.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):

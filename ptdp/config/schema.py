@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.config.fields import DELAY_WGRAD_HELP, OVERLAP_HELP, opt, schedule_help
 from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
-from ptdp.config.fields import opt, schedule_help
 from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
 
 
@@ -70,6 +70,21 @@ class ModelConfig:
         "slices) in pinned host memory until the recompute (ZeRO-R's CPU checkpointing; Megatron-DeepSpeed's flag)")
     compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
                         "bias-dropout-add); eager if it fails")
+    multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): low-rank q, kv; decoupled RoPE")
+    q_lora_rank: int | None = opt(None, "rank of the query compression (unset: one full query projection)")
+    kv_lora_rank: int = opt(32, "rank of the key/value compression (the latent an inference cache keeps)")
+    qk_head_dim: int = opt(128, "per-head query/key dimension without the RoPE part")
+    qk_pos_emb_head_dim: int = opt(64, "per-head query/key RoPE dimension (the key's is shared by the heads)")
+    v_head_dim: int = opt(128, "per-head value dimension")
+    rope_type: str | None = opt(None, "rope or yarn (unset: yarn with MLA, else rope)", choices=["rope", "yarn"])
+    rotary_scaling_factor: float = opt(1.0, "YaRN context-extension factor (1: no scaling)")
+    mscale: float = opt(1.0, "YaRN: tables times mscale(f, mscale)/mscale(f, all-dim); mscale(f, m)=0.1*m*ln(f)+1")
+    mscale_all_dim: float = opt(0.0, "YaRN: the softmax scale times mscale(factor, mscale-all-dim)^2")
+    original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at")
+    beta_fast: float = opt(32.0, "YaRN: rotations above which a dimension is not interpolated")
+    beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
+    mtp_num_layers: int | None = opt(None, "multi-token prediction: D modules, k-th predicting t+k+1 (0: none)")
+    mtp_loss_scaling_factor: float = opt(0.1, "lambda: the objective adds lambda * the MTP modules' mean CE")
 
     @property
     def ffn_size(self) -> int:
@@ -130,6 +145,13 @@ class MoEConfig:
                                          "parallelism): alltoall or allgather", choices=["alltoall", "allgather"])
     moe_grouped_gemm: bool = opt(False, "one grouped GEMM over the local experts (torch._grouped_mm) instead "
                                  "of a loop over experts")
+    moe_router_score_function: str = opt("softmax", "router scores (DeepSeek-V3: sigmoid)",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: b += rate*sign(mean - load)")
+    moe_router_bias_update_rate: float = opt(1e-3, "the expert bias update rate (DeepSeek-V3's 1e-3)")
+    moe_router_num_groups: int | None = opt(None, "group-limited routing: the experts in this many equal groups")
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (top scores)")
+    moe_router_topk_scaling_factor: float | None = opt(None, "the k routing weights times this (DeepSeek-V3: 2.5)")
 
 
 @dataclass
@@ -178,13 +200,8 @@ class ParallelConfig:
                                                   "default, as Megatron-Core) or 1, which lets e span the "
                                                   "tensor-parallel ranks")
     # Overlapped forward-backward pairs (issue 38): ptdp/schedule/dualpipe.py, docs/dualpipe.md
-    overlap_moe_expert_parallel_comm: bool = opt(
-        False, "1f1b and interleaved: run each steady-state forward together with another microbatch's "
-        "backward, piece by piece, so that the expert dispatch and combine of one hide under the other's "
-        "compute (Megatron-Core's combined 1F1B; one more microbatch in flight; dualpipev always overlaps)")
-    delay_wgrad_compute: bool = opt(
-        False, "in an overlapped pair, compute a piece's weight gradients after issuing the communication of "
-        "its input gradients, as more work to hide it behind")
+    overlap_moe_expert_parallel_comm: bool = opt(False, OVERLAP_HELP)
+    delay_wgrad_compute: bool = opt(False, DELAY_WGRAD_HELP)
 
     @property
     def virtual_size(self) -> int:

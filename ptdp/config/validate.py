@@ -17,7 +17,7 @@ from typing import Any
 from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
-from ptdp.config.validate_moe import expert_layout_errors, moe_errors
+from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
 from ptdp.config.validate_pipeline import (
     overlap_errors,
     schedule_problems,
@@ -98,6 +98,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
     errors += moe_errors(config)  # issue 25
+    errors += deepseek_errors(config) if sizes_ok and shape_ok else []  # issue 41
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,

@@ -13,8 +13,11 @@ import importlib
 
 _WHERE = {
     **dict.fromkeys(("MLP", "TIED_EMBEDDING", "Attention", "Embedding", "GPTModel", "TransformerLayer"), "gpt"),
-    **dict.fromkeys(("CausalAttention", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm"), "layers"),
+    **dict.fromkeys(("CausalAttention", "CrossEntropy", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm"),
+                    "layers"),
     **dict.fromkeys(("GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter"), "moe"),
+    "MultiLatentAttention": "mla",
+    "MultiTokenPrediction": "mtp",
 }
 
 __all__ = sorted(_WHERE)

@@ -12,10 +12,12 @@ attention intersects with the rank's chunks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ptdp.ops.document_attention import DocumentAttention
 
@@ -38,9 +40,27 @@ class DocumentLayout:
     cache: dict = field(default_factory=dict)
 
     @torch.compiler.disable  # --compile: the kernels loop over host boundaries; a compiled layer calls out here
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """Document-causal attention of q, k, v ``[b, heads, s, d]`` over whole samples."""
-        return self.attention(q, k, v, self.bounds, dropout_p, self.cache)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               scale: float | None = None) -> torch.Tensor:
+        """Document-causal attention of q, k, v ``[b, heads, s, d]`` over whole samples (``scale`` and a
+        value width of its own: :func:`equal_widths`)."""
+        return equal_widths(lambda q, k, v: self.attention(q, k, v, self.bounds, dropout_p, self.cache),
+                            q, k, v, scale)
+
+
+def equal_widths(kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``kernel(q, k, v)`` (a document kernel: equal head widths, softmax scale 1/√width) on multi-latent
+    attention's heads: values narrower than the keys and a softmax ``scale`` of their own. Zero columns
+    pad q, k and v to one width w (scores and outputs unchanged), q is multiplied by scale·√w (the kernel's
+    1/√w then gives ``scale``), and the output keeps v's columns. Plain heads pass through untouched."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if scale is None and dv == d:
+        return kernel(q, k, v)
+    width = max(d, dv)
+    q = q * ((d ** -0.5 if scale is None else scale) * math.sqrt(width))
+    q, k, v = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (q, k, v))
+    return kernel(q, k, v)[..., :dv]
 
 
 def position_ids(documents: DocumentLayout | None) -> torch.Tensor | None:

@@ -44,7 +44,9 @@ from ptdp.models.layers import (
     SequencePositions,
     norm,
 )
+from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
+from ptdp.models.mtp import MultiTokenPrediction
 from ptdp.models.pieces import Compute, Step
 from ptdp.models.rotary import RotaryEmbedding
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
@@ -143,12 +145,13 @@ def moe_mlp(cfg: ModelConfig, moe: MoEConfig) -> MoELayer:
 
 class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias); with ``moe``
-    the MLP is a mixture of experts."""
+    the MLP is a mixture of experts, with ``--multi-latent-attention`` the attention is MLA (``mla.py``)."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.attention = Attention(cfg, positions, fuse_bias=ops.compiled)
+        attention = MultiLatentAttention if cfg.multi_latent_attention else Attention
+        self.attention = attention(cfg, positions, fuse_bias=ops.compiled)
         self.post_attention_layernorm = norm(cfg)
         self.mlp = moe_mlp(cfg, moe) if moe is not None else MLP(cfg, ops)
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
@@ -201,7 +204,10 @@ class Embedding(nn.Module):
 
 class GPTModel(nn.Module):
     """Token ids ``[b, s]`` in, logits ``[b, s, padded V]`` out (padding columns -inf). With ``moe`` (and
-    ``moe.num_experts``) the layers ``--moe-layer-freq`` picks hold a mixture of experts."""
+    ``moe.num_experts``) the layers ``--moe-layer-freq`` picks hold a mixture of experts. With
+    ``--mtp-num-layers D``, ``mtp`` holds the multi-token prediction modules (``mtp.py``; their transformer
+    layers like the last one), whose loss a training forward given the ``labels`` attaches to the logits'
+    backward."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int, moe: MoEConfig | None = None):
         super().__init__()
@@ -215,11 +221,17 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None)
                                      for i in range(cfg.num_layers)})
         self.final_layernorm: nn.Module | None = norm(cfg)
+        self.mtp: MultiTokenPrediction | None = None
+        if cfg.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(cfg, [TransformerLayer(cfg, ops, positions, moe if sparse[-1] else None)
+                                                  for _ in range(cfg.mtp_num_layers)])
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,
                                                                                   padded_vocab_size, bias=False)
         # Tied, with the embedding in another model chunk: a copy of it (``ptdp.parallel.pipeline.stage``).
         self.output_layer: nn.Module | None = None
+        # Multi-token prediction's copy of the embedding, on a chunk without it (the same place).
+        self.embedding_copy: Embedding | None = None
         self.logits = Logits(vocab_size)
 
     def output_weight(self) -> torch.Tensor:
@@ -236,25 +248,34 @@ class GPTModel(nn.Module):
             x = layer(x, documents)
         return x
 
-    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out.
         ``documents``: the packed microbatch's document layout (positions and attention stop at each end of
-        document; ``ptdp.models.documents``), or None: one causal window."""
+        document; ``ptdp.models.documents``), or None: one causal window. ``labels`` (the next tokens,
+        ``[b, s]``) feed the multi-token prediction loss, if the model has one."""
         if self.embedding is not None:
             x = self.embedding(x, documents)
         x = self.run_layers(x, documents)
         if self.final_layernorm is None:
             return x
-        return self.head(x)
+        return self.head(x, labels)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm and the logits."""
-        shared = self.lm_head is None and self.embedding is not None
-        return self.logits(self.final_layernorm(x), self.output_weight(), shared)
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the logits; training with ``labels``, the multi-token prediction modules first
+        (their loss attached to the backward of the hidden states the logits read)."""
+        embedding = self.embedding if self.embedding is not None else self.embedding_copy
+        shared = self.lm_head is None and embedding is not None  # the output weight also embeds here
+        x = self.final_layernorm(x)
+        if self.mtp is not None and labels is not None and self.training:
+            x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
+        return self.logits(x, self.output_weight(), shared)
 
-    def program(self, inp: str, documents: DocumentLayout | None = None) -> tuple[list[Step], str]:
+    def program(self, inp: str, documents: DocumentLayout | None = None, labels: torch.Tensor | None = None
+                ) -> tuple[list[Step], str]:
         """``forward`` as pieces (``ptdp.models.pieces``) from the value ``inp``, and the name of its output:
-        the embedding, each layer's pieces (:meth:`layer_steps`), the head -- those this chunk holds."""
+        the embedding, each layer's pieces (:meth:`layer_steps`), the head (with the multi-token prediction
+        modules, given the ``labels``) -- those this chunk holds."""
         steps, name = [], inp
         if self.embedding is not None:
             steps.append(Compute(lambda ids: (self.embedding(ids, documents),), (name,), ("embedded",), "embedding"))
@@ -263,7 +284,7 @@ class GPTModel(nn.Module):
             steps += self.layer_steps(key, layer.steps(name, f"layer{key}", documents))
             name = f"layer{key}"
         if self.final_layernorm is not None:
-            steps.append(Compute(lambda x: (self.head(x),), (name,), ("logits",), "head"))
+            steps.append(Compute(lambda x: (self.head(x, labels),), (name,), ("logits",), "head"))
             name = "logits"
         return steps, name
 

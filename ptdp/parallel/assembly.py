@@ -14,8 +14,8 @@ naming any of them:
   overlapped pairs;
 * the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
   and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
-* the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule and its
-  statistics after the step;
+* the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule, its
+  statistics and expert-bias update after the step; multi-token prediction's loss scale and losses;
 * the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation;
 
 and, beside it, the point-to-point transport between the pipeline stages (:func:`build_p2p`). Both read
@@ -36,11 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ptdp.models.moe import moe_layer_names
 from ptdp.observability import flight_recorder
 from ptdp.ops.weight_grad import compute_at_once
 from ptdp.parallel.collectives import all_gather, group_size, split
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.expert.step_hooks import MoEStepHook
+from ptdp.parallel.mtp import MTPStepHook
 from ptdp.parallel.pipeline.executor import PipelineStage
 from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
@@ -148,7 +150,8 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     ``grads`` (the data-parallel reducer, ``ptdp.optim.setup``: its ZeRO-3 ``param_sync`` places and runs the
     gather actions, its ``finish_grad_sync`` is the first gradient sync), as ``plan`` resolves them."""
     g, p = plan.groups, plan.p
-    layout = StageLayout(g.pp_rank, p, len(chunks), plan.placement)
+    layout = StageLayout(g.pp_rank, p, len(chunks), plan.placement,
+                         labels_to_last=bool(plan.model.mtp_num_layers))  # issue 41: MTP reads the labels
     barriers = plan.vocab_barriers
     stage_factory: StageFactory = ModuleStage
     if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
@@ -175,15 +178,26 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
         grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
                                    functools.partial(all_reduce_sequence_parallel_grads, params, g.tp_group,
                                                      placements)))
-    hooks: list[StepHook] = []
-    if plan.moe.num_experts:  # issue 25: statistics summed like the loss, and over TP under SP
-        groups = [g.pp_group, g.dp_cp_group, *([g.tp_group] if plan.sequence_parallel else [])]
-        hooks.append(MoEStepHook(chunks, plan.moe.num_experts, plan.moe.moe_layer_freq, plan.model.num_layers,
-                                 groups, g.device))
     handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),
                     stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
-                    handlers, grad_syncs, hooks, has_pairs(training), plan.delay_wgrad_compute)
+                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute)
+
+
+def step_hooks(plan: ParallelPlan, chunks: Sequence[nn.Module]) -> list[StepHook]:
+    """The model's step hooks. The groups of ranks that saw other tokens of the global batch (one process
+    sees them all): the data- and context-parallel ranks, and the tensor-parallel ones under sequence
+    parallelism (each holds s/t tokens between the layers, and routes them); with the pipeline, the groups
+    over which per-layer statistics and losses add up."""
+    g = plan.groups
+    tokens = [g.dp_cp_group, *([g.tp_group] if plan.sequence_parallel else [])]
+    hooks: list[StepHook] = []
+    if plan.moe.num_experts:  # issue 25: statistics summed like the loss; issue 41: the expert biases
+        rows = moe_layer_names(plan.model, plan.moe)
+        hooks.append(MoEStepHook(chunks, plan.moe.num_experts, rows, [g.pp_group, *tokens], tokens, g.device))
+    if plan.model.mtp_num_layers:  # issue 41: the MTP modules' losses, summed like the LM loss
+        hooks.append(MTPStepHook(chunks, plan.model.mtp_num_layers, [g.pp_group, g.dp_cp_group], g.device))
+    return hooks
 
 
 def build_p2p(plan: ParallelPlan) -> P2PComm | None:

@@ -227,12 +227,14 @@ def _checkpoint_steps(recomputed: frozenset[str], key: str, steps: list[Step]) -
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
                     recompute_num_layers: int | None = None, distribute_group=None,
                     offload: bool = False) -> nn.Module:
-    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order); returns it.
+    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order; the multi-token
+    prediction modules' layers alike, each a unit of its own under ``full``); returns it.
 
     With ``full``, ``distribute_group`` (the tensor-parallel group, ``--distribute-saved-activations``) and
     ``offload`` (``--checkpoint-in-cpu``) say where each unit's kept input lives (module docstring)."""
+    mtp = [] if model.mtp is None else list(model.mtp.layers.values())
     if granularity == "selective":
-        for layer in model.layers.values():
+        for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
             layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
     elif granularity == "full":
         plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
@@ -241,4 +243,6 @@ def apply_recompute(model: nn.Module, granularity: str | None, method: str | Non
         keys = list(model.layers)
         recomputed = frozenset(keys[i] for span, on in plan if on for i in span)
         model.layer_steps = functools.partial(_checkpoint_steps, recomputed)
+        for module in mtp:
+            module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model

@@ -28,7 +28,10 @@ from ptdp.schedule.registry import default_virtual_size, pair_share, schedule_sp
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type")
+               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type",
+               # issue 41: multi-latent attention and multi-token prediction
+               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "mtp_num_layers")
 # A mixture of experts' shape, as ``ptdp train`` spells it (the routing and loss flags change no count)
 _MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")

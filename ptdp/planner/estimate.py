@@ -91,7 +91,8 @@ def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: T
         flops_per_iteration=flops_per_iteration(
             model.num_layers, model.hidden_size, model.seq_length, model.vocab_size, train.global_batch_size,
             recompute=cfg.recompute_granularity == "full", ffn_hidden_size=model.ffn, moe=model.moe,
-            attention_length=model.attention_length, **architecture(model),
+            mtp_num_layers=model.mtp_num_layers, attention_length=model.attention_length,
+            **architecture(model),
         ),
         times=iteration_times(model, cfg, cluster, train),
         memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision, train.optimizer),

@@ -100,7 +100,7 @@ def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None
 @functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few t
 def _dense_layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     h, f = model.hidden_size, model.parameter_ffn
-    replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
+    replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h) + model.mla_replicated
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
                                   norm_bias=not model.disable_bias_norm, **architecture(model))
     return (total - replicated) / t + replicated
@@ -139,8 +139,9 @@ def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg:
         params += emb * model.vocab_size * h / t
     if first and model.position_embedding_type != "rope":
         params += model.seq_length * h
-    if last:
-        params += _norm_params(model)
+    if last:  # the final norm; the MTP modules: a layer like the mean one, eh_proj [h, 2h], three norms each
+        params += _norm_params(model) + model.mtp_num_layers * (
+            layer_parameters_per_rank(model, t, cfg) + 2 * h * h / t + 3 * _norm_params(model))
     if out and (untied or (p > 1 and not vp)):  # an untied head, or the tied table's copy on another rank
         params += out * model.vocab_size * h / t
     return params
@@ -167,7 +168,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     sp = cfg.sequence_parallel and t > 1
     if stashed and cfg.recompute_granularity == "full":
         return 2 * s * b * h / (t if sp else 1)
-    replicated = 10 * s * b * h
+    replicated = 10 * s * b * h + (2 * s * b * model.mla.latent_width() if model.mla is not None else 0)
     split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.active_ffn)
     attention_core = 5 * a * s * model.attended * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
@@ -243,10 +244,12 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
         in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank,
                                                           cfg.overlap_moe_expert_parallel_comm)
                         + vocab_parallel_extra_stashes(cfg), m * v)
-        acts = in_flight * layers[rank] / v * stash + working
+        mtp = model.mtp_num_layers if rank == ends[1] else 0  # the MTP modules: more layers on the last rank
+        acts = in_flight * (layers[rank] + mtp) / v * stash + working
         out = vocab_shares(cfg, rank)[1]  # fp32 logits for the vocab-parallel cross entropy, one microbatch
-        acts += out * 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
-        params, expert = params_of[kind], experts.expert_parameters_per_rank(model, cfg, layers[rank])
+        acts += (out + (mtp > 0) * model.mtp_num_layers * out) * 4 * model.seq_length // cfg.context_parallel_size \
+            * cfg.micro_batch_size * model.vocab_size / t  # ... and one more logit tensor per MTP module
+        params, expert = params_of[kind], experts.expert_parameters_per_rank(model, cfg, layers[rank] + mtp)
         states = (params - expert) * per_param + expert * expert_per_param
         matrices = layers[rank] * layer_parameters_per_rank(model, t, cfg) * matrix
         if matrices:  # Muon's matrices (the experts' all are): one momentum instead of two moments, sharded alike

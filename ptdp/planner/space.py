@@ -12,8 +12,9 @@ from ptdp.config.validate_pipeline import schedule_problems
 from ptdp.planner.experts import expert_choices, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+from ptdp.planner.stages import balanced_layout
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
-from ptdp.schedule.registry import REGISTRY
+from ptdp.schedule.registry import REGISTRY, default_schedule, schedule_placement
 
 
 def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> str | None:
@@ -48,6 +49,8 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return "--overlap-moe-expert-parallel-comm overlaps a mixture of experts' token movement: it needs --num-experts"
     if cfg.overlap_moe_expert_parallel_comm and REGISTRY[cfg.schedule].combined is None:
         return f"--overlap-moe-expert-parallel-comm overlaps the steady state of 1f1b and interleaved, not {cfg.schedule}"
+    if model.mtp_num_layers and (cfg.overlap_moe_expert_parallel_comm or REGISTRY[cfg.schedule].overlaps):
+        return "--mtp-num-layers with overlapped forward-backward pairs is not supported yet"
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
     return expert_layout_problem(model, cfg, cluster.num_gpus)  # issue 25: e, etp and the dispatcher
@@ -120,6 +123,7 @@ class Cell:
     shardings: tuple[tuple[str, int], ...]
     experts: tuple[tuple[int, int | None, str], ...]
     space: Space
+    layout: str | None = None  # p does not divide the layers: the balanced layout string (uneven_layout)
 
     def config(self, sharding: int, expert: int) -> ParallelConfig:
         (strategy, k), (e, etp, dispatcher) = self.shardings[sharding], self.experts[expert]
@@ -129,7 +133,19 @@ class Cell:
                               cp_comm_type=s.cp_comm_type, sharding_strategy=strategy,
                               distributed_optimizer_instances=k, expert_model_parallel_size=e,
                               expert_tensor_parallel_size=etp, moe_token_dispatcher_type=dispatcher,
-                              overlap_moe_expert_parallel_comm=bool(s.overlap))
+                              overlap_moe_expert_parallel_comm=bool(s.overlap),
+                              pipeline_model_parallel_layout=self.layout)
+
+
+def uneven_layout(model: GPTSpec, p: int, schedule: str | None) -> str | None:
+    """For p > 1 that does not divide the layers (DeepSeek-V3's 61 on 16 stages), one layout string with a
+    layer count per stage as even as it gets, the remainder away from the stages holding the embedding and
+    the loss (and the MTP modules, on the last); None when p divides them (the even split)."""
+    if p == 1 or model.num_layers % p == 0 or model.num_layers < p:
+        return None
+    last = 0.5 + model.mtp_num_layers  # the output layer and loss, and each MTP module a layer's worth
+    return balanced_layout(model.num_layers, p, 1, schedule_placement(default_schedule(schedule, 1)), 1.0, 0.5,
+                           last, model.mtp_num_layers)
 
 
 def cells(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Space) -> Iterator[Cell]:
@@ -144,10 +160,11 @@ def cells(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Spac
             shardings = tuple(_sharding(space.strategies, space.distributed_optimizer, space.instances, d * c))
             experts = tuple(expert_choices(model, t, c, d, space.expert_sizes, space.expert_tensor_sizes,
                                            space.dispatchers))
+            layout = uneven_layout(model, p, space.pipeline_schedule) if space.vocab_layouts else None
             for b in space.micro_batch_sizes or _divisors(max(per_pipeline, 1)):
                 for v in space.virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
                     for rc in space.recompute:
-                        yield Cell(index, t, c, p, d, b, v, rc, shardings, experts, space)
+                        yield Cell(index, t, c, p, d, b, v, rc, shardings, experts, space, layout if v == 1 else None)
                         index += 1
 
 

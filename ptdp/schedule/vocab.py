@@ -15,6 +15,10 @@ so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with
 * ``EMB_G`` and ``EB`` (once, last): the first stage's embedding-output gradients to every rank, which adds
   them into its rows.
 
+With multi-token prediction (issue 41) the last stage embeds tokens too: its F waits for EMB, which then
+reaches every rank (an all-reduce), and EMB_G sums both ends' gradients; S and T carry the MTP modules'
+heads beside the model's (``ptdp.parallel.vocab``). The actions and their order do not change.
+
 Placement (:func:`add_vocab_passes`): a list scheduler over the schedule's own compute order (an overlapped
 pair, DualPipeV's, runs once both its parts' inputs exist), in the cost
 units of ``communication.TICKS``. A free rank runs a ready T, else a ready S, else its next action; the rank
@@ -39,9 +43,10 @@ LOOKAHEAD = 2  # forwards the last stage may run ahead while its backward waits 
 _LATE = 1 << 40  # the time of the end-of-iteration embedding gradient exchange
 
 
-def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int
-              ) -> list[tuple[str, int]]:
-    """The collectives (op, microbatch) a compute action consumes: the executor's stage waits for them."""
+def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int,
+              embeds_last: bool = False) -> list[tuple[str, int]]:
+    """The collectives (op, microbatch) a compute action consumes: the executor's stage waits for them.
+    ``embeds_last``: the last stage reads EMB too (multi-token prediction embeds tokens there)."""
     op, mb = action.op, action.microbatch
     if op == "S":
         return [("BCAST_H", mb)]
@@ -49,7 +54,7 @@ def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, b
         return [("C0", mb)]
     if op == "EB":
         return [("EMB_G", 0)]
-    if op == "F" and action.chunk == first_chunk:
+    if op == "F" and (action.chunk == first_chunk or (embeds_last and action.chunk == last_chunk)):
         return [("EMB", 0)]
     if op in ("B", "I") and action.chunk == last_chunk and barriers == 2:
         return [("C1", mb)]

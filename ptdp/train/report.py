@@ -15,7 +15,7 @@ from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
 from ptdp.train.batches import to_device
 from ptdp.train.evaluate import evaluate, never, perplexity
-from ptdp.train.moe_metrics import moe_metrics, progress_suffix
+from ptdp.train.moe_metrics import moe_metrics, mtp_metrics, progress_suffix
 from ptdp.train.state import TrainState
 
 
@@ -32,9 +32,10 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
         values = [float(v) for v in scalars]
     out = []
     for i, r in enumerate(records):
-        stats, moe = r.pop("schedule_stats", None), r.pop("moe_stats", None)
+        stats, moe, mtp = r.pop("schedule_stats", None), r.pop("moe_stats", None), r.pop("mtp_stats", None)
         r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
         r = r if moe is None else r | moe_metrics(moe, trainer)
+        r = r if mtp is None else r | mtp_metrics(mtp, trainer)
         out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
     return out
 

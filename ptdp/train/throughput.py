@@ -24,7 +24,8 @@ class IterationFlops:
         m, tr = config.model, config.training
         self.config, self.vocab, self.dataset = config, vocab, dataset
         self.eod = documents.eod if documents is not None and documents.reset_attention_mask else None
-        self._kwargs = dict(ffn_hidden_size=m.ffn_size, moe=flops.moe_shape(m, config.moe), **flops.architecture(m))
+        self._kwargs = dict(ffn_hidden_size=m.ffn_size, moe=flops.moe_shape(m, config.moe),
+                            mtp_num_layers=flops.mtp_layers(m), **flops.architecture(m))
         self._args = (m.num_layers, m.hidden_size, m.seq_length, vocab, tr.global_batch_size)
 
     def attention_length(self, iteration: int) -> float | None:

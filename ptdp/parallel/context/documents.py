@@ -35,7 +35,6 @@ from ptdp.parallel.context.attention import (
     _AllToAll,
     _expand,
     _fold,
-    _natural_order,
     _repeat_kv,
     _ring_exchange,
     _wait,
@@ -44,6 +43,7 @@ from ptdp.parallel.context.attention import (
     block_forward,
     load_balanced_chunks,
     merge_block,
+    natural_order,
 )
 
 Piece = tuple[int, int, int, int, bool]  # local query rows [a, b), local key columns [c, d), causal square
@@ -111,7 +111,7 @@ def _ulysses(q, k, v, documents: DocumentLayout, group) -> torch.Tensor:
     c = group_size(group)
     if k.shape[1] % c:
         k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    order, inverse = _natural_order(c, q.shape[2] // 2, q.device)
+    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
     q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
     y = documents.attend(q, k, v, 0.0).index_select(2, inverse)
@@ -123,7 +123,7 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
     lower-right-aligned causal piece (one SDPA call with that piece's own small mask)."""
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
-    order = _natural_order(c, q.shape[2] // 2, q.device)[0]
+    order = natural_order(c, q.shape[2] // 2, q.device)[0]
     k, v = (gather_from_sequence_parallel_region(x, group, dim=2).index_select(2, order) for x in (k, v))
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
     rows = []

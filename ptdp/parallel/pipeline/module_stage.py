@@ -68,12 +68,15 @@ class PlainBatches:
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Which virtual stages this rank's ``v`` chunks hold (``virtual_stage`` under the schedule's placement)."""
+    """Which virtual stages this rank's ``v`` chunks hold (``virtual_stage`` under the schedule's placement);
+    ``labels_to_last``: the last virtual stage's chunk also reads the microbatch's labels (a model that
+    computes a loss of its own from them: multi-token prediction, ``ptdp.models.mtp``)."""
 
     rank: int
     p: int
     v: int
     placement: str = "loop"
+    labels_to_last: bool = False
 
     def virtual_stage(self, chunk: int) -> int:
         return virtual_stage(self.rank, chunk, self.p, self.placement)
@@ -144,6 +147,18 @@ class ModuleStage:
         """The actions this stage runs beyond F/B/I/W: none (a wrapping plug-in adds its own)."""
         return {}
 
+    def run_chunk(self, chunk: int, microbatch: int, x: Tensor) -> Tensor:
+        """Chunk ``chunk``'s forward of ``x``."""
+        return self.chunks[chunk](x, **self._arguments(chunk, microbatch))
+
+    def _arguments(self, chunk: int, microbatch: int) -> dict[str, Any]:
+        """The keyword arguments of the chunk's forward (and program) besides its input: the microbatch's
+        extras (a packed microbatch's document layout), and its labels (``StageLayout.labels_to_last``)."""
+        extras = dict(self.batches.extras(microbatch))
+        if self.layout.labels_to_last and self.is_last(chunk):
+            extras["labels"] = self.batches.labels(microbatch)
+        return extras
+
     def _loss(self, output: Tensor, microbatch: int) -> Tensor:
         b = self.batches
         loss = self.loss_fn(output, b.labels(microbatch), b.loss_weights(microbatch)) / b.num_microbatches
@@ -178,12 +193,12 @@ class ModuleStage:
         x = self._enter(chunk, microbatch, input)
         if self.forward_only:
             with torch.no_grad():
-                return self._exit(chunk, microbatch, self.chunks[chunk](x, **self.batches.extras(microbatch)))[1]
+                return self._exit(chunk, microbatch, self.run_chunk(chunk, microbatch, x))[1]
         if self.piecewise:
             run, name = self._pieces(chunk, microbatch, x)
             run.finish()
             return self._exit_pieces(chunk, microbatch, x, run, name)
-        root, send = self._exit(chunk, microbatch, self.chunks[chunk](x, **self.batches.extras(microbatch)))
+        root, send = self._exit(chunk, microbatch, self.run_chunk(chunk, microbatch, x))
         self._stash[chunk, microbatch] = _Forwarded(x, root)
         return send
 
@@ -237,7 +252,7 @@ class ModuleStage:
 
     # ---- piece by piece -------------------------------------------------------------------------------
     def _pieces(self, chunk: int, microbatch: int, x: Tensor) -> tuple[ForwardRun, str]:
-        steps, name = self.chunks[chunk].program(INPUT, **self.batches.extras(microbatch))
+        steps, name = self.chunks[chunk].program(INPUT, **self._arguments(chunk, microbatch))
         return ForwardRun(fuse(steps), {INPUT: x}), name
 
     def _exit_pieces(self, chunk: int, microbatch: int, x: Tensor, run: ForwardRun, name: str) -> Tensor | None:

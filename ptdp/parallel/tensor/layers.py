@@ -121,6 +121,22 @@ class RowParallelLinear(nn.Module):
         return add_bias(y, self.bias)
 
 
+class HeadSharedInput(nn.Module):
+    """A tensor every one of this rank's heads reads whole (multi-latent attention's RoPE key): the same
+    tensor forward, its gradient summed over the tensor-parallel ranks' heads backward (``f``); under
+    sequence parallelism it arrives split along the sequence and is all-gathered (backward: reduce-scatter,
+    which sums the ranks' heads too)."""
+
+    def __init__(self, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel  # decided by the plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp_group)
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; each rank looks up the ids it owns, then ``g`` sums."""
 
