@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -216,3 +217,26 @@ def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path):
     assert code == 130, err[-3000:]
     assert "Traceback" not in err + out
     assert re.fullmatch(r"ptdp train: stopped at iteration \d+; nothing saved \(no --save\)", err), err
+
+
+def test_a_signal_while_the_reader_thread_starts_is_heard_not_raised():
+    """Starting the signal thread took seconds on a loaded CI machine, and a Ctrl-C in that window raised
+    KeyboardInterrupt through ``python -m ptdp`` (a traceback beside the one line). Here the signal is sent
+    from inside ``Thread.start``: it must reach the callback, with no exception in the main thread."""
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        from ptdp.runtime import signals
+        start = threading.Thread.start
+        def start_after_a_signal(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            start(self)
+        threading.Thread.start = start_after_a_signal
+        heard = threading.Event()
+        signals.on(signal.SIGINT, lambda signum: heard.set())
+        signals.install(signal.SIGINT)
+        print("heard" if heard.wait(10) else "lost")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0 and proc.stdout.strip() == "heard", proc.stderr[-2000:]

@@ -75,8 +75,8 @@ def install_for_command(argv: list[str]) -> None:
         signal.signal(signal.SIGINT, quiet_exit_handler("ptdp" + (f" {command}" if command else "")))
     elif not signals.installed(signal.SIGINT):
         _STATE.update(rank=int(os.environ.get("RANK", "0")))
+        signals.on(signal.SIGINT, _worker_signal)  # before the signal is routed: none arrives unheard
         signals.install(signal.SIGINT)
-        signals.on(signal.SIGINT, _worker_signal)
 
 
 def know_save(save: str | None) -> None:
@@ -88,8 +88,8 @@ def know_save(save: str | None) -> None:
 def install(rank: int, save: str | None) -> None:
     """This worker's SIGINT handling (main thread only, as Python requires)."""
     _STATE.update(count=0, phase="setup", rank=rank, iteration=None, save=save, loaded=0, stop=None)
-    signals.install(signal.SIGINT)
     signals.on(signal.SIGINT, _worker_signal)
+    signals.install(signal.SIGINT)
 
 
 def requested() -> bool:
@@ -316,8 +316,8 @@ def install_launcher(save: str | None) -> None:
     _LAUNCHER.update(stop=None, save=save, status=status)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     os.environ[STATUS_ENV] = status
-    signals.install(signal.SIGINT)
     signals.on(signal.SIGINT, _launcher_signal)
+    signals.install(signal.SIGINT)
 
 
 def launcher_interrupted() -> bool:

@@ -46,19 +46,26 @@ def _reader(fd: int) -> None:
 
 
 def install(*signums: int) -> None:
-    """Route ``signums`` through the reader thread (main thread only; a second call adds signals)."""
+    """Route ``signums`` through the reader thread (main thread only; a second call adds signals).
+
+    The handlers go in before the thread starts: a signal in between waits in the pipe for the thread,
+    where, under the default handler, it would raise KeyboardInterrupt in the main thread (starting a
+    thread takes seconds on a loaded machine). Register the callback (:func:`on`) first for the same
+    reason."""
     with _LOCK:
+        thread = None
         if not _THREAD:
             read, write = os.pipe()
             os.set_blocking(write, False)
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             thread = threading.Thread(target=_reader, args=(read,), name="ptdp-signals", daemon=True)
-            thread.start()
             _THREAD.append(thread)
         for signum in signums:
             if signum not in _INSTALLED:
                 signal.signal(signum, _ignore)
                 _INSTALLED.add(signum)
+    if thread is not None:
+        thread.start()
 
 
 def on(signum: int, callback: Callable[[int], None]) -> None:
