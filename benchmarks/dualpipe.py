@@ -46,6 +46,7 @@ from ptdp.models.pieces import BackwardRun, Compute, Exchange, ForwardRun, fuse,
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.runtime.exit import exit_now
 from ptdp.schedule.actions import virtual_stage
 from ptdp.schedule.registry import bubble_fraction_formula, build_schedule, schedule_placement
 
@@ -129,6 +130,7 @@ def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, l
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def moe_part(args) -> dict:
@@ -329,6 +331,7 @@ def _sleep_worker(rank: int, p: int, store: str, args, out: str) -> None:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    exit_now(0)
 
 
 def sleep_part(args) -> dict:

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ptdp.runtime.exit import exit_now
+
 MODELS = {
     "100m": ["--num-layers", "14", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "128"],
     "25m": ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128"],
@@ -105,6 +107,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: st
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def sync(device) -> None:

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.runtime.exit import exit_now
 from ptdp.schedule.actions import virtual_stage
 from ptdp.schedule.registry import (
     SCHEDULES,
@@ -244,6 +245,7 @@ def _worker(rank: int, args, store: str, out: str) -> None:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def _bad(message: str) -> int:

@@ -21,6 +21,7 @@ from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.handlers import Handler
 from ptdp.parallel.pipeline.module_stage import ModuleStage, PlainBatches, StageLayout
 from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.runtime.exit import exit_now
 from ptdp.schedule.actions import Action, peak_in_flight
 from ptdp.schedule.registry import build_schedule
 
@@ -137,6 +138,7 @@ def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def _spawn(p: int, tmp: Path) -> Path:
