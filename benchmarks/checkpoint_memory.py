@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ptdp.runtime.exit import exit_now
+
 WORLD = 4
 MODEL = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "32",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1", "--hidden-dropout", "0",
@@ -90,6 +92,7 @@ def _worker(rank: int, store: str, workdir: str, out: str, strategy: str) -> Non
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def main() -> None:

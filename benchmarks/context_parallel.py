@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ptdp.parallel.context.attention import COMM_TYPES, context_parallel_attention, shard_sequence
+from ptdp.runtime.exit import exit_now
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -63,6 +64,7 @@ def _rank(rank: int, args, store: str, out: str) -> None:
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def main() -> None:

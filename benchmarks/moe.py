@@ -31,6 +31,7 @@ import torch
 from ptdp.config import ModelConfig, MoEConfig
 from ptdp.models import GPTModel, GroupedExperts
 from ptdp.ops.grouped import grouped_mm_available
+from ptdp.runtime.exit import exit_now
 
 
 def _sync(device: torch.device) -> None:
@@ -144,8 +145,11 @@ def _dispatch_rank(rank: int, world: int, store: str, args: argparse.Namespace, 
     dist.all_gather_object(times, out)
     if rank == 0:
         queue.put({k: max(t[k] for t in times) for k in out})  # the slowest rank sets the step time
+    queue.close()
+    queue.join_thread()  # the put is through before the process leaves without the interpreter's teardown
     dist.barrier()
     dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def bench_dispatch(args: argparse.Namespace) -> dict:

@@ -14,17 +14,29 @@ plain loop really is the same computation.
 ``--llama`` does the same for the Llama-family options (rotary positions, RMSNorm, SwiGLU, grouped-query
 attention with ``--groups`` K/V heads, untied output, no biases) against :class:`PlainLlama`, written here
 with plain PyTorch as well.
+
+``--nanogpt`` is nanoGPT's CPU recipe (4 layers, h = 128, 4 heads, s = 64, b = 12, no biases, one
+microbatch) with every iteration logged on both sides: ptdp's whole training loop (``ptdp.train.loop.train``:
+the step, the metrics record with its memory and straggler report, the progress line, the checkpoint and
+signal checks) against a nanoGPT-style loop (:func:`nanogpt_iteration`: get_batch, forward, backward, clip,
+AdamW, ``zero_grad(set_to_none=True)``, ``loss.item()``, a log line). The plain iteration runs inside ptdp's
+loop, right before each ``train_step``, so the two alternate every iteration; each side's time is the
+process CPU time (and wall time) from one of its iterations to the next (goal <= 1.00).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import platform
 import statistics
+import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,12 +45,12 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, h: int, heads: int):
+    def __init__(self, h: int, heads: int, bias: bool = True):
         super().__init__()
         self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.ln1, self.ln2 = nn.LayerNorm(h, bias=bias), nn.LayerNorm(h, bias=bias)
+        self.qkv, self.proj = nn.Linear(h, 3 * h, bias=bias), nn.Linear(h, h, bias=bias)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h, bias=bias), nn.Linear(4 * h, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -49,11 +61,11 @@ class Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int):
+    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int, bias: bool = True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
+        self.blocks = nn.ModuleList(Block(h, heads, bias) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(h, bias=bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
@@ -123,12 +135,45 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, microbatches, clip:
     return total
 
 
+class NanoGPTLoop:
+    """nanoGPT's train.py loop body on the CPU (no DDP, no GradScaler, no evaluation), one iteration per call:
+    the learning rate set, ``get_batch`` (``b`` samples stacked into one tensor; here the samples of ptdp's
+    dataset at the same positions, so both sides see the same data), the forward and loss, the backward, the
+    clip, the step, ``zero_grad(set_to_none=True)``, and the log: ``loss.item()``, the iteration time, the
+    MFU estimate (its parameter count), one line to ``out``."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, data, batch: int, clip: float, lr: float, out):
+        self.model, self.opt, self.data, self.batch, self.clip, self.lr, self.out = model, opt, data, batch, clip, lr, out
+        self.t0 = time.time()
+
+    def get_batch(self, it: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (it - 1) * self.batch
+        sample = torch.from_numpy(np.stack([self.data[i] for i in range(start, start + self.batch)]))
+        return sample[:, :-1], sample[:, 1:]
+
+    def __call__(self, it: int) -> float:
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr  # nanoGPT's get_lr(it): a constant schedule here, as ptdp's
+        x, y = self.get_batch(it)
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t1 = time.time()
+        dt, self.t0 = t1 - self.t0, t1
+        lossf = loss.item()
+        n_params = sum(p.numel() for p in self.model.parameters())  # nanoGPT's estimate_mfu
+        print(f"iter {it}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, params {n_params}", file=self.out)
+        return lossf
+
+
 # ---------------------------------------------------------------------------------------------- ptdp
 
 
-def ptdp_trainer(args):
+def ptdp_config(args):
     from ptdp.config import Config, validate
-    from ptdp.train.state import setup
 
     c = Config()
     m, tr, o = c.model, c.training, c.optimizer
@@ -142,10 +187,20 @@ def ptdp_trainer(args):
     tr.micro_batch_size, tr.global_batch_size = args.micro_batch, args.micro_batch * args.microbatches
     tr.train_iters = 10**6
     o.lr_warmup_iters, o.lr_decay_style = 0, "constant"
+    if args.nanogpt:  # nanoGPT's bias=False: no bias in the linears nor the LayerNorms
+        m.disable_bias_linear = m.disable_bias_norm = True
+        tr.train_iters, tr.log_interval = 2 + args.iters * args.repeats, 1
     errors = validate(c, 1)
     if errors:
         raise SystemExit("overhead.py: " + errors[0])
-    trainer = setup(c)
+    return c
+
+
+def ptdp_trainer(args):
+    from ptdp.train.state import setup
+
+    with contextlib.redirect_stdout(sys.stderr):  # the start-up's announcements: stdout is the JSON's
+        trainer = setup(ptdp_config(args))
     for chunk in trainer.chunks:
         chunk.train()
     return trainer
@@ -160,7 +215,7 @@ def plain_from(trainer) -> tuple[PlainGPT, torch.optim.Optimizer]:
                            m.num_layers, m.num_query_groups, m.ffn_size)
     else:
         model = PlainGPT(trainer.chunks[0].vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads,
-                         m.num_layers)
+                         m.num_layers, bias=m.add_bias_linear)
     src = dict(trainer.chunks[0].named_parameters())
     rename = {"wte.weight": "embedding.word_embeddings.weight", "wpe.weight": "embedding.position_embeddings.weight",
               "ln_f.weight": "final_layernorm.weight", "ln_f.bias": "final_layernorm.bias",
@@ -184,24 +239,9 @@ def plain_from(trainer) -> tuple[PlainGPT, torch.optim.Optimizer]:
     return model, opt
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per repeat")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--llama", action="store_true", help="the Llama-family model (RoPE, RMSNorm, SwiGLU, GQA, "
-                        "untied, no biases)")
-    parser.add_argument("--groups", type=int, default=2, help="key/value groups with --llama")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
+def step_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
+    """``train_step`` against :func:`plain_step`, alternating blocks of ``--iters`` iterations: (losses, wall
+    and CPU seconds per iteration of each block) per side, and the plain model."""
     from ptdp.train.batches import Microbatches
     from ptdp.train.step import train_step
 
@@ -209,8 +249,9 @@ def main() -> None:
     model, opt = plain_from(trainer)
     clip = trainer.config.optimizer.clip_grad
     total_iters = 1 + args.repeats * args.iters
+
     def microbatches(it: int) -> list:
-        source = Microbatches(trainer.data.train, it - 1, trainer.config.training, trainer.state, args.microbatches)
+        source = Microbatches(trainer.data.train, it - 1, trainer.batch_format, trainer.plan.groups, args.microbatches)
         return [(source.inputs(j), source.labels(j)) for j in range(args.microbatches)]
 
     batches = {it: microbatches(it) for it in range(1, total_iters + 1)}
@@ -232,29 +273,104 @@ def main() -> None:
                     losses[who].append(plain_step(model, opt, batches[it], clip))
             times[who].append((time.perf_counter() - t0) / args.iters)
             cpu[who].append((time.process_time() - c0) / args.iters)
+    return losses, times, cpu, model
+
+
+def nanogpt_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
+    """ptdp's training loop against :class:`NanoGPTLoop`, alternating every iteration (module docstring):
+    the plain iteration runs in place of the loop's call of ``train_step``, before it. Returns what
+    :func:`step_comparison` does, each block the mean of ``--iters`` consecutive iterations."""
+    import ptdp.train.loop as loop
+
+    config = ptdp_config(args)
+    real_step = loop.train_step
+    plain: list[NanoGPTLoop] = []
+    losses = {"ptdp": [], "plain": []}
+    seconds = {"ptdp": [], "plain": []}  # (wall, CPU) per iteration
+    mark: list[tuple[float, float]] = []  # when ptdp's current iteration began (the plain one's end)
+    last = config.training.train_iters
+
+    def alternate(trainer, iteration: int) -> dict:
+        begin = (time.perf_counter(), time.process_time())
+        if mark and iteration > 2:  # ptdp's iteration before this one, its logging included (1: warm-up)
+            seconds["ptdp"].append((begin[0] - mark[0][0], begin[1] - mark[0][1]))
+        if not plain:  # ptdp's initial weights, before its first step
+            model, opt = plain_from(trainer)
+            plain.append(NanoGPTLoop(model, opt, trainer.data.train, args.micro_batch,
+                                     trainer.config.optimizer.clip_grad, trainer.config.optimizer.lr, sys.stdout))
+        losses["plain"].append(plain[0](iteration))
+        mark[:] = [(time.perf_counter(), time.process_time())]
+        if 1 < iteration < last:  # the same iterations on both sides (ptdp's last one is not timed)
+            seconds["plain"].append((mark[0][0] - begin[0], mark[0][1] - begin[1]))
+        return real_step(trainer, iteration)
+
+    loop.train_step = alternate
+    try:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # both sides' log lines
+            metrics = loop.train(config)
+    finally:
+        loop.train_step = real_step
+    losses["ptdp"] = [r["loss"] for r in metrics]
+    n = args.iters
+    times, cpu = {}, {}
+    for who, pairs in seconds.items():
+        blocks = [pairs[i:i + n] for i in range(0, len(pairs), n)]
+        times[who] = [statistics.mean(w for w, _ in b) for b in blocks]
+        cpu[who] = [statistics.mean(c for _, c in b) for b in blocks]
+    return losses, times, cpu, plain[0].model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--llama", action="store_true", help="the Llama-family model (RoPE, RMSNorm, SwiGLU, GQA, "
+                        "untied, no biases)")
+    parser.add_argument("--groups", type=int, default=2, help="key/value groups with --llama")
+    parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's CPU recipe, ptdp's whole training loop "
+                        "against a nanoGPT-style loop, every iteration logged (sets the sizes)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.nanogpt and args.llama:
+        parser.error("--nanogpt is the GPT-2 model (nanoGPT's); drop --llama")
+    if args.nanogpt:  # nanoGPT's config/train_shakespeare_char.py as its README runs it on a CPU
+        args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.microbatches = 4, 128, 4, 64, 12, 1
+
+    losses, times, cpu, model = (nanogpt_comparison if args.nanogpt else step_comparison)(args)
+    goal = 1.00 if args.nanogpt else 1.03
     ptdp_s, plain_s = statistics.median(times["ptdp"]), statistics.median(times["plain"])
-    diff = max(abs(a - b) / abs(b) for a, b in zip(losses["ptdp"], losses["plain"], strict=True))
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses["ptdp"], losses["plain"]))
     result = {
-        "benchmark": "overhead", "time_over_plain_pytorch": ptdp_s / plain_s, "goal": 1.03,
+        "benchmark": "overhead", "mode": "nanogpt_loop" if args.nanogpt else "train_step",
+        "time_over_plain_pytorch": ptdp_s / plain_s, "goal": goal,
         "ptdp_iteration_s": ptdp_s, "plain_iteration_s": plain_s,
         "ptdp_repeat_s": times["ptdp"], "plain_repeat_s": times["plain"],
         # each repeat pairs two adjacent measurements, so this one is robust to a machine whose load drifts
         "median_paired_ratio": statistics.median(a / b for a, b in zip(times["ptdp"], times["plain"], strict=True)),
         "cpu_time_over_plain_pytorch": statistics.median(cpu["ptdp"]) / statistics.median(cpu["plain"]),
+        "median_paired_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["ptdp"], cpu["plain"], strict=True)),
         "ptdp_cpu_iteration_s": statistics.median(cpu["ptdp"]), "plain_cpu_iteration_s": statistics.median(cpu["plain"]),
         "loss_max_rel_diff": diff, "final_loss": losses["ptdp"][-1],
-        "model": {"family": "llama" if args.llama else "gpt2", "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
-                  "micro_batch": args.micro_batch, "microbatches": args.microbatches,
-                  "params": sum(p.numel() for p in model.parameters())},
-        "iters": args.iters, "repeats": args.repeats, "threads": args.threads,
+        "model": {"family": "llama" if args.llama else "gpt2", "layers": args.layers, "hidden": args.hidden,
+                  "heads": args.heads, "seq": args.seq, "micro_batch": args.micro_batch,
+                  "microbatches": args.microbatches, "params": sum(p.numel() for p in model.parameters())},
+        "iters": args.iters, "repeats": args.repeats, "threads": args.threads, "load_average": os.getloadavg(),
         "torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
     }
     if args.json:
         print(json.dumps(result))
         return
     print(f"ptdp  {ptdp_s * 1e3:8.1f} ms/iteration   plain PyTorch {plain_s * 1e3:8.1f} ms/iteration   "
-          f"ratio {ptdp_s / plain_s:.3f} (goal <= 1.03)   CPU-time ratio {result['cpu_time_over_plain_pytorch']:.3f}   "
-          f"loss max rel diff {diff:.1e}")
+          f"ratio {ptdp_s / plain_s:.3f} (goal <= {goal:.2f})   CPU-time ratio "
+          f"{result['cpu_time_over_plain_pytorch']:.3f}   loss max rel diff {diff:.1e}")
     if not math.isfinite(diff) or diff > 1e-3:
         print("warning: the losses differ: the two loops do not compute the same thing")
 

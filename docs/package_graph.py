@@ -1,6 +1,6 @@
-"""Draw ptdp's package structure as a Mermaid diagram: one box per top-level module or subpackage, grouped
-by the layers of the import-linter contract in pyproject.toml, one arrow per "imports from" (module-level
-and function-level imports alike; TYPE_CHECKING imports left out, as the contract leaves them out).
+"""Draw ptdp's package structure as Mermaid diagrams: one box per top-level subpackage (and one per folder or
+module of ``ptdp/parallel/``), grouped by the layers of the import-linter contracts in pyproject.toml, one
+arrow per "imports from" (module-level and function-level imports alike; TYPE_CHECKING imports left out).
 
     python docs/package_graph.py > docs/architecture-after.md
 
@@ -11,6 +11,7 @@ that points up a layer is a real import (the contract, run by ``lint-imports``, 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -19,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ptdp"
 
 
-def unit(module: str) -> str:
-    """The box a module belongs to: ``ptdp.x`` for ``ptdp.x`` and everything under it."""
-    return ".".join(module.split(".")[:2])
+def unit(module: str, inside: str = "ptdp") -> str:
+    """The box a module belongs to: ``<inside>.x`` for ``<inside>.x`` and everything under it."""
+    depth = inside.count(".") + 2
+    return ".".join(module.split(".")[:depth])
 
 
 def module_name(path: Path) -> str:
@@ -59,46 +61,64 @@ def imports(path: Path) -> list[str]:
     return [m for m in found if m == "ptdp" or m.startswith("ptdp.")]
 
 
-def edges() -> Counter:
+def edges(inside: str = "ptdp") -> Counter:
+    """Imports between the boxes of ``inside`` (its subpackages and modules), counted."""
     counts: Counter = Counter()
     for path in sorted(PACKAGE.rglob("*.py")):
-        source = unit(module_name(path))
-        for target in map(unit, imports(path)):
-            if target not in (source, "ptdp"):
-                counts[(source, target)] += 1
+        name = module_name(path)
+        if not name.startswith(inside + "."):
+            continue
+        source = unit(name, inside)
+        for target in imports(path):
+            if target.startswith(inside + ".") and unit(target, inside) != source:
+                counts[(source, unit(target, inside))] += 1
     return counts
 
 
-def layers() -> list[list[str]]:
+def layers(inside: str = "ptdp") -> list[list[str]]:
+    """The layers of pyproject.toml's layers contract over ``inside``'s boxes, top first."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
-    return [[m.strip() for m in layer.split(":")] for layer in contract["layers"]]
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        if contract["type"] != "layers" or "containers" in contract:
+            continue
+        layered = [[m.strip() for m in re.split(r"[:|]", layer)] for layer in contract["layers"]]
+        if all(m.startswith(inside + ".") and unit(m, inside) == m for layer in layered for m in layer):
+            return layered
+    raise ValueError(f"no layers contract over the parts of {inside}")
 
 
-def mermaid() -> str:
-    counts = edges()
+def mermaid(inside: str = "ptdp") -> str:
+    counts = edges(inside)
     boxes = sorted({b for pair in counts for b in pair})
-    layered = layers()
+    layered = layers(inside)
     in_layer = {m for layer in layered for m in layer}
-    ident = {b: b.replace("ptdp.", "").replace(".", "_") for b in boxes}
+    ident = {b: b.removeprefix(inside + ".").replace(".", "_") for b in boxes}
     lines = ["flowchart TD"]
     for i, layer in enumerate(layered):
-        lines.append(f'  subgraph L{i}["layer {i + 1}: {" / ".join(m.removeprefix("ptdp.") for m in layer)}"]')
-        lines += [f'    {ident[m]}["{m.removeprefix("ptdp.")}"]' for m in layer if m in ident]
+        names = " / ".join(m.removeprefix(inside + ".") for m in layer)
+        lines.append(f'  subgraph L{i}["layer {i + 1}: {names}"]')
+        lines += [f'    {ident[m]}["{m.removeprefix(inside + ".")}"]' for m in layer if m in ident]
         lines.append("  end")
-    lines.append('  subgraph beside["beside the stack (read by every layer), and the commands"]')
-    lines += [f'    {ident[b]}["{b.removeprefix("ptdp.")}"]' for b in boxes if b not in in_layer]
-    lines.append("  end")
+    rest = [b for b in boxes if b not in in_layer]
+    if rest:  # the entry points and package faces: in no layer
+        lines.append('  subgraph outside["in no layer: entry points"]')
+        lines += [f'    {ident[b]}["{b.removeprefix(inside + ".")}"]' for b in rest]
+        lines.append("  end")
     lines += [f"  {ident[a]} --> {ident[b]}" for (a, b) in sorted(counts)]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print("# ptdp's package structure after the architecture work (issue 22)\n")
-    print("Generated from the code by `python docs/package_graph.py > docs/architecture-after.md`: one box per "
-          "top-level module or subpackage of `ptdp/`, grouped by the layers that `lint-imports` checks "
-          "(pyproject.toml), an arrow for each \"imports from\". See docs/architecture.md for what each "
-          "layer holds.\n")
+    print("# ptdp's package structure, drawn from the code\n")
+    print("Generated by `python docs/package_graph.py > docs/architecture-after.md`, an arrow for each \"imports "
+          "from\", the boxes grouped by the layers of pyproject.toml's import-linter contracts (which "
+          "`lint-imports` checks; an arrow may only point down). docs/architecture.md says what each layer "
+          "holds.\n")
+    print("## The packages of `ptdp/`\n")
     print("```mermaid")
     print(mermaid())
+    print("```\n")
+    print("## Inside `ptdp/parallel/`: one folder per parallelism, the plan and the assembly on top\n")
+    print("```mermaid")
+    print(mermaid("ptdp.parallel"))
     print("```")

@@ -212,10 +212,17 @@ def _entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
+def _spawned_entry(rank: int, fn, world_size: int, store: str, args: tuple) -> None:
+    from ptdp.runtime.exit import exit_now
+
+    _entry(rank, fn, world_size, store, args)
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
+
+
 def spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 300) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` real gloo processes (file:// rendezvous)."""
     store = tmp_path / f"store-{os.urandom(4).hex()}"
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
+    ctx = mp.start_processes(_spawned_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
                              join=False, start_method="spawn")
     for _ in range(int(timeout / 0.5)):  # a ceiling: a hung collective fails the test instead of blocking CI
         if ctx.join(timeout=0.5):

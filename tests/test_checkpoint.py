@@ -188,7 +188,8 @@ def test_killed_worker_is_restarted_and_finishes_with_the_same_losses(t2, tmp_pa
                 "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--keep-last", "2",
                 "--metrics-file", str(metrics)], env={"PTDP_TEST_KILL_AT_ITERATION": "5"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode: -9" in proc.stderr  # rank 1 really died
+    assert "ptdp train: worker rank 1 killed by SIGKILL; restarting every worker from the latest checkpoint " \
+           "(restart 1 of 1)" in proc.stderr  # rank 1 really died, and the launcher says so in one line
     got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records(metrics)}  # the restart logs 5 and 6
     assert [got[i] for i in range(1, 7)] == t2["straight"]
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000004", "iter_0000006"]

@@ -80,8 +80,8 @@ def test_bubble_fraction_is_a_fraction(idle, busy):
     old idle / busy 1.059); the formula is the same fraction of the paper's idle over ideal time."""
     from ptdp.train.report import pipeline_metrics
 
-    trainer = SimpleNamespace(state=SimpleNamespace(dims=SimpleNamespace(world_size=1, pp=4)), chunks=[0],
-                              num_microbatches=2, config=SimpleNamespace(parallel=SimpleNamespace(schedule="1f1b")))
+    plan = SimpleNamespace(world=1, p=4, m=2, schedule="1f1b", overlap_moe_expert_parallel_comm=False)
+    trainer = SimpleNamespace(plan=plan, chunks=[0])
     stats = SimpleNamespace(idle_s=idle, busy_s=busy, peak_in_flight=2, peak_saved_bytes=10)
     got = pipeline_metrics(trainer, stats)
     assert 0 <= got["bubble_fraction"] <= 1

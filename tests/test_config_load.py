@@ -134,12 +134,14 @@ def test_plan_and_simulate_share_train_flags():
 
 def test_plan_declares_only_the_cluster_and_output_flags():
     """Every other flag of ``ptdp plan`` is ``ptdp train``'s (same name, same destination): the model, the
-    layout, --bf16/--fp16, --recompute-granularity (plus plan's ``none``), --use-distributed-optimizer."""
+    layout, --bf16/--fp16, --recompute-granularity (plus plan's ``none``), --use-distributed-optimizer;
+    --mean-document-length describes a workload to plan for (train reads the documents themselves)."""
     from ptdp.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     plan_only = {"--gpus", "--gpu", "--gpus-per-node", "--intra-node-bandwidth", "--inter-node-bandwidth",
-                 "--json", "--top", "--help", "--no-use-distributed-optimizer"}
+                 "--json", "--top", "--help", "--no-use-distributed-optimizer",
+                 "--mean-document-length"}
     train = sub["train"]._option_string_actions
     for flag, action in sub["plan"]._option_string_actions.items():
         if flag.startswith("--") and flag not in plan_only:

@@ -27,7 +27,8 @@ from ptdp.parallel.context.attention import (
 )
 
 # (batch, heads, kv_heads, seq, head_dim): a small case, a long one (s=256), grouped-query attention
-CASES = [(2, 4, 4, 16, 8), (1, 4, 4, 256, 16), (2, 4, 2, 32, 8)]
+# (b, heads, kv_heads, s, d, d_v): the last, multi-latent attention's narrower values (issue 41)
+CASES = [(2, 4, 4, 16, 8, 8), (1, 4, 4, 256, 16, 16), (2, 4, 2, 32, 8, 8), (2, 4, 4, 16, 12, 8)]
 COMM_TYPES = ["p2p", "a2a", "allgather"]
 
 
@@ -64,11 +65,11 @@ def test_without_a_group_it_is_causal_sdpa():
 # ------------------------------------------------------------------------------------------- equivalence
 
 
-def _inputs(b: int, heads: int, kv_heads: int, s: int, d: int, seed: int):
+def _inputs(b: int, heads: int, kv_heads: int, s: int, d: int, dv: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, heads, s, d, generator=g)
-    k, v = torch.randn(2, b, kv_heads, s, d, generator=g).unbind(0)
-    dout = torch.randn(b, heads, s, d, generator=g)
+    k, v = torch.randn(b, kv_heads, s, d, generator=g), torch.randn(b, kv_heads, s, dv, generator=g)
+    dout = torch.randn(b, heads, s, dv, generator=g)
     return q, k, v, dout
 
 
@@ -106,8 +107,8 @@ def _record_p2p(events: list[dict]):
 
 def _check_against_sdpa(rank: int, c: int, out: str) -> None:
     group = dist.group.WORLD
-    for case_index, (b, heads, kv_heads, s, d) in enumerate(CASES):
-        q, k, v, dout = _inputs(b, heads, kv_heads, s, d, seed=case_index)
+    for case_index, case in enumerate(CASES):
+        q, k, v, dout = _inputs(*case, seed=case_index)
         want = [shard_sequence(t, c, rank, dim=2) for t in _reference(q, k, v, dout)]
         for comm_type in [*COMM_TYPES, "p2p-explicit"]:  # the ring's portable (non-CPU) block math too
             flash = cp._CPU_FLASH, cp._CPU_FLASH_BACKWARD

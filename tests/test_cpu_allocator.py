@@ -21,7 +21,7 @@ def launched(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(torchrun, "run", lambda _args: seen.update(env=dict(__import__("os").environ)))
-    monkeypatch.setattr(interrupt, "install_launcher", lambda: None)
+    monkeypatch.setattr(interrupt, "install_launcher", lambda *_: None)
     monkeypatch.setattr(interrupt, "launcher_interrupted", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
@@ -29,7 +29,7 @@ def launched(monkeypatch):
     def run(threshold: int, **env) -> dict:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        assert launch.launch_workers(2, 0, ["train"], None, threshold) == 0
+        assert launch.launch_workers(2, 0, ["train"], None, cpu_mmap_threshold=threshold) == 0
         return seen["env"]
 
     return run

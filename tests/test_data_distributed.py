@@ -16,6 +16,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from ptdp.data import build_datasets, get_microbatch
+    from ptdp.runtime.exit import exit_now
 
     rank, world, init, prefix, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -30,6 +31,7 @@ WORKER = textwrap.dedent(
     if rank == 0:
         torch.save(torch.stack(batches), out)
     dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort
     """
 )
 

@@ -222,9 +222,9 @@ def _run_counting(monkeypatch, tmp_path: Path, log_interval: int, iters: int = 6
     monkeypatch.setattr(training, "train_step", train_step)
     original_finish = training.CheckpointManager.finish
 
-    def finish(self):  # the end-of-run save is outside the steady state
+    def finish(self, last_iteration):  # the end-of-run save is outside the steady state
         counter.active = False
-        return original_finish(self)
+        return original_finish(self, last_iteration)
 
     monkeypatch.setattr(training.CheckpointManager, "finish", finish)
     args = [*TINY, "--train-iters", str(iters), "--log-interval", str(log_interval),

@@ -184,9 +184,9 @@ def steady_state_records(monkeypatch, tmp_path, extra: list[str]) -> list[dict]:
 
     original_finish = training.CheckpointManager.finish
 
-    def finish(self):
+    def finish(self, last_iteration):
         torch.cuda.set_sync_debug_mode("default")
-        return original_finish(self)
+        return original_finish(self, last_iteration)
 
     monkeypatch.setattr(training, "train_step", train_step)
     monkeypatch.setattr(training, "read_records", read_records)

@@ -8,38 +8,35 @@ armed only after the first iteration (which holds the lazy ``torch.compile``).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import spawn
 
-from ptdp.checkpointing import CheckpointManager
+from ptdp.train.controller import NonFiniteLossError, RunController
 
 
-def _trainer(rank: int, world_size: int, device: str, mesh, run_dir: str, hang_timeout_s: float = 300.0):
-    config = SimpleNamespace(
-        checkpoint=SimpleNamespace(save=None, load=None, async_save=False, exit_interval=None, save_interval=None),
-        parallel=SimpleNamespace(hang_timeout_s=hang_timeout_s),
-        training=SimpleNamespace(metrics_file=f"{run_dir}/metrics.jsonl"))
-    state = SimpleNamespace(rank=rank, mesh=mesh, device=torch.device(device),
-                            dims=SimpleNamespace(world_size=world_size))
-    return SimpleNamespace(config=config, state=state)
+def _controller(rank: int, world_size: int, device: str, distributed: bool, run_dir: str,
+                hang_timeout_s: float = 300.0) -> RunController:
+    return RunController(rank, world_size, torch.device(device), distributed, hang_timeout_s, Path(run_dir))
 
 
 def _agree_on_a_meta_device(rank: int, world_size: int, run_dir: str) -> None:
     # A "meta" model device: any agreement tensor made there could not be all-reduced (nor read), so this
     # passes only if the agreement stays on the host, over a gloo group of its own.
-    manager = CheckpointManager(_trainer(rank, world_size, "meta", object(), run_dir))
+    controller = _controller(rank, world_size, "meta", True, run_dir)
     try:
-        assert manager._agree_group is not None
-        assert manager._agree(rank == 1, False) == [True, False]
-        assert manager._agree(False, rank == 0) == [False, True]
-        assert manager.after_iteration(1, None) is False  # nothing signalled, loss not read: go on
-        manager._signalled = rank == 0
-        assert manager.after_iteration(2, None) is True  # rank 0's SIGTERM stops every rank together
+        assert controller._agree_group is not None
+        assert controller._agree(rank == 1, False) == [True, False]
+        assert controller._agree(False, rank == 0) == [False, True]
+        assert controller.after_iteration(1, None) is None  # nothing signalled, loss not read: go on
+        controller.sigterm = rank == 0
+        assert controller.after_iteration(2, None) == "SIGTERM"  # rank 0's SIGTERM stops every rank together
+        with pytest.raises(NonFiniteLossError, match=f"the loss is {'nan' if rank == 1 else 'not finite'} at it"):
+            controller.after_iteration(3, float("nan") if rank == 1 else 1.0)  # rank 1's NaN stops both
     finally:
-        manager.close()
+        controller.close()
 
 
 def test_agreement_never_touches_the_model_device(tmp_path):
@@ -48,14 +45,15 @@ def test_agreement_never_touches_the_model_device(tmp_path):
 
 def test_watchdog_is_armed_after_the_first_iteration(tmp_path):
     """The first iteration (lazy compile, NCCL communicators) is not watched; from the second on it is."""
-    manager = CheckpointManager(_trainer(0, 2, "cpu", None, str(tmp_path)))
+    controller = _controller(0, 2, "cpu", False, str(tmp_path))
     try:
-        manager.before_iteration(5)  # a resumed run: its first iteration is 5
-        assert manager.watchdog is None
-        manager.before_iteration(6)
-        assert manager.watchdog is not None and (tmp_path / "hang").is_dir()
+        controller.before_iteration(5)  # a resumed run: its first iteration is 5
+        assert controller.watchdog is None
+        controller.before_iteration(6)
+        assert controller.watchdog is not None and (tmp_path / "hang").is_dir()
     finally:
-        manager.close()
+        controller.close()
+    assert not (tmp_path / "hang").exists()  # a run that ends leaves no heartbeat
 
 
 # ------------------------------------------------------------------------------------------- the GPU tier

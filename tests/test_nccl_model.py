@@ -17,14 +17,15 @@ import sys
 import pytest
 
 from ptdp.schedule.actions import COMPUTE_OPS, Action
-from ptdp.schedule.registry import SCHEDULES, build_schedule, schedule_placement
+from ptdp.schedule.registry import REGISTRY, SCHEDULES, build_schedule, schedule_placement
 from ptdp.simulate.nccl.model import check_all_send_models, check_trace, record_comm_trace
 
 
 def microbatch_counts(name: str, p: int) -> list[int]:
     if name == "interleaved":
         return [p, 2 * p] + ([3 * p] if p <= 8 else [])
-    return sorted({1, 2, max(1, p - 1), p, p + 1, 2 * p} | ({3 * p + 1} if p <= 8 else set()))
+    counts = {1, 2, max(1, p - 1), p, p + 1, 2 * p, 2 * p + 1} | ({3 * p + 1} if p <= 8 else set())
+    return sorted(m for m in counts if REGISTRY[name].takes_microbatches(p, m))  # dualpipev: m >= 2p
 
 
 def assert_deadlock_free(trace: dict) -> None:

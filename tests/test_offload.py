@@ -62,8 +62,8 @@ def test_offloaded_state_checkpoints_and_resumes(tmp_path):
 
 def test_the_flag_selects_the_host_optimizer():
     from ptdp.config import OptimizerConfig
-    from ptdp.optim.optimizer import adamw
+    from ptdp.optim.optimizer import build_optimizer
 
     params = _params(0)
-    assert type(adamw(params[:1], params[1:], OptimizerConfig())) is torch.optim.AdamW
-    assert isinstance(adamw(params[:1], params[1:], OptimizerConfig(optimizer_cpu_offload=True)), HostOffloadAdamW)
+    assert type(build_optimizer(params, OptimizerConfig())) is torch.optim.AdamW
+    assert isinstance(build_optimizer(params, OptimizerConfig(optimizer_cpu_offload=True)), HostOffloadAdamW)

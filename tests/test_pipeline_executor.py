@@ -19,8 +19,9 @@ from torch import nn
 
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.handlers import Handler
-from ptdp.parallel.pipeline.module_stage import ModuleStage, StageLayout
+from ptdp.parallel.pipeline.module_stage import ModuleStage, PlainBatches, StageLayout
 from ptdp.parallel.pipeline.p2p import P2PComm
+from ptdp.runtime.exit import exit_now
 from ptdp.schedule.actions import Action, peak_in_flight
 from ptdp.schedule.registry import build_schedule
 
@@ -61,7 +62,7 @@ def make_data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(m, MICRO_BATCH, HIDDEN, generator=g), torch.randn(m, MICRO_BATCH, HIDDEN, generator=g)
 
 
-class Batches:
+class Batches(PlainBatches):
     """The ``BatchSource`` of ``inputs[mb]`` and ``targets[mb]``."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -74,8 +75,8 @@ class Batches:
         return self.y[microbatch]
 
 
-def loss_fn(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((y - target) ** 2).mean()  # the stage divides by m
+def loss_fn(y: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    return ((y - target) ** 2).mean()  # the stage divides by m (plain windows: no weights)
 
 
 def make_stage(chunks, rank: int, p: int, v: int, m: int, forward_only: bool = False) -> ModuleStage:
@@ -137,6 +138,7 @@ def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def _spawn(p: int, tmp: Path) -> Path:

@@ -90,7 +90,7 @@ def test_layout_string_as_megatron_parses_it():
 
 @pytest.mark.parametrize("layout,words", [
     ("Et*3|t*3tL", "places 7 transformer layers"), ("Et*3|t*3|t*2|", "the loss L must appear once"),
-    ("tEt*3|t*4L", "the embedding E must appear once"), ("Et*4|m|t*4L", "'m' (multi-token prediction"),
+    ("tEt*3|t*4L", "the embedding E must appear once"), ("Et*4m|t*4L", "places 1 MTP modules"),
     ("Et*4|x|t*4L", "unknown symbol 'x'"), ("Et*4|t*4|L", "has 3 stages, not a multiple"),
 ])
 def test_bad_layout_strings_are_one_line(layout, words):

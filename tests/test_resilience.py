@@ -69,17 +69,23 @@ def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, str
 
 
 def test_a_stopped_worker_is_named_and_the_job_restarts_with_the_same_losses(tmp_path, straight):
-    """SIGSTOP to rank 1 at iteration 4: rank 0 waits in a collective; within --hang-timeout-s its watchdog
-    names rank 1, writes every rank's last operations and exits; torchrun restarts from iteration 2."""
+    """SIGSTOP to rank 1 at iteration 4: rank 0 waits in a collective; within --hang-timeout-s + 5 s its
+    watchdog names rank 1, writes every rank's last operations and exits; torchrun restarts from iteration 2."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    timeout = 5
     proc = run_ptdp(["train", *SIX, *D2, "--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
-                     "--save-interval", "2", "--hang-timeout-s", "5", "--metrics-file", str(metrics)],
+                     "--save-interval", "2", "--hang-timeout-s", str(timeout), "--metrics-file", str(metrics)],
                     env={"PTDP_TEST_KILL_AT_ITERATION": "4:STOP"}, check=False, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hang = [line for line in proc.stderr.splitlines() if "hang:" in line]
-    assert len(hang) == 1 and "rank(s) 1 stopped responding" in hang[0] and "rank 0 waits in" in hang[0], hang
+    assert len(hang) == 1 and "rank(s) 1 stopped responding (last heartbeat" in hang[0], hang
+    assert "rank 0 waits in" in hang[0], hang
+    assert proc.stderr.splitlines() == hang  # nothing from torchrun beside it
     report = tmp_path / "ckpt.run" / "hang"  # beside the checkpoint directory, not inside it
     assert (report / "report-attempt0.txt").read_text().strip() in hang[0]
+    stopped_at = (tmp_path / ".test-killed-ckpt.run-4").stat().st_mtime  # touched just before the SIGSTOP
+    named_at = (report / "report-attempt0.txt").stat().st_mtime
+    assert named_at - stopped_at <= timeout + 5, named_at - stopped_at
     for rank in (0, 1):  # every rank's last operations, the stopped one's from its last heartbeat
         ops = json.loads((report / f"rank{rank}-ops.json").read_text())
         assert ops["rank"] == rank and ops["iteration"] >= 1

@@ -13,6 +13,7 @@ from torch import nn
 
 from ptdp.parallel.data.buffer import BucketLayout
 from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
+from ptdp.runtime.exit import exit_now
 
 LAYERS, WIDTH, MICRO = 6, 8, 2
 
@@ -62,6 +63,7 @@ def _worker(rank: int, init: str, out: dict) -> None:
     out[rank] = {"allocated_at_start": allocated, "last_backward": last_backward, "shards_ok": ok,
                  "after_step": sum(b.grad_data.untyped_storage().nbytes() > 0 for b in grads.buckets)}
     dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
 def test_full_gradients_live_per_bucket_and_shards_stay_exact(tmp_path):

@@ -61,21 +61,18 @@ def _start(rank: int, world: int, argv: list[str]):
     from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive, validate
     from ptdp.optim import setup_optimizer
-    from ptdp.parallel import ParallelDims, ParallelState
     from ptdp.parallel.parallelize import build_model_chunks
     from ptdp.parallel.pipeline.stage import tied_embedding_weights
-    from ptdp.schedule.registry import schedule_placement
+    from ptdp.parallel.plan import process_groups, resolve_plan
 
     config = config_from_args(build_parser().parse_args(["train", *argv]))
     assert not validate(config, world)
     config = derive(config, world)
-    par = config.parallel
-    dims = ParallelDims(world, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                        par.context_parallel_size)
-    state = ParallelState(dims, rank, torch.device("cpu"), schedule_placement(par.schedule))
-    padded = config.model.padded_vocab_size(256, dims.tp)
-    model = build_model_chunks(config, state, 256, padded)
-    grads, optimizer = setup_optimizer(model, config, state, tied_embedding_weights(model.chunks, dims.pp))
+    plan = resolve_plan(config, process_groups(config, rank, world, torch.device("cpu")))
+    padded = config.model.padded_vocab_size(256, plan.vocab_divisor)
+    model = build_model_chunks(plan, 256, padded)
+    grads, optimizer = setup_optimizer(model, plan, config.optimizer, config.precision,
+                                       tied_embedding_weights(model.chunks, plan.p))
     return model, grads, optimizer
 
 

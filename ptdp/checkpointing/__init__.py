@@ -3,7 +3,8 @@
 - ``storage``: the on-disk layout, atomic commits, ``latest``, sha256 checksums, pruning (no torch)
 - ``validation``: start-up checks of --save/--load and of the checkpoint itself (no torch)
 - ``state``: the logical state dict and its trip through ``torch.distributed.checkpoint``
-- ``manager``: the training loop's hooks (resume, interval/exit/SIGTERM saves, NaN guard)
+- ``interface``: :class:`Checkpointable`, what a save reads and a load restores (not the trainer)
+- ``manager``: the training loop's checkpoints (resume, interval/exit/final saves, async)
 - ``full_model``: full tensors in one process, no process group (generate, Hugging Face import/export)
 """
 
@@ -13,8 +14,8 @@ import importlib
 # line's checks and ``ptdp samples`` without importing torch.
 _MODULE_OF = {
     "read_full_model_state": "full_model", "write_full_model_state": "full_model", "CheckpointManager": "manager",
-    "NonFiniteLossError": "manager", "load_checkpoint": "state", "save_checkpoint": "state",
-    "CheckpointError": "storage", "read_latest": "storage",
+    "Checkpointable": "interface", "DataPosition": "interface", "load_checkpoint": "state",
+    "save_checkpoint": "state", "CheckpointError": "storage", "read_latest": "storage",
 }
 
 __all__ = sorted(_MODULE_OF)

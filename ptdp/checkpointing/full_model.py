@@ -64,8 +64,8 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
     vocab = model_cfg.vocab_size or embedding.shape[0]
     padded = model_cfg.padded_vocab_size(vocab, 1)
     model_cfg.vocab_size = vocab
-    with torch.device("meta"):
-        expected = {name: p.shape for name, p in GPTModel(model_cfg, vocab, padded, config.moe).named_parameters()}
+    with torch.device("meta"):  # the parameters and the persistent buffers (a router's expert bias)
+        expected = {name: p.shape for name, p in GPTModel(model_cfg, vocab, padded, config.moe).state_dict().items()}
     tensors = dict(tensors)
     if embedding.shape[0] == vocab < padded:
         tensors[TIED_EMBEDDING] = torch.cat([embedding, embedding.new_zeros(padded - vocab, embedding.shape[1])])

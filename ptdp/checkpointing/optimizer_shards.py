@@ -1,9 +1,10 @@
 """The distributed optimizer's state in a checkpoint, written and read shard by shard.
 
 Each rank saves only the :class:`~ptdp.optim.optimizer.ShardPiece` ranges it owns -- fp32 master
-weights and Adam moments -- as boxes of the logical (global) tensors ``optimizer.<name>.{main_param,
-exp_avg,exp_avg_sq}`` (:mod:`.sharded`), and on load asks for exactly the boxes of the pieces it owns in
-the new layout, read straight into freshly allocated piece-sized tensors that become AdamW's state. No
+weights and the optimizer's state (``MegatronOptimizer.state_fields``: Adam's moments ``exp_avg``,
+``exp_avg_sq``; Muon's and SGD's ``momentum_buffer``) -- as boxes of the logical (global) tensors
+``optimizer.<name>.<field>`` (:mod:`.sharded`), and on load asks for exactly the boxes of the pieces it owns
+in the new layout, read straight into freshly allocated piece-sized tensors that become the state. No
 collective, and no tensor larger than a piece: the first version gathered every parameter's full fp32
 state on every rank (12 bytes per parameter, ZeRO's savings undone at every save).
 
@@ -19,19 +20,14 @@ import torch
 from torch import nn
 
 from ptdp.checkpointing.sharded import add_boxes, piece_boxes
+from ptdp.optim import kinds
 from ptdp.optim.optimizer import DistributedOptimizer
-from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.placement import Placements
 
 
 def owns_pieces(optimizer) -> bool:
     """Whether ``optimizer`` keeps its state as flat pieces (then this module saves and loads it)."""
     return isinstance(optimizer, DistributedOptimizer)
-
-
-def model_is_sharded(grads: GradReducer) -> bool:
-    """ZeRO-3: the model's weights too are only this rank's pieces (``ShardPiece.model_view``)."""
-    return any(b.param_shard is not None for b in grads.buckets)
 
 
 def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:
@@ -48,13 +44,13 @@ def _boxes(x, flat: torch.Tensor, placements: Placements) -> tuple[torch.Size, l
 
 
 def save_entries(optimizer: DistributedOptimizer, placements: Placements, model: bool = False) -> dict:
-    """This rank's entries: boxes of its pieces (views, no copy) -- the optimizer's master weights and Adam
-    moments, and every parameter's ``step`` (none before the first step); with ``model`` (ZeRO-3) the
+    """This rank's entries: boxes of its pieces (views, no copy) -- the optimizer's master weights and
+    state, and every parameter's ``step`` (none before the first step); with ``model`` (ZeRO-3) the
     model's weights ``model.<name>`` too. ``placements``: where each of this rank's parameters lives."""
     names = _names(placements, copies=False)  # one copy of the tied embedding, as for the model
     out: dict = {}
-    if optimizer.adam_steps:
-        step = torch.tensor(float(optimizer.adam_steps), dtype=torch.float32)
+    if optimizer.steps:
+        step = torch.tensor(float(optimizer.steps), dtype=torch.float32)
         out.update({f"optimizer.{name}.step": step for name in names.values()})
     for x in optimizer.pieces:
         name = names.get(x.param)
@@ -62,9 +58,9 @@ def save_entries(optimizer: DistributedOptimizer, placements: Placements, model:
             continue
         state = optimizer.optimizer.state.get(x.main) or {}
         fields = [("model", x.model_view)] if model else []
-        if optimizer.adam_steps:
-            fields += [("optimizer.main_param", x.main), ("optimizer.exp_avg", state.get("exp_avg")),
-                       ("optimizer.exp_avg_sq", state.get("exp_avg_sq"))]
+        if optimizer.steps:
+            fields += [("optimizer.main_param", x.main)]
+            fields += [(f"optimizer.{k}", state.get(k)) for k in optimizer.state_fields(x.param)]
         for field, flat in fields:
             if flat is not None:
                 prefix, _, suffix = field.partition(".")
@@ -76,8 +72,8 @@ def load_requests(optimizer: DistributedOptimizer, placements: Placements, saved
                   model: bool = False, state: bool = True) -> tuple[dict, Callable[[], None]]:
     """What this rank asks DCP for and the function that installs the loaded values once DCP filled them.
 
-    ``state``: the optimizer's pieces (master weights, Adam moments; every parameter's ``step``), read into
-    new piece-sized tensors that become AdamW's state. ``model`` (ZeRO-3): the model's weights, read
+    ``state``: the optimizer's pieces (master weights, its state fields; every parameter's ``step``), read
+    into new piece-sized tensors that become the optimizer's state. ``model`` (ZeRO-3): the model's weights, read
     straight into the persistent parameter shards (fp32 weights from the fp32 master copy when the
     checkpoint has one). Call the installer after the rest of the model is in place.
     """
@@ -95,9 +91,9 @@ def load_requests(optimizer: DistributedOptimizer, placements: Placements, saved
             key = master if x.model_view.dtype == torch.float32 and master in saved_keys else f"model.{name}"
             add_boxes(request, key, *_boxes(x, x.model_view, placements))
         fields = {}
-        for field in ("exp_avg", "exp_avg_sq", "main_param") if state else ():
+        for field in (*optimizer.state_fields(x.param), "main_param") if state else ():
             key = f"optimizer.{name}.{field}"
-            if key not in saved_keys or (field == "main_param" and shares_model):
+            if field == "main_param" and (key not in saved_keys or shares_model):
                 continue
             fields[field] = torch.empty(x.end - x.start, dtype=torch.float32, device=x.main.device)
             add_boxes(request, key, *_boxes(x, fields[field], placements))
@@ -110,14 +106,10 @@ def load_requests(optimizer: DistributedOptimizer, placements: Placements, saved
             raise ValueError(f"the checkpoint's parameters are at different Adam steps {sorted(values)}")
         if not values:
             return
-        optimizer.adam_steps = values.pop()
+        optimizer.steps = values.pop()
         for x, fields in filled:
-            if "exp_avg" in fields and "exp_avg_sq" in fields:
-                fused = x.main.device.type != "cpu"  # fused (CUDA) AdamW wants its step beside the parameter
-                optimizer.optimizer.state[x.main] = {
-                    "step": torch.tensor(float(optimizer.adam_steps), dtype=torch.float32,
-                                         device=x.main.device if fused else None),
-                    "exp_avg": fields["exp_avg"], "exp_avg_sq": fields["exp_avg_sq"]}
+            kinds.install_state(optimizer.optimizer, x.main, {k: fields[k] for k in optimizer.state_fields(x.param)},
+                                optimizer.steps)
             if "main_param" in fields:
                 x.main.copy_(fields["main_param"])
                 if x.main.data_ptr() != x.model_view.data_ptr():

@@ -9,8 +9,10 @@ exactly the region every rank of the *new* layout asks for. That is the whole re
 
 Keys::
 
-    model.<logical name>                      parameters (the tied embedding once: logical_name)
+    model.<logical name>                      parameters (the tied embedding once: logical_name) and
+                                              persistent buffers (a router's expert bias)
     optimizer.<logical name>.{exp_avg,exp_avg_sq,step}   AdamW state, sharded like its parameter
+    optimizer.<logical name>.momentum_buffer  Muon's (hidden matrices) or SGD's state instead of the moments
     optimizer.<logical name>.main_param       fp32 master weights (16-bit training only)
     rng.rank<k>.cpu.default                   per-rank CPU generator state (same layout only)
     rng.rank<k>.<device type>.{default,<tracker stream>}   the device's generator and the tracker's
@@ -31,81 +33,74 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import optimizer_shards, storage
+from ptdp.checkpointing.interface import Checkpointable
 from ptdp.checkpointing.sharded import BoxLoadPlanner
-from ptdp.checkpointing.validation import model_mismatch, model_shape
+from ptdp.checkpointing.validation import model_mismatch, model_shape, optimizer_mismatch
 from ptdp.optim import MegatronOptimizer
 from ptdp.parallel.placement import to_dtensor
 from ptdp.parallel.tensor import random as tp_random
 
-ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-OPTIMIZER_FIELDS = (*ADAM_STATE, "main_param")  # main_param: fp32 master weights of 16-bit training
 
-
-def _layout(trainer) -> dict:
+def _layout(run: Checkpointable) -> dict:
     """The layout ``ptdp.json`` records. Parameters and optimizer state are replicated over CP, as over
     DP (the distributed optimizer shards over the dp-cp group and :func:`optimizer_state` gathers over it),
     so c changes nothing in the saved tensors: it is recorded (only when c > 1, so c = 1 checkpoints keep
     their old layout) to tell a same-layout resume, whose RNG states apply, from a resharded one."""
-    dims, par = trainer.state.dims, trainer.config.parallel
-    layout = {"tensor_model_parallel_size": dims.tp, "pipeline_model_parallel_size": dims.pp,
-              "data_parallel_size": dims.dp, "virtual_pipeline_model_parallel_size": par.virtual_size,
-              "pipeline_schedule": par.schedule}
-    if dims.cp > 1:
-        layout["context_parallel_size"] = dims.cp
-    if par.expert_model_parallel_size > 1:
-        layout["expert_model_parallel_size"] = par.expert_model_parallel_size
+    plan = run.plan
+    layout = {"tensor_model_parallel_size": plan.t, "pipeline_model_parallel_size": plan.p,
+              "data_parallel_size": plan.d, "virtual_pipeline_model_parallel_size": plan.v,
+              "pipeline_schedule": plan.schedule}
+    if plan.c > 1:
+        layout["context_parallel_size"] = plan.c
+    if plan.e > 1:
+        layout["expert_model_parallel_size"] = plan.e
     return layout
 
 
-def named_parameters(trainer) -> Iterator[tuple[str, nn.Parameter]]:
+def named_parameters(run: Checkpointable) -> Iterator[tuple[str, nn.Parameter]]:
     """(logical name, parameter) for every local parameter, the last stage's tied copy included."""
-    for chunk in trainer.chunks:
+    for chunk in run.chunks:
         for param in chunk.parameters():
-            yield trainer.placements[param].name, param
+            yield run.placements[param].name, param
 
 
-def _mesh_for(trainer) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
+def named_buffers(run: Checkpointable) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) for every persistent buffer (a router's expert bias): replicated state that is not
+    trained, saved and loaded whole like a replicated parameter. A chunk's module names are the full
+    model's (layers under their global indices), so the name is already logical."""
+    for chunk in run.chunks:
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                yield name, value
+
+
+def _mesh_for(run: Checkpointable) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
     """The mesh over the dimensions a placement's splits name (``to_dtensor``): the expert mesh's ``ep``
     and ``etp`` (issue 25), else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
     meshes: dict[tuple[str, ...], DeviceMesh | None] = {}
 
     def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:
         if axes not in meshes:
-            expert = trainer.state.expert
-            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else trainer.state.mesh
+            expert = run.plan.groups.expert
+            whole = expert.mesh if expert is not None and set(axes) <= {"ep", "etp"} else run.plan.groups.mesh
             meshes[axes] = None if whole is None else whole[axes]
         return meshes[axes]
 
     return mesh_for
 
 
-def optimizer_state(optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-    """The logical per-parameter optimizer state, ``{param: {exp_avg, exp_avg_sq, step[, main_param]}}``,
-    each tensor shaped like its (local TP piece of the) parameter; empty before the first step.
-
-    ``ptdp.optim``'s optimizers provide it (the distributed optimizer gathers its DP shards, a collective,
-    so every rank calls this exactly once per save); a bare ``torch.optim.AdamW`` is read directly.
-    """
-    if isinstance(optimizer, MegatronOptimizer):
-        return optimizer.state_per_param()
-    return {p: {k: s[k] for k in ADAM_STATE} for p, s in optimizer.state.items() if s}
-
-
-def load_optimizer_state(optimizer, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-    """Inverse of :func:`optimizer_state` (each rank keeps what it owns; no communication)."""
-    if isinstance(optimizer, MegatronOptimizer):
-        optimizer.load_state_per_param(states)
-        return
-    for param, state in states.items():  # torch AdamW's own layout: a float32 scalar step
-        optimizer.state[param] = {"step": state["step"].to(torch.float32).reshape(()).clone(),
-                                  **{k: state[k].detach().clone() for k in ADAM_STATE if k != "step"}}
+def optimizer_state(optimizer: MegatronOptimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """The logical per-parameter optimizer state, ``{param: {field..., step[, main_param]}}`` (the fields:
+    ``optimizer.state_fields(param)``), each tensor shaped like its (local TP piece of the) parameter; empty
+    before the first step. The distributed optimizer gathers its DP shards, a collective, so every rank
+    calls this exactly once per save."""
+    return optimizer.state_per_param()
 
 
 def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
@@ -121,30 +116,31 @@ def _rng_entries(rank: int) -> dict[str, torch.Tensor]:
     return {f"rng.rank{rank}.{name}": state for name, state in states.items()}
 
 
-def save_state_dict(trainer) -> dict[str, torch.Tensor]:
+def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's contribution to the checkpoint (tensors share storage with the live ones). Sharded
     state -- the distributed optimizer's, and the model's under ZeRO-3 -- is written as the boxes of
     the global tensors this rank owns (``optimizer_shards``): no rank gathers anything."""
-    mesh_for = _mesh_for(trainer)
-    pieces = optimizer_shards.owns_pieces(trainer.optimizer)  # sharded state: each rank writes its pieces
-    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)
-    optim = {} if pieces else optimizer_state(trainer.optimizer)
+    mesh_for = _mesh_for(run)
+    pieces = optimizer_shards.owns_pieces(run.optimizer)  # sharded state: each rank writes its pieces
+    sharded_model = run.model_sharded
+    optim = {} if pieces else optimizer_state(run.optimizer)
     out: dict[str, torch.Tensor] = {}
-    for name, param in named_parameters(trainer):
-        placement = trainer.placements[param]
+    for name, param in named_parameters(run):
+        placement = run.placements[param]
         if placement.role == "embedding_copy":  # one copy of the tied embedding
             continue
         if not sharded_model:
             out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
+    out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(run)})
     if pieces:
-        out.update(optimizer_shards.save_entries(trainer.optimizer, trainer.placements, sharded_model))
-    out.update(_rng_entries(trainer.state.rank))
+        out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
+    out.update(_rng_entries(run.plan.groups.rank))
     return out
 
 
-def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Path:
+def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=None) -> Path:
     """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it).
 
     ``writer`` (a :class:`~.saver.CheckpointWriter`) decides whether the write happens now or in the
@@ -153,24 +149,24 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     """
     from ptdp.checkpointing.saver import CheckpointWriter, stage
 
-    ck, state = trainer.config.checkpoint, trainer.state
+    ck, rank = run.config.checkpoint, run.plan.groups.rank
     if writer is None:
-        writer = CheckpointWriter(state.rank, state.dims.world_size, async_save=False)
-    state_dict = save_state_dict(trainer)
+        writer = CheckpointWriter(rank, run.plan.world, async_save=False)
+    state_dict = save_state_dict(run)
     has_optimizer = any(key.startswith("optimizer.") for key in state_dict)  # the same on every rank
     info = None
-    if state.rank == 0:
+    if rank == 0:
         info = {
             "iteration": iteration,
-            "consumed_samples": trainer.data.train.consumed_samples(iteration),
-            "data": trainer.data.train.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
-            "model": model_shape(trainer.config.model, trainer.chunks[0].vocab_size, _padded_vocab(trainer)),
-            "layout": _layout(trainer),
+            "consumed_samples": run.data_position.consumed_samples(iteration),
+            "data": run.data_position.state(iteration),  # ptdp/data/mix_state.py: what each dataset read
+            "model": model_shape(run.config.model, run.chunks[0].vocab_size, _padded_vocab(run)),
+            "layout": _layout(run),
             "contents": ["model", "rng"] + (["optimizer"] if has_optimizer else []),
-            "config": trainer.config.to_dict(),
-            "grad_scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) else None,
+            "config": run.config.to_dict(),
+            "grad_scaler": _grad_scaler(run).state_dict() if _grad_scaler(run) else None,
             # fp16 overflows so far: the LR schedule stands at iteration - skipped_iterations
-            "skipped_iterations": trainer.optimizer.skipped_iterations,
+            "skipped_iterations": run.optimizer.skipped_iterations,
         }
     # A background write needs a private copy (the loop changes the live tensors at once); inline, none.
     staged = stage(state_dict) if writer.async_save else state_dict
@@ -178,7 +174,7 @@ def save_checkpoint(trainer, iteration: int, writer=None, on_commit=None) -> Pat
     return storage.iteration_dir(ck.save, iteration)
 
 
-def load_checkpoint(trainer, path: str | Path) -> int:
+def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
     iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
     """
@@ -188,15 +184,15 @@ def load_checkpoint(trainer, path: str | Path) -> int:
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
     from ptdp.checkpointing.saver import verify_data_files
 
-    verify_data_files(directory, trainer.state.rank, trainer.state.dims.world_size)  # each rank a share
+    verify_data_files(directory, run.plan.groups.rank, run.plan.world)  # each rank a share
     info = storage.read_info(directory)
-    problem = model_mismatch(info["model"], trainer.config.model, trainer.chunks[0].vocab_size,
-                             trainer.state.dims.tp)
+    problem = model_mismatch(info["model"], run.config.model, run.chunks[0].vocab_size,
+                             run.plan.t) or optimizer_mismatch(info, run.config)
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
-    mesh_for = _mesh_for(trainer)
+    mesh_for = _mesh_for(run)
     request: dict[str, torch.Tensor] = {}
     targets: list[tuple[str, torch.Tensor]] = []  # (key, live tensor) to copy loaded values into
 
@@ -204,31 +200,36 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         if key in request:  # a rank holding both copies of the tied embedding reads it once, then copies
             targets.append((key, live))
         else:  # DCP reads straight into the live tensor: no full-size staging copy of the model
-            request[key] = to_dtensor(live, trainer.placements[param], mesh_for) if shard else live
+            request[key] = to_dtensor(live, run.placements[param], mesh_for) if shard else live
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    pieces = optimizer_shards.owns_pieces(trainer.optimizer) and "optimizer" in info["contents"]
-    sharded_model = optimizer_shards.model_is_sharded(trainer.grads)  # ZeRO-3: into the parameter shards
-    for name, param in named_parameters(trainer):
+    # --no-load-optim: the model only (the optimizer starts afresh, e.g. after changing --optimizer)
+    load_optim = "optimizer" in info["contents"] and not run.config.checkpoint.no_load_optim
+    pieces = optimizer_shards.owns_pieces(run.optimizer) and load_optim
+    sharded_model = run.model_sharded  # ZeRO-3: into the parameter shards
+    for name, param in named_parameters(run):
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
         if not sharded_model:
             want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
                  param.detach(), param)
-        for field in OPTIMIZER_FIELDS if "optimizer" in info["contents"] and not pieces else ():
+        fields = (*run.optimizer.state_fields(param), "step", "main_param") if load_optim and not pieces else ()
+        for field in fields:
             key = f"optimizer.{name}.{field}"
-            if key in saved_keys or field in ADAM_STATE:  # main_param only when the run had master weights
+            if key in saved_keys or field != "main_param":  # main_param only when the run had master weights
                 live = torch.zeros((), dtype=torch.float32) if field == "step" else torch.empty_like(
                     param, dtype=torch.float32)
                 optim.setdefault(param, {})[field] = live
                 want(key, live, param, shard=field != "step")
-    same_layout = info["layout"] == _layout(trainer)
-    rng = _rng_entries(trainer.state.rank)
+    for name, buffer in named_buffers(run):
+        want(f"model.{name}", buffer, None, shard=False)
+    same_layout = info["layout"] == _layout(run)
+    rng = _rng_entries(run.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
     install_pieces = None
     if pieces or sharded_model:  # only this rank's pieces, read straight into their live or new tensors
         extra, install_pieces = optimizer_shards.load_requests(
-            trainer.optimizer, trainer.placements, saved_keys, model=sharded_model, state=pieces)
+            run.optimizer, run.placements, saved_keys, model=sharded_model, state=pieces)
         request.update(extra)
     missing = sorted(set(request) - saved_keys)
     if missing:
@@ -245,21 +246,22 @@ def load_checkpoint(trainer, path: str | Path) -> int:
         for key, live in targets:
             loaded = request[key]
             live.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
-    trainer.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
+    run.optimizer.reload_model_params()  # master weights (if any) := the loaded model weights
     if optim:
-        load_optimizer_state(trainer.optimizer, optim)  # restores the fp32 master weights if saved
+        run.optimizer.load_state_per_param(optim)  # restores the fp32 master weights if saved
     if install_pieces is not None:
         install_pieces()  # restores the fp32 master weights if saved
-    if info.get("grad_scaler") and _grad_scaler(trainer):
-        _grad_scaler(trainer).load_state_dict(info["grad_scaler"])
-    trainer.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
+    if info.get("grad_scaler") and _grad_scaler(run):
+        _grad_scaler(run).load_state_dict(info["grad_scaler"])
+    run.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
     iteration = int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
-        prefix = f"rng.rank{trainer.state.rank}."
-        _restore_rng(trainer, {key.removeprefix(prefix): request[key] for key in rng})
+        prefix = f"rng.rank{run.plan.groups.rank}."
+        _restore_rng(run, {key.removeprefix(prefix): request[key] for key in rng})
     elif iteration > 0:  # at iteration 0 (an imported model) the fresh-start seeding is already right
-        tp_random.model_parallel_seed(reseed(trainer.config.training.seed, iteration), trainer.state.tp_rank,
-                                      trainer.state.pp_rank, trainer.state.device)
+        groups = run.plan.groups
+        tp_random.model_parallel_seed(reseed(run.plan.seed, iteration), groups.tp_rank, groups.pp_rank,
+                                      groups.device)
     return iteration
 
 
@@ -268,7 +270,7 @@ def reseed(seed: int, iteration: int) -> int:
     return (seed * 1_000_003 + iteration) % (2**31)
 
 
-def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
+def _restore_rng(run: Checkpointable, states: dict[str, torch.Tensor]) -> None:
     """Inverse of :func:`_rng_entries` (names without the ``rng.rank<k>.`` prefix)."""
     tracker = tp_random.get_rng_tracker()
     kind = tracker.device.type
@@ -278,20 +280,13 @@ def _restore_rng(trainer, states: dict[str, torch.Tensor]) -> None:
     tracker.set_states({name.removeprefix(f"{kind}."): state for name, state in states.items()})
 
 
-def _padded_vocab(trainer) -> int:
-    dims = trainer.state.dims
-    vocab_parallel = trainer.config.parallel.enable_vocab_parallel
-    return trainer.config.model.padded_vocab_size(trainer.chunks[0].vocab_size, dims.tp * (dims.pp if vocab_parallel else 1))
+def _padded_vocab(run: Checkpointable) -> int:
+    return run.config.model.padded_vocab_size(run.chunks[0].vocab_size, run.plan.vocab_divisor)
 
 
-def _grad_scaler(trainer):
+def _grad_scaler(run: Checkpointable):
     """The fp16 loss scaler, if the optimizer has one (its few numbers go to ``ptdp.json``)."""
-    return trainer.optimizer.scaler
-
-
-def _barrier(trainer) -> None:
-    if trainer.state.mesh is not None:
-        dist.barrier()
+    return run.optimizer.scaler
 
 
 def _dcp_load(state_dict: dict, directory: Path) -> None:

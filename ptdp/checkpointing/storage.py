@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ptdp.config import ConfigError
@@ -121,30 +122,43 @@ _VERIFIED: dict[tuple[str, str], bool] = {}
 _DATA_SUFFIX = ".distcp"  # DCP's data files: the bulk, whose hashing is split across ranks
 
 
+VERIFIED_ENV = "PTDP_VERIFIED_CHECKPOINT"  # set by the launcher for its workers: "<resolved dir> <manifest sha256>"
+
+
 def verify_checksums(directory: Path, hash_data: bool = True) -> None:
     """Raise :class:`CheckpointError` naming the first missing, truncated or corrupted file.
 
     Each process verifies a checkpoint once (the start-up check and the load share the result), so a
     bad file is found on every rank before any collective and no rank waits for another. With
     ``hash_data=False`` the data files are only checked to exist (the ranks of a job hash them in shares
-    later, :func:`data_file_problem`); the small files are always hashed.
+    later, :func:`data_file_problem`); the small files are always hashed. Files are hashed by a few threads
+    at once (hashlib and file reads release the GIL): the launcher hashes a whole checkpoint this way
+    before any worker starts, and tells them (:func:`verified_token`).
     """
-    for _, path, digest in _manifest(directory):
-        if not hash_data and path.name.endswith(_DATA_SUFFIX):
-            if not path.is_file():
-                raise CheckpointError(f"--load: checkpoint file {path} is missing; restore it or point "
-                                      f"{directory.parent / LATEST} at an older checkpoint")
-            continue
-        problem = _file_problem(directory, path, digest)
-        if problem:
-            raise CheckpointError(problem)
+    entries = _manifest(directory)
+    for _, path, _ in entries:
+        if not hash_data and path.name.endswith(_DATA_SUFFIX) and not path.is_file():
+            raise CheckpointError(f"--load: checkpoint file {path} is missing; restore it or point "
+                                  f"{directory.parent / LATEST} at an older checkpoint")
+    todo = [(path, digest) for _, path, digest in entries if hash_data or not path.name.endswith(_DATA_SUFFIX)]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        problems = list(pool.map(lambda entry: _file_problem(directory, *entry), todo))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(problem)
     if hash_data:
         _VERIFIED[_key(directory)] = True
 
 
+def verified_token(directory: Path) -> str | None:
+    """What the launcher passes in ``PTDP_VERIFIED_CHECKPOINT`` once it hashed ``directory`` whole."""
+    key = _key(directory)
+    return f"{key[0]} {key[1]}" if key in _VERIFIED else None
+
+
 def data_file_problem(directory: Path, part: int, parts: int) -> tuple[int, str] | None:
     """The first bad data file of share ``part`` of ``parts`` as (manifest line, message), or None."""
-    if _key(directory) in _VERIFIED:
+    if _key(directory) in _VERIFIED or os.environ.get(VERIFIED_ENV) == " ".join(_key(directory)):
         return None
     data = [entry for entry in _manifest(directory) if entry[1].name.endswith(_DATA_SUFFIX)]
     for number, path, digest in data[part::parts]:

@@ -1,5 +1,5 @@
-"""Start-up checks of the checkpoint flags: run by ``config.validate`` in the launcher and on every rank,
-before any process group exists, so a bad ``--save``/``--load`` or a corrupted checkpoint stops every
+"""Start-up checks of the checkpoint flags: run at start-up (``ptdp.cli.main.start_problems``) in the launcher
+and on every rank, before any process group exists, so a bad ``--save``/``--load`` or a corrupted checkpoint stops every
 rank with the same one-line message and none waits for another. No torch import here.
 """
 
@@ -9,7 +9,14 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ptdp.checkpointing.storage import CheckpointError, read_info, resolve, verify_checksums
+from ptdp.checkpointing.storage import (
+    VERIFIED_ENV,
+    CheckpointError,
+    read_info,
+    resolve,
+    verified_token,
+    verify_checksums,
+)
 from ptdp.config import Config, ModelConfig
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
@@ -62,8 +69,21 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
     return None
 
 
-def checkpoint_errors(config: Config, world_size: int) -> list[str]:
-    """Every problem with the checkpoint flags, one line each (empty when there is nothing to check)."""
+def optimizer_mismatch(info: dict, config: Config) -> str | None:
+    """One line when the checkpoint's optimizer state is another ``--optimizer``'s (AdamW's moments do not
+    become Muon's momentum, nor the reverse), unless ``--no-load-optim`` leaves it unread."""
+    saved = info.get("config", {}).get("optimizer", {}).get("optimizer", "adam")  # before --optimizer: AdamW
+    saved = "muon" if saved == "dist_muon" else saved
+    if "optimizer" not in info.get("contents", []) or config.checkpoint.no_load_optim or saved == config.optimizer.kind:
+        return None
+    return (f"the checkpoint holds --optimizer {saved}'s state, this run uses --optimizer {config.optimizer.optimizer}; "
+            "pass --no-load-optim to load the model and start the optimizer afresh")
+
+
+def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = None) -> list[str]:
+    """Every problem with the checkpoint flags, one line each (empty when there is nothing to check).
+    ``hash_data``: hash the checkpoint's data files too (default: in one process only; a launcher on one
+    node does, so that no worker starts on a corrupted checkpoint)."""
     ck = config.checkpoint
     errors = []
     for flag, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval),
@@ -78,8 +98,20 @@ def checkpoint_errors(config: Config, world_size: int) -> list[str]:
     if ck.save:
         errors += _save_errors(Path(ck.save))
     if ck.load and not errors:
-        errors += _load_errors(config, Path(ck.load), world_size)
+        errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
     return errors
+
+
+def share_verification(load: str | Path) -> None:
+    """Tell the workers (through the environment they inherit) that the launcher hashed ``--load``'s
+    checkpoint whole (:func:`checkpoint_errors` with ``hash_data``), so they do not hash it again."""
+    try:
+        directory = resolve(Path(load))
+    except CheckpointError:
+        return
+    token = verified_token(directory) if directory is not None else None
+    if token:
+        os.environ[VERIFIED_ENV] = token
 
 
 def _save_errors(path: Path) -> list[str]:
@@ -108,7 +140,7 @@ def _missing(config: Config, path: Path) -> list[str]:
     return []
 
 
-def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
+def _load_errors(config: Config, path: Path, hash_data: bool = True) -> list[str]:
     ck = config.checkpoint
     if (path / MEGATRON_TRACKER).is_file() and not (path / "latest").exists():
         return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not read; "
@@ -128,12 +160,12 @@ def _load_errors(config: Config, path: Path, world_size: int = 1) -> list[str]:
             return _missing(config, path)  # no `latest` yet: nothing was saved, start fresh
         # One process hashes everything; the ranks of a job hash the data files in shares after start-up
         # (saver.verify_data_files) instead of every rank reading every file.
-        verify_checksums(directory, hash_data=world_size == 1)
+        verify_checksums(directory, hash_data=hash_data)
         info = read_info(directory)
     except CheckpointError as e:
         return [str(e)]
     problem = model_mismatch(info["model"], config.model, config.model.vocab_size,
-                             config.parallel.tensor_model_parallel_size)
+                             config.parallel.tensor_model_parallel_size) or optimizer_mismatch(info, config)
     if problem:
         return [f"--load {directory}: {problem}"]
     # a dataset changed under its prefix: exit 2 before any worker starts

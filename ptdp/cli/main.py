@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import timedelta
 
 from ptdp.config import Config, ConfigError, add_config_arguments, config_from_args, derive, validate
 from ptdp.runtime.errors import print_error
+from ptdp.runtime.exit import exit_now
 
 
 def _train_parser(sub) -> None:
@@ -59,16 +59,19 @@ def run_train(args: argparse.Namespace) -> int:
         for line in e.problems:
             _fail(line, "train")
         return 2
+    from ptdp.runtime import interrupt
+
+    interrupt.know_save(config.checkpoint.save)  # what a Ctrl-C from now on says about the checkpoints
     launching = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = args.nproc_per_node if launching else int(
         os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if launching:  # at once: checking the configuration imports torch, which can take seconds
+    if launching or "LOCAL_RANK" not in os.environ:  # at once: the checks import torch, which can take seconds
         from ptdp.runtime.launch import launch_line
 
         par = config.parallel
-        print(launch_line(args.nproc_per_node, world_size, par.tensor_model_parallel_size, par.context_parallel_size,
-                          par.pipeline_model_parallel_size), flush=True)
+        print(launch_line(args.nproc_per_node if launching else None, world_size, par.tensor_model_parallel_size,
+                          par.context_parallel_size, par.pipeline_model_parallel_size), flush=True)
     from ptdp.runtime.elastic import parse_nnodes, world_size_error
 
     try:
@@ -89,11 +92,15 @@ def run_train(args: argparse.Namespace) -> int:
             return _fail(line, "train")
     errors = validate(config, world_size, local_world_size)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    if not errors:  # the machine (FP8 GPU), the directories and the checkpoint on disk
+    if not errors:  # the machine (FP8 GPU), the directories and the files (data, tokenizer, checkpoint)
+        from ptdp.runtime.phases import phase
         from ptdp.runtime.startup import startup_warnings
 
         given, config = config, derive(config, world_size)  # validate never changes what it checks
-        errors = start_problems(config, world_size)
+        with phase("importing torch"):
+            import torch  # noqa: F401 - the checks below need it; say so when it takes a while
+        with phase("checking the input files and the machine"):
+            errors = start_problems(config, world_size, launcher=launching, one_node=nodes[1] == 1)
         for line in startup_warnings(given, config) if rank0 and not launching else ():
             print(f"warning: {line}", file=sys.stderr)
     if errors:
@@ -111,49 +118,36 @@ def run_train(args: argparse.Namespace) -> int:
                           "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
         restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
-        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, args.cpu_mmap_threshold)
+        return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, save=config.checkpoint.save,
+                              cpu_mmap_threshold=args.cpu_mmap_threshold)
 
-    from ptdp.data import DataError
-    from ptdp.runtime import interrupt
+    from ptdp.cli.worker import run_worker
 
-    interrupt.install(int(os.environ.get("RANK", "0")), config.checkpoint.save)  # Ctrl-C: a graceful stop
-    try:
-        from ptdp.train.loop import train
-
-        train(config)
-        code = interrupt.exit_code() or 0  # 130 (0 to ptdp's launcher) after a Ctrl-C stop
-    except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy
-        code = _fail(str(e))
-    except Exception as e:  # a peer that left at once after a second Ctrl-C: leave quietly too
-        if not interrupt.interrupted_exception(e):
-            raise
-        interrupt.stop_now()
-    # gloo aborts the process at exit ("terminate called without an active exception") when its process
-    # groups are left for the interpreter to tear down. Not after other errors: a lost peer can make the
-    # teardown wait, and the launcher restarts or stops the job anyway.
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if code and dist.get_backend() == "gloo":  # every rank raised: let all finish talking before teardown
-            try:
-                dist.monitored_barrier(timeout=timedelta(seconds=60))
-            except RuntimeError:
-                pass
-        dist.destroy_process_group()
-    return code
+    return run_worker(config)
 
 
-def start_problems(config: Config, world_size: int) -> list[str]:
+def start_problems(config: Config, world_size: int, launcher: bool = False, one_node: bool = True) -> list[str]:
     """Every reason the derived ``config`` cannot start here, one line each (none: it can): the start-up
-    checks of the features that own them (FP8, ZeRO-R's CPU checkpointing), of the runtime (``ptdp.runtime.startup``),
-    then of the checkpoint."""
-    from ptdp.checkpointing.validation import checkpoint_errors
+    checks of the features that own them (FP8, ZeRO-R's CPU checkpointing), of the runtime
+    (``ptdp.runtime.startup``), then of the data files and the checkpoint. ``launcher``: this is ptdp's
+    launcher (``one_node``: without a multi-node rendezvous), which checks every file before a worker
+    starts; its workers skip what it checked."""
+    from ptdp.checkpointing.validation import checkpoint_errors, share_verification
     from ptdp.parallel.fp8 import fp8_environment_errors
     from ptdp.parallel.recompute import recompute_environment_errors
+    from ptdp.runtime.interrupt import launched
     from ptdp.runtime.startup import startup_problems
 
-    return [*fp8_environment_errors(config), *recompute_environment_errors(config), *startup_problems(config),
-            *checkpoint_errors(config, world_size)]
+    errors = [*fp8_environment_errors(config), *recompute_environment_errors(config), *startup_problems(config)]
+    if launcher or not launched():  # the launcher's workers: it checked the data files already
+        from ptdp.data.files import data_file_errors
+
+        errors += data_file_errors(config)
+    hash_data = True if launcher and one_node else None  # None: one process hashes, ranks share the work
+    errors += checkpoint_errors(config, world_size, hash_data=hash_data)
+    if launcher and not errors and config.checkpoint.load:
+        share_verification(config.checkpoint.load)
+    return errors
 
 
 def _worker_argv(argv: list[str]) -> list[str]:
@@ -230,9 +224,16 @@ def _torch_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from ptdp.cli.parser import parse
+    from ptdp.runtime.interrupt import install_for_command
+
+    if argv is None:  # the `ptdp` console script (not a call from Python): Ctrl-C as ptdp/runtime/interrupt.py says
+        install_for_command(sys.argv[1:])
 
     args = parse(build_parser(), argv)
-    return args.run(args)
+    code = args.run(args)
+    if argv is None and args.command == "train":
+        exit_now(code)  # a process of its own: skip the interpreter's teardown (ptdp.runtime.exit)
+    return code
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 from ptdp.checkpointing.storage import latest_info
 from ptdp.config import ConfigError, add_config_arguments, config_from_args, derive, validate
 from ptdp.data import DataError
+from ptdp.data.documents import DocumentOptions
 from ptdp.data.samples import batch_indices, iter_samples, sample_record
 from ptdp.data.training_data import datasets_for_config
 from ptdp.runtime.errors import print_error
@@ -55,7 +56,9 @@ def _world_size(args: argparse.Namespace) -> int:
 
 def _text_view(record: dict) -> str:
     head = (f"sample {record['sample']} | iteration {record['iteration']} | dp_rank {record['dp_rank']} | "
-            f"microbatch {record['microbatch']} | {record['dataset']} | documents {record['document_ids']}")
+            f"microbatch {record['microbatch']} | {record['dataset']} | documents {record['document_ids']}"
+            + (f" | cu_seqlens {record['cu_seqlens']}" if "cu_seqlens" in record else "")
+            + (f" | out of the loss {record['loss_masked_positions']}" if "loss_masked_positions" in record else ""))
     body = record.get("text")
     return head + "\n" + (body if body is not None else " ".join(map(str, record["tokens"]))) + "\n"
 
@@ -97,6 +100,9 @@ def run_samples(args: argparse.Namespace) -> int:
                       d.test_data_path else f"of --split {d.split}")
             return _fail(f"--split-name {args.split_name}: the {args.split_name} split {source} is empty")
         tokenizer = splits.tokenizer if args.decode else None
+        d = config.data
+        documents = DocumentOptions(splits.tokenizer.eod_id, d.reset_position_ids, d.reset_attention_mask,
+                                    d.eod_mask_loss)
         if args.iteration is not None:
             rows = [(i, args.iteration, r, j) for i, r, j in
                     batch_indices(args.iteration, tr.global_batch_size, dp, tr.micro_batch_size)]
@@ -104,7 +110,7 @@ def run_samples(args: argparse.Namespace) -> int:
             rows = iter_samples(dataset, tr.global_batch_size, dp, tr.micro_batch_size,
                                 range(args.start, args.start + args.first))
         for i, iteration, rank, micro in rows:
-            record = sample_record(dataset, i, iteration, rank, micro, tokenizer)
+            record = sample_record(dataset, i, iteration, rank, micro, tokenizer, documents if documents.any else None)
             sys.stdout.write(_text_view(record) if args.format == "text" else json.dumps(record) + "\n")
             sys.stdout.flush()
     except DataError as err:

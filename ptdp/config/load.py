@@ -114,9 +114,9 @@ def add_field_arguments(parser: Any, section: type, names: tuple[str, ...] | Non
         help_text = help_with_default(f.metadata["help"], default if f.name in defaults else default_of(f))
         extra = (overrides or {}).get(f.name, {})
         if _base_type(f) == "bool":
-            action = "store_false" if flag_of(f).startswith("--no-") else "store_true"
-            parser.add_argument(flag_of(f), dest=f.name, **{"action": action, "default": default, "help": help_text,
-                                                             **extra})
+            action = "store_false" if default_of(f) is True else "store_true"  # --no-x, --muon-no-split-qkv
+            parser.add_argument(flag_of(f), *f.metadata["aliases"], dest=f.name,
+                                **{"action": action, "default": default, "help": help_text, **extra})
             continue
         kwargs = {"type": _scalar_type(f), **f.metadata["argparse"], "help": help_text, **extra}
         parser.add_argument(flag_of(f), *f.metadata["aliases"], dest=f.name, default=default, **kwargs)

@@ -18,6 +18,14 @@ _LLAMA: dict[str, Any] = {
     "hidden_dropout": 0.0, "attention_dropout": 0.0,
 }
 
+# DeepSeek-V3's multi-latent attention (Megatron-Core's flags) with YaRN (factor 40 from a 4K context).
+_MLA: dict[str, Any] = {
+    "multi_latent_attention": True, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": "yarn", "rotary_scaling_factor": 40.0,
+    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
                   "vocab_size": 51200},
@@ -37,6 +45,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen1.5-moe-a2.7b": {**_LLAMA, "num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
                           "ffn_hidden_size": 5632, "seq_length": 8192, "vocab_size": 151936, "norm_epsilon": 1e-6,
                           "rotary_base": 1000000.0, "add_qkv_bias": True},
+    # DeepSeek-V3 (HF config.json of deepseek-ai/DeepSeek-V3; the report's 4K pre-training context, YaRN's
+    # parameters for the 128K extension): MLA, 3 dense layers then 58 MoE ones, one MTP module
+    "deepseek-v3": {**_LLAMA, "num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                    "ffn_hidden_size": 18432, "seq_length": 4096, "vocab_size": 129280, "norm_epsilon": 1e-6,
+                    "rotary_base": 10000.0, **_MLA, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1},
     # test-sized models (the tokenizer decides the vocabulary)
     "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -53,11 +66,29 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                           "moe_shared_expert_intermediate_size": 5632, "moe_shared_expert_gate": True,
                           "moe_router_pre_softmax": True},
     "tiny-mixtral": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
+    # DeepSeek-V3's router (HF config.json; Megatron-Core's recipe: sequence-wise balance loss alpha = 1e-4)
+    "deepseek-v3": {"num_experts": 256, "moe_router_topk": 8, "moe_ffn_hidden_size": 2048,
+                    "moe_shared_expert_intermediate_size": 2048, "moe_layer_freq": "([0]*3+[1]*58)",
+                    "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                    "moe_router_num_groups": 8, "moe_router_group_topk": 4, "moe_router_topk_scaling_factor": 2.5,
+                    "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-4},
+    "tiny-deepseek": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+                      "moe_shared_expert_intermediate_size": 16, "moe_layer_freq": "([0]*1+[1]*3)",
+                      "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                      "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
 }
 MODEL_PRESETS["tiny-mixtral"] = dict(MODEL_PRESETS["tiny-llama"])
+# tiny-deepseek: the DeepSeek-V3 architecture at test size (MLA with a query compression, one dense layer
+# then MoE ones, one MTP module); a large bias update rate makes the bias move the routing within a test
+MODEL_PRESETS["tiny-deepseek"] = {
+    **_LLAMA, "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
+    "seq_length": 16, "norm_epsilon": 1e-6, "multi_latent_attention": True, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1}
+MOE_PRESETS["tiny-deepseek"]["moe_router_bias_update_rate"] = 0.05
 
 # Global batch sizes the planner assumes when --global-batch-size is not given (the papers' runs).
-PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512}
+PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512,
+                     "deepseek-v3": 15360}  # the report's batch of 15,360 sequences (after its ramp-up)
 
 
 def model_family(cfg: Any) -> str:
@@ -65,6 +96,8 @@ def model_family(cfg: Any) -> str:
     llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu)
     if llama:
         attention = f"GQA {cfg.query_groups} groups" if cfg.query_groups < cfg.num_attention_heads else "MHA"
+        attention = "MLA" if getattr(cfg, "multi_latent_attention", False) else attention
+        attention += f", {cfg.mtp_num_layers} MTP" if getattr(cfg, "mtp_num_layers", None) else ""
         return f"Llama ({attention}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu) == ("learned_absolute", "LayerNorm", False):
         return "GPT-2"

@@ -14,36 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.config.fields import DELAY_WGRAD_HELP, OVERLAP_HELP, opt, schedule_help
+from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
 from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
-
-
-class ConfigError(Exception):
-    """Problems with the user's configuration, one line each naming the flag (or TOML key) and the fix.
-
-    ``ConfigError(line)`` is one problem; ``ConfigError(*lines)`` several, all reported (``problems``).
-    """
-
-    def __init__(self, *problems: str) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = list(problems)
-
-
-def schedule_help() -> str:
-    """The ``--pipeline-schedule`` help: each schedule's bubble and activation memory against 1F1B's
-    (the registry's ``ScheduleSpec`` fields)."""
-    return ("pipeline schedule (default: interleaved when v > 1, else 1f1b). Bubble / activation memory "
-            "against 1F1B's (p-1)/m / 1x: " + "; ".join(f"{s.name} ({s.help}) {s.bubble} / {s.memory}"
-                                                         for s in REGISTRY.values()))
-
-
-def opt(default: Any, help: str, flag: str | None = None, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> Any:
-    """A dataclass field with its command-line flag (derived from the field name unless given) and any
-    older spellings of it (``aliases``: flags and TOML keys that Megatron-LM still accepts)."""
-    metadata = {"help": help, "flag": flag, "aliases": aliases, "argparse": argparse_kwargs}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
 
 
 @dataclass
@@ -97,6 +70,21 @@ class ModelConfig:
         "slices) in pinned host memory until the recompute (ZeRO-R's CPU checkpointing; Megatron-DeepSpeed's flag)")
     compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
                         "bias-dropout-add); eager if it fails")
+    multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): low-rank q, kv; decoupled RoPE")
+    q_lora_rank: int | None = opt(None, "rank of the query compression (unset: one full query projection)")
+    kv_lora_rank: int = opt(32, "rank of the key/value compression (the latent an inference cache keeps)")
+    qk_head_dim: int = opt(128, "per-head query/key dimension without the RoPE part")
+    qk_pos_emb_head_dim: int = opt(64, "per-head query/key RoPE dimension (the key's is shared by the heads)")
+    v_head_dim: int = opt(128, "per-head value dimension")
+    rope_type: str | None = opt(None, "rope or yarn (unset: yarn with MLA, else rope)", choices=["rope", "yarn"])
+    rotary_scaling_factor: float = opt(1.0, "YaRN context-extension factor (1: no scaling)")
+    mscale: float = opt(1.0, "YaRN: tables times mscale(f, mscale)/mscale(f, all-dim); mscale(f, m)=0.1*m*ln(f)+1")
+    mscale_all_dim: float = opt(0.0, "YaRN: the softmax scale times mscale(factor, mscale-all-dim)^2")
+    original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at")
+    beta_fast: float = opt(32.0, "YaRN: rotations above which a dimension is not interpolated")
+    beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
+    mtp_num_layers: int | None = opt(None, "multi-token prediction: D modules, k-th predicting t+k+1 (0: none)")
+    mtp_loss_scaling_factor: float = opt(0.1, "lambda: the objective adds lambda * the MTP modules' mean CE")
 
     @property
     def ffn_size(self) -> int:
@@ -157,6 +145,13 @@ class MoEConfig:
                                          "parallelism): alltoall or allgather", choices=["alltoall", "allgather"])
     moe_grouped_gemm: bool = opt(False, "one grouped GEMM over the local experts (torch._grouped_mm) instead "
                                  "of a loop over experts")
+    moe_router_score_function: str = opt("softmax", "router scores (DeepSeek-V3: sigmoid)",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: b += rate*sign(mean - load)")
+    moe_router_bias_update_rate: float = opt(1e-3, "the expert bias update rate (DeepSeek-V3's 1e-3)")
+    moe_router_num_groups: int | None = opt(None, "group-limited routing: the experts in this many equal groups")
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (top scores)")
+    moe_router_topk_scaling_factor: float | None = opt(None, "the k routing weights times this (DeepSeek-V3: 2.5)")
 
 
 @dataclass
@@ -204,6 +199,9 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
                                                   "default, as Megatron-Core) or 1, which lets e span the "
                                                   "tensor-parallel ranks")
+    # Overlapped forward-backward pairs (issue 38): ptdp/schedule/dualpipe.py, docs/dualpipe.md
+    overlap_moe_expert_parallel_comm: bool = opt(False, OVERLAP_HELP)
+    delay_wgrad_compute: bool = opt(False, DELAY_WGRAD_HELP)
 
     @property
     def virtual_size(self) -> int:
@@ -230,7 +228,7 @@ class OptimizerConfig:
     lr_warmup_iters: int = opt(10, "linear warm-up iterations")
     lr_decay_style: str = opt("cosine", "decay after warm-up", choices=["cosine", "linear", "constant"])
     lr_decay_iters: int | None = opt(None, "iterations to decay over (default: --train-iters)")
-    weight_decay: float = opt(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    weight_decay: float = opt(0.1, "weight decay, not on biases and norms (decoupled for AdamW and Muon, L2 for SGD)")
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.999, "AdamW beta2 (Megatron-LM's default; GPT-3 recipes set 0.95)")
     adam_eps: float = opt(1e-8, "AdamW epsilon")
@@ -248,13 +246,35 @@ class OptimizerConfig:
         False, "ZeRO-3: free a chunk's gathered parameters after each run of its forwards and gather them "
         "again for its backward (less memory, more all-gathers); default: keep each chunk gathered from its "
         "first to its last use in the step (measured faster, BENCHMARKS.md)")
-    optimizer_cpu_offload: bool = opt(
-        False, "ZeRO-Offload: Adam state and the Adam step on the host (pinned buffers; ptdp/optim/offload.py)")
+    optimizer_cpu_offload: bool = opt(False, "ZeRO-Offload: the optimizer's state and element-wise step on the host "
+                                      "(pinned buffers; ptdp/optim/offload.py)")
+    optimizer: str = opt("adam", "adam (AdamW), sgd (SGD, --sgd-momentum) or muon (dist_muon: Megatron-LM's name for it): "
+                         "Muon on the 2-D hidden weights (Q, K, V apart; attention output; MLP, gate and up apart; each "
+                         "expert's; the router), each orthogonalised whole on one rank; AdamW (--adam-*) on the "
+                         "embeddings, output layer, norms and biases (docs/optimizers.md)",
+                         choices=["adam", "sgd", "muon", "dist_muon"])
+    sgd_momentum: float = opt(0.9, "SGD momentum (--optimizer sgd)")
+    muon_momentum: float = opt(0.95, "Muon momentum: M <- mu M + (1 - mu) G")
+    muon_nesterov: bool = opt(False, "Muon: orthogonalise G + mu (M - G), not M", aliases=("--muon-use-nesterov",))
+    muon_split_qkv: bool = opt(True, "Muon: QKV as one matrix (default: Q, K, V apart)", flag="--muon-no-split-qkv")
+    muon_scale_mode: str = opt("spectral", "Muon's update scale: sqrt(max(m, n)), sqrt(max(1, m/n)) (torch's), sqrt(m/n)",
+                               choices=["spectral", "shape_scaling", "unit_rms_norm"])
+    muon_extra_scale_factor: float = opt(1.0, "multiplies the Muon update (0.2 with spectral matches AdamW's RMS)")
+    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations")
+    muon_coefficient_type: str = opt("quintic", "Newton-Schulz (a, b, c): quintic (5k steps), simple (torch's), "
+                                     "polar_express (>= 8), aol (4k)", choices=["quintic", "simple", "polar_express", "aol"])
+    muon_fp32_matmul_prec: str = opt("medium", "Newton-Schulz arithmetic: low all bf16 (torch's), medium fp32 norm + "
+                                     "bf16 (Megatron's), high fp32", choices=["low", "medium", "high"])
 
     @property
     def sharding(self) -> str:
         """The effective ZeRO strategy (``effective_sharding``)."""
         return effective_sharding(self.data_parallel_sharding_strategy, self.use_distributed_optimizer)
+
+    @property
+    def kind(self) -> str:
+        """The optimizer that runs: ``dist_muon`` is ``muon`` (ptdp's Muon always spreads the matrices)."""
+        return "muon" if self.optimizer == "dist_muon" else self.optimizer
 
 
 def effective_sharding(strategy: str, use_distributed_optimizer: bool) -> str:
@@ -286,6 +306,10 @@ class TrainingConfig:
     timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
                                "of the first --timeline-iters iterations")
     timeline_iters: int = opt(3, "iterations the --timeline records")
+    calculate_per_token_loss: bool = opt(
+        False, "the loss is one mean over every unmasked token of the global batch (an all-reduce of the token "
+        "counts) instead of each microbatch's mean averaged over microbatches and data-parallel ranks; differs "
+        "only with --eod-mask-loss")
 
 
 @dataclass
@@ -327,6 +351,12 @@ class DataConfig:
     merge_file: str | None = opt(None, "GPT2BPETokenizer merges.txt")
     override_data_state: bool = opt(False, "with --load: start over every dataset whose files changed since the "
                                     "checkpoint (same prefix, other .idx/.bin) instead of refusing to resume")
+    # Packed documents: Megatron's GPTDataset flags (ptdp/data/documents.py, docs/packing.md)
+    reset_position_ids: bool = opt(False, "position ids restart at 0 after every end-of-document token")
+    reset_attention_mask: bool = opt(False, "a token attends only to earlier tokens of its own document (the "
+                                     "boundaries travel as cu_seqlens; only the blocks inside documents are computed)")
+    eod_mask_loss: bool = opt(False, "leave out of the loss the positions whose input is the end-of-document "
+                              "token (their target is the next document's first token)")
 
 
 @dataclass
@@ -341,6 +371,7 @@ class CheckpointConfig:
     exit_interval: int | None = opt(None, "stop cleanly after an iteration divisible by N (saving if --save)")
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
     async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
+    no_load_optim: bool = opt(False, "with --load: start the optimizer afresh (e.g. after changing --optimizer)")
 
 
 @dataclass

@@ -17,8 +17,14 @@ from typing import Any
 from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
-from ptdp.config.validate_moe import expert_layout_errors, moe_errors
-from ptdp.config.validate_pipeline import schedule_problems, stages_of, virtual_size, vocab_parallel_errors
+from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
+from ptdp.config.validate_pipeline import (
+    overlap_errors,
+    schedule_problems,
+    stages_of,
+    virtual_size,
+    vocab_parallel_errors,
+)
 from ptdp.schedule.layout import Stage
 
 
@@ -92,6 +98,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
     errors += moe_errors(config)  # issue 25
+    errors += deepseek_errors(config) if sizes_ok and shape_ok else []  # issue 41
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
@@ -107,6 +114,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if tr.timeline_iters is not None and tr.timeline_iters <= 0:
         errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
     errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
+    errors += overlap_errors(config)  # issue 38
     from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
 
     errors += data_errors(config)
@@ -154,6 +162,30 @@ def _optimizer_errors(config: Config) -> list[str]:
                       "it too): lower --lr-warmup-iters or raise --lr-decay-iters")
     if opt_.clip_grad < 0:
         errors.append(f"--clip-grad must be >= 0, got {opt_.clip_grad}")
+    return errors + _momentum_errors(opt_)
+
+
+# Newton-Schulz coefficient sets (ptdp.optim.newton_schulz.COEFFICIENTS): how many triples each has, and
+# whether the steps must be a multiple of that ("cycle") or at least that many ("at least").
+NS_COEFFICIENTS = {"simple": (1, "cycle"), "quintic": (5, "cycle"), "polar_express": (8, "at least"),
+                   "aol": (4, "cycle")}
+
+
+def _momentum_errors(opt_) -> list[str]:
+    """``--sgd-momentum``, ``--muon-momentum`` in [0, 1) and a Newton-Schulz step count the coefficient set
+    can run (emerging_optimizers' rules)."""
+    errors = []
+    for flag, value in (("--sgd-momentum", opt_.sgd_momentum), ("--muon-momentum", opt_.muon_momentum)):
+        if not 0 <= value < 1:
+            errors.append(f"{flag} must be in [0, 1), got {value}")
+    steps, kind = opt_.muon_num_ns_steps, opt_.muon_coefficient_type
+    count, rule = NS_COEFFICIENTS[kind]
+    if steps < 1:
+        errors.append(f"--muon-num-ns-steps must be a positive integer, got {steps}")
+    elif (rule == "cycle" and steps % count) or (rule == "at least" and steps < count):
+        need = f"a multiple of {count}" if rule == "cycle" else f"at least {count}"
+        errors.append(f"--muon-num-ns-steps {steps} does not fit --muon-coefficient-type {kind}, whose "
+                      f"{count} coefficient triple(s) need {need} steps; change either")
     return errors
 
 

@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no runtime import: the models import moe_layer_pattern from here
-    from ptdp.config.schema import Config
+    from ptdp.config.schema import Config, ModelConfig
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
@@ -67,6 +67,98 @@ def moe_errors(config: Config) -> list[str]:
             moe_layer_pattern(moe.moe_layer_freq, m.num_layers)
         except ValueError as e:
             errors.append(str(e))
+    return errors + _router_errors(config)
+
+
+def _router_errors(config: Config) -> list[str]:
+    """DeepSeek-V3's router flags: the score function, the expert bias, group-limited routing."""
+    moe, errors = config.moe, []
+    sigmoid = moe.moe_router_score_function == "sigmoid"
+    if sigmoid and moe.moe_router_pre_softmax:
+        errors.append("--moe-router-pre-softmax applies to the softmax score function; drop it with "
+                      "--moe-router-score-function sigmoid")
+    if moe.moe_router_enable_expert_bias and not sigmoid:
+        errors.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in "
+                      "Megatron-Core: the bias shifts sigmoid scores)")
+    if moe.moe_router_bias_update_rate < 0:
+        errors.append(f"--moe-router-bias-update-rate must be >= 0, got {moe.moe_router_bias_update_rate}")
+    factor = moe.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0:
+        errors.append(f"--moe-router-topk-scaling-factor must be positive, got {factor}")
+    groups, group_topk, e, k = moe.moe_router_num_groups, moe.moe_router_group_topk, moe.num_experts, moe.moe_router_topk
+    if groups is None:
+        if group_topk is not None:
+            errors.append("--moe-router-group-topk needs --moe-router-num-groups (group-limited routing)")
+        return errors
+    if groups < 1 or e % groups:
+        errors.append(f"--moe-router-num-groups {groups} must be positive and divide --num-experts {e}")
+    elif group_topk is None or not 1 <= group_topk <= groups:
+        errors.append(f"--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups "
+                      f"{groups}: the groups each token may use")
+    elif not group_topk <= k <= group_topk * (e // groups) or k // group_topk > e // groups:
+        errors.append(f"--moe-router-topk {k} must be between --moe-router-group-topk {group_topk} and the "
+                      f"{group_topk * (e // groups)} experts of the chosen groups (a group is ranked by its top "
+                      "k/group-topk scores)")
+    return errors
+
+
+def deepseek_errors(config: Config) -> list[str]:
+    """Multi-latent attention, YaRN and multi-token prediction (issue 41): their shapes, and the one layout
+    they do not run in (MTP under vocabulary and context parallelism at once)."""
+    m = config.model
+    errors = []
+    if m.multi_latent_attention:
+        for flag, value in (("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_head_dim),
+                            ("--v-head-dim", m.v_head_dim), ("--q-lora-rank", m.q_lora_rank or 1)):
+            if value < 1:
+                errors.append(f"{flag} must be a positive integer, got {value}")
+        if m.qk_pos_emb_head_dim < 2 or m.qk_pos_emb_head_dim % 2:
+            errors.append(f"--qk-pos-emb-head-dim must be a positive even number (RoPE rotates pairs), got "
+                          f"{m.qk_pos_emb_head_dim}")
+        if m.position_embedding_type != "rope" or m.group_query_attention or m.use_rope_scaling \
+                or m.rotary_percent != 1.0:
+            errors.append("--multi-latent-attention needs --position-embedding-type rope (for its decoupled RoPE "
+                          "part), without --group-query-attention, --use-rope-scaling or --rotary-percent")
+    if rope_type(m) == "yarn":
+        if not m.multi_latent_attention:
+            errors.append("--rope-type yarn is applied by multi-latent attention; add --multi-latent-attention")
+        if not (m.rotary_scaling_factor > 0 and m.original_max_position_embeddings > 0 and m.beta_fast > 0
+                and m.beta_slow > 0):
+            errors.append("--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast and "
+                          "--beta-slow must be positive")
+    if m.mtp_num_layers:
+        errors += _mtp_errors(config)
+    elif m.mtp_num_layers is not None and m.mtp_num_layers < 0:
+        errors.append(f"--mtp-num-layers must be >= 0 (0: none), got {m.mtp_num_layers}")
+    return errors
+
+
+def rope_type(m: ModelConfig) -> str:
+    """``--rope-type``, defaulting as Megatron-Core does: yarn with multi-latent attention, else rope."""
+    return m.rope_type or ("yarn" if m.multi_latent_attention else "rope")
+
+
+def _mtp_errors(config: Config) -> list[str]:
+    m, par = config.model, config.parallel
+    d = m.mtp_num_layers
+    if not 1 <= d < m.seq_length:
+        return [f"--mtp-num-layers must be between 1 and --seq-length - 1 = {m.seq_length - 1}, got {d}"]
+    errors = []
+    if m.mtp_loss_scaling_factor < 0:
+        errors.append(f"--mtp-loss-scaling-factor must be >= 0, got {m.mtp_loss_scaling_factor}")
+    if m.position_embedding_type != "rope":
+        errors.append("--mtp-num-layers needs --position-embedding-type rope (the modules embed tokens "
+                      "without learned positions)")
+    packed = [flag for flag, on in (("--reset-position-ids", config.data.reset_position_ids),
+                                    ("--reset-attention-mask", config.data.reset_attention_mask),
+                                    ("--eod-mask-loss", config.data.eod_mask_loss)) if on]
+    if packed:  # the modules' targets t_{i+k+1} would cross document ends (Megatron rolls them per document)
+        errors.append(f"--mtp-num-layers with {packed[0]} is not supported (the modules' shifted targets would "
+                      "cross document boundaries); drop one of them")
+    if par.enable_vocab_parallel and par.context_parallel_size > 1:
+        errors.append("--mtp-num-layers with --enable-vocab-parallel and --context-parallel-size "
+                      f"{par.context_parallel_size} is not supported (the vocabulary passes would embed tokens "
+                      "another CP rank holds); drop one of them")
     return errors
 
 

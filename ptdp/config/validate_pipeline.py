@@ -44,27 +44,59 @@ def schedule_problems(name: str | None, p: int, v: int, m: int | None, microbatc
     if spec.chunks is None and v > 1 and p < 2 and not single_stage_ok:
         errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1; "
                       "model chunks interleave across pipeline ranks")
-    if m is not None and not spec.takes_microbatches(p, m):
+    k = spec.min_microbatches_per_p
+    if m is not None and k and m < k * p:
+        errors.append(f"{flag} needs {microbatches} ({m}) to be at least {k} x --pipeline-model-parallel-size "
+                      f"= {k * p}; raise --global-batch-size or lower --micro-batch-size")
+    elif m is not None and not spec.takes_microbatches(p, m):
         errors.append(f"{flag} needs {microbatches} ({m}) to be a multiple of --pipeline-model-parallel-size "
                       f"{p}; adjust --global-batch-size / --micro-batch-size")
     return errors
 
 
+def overlap_errors(config: Config) -> list[str]:
+    """``--overlap-moe-expert-parallel-comm`` and ``--delay-wgrad-compute`` (Megatron-Core's flags; the
+    overlapped pairs of ``ptdp.schedule.dualpipe``) against the schedule and the model, one line each."""
+    par = config.parallel
+    spec = REGISTRY.get(par.schedule)
+    errors = []
+    if par.overlap_moe_expert_parallel_comm:
+        if not config.moe.num_experts:
+            errors.append("--overlap-moe-expert-parallel-comm overlaps the expert dispatch and combine of a "
+                          "mixture of experts: it needs --num-experts")
+        if spec is not None and spec.combined is None and not spec.overlaps:
+            names = ", ".join(n for n, s in REGISTRY.items() if s.combined is not None)
+            errors.append(f"--overlap-moe-expert-parallel-comm overlaps the steady state of {names}, not "
+                          f"--pipeline-schedule {par.schedule}")
+    pairs = par.overlap_moe_expert_parallel_comm or (spec is not None and spec.overlaps)
+    for flag, on in (("--distribute-saved-activations", config.model.distribute_saved_activations),
+                     ("--checkpoint-in-cpu", config.model.checkpoint_in_cpu)):
+        if on and pairs:  # the pieces are checkpointed one by one (ptdp.parallel.recompute._checkpoint_steps)
+            errors.append(f"{flag} keeps a recomputed unit's input elsewhere, but overlapped forward-backward "
+                          "pairs recompute a layer piece by piece: drop it, or --overlap-moe-expert-parallel-comm "
+                          "and dualpipev")
+    if pairs and config.model.mtp_num_layers:  # issue 41 x 38: the modules' expert exchanges are not pieces yet
+        errors.append("--mtp-num-layers with overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm "
+                      "or dualpipev) is not supported yet: drop one of them")
+    if par.delay_wgrad_compute and not pairs:
+        overlapping = ", ".join(n for n, s in REGISTRY.items() if s.overlaps)
+        errors.append("--delay-wgrad-compute delays weight gradients inside overlapped forward-backward pairs: "
+                      f"it needs --overlap-moe-expert-parallel-comm or --pipeline-schedule {overlapping}")
+    return errors
+
+
 def layout_stage_count(layout: str) -> int:
     """The virtual stages (p·v) a ``--pipeline-model-parallel-layout`` lists; ConfigError naming the flag if
-    it holds a symbol other than E, t and L."""
+    it holds a symbol other than E, t, m and L."""
     symbols = set(expand(layout).replace("|", ""))
-    if "m" in symbols:
-        raise ConfigError(f"{LAYOUT_FLAG} {layout!r}: 'm' (multi-token prediction layers) is not supported by "
-                          "ptdp; use E, t and L")
     unknown = sorted(symbols - set(SYMBOLS))
     if unknown:
         raise ConfigError(f"{LAYOUT_FLAG} {layout!r}: unknown symbol {unknown[0]!r}; use E (embedding), t (layer), "
-                          "L (loss), | between stages, x*n or (...)*n to repeat")
+                          "m (MTP module), L (loss), | between stages, x*n or (...)*n to repeat")
     return expand(layout).count("|") + 1
 
 
-def _string_problem(layout: str, num_layers: int, p: int) -> str | None:
+def _string_problem(layout: str, num_layers: int, p: int, mtp_num_layers: int = 0) -> str | None:
     stages = expand(layout).split("|")
     flat = "".join(stages)
     if len(stages) % p:
@@ -77,6 +109,12 @@ def _string_problem(layout: str, num_layers: int, p: int) -> str | None:
         return f"{LAYOUT_FLAG} {layout!r}: the embedding E must appear once, at the start of the first stage"
     if flat.count("L") != 1 or not stages[-1].endswith("L"):
         return f"{LAYOUT_FLAG} {layout!r}: the loss L must appear once, at the end of the last stage"
+    if flat.count("m") != mtp_num_layers:
+        return (f"{LAYOUT_FLAG} {layout!r} places {flat.count('m')} MTP modules (m), but --mtp-num-layers is "
+                f"{mtp_num_layers}")
+    if flat.count("m") != stages[-1].count("m") or "mt" in stages[-1]:
+        return (f"{LAYOUT_FLAG} {layout!r}: ptdp runs the MTP modules (m) on the last stage, after its layers and "
+                "before L (e.g. 'tmL'); a stage of its own (Megatron's standalone 'm|L') is not supported")
     return None
 
 
@@ -113,7 +151,7 @@ def _accounted_problem(num_layers: int, p: int, v: int, embedding: bool, loss: b
 
 def layout_problem(num_layers: int, p: int, v: int, first: int | None = None, last: int | None = None,
                    account_embedding: bool = False, account_loss: bool = False,
-                   layout: str | None = None) -> str | None:
+                   layout: str | None = None, mtp_num_layers: int = 0) -> str | None:
     """Why Megatron's layout flags cannot place ``num_layers`` layers on p·v stages (one line naming the flag),
     or None: the flags combined, then the one way they choose (``ptdp.schedule.layout.pipeline_stages``)."""
     uneven, accounted = first is not None or last is not None, account_embedding or account_loss
@@ -126,7 +164,7 @@ def layout_problem(num_layers: int, p: int, v: int, first: int | None = None, la
             stages = layout_stage_count(layout)
         except ConfigError as e:
             return str(e)
-        problem = _string_problem(layout, num_layers, p)
+        problem = _string_problem(layout, num_layers, p, mtp_num_layers)
         if problem is None and stages != p * v:
             problem = (f"{LAYOUT_FLAG} {layout!r} has {stages} stages, but --pipeline-model-parallel-size x "
                        f"--virtual-pipeline-model-parallel-size = {p}x{v} = {p * v}")
@@ -147,10 +185,10 @@ def layout_problem(num_layers: int, p: int, v: int, first: int | None = None, la
 
 def layout_stages(num_layers: int, p: int, v: int, first: int | None = None, last: int | None = None,
                   account_embedding: bool = False, account_loss: bool = False, layout: str | None = None,
-                  schedule: str | None = None) -> list[Stage]:
+                  schedule: str | None = None, mtp_num_layers: int = 0) -> list[Stage]:
     """The p·v stages the layout flags give under ``schedule`` (None: the default for v); ConfigError, one
     line naming the flag, if they do not add up."""
-    problem = layout_problem(num_layers, p, v, first, last, account_embedding, account_loss, layout)
+    problem = layout_problem(num_layers, p, v, first, last, account_embedding, account_loss, layout, mtp_num_layers)
     if problem is not None:
         raise ConfigError(problem)
     return pipeline_stages(num_layers, p, v, first, last, account_embedding, account_loss, layout,
@@ -163,7 +201,7 @@ def stages_of(config: Config, p: int | None = None, v: int | None = None) -> lis
     return layout_stages(config.model.num_layers, p or par.pipeline_model_parallel_size, v or par.virtual_size,
                          par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
                          par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split,
-                         par.pipeline_model_parallel_layout, par.schedule)
+                         par.pipeline_model_parallel_layout, par.schedule, config.model.mtp_num_layers or 0)
 
 
 def virtual_size(config: Config) -> tuple[int | None, list[str]]:

@@ -32,6 +32,7 @@ import uuid
 import numpy as np
 
 from ptdp.data.indexed_dataset import IndexedDataset
+from ptdp.observability.flight_recorder import announce
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
@@ -106,13 +107,15 @@ def build_indices(
 def _cached(cache_path: str | None, description: dict, build) -> tuple[np.ndarray, ...]:
     """Load the three arrays from ``cache_path`` (memory-mapped) or build them and save them atomically."""
     if not cache_path:
-        return build()
+        with announce(f"building the {description['split']} sample index"):  # no rank waiting for it is hung
+            return build()
     digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
     names = ("document_index", "sample_index", "shuffle_index")
     paths = [os.path.join(cache_path, f"{digest}-GPTDataset-{description['split']}-{n}.npy") for n in names]
     if all(os.path.exists(p) for p in paths):
         return tuple(np.load(p, mmap_mode="r") for p in paths)
-    arrays = build()
+    with announce(f"building the {description['split']} sample index"):
+        arrays = build()
     os.makedirs(cache_path, exist_ok=True)
     for path, array in zip(paths, arrays):  # several ranks may race: each publishes a whole file
         tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.npy"

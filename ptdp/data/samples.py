@@ -3,23 +3,32 @@
 Sample ``i`` of the training order is in global batch (iteration) ``i // B + 1``; inside it, data-parallel
 rank ``r`` takes positions ``[r*B/d, (r+1)*B/d)`` and microbatch ``j`` rows ``[j*b, (j+1)*b)`` of that slice.
 ``tokens``/``labels`` are ``text[:-1]``/``text[1:]`` of the ``seq_length + 1`` ids, as in Megatron's GPTDataset.
+With the document flags (``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-mask-loss``) a record
+also shows what training reads of them (``ptdp.data.documents``): the documents' boundaries ``cu_seqlens``
+and, with ``--eod-mask-loss``, the positions left out of the loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ptdp.data.documents import DocumentOptions, cu_seqlens
 from ptdp.data.microbatch import microbatch_positions
 
 
-def sample_record(dataset, i: int, iteration: int, dp_rank: int, microbatch: int, tokenizer=None) -> dict:
+def sample_record(dataset, i: int, iteration: int, dp_rank: int, microbatch: int, tokenizer=None,
+                  documents: DocumentOptions | None = None) -> dict:
     """One sample as ``ptdp samples`` prints it (``dataset``: a GPTDataset, a BlendedDataset or the train stream,
-    each of which locates its samples)."""
+    each of which locates its samples); ``documents``: the document flags given, if any (module docstring)."""
     member, k = dataset.locate(i)
     text = member[k]
     record = {"sample": i, "iteration": iteration, "dp_rank": dp_rank, "microbatch": microbatch,
               "dataset": member.indexed.prefix, "dataset_sample": k, "document_ids": member.document_ids(k),
               "tokens": text[:-1].tolist(), "labels": text[1:].tolist()}
+    if documents is not None:
+        record["cu_seqlens"] = list(cu_seqlens(text[:-1], documents.eod))
+        if documents.eod_mask_loss:
+            record["loss_masked_positions"] = [int(k) for k in (text[:-1] == documents.eod).nonzero()[0]]
     if tokenizer is not None:
         record["text"] = tokenizer.decode(record["tokens"])
     return record

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ptdp.data.blended_dataset import BlendedDataset
 from ptdp.data.builder import DataSplits, build_datasets, parse_data_path, parse_split, split_document_ranges
 from ptdp.data.errors import DataError
@@ -78,9 +80,33 @@ def datasets_for_config(config: Config, saved: dict | None = None, directory: st
     if tr.full_validation and splits.valid is not None and len(splits.valid) < tr.global_batch_size:
         raise DataError(f"--full-validation: the validation split holds {len(splits.valid)} samples, fewer than one "
                         f"global batch (--global-batch-size {tr.global_batch_size})")
+    check_end_of_documents(config, splits)
     state = DataState.from_info(saved) if saved is not None else None
     splits.train = train_stream(config, splits.train, state, directory)
     return splits
+
+
+EOD_SCAN_TOKENS = 1 << 22  # how far into each dataset the document flags look for an end of document
+
+
+def check_end_of_documents(config: Config, splits: DataSplits) -> None:
+    """The document flags (``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-mask-loss``) find
+    documents by their end-of-document token: a training dataset without one in its first
+    ``EOD_SCAN_TOKENS`` tokens is one line of :class:`DataError` (exit 2) instead of a run in which every
+    sample is one document."""
+    d = config.data
+    flags = [flag for flag, on in (("--reset-position-ids", d.reset_position_ids),
+                                   ("--reset-attention-mask", d.reset_attention_mask),
+                                   ("--eod-mask-loss", d.eod_mask_loss)) if on]
+    if not flags:
+        return
+    eod = splits.tokenizer.eod_id
+    for prefix, member in _built_members(splits.train).items():
+        head = np.asarray(member.indexed.tokens[:EOD_SCAN_TOKENS])
+        if len(head) and not np.any(head == eod):
+            raise DataError(f"{' '.join(flags)}: {prefix} has no end-of-document token (id {eod}) in its first "
+                            f"{len(head)} tokens, so its documents cannot be told apart; write the dataset with "
+                            "`ptdp preprocess` (which ends every document with it) or leave the flag out")
 
 
 def _built_members(train: GPTDataset | BlendedDataset) -> dict[str, GPTDataset]:

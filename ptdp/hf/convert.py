@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
+from ptdp.hf import deepseek as hf_deepseek
 from ptdp.hf import llama as hf_llama
 from ptdp.hf import moe as hf_moe
 
@@ -165,29 +166,28 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
 
     tensors, config_dict = read_full_model_state(load)
     transformers, safetensors_torch = _require_hf()
-    cfg = model_config_from_dict(config_dict)
-    moe = moe_config_from_dict(config_dict)
-    kind = hf_moe.hf_kind(cfg, moe)
-    if moe.num_experts and kind is None:
+    cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
+    kind = None if cfg.multi_latent_attention else hf_moe.hf_kind(cfg, moe)
+    bos, eos = _special_ids(config_dict, cfg.vocab_size)
+    if cfg.multi_latent_attention:  # issue 41: DeepSeek-V3
+        state, hf_config = hf_deepseek.export(tensors, cfg, moe, bos, eos, f"--load {load}")
+    elif moe.num_experts and kind is None:
         raise HFError(f"--load {load}: the mixture of experts is neither a Mixtral (Llama, every layer MoE, no "
                       "shared expert) nor a Qwen2-MoE (Llama with a gated shared expert); HF export supports those")
-    if kind is not None:
-        bos, eos = _special_ids(config_dict, cfg.vocab_size)
+    elif kind is not None:
         state = hf_moe.to_hf_state(tensors, cfg, moe, kind)
         config_class = transformers.MixtralConfig if kind == "mixtral" else transformers.Qwen2MoeConfig
         hf_config = config_class(**hf_moe.hf_config_kwargs(cfg, moe, kind, bos, eos))
     elif hf_llama.is_llama(cfg):
-        bos, eos = _special_ids(config_dict, cfg.vocab_size)
         state = hf_llama.to_hf_state(tensors, cfg)
         hf_config = transformers.LlamaConfig(**hf_llama.hf_config_kwargs(cfg, bos, eos))
     elif is_gpt2(cfg):
         state = to_hf_state(tensors, cfg)
-        hf_config = transformers.GPT2Config(**hf_config_dict(cfg, _special_ids(config_dict, cfg.vocab_size)[1]))
+        hf_config = transformers.GPT2Config(**hf_config_dict(cfg, eos))
     else:
         raise HFError(f"--load {load}: the model is neither GPT-2 nor a Llama (rope + RMSNorm + SwiGLU, no "
                       "biases, --rotary-percent 1); Hugging Face export supports those two")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
     safetensors_torch.save_file(state, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     hf_config.save_pretrained(str(out))
     return out
@@ -224,7 +224,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     """ptdp's model flags for an HF GPT-2 ``config.json``; refuses variants ptdp does not compute."""
     if hf_config.get("model_type") != "gpt2":
         raise HFError(f"--in: config.json has model_type {hf_config.get('model_type')!r}; "
-                      "only 'gpt2' and 'llama' models import")
+                      "only 'gpt2', 'llama', 'mixtral', 'qwen2_moe' and 'deepseek_v3' models import")
     by_layer_idx = hf_config.get("scale_attn_by_inverse_layer_idx", False)
     checks = [
         ("activation_function", hf_config.get("activation_function", "gelu_new") in TANH_GELUS, "gelu_new"),
@@ -291,7 +291,9 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
     except json.JSONDecodeError as e:
         raise HFError(f"--in {directory}/config.json is not valid JSON ({e})") from None
     moe = MoEConfig()
-    if hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
+    if hf_config.get("model_type") == "deepseek_v3":  # issue 41
+        cfg, moe, tensors = hf_deepseek.import_model(hf_config, read_hf_tensors(directory))
+    elif hf_config.get("model_type") in ("mixtral", "qwen2_moe"):
         cfg, moe, kind = hf_moe.model_config_from_hf(hf_config)
         tensors = hf_moe.from_hf_state(read_hf_tensors(directory), cfg, moe, kind)
     elif hf_config.get("model_type") == "llama":
@@ -308,7 +310,7 @@ def import_hf_model(directory: str | Path, save: str | Path) -> tuple[Path, Mode
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "norm_epsilon",
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "kv_channels", "add_qkv_bias")
+                "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS)
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
@@ -353,14 +355,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE, whichever the model is)")
+                        help="output format (Hugging Face GPT-2, Llama, Mixtral, Qwen2-MoE or DeepSeek-V3)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face: model_type gpt2, llama, mixtral or qwen2_moe)")
+                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe or deepseek_v3)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")

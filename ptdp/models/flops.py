@@ -11,6 +11,10 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   (two GEMMs of ``h × ffn``) + attention scores and weighted values ``4·B·s²·h``.
   With ``ffn = 4h`` that is the paper's ``24·B·s·h² + 4·B·s²·h``.
 * logits: ``2·B·s·h·V`` forward.
+* packed documents with ``--reset-attention-mask`` (ptdp-facts.md §Packed sequences): attention is
+  computed inside each document only, so a sample's scores-and-values term ``4·s²·h`` becomes
+  ``4·(sum of l_i²)·h`` over its documents' lengths l_i: ``attention_length`` is that sum divided by s
+  (averaged over the samples; s itself for whole windows), and the term is ``4·B·s·attention_length·h``.
 * a backward pass costs twice its forward; full activation recomputation runs the layers' forward once
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
@@ -30,6 +34,12 @@ Mixture of experts (``moe``, a :class:`MoEShape`; issue 25): FLOPs and "active" 
 goes through -- the router ``2·B·s·h·E``, its k experts' MLPs (``k`` times the MLP term with the experts'
 hidden size), the shared expert's MLP and its gate ``2·B·s·h`` -- in the ``moe_layers`` MoE layers; the total
 parameter count holds all E experts.
+
+Multi-latent attention (``mla``, an :class:`MLAShape`; issue 41) replaces the attention projections by its
+five (``MLAShape.projections``: the down and up projections of queries and keys/values, and the output), and
+the scores and weighted values by ``2·B·s²·a·(d_k + d_r)`` and ``2·B·s²·a·d_v``; its two latent norms add
+parameters. Multi-token prediction (``mtp_num_layers`` D) adds per module a transformer layer (MoE when the
+last layer is), its ``eh_proj`` ``2·B·s·2h·h`` and a logit layer, and ``2h² + 3`` norms of parameters.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class MoEShape:
     """What the counts need of a mixture of experts: E, k, the experts' and the shared expert's hidden sizes,
-    whether the shared expert is gated, and how many layers are MoE."""
+    whether the shared expert is gated, how many layers are MoE and whether the last one is (the MTP modules'
+    layers are like it)."""
 
     num_experts: int
     topk: int
@@ -49,6 +60,46 @@ class MoEShape:
     moe_layers: int
     shared_ffn: int = 0
     shared_gate: bool = False
+    last_layer_sparse: bool = True
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's sizes (``ModelConfig``'s names; ``ptdp.models.mla``)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+    def projections(self, h: int, a: int) -> list[tuple[int, int, bool]]:
+        """(output, input, split by heads under tensor parallelism) of each projection GEMM, in order."""
+        dk, dr, dv, r = self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim, self.kv_lora_rank
+        q = a * (dk + dr)
+        query = [(q, h, True)] if self.q_lora_rank is None else [(self.q_lora_rank, h, False),
+                                                                  (q, self.q_lora_rank, True)]
+        return query + [(r + dr, h, False), (a * (dk + dv), r, True), (h, a * dv, True)]
+
+    def weights(self, h: int, a: int) -> int:
+        return sum(out * inp for out, inp, _ in self.projections(h, a))
+
+    def norms(self) -> int:
+        """The latent norms' weights (RMSNorm)."""
+        return (self.q_lora_rank or 0) + self.kv_lora_rank
+
+    def biases(self, h: int, a: int) -> int:
+        return sum(out for out, _, _ in self.projections(h, a))
+
+    def replicated(self, h: int, a: int, bias: bool, norm_width: int = 1) -> int:
+        """Parameters a tensor-parallel split by heads leaves whole on every rank: the down projections
+        (with their biases) and the latent norms (``norm_width`` 2 for LayerNorm: weight and bias)."""
+        down = sum(out * (inp + bias) for out, inp, split in self.projections(h, a) if not split)
+        return down + self.norms() * norm_width
+
+    def latent_width(self) -> int:
+        """Activations the latents keep per token (elements): the down projections' outputs and their norms'."""
+        return 2 * (self.q_lora_rank or 0) + 2 * self.kv_lora_rank + self.qk_pos_emb_head_dim
 
 
 class ModelShape(Protocol):
@@ -85,6 +136,28 @@ class ModelShape(Protocol):
     def disable_bias_norm(self) -> bool: ...
     @property
     def normalization(self) -> str: ...
+    @property
+    def multi_latent_attention(self) -> bool: ...
+    @property
+    def q_lora_rank(self) -> int | None: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def qk_head_dim(self) -> int: ...
+    @property
+    def qk_pos_emb_head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
+    def mtp_num_layers(self) -> int | None: ...
+
+
+def mla_shape(model: ModelShape) -> MLAShape | None:
+    """The :class:`MLAShape` of a ``ModelConfig`` or a planner ``GPTSpec``; None without MLA."""
+    if not model.multi_latent_attention:
+        return None
+    return MLAShape(model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim,
+                    model.v_head_dim)
 
 
 def moe_shape(model: Any, moe: Any) -> MoEShape | None:
@@ -93,9 +166,9 @@ def moe_shape(model: Any, moe: Any) -> MoEShape | None:
         return None
     from ptdp.config.validate_moe import moe_layer_pattern
 
-    return MoEShape(moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size or model.ffn_size,
-                    sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers)),
-                    moe.moe_shared_expert_intermediate_size or 0, moe.moe_shared_expert_gate)
+    pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+    return MoEShape(moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size or model.ffn_size, sum(pattern),
+                    moe.moe_shared_expert_intermediate_size or 0, moe.moe_shared_expert_gate, pattern[-1])
 
 
 def _moe_mlp(h: int, moe: MoEShape, swiglu: bool, experts: int) -> tuple[int, int]:
@@ -124,22 +197,43 @@ def architecture(model: ModelShape) -> dict[str, Any]:
     return {
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups if model.group_query_attention else None,
-        "kv_channels": model.kv_channels, "swiglu": model.swiglu,
+        "kv_channels": model.kv_channels, "swiglu": model.swiglu, "mla": mla_shape(model),
     }
+
+
+def mtp_layers(model: ModelShape) -> int:
+    """The multi-token prediction modules D of a ``ModelConfig`` or ``GPTSpec`` (0: none)."""
+    return model.mtp_num_layers or 0
 
 
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
                         num_attention_heads: int | None = None, num_query_groups: int | None = None,
-                        kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None) -> int:
+                        kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None,
+                        mla: MLAShape | None = None, attention_length: float | None = None) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
     ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
-    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h.
+    ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h. With ``mla`` the
+    attention is ``2·(MLA projections) + 2·s·a·(d_k + d_r + d_v)`` per token. Packed documents:
+    ``attention_length`` (sum of l_i² / s, module docstring) replaces s in the attention term.
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
     mlp = (6 if swiglu else 4) * h * f if moe is None else 2 * _moe_mlp(h, moe, swiglu, moe.topk)[0]
-    return tokens * (2 * h * (2 * q + 2 * k) + mlp + 4 * seq_length * q)
+    attended = seq_length if attention_length is None else attention_length
+    if mla is not None:
+        a = num_attention_heads
+        scores = 2 * attended * a * (mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
+        return int(tokens * (2 * mla.weights(h, a) + mlp) + round(tokens * scores))
+    return int(tokens * (2 * h * (2 * q + 2 * k) + mlp) + round(tokens * 4 * attended * q))
+
+
+def _mtp_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None,
+                       moe: MoEShape | None, arch: dict[str, Any]) -> int:
+    """Forward FLOPs of one MTP module without its logits: its ``eh_proj`` and its transformer layer."""
+    sparse = moe if moe is not None and moe.last_layer_sparse else None
+    eh_proj = 2 * tokens * 2 * hidden_size * hidden_size
+    return eh_proj + layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, moe=sparse, **arch)
 
 
 def logit_forward_flops(hidden_size: int, vocab_size: int, tokens: int) -> int:
@@ -155,6 +249,8 @@ def flops_per_iteration(
     global_batch_size: int,
     recompute: bool,
     ffn_hidden_size: int | None = None,
+    mtp_num_layers: int = 0,
+    attention_length: float | None = None,
     **arch: Any,
 ) -> int:
     """FLOPs of one training iteration (forward + backward [+ recomputed forward]) over the global batch.
@@ -162,17 +258,23 @@ def flops_per_iteration(
     With ``recompute=True`` (full activation recomputation) and ffn = 4h this is the paper's eq. (3),
     ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; without it the layer terms get 72 instead of 96 and the
     logit term stays ``6·B·s·h·V`` (ptdp-facts.md, §FLOPs). Selective recomputation re-runs only the
-    attention core; like Megatron we do not count it (pass ``recompute=False``).
+    attention core; like Megatron we do not count it (pass ``recompute=False``). ``attention_length``:
+    packed documents' attention (module docstring).
     """
     tokens = global_batch_size * seq_length
     layer_passes = 4 if recompute else 3
-    moe = arch.pop("moe", None)
+    moe, mtp = arch.pop("moe", None), mtp_num_layers
     dense = num_layers - (moe.moe_layers if moe else 0)
-    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, **arch)
+    layers = dense * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size,
+                                                        attention_length=attention_length, **arch)
     if moe is not None:
         layers += moe.moe_layers * layer_passes * layer_forward_flops(hidden_size, seq_length, tokens,
-                                                                      ffn_hidden_size, moe=moe, **arch)
-    return layers + 3 * logit_forward_flops(hidden_size, vocab_size, tokens)
+                                                                      ffn_hidden_size, moe=moe,
+                                                                      attention_length=attention_length, **arch)
+    if mtp:  # each MTP module: eh_proj, a layer (recomputed like the others) and one more logit layer
+        layers += mtp * layer_passes * _mtp_forward_flops(hidden_size, seq_length, tokens, ffn_hidden_size, moe,
+                                                          dict(arch, attention_length=attention_length))
+    return layers + 3 * (1 + mtp) * logit_forward_flops(hidden_size, vocab_size, tokens)
 
 
 def norm_parameters(hidden_size: int, normalization: str = "LayerNorm", norm_bias: bool = True) -> int:
@@ -185,23 +287,28 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
                           normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
-                          norm_bias: bool = True) -> int:
+                          norm_bias: bool = True, mla: MLAShape | None = None) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
-    2k + h`` biases), MLP ``2·h·ffn`` or with SwiGLU ``3·h·ffn`` weights (+ ``ffn + h``, SwiGLU ``2·ffn +
-    h`` biases), and two norms of ``2h`` (LayerNorm) or ``h`` (RMSNorm: no bias).
+    2k + h`` biases; with ``mla`` its projections, their biases and its two latent norms), MLP ``2·h·ffn``
+    or with SwiGLU ``3·h·ffn`` weights (+ ``ffn + h``, SwiGLU ``2·ffn + h`` biases), and two norms of ``2h``
+    (LayerNorm) or ``h`` (RMSNorm: no bias).
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
+    if mla is not None:
+        attention = mla.weights(h, num_attention_heads) + mla.norms() * norm_parameters(1, normalization, norm_bias)
+        attention_biases = mla.biases(h, num_attention_heads) - h  # the output bias is counted below
+    else:
+        attention, attention_biases = h * (2 * q + 2 * k), q + 2 * k
+    norms = 2 * norm_parameters(h, normalization, norm_bias)
     if moe is not None:  # an MoE layer: router, E (or, ``active``, k) bias-free experts, shared expert, gate
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0
-        return h * (2 * q + 2 * k) + mlp + ((q + 2 * k + h) + shared_biases if bias else 0) + \
-            2 * norm_parameters(h, normalization, norm_bias)
-    weights = h * (2 * q + 2 * k) + (3 if swiglu else 2) * h * f
-    biases = (q + 2 * k + h) + ((2 if swiglu else 1) * f + h) if bias else 0
-    norms = 2 * norm_parameters(h, normalization, norm_bias)
+        return attention + mlp + ((attention_biases + h) + shared_biases if bias else 0) + norms
+    weights = attention + (3 if swiglu else 2) * h * f
+    biases = (attention_biases + h) + ((2 if swiglu else 1) * f + h) if bias else 0
     return weights + biases + norms
 
 
@@ -214,6 +321,7 @@ def parameter_count(
     *,
     untied: bool = False,
     rope: bool = False,
+    mtp_num_layers: int = 0,
     **layer: Any,
 ) -> int:
     """Parameters ``P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`` (ptdp-facts.md, §FLOPs).
@@ -225,10 +333,16 @@ def parameter_count(
     embeddings = (2 if untied else 1) * vocab_size * hidden_size + (0 if rope else seq_length * hidden_size)
     moe = layer.pop("moe", None)
     active = layer.pop("active", False)
+    mtp = mtp_num_layers
     dense = num_layers - (moe.moe_layers if moe else 0)
     layers = dense * layer_parameter_count(hidden_size, ffn_hidden_size, **layer)
     if moe is not None:
         layers += moe.moe_layers * layer_parameter_count(hidden_size, ffn_hidden_size, moe=moe, active=active, **layer)
+    if mtp:  # per module: a layer like the last one, eh_proj [h, 2h] and three norms
+        sparse = moe if moe is not None and moe.last_layer_sparse else None
+        norm = norm_parameters(hidden_size, layer.get("normalization", "LayerNorm"), layer.get("norm_bias", True))
+        layers += mtp * (layer_parameter_count(hidden_size, ffn_hidden_size, moe=sparse, active=active, **layer)
+                         + 2 * hidden_size * hidden_size + 3 * norm)
     return layers + embeddings
 
 
@@ -243,5 +357,5 @@ def model_parameter_count(model: ModelShape, vocab_size: int | None = None, moe:
         model.num_layers, model.hidden_size, model.seq_length, vocab, model.ffn_size,
         untied=model.untie_embeddings_and_output_weights, rope=model.position_embedding_type == "rope",
         bias=not model.disable_bias_linear, normalization=model.normalization,
-        norm_bias=not model.disable_bias_norm, moe=moe, active=active,
+        norm_bias=not model.disable_bias_norm, moe=moe, active=active, mtp_num_layers=mtp_layers(model),
         **architecture(model))

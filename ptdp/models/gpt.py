@@ -18,18 +18,23 @@ splitting keeps only some of its parts, which is why each part runs only when pr
 ``final_layernorm`` may be None) and ``layers`` is keyed by the GLOBAL layer index: parameter names are the
 full model's (``layers.7.mlp.fc1.weight`` is layer 7 wherever it lives), so checkpoints do not depend on the
 layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention.core`.
+
+:meth:`GPTModel.program` is the same forward as pieces with explicit boundaries (``ptdp.models.pieces``):
+what DualPipe's overlapped forward-and-backward interleaves with another microbatch's backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.models.documents import DocumentLayout, position_ids
 from ptdp.models.layers import (
     CausalAttention,
     DropoutAdd,
@@ -39,7 +44,10 @@ from ptdp.models.layers import (
     SequencePositions,
     norm,
 )
+from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
+from ptdp.models.mtp import MultiTokenPrediction
+from ptdp.models.pieces import Compute, Step
 from ptdp.models.rotary import RotaryEmbedding
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
@@ -75,12 +83,14 @@ class Attention(nn.Module):
         self.core_attention = CausalAttention()
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or with ``fuse_bias`` the output before its bias and the bias."""
-        return self.proj(self.core(self.qkv(x)))
+        return self.proj(self.core(self.qkv(x), documents))
 
-    def core(self, qkv: torch.Tensor) -> torch.Tensor:
-        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head.
+    def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,
+        inside each document of ``documents`` when it masks attention (``ptdp.models.documents``).
         Selective recomputation recomputes exactly this (it holds the a·s² activations, few FLOPs)."""
         b, s, _ = qkv.shape
         d = self.head_dim
@@ -91,7 +101,7 @@ class Attention(nn.Module):
         else:
             q, k, v = qkv.view(b, s, 3, -1, d).permute(2, 0, 3, 1, 4)
         if self.rotary is not None:
-            q, k = self.rotary(q, self.positions), self.rotary(k, self.positions)
+            q, k = self.rotary(q, self.positions, documents), self.rotary(k, self.positions, documents)
         if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
             k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
         dropout = self.dropout if self.training else 0.0
@@ -99,7 +109,7 @@ class Attention(nn.Module):
         # into pieces (graph breaks).
         rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
         with rng():
-            y = self.core_attention(q, k, v, dropout)
+            y = self.core_attention(q, k, v, dropout, documents)
         return y.transpose(1, 2).reshape(b, s, -1)
 
 
@@ -135,19 +145,42 @@ def moe_mlp(cfg: ModelConfig, moe: MoEConfig) -> MoELayer:
 
 class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias); with ``moe``
-    the MLP is a mixture of experts."""
+    the MLP is a mixture of experts, with ``--multi-latent-attention`` the attention is MLA (``mla.py``)."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.attention = Attention(cfg, positions, fuse_bias=ops.compiled)
+        attention = MultiLatentAttention if cfg.multi_latent_attention else Attention
+        self.attention = attention(cfg, positions, fuse_bias=ops.compiled)
         self.post_attention_layernorm = norm(cfg)
         self.mlp = moe_mlp(cfg, moe) if moe is not None else MLP(cfg, ops)
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout_add(self.attention(self.input_layernorm(x)), x)
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        return self.mlp_half(self.attention_half(x, documents))
+
+    def attention_half(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        return self.dropout_add(self.attention(self.input_layernorm(x), documents), x)
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
+
+    def steps(self, inp: str, out: str, documents: DocumentLayout | None = None) -> list[Step]:
+        """The layer as pieces (``ptdp.models.pieces``) from value ``inp`` to ``out``: its two halves, or with a
+        MoE the attention half (and the norm before the router), the MoE layer's pieces, the residual."""
+        name = functools.partial("{}.{}".format, out)
+        if not isinstance(self.mlp, MoELayer):
+            return [Compute(lambda x: (self.attention_half(x, documents),), (inp,), (name("x1"),), "attention"),
+                    Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
+        return [Compute(functools.partial(self._attention_and_norm, documents=documents), (inp,),
+                        (name("x1"), name("h")), "attention"),
+                *self.mlp.steps(name("h"), name("moe")),
+                Compute(lambda y, x: (self.dropout_add(y, x),), (name("moe"), name("x1")), (out,), "residual")]
+
+    def _attention_and_norm(self, x: torch.Tensor, documents: DocumentLayout | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.attention_half(x, documents)
+        return x, self.post_attention_layernorm(x)
 
 
 class Embedding(nn.Module):
@@ -161,16 +194,20 @@ class Embedding(nn.Module):
         self.positions = positions
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device))
+            ids = position_ids(documents)  # --reset-position-ids: [b, s], restarting in every document
+            x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device) if ids is None else ids)
         return self.dropout(x)
 
 
 class GPTModel(nn.Module):
     """Token ids ``[b, s]`` in, logits ``[b, s, padded V]`` out (padding columns -inf). With ``moe`` (and
-    ``moe.num_experts``) the layers ``--moe-layer-freq`` picks hold a mixture of experts."""
+    ``moe.num_experts``) the layers ``--moe-layer-freq`` picks hold a mixture of experts. With
+    ``--mtp-num-layers D``, ``mtp`` holds the multi-token prediction modules (``mtp.py``; their transformer
+    layers like the last one), whose loss a training forward given the ``labels`` attaches to the logits'
+    backward."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, padded_vocab_size: int, moe: MoEConfig | None = None):
         super().__init__()
@@ -184,11 +221,17 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None)
                                      for i in range(cfg.num_layers)})
         self.final_layernorm: nn.Module | None = norm(cfg)
+        self.mtp: MultiTokenPrediction | None = None
+        if cfg.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(cfg, [TransformerLayer(cfg, ops, positions, moe if sparse[-1] else None)
+                                                  for _ in range(cfg.mtp_num_layers)])
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,
                                                                                   padded_vocab_size, bias=False)
         # Tied, with the embedding in another model chunk: a copy of it (``ptdp.parallel.pipeline.stage``).
         self.output_layer: nn.Module | None = None
+        # Multi-token prediction's copy of the embedding, on a chunk without it (the same place).
+        self.embedding_copy: Embedding | None = None
         self.logits = Logits(vocab_size)
 
     def output_weight(self) -> torch.Tensor:
@@ -199,18 +242,53 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         """The transformer layers in order (full recomputation overrides this: ``ptdp.parallel.recompute``)."""
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, documents)
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out."""
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (with an embedding) or hidden states in; logits (with a final norm) or hidden states out.
+        ``documents``: the packed microbatch's document layout (positions and attention stop at each end of
+        document; ``ptdp.models.documents``), or None: one causal window. ``labels`` (the next tokens,
+        ``[b, s]``) feed the multi-token prediction loss, if the model has one."""
         if self.embedding is not None:
-            x = self.embedding(x)
-        x = self.run_layers(x)
+            x = self.embedding(x, documents)
+        x = self.run_layers(x, documents)
         if self.final_layernorm is None:
             return x
-        shared = self.lm_head is None and self.embedding is not None
-        return self.logits(self.final_layernorm(x), self.output_weight(), shared)
+        return self.head(x, labels)
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the logits; training with ``labels``, the multi-token prediction modules first
+        (their loss attached to the backward of the hidden states the logits read)."""
+        embedding = self.embedding if self.embedding is not None else self.embedding_copy
+        shared = self.lm_head is None and embedding is not None  # the output weight also embeds here
+        x = self.final_layernorm(x)
+        if self.mtp is not None and labels is not None and self.training:
+            x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
+        return self.logits(x, self.output_weight(), shared)
+
+    def program(self, inp: str, documents: DocumentLayout | None = None, labels: torch.Tensor | None = None
+                ) -> tuple[list[Step], str]:
+        """``forward`` as pieces (``ptdp.models.pieces``) from the value ``inp``, and the name of its output:
+        the embedding, each layer's pieces (:meth:`layer_steps`), the head (with the multi-token prediction
+        modules, given the ``labels``) -- those this chunk holds."""
+        steps, name = [], inp
+        if self.embedding is not None:
+            steps.append(Compute(lambda ids: (self.embedding(ids, documents),), (name,), ("embedded",), "embedding"))
+            name = "embedded"
+        for key, layer in self.layers.items():
+            steps += self.layer_steps(key, layer.steps(name, f"layer{key}", documents))
+            name = f"layer{key}"
+        if self.final_layernorm is not None:
+            steps.append(Compute(lambda x: (self.head(x, labels),), (name,), ("logits",), "head"))
+            name = "logits"
+        return steps, name
+
+    def layer_steps(self, key: str, steps: list[Step]) -> list[Step]:
+        """Layer ``key``'s pieces as the program runs them (full recomputation overrides this, as
+        :meth:`run_layers`: ``ptdp.parallel.recompute``)."""
+        return steps

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -30,12 +31,12 @@ if TYPE_CHECKING:
 RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-parallel RNG tracker's fork
 
 
-def norm(cfg: ModelConfig) -> nn.Module:
-    """``--normalization``: LayerNorm (GPT-2; without its bias under ``--disable-bias-norm``) or RMSNorm
-    (Llama: no bias, no mean subtraction)."""
+def norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
+    """``--normalization`` over ``size`` features (default the hidden size): LayerNorm (GPT-2; without its bias
+    under ``--disable-bias-norm``) or RMSNorm (Llama: no bias, no mean subtraction)."""
     if cfg.normalization == "RMSNorm":
-        return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
+        return RMSNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
 
 
 class Linear(nn.Module):
@@ -109,11 +110,73 @@ class SequencePositions(nn.Module):
 
 class CausalAttention(nn.Module):
     """softmax(QKᵀ/√d) V under a causal mask, through SDPA (flash kernels on GPU). q, k, v: ``[b, heads,
-    s, d]`` (k and v already repeated to the query heads). Context parallelism swaps in its ring/all-to-
-    all/all-gather version of the same function."""
+    s, d]`` (k and v already repeated to the query heads). With a ``documents`` layout that masks attention
+    (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
+    start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
+    version of the same function."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
+        """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature)."""
+        if masks_attention(documents):
+            return documents.attend(q, k, v, dropout_p, scale)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+
+
+class CrossEntropy(nn.Module):
+    """Per-token cross-entropy of logits ``[..., V]`` (fp32) against labels ``[...]``: the loss of the heads
+    a model computes itself (multi-token prediction). Tensor parallelism swaps in the vocabulary-parallel
+    one, as it does for the logits."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+
+
+class AuxiliaryLoss(nn.Module):
+    """A module whose forward adds a term to the training objective through the backward only
+    (:func:`attach_aux_loss`): the MoE load-balancing and z-losses, the multi-token prediction loss. The
+    trainer sets ``aux_loss_scale`` to the LM loss's weight (1/m · the fp16 loss scale,
+    :func:`set_aux_loss_scale`); ``stats`` holds what the module measured since the trainer last read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_loss_scale = 1.0
+        self.stats: dict[str, torch.Tensor] = {}
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``output``; in the backward, ``loss`` gets the gradient ``scale`` (its weight in the
+    objective), so the parameters learn from it without it being added to the reported LM loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def attach_aux_loss(output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``output``, through which the backward also differentiates ``scale · loss`` (Megatron's
+    ``MoEAuxLossAutoScaler`` / ``MTPLossAutoScaler``)."""
+    return _AttachLoss.apply(output, loss, scale)
+
+
+def set_aux_loss_scale(modules: list[nn.Module], scale: float) -> None:
+    """The gradient every auxiliary loss of ``modules`` (model chunks) gets in the backward."""
+    for chunk in modules:
+        for module in chunk.modules():
+            if isinstance(module, AuxiliaryLoss):
+                module.aux_loss_scale = scale
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward (a recomputed forward must not count its statistics twice)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class DropoutAdd(nn.Module):

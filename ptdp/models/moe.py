@@ -6,14 +6,21 @@ a micro-batch, flattened):
 1. ``router`` (:class:`TopKRouter`, weight ``[E, h]``) scores the E experts and keeps k of them: by default
    the top-k logits then a softmax over those k (Megatron's default = Mixtral's softmax, top-k,
    renormalise); with ``--moe-router-pre-softmax`` a softmax over all E then the top-k (Qwen2-MoE without
-   ``norm_topk_prob``). It returns ``(probs [T, k], indices [T, k], aux_losses)``; with a capacity factor an
+   ``norm_topk_prob``); or sigmoid scores with DeepSeek-V3's expert bias, groups and scaling factor (see
+   :class:`TopKRouter`). It returns ``(probs [T, k], indices [T, k], aux_losses)``; with a capacity factor an
    expert keeps its ``ceil(C·k·T/E)`` most probable assignments and the others are DROPPED: their index
    becomes ``E`` (one past the last expert) and their probability 0.
 2. ``dispatcher`` moves the kept (token, expert) pairs into expert order: ``dispatch(hidden [T, h], probs,
    indices) -> (expert_input [N, h], tokens_per_expert [E_local], ctx)`` and back, weighted by the
-   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``. :class:`LocalDispatcher` is the
-   single-process one; expert parallelism (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather
-   dispatchers from outside and slices ``experts`` to its ranks' experts.
+   probabilities, ``combine(expert_output [N, h], ctx) -> [T, h]``, each cut at its communication
+   (:class:`Dispatcher`). :class:`LocalDispatcher` is the single-process one; expert parallelism
+   (``ptdp.parallel.expert.apply``) swaps in all-to-all / all-gather dispatchers from outside and slices
+   ``experts`` to its ranks' experts.
+
+The layer is also a program of pieces (:meth:`MoELayer.steps`, ``ptdp.models.pieces``): route, dispatch,
+experts, combine, finish, with the dispatcher's communication between them outside autograd. Its
+``forward`` runs that program at once; DualPipe's overlapped forward-and-backward runs it a piece at a
+time, interleaved with another microbatch's backward (``ptdp.parallel.pipeline.overlap``).
 3. ``experts`` (:class:`GroupedExperts`) runs each local expert's MLP on its rows: one grouped GEMM
    (``--moe-grouped-gemm``, ``torch._grouped_mm``) or a loop, both through ``ptdp.ops.grouped`` whose weight
    gradients a zero-bubble W pass can defer.
@@ -27,7 +34,8 @@ dim 0, expert tensor parallelism dim 2 (f), and checkpoints reshard across e by 
 no biases (whatever ``--disable-bias-linear``).
 
 Auxiliary losses (load balancing, z-loss) train the router without entering the reported LM loss: the
-layer's output carries them into the backward (:class:`_AuxLossGrad`, Megatron's ``MoEAuxLossAutoScaler``),
+layer's output carries them into the backward (``ptdp.models.layers.attach_aux_loss``, Megatron's
+``MoEAuxLossAutoScaler``),
 each with gradient ``aux_loss_scale`` (set by the trainer to the LM loss's own scale: 1/microbatches times
 the fp16 loss scale; 1.0 for a plain ``loss.backward()``). The layer also accumulates detached statistics
 per training forward (``stats``: the losses, the load per expert, the dropped assignments), read and reset
@@ -36,7 +44,7 @@ by the trainer (:func:`pop_moe_stats`) without a host sync.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,72 +52,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.config.validate_moe import moe_layer_pattern
+from ptdp.models.layers import AuxiliaryLoss, attach_aux_loss, in_backward, set_aux_loss_scale
+from ptdp.models.pieces import Compute, Done, Exchange, Step, Transfer, exchanged, run_sequential
+from ptdp.models.router import TopKRouter, expert_capacity, update_expert_biases
 from ptdp.ops.grouped import grouped_linear
 from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-__all__ = ["GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity", "moe_layer_pattern",
-           "moe_layers", "pop_moe_stats", "set_aux_loss_scale"]
-
-
-def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Megatron's capacity: ``ceil(num_tokens · k / E · factor)`` assignments per expert."""
-    return math.ceil(num_tokens * topk / num_experts * factor)
-
-
-class TopKRouter(nn.Module):
-    """Router logits ``x Wᵀ`` (``W [E, h]``), top-k selection, auxiliary losses and the capacity drop."""
-
-    def __init__(self, hidden_size: int, moe: MoEConfig):
-        super().__init__()
-        self.num_experts, self.topk = moe.num_experts, moe.moe_router_topk
-        self.pre_softmax = moe.moe_router_pre_softmax
-        self.load_balancing = moe.moe_router_load_balancing_type
-        self.aux_coeff, self.z_coeff = moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
-        self.capacity_factor = moe.moe_expert_capacity_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size))
-
-    def forward(self, x: Tensor, num_sequences: int = 1) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``x [T, h]`` (``num_sequences`` sequences of T/num_sequences tokens, one after the other) →
-        ``probs [T, k]`` (fp32), ``indices [T, k]`` (``E`` = dropped), the auxiliary losses (with their
-        coefficients; only those enabled)."""
-        logits = linear(x, self.weight).float()
-        if self.pre_softmax:
-            probs, indices = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
-        else:
-            top, indices = logits.topk(self.topk, dim=-1)
-            probs = torch.softmax(top, dim=-1)
-        aux: dict[str, Tensor] = {}
-        if self.load_balancing != "none" and self.aux_coeff > 0.0:
-            aux["load_balancing_loss"] = self._load_balancing_loss(logits, indices, num_sequences)
-        if self.z_coeff:
-            aux["z_loss"] = self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean()
-        if self.capacity_factor is not None:
-            probs, indices = self._drop(probs, indices)
-        return probs, indices, aux
-
-    def _load_balancing_loss(self, logits: Tensor, indices: Tensor, num_sequences: int) -> Tensor:
-        """Switch's ``α·E·Σ_i f_i·P_i`` (f_i: share of the T·k assignments that chose expert i, before any
-        drop; P_i: mean softmax probability of i), over the micro-batch or (seq_aux_loss) per sequence,
-        averaged over sequences."""
-        e = self.num_experts
-        groups = num_sequences if self.load_balancing == "seq_aux_loss" else 1
-        scores = torch.softmax(logits, dim=-1).view(groups, -1, e)
-        chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
-        f = chosen.sum(1) / (chosen.shape[1] * self.topk)
-        return self.aux_coeff * e * (f * scores.mean(1)).sum(-1).mean()
-
-    def _drop(self, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
-        """Keep each expert's ``capacity`` most probable assignments; the rest get index E, probability 0."""
-        t, e = probs.shape[0], self.num_experts
-        capacity = min(expert_capacity(t, self.topk, e, self.capacity_factor), t)
-        dense = probs.new_zeros(t, e).scatter(1, indices, probs)
-        routed = torch.zeros(t, e, dtype=torch.bool, device=probs.device).scatter(1, indices, True)
-        keep = torch.zeros_like(routed).scatter(0, dense.topk(capacity, dim=0).indices, True) & routed
-        kept = keep.gather(1, indices)
-        return probs.masked_fill(~kept, 0.0), indices.masked_fill(~kept, e)
+__all__ = ["Dispatcher", "GroupedExperts", "Local", "LocalDispatcher", "MoELayer", "TopKRouter", "expert_capacity",
+           "moe_layer_names", "moe_layer_pattern", "moe_layers", "pop_moe_stats", "set_aux_loss_scale",
+           "update_expert_biases"]
 
 
 class GroupedExperts(nn.Module):
@@ -136,7 +90,50 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
 
 
-class LocalDispatcher:
+class Dispatcher:
+    """The token dispatcher seam: a dispatch and a combine, each cut at its communication so that the
+    pieces of ``ptdp.models.pieces`` can run it (``MoELayer.steps``)::
+
+        prepare(hidden [T, h], probs [T, k], indices [T, k]) -> (send, keep, ctx)
+        dispatch_transfer(ctx): send -> received                     (communication, outside autograd)
+        arrive(received, ctx) -> (expert_input [N, h], tokens_per_expert [E_local], carry)
+        depart(expert_output [N, h], carry, ctx) -> back
+        combine_transfer(ctx): back -> returned                       (communication)
+        finish(returned, keep, ctx) -> [T, h]     # Σ_k probs · expert output, per token
+
+    ``send``, ``keep``, ``carry``, ``back`` and ``returned`` are tuples of tensors (those that carry
+    gradients pass between the pieces as values); ``ctx`` holds only what carries none (orders, counts).
+    :meth:`dispatch` and :meth:`combine` compose them with autograd through the transfers.
+    """
+
+    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+        send, keep, ctx = self.prepare(hidden, probs, indices)
+        expert_input, tokens_per_expert, carry = self.arrive(exchanged(self.dispatch_transfer(ctx), send), ctx)
+        return expert_input, tokens_per_expert, (keep, carry, ctx)
+
+    def combine(self, expert_output: Tensor, state: Any) -> Tensor:
+        keep, carry, ctx = state
+        back = self.depart(expert_output, carry, ctx)
+        return self.finish(exchanged(self.combine_transfer(ctx), back), keep, ctx)
+
+    def dispatch_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+    def combine_transfer(self, ctx: Any) -> Transfer:
+        return Local()
+
+
+class Local:
+    """The transfer of one process: the tensors stay where they are."""
+
+    def start(self, tensors: tuple) -> Done:
+        return Done(tensors)
+
+    def start_backward(self, grads: tuple) -> Done:
+        return Done(grads)
+
+
+class LocalDispatcher(Dispatcher):
     """Single-process dispatcher: sort the kept (token, expert) pairs by expert (stable: token order within
     an expert), optionally pad each expert's rows to its capacity; combine = weighted scatter-add back."""
 
@@ -144,7 +141,7 @@ class LocalDispatcher:
         self.num_experts, self.topk = num_experts, topk
         self.capacity_factor, self.pad = capacity_factor, pad and capacity_factor is not None
 
-    def dispatch(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Any]:
+    def prepare(self, hidden: Tensor, probs: Tensor, indices: Tensor) -> tuple[tuple, tuple, Any]:
         t, e = hidden.shape[0], self.num_experts
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
@@ -164,38 +161,24 @@ class LocalDispatcher:
             slots = expert * capacity + torch.arange(n, device=hidden.device) - starts[expert]
             rows = hidden.new_zeros(e * capacity, hidden.shape[1]).index_copy(0, slots, rows)
             kept = torch.full_like(kept, capacity)
-        return rows, kept, (tokens, weights, slots, t)
+        return (rows,), (weights,), (tokens, slots, t, kept)
 
-    def combine(self, expert_output: Tensor, ctx: Any) -> Tensor:
-        tokens, weights, slots, t = ctx
+    def arrive(self, received: tuple, ctx: Any) -> tuple[Tensor, Tensor, tuple]:
+        return received[0], ctx[3], ()
+
+    def depart(self, expert_output: Tensor, carry: tuple, ctx: Any) -> tuple:
+        return (expert_output,)
+
+    def finish(self, returned: tuple, keep: tuple, ctx: Any) -> Tensor:
+        tokens, slots, t, _ = ctx
+        (expert_output,), (weights,) = returned, keep
         if slots is not None:
             expert_output = expert_output[slots]
         weighted = expert_output * weights.unsqueeze(-1).to(expert_output.dtype)
         return expert_output.new_zeros(t, expert_output.shape[-1]).index_add(0, tokens, weighted)
 
 
-class _AuxLossGrad(torch.autograd.Function):
-    """Identity on ``output``; in the backward, ``aux_loss`` gets the gradient ``scale`` (its weight in the
-    objective), so the router learns from it without the loss being added to the reported LM loss."""
-
-    @staticmethod
-    def forward(ctx, output: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, ctx.scale), None
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward (a recomputed forward must not count its statistics twice)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class MoELayer(nn.Module):
+class MoELayer(AuxiliaryLoss):
     """``[b, s, h] → [b, s, h]``: router, dispatch, experts, combine (+ the shared expert)."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, shared_expert: nn.Module | None = None):
@@ -208,25 +191,52 @@ class MoELayer(nn.Module):
                                    if shared_expert is not None and moe.moe_shared_expert_gate else None)
         self.dispatcher = LocalDispatcher(moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor,
                                           moe.moe_pad_expert_input_to_capacity)
-        self.aux_loss_scale = 1.0  # the trainer sets it to the LM loss's scale (1/m · loss scale)
-        self.stats: dict[str, Tensor] = {}
 
     def forward(self, x: Tensor) -> Tensor:
+        return run_sequential(self.steps("x", "y"), {"x": x})["y"]
+
+    def steps(self, inp: str, out: str) -> list[Step]:
+        """The layer as pieces (``ptdp.models.pieces``) from the value ``inp`` ``[b, s, h]`` to ``out``: route
+        (router, shared expert, the dispatcher's ``prepare``), the dispatch transfer, the experts (between
+        the dispatcher's ``arrive`` and ``depart``), the combine transfer, then ``finish``."""
+        name = functools.partial("{}.{}".format, out)
+        return [
+            Compute(self._route, (inp,), (name("send"), name("keep"), name("ctx")), "moe_route"),
+            Exchange(lambda v: self.dispatcher.dispatch_transfer(v[name("ctx")][1]), name("send"), name("recv"),
+                     "moe_dispatch"),
+            Compute(self._experts, (name("recv"), name("ctx")), (name("back"),), "moe_experts"),
+            Exchange(lambda v: self.dispatcher.combine_transfer(v[name("ctx")][1]), name("back"),
+                     name("returned"), "moe_combine"),
+            Compute(self._finish, (name("returned"), name("keep"), name("ctx")), (out,), "moe_finish"),
+        ]
+
+    def _route(self, x: Tensor) -> tuple[tuple, tuple, tuple]:
         b, s, h = x.shape
         flat = x.reshape(-1, h)
         probs, indices, aux = self.router(flat, num_sequences=b)
-        expert_input, tokens_per_expert, ctx = self.dispatcher.dispatch(flat, probs, indices)
-        out = self.dispatcher.combine(self.experts(expert_input, tokens_per_expert), ctx)
+        if self.training and not in_backward():
+            self._record(aux, indices)
+        shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(linear(flat, self.shared_expert_gate.weight)) * shared
+        aux_loss = sum(aux.values()) if aux and self.training and torch.is_grad_enabled() else None
+        send, keep, ctx = self.dispatcher.prepare(flat, probs, indices)
+        return send, (aux_loss, shared, *keep), ((b, s, h), ctx)
+
+    def _experts(self, received: tuple, ctx: tuple) -> tuple[tuple]:
+        expert_input, tokens_per_expert, carry = self.dispatcher.arrive(received, ctx[1])
+        return (self.dispatcher.depart(self.experts(expert_input, tokens_per_expert), carry, ctx[1]),)
+
+    def _finish(self, returned: tuple, keep: tuple, ctx: tuple) -> tuple[Tensor]:
+        aux_loss, shared, *kept = keep
+        out = self.dispatcher.finish(returned, tuple(kept), ctx[1])
+        if shared is not None:
             out = out + shared
-        if self.training and not _in_backward():
-            self._record(aux, indices)
-        if aux and self.training and torch.is_grad_enabled():
-            out = _AuxLossGrad.apply(out, sum(aux.values()), self.aux_loss_scale)
-        return out.view(b, s, h)
+        if aux_loss is not None:
+            out = attach_aux_loss(out, aux_loss, self.aux_loss_scale)
+        return (out.view(ctx[0]),)
 
     @torch.no_grad()
     def _record(self, aux: dict[str, Tensor], indices: Tensor) -> None:
@@ -236,15 +246,18 @@ class MoELayer(nn.Module):
             self.stats[key] = self.stats[key] + value if key in self.stats else value.clone()
 
 
+def moe_layer_names(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
+    """The logical names of the whole model's MoE layers, in order: ``layers.<i>.mlp`` where
+    ``--moe-layer-freq`` says, then the multi-token prediction modules' (MoE when the last layer is)."""
+    pattern = moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers) if moe.num_experts else [False] * cfg.num_layers
+    names = [f"layers.{i}.mlp" for i, sparse in enumerate(pattern) if sparse]
+    mtp = range(cfg.mtp_num_layers or 0) if pattern and pattern[-1] else range(0)
+    return names + [f"mtp.layers.{k}.transformer_layer.mlp" for k in mtp]
+
+
 def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoELayer]]:
     """Every MoE layer of ``modules`` (model chunks), with its name, in order."""
     return [(name, m) for chunk in modules for name, m in chunk.named_modules() if isinstance(m, MoELayer)]
-
-
-def set_aux_loss_scale(modules: list[nn.Module], scale: float) -> None:
-    """The gradient each auxiliary loss gets in the backward (the LM loss's per-microbatch scale)."""
-    for _, layer in moe_layers(modules):
-        layer.aux_loss_scale = scale
 
 
 def pop_moe_stats(modules: list[nn.Module]) -> dict[str, dict[str, Tensor]]:

@@ -5,7 +5,9 @@ backward calls torch's own kernel (``native_layer_norm_backward``) with an ``out
 once normally; only the input grad in the I pass while ``ptdp.ops.weight_grad.
 defer_weight_grads`` is active, and only the weight/bias grads later in W from the saved input,
 statistics and output gradient. RMSNorm writes its backward out (see ``_RMSNorm``). Without grad or
-under ``torch.compile`` the plain modules run: weight grads in I, as before.
+under ``torch.compile`` the plain modules run: weight grads in I, as before; so does LayerNorm for the
+parameters ``weight_grad.compute_at_once`` names (torch's backward is the same kernel with the same mask).
+RMSNorm keeps its own backward there (torch's composite one is other arithmetic).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ptdp.ops.weight_grad import WeightGrads, deferring_store, plain_path
+from ptdp.ops.weight_grad import WeightGrads, at_once, deferring_store, plain_path
 
 _aten = torch.ops.aten
 
 
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
-        if plain_path() or self.weight is None:
+        if self.weight is None or at_once(self.weight):
             return super().forward(x)
         return _LayerNorm.apply(x, self.weight, self.bias, list(self.normalized_shape), self.eps)
 

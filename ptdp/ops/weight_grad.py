@@ -18,12 +18,17 @@ sits with it) must not be deferred, or its hooks would fire twice per microbatch
 
 Under ``torch.compile`` (``--compile`` compiles whole layers on a GPU) the plain ops run, so compiled
 layers keep the old behaviour: their weight grads are computed in the I pass and W has nothing to do
-for them. Without grad (evaluation) the plain ops run too.
+for them. Without grad (evaluation) the plain ops run too, and so they do for the parameters
+:func:`compute_at_once` names: those of a stage whose schedule has no W pass (every schedule but the
+zero-bubble ones, one process included), where a Python autograd Function per op would buy nothing. The
+plain linear is the same GEMMs as :class:`_Linear`'s backward (torch's ``addmm``/``mm`` derivatives multiply
+``grad.mm(W)`` and ``grad.t().mm(x)``, bias ``grad.sum(0)``), so losses and gradients are the same bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -118,13 +123,37 @@ def plain_path() -> bool:
     return not torch.is_grad_enabled() or torch.compiler.is_compiling()
 
 
+# id -> weak reference of the parameters whose weight grads no W pass will ask for (by identity: a WeakSet
+# would compare tensors with ==); an entry leaves with its parameter, before its id can be reused
+_AT_ONCE: dict[int, weakref.ref] = {}
+
+
+def compute_at_once(params: Iterable[Tensor]) -> None:
+    """``params``' weight grads are never deferred (their stage's schedule has no W pass): the linears and
+    LayerNorms holding them run torch's own ops, the same kernels bit for bit (module docstring). Set once
+    at set-up, by whoever knows the schedule (``ptdp.parallel.assembly``)."""
+    for p in params:
+        if p is not None and id(p) not in _AT_ONCE:
+            _AT_ONCE[id(p)] = weakref.ref(p, _forget(id(p)))
+
+
+def _forget(key: int) -> Callable[[weakref.ref], None]:
+    return lambda _: _AT_ONCE.pop(key, None)
+
+
+def at_once(weight: Tensor) -> bool:
+    """Whether an op of ``weight`` may run torch's plain op: :func:`plain_path`, or :func:`compute_at_once`
+    (asked second: torch.compile decides on ``is_compiling`` before it would trace an ``id()``)."""
+    return plain_path() or id(weight) in _AT_ONCE
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight.flatten(0, -2), bias.flatten())`` whose weight and bias grads can be deferred.
 
     ``weight`` is the parameter itself (a fused ``[k, n, h]`` weight is flattened inside), so a deferred
     grad has a leaf to land on. The bias stays inside the GEMM (addmm) either way.
     """
-    if plain_path():
+    if at_once(weight):
         return F.linear(x, weight.flatten(0, -2), None if bias is None else bias.flatten())
     return _Linear.apply(x, weight, bias)
 

@@ -2,7 +2,7 @@
 
 ``model_state_bytes`` walks what a rank keeps between iterations -- the model's parameters, their
 gradients (``.grad``, the flat ``main_grad`` buffers and their shards), the optimizer's main parameters
-and Adam state -- and adds the size of every *distinct* storage once. A view
+and state -- and adds the size of every *distinct* storage once. A view
 costs nothing beyond the buffer it points into (fp32 ZeRO-1's main parameters are views of the flat
 parameter buffer), and a full-size tensor kept beside a shard shows up as the bytes it costs. That is
 what makes it a check rather than a restatement of :func:`model_state_formula_bytes`, which is the
@@ -11,6 +11,9 @@ accounting of ZeRO (Rajbhandari et al.) and Megatron's distributed optimizer (pt
 * fp32: 4 (parameters) + 4 (gradients) + 8 (Adam) bytes per parameter -> 8 + 8/d sharded;
 * bf16 parameters with fp32 gradients: 2 + 4 + 4 (fp32 main copy) + 8 = 18 -> 6 + 12/d;
 * fp16 parameters and fp16 gradients: 2 + 2 + 4 (fp32 main grad) + 4 + 8 = 20 -> 4 + 16/d.
+
+``--optimizer muon`` keeps one fp32 momentum (4 bytes) for the hidden matrices instead of Adam's 8, SGD one
+for every parameter (``state_bytes``; ptdp-facts.md, §Muon).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads: GradReducer | None 
     out = dict.fromkeys(CATEGORIES, 0)
     for category, tensor in _held(params, grads, optimizer):
         storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
+        key = (tensor.device, storage.data_ptr())  # the device itself: str() of it costs more than the rest
         if storage.nbytes() == 0 or key in seen:
             continue
         seen.add(key)
@@ -79,8 +82,9 @@ def model_state_bytes(params: Iterable[nn.Parameter], grads: GradReducer | None 
 
 def model_states_at_start(params: Iterable[nn.Parameter], grads: GradReducer | None = None,
                           optimizer=None) -> dict[str, int]:
-    """:func:`model_state_bytes` before the first step, plus the Adam moments AdamW will allocate at it
-    (two tensors like each of its parameters that has no state yet) and, under ZeRO-2/3, the gradient
+    """:func:`model_state_bytes` before the first step, plus the state the optimizer will allocate at it
+    (``MegatronOptimizer.pending_state_bytes``: e.g. AdamW's two moments per parameter, Muon's one momentum
+    per hidden-matrix parameter; for a bare torch optimizer, two) and, under ZeRO-2/3, the gradient
     shards in place of the full buffers (which only the step holds): what the rank will hold in steady
     state, known at start-up (the start-up summary line states it)."""
     out = model_state_bytes(params, grads, optimizer)
@@ -92,8 +96,9 @@ def model_states_at_start(params: Iterable[nn.Parameter], grads: GradReducer | N
             out["total"] += shard - full
     inner = _torch_optimizer(optimizer)
     if inner is not None:
-        pending = sum(2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
-                      if not inner.state.get(p))
+        pending = optimizer.pending_state_bytes() if isinstance(optimizer, MegatronOptimizer) else sum(
+            2 * p.numel() * p.element_size() for group in inner.param_groups for p in group["params"]
+            if not inner.state.get(p))
         out["optimizer"] += pending
         out["total"] += pending
     return out
@@ -101,15 +106,16 @@ def model_states_at_start(params: Iterable[nn.Parameter], grads: GradReducer | N
 
 def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.float32,
                               grad_dtype: torch.dtype = torch.float32, shards: int = 1,
-                              distributed: bool = False) -> float:
+                              distributed: bool = False, state_bytes: float = 8) -> float:
     """ZeRO's/Megatron's model-state bytes for ``num_params`` parameters on one rank (module docstring).
 
     What the optimizer owns -- the fp32 main copy (16-bit parameters), the fp32 main gradient (16-bit
-    gradients) and Adam's two fp32 moments -- is divided by ``shards`` (d) when ``distributed``.
+    gradients) and its state (``state_bytes`` per parameter: Adam's two fp32 moments; Muon's matrices 4) --
+    is divided by ``shards`` (d) when ``distributed``.
     """
     p_bytes = torch.finfo(param_dtype).bits // 8
     g_bytes = torch.finfo(grad_dtype).bits // 8
-    owned = 8 + (4 if param_dtype != torch.float32 else 0) + (4 if grad_dtype != torch.float32 else 0)
+    owned = state_bytes + (4 if param_dtype != torch.float32 else 0) + (4 if grad_dtype != torch.float32 else 0)
     return num_params * (p_bytes + g_bytes + owned / (shards if distributed else 1))
 
 
@@ -139,26 +145,27 @@ def window_peak_bytes(device: torch.device) -> int:
     ``max_memory_allocated`` on a GPU, the resident set's high-water mark on the CPU (reset through
     ``/proc/self/clear_refs``; where that is not writable it stays the run's peak). The run's peaks
     (:func:`peak_resident_bytes`, ``_lifetime_peak["cuda"]``) take this window's in first."""
-    peak_resident_bytes()
+    resident = _status_bytes("VmHWM")  # read once: this window's resident peak, and the run's
+    _lifetime_peak["rss"] = max(_lifetime_peak["rss"], resident)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         _lifetime_peak["cuda"] = max(_lifetime_peak["cuda"], peak)
         torch.cuda.reset_peak_memory_stats(device)
         return peak
-    peak = _status_bytes("VmHWM")
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # VmHWM := VmRSS
     except OSError:
         pass
-    return peak
+    return resident
 
 
 def memory_row(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> list[float]:
     """This rank's memory numbers, for one gather with the other per-rank numbers of a metrics window:
-    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU)."""
+    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU).
+    The window's reading has just updated the run's peaks (no second read of ``/proc``)."""
     window = float(window_peak_bytes(device))
-    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(peak_resident_bytes()),
+    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(_lifetime_peak["rss"]),
             float(_lifetime_peak["cuda"]) if device.type == "cuda" else -1.0]
 
 

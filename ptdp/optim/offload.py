@@ -1,9 +1,10 @@
-"""``--optimizer-cpu-offload`` (Megatron-LM's flag; ZeRO-Offload): Adam's state and step on the host.
+"""``--optimizer-cpu-offload`` (Megatron-LM's flag; ZeRO-Offload): the optimizer's state and step on the host.
 
 The GPU keeps what the forward and backward need (the model's parameters and gradient buffers, and the
 fp32 main parameters of a 16-bit model); the two fp32 Adam moments -- 8 bytes per parameter, the largest
 item of mixed-precision training's 18 (ptdp-facts.md §Memory) -- live in host memory, and AdamW runs on
-the CPU. Each step:
+the CPU (SGD's momentum likewise: :class:`HostOffload` wraps any element-wise torch optimizer; Muon keeps its
+momentum on the host itself and orthogonalises on the device, ``ptdp.optim.muon``). Each step:
 
 1. the (already reduced, unscaled and clipped) fp32 gradients and the fp32 parameters being stepped are
    copied device -> host into pinned buffers, all enqueued with ``non_blocking=True``, then one wait for
@@ -26,8 +27,9 @@ from __future__ import annotations
 import torch
 
 
-class HostOffloadAdamW(torch.optim.AdamW):
-    """torch's AdamW over device parameters whose state and arithmetic live on the host."""
+class HostOffload(torch.optim.Optimizer):
+    """An element-wise torch optimizer (the next class in the MRO) over device parameters whose state and
+    arithmetic live on the host."""
 
     def __init__(self, params, **kwargs):
         kwargs.pop("fused", None)  # the step runs on the CPU: torch's single-tensor path
@@ -51,7 +53,7 @@ class HostOffloadAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("HostOffloadAdamW.step takes no closure")
+            raise ValueError(f"{type(self).__name__}.step takes no closure")
         device_groups, copies, waits = [], [], []
         for group in self.param_groups:
             device_groups.append(group["params"])
@@ -86,3 +88,11 @@ class HostOffloadAdamW(torch.optim.AdamW):
         for device_param, host in copies:  # queued on the compute stream: the host does not wait for them
             device_param.copy_(host, non_blocking=True)
         return None
+
+
+class HostOffloadAdamW(HostOffload, torch.optim.AdamW):
+    """torch's AdamW, state and step on the host."""
+
+
+class HostOffloadSGD(HostOffload, torch.optim.SGD):
+    """torch's SGD (momentum buffers) on the host."""

@@ -1,77 +1,68 @@
-"""The optimizer step: unscale (fp16), global-norm clip, AdamW, and hand the new weights to the model.
+"""The optimizer step: unscale (fp16), global-norm clip, the update rule, and hand the new weights to the model.
 
 Two implementations behind one interface (Megatron-Core's ``MegatronOptimizer`` family):
 
-* :class:`FP32Optimizer`: fp32 parameters, no master copy; ``torch.optim.AdamW`` steps the model
-  parameters themselves, whose ``.grad`` are the all-reduced bucket views.
+* :class:`FP32Optimizer`: fp32 parameters, no master copy; the torch optimizer steps the model parameters
+  themselves, whose ``.grad`` are the all-reduced bucket views.
 * :class:`DistributedOptimizer`: fp32 *main* parameters separate from the model's (16-bit, or fp32 views
   of the flat parameter buffer). With ``--use-distributed-optimizer`` (ZeRO-1) each DP rank holds only
-  the main parameters, gradients and Adam state of its 1/d shard of every bucket, steps them, and the
+  the main parameters, gradients and optimizer state of its 1/d shard of every bucket, steps them, and the
   buckets are all-gathered; without it (``--bf16``/``--fp16`` alone) the "shard" is the whole bucket,
-  which is Megatron's ``Float16OptimizerWithFloat16Params``. Either way AdamW itself is
-  ``torch.optim.AdamW`` on the main-parameter pieces, so its arithmetic is torch's to the bit.
+  which is Megatron's ``Float16OptimizerWithFloat16Params``.
+
+The update rule is ``--optimizer``'s entry of ``ptdp.optim.kinds.OPTIMIZERS`` (AdamW, SGD, Muon + AdamW),
+built over the tensors this rank steps; AdamW is ``torch.optim.AdamW`` on the main-parameter pieces, so its
+arithmetic is torch's to the bit. Nothing here depends on which rule runs: the checkpoints ask
+``kinds.state_fields`` what to save per tensor.
 
 Weight decay applies to matrices only (not biases, not LayerNorm), as Megatron does. Memory per
-parameter: ptdp-facts.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/d bytes).
+parameter: ptdp-facts.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/d bytes with AdamW).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ptdp.config import OptimizerConfig
+from ptdp.optim import kinds
 from ptdp.optim.clip_grads import clip_grads, global_grad_norm_tensor
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from ptdp.optim.kinds import Stepped
+from ptdp.optim.muon import MuonLayout
 from ptdp.parallel.collectives import all_gather_single
 from ptdp.parallel.data.buffer import Bucket
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.placement import Placements
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """torch's AdamW with Megatron's decay groups; ``fused=True`` (one kernel for all tensors) on CUDA.
-
-    On CPU torch's default implementation runs, so CPU numbers are what they always were.
-    """
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer_cpu_offload:  # issue 26: state and step on the host
-        from ptdp.optim.offload import HostOffloadAdamW
-
-        return HostOffloadAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    fused = any(t.is_cuda for t in (*decay, *no_decay)) or None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=fused)
-
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig,
-                    placements: Placements | None = None) -> torch.optim.AdamW:
-    """Plain AdamW over whole parameters with Megatron's decay groups (the reference the others match):
-    weight matrices only, not biases (the fused qkv bias is 2-D) nor norms, as ``placements`` records
-    (``Placements.decays``; a plain model's parameters by their shape)."""
-    placements = Placements() if placements is None else placements
-    return adamw([p for p in params if placements.decays(p)], [p for p in params if not placements.decays(p)], cfg)
+                    placements: Placements | None = None) -> kinds.Inner:
+    """``--optimizer`` over whole parameters in one process (the reference the others match), with
+    Megatron's decay groups: weight matrices only, not biases (the fused qkv bias is 2-D) nor norms, as
+    ``placements`` records (``Placements.decays``; a plain model's parameters by their shape)."""
+    return kinds.build([Stepped(p, p) for p in params], cfg, placements)
 
 
 class MegatronOptimizer:
-    """``step()``: unscale and check for overflow (fp16), clip the global norm, AdamW, publish weights.
+    """``step()``: unscale and check for overflow (fp16), clip the global norm, update, publish weights.
 
     ``norm_groups`` are the process groups the squared-norm partial sums are added over: TP and PP when
     DP replicas hold equal grads, the whole world when DP ranks hold disjoint shards.
     """
 
-    def __init__(self, optimizer: torch.optim.AdamW, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+    def __init__(self, optimizer: kinds.Inner, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
                  scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements):
         self.optimizer, self.cfg, self.tp_rank, self.placements = optimizer, cfg, tp_rank, placements
         self.norm_groups, self.scaler = norm_groups, scaler
         self.device = torch.device("cpu")  # the model's device (set by subclasses): where the norm lives
         self.skipped_iterations = 0  # fp16 overflows so far
-        self.successful_steps = 0
+        self.steps = 0  # updates made, the same on every rank (some may own no piece); AdamW's ``step``
+        self._counts: list[bool] | None = None  # which main grads count in the norm (see _counted)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -87,8 +78,15 @@ class MegatronOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
-        """The gradients AdamW will read (set as its params' ``.grad``) and whether each counts in the norm."""
+        """The gradients the update reads (set as its tensors' ``.grad``) and whether each counts in the norm."""
         raise NotImplementedError
+
+    def _counted(self, params: Iterable[nn.Parameter]) -> list[bool]:
+        """Whether each of ``params`` (one per main grad) counts in the norm on this rank: read off the
+        placements once (they are fixed after set-up), not per parameter per step."""
+        if self._counts is None:
+            self._counts = [self.placements.counts_in_norm(p, self.tp_rank) for p in params]
+        return self._counts
 
     def _publish_params(self) -> None:
         """Make the model parameters equal the updated main parameters (on every DP rank)."""
@@ -96,8 +94,22 @@ class MegatronOptimizer:
     def reload_model_params(self) -> None:
         """Main parameters := model parameters, after a checkpoint load (nothing to do without them)."""
 
+    def state_fields(self, param: nn.Parameter) -> tuple[str, ...]:
+        """The per-element state the update keeps for ``param`` (``kinds.state_fields``): what checkpoints hold."""
+        return kinds.state_fields(self.cfg, self.placements, param)
+
+    def pending_state_bytes(self) -> int:
+        """The fp32 state the first step will allocate for the tensors that have none yet (the start-up
+        summary states the steady state)."""
+        return kinds.pending_state_bytes(self.optimizer, self.cfg, self.placements, self._param_of)
+
+    def _param_of(self, tensor: torch.Tensor) -> nn.Parameter:
+        """The model parameter a stepped tensor is (a piece of)."""
+        return tensor
+
     def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """The logical AdamW state per parameter (checkpoints: ``ptdp.checkpointing.state``)."""
+        """The logical optimizer state per parameter (checkpoints: ``ptdp.checkpointing.state``):
+        ``kinds.state_fields``' tensors shaped like the parameter, and ``step``."""
         raise NotImplementedError
 
     def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
@@ -124,57 +136,53 @@ class MegatronOptimizer:
                 return norm, True
         clip_grads(grads, self.cfg.clip_grad, norm)
         self.optimizer.step()
-        self.successful_steps += 1
+        self.steps += 1
         self._publish_params()
         return norm, False
 
 
 class FP32Optimizer(MegatronOptimizer):
-    """fp32 training without a master copy: AdamW on the model parameters (their grads are bucket views)."""
+    """fp32 training without a master copy: the update on the model parameters (their grads are bucket views)."""
 
     def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
-                 placements: Placements | None = None):
+                 placements: Placements | None = None, layout: MuonLayout | None = None):
         self.params = [p for p in params if p.requires_grad]
         placements = Placements() if placements is None else placements
-        super().__init__(build_optimizer(self.params, cfg, placements), cfg, tp_rank, norm_groups, None, placements)
+        inner = kinds.build([Stepped(p, p) for p in self.params], cfg, placements, layout)
+        super().__init__(inner, cfg, tp_rank, norm_groups, None, placements)
         self.device = self.params[0].device if self.params else self.device
 
     @property
     def state(self):
-        """torch's per-parameter AdamW state, keyed by model parameter (what checkpointing reads)."""
+        """torch's per-parameter state, keyed by model parameter (what checkpointing reads)."""
         return self.optimizer.state
 
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
-        return [p.grad for p in self.params], [self.placements.counts_in_norm(p, self.tp_rank) for p in self.params]
+        return [p.grad for p in self.params], self._counted(self.params)
 
     def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """{param: {"exp_avg", "exp_avg_sq", "step"}} (empty before the first step)."""
-        return {p: {k: self.optimizer.state[p][k] for k in (*ADAM_KEYS, "step")}
-                for p in self.params if self.optimizer.state.get(p)}
+        """{param: {field: tensor, "step"}} (empty before the first step)."""
+        if not self.steps:
+            return {}
+        step = torch.tensor(float(self.steps), dtype=torch.float32)
+        state = self.optimizer.state
+        return {p: {**{k: state[p][k] for k in self.state_fields(p)}, "step": step.clone()} for p in self.params}
 
     def local_shards(self) -> list[LocalShard]:
         """Every parameter whole (nothing is sharded): see :meth:`DistributedOptimizer.local_shards`."""
+        state = self.optimizer.state
         return [LocalShard(p, 0, p.numel(), p.detach().view(-1), p.detach().view(-1),
-                           {k: v.view(-1) for k, v in self.optimizer.state.get(p, {}).items() if k in ADAM_KEYS})
+                           {k: state[p][k].view(-1) for k in self.state_fields(p) if p in state})
                 for p in self.params]
 
     def load_state_per_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        steps = {int(s["step"]) for s in states.values()}
+        if len(steps) > 1:
+            raise ValueError(f"load_state_per_param: parameters at different steps {sorted(steps)}")
+        self.steps = steps.pop() if steps else self.steps
         for p in self.params:
             if p in states:
-                self.optimizer.state[p] = _adam_state(states[p], lambda t, p=p: t.reshape(p.shape), p.device)
-
-
-def _adam_state(state: dict[str, torch.Tensor], piece, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """torch AdamW's state layout (float32 scalar ``step``) from a logical per-parameter state.
-
-    ``device``: where the moments go and, for the fused (CUDA) AdamW, the ``step`` too (fused AdamW wants
-    it beside the parameter; the others want it on the CPU). A checkpoint read on another device lands right.
-    """
-    fused_step = device is not None and device.type != "cpu"
-    out = {"step": torch.tensor(float(state["step"]), dtype=torch.float32, device=device if fused_step else None)}
-    for key in ADAM_KEYS:
-        out[key] = piece(state[key]).detach().to(device=device, dtype=torch.float32).clone()
-    return out
+                kinds.install_state(self.optimizer, p, {k: states[p][k] for k in self.state_fields(p)}, self.steps)
 
 
 @dataclass
@@ -224,14 +232,15 @@ class ShardPiece:
 
 
 class DistributedOptimizer(MegatronOptimizer):
-    """fp32 main parameters and Adam state for this rank's shard of every bucket (see the module doc).
+    """fp32 main parameters and optimizer state for this rank's shard of every bucket (see the module doc).
 
     The checkpoint code reads and writes the *logical* state with :meth:`state_per_param` and
     :meth:`load_state_per_param` (collectives over DP when sharded), so checkpoints do not depend on d.
     """
 
     def __init__(self, grads: GradReducer, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
-                 scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements | None = None):
+                 scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements | None = None,
+                 layout: MuonLayout | None = None):
         if any(b.param_data is None for b in grads.buckets):
             raise ValueError("DistributedOptimizer needs a parameter buffer (BucketLayout(param_buffer=True))")
         self.grads = grads
@@ -246,15 +255,16 @@ class DistributedOptimizer(MegatronOptimizer):
                 main = model if model.dtype == torch.float32 else model.detach().float()  # fp32: update in place
                 self.pieces.append(ShardPiece(param, bucket, start, end, offset, main))
         placements = Placements() if placements is None else placements  # a plain model's parameters: whole, decayed by shape
-        decay = [x.main for x in self.pieces if placements.decays(x.param)]
-        no_decay = [x.main for x in self.pieces if not placements.decays(x.param)]
-        super().__init__(adamw(decay, no_decay, cfg), cfg, tp_rank, norm_groups, scaler, placements)
+        inner = kinds.build([Stepped(x.main, x.param, x.flat_range[0]) for x in self.pieces], cfg, placements, layout)
+        super().__init__(inner, cfg, tp_rank, norm_groups, scaler, placements)
         if grads.buckets:  # a rank owning no shard still needs its norm on the device NCCL reduces on
             self.device = grads.buckets[0].grad_data.device
-        self.adam_steps = 0  # AdamW's step count, the same on every rank (some may own no piece)
+        self._params_of_main = {x.main: x.param for x in self.pieces}
+
+    def _param_of(self, tensor: torch.Tensor) -> nn.Parameter:
+        return self._params_of_main[tensor]
 
     def _publish_params(self) -> None:
-        self.adam_steps += 1
         for x in self.pieces:
             if x.main.data_ptr() != x.model_view.data_ptr():
                 x.model_view.copy_(x.main)
@@ -262,7 +272,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @property
     def state(self):
-        raise AttributeError("DistributedOptimizer keeps Adam state per shard; use state_per_param() and "
+        raise AttributeError("DistributedOptimizer keeps its state per shard; use state_per_param() and "
                              "load_state_per_param() for the logical per-parameter state")
 
     def local_shards(self) -> list[LocalShard]:
@@ -271,15 +281,17 @@ class DistributedOptimizer(MegatronOptimizer):
         One :class:`LocalShard` per (parameter, contiguous range of it this rank owns): ``param`` (map it
         to its logical name with ``named_parameters``), ``start``/``end`` in ``param.view(-1)`` coordinates,
         ``model`` (model dtype; under ZeRO-3 the persistent shard, never the gathered parameter), ``main``
-        (fp32 master weights; the same tensor as ``model`` in fp32 training) and ``state`` (AdamW's
-        ``exp_avg``/``exp_avg_sq``, empty before the first step; ``step`` is :attr:`adam_steps`). All are
+        (fp32 master weights; the same tensor as ``model`` in fp32 training) and ``state`` (the
+        :meth:`state_fields`, e.g. AdamW's ``exp_avg``/``exp_avg_sq``, empty before the first step; ``step``
+        is :attr:`steps`). All are
         views of the live tensors: writing into them loads a checkpoint shard by shard (then call nothing
         else: the next gather or step reads them). Over a DP group the ranks' ranges of a parameter are
         disjoint and cover it (hybrid sharding: once per instance); with tensor parallelism ``param`` is
         this TP rank's slice, and the range is in its coordinates.
         """
+        state = self.optimizer.state
         return [LocalShard(x.param, *x.flat_range, x.model_view, x.main,
-                           {k: v for k, v in self.optimizer.state.get(x.main, {}).items() if k in ADAM_KEYS})
+                           {k: state[x.main][k] for k in self.state_fields(x.param) if x.main in state})
                 for x in self.pieces]
 
     def _main_grads(self) -> tuple[list[torch.Tensor], list[bool]]:
@@ -287,8 +299,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for x in self.pieces:  # fp32 grads: a view (no copy); 16-bit grads: an fp32 copy
             grad = x.grad_view
             x.main.grad = grad if grad.dtype == torch.float32 else grad.float()
-        return [x.main.grad for x in self.pieces], [self.placements.counts_in_norm(x.param, self.tp_rank)
-                                                    for x in self.pieces]
+        return [x.main.grad for x in self.pieces], self._counted(x.param for x in self.pieces)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -298,22 +309,22 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def state_per_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """{param: {"exp_avg", "exp_avg_sq", "main_param" (fp32, param-shaped), "step"}} for every
-        parameter of this rank, gathered over DP; empty before the first step. Collective over DP."""
-        if self.adam_steps == 0:
+        """{param: {state field (:meth:`state_fields`)..., "main_param" (fp32, param-shaped), "step"}} for
+        every parameter of this rank, gathered over DP; empty before the first step. Collective over DP."""
+        if self.steps == 0:
             return {}
-        step = torch.tensor(float(self.adam_steps), dtype=torch.float32)
+        step = torch.tensor(float(self.steps), dtype=torch.float32)
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for bucket in self.grads.buckets:
+            keys = dict.fromkeys(k for p in bucket.params for k in self.state_fields(p))  # the same on every rank
             full = {k: torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
-                    for k in (*ADAM_KEYS, "main_param")}
+                    for k in (*keys, "main_param")}
             for x in self.pieces:
                 if x.bucket is bucket:
                     full["main_param"][x.start:x.end] = x.main
                     state = self.optimizer.state.get(x.main)
-                    for k in ADAM_KEYS:
-                        if state:
-                            full[k][x.start:x.end] = state[k]
+                    for k in self.state_fields(x.param) if state else ():
+                        full[k][x.start:x.end] = state[k].reshape(-1)
             if bucket.shards > 1:  # over its own group (a MoE model's expert buckets: expert-data-parallel)
                 group = self.grads.group_of(bucket)
                 handles = [all_gather_single(t, t[bucket.shard_start:bucket.shard_end].clone(),
@@ -321,7 +332,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 for handle in handles:
                     handle.wait()
             for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                out[param] = {k: t[offset:offset + param.numel()].view_as(param) for k, t in full.items()}
+                out[param] = {k: full[k][offset:offset + param.numel()].view_as(param)
+                              for k in (*self.state_fields(param), "main_param")}
                 out[param]["step"] = step.clone()
         return out
 
@@ -331,13 +343,14 @@ class DistributedOptimizer(MegatronOptimizer):
         ``main_param`` entry the fp32 main weights (and this rank's piece of the model's) are restored too."""
         steps = {int(s["step"]) for s in states.values()}
         if len(steps) > 1:
-            raise ValueError(f"load_state_per_param: parameters at different Adam steps {sorted(steps)}")
-        self.adam_steps = steps.pop() if steps else self.adam_steps
+            raise ValueError(f"load_state_per_param: parameters at different steps {sorted(steps)}")
+        self.steps = steps.pop() if steps else self.steps
         for x in self.pieces:
             state = states.get(x.param)
             if state is None:
                 continue
-            self.optimizer.state[x.main] = _adam_state(state, x.of, x.main.device)
+            kinds.install_state(self.optimizer, x.main, {k: x.of(state[k]) for k in self.state_fields(x.param)},
+                                self.steps)
             if "main_param" in state:
                 x.main.copy_(x.of(state["main_param"]))
                 if x.main.data_ptr() != x.model_view.data_ptr():

@@ -1,9 +1,10 @@
-"""Parallelism applied to a plain model from outside, one module per parallelism.
+"""Parallelism applied to a plain model from outside, one folder (or module) per parallelism.
 
-``dims``: sizes, coordinates and every process group (``ParallelDims``, ``ParallelState``); ``tensor``:
-tensor + sequence parallelism; ``context``: context parallelism; ``init``: materialising a model built on
-the meta device with the values one process would draw. Pipeline splitting is ``ptdp.parallel.pipeline.stage`` and
-the order of application is ``ptdp.parallel.parallelize`` (see ``docs/architecture.md``).
+``dims``: sizes, coordinates and the process groups (``ParallelDims``, ``ParallelState``); ``plan``: the
+resolved plan the assembly boundary passes down; ``placement``: one record per parameter; ``tensor``,
+``sequence``, ``context``, ``expert``, ``vocab``, ``data`` (ZeRO), ``pipeline``, ``recompute``, ``fp8``: the
+parallelisms; ``init``: materialising a model built on the meta device with the values one process would
+draw. ``parallelize`` is the order of application and ``assembly`` what the step runs (docs/architecture.md).
 """
 
 from ptdp.parallel.dims import ParallelDims, ParallelState, init_distributed

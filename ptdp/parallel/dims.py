@@ -72,7 +72,7 @@ class ParallelState:
         self.mesh: DeviceMesh | None = None
         self.tp_group = self.dp_group = self.pp_group = self.embedding_group = None
         self.cp_group = self.dp_cp_group = None  # cp_group None means c = 1
-        self.expert = None  # MoE models: the folded expert groups (expert_dims.build_expert_parallel)
+        self.expert = None  # MoE models: the folded expert groups (ptdp.parallel.expert.dims.build_expert_parallel)
         if dims.world_size > 1:
             if dims.cp > 1:
                 self.mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.cp, dims.tp),

@@ -19,13 +19,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ptdp.config import Config
 from ptdp.parallel.placement import Placement, Placements
 
 
 def materialize(model: nn.Module, device: torch.device, placements: Placements) -> nn.Module:
     """Give every meta parameter real (uninitialised) storage on ``device``, keeping its record in
-    ``placements`` and its place in the module. Returns ``model``."""
+    ``placements`` and its place in the module; meta buffers start at zero (:func:`materialize_buffers`).
+    Returns ``model``."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
@@ -33,6 +33,16 @@ def materialize(model: nn.Module, device: torch.device, placements: Placements) 
                                    requires_grad=param.requires_grad)
                 placements.replace(param, new)
                 module._parameters[name] = new
+    return materialize_buffers(model, device)
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> nn.Module:
+    """Meta buffers become zeros on ``device``: the model's buffers all start at zero (a router's expert
+    bias and token counts, ``ptdp.models.moe``), the same in every layout."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     return model
 
 
@@ -123,7 +133,7 @@ def defer_init(model: nn.Module, device: torch.device, dtype: torch.dtype, place
         if param.numel() > 0 and param.untyped_storage().nbytes() == 0:
             deferred.add(param, functools.partial(init_parameter, placements[param], seed=seed, std=std,
                                                   num_layers=num_layers))
-    return model
+    return materialize_buffers(model, device)
 
 
 def _unallocated(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -132,8 +142,3 @@ def _unallocated(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     t.untyped_storage().resize_(0)
     return t
 
-
-def params_dtype(config: Config) -> torch.dtype:
-    """The model's parameter (and activation) dtype."""
-    mp = config.precision
-    return torch.bfloat16 if mp.bf16 else torch.float16 if mp.fp16 else torch.float32

@@ -23,19 +23,24 @@ replays the default generator; :func:`checkpoint` also replays the tensor-parall
 (``ptdp.parallel.tensor.random``), which attention dropout and sequence-parallel dropout draw from.
 
 :func:`apply_recompute` applies either to a plain model (or a pipeline chunk) from outside: ``full``
-overrides its ``run_layers``, ``selective`` each attention's ``core``; the model files do not change.
+overrides its ``run_layers`` (and ``layer_steps``, for the overlapped schedules' pieces), ``selective`` each
+attention's ``core``; the model files do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ptdp.models.documents import DocumentLayout
+from ptdp.models.pieces import Compute, Step
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size
 from ptdp.parallel.tensor import get_rng_tracker
 
@@ -48,7 +53,7 @@ def recompute_environment_errors(config) -> list[str]:
     return []
 
 
-def checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
+def checkpoint(function: Callable[..., Tensor], *args: Any) -> Tensor:
     """``function(*args)`` keeping only ``args`` for backward; recomputed with identical RNG streams."""
     held = tuple(_HoldForRecompute.apply(a) if _is_activation(a) else a for a in args)
     return torch_checkpoint(function, *held, use_reentrant=False, preserve_rng_state=True,
@@ -185,16 +190,18 @@ def recompute_plan(num_layers: int, granularity: str | None, method: str | None,
     return [(range(i, i + 1), i < n) for i in range(num_layers)]
 
 
-def _maybe_checkpoint(function: Callable[..., Tensor], *args: Tensor) -> Tensor:
+def _maybe_checkpoint(function: Callable[..., Tensor], *args: Any) -> Tensor:
     """``function(*args)``, checkpointed when a backward will follow (no point without grad)."""
     return checkpoint(function, *args) if torch.is_grad_enabled() else function(*args)
 
 
 def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distribute_group, offload: bool,
-                 x: Tensor) -> Tensor:
+                 x: Tensor, documents: DocumentLayout | None = None) -> Tensor:
+    """``GPTModel.run_layers`` by the plan; ``documents`` (a packed microbatch's layout) is not an activation:
+    the recomputed forward reads the same object."""
     kept_elsewhere = offload or group_size(distribute_group) > 1
     for span, recompute in plan:  # full recomputation: a unit keeps only its input
-        unit = functools.partial(_run, [layers[i] for i in span])
+        unit = functools.partial(_run, [layers[i] for i in span], documents=documents)
         if recompute and kept_elsewhere and torch.is_grad_enabled():
             x = checkpoint_kept_elsewhere(unit, x, distribute_group, offload)
         else:
@@ -202,24 +209,40 @@ def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distri
     return x
 
 
-def _run(layers: list[nn.Module], x: Tensor) -> Tensor:
+def _run(layers: list[nn.Module], x: Tensor, documents: DocumentLayout | None = None) -> Tensor:
     for layer in layers:
-        x = layer(x)
+        x = layer(x, documents)
     return x
+
+
+def _checkpoint_steps(recomputed: frozenset[str], key: str, steps: list[Step]) -> list[Step]:
+    """A recomputed layer's pieces (``GPTModel.program``), each checkpointed: the overlapped schedules run a
+    layer a piece at a time, so each piece keeps only its inputs (not the whole unit's first input)."""
+    if key not in recomputed:
+        return steps
+    return [dataclasses.replace(s, run=functools.partial(_maybe_checkpoint, s.run)) if isinstance(s, Compute)
+            else s for s in steps]
 
 
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
                     recompute_num_layers: int | None = None, distribute_group=None,
                     offload: bool = False) -> nn.Module:
-    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order); returns it.
+    """``--recompute-granularity`` on a ``GPTModel`` or chunk (its layers, in order; the multi-token
+    prediction modules' layers alike, each a unit of its own under ``full``); returns it.
 
     With ``full``, ``distribute_group`` (the tensor-parallel group, ``--distribute-saved-activations``) and
     ``offload`` (``--checkpoint-in-cpu``) say where each unit's kept input lives (module docstring)."""
+    mtp = [] if model.mtp is None else list(model.mtp.layers.values())
     if granularity == "selective":
-        for layer in model.layers.values():
+        for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
             layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
     elif granularity == "full":
         plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
         model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan, distribute_group,
                                              offload)
+        keys = list(model.layers)
+        recomputed = frozenset(keys[i] for span, on in plan if on for i in span)
+        model.layer_steps = functools.partial(_checkpoint_steps, recomputed)
+        for module in mtp:
+            module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model

@@ -10,7 +10,8 @@ The answer depends on few layouts: the plan shows the fastest layout that fits a
   so far and the ``top + 1``-th fastest group so far cannot change the answer;
 * **memory before time**: a layout that does not fit is never priced (its memory estimate is cheap);
 * **dominated layouts**: the vocabulary variants of a layout share its bound, so they are visited (and
-  built: their balanced layout costs two stage estimates) only when it survives.
+  built: their balanced layout costs two stage estimates) only when it survives; so do its overlapped
+  variants (issue 38: combined 1F1B, dualpipev), whose bound hides what the overlap can hide.
 
 Only when fewer than ``top + 1`` groups fit does the answer need the fastest layouts that do not fit; a
 second pass finds those the same way. Ties keep ``candidates``' order, as the full search's stable sort.
@@ -25,6 +26,7 @@ from dataclasses import replace
 from ptdp.planner import experts
 from ptdp.planner.estimate import Estimate, SearchResult, evaluate, ranked_result
 from ptdp.planner.memory import (
+    OPTIMIZER_STATE_BYTES,
     RUNTIME_OVERHEAD_BYTES,
     activation_bytes_per_layer,
     activation_microbatches_in_flight,
@@ -34,7 +36,7 @@ from ptdp.planner.memory import (
     step_buffer_bytes_per_param,
 )
 from ptdp.planner.perf import rank_stage_times
-from ptdp.planner.space import Cell, Space, cells, invalid_reason
+from ptdp.planner.space import Cell, Space, cells, invalid_reason, overlap_variants
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.vocab import vocab_variants
 from ptdp.schedule.registry import bubble_fraction_formula, default_schedule
@@ -51,7 +53,9 @@ class LowerBound:
     (``perf._stage``: each linear in the rank's layers, the same p2p on every rank). An uneven layout moves
     layers between ranks (the mean stays), vocabulary parallelism adds traffic, the ZeRO stage changes only
     memory, the data-parallel step and the optimizer (all >= 0). The iteration is m microbatches of the
-    slowest rank plus the bubble, (p-1)/(v·m) (or the schedule's own fraction) of them."""
+    slowest rank plus the bubble, (p-1)/(v·m) (or the schedule's own fraction) of them. Where the space
+    holds overlapped variants (``overlaps``), the expert dispatch counts only beyond the compute that can
+    hide it (``perf.overlap_hidden``) and the bubble and stashes are the least of the base and dualpipev."""
 
     def __init__(self, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Space) -> None:
         self.model, self.cluster, self.train, self.space = model, cluster, train, space
@@ -68,12 +72,18 @@ class LowerBound:
                              expert_tensor_parallel_size=etp, moe_token_dispatcher_type=dispatcher)
         return rank_stage_times(self.model, cfg, self.cluster, self.train.precision, [0])[0]
 
+    def overlaps(self, cell: Cell, j: int) -> bool:
+        """Whether layouts of the cell with expert layout j may overlap their expert communication."""
+        return self.model.moe is not None and cell.experts[j][0] > 1 and (
+            self.space.overlap or self.space.searches_overlap() or self.space.pipeline_schedule == "dualpipev")
+
     def per_layer(self, cell: Cell, j: int) -> float:
         """Seconds per layer per microbatch that no layout of the cell avoids (from a one-stage layout)."""
         key = (cell.t, cell.c, cell.b, cell.recompute, cell.experts[j])
         if key not in self._per_layer:
             st = self._stage(cell, j, 1)
-            self._per_layer[key] = (st.compute + st.recompute + st.cp_comm + st.ep_comm) / self.model.num_layers
+            ep = max(0.0, st.ep_comm - st.compute) if self.overlaps(cell, j) else st.ep_comm
+            self._per_layer[key] = (st.compute + st.recompute + st.cp_comm + ep) / self.model.num_layers
         return self._per_layer[key]
 
     def hop(self, cell: Cell) -> float:
@@ -83,15 +93,22 @@ class LowerBound:
             self._hop[key] = self._stage(cell, 0, cell.p).p2p if cell.p > 1 else 0.0
         return self._hop[key]
 
-    def bubble(self, p: int, v: int, m: int) -> float:
-        key = (p, v, m)
+    def bubble(self, p: int, v: int, m: int, overlaps: bool = False) -> float:
+        key = (p, v, m, overlaps)
         if key not in self._bubble:
-            try:
-                fraction = bubble_fraction_formula(p, v, m, default_schedule(self.space.pipeline_schedule, v))
-            except (ValueError, ZeroDivisionError):  # no such schedule: the layout is invalid anyway
-                fraction = 0.0
-            self._bubble[key] = max(fraction, 0.0)
+            fraction = math.inf
+            for name in self._schedules(v, overlaps):
+                try:
+                    fraction = min(fraction, bubble_fraction_formula(p, v, m, name))
+                except (ValueError, ZeroDivisionError):  # no such schedule: no such layout
+                    continue
+            self._bubble[key] = max(fraction if fraction < math.inf else 0.0, 0.0)  # none valid: invalid anyway
         return self._bubble[key]
+
+    def _schedules(self, v: int, overlaps: bool) -> list[str]:
+        """The schedules a cell's layouts may run: the space's, and dualpipev among the overlapped variants."""
+        names = [default_schedule(self.space.pipeline_schedule, v)]
+        return names + ["dualpipev"] if overlaps and v == 2 and self.space.searches_overlap() else names
 
     def memory(self, cell: Cell, j: int) -> float:
         """Bytes the fullest rank holds at least: those of the mean rank (``memory.rank_memory``), l/p layers'
@@ -102,11 +119,14 @@ class LowerBound:
         stash = activation_bytes_per_layer(self.model, cfg)
         working = activation_bytes_per_layer(self.model, cfg, stashed=False) if cell.recompute == "full" else 0.0
         m = self.train.global_batch_size // (cell.b * cell.d)
-        try:
-            stashes = min(min(activation_microbatches_in_flight(cfg.schedule, cell.p, cell.v, m, r), m * cell.v)
-                          for r in range(cell.p))
-        except (ValueError, ZeroDivisionError):  # no such schedule: the layout is invalid anyway
-            stashes = 0
+        stashes = math.inf
+        for name in self._schedules(cell.v, self.overlaps(cell, j)):
+            try:
+                stashes = min(stashes, *(min(activation_microbatches_in_flight(name, cell.p, cell.v, m, r), m * cell.v)
+                                         for r in range(cell.p)))
+            except (ValueError, ZeroDivisionError):  # no such schedule: no such layout
+                continue
+        stashes = 0 if stashes == math.inf else stashes  # none valid: the layout is invalid anyway
         layers = self.model.num_layers / cell.p
         acts = stashes * layers / cell.v * stash + working
         return (RUNTIME_OVERHEAD_BYTES + layers * per_layer + acts) * _SAFETY
@@ -121,10 +141,12 @@ class LowerBound:
             else:
                 dense, expert = experts.layer_parameters(self.model, cell.t, e, etp)
             precision, least = self.train.precision, math.inf
+            state = OPTIMIZER_STATE_BYTES[self.train.optimizer]  # Muon: its matrices' 4 bytes for all, a bound
             for i in range(len(cell.shardings)):
                 cfg = cell.config(i, j)
-                least = min(least, dense * model_state_bytes_per_param(precision, cfg.strategy, cfg.shards)
-                            + expert * model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg))
+                least = min(least, dense * model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, state)
+                            + expert * model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg),
+                                                                   state)
                             + (dense + expert) * step_buffer_bytes_per_param(precision, cfg.strategy))
             self._states[key] = least
         return self._states[key]
@@ -134,7 +156,7 @@ class LowerBound:
         if m < 1:
             return 0.0  # invalid (--global-batch-size): left to invalid_reason
         stage = self.per_layer(cell, j) * self.model.num_layers / cell.p + cell.v * self.hop(cell)
-        return m * stage * (1 + self.bubble(cell.p, cell.v, m)) * _SAFETY
+        return m * stage * (1 + self.bubble(cell.p, cell.v, m, self.overlaps(cell, j))) * _SAFETY
 
 
 def group_of(cfg: ParallelConfig) -> tuple[int, ...]:
@@ -185,7 +207,7 @@ def pruned_search(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, spa
         for order, cfg in _layouts(model, cluster, train, cell, j):
             if lower > fitting.bound(group):
                 break
-            memory = memory_per_gpu(model, cfg, train.global_batch_size, train.precision)
+            memory = memory_per_gpu(model, cfg, train.global_batch_size, train.precision, train.optimizer)
             count += 1
             if memory.total > limit:
                 unfit_groups.add(group)
@@ -211,7 +233,8 @@ def pruned_search(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, spa
 
 def _layouts(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cell: Cell, j: int):
     """(order, layout) of every valid layout of the cell with expert layout j, in ``candidates``' order:
-    each ZeRO sharding with its vocabulary variants (built once: the sharding does not change them)."""
+    each ZeRO sharding with its vocabulary variants (built once: the sharding does not change them), then
+    its overlapped variants (issue 38)."""
     base = cell.config(0, j)
     if invalid_reason(model, base, cluster, train) is not None:  # validity does not depend on the sharding
         return
@@ -219,10 +242,11 @@ def _layouts(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cell: Ce
     for i in range(len(cell.shardings)):
         cfg = base if i == 0 else cell.config(i, j)
         yield (cell.index, i, j, 0), cfg
-        if not cell.space.vocab_layouts:
-            continue
         if variants is None:
-            variants = list(vocab_variants(model, base, cluster, train))
+            variants = list(vocab_variants(model, base, cluster, train)) if cell.space.vocab_layouts else []
         for k, variant in enumerate(variants, start=1):
             yield (cell.index, i, j, k), replace(cfg, enable_vocab_parallel=variant.enable_vocab_parallel,
                                                  pipeline_model_parallel_layout=variant.pipeline_model_parallel_layout)
+        if cell.space.searches_overlap():
+            for k, variant in enumerate(overlap_variants(model, cfg, cluster, train), start=len(variants) + 1):
+                yield (cell.index, i, j, k), variant

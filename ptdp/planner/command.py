@@ -24,11 +24,14 @@ from ptdp.planner.spec import (
 )
 from ptdp.planner.vocab import vocab_column, vocab_lines
 from ptdp.runtime.hardware import ACCELERATORS, GIB
-from ptdp.schedule.registry import default_virtual_size
+from ptdp.schedule.registry import default_virtual_size, pair_share, schedule_spec
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
-               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type")
+               "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type",
+               # issue 41: multi-latent attention and multi-token prediction
+               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "mtp_num_layers")
 # A mixture of experts' shape, as ``ptdp train`` spells it (the routing and loss flags change no count)
 _MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
@@ -41,6 +44,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
     add_field_arguments(m, MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
+    add_field_arguments(m, train_config.DataConfig, ("reset_attention_mask",))  # issue 40: packed documents
+    m.add_argument("--mean-document-length", type=int, metavar="L",
+                   help="with --reset-attention-mask: documents of L tokens fill each window, so attention "
+                   "counts sum(l^2)/s = L keys per query instead of s (FLOPs, time, score memory)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="total number of GPUs n = t*p*d")
     c.add_argument("--gpu", choices=sorted(ACCELERATORS), default="a100-80gb")
@@ -65,6 +72,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     # issue 25: a mixture of experts' expert layout (default: search e, etp and the dispatcher)
     add_field_arguments(p, train_config.ParallelConfig, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
     add_field_arguments(p, train_config.MoEConfig, ("moe_token_dispatcher_type",))
+    # issue 38: pin the combined 1F1B overlap (default: search it, and dualpipev, for a MoE layout at e > 1)
+    add_field_arguments(p, train_config.ParallelConfig, ("overlap_moe_expert_parallel_comm",),
+                        overlap_moe_expert_parallel_comm=None)
     # The search space has two values train spells by leaving a flag out: no recomputation (``none``), and
     # the distributed optimizer pinned off (``--no-use-distributed-optimizer``).
     add_field_arguments(p, ModelConfig, ("recompute_granularity",), overrides={"recompute_granularity": {
@@ -73,6 +83,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "use_distributed_optimizer": {"action": argparse.BooleanOptionalAction,
                                       "help": "pin ZeRO-1 on, or off with --no-use-distributed-optimizer "
                                       "(default: search both)"}})
+    add_field_arguments(p, train_config.OptimizerConfig, ("optimizer",), optimizer="adam")
     add_field_arguments(p, train_config.OptimizerConfig, (
         "data_parallel_sharding_strategy", "num_distributed_optimizer_instances"), overrides={
         "data_parallel_sharding_strategy": {"help": "pin the ZeRO stage (default: search all four)"},
@@ -115,7 +126,22 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
     moe = _experts(args, cfg)
-    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe))
+    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe),
+                               attention_length=_attention_length(args, cfg.seq_length))
+
+
+def _attention_length(args: argparse.Namespace, seq_length: int) -> float | None:
+    """``GPTSpec.attention_length`` of ``--reset-attention-mask --mean-document-length L``: min(L, s)."""
+    length = vars(args)["mean_document_length"]
+    if not vars(args)["reset_attention_mask"]:
+        if length is not None:
+            raise _UsageError("--mean-document-length needs --reset-attention-mask (without it attention spans "
+                              "the whole window)")
+        return None
+    if length is None or length < 1:
+        raise _UsageError("--reset-attention-mask needs --mean-document-length L (a positive number of tokens): "
+                          "the attention computed depends on the documents' lengths")
+    return float(min(length, seq_length))
 
 
 def _experts(args: argparse.Namespace, model: ModelConfig) -> MoEConfig:
@@ -155,7 +181,8 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
     if args.bf16 and args.fp16:
         raise _UsageError("--bf16 and --fp16 are exclusive; give one of them")
     precision = "bf16" if args.bf16 else "fp16"
-    return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce)
+    optimizer = "muon" if args.optimizer == "dist_muon" else args.optimizer
+    return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce, optimizer)
 
 
 def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec) -> Estimate:
@@ -180,6 +207,7 @@ def _evaluate_one(args: argparse.Namespace, model: GPTSpec, cluster: ClusterSpec
         expert_model_parallel_size=args.expert_model_parallel_size or 1,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type or DEFAULT_DISPATCHER,
+        overlap_moe_expert_parallel_comm=bool(args.overlap_moe_expert_parallel_comm),
     )
     reason = invalid_reason(model, cfg, cluster, train)
     if reason:
@@ -217,6 +245,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 expert_sizes=pin(args.expert_model_parallel_size),
                 expert_tensor_sizes=pin(args.expert_tensor_parallel_size),
                 dispatchers=pin(args.moe_token_dispatcher_type),
+                overlap=args.overlap_moe_expert_parallel_comm,
             )
             result = search(model, cluster, train, top=args.top, space=space)
             if result.num_evaluated == 0:
@@ -276,7 +305,9 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     lines = [
         f"model: {params / 1e9:.1f}B parameters{moe_note}, l={model.num_layers} h={model.hidden_size} "
         f"a={model.num_attention_heads}{llama} s={model.seq_length} V={model.vocab_size}, "
-        f"global batch {train.global_batch_size}",
+        f"global batch {train.global_batch_size}" + (
+            f"; attention inside documents only (--reset-attention-mask): {model.attention_length:.0f} keys per "
+            "query counted, sum(l^2)/s, not s" if model.attention_length is not None else ""),
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
         f"{cluster.intra_node_bandwidth / 1e9:.0f} GB/s NVLink, {cluster.inter_node_bandwidth / 1e9:.0f} GB/s network "
         f"per GPU), {train.precision}; {evaluated:,} layout(s) estimated"
@@ -301,30 +332,56 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
     return "\n".join(lines)
 
 
+def overlap_lines(c: ParallelConfig, m: int, exposed: float, total: float) -> list[str]:
+    """The overlapped pairs of the chosen layout (issue 38, docs/dualpipe.md): how much token movement they
+    hide; none without pairs."""
+    share = pair_share(c.schedule, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size, m,
+                       c.overlap_moe_expert_parallel_comm)
+    if not share:
+        return []
+    how = "dualpipev" if c.schedule == "dualpipev" else f"{c.schedule} with --overlap-moe-expert-parallel-comm"
+    return [f"{how}: {share:.0%} of the forward and backward passes run in overlapped pairs, each microbatch's "
+            f"expert dispatch and combine under the other's compute; token movement left exposed "
+            f"{exposed / total:.0%} of the iteration (docs/dualpipe.md)"]
+
+
+def _bubble_words(schedule: str) -> str:
+    """The schedule's own bubble formula as the registry states it (the paper's (p-1)/(v·m) for 1F1B and
+    interleaved, DualPipe's for dualpipev), in parentheses where it is words."""
+    words = schedule_spec(schedule).bubble
+    return words if words.startswith("(") else f"({words})"
+
+
+_OPTIMIZER_WORDS = {"adam": "Adam", "sgd": "SGD momentum", "muon": "Muon's momentum; Adam on the rest"}
+
+
 def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
     """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
-    from ptdp.planner.memory import model_state_bytes_per_param
+    from ptdp.planner.memory import OPTIMIZER_STATE_BYTES, model_state_bytes_per_param
 
     c, mem, times = best.config, best.memory, best.times
     t, p, d, v = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.data_parallel_size,
                   c.virtual_pipeline_model_parallel_size)
-    states = params * model_state_bytes_per_param(train.precision, False, 1)
+    state = OPTIMIZER_STATE_BYTES[train.optimizer]
+    states = params * model_state_bytes_per_param(train.precision, False, 1, state)
     share = {k: seconds / best.iteration_time_s for k, seconds in (
         ("compute", times.compute), ("bubble", times.bubble), ("tp_comm", times.tp_comm), ("dp_comm", times.dp_comm))}
     tp_where = "inside one server, on NVLink" if t <= cluster.gpus_per_node else "ACROSS servers"
     cp_line = ([f"c = {c.context_parallel_size} splits each {model.seq_length}-token sequence over c ranks "
                 f"({c.cp_comm_type}): activations / c, attention traffic {times.cp_comm / best.iteration_time_s:.0%} "
                 "of the iteration exposed (docs/context-parallel.md)"] if c.context_parallel_size > 1 else [])
-    return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + [
-        f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + Adam) = "
+    return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + overlap_lines(
+        c, best.num_microbatches, times.ep_comm, best.iteration_time_s) + [
+        f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + "
+        f"{_OPTIMIZER_WORDS[train.optimizer]}) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"
         f"{_sharded_words(c)}, just enough to fit "
         "(takeaway 2)",
         f"t = {t} keeps tensor parallelism {tp_where} ({cluster.gpus_per_node} GPUs/server; takeaway 1); its "
         f"all-reduces cost {share['tp_comm']:.0%} of the iteration",
-        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches: bubble (p-1)/(v·m) = "
-        f"{best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
+        f"p = {p} with v = {v} chunks and m = {best.num_microbatches} microbatches ({c.schedule}): bubble "
+        f"{_bubble_words(c.schedule)} = {best.bubble_fraction:.1%}, {share['bubble']:.0%} of the time",
         f"d = {d} data-parallel replicas take the rest of the {cluster.num_gpus} GPUs (takeaway 2); their gradient "
         f"reduction costs {share['dp_comm']:.0%}"
         + (f" with ZeRO ({c.strategy}) sharding over {c.shards} ranks" if c.strategy != "no_shard" else ""),

@@ -46,7 +46,7 @@ class Estimate:
         """The paper's bubble: idle time over ideal time, (p-1)/(v·m), or the schedule's own (zero bubble)."""
         c = self.config
         return bubble_fraction_formula(c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
-                                       self.num_microbatches, c.schedule)
+                                       self.num_microbatches, c.schedule, c.overlap_moe_expert_parallel_comm)
 
     @property
     def fits(self) -> bool:
@@ -91,10 +91,11 @@ def evaluate(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: T
         flops_per_iteration=flops_per_iteration(
             model.num_layers, model.hidden_size, model.seq_length, model.vocab_size, train.global_batch_size,
             recompute=cfg.recompute_granularity == "full", ffn_hidden_size=model.ffn, moe=model.moe,
+            mtp_num_layers=model.mtp_num_layers, attention_length=model.attention_length,
             **architecture(model),
         ),
         times=iteration_times(model, cfg, cluster, train),
-        memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision),
+        memory=memory or memory_per_gpu(model, cfg, train.global_batch_size, train.precision, train.optimizer),
         memory_limit=cluster.gpu.memory_bytes,
         peak_flops=cluster.gpu.peak_flops,
         num_gpus=cluster.num_gpus,

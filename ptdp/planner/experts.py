@@ -74,16 +74,17 @@ def layer_parameters(model: GPTSpec, t: int, e: int = 1, etp: int | None = None)
     norms = 2 * norm_parameters(h, model.normalization, norm_bias)
     row_bias = 0 if model.disable_bias_linear else 2 * h  # attention output and MLP output biases
 
+    mla = model.mla_replicated  # multi-latent attention's down projections and latent norms stay whole
     dense = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, norm_bias=norm_bias,
                                   **arch)
-    dense_rank = (dense - norms - row_bias) / t + norms + row_bias
+    dense_rank = (dense - norms - row_bias - mla) / t + norms + row_bias + mla
     whole = layer_parameter_count(h, model.ffn, bias=bias, normalization=model.normalization, moe=moe,
                                   norm_bias=norm_bias, **arch)
     experts = moe.num_experts * _mats(model) * h * moe.ffn
     router = moe.num_experts * h
     shared = _mats(model) * h * moe.shared_ffn + (h if moe.shared_gate else 0)
     shared_bias = ((2 if model.swiglu else 1) * moe.shared_ffn + h) if (moe.shared_ffn and bias) else 0
-    replicated = router + shared + shared_bias + norms + (h if bias else 0)  # + the attention output bias
+    replicated = router + shared + shared_bias + norms + (h if bias else 0) + mla  # + the attention output bias
     attention = whole - experts - replicated
     moe_rank = attention / t + replicated
     layers, m = model.num_layers, moe.moe_layers

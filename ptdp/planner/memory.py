@@ -28,21 +28,26 @@ from ptdp.schedule.registry import schedule_spec
 # typically 1-3 GiB on A100/H100 with NCCL); counted once per GPU.
 RUNTIME_OVERHEAD_BYTES = 2 * 1024**3
 
-# bytes/param held for (parameters, gradients, what the optimizer owns: fp32 master copy of 16-bit weights,
-# fp32 main grads of 16-bit grads, Adam's two fp32 moments) -- ptdp-facts.md, §Memory and §ZeRO
-_STATE_BYTES = {"fp16": (2, 2, 16), "bf16": (2, 4, 12), "fp32": (4, 4, 8)}
+# bytes/param held for (parameters, gradients, what the optimizer owns besides its state: fp32 master copy of
+# 16-bit weights, fp32 main grads of 16-bit grads) -- ptdp-facts.md, §Memory and §ZeRO; plus the state:
+_STATE_BYTES = {"fp16": (2, 2, 8), "bf16": (2, 4, 4), "fp32": (4, 4, 0)}
+# fp32 optimizer state per parameter: AdamW's two moments; one momentum for SGD and Muon (ptdp-facts.md, §Muon)
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def model_state_bytes_per_param(precision: str, distributed_optimizer: bool | str, data_parallel_size: int) -> float:
+def model_state_bytes_per_param(precision: str, distributed_optimizer: bool | str, data_parallel_size: int,
+                                state_bytes: int = 8) -> float:
     """Bytes per parameter of one rank's model states under a ZeRO strategy sharded over
     ``data_parallel_size`` ranks (``distributed_optimizer``: a strategy name, or a bool meaning ``optim`` /
-    ``no_shard``). ``optim`` (ZeRO-1): 20 -> 4 + 16/d (fp16), 18 -> 6 + 12/d (bf16), 16 -> 8 + 8/d (fp32);
-    ``optim_grads`` (ZeRO-2) shards the gradients too (fp32: 4 + 12/d), ``optim_grads_params`` (ZeRO-3)
-    everything (fp32: 16/d)."""
+    ``no_shard``), with ``state_bytes`` of optimizer state (AdamW's 8 by default). ``optim`` (ZeRO-1): 20 ->
+    4 + 16/d (fp16), 18 -> 6 + 12/d (bf16), 16 -> 8 + 8/d (fp32); ``optim_grads`` (ZeRO-2) shards the
+    gradients too (fp32: 4 + 12/d), ``optim_grads_params`` (ZeRO-3) everything (fp32: 16/d). Muon's
+    matrices: 4 bytes less before sharding (fp32: 12 -> 8 + 4/d under ZeRO-1)."""
     strategy = distributed_optimizer if isinstance(distributed_optimizer, str) else (
         "optim" if distributed_optimizer else "no_shard")
     params, grads, owned = _STATE_BYTES[precision]
+    owned += state_bytes
     s = max(data_parallel_size, 1)
     if strategy == "no_shard":
         return float(params + grads + owned)
@@ -55,11 +60,26 @@ def model_state_bytes_per_param(precision: str, distributed_optimizer: bool | st
     raise ValueError(f"unknown sharding strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
 
+def _owned_divisor(strategy: str, shards: int) -> int:
+    """What the optimizer's own bytes are divided by: the shards under any ZeRO strategy, else 1."""
+    return 1 if strategy == "no_shard" else max(shards, 1)
+
+
 def step_buffer_bytes_per_param(precision: str, strategy: str) -> float:
     """Bytes per parameter that ZeRO-2/3 hold only during the step: the full gradient buffer (stages 2
     and 3) and the gathered 16-bit or fp32 parameters (stage 3)."""
     params, grads, _ = _STATE_BYTES[precision]
     return {"optim_grads": grads, "optim_grads_params": grads + params}.get(strategy, 0.0)
+
+
+def muon_step_bytes_per_param(shards: int, grid: int, tp: int = 1) -> float:
+    """Bytes per hidden-matrix parameter of a rank that Muon's step holds only while it runs
+    (``ptdp.optim.muon_exchange``): the update of the range this rank holds (4 bytes, over ``shards`` under
+    ZeRO); for the matrices whose data-parallel owner it is -- 1/``grid`` of its tensor-parallel slices --
+    the assembled slices and the updates handed back (4 + 4 bytes), and with ``tp`` > 1 the whole matrices
+    concatenated from the slices (4 more). Measured against it: benchmarks/muon.py. Its time:
+    ``ptdp.planner.muon``."""
+    return 4 / max(shards, 1) + (8 + (4 if tp > 1 else 0)) / max(grid, 1)
 
 
 def _norm_params(model: GPTSpec) -> int:
@@ -80,10 +100,19 @@ def layer_parameters_per_rank(model: GPTSpec, t: int, cfg: ParallelConfig | None
 @functools.lru_cache(maxsize=1024)  # the planner asks for each of thousands of layouts: a few t
 def _dense_layer_parameters_per_rank(model: GPTSpec, t: int) -> float:
     h, f = model.hidden_size, model.parameter_ffn
-    replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h)
+    replicated = 2 * _norm_params(model) + (0 if model.disable_bias_linear else 2 * h) + model.mla_replicated
     total = layer_parameter_count(h, f, bias=not model.disable_bias_linear, normalization=model.normalization,
                                   norm_bias=not model.disable_bias_norm, **architecture(model))
     return (total - replicated) / t + replicated
+
+
+def hidden_matrix_fraction(model: GPTSpec, t: int, cfg: ParallelConfig | None = None) -> float:
+    """The share of one layer's parameters on a tensor-parallel rank that are hidden matrices (what Muon
+    steps): all but the two norms and the linear biases."""
+    h, layer = model.hidden_size, layer_parameters_per_rank(model, t, cfg)
+    biases = 0.0 if model.disable_bias_linear else (
+        model.q_width + 2 * model.kv_width + (0 if model.moe else (2 if model.swiglu else 1) * model.ffn)) / t + 2 * h
+    return max(0.0, 1.0 - (2 * _norm_params(model) + biases) / layer)
 
 
 def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg: ParallelConfig | None = None) -> float:
@@ -110,8 +139,9 @@ def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg:
         params += emb * model.vocab_size * h / t
     if first and model.position_embedding_type != "rope":
         params += model.seq_length * h
-    if last:
-        params += _norm_params(model)
+    if last:  # the final norm; the MTP modules: a layer like the mean one, eh_proj [h, 2h], three norms each
+        params += _norm_params(model) + model.mtp_num_layers * (
+            layer_parameters_per_rank(model, t, cfg) + 2 * h * h / t + 3 * _norm_params(model))
     if out and (untied or (p > 1 and not vp)):  # an untied head, or the tied table's copy on another rank
         params += out * model.vocab_size * h / t
     return params
@@ -138,21 +168,22 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     sp = cfg.sequence_parallel and t > 1
     if stashed and cfg.recompute_granularity == "full":
         return 2 * s * b * h / (t if sp else 1)
-    replicated = 10 * s * b * h
+    replicated = 10 * s * b * h + (2 * s * b * model.mla.latent_width() if model.mla is not None else 0)
     split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.active_ffn)
-    attention_core = 5 * a * s * (s * c) * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
+    attention_core = 5 * a * s * model.attended * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 
 
-def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
+def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int, overlap: bool = False) -> int:
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
     Closed form of ``ptdp.parallel.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
     min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs before its
     backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
-    their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less).
+    their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less),
+    DualPipeV 2p + 1 (DualPipe's PP + 1 with PP = 2p stages); ``overlap`` (combined 1F1B) one more microbatch.
     """
-    return schedule_spec(schedule).stashes(p, v, m, rank)  # the registry's memory formula
+    return schedule_spec(schedule).stashes(p, v, m, rank, overlap)  # the registry's memory formula
 
 
 @dataclass(frozen=True)
@@ -172,22 +203,33 @@ class MemoryEstimate:
         return self.model_states + self.activations + self.overhead + self.step_buffers
 
 
-def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str) -> MemoryEstimate:
+def memory_per_gpu(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str,
+                   optimizer: str = "adam") -> MemoryEstimate:
     """Memory of the fullest GPU: max over pipeline rank 0 (embeddings, most stashes) and the last rank
     (every rank under an uneven layout or vocabulary parallelism)."""
-    return max(rank_memory(model, cfg, global_batch_size, precision, ranks_to_check(cfg)), key=lambda e: e.total)
+    return max(rank_memory(model, cfg, global_batch_size, precision, ranks_to_check(cfg), optimizer),
+               key=lambda e: e.total)
 
 
 def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, precision: str,
-                ranks: list[int] | None = None) -> list[MemoryEstimate]:
+                ranks: list[int] | None = None, optimizer: str = "adam") -> list[MemoryEstimate]:
     """Memory of each pipeline rank in ``ranks`` (default all): layers from the layout, the vocabulary
-    tables and fp32 logits where they live (1/p of them everywhere under vocabulary parallelism)."""
+    tables and fp32 logits where they live (1/p of them everywhere under vocabulary parallelism).
+    ``optimizer`` muon: its hidden matrices keep 4 bytes of state instead of AdamW's 8, and its step holds
+    the gather's buffers (:func:`muon_step_bytes_per_param`) instead of ZeRO-2/3's, which are freed by then."""
     t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     m = cfg.num_microbatches(global_batch_size)
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    muon = optimizer == "muon"
+    rest_state = 8 if muon else state  # Muon's AdamW part
     # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
-    per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards)
+    per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, rest_state)
     # expert parameters shard over their expert-data-parallel group instead (issue 25)
-    expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg))
+    expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg), rest_state)
+    saved = state - rest_state  # per hidden-matrix parameter, sharded like the rest of the state
+    matrix = hidden_matrix_fraction(model, t, cfg) if muon else 0.0
+    grid = cfg.data_parallel_size * cfg.context_parallel_size // cfg.distributed_optimizer_instances
+    muon_step = muon_step_bytes_per_param(cfg.shards, grid, t) if muon else 0.0
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
@@ -199,12 +241,20 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
         kind = rank_kind(cfg, rank, layers, ends)
         if kind not in params_of:
             params_of[kind] = parameters_per_rank(model, t, p, rank, cfg)
-        in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank)
+        in_flight = min(activation_microbatches_in_flight(cfg.schedule, p, v, m, rank,
+                                                          cfg.overlap_moe_expert_parallel_comm)
                         + vocab_parallel_extra_stashes(cfg), m * v)
-        acts = in_flight * layers[rank] / v * stash + working
+        mtp = model.mtp_num_layers if rank == ends[1] else 0  # the MTP modules: more layers on the last rank
+        acts = in_flight * (layers[rank] + mtp) / v * stash + working
         out = vocab_shares(cfg, rank)[1]  # fp32 logits for the vocab-parallel cross entropy, one microbatch
-        acts += out * 4 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.vocab_size / t
-        params, expert = params_of[kind], experts.expert_parameters_per_rank(model, cfg, layers[rank])
+        acts += (out + (mtp > 0) * model.mtp_num_layers * out) * 4 * model.seq_length // cfg.context_parallel_size \
+            * cfg.micro_batch_size * model.vocab_size / t  # ... and one more logit tensor per MTP module
+        params, expert = params_of[kind], experts.expert_parameters_per_rank(model, cfg, layers[rank] + mtp)
         states = (params - expert) * per_param + expert * expert_per_param
-        out_list.append(MemoryEstimate(states, acts, RUNTIME_OVERHEAD_BYTES, rank, params * step_per_param))
+        matrices = layers[rank] * layer_parameters_per_rank(model, t, cfg) * matrix
+        if matrices:  # Muon's matrices (the experts' all are): one momentum instead of two moments, sharded alike
+            states += saved * (max(matrices - expert, 0.0) / _owned_divisor(cfg.strategy, cfg.shards)
+                               + expert / _owned_divisor(cfg.strategy, experts.expert_shards(cfg)))
+        step = max(params * step_per_param, matrices * muon_step)
+        out_list.append(MemoryEstimate(states, acts, RUNTIME_OVERHEAD_BYTES, rank, step))
     return out_list

@@ -11,7 +11,9 @@ and one iteration is
 
     T = (m + (p-1)/v) · T_mb + tied-embedding all-reduce + exposed data-parallel reduction + optimizer step
 
-i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3).
+i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3). The
+overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement of their paired passes up to
+the other microbatch's compute (:func:`overlap_hidden`).
 Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
 in one server and otherwise over the network (Megatron orders ranks t fastest, then d, then p). Every
 constant below is a hardware or implementation fact with its source; none is fitted to the paper's
@@ -24,9 +26,10 @@ from dataclasses import dataclass
 
 from ptdp.planner import experts
 from ptdp.planner.memory import parameters_per_rank
+from ptdp.planner.muon import NS_STEPS, MuonWork, muon_work
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
-from ptdp.schedule.registry import bubble_fraction_formula
+from ptdp.schedule.registry import bubble_fraction_formula, pair_share
 
 # Large 16-bit GEMMs reach ~85-90% of the datasheet peak with cuBLAS on A100/H100; a dimension x only
 # fills the tensor-core tiles and SM waves in proportion x / (x + GEMM_HALF_DIM) (1024^3 -> ~69% of peak,
@@ -111,13 +114,14 @@ def _layer_forward_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSp
         + gemm_time(tokens, h, f / t, peak)  # MLP ffn -> h (row parallel)
     )
     heads = b * a / t
-    core = gemm_time(s // c, s, q / a, peak, heads) + gemm_time(s // c, q / a, s, peak, heads)  # QK^T, scores @ V
+    keys = model.attended  # s, or inside packed documents sum(l_i^2)/s
+    core = gemm_time(s // c, keys, q / a, peak, heads) + gemm_time(s // c, q / a, keys, peak, heads)  # QK^T, @ V
     # memory-bound ops, bytes moved: 2 LayerNorms (r+w: 8/elt) and 2 dropout+residual (r 2, w 1 + mask: 7/elt)
     # on s·b·h (replicated over t unless sequence parallel), bias+GeLU on the ffn activations (4/elt), and
     # the fused scale-mask-softmax + dropout on the a·s² scores (9/elt)
     sp = cfg.sequence_parallel and t > 1
     elementwise = (22 * tokens * h / (t if sp else 1) + (6 if model.swiglu else 4) * tokens * f / t
-                   + 9 * heads * s // c * s) / hbm  # SwiGLU: read gate and up, write the product
+                   + 9 * heads * s // c * keys) / hbm  # SwiGLU: read gate and up, write the product
     return dense, core, elementwise
 
 
@@ -170,7 +174,7 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         recompute = forward
     elif cfg.recompute_granularity == "selective":  # only the attention core and its softmax/dropout
         heads = b * model.num_attention_heads / t
-        recompute = core + 9 * heads * s // c * s / hbm
+        recompute = core + 9 * heads * s // c * model.attended / hbm
     else:
         recompute = 0.0
     recompute *= layers
@@ -290,6 +294,18 @@ def optimizer_bytes_per_param(precision: str) -> int:
     return OPTIMIZER_BYTES_PER_PARAM + copy + grad_bytes
 
 
+def muon_seconds(work: MuonWork, cfg: ParallelConfig, cluster: ClusterSpec) -> float:
+    """Muon's step beyond the element-wise update: Newton–Schulz (per step X·Xᵀ, A·A and B·X on the wide form,
+    16-bit GEMMs as with Megatron's ``medium`` precision) and the fp32 exchange (each way an all-gather)."""
+    peak = cluster.gpu.peak_flops
+    ns = sum(n * NS_STEPS * (2 * gemm_time(a, a, b, peak) + gemm_time(a, a, a, peak))
+             for r, c, n in work.matrices for a, b in [sorted((r, c))])
+    bw, lat = dp_link(cfg, cluster)
+    tbw, tlat = _link(cluster, tp_spans_nodes(cfg, cluster))
+    return ns + (ring_all_reduce_time(work.dp_bytes, work.dp, bw, lat)
+                 + ring_all_reduce_time(work.tp_bytes, cfg.tensor_model_parallel_size, tbw, tlat)) / 2
+
+
 def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> IterationTimes:
     """Iteration time = m·T_mb + bubble (p-1)/v·T_mb (or the schedule's own bubble fraction of m·T_mb) +
     exposed DP reduction + optimizer step."""
@@ -301,7 +317,8 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     )
     m = cfg.num_microbatches(train.global_batch_size)
     stage = stage_times(model, cfg, cluster, train.precision)
-    bubble = bubble_fraction_formula(p, v, m, cfg.schedule) * m * stage.total
+    bubble = bubble_fraction_formula(p, v, m, cfg.schedule, cfg.overlap_moe_expert_parallel_comm) * m * stage.total
+    ep_comm = m * stage.ep_comm - overlap_hidden(cfg, m, stage)
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
@@ -344,6 +361,9 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     local_params = params / max(cfg.shards // cfg.context_parallel_size, 1) + expert / experts.expert_shards(cfg)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
+    if train.optimizer == "muon":  # + the orthogonalisation of the fullest rank's matrices and its exchange
+        layers = max(rank_layers(model.num_layers, cfg)[r] for r in checked)
+        optimizer += muon_seconds(muon_work(model, cfg, layers), cfg, cluster)
     return IterationTimes(
         compute=m * stage.compute,
         logits=m * stage.logits,
@@ -355,5 +375,17 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         dp_comm=dp_comm,
         optimizer=optimizer,
         cp_comm=m * stage.cp_comm,
-        ep_comm=m * stage.ep_comm,
+        ep_comm=ep_comm,
     )
+
+
+def overlap_hidden(cfg: ParallelConfig, m: int, stage: StageTimes) -> float:
+    """Seconds of MoE token movement an iteration hides with overlapped forward-backward pairs (dualpipev,
+    or ``--overlap-moe-expert-parallel-comm`` under 1f1b / interleaved; ``ptdp.schedule.dualpipe``): inside a
+    pair each microbatch's dispatch and combine run under the other microbatch's compute, so a paired pass
+    hides its communication up to that compute (``min(ep_comm, compute)`` per microbatch); the passes
+    outside pairs (warm-up, cool-down) hide nothing. The share of paired passes is the schedule's own
+    (``pair_share``)."""
+    share = pair_share(cfg.schedule, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
+                       m, cfg.overlap_moe_expert_parallel_comm)
+    return share * m * min(stage.ep_comm, stage.compute)

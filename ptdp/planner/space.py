@@ -5,14 +5,16 @@ searched."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from ptdp.config.validate_pipeline import schedule_problems
 from ptdp.planner.experts import expert_choices, expert_layout_problem
 from ptdp.planner.memory import STRATEGIES
 from ptdp.planner.spec import RECOMPUTE_CHOICES, ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
+from ptdp.planner.stages import balanced_layout
 from ptdp.planner.vocab import vocab_layout_problem, vocab_variants
+from ptdp.schedule.registry import REGISTRY, default_schedule, schedule_placement
 
 
 def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec) -> str | None:
@@ -43,6 +45,12 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
     problems = schedule_problems(cfg.pipeline_schedule, p, v, cfg.num_microbatches(train.global_batch_size))
     if problems:  # the schedule's own constraints (ptdp.schedule.registry)
         return problems[0]
+    if cfg.overlap_moe_expert_parallel_comm and model.moe is None:
+        return "--overlap-moe-expert-parallel-comm overlaps a mixture of experts' token movement: it needs --num-experts"
+    if cfg.overlap_moe_expert_parallel_comm and REGISTRY[cfg.schedule].combined is None:
+        return f"--overlap-moe-expert-parallel-comm overlaps the steady state of 1f1b and interleaved, not {cfg.schedule}"
+    if model.mtp_num_layers and (cfg.overlap_moe_expert_parallel_comm or REGISTRY[cfg.schedule].overlaps):
+        return "--mtp-num-layers with overlapped forward-backward pairs is not supported yet"
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
     return expert_layout_problem(model, cfg, cluster.num_gpus)  # issue 25: e, etp and the dispatcher
@@ -72,7 +80,9 @@ class Space:
     unless pinned: below that the s/c activations rarely pay for its attention traffic. With
     ``vocab_layouts`` each layout with p > 1 comes also with vocabulary parallelism and with the uneven
     layout that balances its stages (``vocab_variants``). A mixture of experts also searches e (dividing
-    E), etp in {t, 1} and, at e > 1, both token dispatchers (``experts.expert_choices``)."""
+    E), etp in {t, 1} and, at e > 1, both token dispatchers (``experts.expert_choices``) and, unless
+    ``overlap`` or the schedule is pinned, the overlapped schedules (``overlap_variants``, issue 38);
+    ``overlap`` pins ``--overlap-moe-expert-parallel-comm``."""
 
     tensor_sizes: Sequence[int] | None = None
     pipeline_sizes: Sequence[int] | None = None
@@ -90,6 +100,11 @@ class Space:
     expert_sizes: Sequence[int] | None = None
     expert_tensor_sizes: Sequence[int | None] | None = None
     dispatchers: Sequence[str] | None = None
+    overlap: bool | None = None
+
+    def searches_overlap(self) -> bool:
+        """Whether each MoE layout also comes with its overlapped variants (``overlap_variants``)."""
+        return self.pipeline_schedule is None and self.overlap is None
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,7 @@ class Cell:
     shardings: tuple[tuple[str, int], ...]
     experts: tuple[tuple[int, int | None, str], ...]
     space: Space
+    layout: str | None = None  # p does not divide the layers: the balanced layout string (uneven_layout)
 
     def config(self, sharding: int, expert: int) -> ParallelConfig:
         (strategy, k), (e, etp, dispatcher) = self.shardings[sharding], self.experts[expert]
@@ -116,7 +132,20 @@ class Cell:
                               s.sequence_parallel and self.t > 1, s.pipeline_schedule, context_parallel_size=self.c,
                               cp_comm_type=s.cp_comm_type, sharding_strategy=strategy,
                               distributed_optimizer_instances=k, expert_model_parallel_size=e,
-                              expert_tensor_parallel_size=etp, moe_token_dispatcher_type=dispatcher)
+                              expert_tensor_parallel_size=etp, moe_token_dispatcher_type=dispatcher,
+                              overlap_moe_expert_parallel_comm=bool(s.overlap),
+                              pipeline_model_parallel_layout=self.layout)
+
+
+def uneven_layout(model: GPTSpec, p: int, schedule: str | None) -> str | None:
+    """For p > 1 that does not divide the layers (DeepSeek-V3's 61 on 16 stages), one layout string with a
+    layer count per stage as even as it gets, the remainder away from the stages holding the embedding and
+    the loss (and the MTP modules, on the last); None when p divides them (the even split)."""
+    if p == 1 or model.num_layers % p == 0 or model.num_layers < p:
+        return None
+    last = 0.5 + model.mtp_num_layers  # the output layer and loss, and each MTP module a layer's worth
+    return balanced_layout(model.num_layers, p, 1, schedule_placement(default_schedule(schedule, 1)), 1.0, 0.5,
+                           last, model.mtp_num_layers)
 
 
 def cells(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Space) -> Iterator[Cell]:
@@ -131,10 +160,11 @@ def cells(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, space: Spac
             shardings = tuple(_sharding(space.strategies, space.distributed_optimizer, space.instances, d * c))
             experts = tuple(expert_choices(model, t, c, d, space.expert_sizes, space.expert_tensor_sizes,
                                            space.dispatchers))
+            layout = uneven_layout(model, p, space.pipeline_schedule) if space.vocab_layouts else None
             for b in space.micro_batch_sizes or _divisors(max(per_pipeline, 1)):
                 for v in space.virtual_sizes or _divisors(model.num_layers // p if model.num_layers % p == 0 else 1):
                     for rc in space.recompute:
-                        yield Cell(index, t, c, p, d, b, v, rc, shardings, experts, space)
+                        yield Cell(index, t, c, p, d, b, v, rc, shardings, experts, space, layout if v == 1 else None)
                         index += 1
 
 
@@ -158,12 +188,13 @@ def candidates(
     expert_sizes: Sequence[int] | None = None,
     expert_tensor_sizes: Sequence[int | None] | None = None,
     dispatchers: Sequence[str] | None = None,
+    overlap: bool | None = None,
 ) -> Iterator[ParallelConfig]:
     """Every valid layout of the ``Space`` these arguments pin, each even layout followed by its
-    vocabulary variants."""
+    vocabulary variants and its overlapped variants."""
     space = Space(tensor_sizes, pipeline_sizes, virtual_sizes, micro_batch_sizes, recompute, distributed_optimizer,
                   sequence_parallel, pipeline_schedule, context_sizes, cp_comm_type, vocab_layouts, strategies,
-                  instances, expert_sizes, expert_tensor_sizes, dispatchers)
+                  instances, expert_sizes, expert_tensor_sizes, dispatchers, overlap)
     for cell in cells(model, cluster, train, space):
         for i, j in product(range(len(cell.shardings)), range(len(cell.experts))):
             cfg = cell.config(i, j)
@@ -171,6 +202,21 @@ def candidates(
                 yield cfg
                 if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
                     yield from vocab_variants(model, cfg, cluster, train)
+                if space.searches_overlap():  # issue 38
+                    yield from overlap_variants(model, cfg, cluster, train)
+
+
+def overlap_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec
+                     ) -> Iterator[ParallelConfig]:
+    """A MoE layout moving tokens (e > 1) also with its expert communication overlapped (issue 38): its
+    schedule's combined 1F1B (``--overlap-moe-expert-parallel-comm``) and, at v = 2, dualpipev; those that are
+    valid (dualpipev needs m >= 2p)."""
+    if model.moe is None or cfg.expert_model_parallel_size == 1:
+        return
+    variants = [replace(cfg, overlap_moe_expert_parallel_comm=True)]
+    if cfg.virtual_pipeline_model_parallel_size == 2 and cfg.pipeline_model_parallel_size > 1:
+        variants.append(replace(cfg, pipeline_schedule="dualpipev"))
+    yield from (c for c in variants if invalid_reason(model, c, cluster, train) is None)
 
 
 def _sharding(strategies: Sequence[str] | None, distributed_optimizer: Sequence[bool], instances: Sequence[int] | None,

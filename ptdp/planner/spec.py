@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.models.flops import MoEShape, model_parameter_count
+from ptdp.models.flops import MLAShape, MoEShape, mla_shape, model_parameter_count
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -42,6 +42,26 @@ class GPTSpec:
     disable_bias_linear: bool = False
     disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
+    # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
+    # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
+    attention_length: float | None = None
+    multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    mtp_num_layers: int = 0  # multi-token prediction modules, on the last pipeline stage
+
+    @property
+    def attended(self) -> float:
+        """What stands for the key length s in the attention terms: s, or the documents' ``attention_length``."""
+        return self.seq_length if self.attention_length is None else self.attention_length
+
+    @property
+    def mla(self) -> MLAShape | None:
+        """Multi-latent attention's sizes (None: standard attention)."""
+        return mla_shape(self)
 
     @property
     def ffn(self) -> int:
@@ -88,13 +108,29 @@ class GPTSpec:
 
     @property
     def q_width(self) -> int:
-        """a·d: the query (and attention output) projection width."""
+        """a·d: the query (and attention output) projection width; with MLA, a·(d_k + d_r)."""
+        if self.mla is not None:
+            return self.num_attention_heads * (self.mla.qk_head_dim + self.mla.qk_pos_emb_head_dim)
         return self.num_attention_heads * (self.kv_channels or self.hidden_size // self.num_attention_heads)
 
     @property
     def kv_width(self) -> int:
-        """G·d: the key (and the value) projection width."""
+        """G·d: the key (and the value) projection width. With MLA the activations' and traffic's stand-in:
+        (K + V + the output projection's input) = 2·q_width + 2·kv_width wide as for GQA, kv_width = a·d_v
+        (keys are a·(d_k + d_r), values and the output's input a·d_v each)."""
+        if self.mla is not None:
+            return self.num_attention_heads * self.mla.v_head_dim
         return self.query_groups * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def mla_replicated(self) -> int:
+        """A multi-latent attention layer's parameters that stay whole under tensor parallelism (0 without
+        MLA): the down projections and the latent norms (Megatron-Core splits the others by heads)."""
+        if self.mla is None:
+            return 0
+        norm_width = 1 if self.normalization == "RMSNorm" else 2
+        return self.mla.replicated(self.hidden_size, self.num_attention_heads, not self.disable_bias_linear,
+                                   norm_width)
 
     @classmethod
     def from_model_config(cls, m: ModelConfig) -> GPTSpec:
@@ -106,6 +142,9 @@ class GPTSpec:
             swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
             disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
+            multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+            qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+            mtp_num_layers=m.mtp_num_layers or 0,
         )
 
     @classmethod
@@ -168,13 +207,15 @@ class TrainingSpec:
     """Per-iteration workload and numerics.
 
     ``precision``: "fp16" (the paper: fp16 grads, 20 bytes/param) or "bf16" (Megatron: fp32 main grads,
-    18 bytes/param); see ptdp-facts.md, §Memory. ``overlap_grad_reduce``: start the data-parallel gradient
+    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: its state is 8 bytes/param (AdamW's two
+    moments), 4 for SGD and for Muon's hidden matrices (one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
     reduction during the last microbatch's backward (modern Megatron); the paper's runs did not.
     """
 
     global_batch_size: int
     precision: str = "fp16"
     overlap_grad_reduce: bool = False
+    optimizer: str = "adam"  # --optimizer: adam, sgd or muon (Muon on the hidden matrices, AdamW on the rest)
 
 
 @dataclass(frozen=True)
@@ -204,6 +245,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"  # ptdp train's (and Megatron-LM's) default
+    # issue 38: combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
+    overlap_moe_expert_parallel_comm: bool = False
 
     @property
     def strategy(self) -> str:

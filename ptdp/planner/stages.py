@@ -135,12 +135,13 @@ def balanced_counts(num_layers: int, p: int, v: int, placement: str, layer_cost:
 
 
 def balanced_layout(num_layers: int, p: int, v: int, placement: str, layer_cost: float, first_cost: float,
-                    last_cost: float) -> str | None:
-    """:func:`balanced_counts` as a Megatron layout string, or None when it is the even split."""
+                    last_cost: float, mtp: int = 0) -> str | None:
+    """:func:`balanced_counts` as a Megatron layout string (``mtp`` MTP modules on the last stage), or None
+    when it is the even split."""
     counts = balanced_counts(num_layers, p, v, placement, layer_cost, first_cost, last_cost)
     if len(set(counts)) == 1:
         return None
-    return layout_string(stages_from_counts(counts))
+    return layout_string(stages_from_counts(counts), mtp)
 
 
 def per_rank(values: Sequence[float]) -> str:

@@ -30,7 +30,8 @@ def vocab_layout_problem(model: GPTSpec, cfg: ParallelConfig) -> str | None:
                cfg.tensor_model_parallel_size)
     if cfg.enable_vocab_parallel and (p == 1 or model.vocab_size < p * t):
         return f"--enable-vocab-parallel needs p > 1 and a vocabulary of at least p·t = {p * t} entries"
-    return layout_problem(model.num_layers, p, v, layout=cfg.pipeline_model_parallel_layout)
+    return layout_problem(model.num_layers, p, v, layout=cfg.pipeline_model_parallel_layout,
+                          mtp_num_layers=model.mtp_num_layers)
 
 
 def vocab_costs(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str) -> tuple[float, float, float]:
@@ -71,7 +72,7 @@ def vocab_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec,
         yield replace(cfg, enable_vocab_parallel=True)  # one barrier: two is never faster in this model
     layer, first, last = vocab_costs(model, cfg, cluster, train.precision)
     layout = balanced_layout(model.num_layers, p, cfg.virtual_pipeline_model_parallel_size,
-                             schedule_placement(cfg.schedule), layer, first, last)
+                             schedule_placement(cfg.schedule), layer, first, last, model.mtp_num_layers)
     if layout is not None:
         yield replace(cfg, pipeline_model_parallel_layout=layout)
 

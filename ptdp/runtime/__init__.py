@@ -1,1 +1,1 @@
-"""The process runtime: launching workers (``launch``, ``elastic``), signals (``interrupt``), start-up checks (``startup``), phase announcements (``phases``), one-line errors (``errors``) and accelerator specs (``hardware``)."""
+"""The process runtime: launching workers (``launch``, ``elastic``), signals (``interrupt``), start-up checks (``startup``), phase announcements (``phases``), one-line errors (``errors``), leaving without the interpreter's teardown (``exit``) and accelerator specs (``hardware``)."""

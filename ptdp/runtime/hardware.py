@@ -4,7 +4,8 @@ Numbers are vendor datasheet values (dense 16-bit tensor-core peak, no sparsity)
 and per direction, in bytes/s:
 
 * intra-node: NVLink through NVSwitch. A100: 12 NVLink3 links x 25 GB/s = 300 GB/s; H100/H200: 18 NVLink4
-  links x 25 GB/s = 450 GB/s.
+  links x 25 GB/s = 450 GB/s. H800 (the export H100 DeepSeek-V3 trained on): the H100's compute and HBM
+  with 400 GB/s of NVLink in both directions together, 200 GB/s each way (the report measures ~160 GB/s).
 * inter-node: one NIC per GPU, as in DGX servers (ptdp-facts.md, §Hardware: 8 x 200 Gb/s HDR InfiniBand
   per A100 node = 25 GB/s per GPU; 8 x 400 Gb/s NDR per H100/H200 node = 50 GB/s per GPU).
 """
@@ -37,6 +38,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator("h100-80gb", 989e12, 80 * GIB, 3.35e12, 450e9, 50e9),
         Accelerator("h100-pcie", 756e12, 80 * GIB, 2.0e12, 300e9, 50e9),  # NVLink bridge pairs only
         Accelerator("h200", 989e12, 141 * 10**9, 4.8e12, 450e9, 50e9),
+        Accelerator("h800", 989e12, 80 * GIB, 3.35e12, 200e9, 50e9),  # 8 x 400 Gb/s InfiniBand per node
     )
 }
 
@@ -54,6 +56,8 @@ def accelerator_for_device_name(device_name: str) -> Accelerator | None:
     name = device_name.upper()
     if "H200" in name:  # includes GH200
         return ACCELERATORS["h200"]
+    if "H800" in name:
+        return ACCELERATORS["h800"]
     if "H100" in name:
         return ACCELERATORS["h100-pcie" if "PCIE" in name else "h100-80gb"]
     if "A100" in name:

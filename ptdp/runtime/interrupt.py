@@ -1,37 +1,51 @@
-"""Ctrl-C as a graceful stop: the first SIGINT finishes the current iteration, saves and exits 130.
+"""Ctrl-C at any moment: one line saying what happened and what was saved, exit 130, within seconds.
 
 Why not Python's ``KeyboardInterrupt``: it is raised wherever the main thread happens to be, so on a
-multi-process run one rank unwinds out of a collective while its peers fail in theirs ("Connection closed
-by peer"), every rank prints a traceback, and the work since the last periodic save is lost. Instead:
+multi-process run one rank unwinds out of a collective while its peers fail in theirs, every rank prints a
+traceback, and the work since the last periodic save is lost. And a Python handler waits for the main
+thread: a rank inside a rendezvous or a collective (a C call) would not see the signal until it returned,
+which is how a Ctrl-C during start-up was lost. So SIGINT goes through :mod:`ptdp.runtime.signals` (a
+thread acts on it at once), and:
 
-- **Workers** (``ptdp train`` in one process, or each rank under the launcher) install :func:`install`.
-  The first SIGINT only sets a flag. The training loop's checkpoint manager ORs it over all ranks at the
-  next iteration boundary (the same tiny all-reduce that agrees on SIGTERM), saves when ``--save`` is set
-  and stops; rank 0 then prints one line, :func:`stop_line` ("stopped at iteration N; saved to
-  DIR/iter_000000N"), and the process exits 130. A SIGINT before training started, or a second one, stops
-  at once: one line (:func:`immediate_line`) from rank 0, ``os._exit`` on every rank (no traceback, no
-  gloo teardown), and a save cut short leaves only a ``.tmp-iter_*`` directory that the next start removes
-  (``latest`` still names the previous complete checkpoint).
-- **The launcher** (``ptdp train --nproc-per-node N``) starts its workers in sessions of their own
-  (torchrun does), so a terminal's Ctrl-C reaches the launcher alone. :func:`install_launcher` passes
-  each SIGINT on to the workers itself (torchrun's handler would turn it into a shutdown with a 30 s kill
-  timer and tracebacks); the workers exit 0 to the agent (a non-zero exit would be a failure it restarts)
-  and the launcher exits 130. A third Ctrl-C kills the workers.
+- **A worker** (``ptdp train`` in one process, or each rank under the launcher): a first SIGINT once the
+  loop trains (:func:`training`) only sets a flag; the run controller ORs it over all ranks at the next
+  iteration boundary (the tiny all-reduce that also agrees on SIGTERM and NaN), the ranks save when
+  ``--save`` is set and stop, and the line is :func:`stop_line` (``stopped at iteration N; saved to
+  DIR/iter_000000N``). A SIGINT before that (launch, rendezvous, data, model build, loading), or a second
+  one, stops at once (:func:`stop_now`): ``os._exit`` on every rank, no traceback, no teardown; a save cut
+  short leaves only a ``.tmp-iter_*`` directory that the next start removes, ``latest`` still naming the
+  previous checkpoint. The line is :func:`immediate_line`.
+- **The launcher** (``ptdp train --nproc-per-node N``) is the one process the terminal talks to: torchrun
+  starts the workers in sessions of their own. It passes each SIGINT on to the workers, and prints the one
+  line itself: rank 0 leaves what it knows (phase, iteration, the final line) in ``PTDP_STATUS_FILE``, so
+  workers print nothing. The launcher's monitor (:class:`_Stop`) enforces the promise: workers that are
+  still there 2 s after a peer left (they wait for it in a collective), or 2 s after a second Ctrl-C, are
+  killed; a third Ctrl-C kills them at once. Workers exit 0 to torchrun (a non-zero exit is a failure it
+  would restart) and the launcher exits 130.
 
-Processes launched by ptdp know it from ``PTDP_LAUNCHER_PID`` in their environment.
+A graceful stop that takes more than :data:`NOTICE_S` (a long iteration, a big save) says so once, so the
+terminal is never silent for long. Processes launched by ptdp know it from ``PTDP_LAUNCHER_PID``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
+from ptdp.runtime import signals
 from ptdp.runtime.errors import write_line
 
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 LAUNCHER_ENV = "PTDP_LAUNCHER_PID"
+STATUS_ENV = "PTDP_STATUS_FILE"  # where rank 0 tells the launcher what a stop left behind
+NOTICE_S = 5.0  # a graceful stop still running after this long says what it waits for
+GRACE_S = 2.0  # the launcher kills workers left this long after a peer (or the second Ctrl-C) stopped
 
 _STATE: dict = {"count": 0, "phase": "setup", "rank": 0, "iteration": None, "save": None, "loaded": 0,
                 "stop": None}
@@ -46,23 +60,40 @@ def quiet_exit_handler(command: str = "ptdp"):
     """A SIGINT handler for the commands without a graceful stop: one line, exit 130, no traceback."""
 
     def handler(signum, frame) -> None:
-        if command != "ptdp train":
-            _write(f"{command}: interrupted")
-        elif int(os.environ.get("RANK", "0")) == 0:  # a worker still importing, before install()
-            _write(immediate_line("setup", None, None))
-        os._exit(0 if launched() else EXIT_CODE)
+        _write(f"{command}: interrupted")
+        os._exit(EXIT_CODE)
 
     return handler
 
 
+def install_for_command(argv: list[str]) -> None:
+    """Ctrl-C before a command installs its own handling (imports, argument parsing, or a command without
+    a graceful stop): one line, exit 130. ``ptdp train`` acts on it from a thread at once: a SIGINT before
+    :func:`install` stops at once (worker or launcher: either has nothing to save yet)."""
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command != "train":
+        signal.signal(signal.SIGINT, quiet_exit_handler("ptdp" + (f" {command}" if command else "")))
+    elif not signals.installed(signal.SIGINT):
+        _STATE.update(rank=int(os.environ.get("RANK", "0")))
+        signals.on(signal.SIGINT, _worker_signal)  # before the signal is routed: none arrives unheard
+        signals.install(signal.SIGINT)
+
+
+def know_save(save: str | None) -> None:
+    """``--save``, as soon as the arguments are parsed: what a stop at once says is (not) on disk."""
+    _STATE["save"] = save
+    _LAUNCHER["save"] = save
+
+
 def install(rank: int, save: str | None) -> None:
-    """This worker's SIGINT handler (main thread only, as Python requires)."""
+    """This worker's SIGINT handling (main thread only, as Python requires)."""
     _STATE.update(count=0, phase="setup", rank=rank, iteration=None, save=save, loaded=0, stop=None)
-    signal.signal(signal.SIGINT, _worker_handler)
+    signals.on(signal.SIGINT, _worker_signal)
+    signals.install(signal.SIGINT)
 
 
 def requested() -> bool:
-    """Whether a SIGINT reached this process (the manager agrees on it with every rank)."""
+    """Whether a SIGINT reached this process (the run controller agrees on it with every rank)."""
     return _STATE["count"] > 0
 
 
@@ -73,7 +104,7 @@ def loaded(iteration: int) -> None:
 
 def training(iteration: int) -> None:
     """The loop starts ``iteration``: from now on a first SIGINT is a graceful stop."""
-    if _STATE["phase"] == "setup" or _STATE["phase"] == "training":
+    if _STATE["phase"] in ("setup", "training"):
         _STATE["phase"] = "training"
     _STATE["iteration"] = iteration
 
@@ -86,11 +117,11 @@ def stopped(iteration: int, saved: bool) -> None:
 
 def exit_code() -> int | None:
     """After ``train`` returned: None when no SIGINT stopped it, else this process's exit code (rank 0
-    has printed :func:`stop_line` by then)."""
+    has reported :func:`stop_line` by then)."""
     if _STATE["stop"] is None:
         return None
     if _STATE["rank"] == 0:
-        _write(stop_line(*_STATE["stop"], _STATE["save"], _STATE["loaded"]))
+        _report(stop_line(*_STATE["stop"], _STATE["save"], _STATE["loaded"]), final=True)
     return 0 if launched() else EXIT_CODE
 
 
@@ -101,10 +132,13 @@ def stop_line(iteration: int, saved: bool, save: str | None, loaded: int = 0) ->
     return f"ptdp train: stopped at iteration {iteration}; {_nothing_saved(save, loaded)}"
 
 
-def immediate_line(phase: str, iteration: int | None, save: str | None, loaded: int = 0) -> str:
-    """The one line of a stop at once (a SIGINT during start-up, or a second one)."""
+def immediate_line(phase: str, iteration: int | None, save: str | None, loaded: int = 0,
+                   step: str | None = None) -> str:
+    """The one line of a stop at once (a SIGINT before training, or a second one); ``step``: the start-up
+    step under way (``ptdp.runtime.phases``)."""
     if phase == "setup" or iteration is None:
-        return "ptdp train: stopped at once during start-up; nothing saved"
+        during = f" ({step})" if step else ""
+        return f"ptdp train: stopped at once during start-up{during}; {_nothing_saved(save, loaded)}"
     return f"ptdp train: stopped at once in iteration {iteration}; {_nothing_saved(save, loaded)}"
 
 
@@ -125,20 +159,29 @@ def _latest(save: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _worker_handler(signum, frame) -> None:
+def _worker_signal(signum: int) -> None:
     _STATE["count"] += 1
-    if _STATE["count"] == 1 and _STATE["phase"] != "setup":
-        if not launched() and _STATE["rank"] == 0:  # one process: it is the one the terminal talks to
-            _write("ptdp train: Ctrl-C: finishing this iteration, then saving (if --save) and stopping; "
-                   "Ctrl-C again stops at once")
+    if _STATE["count"] == 1 and _STATE["phase"] == "training":
+        _report(None)  # the launcher learns the phase now, in case it has to stop us
+        if not launched() and _STATE["rank"] == 0:  # one process: it talks to the terminal itself
+            notice = threading.Timer(NOTICE_S, _notice)
+            notice.daemon = True
+            notice.start()
         return
     stop_now()
 
 
+def _notice() -> None:
+    if _STATE["stop"] is None:
+        _write(f"ptdp train: Ctrl-C: finishing iteration {_STATE['iteration']}, then saving (if --save) and "
+               "stopping; Ctrl-C again stops at once")
+
+
 def stop_now() -> None:
     """Leave at once on this rank: rank 0 says what is on disk; no traceback, no teardown."""
-    if _STATE["rank"] == 0:
-        _write(immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"]))
+    if _STATE["rank"] == 0:  # under the launcher, it words the line (it knows --save from the start)
+        _report(immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"], _step()),
+                final=not launched())
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
@@ -152,48 +195,174 @@ def interrupted_exception(error: BaseException) -> bool:
     return requested() and not isinstance(error, SystemExit)
 
 
+def _report(line: str | None, final: bool = False) -> None:
+    """Rank 0: the line of this stop. Under the launcher it goes to the status file (the launcher prints
+    it), with the phase, so that the launcher can word the line itself if it has to kill this process."""
+    path = os.environ.get(STATUS_ENV)
+    if not launched() or not path:
+        if line is not None:
+            _write(line)
+        return
+    status = {"phase": _STATE["phase"], "iteration": _STATE["iteration"], "loaded": _STATE["loaded"],
+              "step": _step(), "line": line if final else None}
+    try:
+        tmp = f"{path}.{os.getpid()}"
+        Path(tmp).write_text(json.dumps(status))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _step() -> str | None:
+    """The start-up step under way, lowercase and without the first iteration's own phase."""
+    from ptdp.runtime.phases import current
+
+    step = current()
+    return None if step is None or step.startswith("iteration ") else step
+
+
 def _write(line: str) -> None:
     write_line(sys.stderr, line)
 
 
 # --- the launcher's side -------------------------------------------------------------------------------
 
-_LAUNCHER: dict = {"count": 0}
+
+class _Stop:
+    """The launcher's stop in progress (see the module docstring): one per run, made by the first SIGINT."""
+
+    def __init__(self, save: str | None, status: str) -> None:
+        self.save, self.status = save, status
+        self.count, self.started = 0, time.monotonic()
+        self.second: float | None = None
+        self.workers = _children()
+        self.first_exit: float | None = None
+        self._done = threading.Lock()
+        self._noticed = False
+
+    def signal(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            if not self.workers:  # none started (yet): one may be forking right now, so look again
+                time.sleep(0.3)
+                self.workers = _children()
+            if not self.workers:
+                self.finish()
+            threading.Thread(target=self._monitor, name="ptdp-stop", daemon=True).start()
+        elif self.count == 2:
+            self.second = time.monotonic()
+        sig = signal.SIGKILL if self.count >= 3 else signal.SIGINT
+        for pid in self.workers:
+            _kill(pid, sig)
+        if self.count >= 3:
+            self.finish()
+
+    def _monitor(self) -> None:
+        while True:
+            time.sleep(0.05)
+            alive = [pid for pid in self.workers if _running(pid)]
+            now = time.monotonic()
+            if not alive:
+                self.finish()
+            if len(alive) < len(self.workers) and self.first_exit is None:
+                self.first_exit = now
+            late = [t for t in (self.first_exit, self.second) if t is not None and now - t > GRACE_S]
+            if late:  # waiting for a peer that left, or still there after a second Ctrl-C
+                self.finish()
+            if not self._noticed and self.count == 1 and now - self.started > NOTICE_S:
+                self._noticed = True
+                status = self._status()
+                if status.get("phase") == "training":
+                    _write(f"ptdp train: Ctrl-C: the workers finish iteration {status.get('iteration')}, then save "
+                           "(if --save) and stop; Ctrl-C again stops at once")
+
+    def _status(self) -> dict:
+        try:
+            return json.loads(Path(self.status).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def finish(self) -> None:
+        """Kill what is left, print the one line, exit 130 (once, from whichever thread gets here)."""
+        if not self._done.acquire(blocking=False):
+            time.sleep(60)  # the other thread is exiting the process
+            return
+        _quiet_torchrun()
+        pids = self.workers + _children()
+        status = self._status()
+        line = status.get("line") or immediate_line(status.get("phase", "setup"), status.get("iteration"),
+                                                     self.save, status.get("loaded") or 0,
+                                                     status.get("step") or _step())
+        _write(line)
+        try:
+            os.unlink(self.status)
+        except OSError:
+            pass
+        # Last, with no call between that could let torchrun's thread see a killed worker and restart it.
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
+        os._exit(EXIT_CODE)
 
 
-def install_launcher() -> None:
-    """Pass SIGINT on to the workers (see the module docstring); torchrun keeps SIGTERM and the rest."""
-    _LAUNCHER["count"] = 0
+_LAUNCHER: dict = {"stop": None, "save": None, "status": None}
+
+
+def install_launcher(save: str | None) -> None:
+    """Pass SIGINT on to the workers and report their stop (see the module docstring); torchrun keeps
+    SIGTERM and the rest. ``save``: ``--save``, to say what is on disk."""
+    fd, status = tempfile.mkstemp(prefix="ptdp-status-", suffix=".json")
+    os.close(fd)
+    os.unlink(status)  # rank 0 creates it when it has something to say
+    _LAUNCHER.update(stop=None, save=save, status=status)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
-    signal.signal(signal.SIGINT, _launcher_handler)
+    os.environ[STATUS_ENV] = status
+    signals.on(signal.SIGINT, _launcher_signal)
+    signals.install(signal.SIGINT)
 
 
 def launcher_interrupted() -> bool:
-    return _LAUNCHER["count"] > 0
+    return _LAUNCHER["stop"] is not None
 
 
-def _launcher_handler(signum, frame) -> None:
-    _LAUNCHER["count"] += 1
-    workers = _children()
-    if not workers:  # the workers are not running (yet): nothing to finish
-        _write("ptdp train: stopped at once during start-up; nothing saved")
-        os._exit(EXIT_CODE)
-    count = _LAUNCHER["count"]
-    if count == 1:
-        _write("ptdp train: Ctrl-C: the workers finish their current iteration, then save (if --save) and "
-               "stop; Ctrl-C again stops at once")
-    for pid in workers:
-        try:
-            os.kill(pid, signal.SIGKILL if count >= 3 else signal.SIGINT)
-        except OSError:
-            pass
-    if count >= 3:
-        _write("ptdp train: workers killed")
-        os._exit(EXIT_CODE)
+def finish_launcher_stop() -> None:
+    """torchrun returned after a Ctrl-C (the workers stopped, exit 0): print the line and exit 130."""
+    stop = _LAUNCHER["stop"]
+    if stop is not None:
+        stop.finish()
+
+
+def _launcher_signal(signum: int) -> None:
+    if _LAUNCHER["stop"] is None:
+        _LAUNCHER["stop"] = _Stop(_LAUNCHER["save"], _LAUNCHER["status"])
+    _LAUNCHER["stop"].signal()
+
+
+def _quiet_torchrun() -> None:
+    """Nothing from torchrun's loggers once we stop the workers ourselves."""
+    import logging
+
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive (a zombie, exited but not yet reaped by torchrun, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _children() -> list[int]:
-    """This process's child processes (Linux /proc): the workers torchrun started."""
+    """This process's running child processes (Linux /proc): the workers torchrun started."""
     me, out = os.getpid(), []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
@@ -203,6 +372,6 @@ def _children() -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == me:
+        if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z":
             out.append(int(entry))
     return out

@@ -3,6 +3,7 @@ works without typing torchrun, with its elastic restarts (``--max-restarts``).""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -30,19 +31,27 @@ def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str,
     return flags
 
 
-def launch_line(nproc_per_node: int, world_size: int, tensor: int, context: int, pipeline: int) -> str:
-    """The launcher's first line, printed before anything slow (importing torch to check the
-    configuration, the rendezvous, every worker's start-up): what starts, in which layout."""
+def launch_line(nproc_per_node: int | None, world_size: int, tensor: int, context: int, pipeline: int) -> str:
+    """The first line of ``ptdp train``, printed before anything slow (importing torch to check the
+    configuration, the rendezvous, every worker's start-up): what starts, in which layout.
+    ``nproc_per_node`` None: one process, no launcher."""
     model = tensor * context * pipeline
     data = str(world_size // model) if model > 0 and world_size % model == 0 else "?"
+    layout = f"layout t={tensor} {f'c={context} ' if context > 1 else ''}p={pipeline} d={data}"
+    if nproc_per_node is None:
+        return (f"ptdp train: one process, {layout}: checking the configuration, then starting; each start-up "
+                "step that takes more than 2 s is reported")
     where = f" on this node (world size {world_size})" if world_size != nproc_per_node else ""
-    return (f"ptdp train: {nproc_per_node} worker(s){where}, layout t={tensor} "
-            f"{f'c={context} ' if context > 1 else ''}p={pipeline} d={data}: checking the configuration, then "
+    return (f"ptdp train: {nproc_per_node} worker(s){where}, {layout}: checking the configuration, then "
             "starting them; rank 0 reports each start-up step that takes more than 2 s")
 
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],
-                   rendezvous: dict[str, str] | None = None, cpu_mmap_threshold: int = 0) -> int:
+                   rendezvous: dict[str, str] | None = None, save: str | None = None,
+                   cpu_mmap_threshold: int = 0) -> int:
+    """Run torchrun's agent in this process; the exit code of the job. What reaches the terminal is the
+    workers' own lines and at most one of the launcher's per event (:class:`_WorkerFailures`): torchrun's
+    log lines (``Sending process ... closing signal SIGTERM``, ``failed (exitcode: 2)``) are not printed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -63,19 +72,83 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
     from ptdp.runtime import interrupt
 
-    interrupt.install_launcher()  # Ctrl-C goes to the workers as a graceful stop (ptdp/runtime/interrupt.py)
+    interrupt.install_launcher(save)  # Ctrl-C goes to the workers as a graceful stop (ptdp/runtime/interrupt.py)
+    failures = _WorkerFailures(max_restarts, single_node=not rendezvous)
+    failures.attach()
     try:
         run(launcher_args)
     except ChildFailedError as e:
+        if interrupt.launcher_interrupted():  # workers killed by the stop in progress: it reports
+            interrupt.finish_launcher_stop()
         codes = sorted({f.exitcode for f in e.failures.values()})
-        print_error("train", f"worker(s) failed with exit code {codes}; see their messages above")
         # Negative codes are signals, mostly the launcher's own SIGTERM to the workers still running when
         # the first one failed: the workers' own exit code (2: bad input on every rank) is the answer.
         exited = {code for code in codes if code > 0}
+        if not exited & _REPORTED_BY_WORKERS:  # a worker that said nothing: a crash, a kill
+            print_error("train", f"worker(s) failed ({failures.describe(codes)}); see their messages above")
         return exited.pop() if len(exited) == 1 else 1
     except SignalException as e:  # e.g. a scheduler's pre-emption: the workers were passed the signal
         name = signal.Signals(e.sigval).name
         print(f"ptdp train: stopped by {name}, which was passed on to the workers", file=sys.stderr)
         return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
-    # After Ctrl-C the workers stopped (rank 0 said how) and exited 0, so torchrun did not restart them.
-    return interrupt.EXIT_CODE if interrupt.launcher_interrupted() else 0
+    finally:
+        failures.detach()
+    # After Ctrl-C the workers stopped (rank 0 left the line) and exited 0, so torchrun did not restart them.
+    interrupt.finish_launcher_stop()
+    return 0
+
+
+# Exit codes whose worker printed its own one-line error (2: bad input; 3: a hang report, naming the rank).
+_REPORTED_BY_WORKERS = {2, 3}
+_TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+
+def exit_description(code: int) -> str:
+    """``exit code 1`` or ``killed by SIGKILL`` (torchrun reports a signal as a negative code)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _WorkerFailures(logging.Handler):
+    """Replaces torchrun's log lines on the terminal: they are dropped, except that a worker's failure the
+    agent answers with a restart (``--max-restarts``) gets one line of ours, unless the worker explained
+    itself (exit 2 or 3)."""
+
+    def __init__(self, max_restarts: int, single_node: bool) -> None:
+        super().__init__(logging.INFO)
+        self.left, self.total, self.single_node = max_restarts, max_restarts, single_node
+        self._saved: list[tuple[logging.Logger, int, bool]] = []
+
+    def attach(self) -> None:
+        for name in _TORCHRUN_LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved.append((logger, logger.level, logger.propagate))
+            logger.addHandler(self)
+            logger.propagate = False
+
+    def detach(self) -> None:
+        for logger, level, propagate in self._saved:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+            logger.propagate = propagate
+        self._saved.clear()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("failed (exitcode") or not record.args or self.left <= 0:
+            return
+        code, local_rank = int(record.args[0]), record.args[1]  # torchrun logs the first failure of each round
+        self.left -= 1
+        if code in _REPORTED_BY_WORKERS:
+            return
+        who = f"worker rank {local_rank}" if self.single_node else f"local worker {local_rank}"
+        sys.stderr.write(f"ptdp train: {who} {exit_description(code)}; restarting every worker from the latest "
+                         f"checkpoint (restart {self.total - self.left} of {self.total})\n")
+        sys.stderr.flush()
+
+    @staticmethod
+    def describe(codes: list[int]) -> str:
+        return ", ".join(exit_description(code) for code in codes)

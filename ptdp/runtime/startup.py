@@ -3,13 +3,16 @@ itself passed ``config.validate``.
 
 ``validate`` is pure (the configuration and the world size in, every problem out, nothing touched) and
 ``derive`` returns a new object without a word; what depends on this machine or on disk, or must be said to the
-user (a flag ``derive`` turned off), is checked and said at start-up, in the launcher and on every rank before
-any process group exists, so every rank stops with the same one-line messages (exit 2). The CLI runs the
-checks in order (``ptdp.cli.main.start_problems``): the ones here (the tensorboard package, the
-``--tensorboard-dir`` and ``--timeline`` directories, created now), then each feature's own, which live with
-the feature: the FP8 GPU (``ptdp.parallel.fp8``) and the checkpoint on disk (``ptdp.checkpointing.validation``).
-The runtime sits low in the package (every layer announces its phases and prints its errors through it), so
-it calls nothing above it.
+user (a flag ``derive`` turned off), is checked and said at start-up. The CLI runs the checks in order
+(``ptdp.cli.main.start_problems``): the ones here (the tensorboard package, the ``--tensorboard-dir`` and
+``--timeline`` directories, created now), then each feature's own, which live with the feature: the FP8 GPU
+(``ptdp.parallel.fp8``), the datasets' ``.bin``/``.idx`` and the tokenizer's files (``ptdp.data.files``) and
+the checkpoint on disk (``ptdp.checkpointing.validation``). ptdp's launcher checks everything before any
+worker starts (on one node it also hashes the whole checkpoint, with a few threads, and tells the workers
+it did); its workers then skip the files it checked, and a process started otherwise (one process, plain
+torchrun) checks everything itself, every rank before any process group exists, so every rank stops with
+the same one-line messages (exit 2). The runtime sits low in the package (every layer announces its phases
+and prints its errors through it), so it calls nothing above it.
 """
 
 from __future__ import annotations

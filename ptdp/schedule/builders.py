@@ -14,7 +14,7 @@ import functools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
-from ptdp.schedule.actions import Action, virtual_stage
+from ptdp.schedule.actions import Action, overlapped, virtual_stage
 
 
 def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
@@ -23,10 +23,14 @@ def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
     return compute
 
 
-def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str]) -> list[Action]:
-    warmup = min(p - rank - 1, m)
+def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str], combined: bool = False
+                         ) -> list[Action]:
+    warmup = min(p - rank - 1 + combined, m)
     compute = [Action("F", i, 0) for i in range(warmup)]
     for i in range(m - warmup):
+        if combined:  # the steady state's pairs overlapped (``ptdp.schedule.dualpipe``)
+            compute.append(overlapped(Action("F", warmup + i, 0), Action(backward_ops[0], i, 0)))
+            continue
         compute.append(Action("F", warmup + i, 0))
         compute += [Action(op, i, 0) for op in backward_ops]
     for i in range(m - warmup, m):
@@ -34,12 +38,13 @@ def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str])
     return compute
 
 
-def one_f_one_b(p: int, v: int, m: int, rank: int) -> list[Action]:
+def one_f_one_b(p: int, v: int, m: int, rank: int, combined: bool = False) -> list[Action]:
     """1F1B (PipeDream-Flush): p-r-1 warm-up forwards, then F/B pairs, then cool-down backwards.
 
-    At most min(p - r, m) microbatches stashed on rank r (ptdp-facts.md, §Schedules).
+    At most min(p - r, m) microbatches stashed on rank r (ptdp-facts.md, §Schedules). ``combined`` (combined
+    1F1B, ``ptdp.schedule.dualpipe``): one more warm-up forward, and each steady-state pair overlapped.
     """
-    return _one_f_one_b_compute(p, m, rank, ["B"])
+    return _one_f_one_b_compute(p, m, rank, ["B"], combined)
 
 
 def interleaved_warmup(p: int, v: int, m: int, rank: int) -> int:
@@ -59,14 +64,15 @@ def _interleaved_microbatch(k: int, p: int, v: int) -> int:
     return (k // (p * v)) * p + k % p
 
 
-def interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
+def interleaved(p: int, v: int, m: int, rank: int, combined: bool = False) -> list[Action]:
     """Megatron's interleaved 1F1B: groups of p microbatches per chunk, bubble (p-1)/(v*m).
 
     Virtual microbatch k runs forward on chunk (k mod p*v) div p and backward on v-1 minus that; see
-    ptdp-facts.md, §Schedules for the warm-up count.
+    ptdp-facts.md, §Schedules for the warm-up count. ``combined`` (combined 1F1B, ``ptdp.schedule.dualpipe``):
+    one more warm-up forward, and each steady-state pair overlapped.
     """
     total = m * v
-    warmup = interleaved_warmup(p, v, m, rank)
+    warmup = min(interleaved_warmup(p, v, m, rank) + combined, total)
 
     def fwd(k: int) -> Action:
         return Action("F", _interleaved_microbatch(k, p, v), _interleaved_chunk(k, p, v, True))
@@ -76,7 +82,7 @@ def interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
 
     compute = [fwd(k) for k in range(warmup)]
     for k in range(total - warmup):
-        compute += [fwd(warmup + k), bwd(k)]
+        compute += [overlapped(fwd(warmup + k), bwd(k))] if combined else [fwd(warmup + k), bwd(k)]
     compute += [bwd(k) for k in range(total - warmup, total)]
     return compute
 

@@ -1,6 +1,7 @@
 """Communication of a schedule: the SEND/RECV placement that makes the lists NCCL-safe, and the checks.
 
-A schedule function lists only the computes (F, B, or the zero-bubble split I and W);
+A schedule function lists only the computes (F, B, or the zero-bubble split I and W, and overlapped
+pairs of them: an "FB" action consumes and produces what its two parts do, at its end);
 ``place_communication`` adds every SEND/RECV, which makes the lists NCCL-safe (its docstring, and
 ``ptdp.simulate.nccl.model`` which checks the calls the executor makes). ``check_deadlock_free`` drains
 the lists with non-blocking sends and blocking receives (FIFO per channel).
@@ -11,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Container, Mapping, Sequence
 
-from ptdp.schedule.actions import Action, stage_location, virtual_stage
-from ptdp.schedule.progress import drain
+from ptdp.schedule.actions import Action, stage_location
+from ptdp.schedule.progress import drain, part_stages
 
 # Relative cost of each compute action in the timing that orders communication (t_b = 2 t_f, I + W = B).
 TICKS = {"F": 2, "B": 4, "I": 2, "W": 2}
@@ -42,11 +43,14 @@ def compute_times(computes: Sequence[Sequence[Action]], p: int, v: int,
     clock = [0] * p
 
     def step(r: int, a: Action, s: int) -> bool:
-        deps = input_dependencies(a, s, last, end)
+        parts = part_stages(r, a, p, placement)
+        deps = [d for part, ps in parts for d in input_dependencies(part, ps, last, end)]
         if any(d not in end for d in deps):
             return False
         start = max([clock[r], *(end[d] for d in deps)])
-        clock[r] = end[a.op, a.microbatch, s] = start + ticks[a.op]
+        clock[r] = start + sum(ticks[part.op] for part, _ in parts)
+        for part, ps in parts:  # an overlapped pair's results all exist at its end
+            end[part.op, part.microbatch, ps] = clock[r]
         times[r].append((start, clock[r]))
         return True
 
@@ -81,7 +85,8 @@ def place_communication(computes: Sequence[Sequence[Action]], p: int, v: int,
     ]
     for r in range(p):
         for a, (_, end) in zip(computes[r], times[r]):
-            add_p2p(events, a, r, virtual_stage(r, a.chunk, p, placement), end, p, v, placement)
+            for part, s in part_stages(r, a, p, placement):
+                add_p2p(events, part, r, s, end, p, v, placement)
     return [[a for *_, a in sorted(rank_events, key=lambda e: e[:3])] for rank_events in events]
 
 
@@ -111,9 +116,10 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]], p: int, v: int, p
             got = q.popleft()
             assert got == (a.op[-1], a.microbatch, s), f"rank {r}: {a} matched message {got} instead"
         else:
-            if any(d not in done for d in input_dependencies(a, s, p * v - 1, done)):
+            parts = part_stages(r, a, p, placement)
+            if any(d not in done for part, ps in parts for d in input_dependencies(part, ps, p * v - 1, done)):
                 return False
-            done.add((a.op, a.microbatch, s))
+            done.update((part.op, part.microbatch, ps) for part, ps in parts)
         return True
 
     stuck = drain(schedules, p, placement, step)

@@ -15,8 +15,9 @@ pipeline_parallel_layer_layout.py``, ``transformer_block.get_num_layers_to_build
   layer, ``L`` the loss (final norm, output layer, cross-entropy), ``|`` between stages, ``,`` ignored,
   ``x*n`` and ``(...)*n`` repeats (no nesting, as in Megatron). It lists the p·v virtual stages in
   pipeline order, so it sets v = stages / p; for Megatron's interleaving stage s is chunk s // p of rank
-  s % p (for the V schedules, wherever the placement puts stage s). ``m`` (multi-token prediction) is
-  not supported.
+  s % p (for the V schedules, wherever the placement puts stage s). ``m`` is a multi-token prediction
+  module (issue 41): ptdp places them all on the last stage, before L (``tmL``, ``|mL``); Megatron's
+  standalone MTP stage (``m|L``) is not supported.
 
 Every way gives a list of :class:`Stage`, one per virtual stage in pipeline order, with the layers
 numbered consecutively along the pipeline; E always opens stage 0 and L closes the last one (the
@@ -53,7 +54,7 @@ class Stage:
         return ("E" if self.embedding else "") + "t" * len(self.layers) + ("L" if self.loss else "")
 
 
-SYMBOLS = "EtL"  # the embedding, a transformer layer, the loss (and "|" between stages, "x*n", "(...)*n")
+SYMBOLS = "EtmL"  # the embedding, a transformer layer, an MTP module, the loss ("|" between stages, "x*n", "(...)*n")
 
 
 def expand(text: str) -> str:
@@ -77,9 +78,10 @@ def stages_from_string(text: str, num_layers: int, p: int) -> list[Stage]:
     stages = parse_layout(text)
     flat = "".join(stages)
     if (len(stages) % p or flat.count("t") != num_layers or flat.count("E") != 1 or flat.count("L") != 1
-            or not stages[0].startswith("E") or not stages[-1].endswith("L")):
+            or not stages[0].startswith("E") or not stages[-1].endswith("L")
+            or flat.count("m") != stages[-1].count("m") or "mt" in stages[-1]):
         raise LayoutError(f"layout {text!r} does not place {num_layers} layers on a multiple of p={p} stages with "
-                          "E opening the first and L closing the last")
+                          "E opening the first, L closing the last and any m (MTP) after its layers")
     return stages_from_counts([s.count("t") for s in stages])
 
 
@@ -137,14 +139,15 @@ def pipeline_stages(num_layers: int, p: int, v: int, first: int | None = None, l
     return stages_from_counts(counts)
 
 
-def layout_string(stages: Sequence[Stage]) -> str:
+def layout_string(stages: Sequence[Stage], mtp: int = 0) -> str:
     """The compact Megatron layout string of ``stages`` (runs of t as ``t*n``, repeated stages as
-    ``(...|)*n``), which :func:`stages_from_string` reads back to the same stages."""
+    ``(...|)*n``; ``mtp`` MTP modules before L), which :func:`stages_from_string` reads back to the same
+    stages."""
     parts = []
     for s in stages:
         n = len(s.layers)
         body = "t" * n if n <= 2 else f"t*{n}"
-        parts.append(("E" if s.embedding else "") + body + ("L" if s.loss else ""))
+        parts.append(("E" if s.embedding else "") + body + ("m" * mtp + "L" if s.loss else ""))
     out, i = [], 0
     while i < len(parts) - 1:  # the last stage (the only one with L) is never part of a repeat
         j = i

@@ -22,6 +22,10 @@ collectives of the same list, and the simulator reads it too, so what runs is wh
   its F/B/I/W; T (the output-weight slice) and EB (the embedding slice, last in the list) add gradients, so
   chunk 0 is reduced only after the later of them -- EB, in a training list.
 
+* An overlapped pair (``OVERLAP``, "FB": DualPipeV, combined 1F1B) uses the chunks of both its parts: each
+  part is one use, at the pair's position, so the pair is preceded by the waits of both chunks (two in a V:
+  the forward's chunk and the backward's) and followed by their releases and reductions.
+
 A new kind of compute action that reads a chunk's parameters adds itself to :data:`PARAM_USES`.
 """
 
@@ -43,29 +47,34 @@ def plan_param_sync(actions: Sequence[Action], reshard_after_forward: bool = Fal
                     ) -> tuple[dict[int, list[Action]], dict[int, list[Action]]]:
     """``(before, after)``: the sync actions to run before and after the use at each index of ``actions``
     (each carries the microbatch of that use, for the timeline)."""
-    uses = [i for i, a in enumerate(actions) if a.op in PARAM_USES]
+    # (index in actions, chunk, whether it adds gradients): one per part of an overlapped pair
+    uses = [(i, part.chunk, PARAM_USES[part.op]) for i, a in enumerate(actions) for part in a.parts
+            if part.op in PARAM_USES]
     runs: list[tuple[int, int, int]] = []  # (chunk, first position, last position) in ``uses``
     if reshard_after_forward:
-        for pos, i in enumerate(uses):
-            c = actions[i].chunk
+        for pos, (_, c, _) in enumerate(uses):
             if runs and runs[-1][0] == c and runs[-1][2] == pos - 1:
                 runs[-1] = (c, runs[-1][1], pos)
             else:
                 runs.append((c, pos, pos))
     else:
         span: dict[int, list[int]] = {}
-        for pos, i in enumerate(uses):
-            span.setdefault(actions[i].chunk, [pos, pos])[1] = pos
+        for pos, (_, c, _) in enumerate(uses):
+            span.setdefault(c, [pos, pos])[1] = pos
         runs = sorted(((c, lo, hi) for c, (lo, hi) in span.items()), key=lambda r: r[1])
     before: dict[int, list[tuple[str, int]]] = {}
     after: dict[int, list[tuple[str, int]]] = {}
+    released: dict[int, int] = {}  # chunk -> index of the action its previous run ended at
     for c, lo, hi in runs:
-        issue = uses[lo - 1] if lo > 0 else uses[lo]  # prefetch one use early
+        issue = uses[lo - 1][0] if lo > 0 else uses[lo][0]  # prefetch one use early...
+        if released.get(c, -1) >= issue:  # ...unless that is the pair whose end releases this chunk
+            issue = uses[lo][0]
+        released[c] = uses[hi][0]
         before.setdefault(issue, []).append((GATHER, c))
-        before.setdefault(uses[lo], []).append((WAIT, c))
-        after.setdefault(uses[hi], []).append((RELEASE, c))
-    training = any(a.op in TRAINING_OPS for a in actions)
-    last_grad = {actions[i].chunk: i for i in uses if training and PARAM_USES[actions[i].op]}
+        before.setdefault(uses[lo][0], []).append((WAIT, c))
+        after.setdefault(uses[hi][0], []).append((RELEASE, c))
+    training = any(part.op in TRAINING_OPS for a in actions for part in a.parts)
+    last_grad = {c: i for i, c, grads in uses if training and grads}
     for c, i in last_grad.items():
         after.setdefault(i, []).insert(0, (REDUCE, c))
     for ops in before.values():  # gathers waited for right here, the waits, then the prefetches

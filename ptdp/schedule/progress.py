@@ -13,12 +13,18 @@ from collections.abc import Callable, Sequence
 from ptdp.schedule.actions import Action, virtual_stage
 
 
+def part_stages(rank: int, action: Action, p: int, placement: str) -> list[tuple[Action, int]]:
+    """(part, its virtual stage) of each plain action ``action`` runs (itself, or an overlapped pair's two)."""
+    return [(part, virtual_stage(rank, part.chunk, p, placement)) for part in action.parts]
+
+
 def drain(lists: Sequence[Sequence[Action]], p: int, placement: str,
           step: Callable[[int, Action, int], bool]) -> dict[int, Action]:
     """Run each rank's list in order, sweeping the ranks until no rank can move.
 
     ``step(rank, action, virtual_stage)`` runs the action and returns True, or returns False (having changed
-    nothing) when the action must wait; the rank then stops until another rank's progress unblocks it.
+    nothing) when the action must wait; the rank then stops until another rank's progress unblocks it. A
+    composite action's stage is its first part's (``part_stages`` gives each part's).
     Returns ``{rank: action it waits at forever}``: empty when every list finished.
     """
     pos = [0] * p

@@ -15,7 +15,12 @@ so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with
 * ``EMB_G`` and ``EB`` (once, last): the first stage's embedding-output gradients to every rank, which adds
   them into its rows.
 
-Placement (:func:`add_vocab_passes`): a list scheduler over the schedule's own compute order, in the cost
+With multi-token prediction (issue 41) the last stage embeds tokens too: its F waits for EMB, which then
+reaches every rank (an all-reduce), and EMB_G sums both ends' gradients; S and T carry the MTP modules'
+heads beside the model's (``ptdp.parallel.vocab``). The actions and their order do not change.
+
+Placement (:func:`add_vocab_passes`): a list scheduler over the schedule's own compute order (an overlapped
+pair, DualPipeV's, runs once both its parts' inputs exist), in the cost
 units of ``communication.TICKS``. A free rank runs a ready T, else a ready S, else its next action; the rank
 holding the last stage may run up to ``LOOKAHEAD`` later forwards while its backward waits for the
 barrier (the paper's extra in-flight microbatches: p+2 with one barrier, p+1 with two). So the barriers
@@ -38,9 +43,10 @@ LOOKAHEAD = 2  # forwards the last stage may run ahead while its backward waits 
 _LATE = 1 << 40  # the time of the end-of-iteration embedding gradient exchange
 
 
-def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int
-              ) -> list[tuple[str, int]]:
-    """The collectives (op, microbatch) a compute action consumes: the executor's stage waits for them."""
+def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, barriers: int,
+              embeds_last: bool = False) -> list[tuple[str, int]]:
+    """The collectives (op, microbatch) a compute action consumes: the executor's stage waits for them.
+    ``embeds_last``: the last stage reads EMB too (multi-token prediction embeds tokens there)."""
     op, mb = action.op, action.microbatch
     if op == "S":
         return [("BCAST_H", mb)]
@@ -48,7 +54,7 @@ def waits_for(action: Action, first_chunk: int | None, last_chunk: int | None, b
         return [("C0", mb)]
     if op == "EB":
         return [("EMB_G", 0)]
-    if op == "F" and action.chunk == first_chunk:
+    if op == "F" and (action.chunk == first_chunk or (embeds_last and action.chunk == last_chunk)):
         return [("EMB", 0)]
     if op in ("B", "I") and action.chunk == last_chunk and barriers == 2:
         return [("C1", mb)]
@@ -86,6 +92,9 @@ def _list_schedule(computes, p, v, placement, barriers, forward_only):
         return None if None in ends else max(ends)
 
     def ready_at(r: int, a: Action) -> float | None:
+        if a.sub:  # an overlapped pair: when both parts' inputs exist
+            parts = [ready_at(r, part) for part in a.sub]
+            return None if None in parts else max(parts)
         s, mb = virtual_stage(r, a.chunk, p, placement), a.microbatch
         if a.op == "S":
             return end.get(("F", mb, last))
@@ -107,8 +116,10 @@ def _list_schedule(computes, p, v, placement, barriers, forward_only):
         return None if None in deps else max(deps, default=0)
 
     def run(r: int, a: Action, start: float) -> None:
-        key_place = r if a.op in ("S", "T") else virtual_stage(r, a.chunk, p, placement)
-        clock[r] = end[a.op, a.microbatch, key_place] = start + ticks[a.op]
+        clock[r] = start + sum(ticks[part.op] for part in a.parts)
+        for part in a.parts:  # an overlapped pair's results all exist at its end
+            key_place = r if part.op in ("S", "T") else virtual_stage(r, part.chunk, p, placement)
+            end[part.op, part.microbatch, key_place] = clock[r]
         orders[r].append(a)
         times[r].append((start, clock[r]))
 
@@ -129,11 +140,12 @@ def _list_schedule(computes, p, v, placement, barriers, forward_only):
             if pos[r] < len(computes[r]):
                 candidates.append((computes[r][pos[r]], pos[r]))
                 nxt = computes[r][pos[r]]
-                waiting_on_vocab = (nxt.op in ("B", "I") and r == last_rank
-                                    and virtual_stage(r, nxt.chunk, p, placement) == last)
-                if waiting_on_vocab and ahead[r] < LOOKAHEAD:
-                    k = next((k for k in range(pos[r] + 1, len(computes[r]))
-                              if k not in base_done[r] and computes[r][k].op == "F"), None)
+                waiting_on_vocab = r == last_rank and any(
+                    part.op in ("B", "I") and virtual_stage(r, part.chunk, p, placement) == last for part in nxt.parts)
+                if waiting_on_vocab and ahead[r] < LOOKAHEAD:  # a later plain F, not past an overlapped pair
+                    later = range(pos[r] + 1, next((k for k in range(pos[r] + 1, len(computes[r]))
+                                                    if computes[r][k].sub), len(computes[r])))
+                    k = next((k for k in later if k not in base_done[r] and computes[r][k].op == "F"), None)
                     if k is not None:
                         candidates.append((computes[r][k], k))
             for a, k in candidates:
@@ -166,16 +178,17 @@ def _place(orders, times, p, v, placement, barriers, forward_only) -> list[list[
     f_last, s_end, t_end = {}, {}, {}
     for r in range(p):
         for a, (_, end) in zip(orders[r], times[r]):
-            s, mb = virtual_stage(r, a.chunk, p, placement), a.microbatch
-            if a.op == "S":
-                s_end[mb] = max(s_end.get(mb, 0), end)
-                continue
-            if a.op == "T":
-                t_end[mb] = max(t_end.get(mb, 0), end)
-                continue
-            if a.op == "F" and s == last:
-                f_last[mb] = end
-            add_p2p(events, a, r, s, end, p, v, placement)
+            for part in a.parts:
+                s, mb = virtual_stage(r, part.chunk, p, placement), part.microbatch
+                if part.op == "S":
+                    s_end[mb] = max(s_end.get(mb, 0), end)
+                    continue
+                if part.op == "T":
+                    t_end[mb] = max(t_end.get(mb, 0), end)
+                    continue
+                if part.op == "F" and s == last:
+                    f_last[mb] = end
+                add_p2p(events, part, r, s, end, p, v, placement)
     base = 8 * p * v
     for r in range(p):
         coll = [(-2, 1, 0, Action("EF", 0, 0)), (-1, 0, base, Action("EMB", 0, 0))]

@@ -19,7 +19,7 @@ from ptdp.config.validate_pipeline import layout_stage_count, layout_stages, sch
 from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.actions import Action
 from ptdp.schedule.layout import stage_work
-from ptdp.schedule.registry import build_schedule, default_virtual_size
+from ptdp.schedule.registry import REGISTRY, build_schedule, default_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
 from ptdp.simulate.draw import NeedsMatplotlib, draw
 from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
@@ -35,8 +35,10 @@ def simulate(
     p2p_time: float = 0.0,
     weight_grad_fraction: float = 0.5,
     stage_scale: Sequence[float] | None = None,
+    overlap: bool = False,
 ) -> SimulationResult:
-    """Simulate a named schedule (built with ``build_schedule``) or given per-rank action lists.
+    """Simulate a named schedule (built with ``build_schedule``; ``overlap``: its combined-1F1B variant,
+    ``--overlap-moe-expert-parallel-comm``) or given per-rank action lists.
 
     ``stage_scale[s]`` multiplies virtual stage s's compute times (an uneven layout, the vocabulary layers:
     ``stage_scales``); None: every stage costs the same.
@@ -44,7 +46,8 @@ def simulate(
     Raises RuntimeError if the lists deadlock (an input that is never produced or sent).
     """
     name = schedule if isinstance(schedule, str) else "custom"
-    lists = [build_schedule(schedule, p, v, m, r) for r in range(p)] if isinstance(schedule, str) else schedule
+    lists = [build_schedule(schedule, p, v, m, r, overlap=overlap) for r in range(p)] if isinstance(schedule, str) \
+        else schedule
     return run_lists(name, lists, p, v, m, (forward_time, backward_time, p2p_time, weight_grad_fraction), stage_scale)
 
 
@@ -75,8 +78,10 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ptdp simulate`` (times are per whole pipeline stage, in any unit)."""
     add_field_arguments(parser, ParallelConfig, ("pipeline_schedule", "pipeline_model_parallel_size",
-                                                 "virtual_pipeline_model_parallel_size"),
-                        pipeline_schedule="1f1b", pipeline_model_parallel_size=4)  # ``ptdp train``'s flags
+                                                 "virtual_pipeline_model_parallel_size",
+                                                 "overlap_moe_expert_parallel_comm"),
+                        pipeline_schedule="1f1b", pipeline_model_parallel_size=4,
+                        overlap_moe_expert_parallel_comm=False)  # ``ptdp train``'s flags
     # issue 24: uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
     add_field_arguments(parser, ParallelConfig, (
         "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -131,6 +136,11 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return f"--enable-vocab-parallel needs --pipeline-model-parallel-size > 1, got {p}"
     if args.forward_only and not args.comm_trace:
         return "--forward-only needs --comm-trace FILE.json"
+    if args.overlap_moe_expert_parallel_comm and REGISTRY[default_schedule(args.pipeline_schedule, v)].combined is None:
+        return (f"--overlap-moe-expert-parallel-comm overlaps the steady state of 1f1b and interleaved, not "
+                f"--pipeline-schedule {args.pipeline_schedule}")
+    if args.overlap_moe_expert_parallel_comm and args.enable_vocab_parallel:
+        return "--overlap-moe-expert-parallel-comm: simulate it without --enable-vocab-parallel"
     if args.out and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
         return f"--out {args.out}: use a .png, .svg or .pdf file name"
     return None
@@ -143,7 +153,8 @@ def simulate_from_args(args: argparse.Namespace) -> SimulationResult:
     if not args.enable_vocab_parallel:
         return simulate(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.virtual_pipeline_model_parallel_size, args.num_microbatches, args.forward_time,
-                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args))
+                        args.backward_time, args.p2p_time, stage_scale=stage_scales(args),
+                        overlap=args.overlap_moe_expert_parallel_comm)
     if args.num_layers is None:
         raise ValueError("--enable-vocab-parallel needs --num-layers (the vocabulary costs are in layers)")
     p, v, m = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size, args.num_microbatches
@@ -183,7 +194,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print(f"{result.schedule}: p={result.p} v={result.v} m={result.m}  total time {result.total_time:.3f}\n"
-              f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}), "
+              f"bubble fraction {result.bubble_fraction:.4f} (formula {result.formula:.4f}{_closed_form(result)}), "
               f"idle {result.idle_fraction:.1%} of total\n"
               f"peak in-flight microbatch stashes per rank: {result.peak_in_flight}\n"
               f"peak activation stashes (chunk units, kept until B or W) per rank: {result.peak_stashed}\n"
@@ -192,6 +203,12 @@ def run_simulate(args: argparse.Namespace) -> int:
               + "".join(f"\n{line}" for line in result.summary_lines())
               + (f"\nwrote {args.out}" if args.out else ""))
     return 0
+
+
+def _closed_form(result: SimulationResult) -> str:
+    """The schedule's own bubble formula, printed beside its value (dualpipev's (p-1)(F&B+B-3W))."""
+    spec = REGISTRY.get(result.schedule)
+    return f" = {spec.bubble}" if spec is not None and spec.bubble_formula is not None else ""
 
 
 def run_comm_trace(args: argparse.Namespace) -> int:
@@ -205,7 +222,7 @@ def run_comm_trace(args: argparse.Namespace) -> int:
     v, m = args.virtual_pipeline_model_parallel_size, args.num_microbatches
     try:
         trace = record_comm_trace(name, p, v, m, args.forward_only, vocab_barriers=args.enable_vocab_parallel
-                                  and 1 + args.disable_fb_fusion)
+                                  and 1 + args.disable_fb_fusion, overlap=args.overlap_moe_expert_parallel_comm)
         write_trace(trace, args.comm_trace)
     except ValueError as err:
         print(f"ptdp simulate: error: {err}", file=sys.stderr)

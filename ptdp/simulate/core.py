@@ -5,6 +5,8 @@ A discrete-event model of exactly the action lists the executor runs (``ptdp.par
 
 * a rank executes its list in order; F takes ``forward_time / v`` (times are per whole stage, a chunk is
   1/v of it), B ``backward_time / v``, and for zero-bubble lists I and W split B (``weight_grad_fraction``);
+  an overlapped pair (DualPipeV's F&B) starts once both its parts' inputs are there and takes F + B (the
+  overlap hides communication, which this model does not time, not compute);
 * SEND_* is non-blocking and posts at the sender's current time; RECV_* is posted (non-blocking) when the
   rank reaches it and completes at max(posting, matching send + ``p2p_time``);
 * a compute action starts once the rank is free and its inputs are there: F needs the previous virtual
@@ -22,13 +24,14 @@ from dataclasses import dataclass, field
 
 from ptdp.schedule.actions import COMPUTE_OPS, Action, peak_stashed, stage_location
 from ptdp.schedule.param_sync import PARAM_SYNC_OPS
-from ptdp.schedule.progress import drain
+from ptdp.schedule.progress import drain, part_stages
 from ptdp.schedule.registry import bubble_fraction_formula, schedule_placement
 
 
 @dataclass(frozen=True)
 class Box:
-    """One compute action placed in time."""
+    """One compute action placed in time; an overlapped pair ("FB") lists its parts' (op, microbatch,
+    chunk) in ``parts`` (its own microbatch and chunk are its forward's)."""
 
     rank: int
     op: str
@@ -36,6 +39,7 @@ class Box:
     chunk: int
     start: float
     end: float
+    parts: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -52,7 +56,8 @@ class SimulationResult:
     formula: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule)
+        combined = any(b.parts for row in self.timelines for b in row)  # pairs: dualpipev's, or combined 1F1B's
+        self.formula = bubble_fraction_formula(self.p, self.v, self.m, self.schedule, combined)
 
     @property
     def bubble_fraction(self) -> float:
@@ -77,7 +82,8 @@ class SimulationResult:
             "idle_fraction": self.idle_fraction,
             "peak_in_flight": self.peak_in_flight,
             "peak_stashed": self.peak_stashed,
-            "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end] for b in row] for row in self.timelines],
+            "timelines": [[[b.op, b.microbatch, b.chunk, b.start, b.end, *([list(map(list, b.parts))] if b.parts else [])]
+                           for b in row] for row in self.timelines],
         }
 
     def summary_lines(self) -> list[str]:
@@ -165,6 +171,12 @@ def run_lists(name: str, lists: Sequence[Sequence[Action]], p: int, v: int, m: i
                 deps.append(min(grads) if grads else None)
         return None if None in deps else max(deps, default=0.0)
 
+    def took(a: Action, stage: int) -> float:
+        if a.op not in COMPUTE_OPS:
+            return hooks.duration(a)
+        scale = 1.0 if stage_scale is None else stage_scale[stage]
+        return scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
+
     def step(r: int, a: Action, stage: int) -> bool:
         if a.op in ("SEND_F", "SEND_B"):
             kind = a.op[-1]
@@ -174,17 +186,16 @@ def run_lists(name: str, lists: Sequence[Sequence[Action]], p: int, v: int, m: i
         elif a.op in PARAM_SYNC_OPS:
             pass
         elif not hooks.post(r, a, cursor[r]):
-            ready = ready_time(r, a, stage)
-            if ready is None:
+            parts = part_stages(r, a, p, placement)  # an overlapped pair: F&B = F + B of compute
+            ready = [ready_time(r, part, s) for part, s in parts]
+            if None in ready:
                 return False
-            start = max(cursor[r], ready)
-            if a.op in COMPUTE_OPS:
-                scale = 1.0 if stage_scale is None else stage_scale[stage]
-                cursor[r] = start + scale * _duration(a.op, v, forward_time, backward_time, weight_grad_fraction)
-            else:
-                cursor[r] = start + hooks.duration(a)
-            ends[(a.op, a.microbatch, stage if a.op in COMPUTE_OPS else r)] = cursor[r]
-            timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r]))
+            start = max(cursor[r], *ready)
+            cursor[r] = start + sum(took(part, s) for part, s in parts)
+            for part, s in parts:
+                ends[(part.op, part.microbatch, s if part.op in COMPUTE_OPS else r)] = cursor[r]
+            timelines[r].append(Box(r, a.op, a.microbatch, a.chunk, start, cursor[r],
+                                    tuple((part.op, part.microbatch, part.chunk) for part in a.sub)))
         return True
 
     stuck = drain(lists, p, placement, step)
@@ -203,9 +214,10 @@ def _peak_in_flight(row: Sequence[Box]) -> int:
     """Most (microbatch, chunk) pairs with F finished and B/I not yet: the activations stashed over time."""
     live, peak = 0, 0
     for box in row:  # a rank runs one box at a time, so list order is time order
-        if box.op == "F":
-            live += 1
-            peak = max(peak, live)
-        elif box.op in ("B", "I"):
-            live -= 1
+        for op, _, _ in box.parts or ((box.op, box.microbatch, box.chunk),):
+            if op == "F":
+                live += 1
+                peak = max(peak, live)
+            elif op in ("B", "I"):
+                live -= 1
     return peak

@@ -1,5 +1,6 @@
 """The training loop: the PTD-P algorithm, one iteration at a time (``step.train_step``), with logging,
-evaluation, checkpoints and signals around it."""
+evaluation, checkpoints (``CheckpointManager``) and the run's lifecycle (``RunController``: signals, the
+NaN guard, the hang watchdog) around it."""
 
 from __future__ import annotations
 
@@ -9,58 +10,68 @@ from pathlib import Path
 
 from ptdp.checkpointing import CheckpointManager
 from ptdp.config import Config
-from ptdp.models import flops
 from ptdp.observability.clock import Clock
+from ptdp.observability.flight_recorder import run_directory
 from ptdp.observability.observer import RunObserver
 from ptdp.runtime import hardware
+from ptdp.runtime.phases import phase
+from ptdp.train.controller import RunController
 from ptdp.train.report import (
     evaluate_checkpoint,
     progress_line,
     rank_report,
     read_records,
+    report_data_mix,
     startup_summary,
     validation_record,
 )
 from ptdp.train.state import setup
 from ptdp.train.step import train_step
+from ptdp.train.throughput import IterationFlops
 
 
 def train(config: Config) -> list[dict]:
     """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record)."""
     trainer = setup(config)
+    groups = trainer.plan.groups
+    controller = RunController(groups.rank, trainer.plan.world, groups.device, groups.mesh is not None,
+                               config.parallel.hang_timeout_s,
+                               run_directory(config.checkpoint.save, config.training.metrics_file))
+    controller.watch(trainer.chunks)
     checkpoints = CheckpointManager(trainer)
-    first_iteration = checkpoints.resume() + 1  # data and LR are functions of the iteration alone
+    with phase(f"loading the checkpoint {config.checkpoint.load}"):
+        resumed = checkpoints.resume()
+    controller.resumed(resumed)
+    if resumed and groups.rank == 0:
+        report_data_mix(trainer)
+    first_iteration = resumed + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
     if tr.skip_train:  # Megatron's --skip-train: evaluate the checkpoint and exit
         try:
             evaluate_checkpoint(trainer, first_iteration - 1)
         finally:
+            controller.close()
             checkpoints.close()
         return trainer.metrics
     for chunk in trainer.chunks:
         chunk.train()
-    vocab = trainer.vocab_size
-    moe = flops.moe_shape(m, config.moe)  # MoE: the FLOPs of the experts a token goes through
-    iteration_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                                tr.global_batch_size, recompute=m.recompute_granularity == "full",
-                                                ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
-    # MFU counts the model's FLOPs only (no recomputation), tflops_per_gpu the paper's eq. (3) count.
-    model_flops = flops.flops_per_iteration(m.num_layers, m.hidden_size, m.seq_length, vocab,
-                                            tr.global_batch_size, recompute=False,
-                                            ffn_hidden_size=m.ffn_size, moe=moe, **flops.architecture(m))
+    # eq. (3) per iteration (MoE: the experts a token goes through; packed documents: the attention inside
+    # them, ptdp.train.throughput); MFU counts the model's FLOPs only (no recomputation)
+    counter = IterationFlops(config, trainer.vocab_size, trainer.data.train, trainer.batch_format.documents)
+    recompute = m.recompute_granularity == "full"
+    counted: list[int] = []  # each logged iteration's count, for the run summary's average
     peak = hardware.peak_flops_for_current_device()
-    is_logger = trainer.state.rank == 0
+    is_logger = groups.rank == 0
     if tr.metrics_file and is_logger:
         Path(tr.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_file = Path(tr.metrics_file).open("a") if tr.metrics_file and is_logger else None
     summary = startup_summary(trainer)
     if is_logger:
         print(summary, flush=True)
-    observer = RunObserver(config, trainer.state.rank, trainer.state.dims.world_size, first_iteration,
-                           trainer.state.device)
+    observer = RunObserver(config, groups.rank, trainer.plan.world, first_iteration, groups.device)
     trainer.timeline = observer.timeline
     start = time.perf_counter()
-    clock = Clock(trainer.state.device)  # CUDA events on a GPU: iteration times without a host sync
+    clock = Clock(groups.device)  # CUDA events on a GPU: iteration times without a host sync
     pending: list[tuple[float, float, dict]] = []  # (start mark, end mark, train_step record) not yet read
 
     def flush(evaluate_at: int | None = None) -> dict:
@@ -71,18 +82,22 @@ def train(config: Config) -> list[dict]:
         for (t0, t1, _), record in zip(pending, records, strict=True):
             elapsed = clock.seconds(t0, t1)
             it = record.pop("iteration")
-            per_gpu = 1.0 / elapsed / trainer.state.dims.world_size
+            per_gpu = 1.0 / elapsed / trainer.plan.world
+            attention = counter.attention_length(it) if is_logger else None
+            counted.append(counter(recompute, attention))
             record = {
                 "iteration": it, **record, "iteration_time_s": elapsed,
                 "tokens_per_s": tr.global_batch_size * m.seq_length / elapsed,
-                "tflops_per_gpu": iteration_flops * per_gpu / 1e12,
-                "mfu": model_flops * per_gpu / peak if peak else None,
+                "tflops_per_gpu": counted[-1] * per_gpu / 1e12,
+                "mfu": counter(False, attention) * per_gpu / peak if peak else None,
                 "consumed_samples": trainer.data.train.consumed_samples(it),
             }
+            if attention is not None:
+                record["attention_length"] = attention
             if it == first_iteration and trainer.data.train.resumed:  # the data mix at resume (docs/data.md)
                 record["data_mix"] = trainer.data.train.resumed
             if it == evaluate_at:
-                record.update(validation_record(trainer, it, is_logger))
+                record.update(validation_record(trainer, it, is_logger, interrupted=controller.interrupted))
             trainer.metrics.append(record)
             observer.log(record)
             if metrics_file:
@@ -92,9 +107,10 @@ def train(config: Config) -> list[dict]:
         pending.clear()
         return trainer.metrics[-1]
 
+    iteration = None
     try:
         for iteration in range(first_iteration, tr.train_iters + 1):
-            checkpoints.before_iteration(iteration)
+            controller.before_iteration(iteration)
             observer.begin_iteration(iteration)
             t0 = clock.mark()
             record = train_step(trainer, iteration)
@@ -111,14 +127,31 @@ def train(config: Config) -> list[dict]:
                 if is_logger and logged:
                     print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
                           flush=True)
-            if checkpoints.after_iteration(iteration, loss):  # saves when due; NaN raises
+            signalled = controller.after_iteration(iteration, loss)  # agreed by every rank; NaN raises
+            stop = signalled is not None or checkpoints.exit_due(iteration)
+            if checkpoints.save_due(iteration) or (stop and checkpoints.saves):
+                with controller.saving(iteration):
+                    checkpoints.save(iteration)
+                if not stop:  # a signal during the save stops here, on what was just saved
+                    signalled = controller.after_save()
+                    stop = signalled is not None
+            if signalled:
+                controller.stopped(signalled, iteration, saved=checkpoints.saves)
+            if stop:
                 break
-        if pending:  # stopped by SIGTERM between logged iterations
+        if pending:  # stopped by a signal between logged iterations
             flush()
-        checkpoints.finish()
-        observer.finish(trainer.metrics, time.perf_counter() - start, iteration_flops, checkpoints.last_saved)
+        with controller.saving(iteration or 0):
+            checkpoints.finish(iteration)
+        controller.stop_watching()  # what follows (rank 0 merging traces) is no one's hang
+        observer.finish(trainer.metrics, time.perf_counter() - start, sum(counted) / max(len(counted), 1),
+                        checkpoints.last_saved)
+    except Exception:
+        controller.failed()  # a peer's hang report closed this rank's connections: exit 3 without a word
+        raise
     finally:
         observer.close()
+        controller.close()
         checkpoints.close()
         if metrics_file:
             metrics_file.close()

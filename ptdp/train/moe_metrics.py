@@ -1,9 +1,10 @@
 """Mixture-of-experts metrics per iteration (issue 25): the auxiliary losses, the busiest expert's load over
-the mean, the dropped tokens -- in the progress line, ``--metrics-file`` and TensorBoard.
+the mean, the dropped tokens -- and (issue 41) the multi-token prediction loss -- in the progress line,
+``--metrics-file`` and TensorBoard.
 
-The model's step hook (``ptdp.parallel.expert.step_hooks.MoEStepHook``) leaves a ``[MoE layers, 3 + E]``
-device tensor summed over the ranks in the step's record (``moe_stats``); ``read_records`` turns it into the
-record's numbers here.
+The model's step hooks (``ptdp.parallel.expert.step_hooks``) leave device tensors summed over the ranks in
+the step's record: ``moe_stats`` (``[MoE layers, 3 + E]``) and ``mtp_stats`` (``[D]``, each MTP module's
+cross-entropy summed over the microbatches); ``read_records`` turns them into the record's numbers here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def moe_metrics(stats: torch.Tensor, trainer: TrainState) -> dict:
     """The record's MoE numbers: each auxiliary loss summed over layers (each layer's mean over the
     micro-batches: what the objective adds), max over layers of the busiest expert's load / the mean load,
     and the routed (token, expert) assignments dropped over the global batch."""
-    replicas = trainer.num_microbatches * trainer.state.dims.dp * trainer.state.dims.cp
+    replicas = trainer.plan.m * trainer.plan.d * trainer.plan.c
     values = stats.to(torch.float64).cpu()
     load = values[:, 3:]
     ratio = (load.max(1).values / load.mean(1).clamp_min(1e-12)).max() if len(load) else torch.tensor(0.0)
@@ -25,10 +26,19 @@ def moe_metrics(stats: torch.Tensor, trainer: TrainState) -> dict:
             "moe_max_load_ratio": float(ratio), "moe_dropped_tokens": int(values[:, 2].sum())}
 
 
+def mtp_metrics(losses: torch.Tensor, trainer: TrainState) -> dict:
+    """``mtp_loss``: the mean over the D modules of their cross-entropy, averaged like the LM loss (the
+    objective adds ``--mtp-loss-scaling-factor`` times it)."""
+    replicas = trainer.plan.m * trainer.plan.d * trainer.plan.c
+    return {"mtp_loss": float(losses.to(torch.float64).mean()) / replicas}
+
+
 def progress_suffix(record: dict) -> str:
-    """`` | moe aux loss: ... | max expert load/mean: ... | dropped tokens: ...`` when the model has experts."""
+    """`` | mtp loss: ...`` with multi-token prediction, `` | moe aux loss: ... | max expert load/mean: ... |
+    dropped tokens: ...`` when the model has experts."""
+    mtp = f" | mtp loss: {record['mtp_loss']:.6E}" if "mtp_loss" in record else ""
     if "moe_aux_loss" not in record:
-        return ""
-    return (f" | moe aux loss: {record['moe_aux_loss']:.4E} | moe z loss: {record['moe_z_loss']:.4E} | "
+        return mtp
+    return (f"{mtp} | moe aux loss: {record['moe_aux_loss']:.4E} | moe z loss: {record['moe_z_loss']:.4E} | "
             f"max expert load/mean: {record['moe_max_load_ratio']:.2f} | dropped tokens: "
             f"{record['moe_dropped_tokens']}")

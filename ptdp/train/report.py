@@ -3,6 +3,8 @@ summary, progress and validation lines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -12,8 +14,8 @@ from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
 from ptdp.train.batches import to_device
-from ptdp.train.evaluate import evaluate, perplexity
-from ptdp.train.moe_metrics import moe_metrics, progress_suffix
+from ptdp.train.evaluate import evaluate, never, perplexity
+from ptdp.train.moe_metrics import moe_metrics, mtp_metrics, progress_suffix
 from ptdp.train.state import TrainState
 
 
@@ -30,9 +32,10 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
         values = [float(v) for v in scalars]
     out = []
     for i, r in enumerate(records):
-        stats, moe = r.pop("schedule_stats", None), r.pop("moe_stats", None)
+        stats, moe, mtp = r.pop("schedule_stats", None), r.pop("moe_stats", None), r.pop("mtp_stats", None)
         r = {**r, "loss": values[2 * i], "grad_norm": values[2 * i + 1]}
         r = r if moe is None else r | moe_metrics(moe, trainer)
+        r = r if mtp is None else r | mtp_metrics(mtp, trainer)
         out.append(r if stats is None else r | pipeline_metrics(trainer, stats))
     return out
 
@@ -49,16 +52,16 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
     timings are complete); the worst rank is found with one small all-reduce (collective: every rank
     reads the same records).
     """
-    state = trainer.state
+    plan = trainer.plan
     idle, busy = float(stats.idle_s), float(stats.busy_s)
     row = [idle / max(idle + busy, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
-    if state.dims.world_size > 1:
-        worst = to_device(torch.tensor(row, dtype=torch.float64), state.device)
+    if plan.world > 1:
+        worst = to_device(torch.tensor(row, dtype=torch.float64), plan.groups.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         row = worst.tolist()
     bubble, in_flight, saved = row
-    ratio = bubble_fraction_formula(state.dims.pp, len(trainer.chunks), trainer.num_microbatches,
-                                    trainer.config.parallel.schedule)
+    ratio = bubble_fraction_formula(plan.p, len(trainer.chunks), plan.m, plan.schedule,
+                                    plan.overlap_moe_expert_parallel_comm)
     return {
         "bubble_fraction": bubble,
         "bubble_fraction_formula": ratio / (1 + ratio),
@@ -78,8 +81,9 @@ def rank_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None])
     the gradient all-reduce, so only the time each spent computing tells the straggler apart. Read after
     ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``."""
     busy = straggler.mean_step_time([float(s.busy_s) for s in schedule_stats if s is not None])
-    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, trainer.state.device)
-    rows = straggler.gather_rows([busy, *memory], trainer.state.dims.world_size, trainer.state.device)
+    device = trainer.plan.groups.device
+    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, device)
+    rows = straggler.gather_rows([busy, *memory], trainer.plan.world, device)
     return {**straggler.step_time_fields([r[0] for r in rows]), **memory_fields([r[1:] for r in rows])}
 
 
@@ -90,13 +94,13 @@ def startup_summary(trainer: TrainState) -> str:
     every rank calls it)."""
     from ptdp.config.presets import model_family
 
-    cfg, state, par = trainer.config, trainer.state, trainer.config.parallel
+    cfg, plan = trainer.config, trainer.plan
     m = cfg.model
     states = model_states_at_start(trainer.params, trainer.grads, trainer.optimizer)
     rows = straggler.gather_rows([float(sum(p.numel() for p in trainer.params)), *(float(states[k]) for k in
-                                  ("total", "params", "grads", "optimizer"))], state.dims.world_size, state.device)
+                                  ("total", "params", "grads", "optimizer"))], plan.world, plan.groups.device)
     fullest = max(rows, key=lambda r: r[1])  # the rank holding the most model-state bytes
-    padded = m.padded_vocab_size(trainer.vocab_size, state.dims.tp)
+    padded = m.padded_vocab_size(trainer.vocab_size, plan.t)
     norm = flops.norm_parameters(m.hidden_size, m.normalization, not m.disable_bias_norm)
     moe = flops.moe_shape(m, cfg.moe)
     total = flops.model_parameter_count(m, padded, moe) + norm
@@ -107,9 +111,8 @@ def startup_summary(trainer: TrainState) -> str:
             f"({_count(max(r[0] for r in rows))} on the fullest rank) | model states on the fullest rank: "
             f"{_bytes(fullest[1])} (params {_bytes(fullest[2])}, grads {_bytes(fullest[3])}, optimizer "
             f"{_bytes(fullest[4])}) | "
-            f"layout: t={state.dims.tp} {f'c={state.dims.cp} ' if state.dims.cp > 1 else ''}p={state.dims.pp} "
-            f"d={state.dims.dp} v={par.virtual_size} "
-            f"schedule={par.schedule if state.dims.pp > 1 else 'none'} | microbatches: {trainer.num_microbatches} "
+            f"layout: t={plan.t} {f'c={plan.c} ' if plan.c > 1 else ''}p={plan.p} d={plan.d} v={plan.v} "
+            f"schedule={plan.schedule if plan.p > 1 else 'none'} | microbatches: {plan.m} "
             f"| tokens/iteration: {tokens}")
 
 
@@ -128,18 +131,21 @@ def _count(n: float) -> str:
 
 
 def validation_record(trainer: TrainState, iteration: int, is_logger: bool, split: str = "valid",
-                      where: str = "") -> dict:
+                      where: str = "", interrupted: Callable[[], bool] = never) -> dict:
     """``val_loss``/``val_ppl`` over the validation split (``split="test"``: ``test_loss``/``test_ppl`` over
     the test split), ``--eval-iters`` global batches or with ``--full-validation`` the whole validation
-    split (``evaluation_iters``); empty when the split has no sample. ``where``: Megatron's " on
-    validation set" after the iteration (``--skip-train``'s lines)."""
+    split (``evaluation_iters``); empty when the split has no sample, or when ``interrupted`` (the run
+    controller's stop flag) cut it short (see ``evaluate``). ``where``: Megatron's " on validation set"
+    after the iteration (``--skip-train``'s lines)."""
     from ptdp.data.training_data import evaluation_iters
 
     dataset = getattr(trainer.data, split)
     if dataset is None:
         return {}
     iters = evaluation_iters(trainer.config, dataset) if split == "valid" else trainer.config.training.eval_iters
-    loss = evaluate(trainer, dataset, iters)
+    loss = evaluate(trainer, dataset, iters, interrupted)
+    if loss is None:
+        return {}
     if is_logger:
         print(f" {'validation' if split == 'valid' else 'test'} loss at iteration {iteration}{where} | lm loss value: "
               f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}", flush=True)
@@ -152,7 +158,7 @@ def evaluate_checkpoint(trainer: TrainState, iteration: int) -> dict:
     the model as loaded, one record (also appended to ``--metrics-file``)."""
     import json
 
-    is_logger = trainer.state.rank == 0
+    is_logger = trainer.plan.groups.rank == 0
     if is_logger:
         print(f" skipping training (--skip-train): evaluating the model at iteration {iteration}", flush=True)
     record = {"iteration": iteration,
@@ -174,7 +180,10 @@ def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration
             f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
             f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
             f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
-            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f} | ETA: {_duration(eta)}"
+            f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f}"
+            + (f" (attention inside documents only: sum(l^2)/s = {record['attention_length']:.1f})"
+               if "attention_length" in record else "")
+            + f" | ETA: {_duration(eta)}"
             + (f" | slowest rank: {record['slowest_rank']} ({record['step_time_max_over_median']:.2f}x median)"
                if "slowest_rank" in record else "") + progress_suffix(record))
 
@@ -183,3 +192,16 @@ def _duration(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, minutes = divmod(minutes, 60)
     return f"{h}:{minutes:02d}:{s:02d}"
+
+
+def report_data_mix(trainer: TrainState) -> None:
+    """After a resume, one line per dataset: consumed so far, left in its epoch, old -> new weight
+    (ptdp/data/train_stream.py)."""
+    from ptdp.data.train_stream import summary_lines
+
+    resumed = trainer.data.train.resumed
+    if resumed is None:
+        print(" data: the checkpoint has no data state (an older ptdp); reading on by iteration", flush=True)
+        return
+    for line in summary_lines(resumed):
+        print(line, flush=True)

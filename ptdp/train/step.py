@@ -27,21 +27,21 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     microbatch's loss is scaled by 1/m, so the accumulated gradients are those of the mean loss, and by
     the fp16 loss scale (a power of two, divided out of the returned loss exactly).
     """
-    run, m = trainer.assembly, trainer.num_microbatches
+    run, m = trainer.assembly, trainer.plan.m
     scale = trainer.optimizer.loss_scale
     for hook in run.step_hooks:
         hook.before_schedule(scale / m)
-    batches = Microbatches(trainer.data.train, iteration - 1, trainer.config.training, trainer.state, m)
+    batches = Microbatches(trainer.data.train, iteration - 1, trainer.batch_format, trainer.plan.groups, m)
     stage = run.make_stage(batches, loss_scale=scale)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.
     count = trainer.peak_activation_bytes is None
     stats = run_schedule(trainer.schedule, stage, trainer.comm, run.handlers, recorder=recorder,
-                         count_saved_bytes=count)
+                         count_saved_bytes=count, device=trainer.plan.groups.device)
     if count:
         trainer.peak_activation_bytes = stats.peak_saved_bytes
     stats.peak_saved_bytes = trainer.peak_activation_bytes
-    loss = total_loss(stats.losses, trainer.state.device)
+    loss = total_loss(stats.losses, trainer.plan.groups.device)
     return (loss / scale if scale != 1.0 else loss), stats
 
 
@@ -63,7 +63,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
     lr = learning_rate(iteration - trainer.optimizer.skipped_iterations, cfg.optimizer, cfg.training.train_iters)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    trainer.grads.start_iteration(trainer.num_microbatches)  # zero; --overlap-grad-reduce counts backwards
+    trainer.grads.start_iteration(trainer.plan.m)  # zero; --overlap-grad-reduce counts backwards
     loss, stats = forward_backward(trainer, iteration)
     for sync in trainer.assembly.grad_syncs:
         with span(trainer.timeline, sync.name):

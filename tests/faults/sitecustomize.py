@@ -11,15 +11,21 @@ table is the one place to update.
 
 - ``PTDP_TEST_SLOW_RANK=R:SECONDS``: rank R (``*``: every rank) sleeps SECONDS before the first microbatch
   of each training step (inside the schedule's compute time) and before each validation batch.
+- ``PTDP_TEST_SLOW_LAYER=R:SECONDS``: rank R (``*``: every rank) sleeps SECONDS inside the forward of
+  each transformer layer (slow compute, on purpose: a rank that computes, however slowly, is no hang).
 - ``PTDP_TEST_KILL_AT_ITERATION=N[:SIGNAL]``: one rank (``PTDP_TEST_KILL_RANK``, default the last) sends
-  itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per ``--save`` directory (a
-  ``.test-killed-N`` marker there keeps a restarted run from dying again).
+  itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per run directory (a
+  ``.test-killed-<run dir>-N`` marker beside it keeps a restarted run from dying again).
+- ``PTDP_TEST_LOOP_AT_ITERATION=N``: that rank loops in Python without progress at the start of iteration N
+  (once per run directory, as above).
 - ``PTDP_TEST_CRASH_IN_SAVE=N``: every rank exits 17 once the data files of iteration N are written, before
   the commit. ``N:POINT`` instead SIGKILLs one rank (``PTDP_TEST_KILL_RANK``, default the last; rank 0 for
   ``before-latest``, which only rank 0 reaches) once per save directory (``.test-crashed-N-POINT``):
   ``written`` after its data files are written (its own file truncated first, as a write cut short leaves
   it), ``hashed`` after the files are fsynced and hashed, ``before-latest`` after the rename into place but
   before ``latest`` moves.
+- ``PTDP_TEST_WORKER_MARKER=DIR``: every worker process (``LOCAL_RANK`` set) touches ``DIR/worker-<rank>``
+  as it starts, so a test can tell that a launcher refused before any worker existed.
 - ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
   catch it: ``dp-sum`` sums the data-parallel gradients instead of averaging them (a wrong 1/d factor);
   ``tp-grad`` drops the all-reduce of the input gradient in the backward of the tensor-parallel ``f``
@@ -59,8 +65,8 @@ def _once(marker: Path) -> bool:
 
 # -- PTDP_TEST_SLOW_RANK ---------------------------------------------------------------------------------
 
-def _delay() -> None:
-    who, _, seconds = os.environ["PTDP_TEST_SLOW_RANK"].partition(":")
+def _delay(variable: str = "PTDP_TEST_SLOW_RANK") -> None:
+    who, _, seconds = os.environ[variable].partition(":")
     if who == "*" or int(who) == _rank():
         time.sleep(float(seconds))
 
@@ -73,12 +79,31 @@ def slow_microbatch(original, *args, **kwargs):
 
 # -- PTDP_TEST_KILL_AT_ITERATION -------------------------------------------------------------------------
 
-def kill_at_iteration(original, manager, iteration, *args, **kwargs):
-    result = original(manager, iteration, *args, **kwargs)
+def slow_layer(original, layer, *args, **kwargs):
+    _delay("PTDP_TEST_SLOW_LAYER")
+    return original(layer, *args, **kwargs)
+
+
+def _marker(controller, what: str, iteration: int) -> Path:
+    run_dir = Path(controller.run_dir)
+    return run_dir.parent / f".test-{what}-{run_dir.name}-{iteration}"
+
+
+def kill_at_iteration(original, controller, iteration, *args, **kwargs):
+    result = original(controller, iteration, *args, **kwargs)
     at, _, name = os.environ["PTDP_TEST_KILL_AT_ITERATION"].partition(":")
     if int(at) == iteration and _rank() == _victim(_world_size() - 1):
-        if _once(Path(manager.ck.save or ".") / f".test-killed-{iteration}"):
+        if _once(_marker(controller, "killed", iteration)):
             os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
+    return result
+
+
+def loop_at_iteration(original, controller, iteration, *args, **kwargs):
+    result = original(controller, iteration, *args, **kwargs)
+    if int(os.environ["PTDP_TEST_LOOP_AT_ITERATION"]) == iteration and _rank() == _victim(_world_size() - 1):
+        if _once(_marker(controller, "looped", iteration)):
+            while True:  # no layer, no action, no communication: a rank stuck in its own Python code
+                pass
     return result
 
 
@@ -153,8 +178,14 @@ PATCHES = {
     "PTDP_TEST_SLOW_RANK": [
         ("ptdp.train.batches:get_microbatch", slow_microbatch),
     ],
+    "PTDP_TEST_SLOW_LAYER": [
+        ("ptdp.models.gpt:TransformerLayer.forward", slow_layer),
+    ],
     "PTDP_TEST_KILL_AT_ITERATION": [
-        ("ptdp.checkpointing.manager:CheckpointManager.before_iteration", kill_at_iteration),
+        ("ptdp.train.controller:RunController.before_iteration", kill_at_iteration),
+    ],
+    "PTDP_TEST_LOOP_AT_ITERATION": [
+        ("ptdp.train.controller:RunController.before_iteration", loop_at_iteration),
     ],
     "PTDP_TEST_CRASH_IN_SAVE": [
         ("torch.distributed.checkpoint:save", crash_after_data_files),
@@ -188,6 +219,9 @@ def patch(target: str, wrapper) -> None:
 
 
 def install() -> None:
+    marker = os.environ.get("PTDP_TEST_WORKER_MARKER")
+    if marker and "LOCAL_RANK" in os.environ:
+        Path(marker, f"worker-{_rank()}").touch()
     for key, patches in PATCHES.items():
         var, _, value = key.partition("=")
         if os.environ.get(var) and (not value or os.environ[var] == value):

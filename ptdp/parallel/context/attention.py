@@ -17,6 +17,8 @@ Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
   all s tokens of heads/c heads), plain causal attention runs, and a second all-to-all turns it back.
 * ``allgather``: all-gather K/V, attend with a mask from the real positions; its backward reduce-scatters
   dK/dV. The simplest, O(s) memory per rank; the reference the other two are checked against.
+
+Values may be narrower than q and k (MLA, issue 41): K and V travel as one block; flash kernels pad V.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) ->
 
 
 @functools.lru_cache(maxsize=32)
-def _natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Index into the rank-major concatenation of every rank's shard giving the natural token order, and
     its inverse. Built once per (c, chunk, device) and kept on the device: no host-to-device copy per layer."""
     held = torch.cat([load_balanced_positions(2 * cp_size * n, cp_size, r) for r in range(cp_size)])
@@ -95,7 +97,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     comm_type "p2p": ring attention; "a2a": Ulysses; "allgather": all-gather K/V then one masked attention.
 
     kv_heads may also be any divisor of heads (grouped-query attention without the repeat: the ring then
-    sends the unrepeated K/V). With c = 1 (``cp_group`` None or of one rank) this is causal SDPA.
+    sends the unrepeated K/V); v may be narrower. With c = 1 (``cp_group`` None or of one rank) this is SDPA.
     """
     c = group_size(cp_group)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -171,7 +173,7 @@ def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
     heads = q.shape[1]
     if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
         k, v = _repeat_kv(k, v, heads // k.shape[1])
-    order, inverse = _natural_order(c, q.shape[2] // 2, q.device)
+    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
     # [b, heads, s/c, d] sequence-sharded -> [b, heads/c, s, d] head-sharded, then natural token order
     q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
@@ -259,6 +261,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output and its fp32 log-sum-exp [b, h, s_q], by ``block_kernel(q)``."""
     kernel = block_kernel(q)
+    if kernel != "math" and v.shape[-1] != q.shape[-1]:  # values narrower than the keys: pad, then cut
+        out, lse = block_forward(q, k, _pad_to(v, q.shape[-1]), scale, causal)
+        return out[..., :v.shape[-1]], lse
     if kernel == "cpu-flash":
         return _CPU_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
     if kernel == "cuda-flash":
@@ -269,11 +274,19 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
+def _pad_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))  # the flash kernels' one head size
+
+
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of one block given the MERGED output and LSE: with them the flash-attention backward
     (P = exp(S - LSE), dS = P * (dO V^T - rowsum(dO * O))) yields exactly this block's share."""
     kernel = block_kernel(q)
+    d, dv_size = q.shape[-1], v.shape[-1]
+    if kernel != "math" and dv_size != d:  # as block_forward: the zero columns change nothing
+        dq, dk, dv = block_backward(_pad_to(do, d), q, k, _pad_to(v, d), _pad_to(out, d), lse, scale, causal)
+        return dq, dk, dv[..., :dv_size]
     if kernel == "cpu-flash":
         return _CPU_FLASH_BACKWARD(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                    out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
@@ -333,14 +346,15 @@ class _RingAttention(torch.autograd.Function):
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
         qf = q.to(dtype)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        sizes = [k.shape[-1], v.shape[-1]]
+        kv = torch.cat([k, v], dim=-1)  # one block on the wire, whatever the two head sizes
         for step in range(c):
             if step < c - 1:  # the next block travels while this one is computed
                 nxt, works = _ring_exchange(kv, group, r, c)
             rows, cols, causal = _block(r, (r - step) % c, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
             if step < c - 1:
@@ -359,19 +373,20 @@ class _RingAttention(torch.autograd.Function):
         dtype = block_dtype(q)
         qf, do = q.to(dtype), dout.to(dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        sizes = [k.shape[-1], v.shape[-1]]
+        kv = torch.cat([k, v], dim=-1)
         dkv_in, dkv_works = None, None
         for step in range(c):
             if step < c - 1:
                 nxt, kv_works = _ring_exchange(kv, group, r, c)
             rows, cols, causal = _block(r, (r - step) % c, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.unbind(0))
+            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
                                                lse[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_b
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0][:, :, cols] = _fold(dk_b.float(), groups)
-            dkv[1][:, :, cols] = _fold(dv_b.float(), groups)
+            dkv[:, :, cols, :sizes[0]] = _fold(dk_b.float(), groups)
+            dkv[:, :, cols, sizes[0]:] = _fold(dv_b.float(), groups)
             if dkv_in is not None:  # the gradient of this block from the ranks it already visited
                 _wait(dkv_works)
                 dkv += dkv_in
@@ -380,5 +395,5 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv = nxt
         _wait(dkv_works)  # after c hops this rank's own block is back, with every rank's contribution
-        dk, dv = dkv_in.unbind(0)
+        dk, dv = dkv_in.split(sizes, dim=-1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

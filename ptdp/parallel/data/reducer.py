@@ -67,7 +67,8 @@ class NoShard:
         self.divisor = self.size if divisor is None else divisor
         self._expected: int | None = None  # microbatches of this iteration (None: between iterations)
         self._count: dict[nn.Parameter, int] = {}
-        if (overlap and self.size > 1) or any(b.transient for b in self.buckets):  # launched per bucket
+        self._hooked = (overlap and self.size > 1) or any(b.transient for b in self.buckets)  # per bucket
+        if self._hooked:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self.grad_ready)
         self.param_sync: ParamSync | None = None
@@ -81,13 +82,14 @@ class NoShard:
         for bucket in self.buckets:
             bucket.handle, bucket.synced, bucket.pending = None, False, len(bucket.params)
         self._expected = num_microbatches
-        self._count = dict.fromkeys(self.params, 0)
+        if self._hooked:  # the hooks' counts (no Python per parameter per iteration without them)
+            self._count = dict.fromkeys(self.params, 0)
 
     def grad_ready(self, param: nn.Parameter) -> None:
         if grad_deferred(param) or self._expected is None:  # zero-bubble I: it comes (and counts) in W
             return
-        self._count[param] += 1
-        if self._count[param] == self._expected:
+        self._count[param] = count = self._count.get(param, 0) + 1
+        if count == self._expected:
             bucket = self.buffer.bucket_of[param]
             bucket.pending -= 1
             if bucket.pending == 0:

@@ -87,7 +87,7 @@ class ExpertParallel:
         self.pp_rank, self.edp_rank, self.ep_rank, self.etp_rank = dims.coordinates(rank)
         self.token_group = token_group
         # The ranks holding parts of the same sequences (SP: TP, CP: CP, both: TP x CP), for the load-
-        # balancing loss (expert_aux.py); None when every rank routes whole sequences.
+        # balancing loss (load_balancing.py); None when every rank routes whole sequences.
         self.sequence_group, self.sequence_scale, self.z_loss_scale = sequence_group, sequence_scale, z_loss_scale
         self.mesh: DeviceMesh | None = None  # checkpoints: expert weights shard on its (ep[, etp]) dimensions
         self.ep_group = self.etp_group = self.edp_group = None
@@ -105,11 +105,11 @@ class ExpertParallel:
 
 
 def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bool) -> ExpertParallel:
-    """The expert groups over ``state``'s ranks (a ``ParallelState``); every rank must call it."""
+    """The expert groups over ``state``'s ranks (a ``ParallelState``); every rank must call it.
+    ``sequence_parallel`` is the derived configuration's (``ptdp.config.derive``: only with t > 1)."""
     dims = state.dims
-    sp = dims.tp > 1 and sequence_parallel
-    sequence_group = state.tp_group if sp else state.cp_group if dims.cp > 1 else None
-    if sp and dims.cp > 1:  # the t·c ranks of one (pp, dp) coordinate
+    sequence_group = state.tp_group if sequence_parallel else state.cp_group if dims.cp > 1 else None
+    if sequence_parallel and dims.cp > 1:  # the t·c ranks of one (pp, dp) coordinate
         for pp in range(dims.pp):
             for dp in range(dims.dp):
                 ranks = [dims.rank_of(pp, dp, tp, cp) for cp in range(dims.cp) for tp in range(dims.tp)]
@@ -117,8 +117,8 @@ def build_expert_parallel(state, ep: int, etp: int | None, sequence_parallel: bo
                 if state.rank in ranks:
                     sequence_group = group
     etp_ = expert_tensor_size(etp, dims.tp)
-    replicated = dims.tp > 1 and not sp and etp_ == 1  # etp = t: the expert-tensor group shares the tokens
+    replicated = dims.tp > 1 and not sequence_parallel and etp_ == 1  # etp = t: the expert-tensor group shares the tokens
     return ExpertParallel(ExpertDims(dims.world_size, dims.pp, ep, etp_), state.rank,
                           state.device, token_group=state.tp_group if replicated else None,
                           sequence_group=sequence_group, sequence_scale=float(dims.cp),
-                          z_loss_scale=1.0 / dims.tp if sp else 1.0)
+                          z_loss_scale=1.0 / dims.tp if sequence_parallel else 1.0)

@@ -4,6 +4,7 @@ Both implement the MoE layer's dispatcher seam (``ptdp.models.moe``'s ``LocalDis
 
     dispatch(hidden [T, h], probs [T, k], indices [T, k]) -> (expert_input [N, h], tokens_per_expert [E/e], ctx)
     combine(expert_output [N, h], ctx) -> [T, h]      # Σ_k probs · expert output, per token
+    (each the composition of the phases prepare / dispatch transfer / arrive, depart / combine transfer / finish)
 
 ``expert_input`` holds this rank's experts' tokens sorted by local expert; ``combine`` weights by the router
 probabilities and sums the k choices of each token, so a layer behaves exactly as with one process.
@@ -15,9 +16,15 @@ probabilities and sums the k choices of each token, so a layer behaves exactly a
   parallel group, keep the pairs routed to this rank's experts; ``combine`` scatters the weighted outputs
   into a ``[e·T, h]`` buffer and reduce-scatters it. Volume: every token to every rank; no count exchange.
 
-Autograd runs through the collectives (the all-to-all below: its backward is the all-to-all with the splits
-swapped; the all-gather/reduce-scatter and split/all-gather pairs are tensor parallelism's operators of
-``ptdp.parallel.collectives``, along the token rows, dim 0). When the tokens are replicated
+The expert-parallel communication is the dispatcher's two *transfers* (``ptdp.models.moe.Dispatcher``): the
+dispatch (all-to-all of the routed rows, or the all-gather of tokens, probabilities and choices) and the
+combine (all-to-all back, or a reduce-scatter), each with its transpose for the gradients, issued
+asynchronously (``async_op``: a gloo work handle on the CPU; on a GPU NCCL's stream of the group, which the
+compute stream waits on only at ``Works.wait``). The MoE layer's forward runs them inside autograd at once;
+the overlapped schedules (``ptdp.parallel.pipeline.overlap``) issue them between pieces and wait only where
+the result is needed, while another microbatch's piece computes. The tensor-parallel slicing around them
+(the all-gather/reduce-scatter and split/all-gather pairs of ``ptdp.parallel.collectives``, along the token
+rows, dim 0) stays inside the pieces, synchronous. When the tokens are replicated
 over attention's tensor-parallel group (t > 1 without sequence parallelism) each TP rank first keeps its own
 1/t of them (backward: all-gather) and the combined output is all-gathered (backward: keep the slice), so
 every token meets its experts exactly once and expert gradients are not counted t times.
@@ -40,41 +47,102 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ptdp.models.moe import Dispatcher, Local
+from ptdp.models.pieces import Transfer
 from ptdp.observability import flight_recorder
 from ptdp.parallel.collectives import (
     all_gather,
+    all_gather_single,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     group_rank,
     group_size,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_single,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     split,
 )
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` split by ``send`` counts to the group's ranks; rows received per ``recv`` counts."""
+class AllToAllTransfer:
+    """Rows split by ``send`` counts to the group's ranks, rows received per ``recv`` counts; the backward
+    runs the transpose (the splits swapped). Issued asynchronously: a gloo work handle on the CPU, NCCL's
+    stream of the group on a GPU; the :class:`Works` is waited on by the piece that needs the rows."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
-        ctx.group, ctx.send, ctx.recv = group, send, recv
-        return all_to_all(x, group, send, recv)
+    def __init__(self, group, send: list[int], recv: list[int], what: str) -> None:
+        self.group, self.send, self.recv, self.what = group, send, recv, what
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_to_all(grad.contiguous(), ctx.group, ctx.recv, ctx.send), None, None, None
+    def start(self, tensors: tuple) -> Works:
+        return _all_to_all_async(tensors[0], self.group, self.send, self.recv, self.what)
+
+    def start_backward(self, grads: tuple) -> Works:
+        return _all_to_all_async(grads[0], self.group, self.recv, self.send, f"{self.what}-grad")
 
 
-def all_to_all(x: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
+def _all_to_all_async(x: torch.Tensor, group, send: list[int], recv: list[int], what: str) -> Works:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    flight_recorder.record("all_to_all", group=group, tensor=x, action="moe_dispatch")
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
+    flight_recorder.record("all_to_all", group=group, tensor=x, action=what)
+    return Works([dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)], (out,))
+
+
+class GatherTransfer:
+    """The expert-parallel group's tensors concatenated along dim 0 (all-gather); the backward reduce-
+    scatters the gradients of those that carry one (``None`` elsewhere: the routing choices)."""
+
+    def __init__(self, group) -> None:
+        self.group, self.size = group, group_size(group)
+
+    def start(self, tensors: tuple) -> Works:
+        outs, works = [], []
+        for x in tensors:
+            flat = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+            works.append(all_gather_single(flat, x.contiguous().view(-1), group=self.group, async_op=True))
+            outs.append(flat.view(self.size * x.shape[0], *x.shape[1:]))
+        return Works(works, tuple(outs))
+
+    def start_backward(self, grads: tuple) -> Works:
+        return _reduce_scatter_async(grads, self.group, self.size)
+
+
+class ScatterTransfer:
+    """The sum over the group, each rank keeping its 1/e of the rows (reduce-scatter); backward all-gather."""
+
+    def __init__(self, group) -> None:
+        self.group, self.size = group, group_size(group)
+
+    def start(self, tensors: tuple) -> Works:
+        return _reduce_scatter_async(tensors, self.group, self.size)
+
+    def start_backward(self, grads: tuple) -> Works:
+        return GatherTransfer(self.group).start(grads)
+
+
+def _reduce_scatter_async(tensors: tuple, group, size: int) -> Works:
+    outs, works = [], []
+    for x in tensors:
+        if x is None:
+            outs.append(None)
+            continue
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+        works.append(reduce_scatter_single(out, x.contiguous(), group=group, async_op=True))
+        outs.append(out)
+    return Works(works, tuple(outs))
+
+
+@dataclass
+class Works:
+    """Collectives in flight and the tensors they fill; ``wait`` once, then read (``ptdp.models.pieces``)."""
+
+    works: list
+    result: tuple
+
+    def wait(self) -> tuple:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.result
 
 
 def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,16 +161,17 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 @dataclass
 class _Context:
-    order: torch.Tensor  # flat (token, choice) pairs in expert order
-    token: torch.Tensor  # the token of each sorted pair
-    probs: torch.Tensor  # [pairs] weights in sorted order
-    num_tokens: int  # T of this rank (after its tensor-parallel slice)
+    """What the pieces of one dispatch share that carries no gradient (``Dispatcher``'s ``ctx``)."""
+
+    token: torch.Tensor | None  # the token of each sorted pair (allgather: set on arrival)
+    num_tokens: int  # rows of the weighted sum: T of this rank (allgather: of the group)
+    counts: torch.Tensor | None = None  # pairs per local expert when nothing is exchanged
     send: list[int] | None = None  # all-to-all: pairs to / from each rank
     recv: list[int] | None = None
-    unsort: torch.Tensor | None = None  # all-to-all: received rows -> expert order
+    received: torch.Tensor | None = None  # all-to-all: [e, E/e] pairs from each rank per local expert
 
 
-class _Dispatcher:
+class _Dispatcher(Dispatcher):
     """The tensor-parallel slicing and the weighted sum shared by both dispatchers."""
 
     def __init__(self, num_experts: int, ep_group, token_group=None, etp_group=None, sequence_parallel: bool = False):
@@ -137,9 +206,9 @@ class _Dispatcher:
         return gather_from_tensor_model_parallel_region(out, self.token_group, dim=0)
 
     @staticmethod
-    def _weighted_sum(rows: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor, ctx: _Context) -> torch.Tensor:
         """Σ over each token's k choices of probability × expert output, ``[T, h]``."""
-        weighted = rows * ctx.probs.unsqueeze(-1).to(rows.dtype)
+        weighted = rows * weights.unsqueeze(-1).to(rows.dtype)
         out = rows.new_zeros((ctx.num_tokens, rows.shape[-1]))
         return out.index_add(0, ctx.token, weighted)
 
@@ -147,29 +216,42 @@ class _Dispatcher:
 class AllToAllDispatcher(_Dispatcher):
     """Megatron-Core's ``--moe-token-dispatcher-type alltoall`` (module docstring)."""
 
-    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+    def prepare(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
         hidden, probs, indices = self._slice(hidden, probs, indices)
         e, local = self.ep_size, self.local_experts
         order, token, counts = sort_by_expert(indices, self.num_experts)
-        ctx = _Context(order, token, probs.reshape(-1)[order], hidden.shape[0])
-        rows = hidden[token]  # pairs in expert order = destination-rank order
-        if e == 1:
-            return rows, counts, ctx
-        received = _counts_all_to_all(counts, self.ep_group)  # [e, local]: from each source, per local expert
-        ctx.send = counts.view(e, local).sum(1).tolist()
-        ctx.recv = received.sum(1).tolist()
-        rows = _AllToAll.apply(rows, self.ep_group, ctx.send, ctx.recv)
-        # Received rows are grouped by source rank, then by local expert: sort them by local expert.
-        expert_of_row = torch.arange(local, device=rows.device).repeat(e).repeat_interleave(received.reshape(-1))
-        ctx.unsort = torch.argsort(expert_of_row, stable=True)
-        return rows[ctx.unsort], received.sum(0), ctx
+        ctx = _Context(token, hidden.shape[0], counts=counts)
+        if e > 1:
+            ctx.received = _counts_all_to_all(counts, self.ep_group)  # [e, local] from each source, per expert
+            ctx.send = counts.view(e, local).sum(1).tolist()
+            ctx.recv = ctx.received.sum(1).tolist()
+        return (hidden[token],), (probs.reshape(-1)[order],), ctx  # pairs in expert = destination-rank order
 
-    def combine(self, expert_output: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        rows = expert_output
-        if ctx.unsort is not None:
-            rows = rows.new_empty(rows.shape).index_copy(0, ctx.unsort, rows)  # back to source-rank order
-            rows = _AllToAll.apply(rows, self.ep_group, ctx.recv, ctx.send)
-        return self._unslice(self._weighted_sum(rows, ctx))
+    def dispatch_transfer(self, ctx: _Context) -> Transfer:
+        return Local() if ctx.send is None else AllToAllTransfer(self.ep_group, ctx.send, ctx.recv, "moe_dispatch")
+
+    def arrive(self, received: tuple, ctx: _Context):
+        rows = received[0]
+        if ctx.received is None:
+            return rows, ctx.counts, ()
+        # Received rows are grouped by source rank, then by local expert: sort them by local expert.
+        local = self.local_experts
+        expert_of_row = torch.arange(local, device=rows.device).repeat(self.ep_size).repeat_interleave(
+            ctx.received.reshape(-1))
+        unsort = torch.argsort(expert_of_row, stable=True)
+        return rows[unsort], ctx.received.sum(0), (unsort,)
+
+    def depart(self, expert_output: torch.Tensor, carry: tuple, ctx: _Context) -> tuple:
+        if not carry:
+            return (expert_output,)
+        (unsort,) = carry
+        return (expert_output.new_empty(expert_output.shape).index_copy(0, unsort, expert_output),)  # source order
+
+    def combine_transfer(self, ctx: _Context) -> Transfer:
+        return Local() if ctx.send is None else AllToAllTransfer(self.ep_group, ctx.recv, ctx.send, "moe_combine")
+
+    def finish(self, returned: tuple, keep: tuple, ctx: _Context) -> torch.Tensor:
+        return self._unslice(self._weighted_sum(returned[0], keep[0], ctx))
 
 
 def _counts_all_to_all(counts: torch.Tensor, group) -> torch.Tensor:
@@ -184,29 +266,32 @@ def _counts_all_to_all(counts: torch.Tensor, group) -> torch.Tensor:
 class AllGatherDispatcher(_Dispatcher):
     """Megatron-Core's ``--moe-token-dispatcher-type allgather`` (module docstring)."""
 
-    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+    def prepare(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
         hidden, probs, indices = self._slice(hidden, probs, indices)
-        num_tokens = hidden.shape[0]
-        if self.ep_size > 1:
-            hidden = gather_from_sequence_parallel_region(hidden, self.ep_group, dim=0)
-            probs = gather_from_sequence_parallel_region(probs, self.ep_group, dim=0)
-            indices = all_gather(indices.contiguous(), self.ep_group, dim=0)
+        return (hidden, probs, indices.contiguous()), (), _Context(None, hidden.shape[0] * self.ep_size)
+
+    def dispatch_transfer(self, ctx: _Context) -> Transfer:
+        return Local() if self.ep_size == 1 else GatherTransfer(self.ep_group)
+
+    def arrive(self, received: tuple, ctx: _Context):
+        hidden, probs, indices = received
         first = self.ep_rank * self.local_experts
         flat = indices.reshape(-1)
         mine = ((flat >= first) & (flat < first + self.local_experts)).nonzero().squeeze(-1)
         local = flat[mine] - first
         order = mine[torch.argsort(local, stable=True)]  # this rank's pairs, in local-expert order
-        k = indices.shape[-1]
-        token = torch.div(order, k, rounding_mode="floor")
-        ctx = _Context(order, token, probs.reshape(-1)[order], hidden.shape[0])
-        ctx.send = [num_tokens]  # this rank's own tokens: what combine keeps
-        return hidden[token], torch.bincount(local, minlength=self.local_experts), ctx
+        ctx.token = torch.div(order, indices.shape[-1], rounding_mode="floor")
+        weights = probs.reshape(-1)[order]
+        return hidden[ctx.token], torch.bincount(local, minlength=self.local_experts), (weights,)
 
-    def combine(self, expert_output: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        out = self._weighted_sum(expert_output, ctx)  # [e·T, h]: this rank's experts' part of every token
-        if self.ep_size > 1:
-            out = reduce_scatter_to_sequence_parallel_region(out, self.ep_group, dim=0)
-        return self._unslice(out)
+    def depart(self, expert_output: torch.Tensor, carry: tuple, ctx: _Context) -> tuple:
+        return (self._weighted_sum(expert_output, carry[0], ctx),)  # this rank's experts' part of every token
+
+    def combine_transfer(self, ctx: _Context) -> Transfer:
+        return Local() if self.ep_size == 1 else ScatterTransfer(self.ep_group)
+
+    def finish(self, returned: tuple, keep: tuple, ctx: _Context) -> torch.Tensor:
+        return self._unslice(returned[0])
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

@@ -35,7 +35,7 @@ def split_sequence_load_balancing(router: nn.Module, group, scale: float, z_loss
     def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, num_sequences: int) -> torch.Tensor:
         e = router.num_experts
         groups = num_sequences if router.load_balancing == "seq_aux_loss" else 1
-        scores = torch.softmax(logits, dim=-1).view(groups, -1, e)
+        scores = router.balance_scores(logits).view(groups, -1, e)
         chosen = F.one_hot(indices, e).sum(1).view(groups, -1, e).float()
         counts = all_reduce(chosen.sum(1), group)  # [groups, E] over the whole sequences
         tokens = chosen.shape[1] * group_size(group)

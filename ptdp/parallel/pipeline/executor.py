@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from ptdp.observability import flight_recorder
 from ptdp.observability.clock import Clock, Mark, seconds
 from ptdp.parallel.pipeline.handlers import COMMUNICATION, COMPUTE, ActionHandler, merge_handlers
 from ptdp.parallel.pipeline.p2p import P2PComm, PendingRecv, message_key
@@ -62,6 +63,13 @@ class PipelineStage(Protocol):
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
         """Weight-gradient half of ``backward`` (zero-bubble W), after backward_input of the same pair."""
+        ...
+
+    def forward_backward(self, forward: Action, input: Tensor | None, backward: Action, output_grad: Tensor | None,
+                         saving: Callable[[], contextlib.AbstractContextManager]) -> tuple[Tensor | None, Tensor | None]:
+        """An overlapped pair (``ptdp.parallel.pipeline.overlap``): ``forward`` (an F) and ``backward`` (a B or
+        I of another microbatch) at once; ``saving()`` wraps what the forward saves for its backward.
+        Returns (the activation to send, the input gradient), as ``forward`` and ``backward`` do."""
         ...
 
 
@@ -153,10 +161,12 @@ class _Run:
     it as their ``ScheduleContext``."""
 
     def __init__(self, actions: Sequence[Action], stage: PipelineStage, comm: P2PComm | None,
-                 recorder: Recorder | None, count_saved_bytes: bool) -> None:
+                 recorder: Recorder | None, count_saved_bytes: bool, device: torch.device | str | None) -> None:
         self.stage, self.comm, self.recorder = stage, comm, recorder
-        params = stage.parameters()
-        self.clock = Clock(params[0].device if params else "cpu")
+        if device is None:  # walking the stage's parameters costs a Python call per module: callers pass it
+            params = stage.parameters()
+            device = params[0].device if params else "cpu"
+        self.clock = Clock(device)
         self.stats = ScheduleStats()
         self.spans = self.stats._spans = [("schedule", self.clock.mark(), None)]
         self.saved = _SavedBytes(stage) if count_saved_bytes else None
@@ -197,36 +207,46 @@ class _Run:
         sends = [(s, self.outbox.pop(message_key(s))) for s in batch if s.op.startswith("SEND")]
         self.pending.update(self.comm.issue(sends, [r for r in batch if r.op.startswith("RECV")]))
 
-    def _saving(self, mb: int, chunk: int) -> contextlib.AbstractContextManager:
+    def saving(self, mb: int, chunk: int) -> contextlib.AbstractContextManager:
         return self.saved.hooks((mb, chunk)) if self.saved is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def timed(self, name: str, mb: int, chunk: int) -> Iterator[None]:
+        t0 = self.clock.mark()
+        yield
+        self.span(name, COMPUTE, t0, mb, chunk)
+
+    def computed(self, a: Action) -> None:
+        """The accounting of an F, B, I or W that ran: activations in flight and saved."""
+        key = (a.microbatch, a.chunk)
+        if a.op == "F":
+            self.live.add(key)
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.live))
+            return
+        if a.op in ("B", "I"):
+            self.live.discard(key)
+        if a.op in ("B", "W") and self.saved is not None:
+            self.saved.free(key)
 
     def compute(self, a: Action) -> None:
         """F, B, I or W through the stage."""
         mb, c, stage = a.microbatch, a.chunk, self.stage
         if a.op == "F":
             x = self.receive("F", mb, c)
-            t0 = self.clock.mark()
-            with self._saving(mb, c):
+            with self.timed("forward", mb, c), self.saving(mb, c):
                 y = stage.forward(c, mb, x)
-            self.span("forward", COMPUTE, t0, mb, c)
-            self.live.add((mb, c))
-            self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.live))
+            self.computed(a)
             self.deliver("F", mb, c, y)
         elif a.op in ("B", "I"):
             g = self.receive("B", mb, c)
-            t0 = self.clock.mark()
-            dx = stage.backward(c, mb, g) if a.op == "B" else stage.backward_input(c, mb, g)
-            self.span("backward" if a.op == "B" else "backward_input", COMPUTE, t0, mb, c)
-            if a.op == "B" and self.saved is not None:
-                self.saved.free((mb, c))
-            self.live.discard((mb, c))
+            with self.timed("backward" if a.op == "B" else "backward_input", mb, c):
+                dx = stage.backward(c, mb, g) if a.op == "B" else stage.backward_input(c, mb, g)
+            self.computed(a)
             self.deliver("B", mb, c, dx)
         else:
-            t0 = self.clock.mark()
-            stage.backward_weight(c, mb)
-            self.span("backward_weight", COMPUTE, t0, mb, c)
-            if self.saved is not None:
-                self.saved.free((mb, c))
+            with self.timed("backward_weight", mb, c):
+                stage.backward_weight(c, mb)
+            self.computed(a)
 
     def finish(self) -> ScheduleStats:
         if self.comm is not None:
@@ -263,6 +283,7 @@ def run_schedule(
     handlers: Mapping[str, ActionHandler] | None = None,
     recorder: Recorder | None = None,
     count_saved_bytes: bool = True,
+    device: torch.device | str | None = None,
 ) -> ScheduleStats:
     """Run one rank's action list. ``comm`` may be None only if the list has no SEND/RECV (p == 1).
 
@@ -274,6 +295,7 @@ def run_schedule(
     and every timed handler (``ptdp.observability.timeline``), with ``Clock`` marks.
     ``count_saved_bytes=False`` skips the saved-tensor hooks (``peak_saved_bytes`` is then 0): the
     accounting costs a Python call per saved tensor, and its answer is the same every iteration.
+    ``device``: where the stage computes (what its clock marks); None reads it off ``stage.parameters()``.
     """
     if comm is None and any(a.op in COMM_OPS for a in actions):
         raise ValueError("run_schedule: the schedule has SEND/RECV actions but no comm was given")
@@ -282,10 +304,11 @@ def run_schedule(
     if unknown:
         raise ValueError(f"run_schedule: no handler registered for the action op(s) {unknown} "
                          f"(registered: {sorted(table) or 'none'})")
-    run = _Run(actions, stage, comm, recorder, count_saved_bytes)
+    run = _Run(actions, stage, comm, recorder, count_saved_bytes, device)
     batches = dict(_comm_runs(actions))
     i = 0
     while i < len(actions):
+        flight_recorder.tick()  # liveness: the previous action is done (ptdp/observability/watchdog.py)
         a = actions[i]
         if i in batches:
             run.communicate(actions[i:batches[i]])

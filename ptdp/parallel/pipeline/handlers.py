@@ -12,6 +12,7 @@ handler communicates. An op without a handler stops the run before anything star
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,6 +44,19 @@ class ScheduleContext(Protocol):
     def compute(self, action: Action) -> None:
         """Run an F, B, I or W as the executor does (its receive, span, saved-bytes and in-flight accounting,
         delivery): a handler of a composite action (two microbatches' passes at once) builds on it."""
+        ...
+
+    def saving(self, microbatch: int, chunk: int) -> contextlib.AbstractContextManager:
+        """Counts what autograd saves inside it as ``chunk``'s activations of ``microbatch``."""
+        ...
+
+    def timed(self, name: str, microbatch: int, chunk: int) -> contextlib.AbstractContextManager:
+        """A compute span of the timeline (busy time) named ``name``."""
+        ...
+
+    def computed(self, action: Action) -> None:
+        """The executor's accounting after an F, B, I or W ran outside ``compute`` (activations in flight,
+        saved bytes freed): a composite action's handler calls it for each part."""
         ...
 
 

@@ -3,9 +3,9 @@
 The executor hands ``P2PComm`` each run of consecutive SEND/RECV actions of its list; they go out in ONE
 ``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward and its 4-op interleaved batch,
 generalised), so a send and the receives that stand beside it are posted together. Where the list puts
-them is what makes NCCL safe (``schedules.place_communication``; ``nccl_model`` checks the calls made
-here). Sends are waited on at the end of the schedule and receives when their tensor is consumed, so
-communication overlaps compute. Messages between two ranks are matched first-in first-out.
+them is what makes NCCL safe (``ptdp.schedule.communication.place_communication``; ``ptdp.simulate.nccl.model``
+checks the calls made here). Sends are waited on at the end of the schedule and receives when their tensor
+is consumed, so communication overlaps compute. Messages between two ranks are matched first-in first-out.
 
 ``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
 1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
@@ -15,7 +15,8 @@ serves both directions.
 With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks, issue 26) the
 activations travel on one communicator and the gradients on the other: each run is posted as up to two
 batches (activations first), each on its communicator's own NCCL stream, so a send forward never queues
-behind a send backward. ``nccl_model`` plays that layout too (``record_comm_trace(per_direction=True)``).
+behind a send backward. ``ptdp.simulate.nccl.model`` plays that layout too
+(``record_comm_trace(per_direction=True)``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class P2PComm:
         if self.groups is None:
             return self._issue(sends, recvs, self.group)
         posted = {}
-        for kind in ("F", "B"):  # the order nccl_model.RecordingComm(per_direction=True) records
+        for kind in ("F", "B"):  # the order ptdp.simulate.nccl.trace.RecordingComm(per_direction=True) records
             posted |= self._issue([(a, t) for a, t in sends if a.op[-1] == kind],
                                   [a for a in recvs if a.op[-1] == kind], self.groups[kind])
         return posted
@@ -131,15 +132,12 @@ class P2PComm:
         self._sends.clear()
 
     def _reap_sends(self) -> None:
-        # keep send buffers alive only until gloo/NCCL are done with them; still wait each work once
-        keep = []
-        for batch, sent in self._sends:
-            if batch.completed(range(len(sent))):
-                for i in range(len(sent)):
-                    batch.wait_for(i)
-            else:
-                keep.append((batch, sent))
-        self._sends = keep
+        """Drop the buffers of the sends gloo/NCCL are done with (each work still waited once), oldest
+        first, stopping at the first still in flight: one query per call, not one per send in flight."""
+        while self._sends and self._sends[0][0].completed(range(len(self._sends[0][1]))):
+            batch, sent = self._sends.pop(0)
+            for i in range(len(sent)):
+                batch.wait_for(i)
 
 
 def direction_groups(dims, rank: int) -> dict[str, dist.ProcessGroup]:

@@ -14,6 +14,11 @@ is its record's name), saved once (checkpoints skip the copy), counted once in t
 (``Placement.counts_in_norm``), kept apart in the gradient buffers
 (:func:`tied_embedding_weights`) and its gradient summed with the embedding's after every backward
 (:func:`sync_embedding_grads`), as Megatron does, so the two copies stay equal.
+
+Multi-token prediction (issue 41) places its modules with the final norm, on the last stage (Megatron's
+default); they embed tokens too, so the last stage then keeps a copy of the embedding, ``embedding_copy``
+(the tied copy is its word table), a copy of the same kind, summed over the same group (Megatron-Core's
+``mtp_process`` stage does the same).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ptdp.parallel.placement import Placement, Placements
 from ptdp.schedule.layout import Stage, stages_from_counts
 
 HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
+MTP_COPY = "embedding_copy.word_embeddings.weight"  # its copy of the embedding for multi-token prediction
 
 
 # issue 24: a rank's vocabulary rows (``ptdp.parallel.vocab.stage``) are slices of these full weights
@@ -36,8 +42,8 @@ VOCAB_SLICE_NAMES = {"vocab_slices.embedding": TIED_EMBEDDING, "vocab_slices.hea
 
 
 def logical_name(name: str) -> str:
-    """The full-model name of a parameter (the last stage's tied copy is the input embedding)."""
-    return TIED_EMBEDDING if name == HEAD_COPY else VOCAB_SLICE_NAMES.get(name, name)
+    """The full-model name of a parameter (the last stage's copies are the input embedding)."""
+    return TIED_EMBEDDING if name in (HEAD_COPY, MTP_COPY) else VOCAB_SLICE_NAMES.get(name, name)
 
 
 def split_model(model: GPTModel, stages: Sequence[int], num_stages: int, placements: Placements,
@@ -55,13 +61,15 @@ def split_model(model: GPTModel, stages: Sequence[int], num_stages: int, placeme
             del chunk.layers[name]
         first, last = stage == 0, stage == num_stages - 1
         if not last:
-            chunk.final_layernorm = chunk.lm_head = None
+            chunk.final_layernorm = chunk.lm_head = chunk.mtp = None
         if not first:
+            if last and chunk.mtp is not None:  # multi-token prediction embeds tokens: keep a copy
+                chunk.embedding_copy = chunk.embedding
             if last and chunk.lm_head is None:  # tied, the embedding elsewhere: keep a copy of its table
                 chunk.output_layer = chunk.embedding.word_embeddings
             chunk.embedding = None
         for name, param in chunk.named_parameters():
-            role = "embedding_copy" if name == HEAD_COPY else "dense"
+            role = "embedding_copy" if name in (HEAD_COPY, MTP_COPY) else "dense"
             placements.record(param, Placement(logical_name(name), role=role))
         chunks.append(chunk)
     return chunks
@@ -75,26 +83,34 @@ def is_last(chunk: GPTModel) -> bool:
     return chunk.final_layernorm is not None
 
 
+def _word_embedding(chunk: GPTModel) -> nn.Parameter:
+    """The chunk's copy of the input embedding's table: its own (first stage), or the last stage's copy."""
+    table = chunk.embedding or chunk.embedding_copy
+    return chunk.output_layer.weight if table is None else table.word_embeddings.weight
+
+
 def tied_embedding_weights(chunks: Sequence[GPTModel], p: int) -> list[nn.Parameter]:
-    """This rank's copies of the tied embedding when there are two (p > 1): the optimizer keeps them in a
-    separate gradient bucket (their gradients are summed across stages before the data-parallel sync)."""
-    if p == 1 or not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
+    """This rank's copies of the input embedding when there are two (p > 1, tied or with multi-token
+    prediction): the optimizer keeps them in a separate gradient bucket (their gradients are summed across
+    stages before the data-parallel sync)."""
+    cfg = chunks[0].cfg
+    if p == 1 or not (cfg.tied_embeddings or cfg.mtp_num_layers) or hasattr(chunks[0], "vocab_slices"):
         return []  # vocabulary parallelism: one slice per rank serves both ends
-    return [c.output_weight() for c in chunks if is_first(c) or is_last(c)]
+    return [_word_embedding(c) for c in chunks if is_first(c) or is_last(c)]
 
 
 def sync_embedding_grads(chunks: Sequence[GPTModel], p: int, embedding_group) -> None:
-    """Sum the gradients of the tied embedding's two copies (first and last stage), as Megatron does: on
+    """Sum the gradients of the input embedding's two copies (first and last stage), as Megatron does: on
     this rank when a V placement holds both, else over the embedding group (first and last stage)."""
-    if not chunks[0].cfg.tied_embeddings or hasattr(chunks[0], "vocab_slices"):
+    if not tied_embedding_weights(chunks, p):
         return
     ends = [chunk for chunk in chunks if is_first(chunk) or is_last(chunk)]
-    if len(ends) == 2 and p > 1:  # a V placement: both copies live on this rank
-        first, last = (chunk.output_weight().main_grad for chunk in ends)
+    if len(ends) == 2:  # a V placement: both copies live on this rank
+        first, last = (_word_embedding(chunk).main_grad for chunk in ends)
         first.add_(last)
         last.copy_(first)
         return
     if embedding_group is None:
         return
     for chunk in ends:
-        all_reduce(chunk.output_weight().main_grad, embedding_group)  # fp32 with --bf16
+        all_reduce(_word_embedding(chunk).main_grad, embedding_group)  # fp32 with --bf16

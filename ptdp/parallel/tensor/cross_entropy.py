@@ -16,6 +16,7 @@ straightforward version holds three fp32 copies.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ptdp.models.layers import mask_padding_
 from ptdp.parallel.collectives import all_reduce, group_rank, group_size
@@ -88,7 +89,22 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
-                        inplace_backward: bool = True) -> torch.Tensor:
+                        inplace_backward: bool = True, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of vocabulary-parallel logits (overwrites fp32 ``logits``: see
-    :func:`vocab_parallel_cross_entropy`, also for ``inplace_backward``): the pipeline stages' loss."""
-    return vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward).mean()
+    :func:`vocab_parallel_cross_entropy`, also for ``inplace_backward``): the pipeline stages' loss. With
+    per-token ``weights`` (a packed microbatch's loss mask and normalisation, ``ptdp.train.batches``) the
+    weighted sum instead."""
+    per_token = vocab_parallel_cross_entropy(logits, labels, tp_group, inplace_backward)
+    return per_token.mean() if weights is None else (per_token * weights).sum()
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """The per-token loss a model computes itself (``ptdp.models.layers.CrossEntropy``: multi-token
+    prediction's heads) over vocabulary-parallel logits."""
+
+    def __init__(self, tp_group=None):
+        super().__init__()
+        self.tp_group = tp_group
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)

@@ -58,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = sequence_parallel
         local_out = _divide(output_size, group_size(tp_group), "output size")
         shape = (local_out, input_size) if fused == 1 else (fused, local_out, input_size)
         self.weight = nn.Parameter(torch.empty(shape))
@@ -100,7 +100,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = sequence_parallel
         local_in = _divide(input_size, group_size(tp_group), "input size")
         self.weight = nn.Parameter(torch.empty(output_size, local_in))
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
@@ -119,6 +119,22 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add:
             return y, self.bias
         return add_bias(y, self.bias)
+
+
+class HeadSharedInput(nn.Module):
+    """A tensor every one of this rank's heads reads whole (multi-latent attention's RoPE key): the same
+    tensor forward, its gradient summed over the tensor-parallel ranks' heads backward (``f``); under
+    sequence parallelism it arrives split along the sequence and is all-gathered (backward: reduce-scatter,
+    which sums the ranks' heads too)."""
+
+    def __init__(self, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel  # decided by the plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp_group)
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -152,7 +168,7 @@ class VocabParallelLogits(nn.Module):
     def __init__(self, vocab_size: int, *, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, tp_group
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
         if self.sequence_parallel:

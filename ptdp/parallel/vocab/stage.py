@@ -15,11 +15,21 @@ one (``ptdp.parallel.tensor.cross_entropy``) taken one level up: the slices of a
 the TP group inside S and T; the p pipeline ranks combine in the barriers, by rescaling each rank's
 sum of exponentials to the global max. With one barrier, S also computes this slice's input-gradient
 terms ``exp(z - max_r) W_r`` and the target rows, which C0 carries with the statistics, so the last stage
-assembles the input gradient without a second barrier.
+assembles the input gradient without a second barrier (the math: ``ptdp.parallel.vocab.heads``).
+
+Multi-token prediction (issue 41): its modules run on the last stage, but their output projections and
+cross-entropies are heads of S and T like the model's (``heads``), so no stage computes 1 + D vocabulary
+layers: the last chunk returns the model's and the D modules' hidden states stacked, BCAST_H carries them
+all, and T's input gradient comes back stacked. The modules embed tokens 1..D places ahead, which are the
+microbatch's own ids (and token 0 past the end): EF embeds the ids with one more column of token 0, EMB
+sums them on every rank (an all-reduce instead of a reduce), the last stage reads the rows the modules ask
+for from it (:class:`_ProvidedTokens`), and EMB_G sums both ends' gradients (an all-reduce instead of a
+broadcast) before EB adds them into each rank's rows.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +40,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.models import GPTModel
-from ptdp.models.layers import mask_padding_
-from ptdp.parallel.collectives import all_gather, group_rank, group_size
+from ptdp.models.mtp import MultiTokenPrediction, ShiftLabels
+from ptdp.parallel.collectives import group_rank, group_size
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
 from ptdp.parallel.pipeline.stage import logical_name
 from ptdp.parallel.placement import Placement, Placements, Split
+from ptdp.parallel.vocab.heads import Saved, gather_sequence, rows_of, s_pass, t_pass, tp_sum
 from ptdp.schedule.actions import Action
 from ptdp.schedule.vocab import VOCAB_COLLECTIVES, VOCAB_COMPUTE, end_ranks, waits_for
 
@@ -65,6 +76,32 @@ class _Provided(nn.Module):
         return self.current
 
 
+class _ProvidedTokens(nn.Module):
+    """Stands in for the word embeddings of the last stage's copy (multi-token prediction): the rows of the
+    tokens asked for, read from EMB's sum for the microbatch's ids, ``current`` (``[b, s + 1, h]``, a leaf
+    whose gradient EMB_G returns) at ``ids`` (``[b, s + 1]``). A token's row is the same wherever it
+    occurs, and so is the row its gradient goes to, so any of its positions serves."""
+
+    current: Tensor | None = None
+    ids: Tensor | None = None
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        where = torch.zeros(self.rows, dtype=torch.long, device=tokens.device)
+        where[self.ids.flatten()] = torch.arange(self.ids.numel(), device=tokens.device)
+        return self.current.flatten(0, 1)[where[tokens]]
+
+
+def _stacked_hidden_states(mtp: MultiTokenPrediction, hidden: Tensor, labels: Tensor, embed, head) -> Tensor:
+    """The multi-token prediction modules' forward under vocabulary parallelism: the model's final hidden
+    states and the D modules' stacked (``[1 + D, b, s, h]``) for the vocabulary passes, whose heads compute
+    their losses."""
+    return torch.stack([hidden, *mtp.hidden_states(hidden, labels, embed)])
+
+
 class _NoWeight(nn.Module):
     weight = None
 
@@ -89,6 +126,10 @@ def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int
             if gone is not None:
                 placements.remove(gone)
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
+    if chunk.embedding_copy is not None:  # issue 41: the MTP modules read EMB's rows, their heads go to S/T
+        placements.remove(chunk.embedding_copy.word_embeddings)
+        chunk.embedding_copy.word_embeddings = _ProvidedTokens(padded_vocab)
+        chunk.mtp.forward = functools.partial(_stacked_hidden_states, chunk.mtp)
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
         device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
@@ -120,12 +161,6 @@ def _accumulate(param: nn.Parameter, grad: Tensor, grads: GradReducer | None) ->
         param.grad.add_(grad.to(param.dtype))
 
 
-def _tp_sum(x: Tensor, group) -> Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
 @dataclass(frozen=True)
 class VocabParallel:
     """The executor plug-in of vocabulary parallelism: a stage factory (``ptdp.parallel.assembly``) whose
@@ -140,34 +175,39 @@ class VocabParallel:
     grads: GradReducer | None = None  # the gradient buffers the slices' gradients go into
 
     def __call__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
-                 loss_scale: float = 1.0, forward_only: bool = False) -> VocabStage:
-        return VocabStage(chunks, layout, batches, loss_fn, loss_scale, forward_only, vocab=self)
+                 loss_scale: float = 1.0, forward_only: bool = False, **options: bool) -> VocabStage:
+        """``options``: ``ModuleStage``'s (``piecewise``, ``delay_weight_grads``)."""
+        return VocabStage(chunks, layout, batches, loss_fn, loss_scale, forward_only, vocab=self, **options)
 
 
 class VocabStage(ModuleStage):
     """``ModuleStage`` with the vocabulary layers taken out, plus the vocabulary actions
     (``ptdp.schedule.vocab``) as handlers. The cross-entropy is computed by S and T, not ``loss_fn``; each
-    microbatch's loss factor is 1/m times ``loss_scale``, as ``ModuleStage``'s."""
+    microbatch's loss factor is 1/m times ``loss_scale``, as ``ModuleStage``'s (the MTP heads' λ/D of it)."""
 
     def __init__(self, chunks: Sequence[nn.Module], layout: StageLayout, batches: BatchSource, loss_fn: LossFn,
-                 loss_scale: float = 1.0, forward_only: bool = False, *, vocab: VocabParallel):
-        super().__init__(chunks, layout, batches, loss_fn, loss_scale, forward_only)
+                 loss_scale: float = 1.0, forward_only: bool = False, *, vocab: VocabParallel, **options: bool):
+        super().__init__(chunks, layout, batches, loss_fn, loss_scale, forward_only, **options)
         self.m = batches.num_microbatches
         self.scale, self.barriers = loss_scale / self.m, vocab.barriers
         self.pp_group, self.tp_group, self.pp_ranks = vocab.pp_group, vocab.tp_group, list(vocab.pp_ranks)
-        self.sp = vocab.sequence_parallel and group_size(self.tp_group) > 1
+        self.sp = vocab.sequence_parallel
         self.grads = vocab.grads
         self.slices = vocab_slices(chunks)
-        self.vocab_size = chunks[0].vocab_size
+        cfg = chunks[0].cfg
+        self.vocab_size, self.mtp = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # issue 41: MTP heads
+        self.heads = 1 + (0 if forward_only else self.mtp)  # the modules run in training only
+        mtp_weight = cfg.mtp_loss_scaling_factor / max(self.mtp, 1)
+        self.weights = torch.tensor([self.scale] + [self.scale * mtp_weight] * (self.heads - 1), dtype=torch.float64)
         v = layout.v
         self.first_chunk = next((c for c in range(v) if self.is_first(c)), None)
         self.last_chunk = next((c for c in range(v) if self.is_last(c)), None)
         self.first_rank, self.last_rank, _ = end_ranks(layout.p, v, layout.placement)
         self._works: dict[tuple[str, int], Any] = {}
         self._buf: dict[tuple[str, int], Any] = {}  # collective buffers
-        self._saved: dict[int, tuple] = {}  # S -> T
+        self._saved: dict[int, Saved] = {}  # S -> T
         self._grad_h: dict[int, Tensor] = {}
-        self._leaves: dict[int, Tensor] = {}
+        self._leaves: dict[tuple[int, int], Tensor] = {}
 
     def handlers(self) -> Mapping[str, ActionHandler]:
         """The barrier collectives (posted, not timed) and the passes (timed as compute, ``vocab_<op>``)."""
@@ -177,54 +217,51 @@ class VocabStage(ModuleStage):
 
     # ---- waits -----------------------------------------------------------------------------------
     def _wait(self, action) -> None:
-        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers):
+        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers, embeds_last=self.mtp > 0):
             work = self._works.pop(key, None)
             if work is not None:
                 work.wait()
 
-    # ---- the schedule's computes, with the vocabulary layers taken out -----------------------------
-    def forward(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor | None:
+    # ---- what enters and leaves a chunk, with the vocabulary layers taken out (ModuleStage's hooks) ------
+    def _leaf(self, chunk: int, microbatch: int, columns: int | None) -> Tensor:
+        """EMB's rows of the microbatch (its first ``columns`` positions) as a leaf whose gradient EB needs."""
+        rows = self._buf["EMB", 0][microbatch]
+        leaf = (rows if columns is None else rows[:, :columns]).detach().requires_grad_(not self.forward_only)
+        self._leaves[chunk, microbatch] = leaf
+        return leaf
+
+    def _enter(self, chunk: int, microbatch: int, input: Tensor | None) -> Tensor:
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
-            leaf = self._buf["EMB", 0][microbatch].detach().requires_grad_(not self.forward_only)
-            self._leaves[microbatch] = leaf
-            self.chunks[chunk].embedding.word_embeddings.current = leaf
-        if chunk != self.last_chunk:
-            return super().forward(chunk, microbatch, input)
-        if self.forward_only:
-            with torch.no_grad():
-                self._buf["H", microbatch] = self.chunks[chunk](input).contiguous()
-            return None
-        x = input.detach().requires_grad_(True)
-        y = self.chunks[chunk](x)
-        self._stash[chunk, microbatch] = (x, y)
-        self._buf["H", microbatch] = y.detach().contiguous()
-        return None
+            ids = self.batches.inputs(microbatch)
+            self.chunks[chunk].embedding.word_embeddings.current = self._leaf(chunk, microbatch, ids.shape[1])
+        if chunk == self.last_chunk and self.heads > 1:  # the MTP modules' embedding rows
+            provided = self.chunks[chunk].embedding_copy.word_embeddings
+            provided.current, provided.ids = self._leaf(chunk, microbatch, None), self._ids[0][microbatch]
+        return super()._enter(chunk, microbatch, input)
 
-    def _output_grad(self, chunk: int, microbatch: int, grad: Tensor | None, op: str) -> Tensor | None:
-        self._wait(Action(op, microbatch, chunk))
+    def _exit(self, chunk: int, microbatch: int, y: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The last stage's final-norm output goes to the vocabulary passes (``BCAST_H``); it is the
+        backward's root, seeded by T's gradient."""
         if chunk != self.last_chunk:
-            return grad
+            return super()._exit(chunk, microbatch, y)
+        self._buf["H", microbatch] = y.detach().contiguous().view(self._hidden_shape())
+        return y, None
+
+    def _seed(self, chunk: int, microbatch: int, output_grad: Tensor | None, root: Tensor) -> Tensor | None:
+        self._wait(Action("B", microbatch, chunk))  # B and I wait for the same barrier
+        if chunk != self.last_chunk:
+            return output_grad
         g = self._grad_h.pop(microbatch)
         if self.sp:
-            g = g.chunk(group_size(self.tp_group), dim=1)[group_rank(self.tp_group)]
-        return g.to(self._stash[chunk, microbatch][1].dtype).contiguous()
+            g = g.chunk(group_size(self.tp_group), dim=2)[group_rank(self.tp_group)]
+        return g.to(root.dtype).view(root.shape).contiguous()
 
-    def _keep_leaf_grad(self, chunk: int, microbatch: int) -> None:
-        if chunk == self.first_chunk:
-            leaf = self._leaves.pop(microbatch)
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self._emb_grads()[microbatch].copy_(grad)
-
-    def backward(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
-        dx = super().backward(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "B"))
-        self._keep_leaf_grad(chunk, microbatch)
-        return dx
-
-    def backward_input(self, chunk: int, microbatch: int, output_grad: Tensor | None) -> Tensor | None:
-        dx = super().backward_input(chunk, microbatch, self._output_grad(chunk, microbatch, output_grad, "I"))
-        self._keep_leaf_grad(chunk, microbatch)
-        return dx
+    def _after_backward(self, chunk: int, microbatch: int) -> None:
+        """The embedding rows' gradient, into EMB_G's buffer: the first stage's and the MTP modules'."""
+        leaf = self._leaves.pop((chunk, microbatch), None)
+        if leaf is not None and leaf.grad is not None:
+            self._emb_grads()[microbatch, :, :leaf.shape[1]].add_(leaf.grad)
 
     def _emb_grads(self) -> Tensor:
         if ("EMB_G", 0) not in self._buf:
@@ -234,9 +271,10 @@ class VocabStage(ModuleStage):
     # ---- collectives -------------------------------------------------------------------------------
     def collective(self, action) -> None:
         op, mb, group = action.op, action.microbatch, self.pp_group
-        if op == "EMB":
+        if op == "EMB":  # with MTP the last stage reads the rows too
             buf = self._buf["EMB", 0]
-            work = dist.reduce(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
+            work = dist.all_reduce(buf, group=group, async_op=True) if self.mtp else \
+                dist.reduce(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
         elif op == "BCAST_H":
             buf = self._buf.get(("H", mb))
             if buf is None:
@@ -250,8 +288,10 @@ class VocabStage(ModuleStage):
         elif op == "C1":
             buf = self._buf.pop(("C1", mb))
             work = dist.reduce(buf, self.pp_ranks[self.last_rank], group=group, async_op=True)
-        elif op == "EMB_G":
-            work = dist.broadcast(self._emb_grads(), self.pp_ranks[self.first_rank], group=group, async_op=True)
+        elif op == "EMB_G":  # with MTP both ends hold gradients of the rows
+            buf = self._emb_grads()
+            work = dist.all_reduce(buf, group=group, async_op=True) if self.mtp else \
+                dist.broadcast(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
         else:
             raise ValueError(f"unknown vocabulary collective {op}")
         self._works[op, mb] = work
@@ -260,9 +300,10 @@ class VocabStage(ModuleStage):
         return self.slices.embedding.dtype
 
     def _hidden_shape(self) -> tuple[int, ...]:
+        """``[heads, b, s, h]`` of the last stage's output (s/t tokens under sequence parallelism)."""
         ids = self.batches.inputs(0)
         seq = ids.shape[1] // group_size(self.tp_group) if self.sp else ids.shape[1]
-        return (ids.shape[0], seq, self.slices.embedding.shape[1])
+        return (self.heads, ids.shape[0], seq, self.slices.embedding.shape[1])
 
     # ---- vocabulary computes -----------------------------------------------------------------------
     def vocab(self, action) -> None:
@@ -270,20 +311,17 @@ class VocabStage(ModuleStage):
         with torch.no_grad():
             {"EF": self._embed, "EB": self._embed_backward, "S": self._s, "T": self._t}[action.op](action.microbatch)
 
-    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        start = self.slices.start
-        outside = (ids < start) | (ids >= start + self.slices.rows)
-        return (ids - start).masked_fill(outside, 0), outside
-
     def _embed(self, _: int) -> None:
         ids = torch.stack([self.batches.inputs(j) for j in range(self.m)])
-        local, outside = self._rows(ids)
+        if self.mtp:  # and token 0, which the MTP modules read past the sequence's end
+            ids = torch.cat([ids, ids.new_zeros(*ids.shape[:2], 1)], dim=2)
+        local, outside = rows_of(ids, self.slices.start, self.slices.rows)
         part = F.embedding(local, self.slices.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
-        self._buf["EMB", 0] = _tp_sum(part, self.tp_group)
-        self._ids = (local, outside)
+        self._buf["EMB", 0] = tp_sum(part, self.tp_group)
+        self._ids = (ids, local, outside)
 
     def _embed_backward(self, _: int) -> None:
-        local, outside = self._ids
+        _, local, outside = self._ids
         grads = self._emb_grads()
         keep = ~outside
         dw = torch.zeros(self.slices.embedding.shape, dtype=torch.float32, device=grads.device)
@@ -291,57 +329,36 @@ class VocabStage(ModuleStage):
         _accumulate(self.slices.embedding, dw, self.grads)
         self._buf.clear()
 
+    def _targets(self, mb: int) -> Tensor:
+        """``[heads, b, s]``: the labels, and for MTP module k the labels k places ahead (-1: none)."""
+        labels, shift = self.batches.labels(mb), ShiftLabels()
+        return torch.stack([shift(labels, k) for k in range(self.heads)])
+
     def _s(self, mb: int) -> None:
-        x = self._buf.pop(("H", mb))
-        if self.sp:
-            x = all_gather(x, self.tp_group, dim=1)
-        w = self.slices.output_weight()
-        z = mask_padding_(F.linear(x, w).float(), self.vocab_size, self.slices.start)
-        lmax = _tp_max(z.max(dim=-1).values, self.tp_group).clamp_(min=-1e30)
-        z.sub_(lmax.unsqueeze(-1))
-        labels = self.batches.labels(mb)
-        local, outside = self._rows(labels)
-        target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).add_(lmax).masked_fill_(outside, 0.0)
-        e = z.exp_()
-        stats = [lmax, _tp_sum(e.sum(dim=-1), self.tp_group), _tp_sum(target, self.tp_group)]
-        packed = torch.stack(stats, dim=-1)
-        if self.barriers == 1 and not self.forward_only:
-            a = _tp_sum(e @ w.float(), self.tp_group)
-            b = _tp_sum(F.embedding(local, w).float().masked_fill_(outside.unsqueeze(-1), 0.0), self.tp_group)
-            packed = torch.cat([packed, a, b], dim=-1)
+        x = gather_sequence(self._buf.pop(("H", mb)), self.tp_group, self.sp)
+        packed, saved = s_pass(x, self._targets(mb), self.slices.output_weight(), self.slices.start,
+                               self.vocab_size, self.tp_group, self.barriers == 1 and not self.forward_only)
         self._buf["S", mb] = packed
-        self._saved[mb] = (x, e, local, outside)
+        self._saved[mb] = saved
 
     def _t(self, mb: int) -> None:
-        gathered = torch.stack(self._buf.pop(("C0", mb)))  # [p, b, s, k]
-        x, e, local, outside = self._saved.pop(mb)
-        lmaxs = gathered[..., 0]
-        gmax = lmaxs.max(dim=0).values
-        c = (lmaxs - gmax).exp_()  # each rank's rescaling to the global max
-        gsum = (c * gathered[..., 1]).sum(dim=0)
-        if self.rank == self.last_rank:
-            loss = (gsum.log() + gmax - gathered[..., 2].sum(dim=0)).mean()
-            self.losses[mb] = loss * self.scale  # as ModuleStage's: over m, times the loss scale
+        gathered = torch.stack(self._buf.pop(("C0", mb)))  # [p, heads, b, s, k]
+        last = self.rank == self.last_rank
+        w = self.slices.output_weight()
+        out = t_pass(gathered, self._saved.pop(mb), w, self.rank, self.weights, last, self.barriers,
+                     self.forward_only, self._dtype(), self.tp_group, self.batches.loss_weights(mb))
+        if last:
+            self.losses[mb] = out.losses[0] * self.scale  # as ModuleStage's: over m, times the loss scale
+            if self.heads > 1:  # the MTP modules' cross-entropies, for their step hook
+                stats = self.chunks[self.last_chunk].mtp.stats
+                stats["mtp_losses"] = stats["mtp_losses"] + out.losses[1:] if "mtp_losses" in stats \
+                    else out.losses[1:].clone()
         if self.forward_only:
             return
-        tokens = e.shape[0] * e.shape[1]
-        gscale = self.scale / tokens
-        factor = c / gsum  # [p, b, s]
-        grad = e.mul_((factor[self.rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
-        grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
-        w = self.slices.output_weight()
-        _accumulate(w, grad.flatten(0, -2).t() @ x.flatten(0, -2).float(), self.grads)
+        _accumulate(w, out.weight_grad, self.grads)
         if self.barriers == 2:
-            self._buf["C1", mb] = _tp_sum((grad @ w.float()).to(self._dtype()), self.tp_group)
-            if self.rank == self.last_rank:
-                self._grad_h[mb] = self._buf["C1", mb]
-        elif self.rank == self.last_rank:
-            h = x.shape[-1]
-            a, b = gathered[..., 3:3 + h], gathered[..., 3 + h:]
-            self._grad_h[mb] = gscale * ((factor.unsqueeze(-1) * a).sum(dim=0) - b.sum(dim=0))
-
-
-def _tp_max(x: Tensor, group) -> Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
+            self._buf["C1", mb] = out.partial
+            if last:
+                self._grad_h[mb] = out.partial
+        elif last:
+            self._grad_h[mb] = out.whole

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.schedule.actions import Action
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.trace import RecordingComm
@@ -70,7 +71,7 @@ def record_context_vocab_trace(schedule: str, p: int, v: int, m: int, c: int, ba
             comm = RecordingComm(r, p, events, placement, per_direction)
             stage = ContextVocabTraceStage(r, p, v, events, placement, comm, barriers,
                                            pipeline=[k * p + q for q in range(p)], cp_group=group_of.get(me, [me]))
-            run_schedule((lists[k] if lists else default)[r], stage, comm, count_saved_bytes=False)
+            run_schedule((lists[k] if lists else default)[r], stage, comm, overlap_handlers(), count_saved_bytes=False)
             for event in events:  # point-to-point peers: pipeline ranks, in this CP rank's pipeline
                 for op in event.get("issue", []):
                     if op["op"] in ("send", "recv"):

@@ -40,12 +40,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
+from ptdp.models.pieces import BackwardRun, ForwardRun, fuse, interleave
 from ptdp.parallel.data.zero import param_sync_handlers
 from ptdp.parallel.pipeline.executor import run_schedule
-from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
+from ptdp.parallel.pipeline.overlap import has_pairs, overlap_handlers
 from ptdp.schedule.actions import Action, virtual_stage
 from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule, schedule_placement
+from ptdp.simulate.nccl.pairs import Label, Recorder, chunk_program
 from ptdp.simulate.nccl.trace import RecordingComm, _TraceStage
 
 FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],
@@ -59,12 +64,17 @@ ETP_BEFORE_GRAD, ETP_AFTER_GRAD = ["etp-gather-probs-grad", "etp-gather-tokens-g
 
 class _ExpertTraceStage(_TraceStage):
     """A traced stage whose chunks hold ``moe_layers`` MoE layers each: every F, B and I first records
-    its expert-parallel collectives (as placeholders; ``record_expert_trace`` turns them into issues)."""
+    its expert-parallel collectives (as placeholders; ``record_expert_trace`` turns them into issues).
+    ``piecewise`` (a list with overlapped pairs): as the real stage then, every pass runs the chunk's pieces
+    (``ptdp.simulate.nccl.pairs``) and a pair interleaves two microbatches' pieces and transfers."""
 
     def __init__(self, *args, moe_layers: int, dispatcher: str, recompute: bool, expert_tensor: bool = False,
-                 **kwargs) -> None:
+                 piecewise: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.moe_layers, self.dispatcher, self.recompute = moe_layers, dispatcher, recompute
+        self.expert_tensor, self.piecewise = expert_tensor, piecewise
+        self.recorder = Recorder(self.events)
+        self._runs: dict[tuple[int, int], tuple[ForwardRun, str, Label]] = {}
         etp = expert_tensor
         self.forward_names = [*(ETP_BEFORE if etp else []), *FORWARD[dispatcher], *(ETP_AFTER if etp else [])]
         self.backward_names = [*(ETP_AFTER_GRAD if etp else []), *BACKWARD[dispatcher],
@@ -82,16 +92,49 @@ class _ExpertTraceStage(_TraceStage):
             self.events.append({"collective": [comm, f"{comm} {name} layer {layer}", microbatch, stage]})
 
     def forward(self, chunk, microbatch, input):
-        self._collectives("F", chunk, microbatch)
+        if self.piecewise:
+            self._pieces(chunk, microbatch).finish()
+        else:
+            self._collectives("F", chunk, microbatch)
         return super().forward(chunk, microbatch, input)
 
     def backward(self, chunk, microbatch, output_grad):
-        self._collectives("B", chunk, microbatch)
+        if self.piecewise:
+            self._back(Action("B", microbatch, chunk)).finish()
+        else:
+            self._collectives("B", chunk, microbatch)
         return super().backward(chunk, microbatch, output_grad)
 
     def backward_input(self, chunk, microbatch, output_grad):
-        self._collectives("I", chunk, microbatch)
+        if self.piecewise:
+            self._back(Action("I", microbatch, chunk)).finish()
+        else:
+            self._collectives("I", chunk, microbatch)
         return super().backward_input(chunk, microbatch, output_grad)
+
+    def forward_backward(self, forward, input, backward, output_grad, saving):
+        """As ``ModuleStage``'s: the two runs' pieces alternate (``ptdp.models.pieces.interleave``)."""
+        if not self.piecewise:
+            return super().forward_backward(forward, input, backward, output_grad, saving)
+        back = self._back(backward)
+        interleave(self._pieces(forward.chunk, forward.microbatch), back)
+        y = _TraceStage.forward(self, forward.chunk, forward.microbatch, input)
+        run = _TraceStage.backward if backward.op == "B" else _TraceStage.backward_input
+        return y, run(self, backward.chunk, backward.microbatch, output_grad)
+
+    def _pieces(self, chunk: int, microbatch: int) -> ForwardRun:
+        stage = virtual_stage(self.rank, chunk, self.p, self.placement)
+        label = Label("F", microbatch, stage)
+        steps, out = chunk_program(stage == 0, stage == self.p * self.v - 1, self.moe_layers, self.dispatcher,
+                                   self.expert_tensor, self.recompute, self.recorder, label)
+        run = ForwardRun(fuse(steps), {"input": (torch.zeros(1, requires_grad=True),)})  # as ModuleStage
+        self._runs[chunk, microbatch] = (run, out, label)
+        return run
+
+    def _back(self, action: Action) -> BackwardRun:
+        run, out, label = self._runs.pop((action.chunk, action.microbatch))
+        label.op = action.op
+        return BackwardRun(run, {out: (torch.ones(1),)})
 
 
 class _ExpertParamSync:
@@ -134,19 +177,22 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
                         per_direction: bool = True, lists: Sequence[Sequence[Action]] | None = None,
                         ep_groups: Sequence[Sequence[int]] | None = None, expert_tensor: bool = False,
                         etp_groups: Sequence[Sequence[int]] | None = None, e: int | None = None,
-                        zero: str | None = None, reshard_after_forward: bool = False) -> dict:
+                        zero: str | None = None, reshard_after_forward: bool = False, overlap: bool = False) -> dict:
     """The comm trace (``nccl_model``) of ``pipelines`` data-parallel copies of ``schedule`` whose MoE
     layers exchange tokens over ``ep_groups`` (global ranks; default: groups of ``e`` consecutive pipelines'
     copies of a stage, as folding places them; ``e`` defaults to all of them). With ``expert_tensor`` the layers also gather and reduce-scatter
     over ``etp_groups`` (default: pipelines 2j and 2j+1 of a stage, the expert-parallel groups then the
     pipelines of one parity: orthogonal, as Megatron-Core's etp-ep order). ``zero`` ("optim_grads" or
     "optim_grads_params"): with ZeRO-2's reductions or ZeRO-3's gathers and reductions over the dense and
-    expert data-parallel groups (module docstring). ``check_trace`` plays it."""
+    expert data-parallel groups (module docstring). ``overlap``: the combined-1F1B lists
+    (``--overlap-moe-expert-parallel-comm``); lists with overlapped pairs (those, dualpipev's) run in pieces
+    (``ptdp.simulate.nccl.pairs``). ``check_trace`` plays it."""
     e = e or pipelines
     zero_groups = {"dp": lambda k, r: [j * p + r for j in range(pipelines)],
                    "edp": lambda k, r: [j * p + r for j in range(k % e, pipelines, e)]}
     comms = [c for c in ("dp", "edp") if len(zero_groups[c](0, 0)) > 1]
-    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only) for r in range(p)]
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, overlap=overlap) for r in range(p)]
+    piecewise = any(has_pairs(actions) for actions in lists)
     if zero:  # the gathers and reductions where training places them (ZeRO-2: the gathers record nothing)
         lists = [add_param_sync(actions, reshard_after_forward) for actions in lists]
     placement = schedule_placement(schedule)
@@ -154,10 +200,11 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
     for r in range(p):
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
-                                  recompute=recompute, expert_tensor=expert_tensor)
+                                  recompute=recompute, expert_tensor=expert_tensor, piecewise=piecewise)
         sync = _ExpertParamSync(events, reshard_after_forward, comms, zero == "optim_grads_params") if zero else None
-        run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction),
-                     sync.handlers() if sync is not None else None, count_saved_bytes=False)
+        handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
+        run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), handlers,
+                     count_saved_bytes=False)
         per_rank.append(events)
     if expert_tensor:
         etp_groups = etp_groups or [[k * p + r for k in range(j, min(j + 2, pipelines))]
@@ -180,11 +227,13 @@ def _globalise(events: list[dict], me: int, offset: int, groups: dict[str, Seque
                zero_groups: dict[str, list[int]] | None = None) -> list[dict]:
     """One pipeline rank's events as global rank ``me``: p2p peers offset to its pipeline, issue indices
     renumbered, each collective placeholder an all-pairs issue on its communicator ("ep", "etp") over
-    ``groups[comm]`` plus a wait for it, and each ZeRO placeholder a collective over its group in
+    ``groups[comm]`` plus a wait for it (an asynchronous one's wait where its ``collective-wait`` stands),
+    and each ZeRO placeholder a collective over its group in
     ``zero_groups`` (and its waits)."""
     out: list[dict] = []
     renumber: dict[int, int] = {}
     zero_issue: dict[int, int] = {}
+    started: dict[int, int | None] = {}  # an asynchronous collective's placeholder -> its issue (None: no peers)
     issued = 0
     original = 0
     for event in events:
@@ -204,6 +253,17 @@ def _globalise(events: list[dict], me: int, offset: int, groups: dict[str, Seque
             ops = [{"op": kind, "peer": q, "msg": msg} for q in peers for kind in ("send", "recv")]
             out += [{"issue": ops, "comm": comm}, {"wait": issued}]
             issued += 1
+        elif "collective-start" in event:
+            ref, comm, *msg = event["collective-start"]
+            peers = [q for q in groups[comm] if q != me]
+            started[ref] = issued if peers else None
+            if peers:
+                out.append({"issue": [{"op": kind, "peer": q, "msg": msg} for q in peers for kind in ("send", "recv")],
+                            "comm": comm})
+                issued += 1
+        elif "collective-wait" in event:
+            if started.get(event["collective-wait"]) is not None:
+                out.append({"wait": started[event["collective-wait"]]})
         elif "zero" in event:
             ref, comm, msg = event["zero"]
             out.append({"issue": [{"op": "coll", "group": zero_groups[comm], "msg": msg}], "comm": comm})

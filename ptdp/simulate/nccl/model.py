@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ptdp.parallel.pipeline.executor import run_schedule
-from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.handlers import ActionHandler, merge_handlers
+from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.schedule.actions import Action, stage_location, virtual_stage
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.collectives import match_collectives
@@ -65,14 +66,16 @@ class TracePlugin(Protocol):
 
 def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool = False,
                       lists: Sequence[Sequence[Action]] | None = None, per_direction: bool = False,
-                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0) -> dict:
+                      plugin: Callable[[RecordingComm], TracePlugin] | None = None, vocab_barriers: int = 0,
+                      vocab_embeds_last: bool = False, overlap: bool = False) -> dict:
     """Run the real executor on every rank's list of ``schedule`` (or the given ``lists``) with a
     recording transport; return the comm trace (module docstring). ``per_direction``: the transport posts
     activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``plugin``: a
     factory ``(comm) -> TracePlugin`` whose handlers record the collectives of the lists' other actions
     (ZeRO-3's). ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives
-    (issue 24)."""
-    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers) for r in range(p)]
+    (issue 24); ``vocab_embeds_last``: the last stage's forwards wait for EMB too (multi-token prediction,
+    issue 41). ``overlap``: the schedule's combined-1F1B lists (``--overlap-moe-expert-parallel-comm``)."""
+    lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers, overlap) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []
     for r in range(p):
@@ -80,10 +83,10 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
         comm = RecordingComm(r, p, events, placement, per_direction)
         stage = _TraceStage(r, p, v, events, placement)
         if vocab_barriers:
-            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers)
+            stage = VocabTraceStage(r, p, v, events, placement, comm, vocab_barriers, vocab_embeds_last)
         recorder = plugin(comm) if plugin is not None else None
-        run_schedule(lists[r], stage, comm, recorder.handlers() if recorder is not None else None,
-                     count_saved_bytes=False)
+        handlers = merge_handlers(overlap_handlers(), recorder.handlers() if recorder is not None else {})
+        run_schedule(lists[r], stage, comm, handlers, count_saved_bytes=False)
         if recorder is not None:
             recorder.finish()
         ranks.append(events)

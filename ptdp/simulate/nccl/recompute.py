@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ptdp.parallel.pipeline.executor import run_schedule
+from ptdp.parallel.pipeline.overlap import overlap_handlers
 from ptdp.schedule.registry import build_schedule, schedule_placement
 from ptdp.simulate.nccl.trace import RecordingComm, _TraceStage
 
@@ -59,7 +60,7 @@ def record_partitioned_trace(schedule: str, p: int, v: int, m: int, t: int, unit
             comm = RecordingComm(r, p, events, placement, per_direction)
             stage = _PartitionedTraceStage(r, p, v, events, placement, comm=comm, units=units,
                                            tp_group=group_of.get(me, [me]))
-            run_schedule(lists[r], stage, comm, count_saved_bytes=False)
+            run_schedule(lists[r], stage, comm, overlap_handlers(), count_saved_bytes=False)  # dualpipev's pairs
             for event in events:  # point-to-point peers: pipeline ranks of this tensor-parallel rank's pipeline
                 for op in event.get("issue", []):
                     if op["op"] in ("send", "recv"):

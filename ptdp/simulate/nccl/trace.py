@@ -102,3 +102,11 @@ class _TraceStage:
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
         self._record("W", chunk, microbatch)
+
+    def forward_backward(self, forward: Action, input: Tensor | None, backward: Action, output_grad: Tensor | None,
+                         saving) -> tuple[Tensor | None, Tensor | None]:
+        """An overlapped pair: its forward, then its backward (the pipeline's p2p calls are the same; the
+        collectives that interleave inside a pair are ``ptdp.simulate.nccl.experts``')."""
+        y = self.forward(forward.chunk, forward.microbatch, input)
+        run = self.backward if backward.op == "B" else self.backward_input
+        return y, run(backward.chunk, backward.microbatch, output_grad)

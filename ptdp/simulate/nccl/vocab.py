@@ -22,9 +22,9 @@ class VocabTraceStage(_TraceStage):
     posts a barrier, ``vocab`` records a pass after its waits."""
 
     def __init__(self, rank: int, p: int, v: int, events: list[dict], placement: str, comm: RecordingComm,
-                 barriers: int) -> None:
+                 barriers: int, embeds_last: bool = False) -> None:
         super().__init__(rank, p, v, events, placement)
-        self.comm, self.barriers = comm, barriers
+        self.comm, self.barriers, self.embeds_last = comm, barriers, embeds_last
         first_rank, last_rank, last = end_ranks(p, v, placement)
         chunks = range(v)
         self.first_chunk = next((c for c in chunks if rank == first_rank and self._stage(c) == 0), None)
@@ -37,7 +37,7 @@ class VocabTraceStage(_TraceStage):
         return virtual_stage(self.rank, chunk, self.p, self.placement)
 
     def _wait(self, action: Action) -> None:
-        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers):
+        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers, self.embeds_last):
             if key in self._posted:
                 self.events.append({"wait": self._posted.pop(key)})
 
