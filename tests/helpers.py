@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,9 +75,11 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     return proc
 
 
-# Flags that need a process of their own: the launcher's, and torch.compile (dynamo's caches and recompile
-# limit outlive a run: a later compile in the same process could fall back to eager unseen).
-_OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--compile"}
+# Flags that need a process of their own: the launcher's (acted on by ``ptdp train`` before ``train()``),
+# and torch.compile (dynamo's caches and recompile limit outlive a run: a later compile in the same process
+# could fall back to eager unseen).
+_OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-endpoint", "--rdzv-id",
+                      "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
 def _in_pool(nproc: int, extra: list[str], base: list[str], env: dict[str, str] | None) -> bool:
@@ -252,18 +257,49 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
             if world > 1:
                 dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}", rank=rank,
                                         world_size=world)
+            environ, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            _forget_earlier_runs()
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(world))
-            config = config_from_args(build_parser().parse_args(["train", *argv]))
-            errors = validate(config, world)
-            assert not errors, (name, errors)
-            train(derive(config, world))
+            try:
+                config = config_from_args(build_parser().parse_args(["train", *argv]))
+                errors = validate(config, world)
+                assert not errors, (name, errors)
+                train(derive(config, world))
+            finally:  # the next stage starts from the process as it was: its environment, its signal handlers
+                os.environ.clear()
+                os.environ.update(environ)
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
             if world > 1:
                 dist.destroy_process_group()
         # back into the whole world, so that the next stage (and the spawn helper) find a default group
         dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
                                 world_size=world_size)
         dist.barrier()  # all connected before any rank returns (and _entry destroys the group) after the last
+
+
+def _forget_earlier_runs() -> None:
+    """What a run in a rank of the pool could find left by an earlier run of the same process, and a fresh
+    ``ptdp train`` process would not: ptdp's per-process caches and records (tests/test_pool_state.py lists
+    every module-level one of ptdp and says why the others are safe). The RNGs are seeded by ``train()``."""
+    from ptdp.checkpointing import storage
+    from ptdp.data import mix_state
+    from ptdp.optim import memory
+
+    storage._VERIFIED.clear()  # a checkpoint hashed once is not hashed again: a later corruption went unseen
+    mix_state._IDENTITIES.clear()
+    memory._lifetime_peak.update(rss=0, cuda=0)  # the run's peak memory, not the process's
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # VmHWM := VmRSS, as memory.window_peak_bytes does
+    except OSError:
+        pass
+
+
+def _environment() -> dict[str, str]:
+    """The environment a rank started now would get (pytest's per-test variable aside)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 class _RankPool:
@@ -277,6 +313,7 @@ class _RankPool:
 
     def __init__(self) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks before they import torch
+        self.environment = _environment()  # what the ranks inherit (pooled_spawn restarts them on a change)
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.SimpleQueue() for _ in range(self.SIZE)]
         self.outbox = ctx.SimpleQueue()
@@ -330,24 +367,38 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
     """:func:`spawn` on the session's reused ranks (for functions that leave nothing behind in a process)."""
     global _POOL
     assert world_size <= _RankPool.SIZE, world_size
+    if _POOL is not None and _POOL.environment != _environment():  # a test set a variable: as a new process
+        _POOL.close()
     if _POOL is None:
         _POOL = _RankPool()
     _POOL.run(fn, world_size, str(tmp_path / f"store-{os.urandom(4).hex()}"), args, timeout)
 
 
-# Every run of the session that named no path, by (world size, flags): the same flags train the same
-# model bit for bit (dropout off, fixed seed, the session's corpus), so a module asking again for a run
-# another module made (a one-process reference, a common layout) gets that run's records and checkpoint.
-_DONE: dict[tuple[int, tuple[str, ...]], Run] = {}
+# Every run of the session that named no path, by (world size, flags, environment): the same flags train
+# the same model bit for bit (dropout off, fixed seed, the session's corpus), so a module asking again for a
+# run another module made (a one-process reference, a common layout) gets that run again: a copy of its
+# metrics file and checkpoint, taken right after it trained, into its own folder (what a test does to its
+# copy, resuming into it, deleting or corrupting a file, reaches no other test).
+_DONE: dict[tuple, tuple[Path, Path | None]] = {}  # key -> (metrics file, checkpoint) in _store()
 REUSED: list[str] = []  # the names of the runs taken from _DONE (the session summary counts them)
+_STORE: list[Path] = []
+
+# Flags naming a file or folder, even without a slash (what lies there may change between two runs).
+_PATH_FLAG_WORDS = ("path", "dir", "file", "load", "save", "config", "tokenizer", "merge", "prefix")
 
 
-def _reuse_key(world: int, argv: list[str], save: bool) -> tuple[int, tuple[str, ...]] | None:
-    """The key of a run in ``_DONE``, or None when its flags name a file or folder (what lies there may
-    change between two runs) or save somewhere of their own."""
-    if any(os.sep in a for a in argv):
+def _store() -> Path:
+    if not _STORE:
+        _STORE.append(Path(tempfile.mkdtemp(prefix="ptdp-test-runs-")))
+        atexit.register(shutil.rmtree, _STORE[0], True)
+    return _STORE[0]
+
+
+def _reuse_key(world: int, argv: list[str]) -> tuple | None:
+    """The key of a run in ``_DONE``, or None when its flags name a file or folder."""
+    if any(os.sep in a or (a.startswith("--") and any(w in a for w in _PATH_FLAG_WORDS)) for a in argv):
         return None
-    return (world, tuple(argv)) if save else (-world, tuple(argv))
+    return world, tuple(argv), tuple(sorted(_environment().items()))
 
 
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
@@ -356,38 +407,43 @@ def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: li
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
     training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
     ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A run
-    with the flags (and no path) of one the session already made is not trained again: it is that run.
-    A failure in one fails them all."""
+    with the flags (and no path) of one the session already made is not trained again: the caller gets a
+    copy of that run's metrics file and checkpoint in ``tmp_path``. A failure in one fails them all."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    stages, runs, fresh, pending = [], {}, {}, {}
+    stages, wanted, pending = [], {}, set()
     for name, (world, flags) in plan.items():
-        key = _reuse_key(world, [*base, *flags], save)
-        done = _DONE.get(key) or (_DONE.get((world, key[1])) if key and not save else None)
-        if done is not None or key in pending:
-            runs[name] = done or pending[key]
-            REUSED.append(name)
-            continue
-        if key is not None:
-            pending[key] = name
+        key = _reuse_key(world, [*base, *flags])
         metrics = tmp_path / f"{name}.jsonl"
+        ckpt = Path(flags[flags.index("--save") + 1]) if "--save" in flags else tmp_path / f"{name}-ckpt" if save else None
+        wanted[name] = (key, metrics, ckpt)
+        done = _DONE.get(key) if key is not None else None
+        if key is not None and (key in pending or (done is not None and (ckpt is None or done[1] is not None))):
+            continue  # copied below, from an earlier run or from one of this plan
+        pending.add(key)
         argv = [*base, *flags, "--metrics-file", str(metrics)]
-        ckpt = None
-        if "--save" in flags:
-            ckpt = Path(flags[flags.index("--save") + 1])
-        elif save:
-            ckpt = tmp_path / f"{name}-ckpt"
+        if ckpt is not None and "--save" not in flags:
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))
-        fresh[name] = (metrics, ckpt, key)
     if stages:
         # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
         pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
                      timeout=300 + 120 * len(stages))
-    for name, (metrics, ckpt, key) in fresh.items():
-        runs[name] = Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
+    trained = {name for name, _, _ in stages}
+    for name in trained:  # kept as they are now, before the caller can touch them
+        key, metrics, ckpt = wanted[name]
         if key is not None:
-            _DONE[key] = runs[name]
-    return {name: runs[runs[name]] if isinstance(runs[name], str) else runs[name] for name in plan}
+            folder = Path(tempfile.mkdtemp(dir=_store()))
+            kept = shutil.copytree(ckpt, folder / "ckpt") if ckpt is not None else None
+            _DONE[key] = (Path(shutil.copy(metrics, folder / "metrics.jsonl")), kept)
+    for name, (key, metrics, ckpt) in wanted.items():
+        if name not in trained:
+            kept_metrics, kept_ckpt = _DONE[key]
+            shutil.copy(kept_metrics, metrics)
+            if ckpt is not None:
+                shutil.copytree(kept_ckpt, ckpt)
+            REUSED.append(name)
+    return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
+            for name, (_, metrics, ckpt) in wanted.items()}
 
 
 def assert_same_training(got: dict, expected: dict, initial: dict, rel: float = 1e-3) -> None:
