@@ -83,20 +83,22 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
 
 
 def _in_pool(nproc: int, extra: list[str], base: list[str], env: dict[str, str] | None) -> bool:
-    return nproc == 1 and env is None and not _OWN_PROCESS_FLAGS.intersection(a.split("=")[0] for a in [*base, *extra])
+    return (nproc <= _RankPool.SIZE and env is None
+            and not _OWN_PROCESS_FLAGS.intersection(a.split("=")[0] for a in [*base, *extra]))
 
 
 def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY,
                   env: dict[str, str] | None = None) -> list[dict]:
     """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records.
 
-    A plain one-process run (no extra environment, no launcher or compile flag) trains in a rank of the
-    session's pool (:func:`run_layouts`): the same ``train()`` that ``ptdp train`` runs, without starting
-    Python and torch once more (about 3 s of CPU, ten times the tiny run itself). Tests of the command line
-    itself (its messages, exit codes, signals, launcher) call :func:`run_ptdp`."""
+    A run without an extra environment, launcher or compile flag trains in ranks of the session's pool
+    (:func:`run_layouts`): the same ``train()`` that ``ptdp train`` (and each worker of its launcher) runs,
+    without starting Python and torch once more in the launcher and every worker (about 3 s of CPU each,
+    ten times the tiny run itself). Tests of the command line itself (its messages, exit codes, signals,
+    launcher) call :func:`run_ptdp`."""
     if _in_pool(nproc, extra, base, env):
         name = f"run-{os.urandom(4).hex()}"
-        return run_layouts(tmp_path / name, {name: (1, extra)}, base, save=False)[name].records
+        return run_layouts(tmp_path / name, {name: (nproc, extra)}, base, save=False)[name].records
     metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
     launch = [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
     run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)], env=env)
@@ -149,7 +151,7 @@ def train_run(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TI
     its final checkpoint, so that its weights can be compared (saving changes nothing in training)."""
     if _in_pool(nproc, extra, base, env):
         name = f"run-{os.urandom(4).hex()}"
-        return run_layouts(tmp_path / name, {name: (1, extra)}, base, save=save)[name]
+        return run_layouts(tmp_path / name, {name: (nproc, extra)}, base, save=save)[name]
     ckpt = None
     if "--save" in extra:
         ckpt = Path(extra[extra.index("--save") + 1])
@@ -351,6 +353,12 @@ class _RankPool:
 def _pool_rank(rank: int, inbox, outbox) -> None:
     import traceback
 
+    try:  # die with the test session, even one killed without its clean-up (CI's timeout): Linux's prctl
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     while True:
         fn, world_size, store, args = inbox.get()
         try:

@@ -48,7 +48,8 @@ def _called(call: ast.Call) -> str | None:
 def _process_state() -> set[str]:
     found = set()
     for path in PTDP.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        text = path.read_text()
+        tree = ast.parse(text)
         where = path.relative_to(PTDP).as_posix()
         names = set()
         for node in tree.body:
@@ -58,7 +59,7 @@ def _process_state() -> set[str]:
                     isinstance(value, ast.Call) and _called(value) in ("dict", "list", "set", "deque", "defaultdict"))):
                 names.add(target.id)
         for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
-            body = ast.get_source_segment(path.read_text(), fn) or ""
+            body = ast.get_source_segment(text, fn) or ""
             found.update(f"{where}:{name}" for name in names if re.search(rf"\b{name}(?:{_MUTATORS})", body))
             for node in ast.walk(fn):
                 if isinstance(node, ast.Global):
@@ -67,11 +68,12 @@ def _process_state() -> set[str]:
 
 
 def test_every_per_process_state_of_ptdp_is_known_to_be_safe_in_the_pool():
-    unknown = _process_state() - KNOWN.keys()
+    found = _process_state()
+    unknown = found - KNOWN.keys()
     assert not unknown, (f"module-level state that a run mutates: {sorted(unknown)}; can a later run in the same "
                          "process see it? reset it in helpers._forget_earlier_runs, or keep such runs out of the "
                          "pool, then add it to KNOWN with the reason")
-    assert _process_state() >= {"checkpointing/storage.py:_VERIFIED", "parallel/tensor/random.py:_TRACKER"}, (
+    assert found >= {"checkpointing/storage.py:_VERIFIED", "parallel/tensor/random.py:_TRACKER"}, (
         "the scan finds nothing: it could not fail")
 
 
