@@ -37,10 +37,3 @@ def reference_8_layers(tmp_path_factory):
 
     return train_run(tmp_path_factory.mktemp("ref8"), 1, ["--num-layers", "8"])
 
-
-def pytest_terminal_summary(terminalreporter):
-    """How many training runs the session did not repeat (``helpers.run_layouts``: same flags, same run)."""
-    import helpers
-
-    if helpers.REUSED:
-        terminalreporter.write_line(f"helpers.run_layouts: {len(helpers.REUSED)} runs taken from earlier identical ones")

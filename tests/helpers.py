@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -382,76 +379,31 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
     _POOL.run(fn, world_size, str(tmp_path / f"store-{os.urandom(4).hex()}"), args, timeout)
 
 
-# Every run of the session that named no path, by (world size, flags, environment): the same flags train
-# the same model bit for bit (dropout off, fixed seed, the session's corpus), so a module asking again for a
-# run another module made (a one-process reference, a common layout) gets that run again: a copy of its
-# metrics file and checkpoint, taken right after it trained, into its own folder (what a test does to its
-# copy, resuming into it, deleting or corrupting a file, reaches no other test).
-_DONE: dict[tuple, tuple[Path, Path | None]] = {}  # key -> (metrics file, checkpoint) in _store()
-REUSED: list[str] = []  # the names of the runs taken from _DONE (the session summary counts them)
-_STORE: list[Path] = []
-
-# Flags naming a file or folder, even without a slash (what lies there may change between two runs).
-_PATH_FLAG_WORDS = ("path", "dir", "file", "load", "save", "config", "tokenizer", "merge", "prefix")
-
-
-def _store() -> Path:
-    if not _STORE:
-        _STORE.append(Path(tempfile.mkdtemp(prefix="ptdp-test-runs-")))
-        atexit.register(shutil.rmtree, _STORE[0], True)
-    return _STORE[0]
-
-
-def _reuse_key(world: int, argv: list[str]) -> tuple | None:
-    """The key of a run in ``_DONE``, or None when its flags name a file or folder."""
-    if any(os.sep in a or (a.startswith("--") and any(w in a for w in _PATH_FLAG_WORDS)) for a in argv):
-        return None
-    return world, tuple(argv), tuple(sorted(_environment().items()))
-
-
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
                 save: bool = True) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
     training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
-    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A run
-    with the flags (and no path) of one the session already made is not trained again: the caller gets a
-    copy of that run's metrics file and checkpoint in ``tmp_path``. A failure in one fails them all."""
+    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A failure
+    in one fails them all."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    stages, wanted, pending = [], {}, set()
+    stages, runs = [], {}
     for name, (world, flags) in plan.items():
-        key = _reuse_key(world, [*base, *flags])
         metrics = tmp_path / f"{name}.jsonl"
-        ckpt = Path(flags[flags.index("--save") + 1]) if "--save" in flags else tmp_path / f"{name}-ckpt" if save else None
-        wanted[name] = (key, metrics, ckpt)
-        done = _DONE.get(key) if key is not None else None
-        if key is not None and (key in pending or (done is not None and (ckpt is None or done[1] is not None))):
-            continue  # copied below, from an earlier run or from one of this plan
-        pending.add(key)
         argv = [*base, *flags, "--metrics-file", str(metrics)]
-        if ckpt is not None and "--save" not in flags:
+        ckpt = None
+        if "--save" in flags:
+            ckpt = Path(flags[flags.index("--save") + 1])
+        elif save:
+            ckpt = tmp_path / f"{name}-ckpt"
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))
-    if stages:
-        # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
-        pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
-                     timeout=300 + 120 * len(stages))
-    trained = {name for name, _, _ in stages}
-    for name in trained:  # kept as they are now, before the caller can touch them
-        key, metrics, ckpt = wanted[name]
-        if key is not None:
-            folder = Path(tempfile.mkdtemp(dir=_store()))
-            kept = shutil.copytree(ckpt, folder / "ckpt") if ckpt is not None else None
-            _DONE[key] = (Path(shutil.copy(metrics, folder / "metrics.jsonl")), kept)
-    for name, (key, metrics, ckpt) in wanted.items():
-        if name not in trained:
-            kept_metrics, kept_ckpt = _DONE[key]
-            shutil.copy(kept_metrics, metrics)
-            if ckpt is not None:
-                shutil.copytree(kept_ckpt, ckpt)
-            REUSED.append(name)
+        runs[name] = (metrics, ckpt)
+    # The ceiling only catches hangs: a few seconds a stage on an idle machine, far more on a loaded one.
+    pooled_spawn(_run_layouts, max(world for _, world, _ in stages), tmp_path, str(tmp_path), stages,
+                 timeout=300 + 120 * len(stages))
     return {name: Run([json.loads(line) for line in metrics.read_text().splitlines()], ckpt)
-            for name, (_, metrics, ckpt) in wanted.items()}
+            for name, (metrics, ckpt) in runs.items()}
 
 
 def assert_same_training(got: dict, expected: dict, initial: dict, rel: float = 1e-3) -> None:
