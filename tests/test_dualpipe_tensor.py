@@ -28,6 +28,7 @@ def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
     from ptdp.models.pieces import BackwardRun, Compute, Exchange, ForwardRun, fuse, interleave
     from ptdp.parallel.placement import Placements
     from ptdp.parallel.tensor.apply import apply_tensor_parallel
+    from ptdp.simulate.nccl.pairs import Label, Recorder, chunk_program
 
     cfg = validated_config(DENSE)
     model = GPTModel(cfg.model, 32, 32)
@@ -45,9 +46,13 @@ def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
         return steps
 
     steps = program("x")
-    for i, layer in enumerate(layers):
+    for i in range(len(layers)):
         names = [s.name for s in steps if isinstance(s, Exchange) and s.output.startswith(f"layer{i}.")]
         assert names == ["attention_in", "attention_out", "mlp_in", "mlp_out"], names  # the collectives
+    # the NCCL model's mirror cuts the layers where the real ones are cut (names and kinds, in order)
+    mirror, _ = chunk_program(False, False, 0, "alltoall", False, False, Recorder([]), Label("F", 0, 0),
+                              layers=[False] * len(layers), tensor="sp" if sp else "tp")
+    assert [(type(a).__name__, a.name) for a in steps] == [(type(a).__name__, a.name) for a in mirror]
 
     # Issued collectives: (inside a compute piece, asynchronous); a synchronous one inside a piece fails.
     inside, calls = [False], []
@@ -139,3 +144,64 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_dualpipev_with_tensor_parallel_exchanges_trains_as_one_process(runs, name):
     assert_equivalent(runs[name], runs[LAYOUTS[name][0]])
+
+
+# ------------------------------------------------------------- the NCCL model: two microbatches' TP transfers
+
+def assert_safe(trace: dict, *what) -> None:
+    from ptdp.simulate.nccl.model import check_all_send_models
+
+    for model, problems in check_all_send_models(trace).items():
+        assert not problems, (what, model, problems[:3])
+
+
+@pytest.mark.parametrize("tensor", ["tp", "sp"])
+@pytest.mark.parametrize("name, v, overlap", [("dualpipev", 2, False), ("1f1b", 1, True), ("interleaved", 2, True)])
+def test_tensor_parallel_transfers_interleave_alike_on_every_rank_of_a_group(tensor, name, v, overlap):
+    """In each pair the tensor-parallel transfers of one microbatch's forward and another's backward
+    interleave (with the expert ones, e folded over t, and the synchronous ones of the embedding, the head,
+    the loss and the token slicing) in the order the pieces engine issues them; every rank of the group the
+    same: deadlock-free under NCCL's rules, with recomputation, both dispatchers, p = 2 and 4."""
+    from ptdp.simulate.nccl.experts import record_expert_trace
+
+    for p in (2, 4):
+        for layers, dispatcher, recompute in (([False, False], "alltoall", False), ([False, True], "alltoall", True),
+                                              ([True, False], "allgather", False)):
+            trace = record_expert_trace(name, p, v, 2 * p + 1 if name == "dualpipev" else 2 * p, pipelines=2,
+                                        layers=layers, dispatcher=dispatcher, recompute=recompute, tensor=tensor,
+                                        overlap=overlap)
+            assert_safe(trace, p, layers, dispatcher, recompute)
+
+
+def _tp_issues(trace: dict, rank: int) -> list[list]:
+    return [e["issue"][0]["msg"] for e in trace["ranks"][rank] if e.get("comm") == "tp"]
+
+
+def test_a_pair_really_interleaves_the_two_microbatches_tensor_parallel_transfers():
+    from ptdp.simulate.nccl.experts import record_expert_trace
+
+    trace = record_expert_trace("dualpipev", 2, 2, 4, pipelines=2, layers=[False, False], tensor="tp")
+    # rank 0's first pair: F3 on chunk 0 (stage 0) with B1 on chunk 1 (stage 3)
+    owners = [(mb, stage) for name, mb, stage in _tp_issues(trace, 0)
+              if (mb, stage) == (3, 0) and name.startswith("tp F:") or (mb, stage) == (1, 3) and name.startswith("tp B:")]
+    assert len(set(owners)) == 2
+    assert sum(a != b for a, b in zip(owners, owners[1:])) >= 3, owners  # not one microbatch's, then the other's
+
+
+def test_tensor_parallel_ranks_interleaving_differently_are_caught():
+    """One rank of a tensor-parallel group issues two microbatches' transfers in the other order: caught."""
+    from ptdp.simulate.nccl.experts import record_expert_trace
+    from ptdp.simulate.nccl.model import check_trace
+
+    trace = record_expert_trace("dualpipev", 2, 2, 4, pipelines=2, layers=[False], tensor="sp")
+    events = trace["ranks"][2]  # pipeline 1's rank 0, in a tensor-parallel group with pipeline 0's rank 0
+    tp = [i for i, e in enumerate(events) if e.get("comm") == "tp"]
+    for i, j in zip(tp, tp[1:]):
+        a, b = events[i]["issue"][0]["msg"], events[j]["issue"][0]["msg"]
+        if (a[1], a[2]) != (b[1], b[2]):
+            events[i], events[j] = events[j], events[i]
+            break
+    else:
+        pytest.fail("no two adjacent transfers of different microbatches")
+    problems = check_trace(trace, sends_wait_for_receive=True)
+    assert any(line.startswith(("mismatch", "deadlock")) for line in problems), problems
