@@ -7,7 +7,9 @@ all-reduce; with sequence parallelism the all-gather, backward reduce-scatter) a
 all-reduce; the reduce-scatter, backward all-gather) are exchanges issued asynchronously and waited on by
 the piece that consumes them, never a collective inside a compute piece. Shown on two gloo ranks, piece by
 piece against the layer's plain autograd run, and trained: dualpipev at p = 2 with t = 2 on a dense model,
-with sequence parallelism, and with MoE (e = 2 folded over t) equals one process.
+with sequence parallelism (and full recomputation), with MoE (e = 2 folded over t), and combined 1F1B at t = 2
+with --delay-wgrad-compute, equal one process. The NCCL model plays the new order: two microbatches'
+transfers interleaved on one rank, alike on every rank of the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -129,8 +131,15 @@ TRAIN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coe
 LAYOUTS = {
     "dense-t2": ("one", 4, DUALPIPEV_T2),
     "dense-t2-sp": ("one", 4, [*DUALPIPEV_T2, "--sequence-parallel"]),
+    "dense-t2-sp-recompute": ("one", 4, [*DUALPIPEV_T2, "--sequence-parallel", "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     "moe-t2e2": ("one-moe", 4, [*DUALPIPEV_T2, *TRAIN_MOE, "--expert-model-parallel-size", "2",
                                 "--expert-tensor-parallel-size", "1"]),
+    # combined 1F1B at t = 2, the weight gradients of a piece whose input gradient leaves delayed past the issue
+    "moe-t2e2-1f1b-overlap-delay": ("one-moe", 4, [
+        "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", *TRAIN_MOE,
+        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+        "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
 }
 
 
