@@ -19,14 +19,6 @@ zb-h1 with ``ScheduleInterleavedZeroBubble`` on one stage per rank (its ZB1P is 
 sides: a sleep is compute, which the overlap does not hide; the expert communication it does hide is
 ``benchmarks/dualpipe.py``'s). zb-h2, v-half and v-min have no torch counterpart. dualpipev needs m >= 2p.
 
-A second yardstick separates the machine from the executor: ``hop_s`` is the one-way latency of a pipeline
-message on this machine (half a ping-pong of a microbatch's tensor between two ranks, median), and
-``list_at_latency_s`` what ``ptdp simulate`` gives for the same lists with each hop costing ``hop_s`` and each
-compute the sleeps' measured overrun (busy / work) longer: the step time these lists would take under a
-perfect executor on this machine. The V schedules' many short chunks make them several times as sensitive
-to hop latency as 1F1B (the simulator's own numbers), so on a shared 2-core machine they sit further above
-the free-communication ideal; ``time_over_list_at_latency`` is what the executor itself adds.
-
     python benchmarks/schedules.py                 # table, m = 8 and m = 16
     python benchmarks/schedules.py --json --m 8    # one JSON object keyed by schedule (one line per m)
 """
@@ -60,7 +52,6 @@ from ptdp.schedule.registry import (
     build_schedule,
     schedule_placement,
 )
-from ptdp.simulate.command import simulate
 
 MICRO_BATCH, HIDDEN = 2, 64
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -235,31 +226,13 @@ def chunks_per_rank(name: str, v: int) -> int:
     return v if V_OF.get(name, 1) is None else V_OF.get(name, 1)
 
 
-def _hop_seconds(rank: int, rounds: int = 50) -> float:
-    """Half the median round trip of one microbatch's tensor between ranks 0 and 1 (the others wait)."""
-    x, trips = torch.zeros(MICRO_BATCH, HIDDEN), []
-    dist.barrier()
-    for _ in range(rounds if rank < 2 else 0):
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
-        else:
-            dist.recv(x, 0)
-            dist.send(x, 0)
-        trips.append(time.perf_counter() - t0)
-    hop = torch.tensor([statistics.median(trips) / 2 if rank == 0 else 0.0])
-    dist.all_reduce(hop, op=dist.ReduceOp.MAX)
-    return hop.item()
-
-
 def _worker(rank: int, args, store: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.p,
                             timeout=timedelta(seconds=300))
     try:
-        results = [_hop_seconds(rank)]
+        results = []
         for m in args.m:
             per_m = {}
             for name in args.schedules:
@@ -280,17 +253,13 @@ def _bad(message: str) -> int:
     return 2
 
 
-def report_for(args, m: int, raw: dict, hop: float = 0.0) -> dict:
-    """Per schedule: times, ideal, measured and formula bubble, the lists' own time at this machine's hop
-    latency ``hop`` (module docstring), ratios (None where torch has none)."""
+def report_for(args, m: int, raw: dict) -> dict:
+    """Per schedule: times, ideal, measured and formula bubble, ratios (None where torch has none)."""
     work = m * (args.t_f + args.t_b + args.t_w)
     report = {}
     for name, (v, ours, theirs, busy, ours_cpu, theirs_cpu) in raw.items():
         formula = bubble_fraction_formula(args.p, v, m, schedule=name)
         ideal = work * (1 + formula)
-        k = max(1.0, busy / work)  # the sleeps' overrun, as the compute's own cost on this machine
-        at_latency = simulate(name, args.p, v, m, forward_time=args.t_f * k, backward_time=(args.t_b + args.t_w) * k,
-                              p2p_time=hop, weight_grad_fraction=args.t_w / (args.t_b + args.t_w)).total_time
         report[name] = {
             "p": args.p, "v": v, "m": m, "ours_s": ours, "torch_s": theirs, "ideal_s": ideal,
             "time_over_ideal": ours / ideal, "time_over_torch": None if theirs is None else ours / theirs,
@@ -299,7 +268,6 @@ def report_for(args, m: int, raw: dict, hop: float = 0.0) -> dict:
             "torch_bubble_fraction": None if theirs is None else theirs / work - 1,
             "torch_schedule": TORCH_SCHEDULES.get(name),
             "busy_over_work": busy / work,  # > 1: the sleeps overran (load), not a schedule bubble
-            "hop_s": hop, "list_at_latency_s": at_latency, "time_over_list_at_latency": ours / at_latency,
             # the busiest rank's CPU time per step (the stages sleep: this is the machinery's own cost)
             "ours_cpu_s": ours_cpu, "torch_cpu_s": theirs_cpu,
             "cpu_over_torch": None if theirs_cpu is None else ours_cpu / theirs_cpu,
@@ -358,25 +326,23 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         mp.spawn(_worker, args=(args, str(Path(tmp) / "store"), str(out)), nprocs=args.p)
-        hop, *raw = json.loads(out.read_text())
+        raw = json.loads(out.read_text())
 
     for m, per_m in raw:
-        report = report_for(args, m, per_m, hop)
+        report = report_for(args, m, per_m)
         if args.json:
             print(json.dumps(report))
             continue
         print(f"p={args.p} m={m} t_F={args.t_f * 1e3:.0f}ms t_B={args.t_b * 1e3:.0f}ms t_W={args.t_w * 1e3:.0f}ms "
-              f"NCCL-safe placement, median of {args.repeats} after {args.warmup} warm-up, "
-              f"hop latency {hop * 1e3:.2f} ms")
+              f"NCCL-safe placement, median of {args.repeats} after {args.warmup} warm-up")
         print(f"{'schedule':<12} {'v':>2} {'ideal s':>8} {'ours s':>8} {'torch s':>8} {'ours/ideal':>11} "
               f"{'torch/ideal':>12} {'ours/torch':>11} {'bubble':>7} {'formula':>8} {'busy/work':>9} {'cpu ms':>7} "
-              f"{'cpu/torch':>9} {'ours/list@hop':>13}")
+              f"{'cpu/torch':>9}")
         for name, r in report.items():
             print(f"{name:<12} {r['v']:>2} {r['ideal_s']:>8.3f} {r['ours_s']:>8.3f} {_fmt(r['torch_s'], 8)} "
                   f"{r['time_over_ideal']:>11.3f} {_fmt(r['torch_over_ideal'], 12)} {_fmt(r['time_over_torch'], 11)} "
                   f"{r['bubble_fraction']:>7.3f} {r['bubble_fraction_formula']:>8.3f} {r['busy_over_work']:>9.3f} "
-                  f"{r['ours_cpu_s'] * 1e3:>7.1f} {_fmt(r['cpu_over_torch'], 9)} "
-                  f"{r['time_over_list_at_latency']:>13.3f}")
+                  f"{r['ours_cpu_s'] * 1e3:>7.1f} {_fmt(r['cpu_over_torch'], 9)}")
         for line in goals(report, m * (args.t_f + args.t_b + args.t_w)):
             print("  goal: " + line)
     return 0

@@ -18,8 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import schedules as bench  # noqa: E402
 
 KEYS = {"p", "v", "m", "ours_s", "torch_s", "ideal_s", "time_over_ideal", "time_over_torch", "torch_over_ideal",
-        "bubble_fraction", "bubble_fraction_formula", "busy_over_work", "hop_s", "list_at_latency_s",
-        "time_over_list_at_latency"}
+        "bubble_fraction", "bubble_fraction_formula", "busy_over_work"}
 
 
 def test_sleep_chunk_costs_under_torch_split(monkeypatch) -> None:
@@ -59,8 +58,6 @@ def test_benchmark_json_has_every_schedule(tmp_path: Path) -> None:
     for name, r in report.items():
         assert KEYS <= set(r), name
         assert r["m"] == 4 and r["ours_s"] > 0  # dualpipev needs m >= 2p
-        # the lists at this machine's hop latency and overrun take at least the free-communication ideal
-        assert r["hop_s"] > 0 and r["list_at_latency_s"] >= r["ideal_s"] * (1 - 1e-9), name
         assert (r["torch_s"] is None) == (name not in bench.TORCH_SCHEDULES), name
 
 
