@@ -13,6 +13,12 @@ before its backward (``ptdp.parallel.pipeline.module_stage.interleave`` swapped 
 all-to-all share of the sequential step, the share of all-to-all time hidden (1 - exposed with overlap /
 exposed sequential; over the pairs' exchanges, the goal >= 70%, and over all), and the iteration time ratio.
 
+``--part dense``: the same measurement on a DENSE model at t = 2 under dualpipev at p = 2 (4 gloo processes):
+the exchanges timed (and given the latency floor) are each layer's tensor-parallel collectives, which a layer
+run in pieces issues asynchronously (``ptdp.parallel.tensor.transfers``; ``--sequence-parallel`` with
+``--sequence-parallel``): the all-reduces of the row-parallel outputs (forward) and of the column-parallel
+input gradients (backward).
+
 ``--part sleep``: a sleep-timed pipeline (p = 4 ranks) whose chunks are MoE-like programs run by the real
 pieces engine: compute pieces sleep (forward t_F, input gradient t_B, weight gradient t_W per stage, split over
 the pieces) and the dispatch and combine exchanges are timers of ``--comm-fraction`` of the compute. Without
@@ -21,6 +27,7 @@ zbv's time; with it: dualpipev overlapped, dualpipev sequential and zbv (which c
 sleep-timed comparison with torch's ``ScheduleDualPipeV`` is ``benchmarks/schedules.py``'s.
 
     python benchmarks/dualpipe.py --part moe --latency-ms 10
+    python benchmarks/dualpipe.py --part dense --latency-ms 10
     python benchmarks/dualpipe.py --part sleep --m 16
 """
 
@@ -58,6 +65,12 @@ MOE_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads
              "--moe-token-dispatcher-type", "alltoall", "--vocab-size", "512", "--log-interval", "1",
              "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
              "--expert-model-parallel-size", "4"]
+DENSE_MODEL = [*MOE_MODEL[:MOE_MODEL.index("--num-experts")], "--vocab-size", "512", "--log-interval", "1",
+               "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+               "--tensor-model-parallel-size", "2"]
+# the functions whose results are the timed exchanges: (module, name)
+TIMED = {"moe": [("ptdp.parallel.expert.dispatch", "_all_to_all_async")],
+         "dense": [("ptdp.parallel.tensor.transfers", name) for name in ("_all_reduce", "_all_gather", "_reduce_scatter")]}
 
 
 class _Exposure:
@@ -68,13 +81,13 @@ class _Exposure:
         self.local = threading.local()
 
 
-def _install(latency: float, sequential: bool, exposure: _Exposure) -> None:
+def _install(latency: float, sequential: bool, exposure: _Exposure, part: str) -> None:
     """The benchmark's instruments, swapped into this process's modules: a latency floor and a timer on
-    every expert exchange, a flag marking the pairs, and (``sequential``) pairs run one part after the other."""
-    from ptdp.parallel.expert import dispatch
-    from ptdp.parallel.pipeline import module_stage
+    every timed exchange (``TIMED[part]``), a flag marking the pairs, and (``sequential``) pairs run one part
+    after the other."""
+    import importlib
 
-    real = dispatch._all_to_all_async
+    from ptdp.parallel.pipeline import module_stage
 
     class Timed:
         def __init__(self, works, issued: float, pair: bool) -> None:
@@ -88,11 +101,15 @@ def _install(latency: float, sequential: bool, exposure: _Exposure) -> None:
             exposure.rows.append((self.pair, done - self.issued, done - t0))
             return result
 
-    def timed(*args, **kwargs):
-        issued = time.perf_counter()
-        return Timed(real(*args, **kwargs), issued, getattr(exposure.local, "pair", False))
+    def timer(real):
+        def timed(*args, **kwargs):
+            issued = time.perf_counter()
+            return Timed(real(*args, **kwargs), issued, getattr(exposure.local, "pair", False))
+        return timed
 
-    dispatch._all_to_all_async = timed
+    for module, name in TIMED[part]:
+        module = importlib.import_module(module)
+        setattr(module, name, timer(getattr(module, name)))
     pair_method = module_stage.ModuleStage.forward_backward
 
     def flagged(self, *args, **kwargs):
@@ -111,7 +128,8 @@ def _install(latency: float, sequential: bool, exposure: _Exposure) -> None:
         module_stage.interleave = one_after_the_other
 
 
-def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, latency: float, out: str) -> None:
+def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, latency: float, out: str,
+                part: str = "moe") -> None:
     from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive
     from ptdp.train.loop import train
@@ -122,7 +140,7 @@ def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, l
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     exposure = _Exposure()
-    _install(latency, mode == "sequential", exposure)
+    _install(latency, mode == "sequential", exposure, part)
     try:
         metrics = f"{out}.metrics.jsonl"
         train(derive(config_from_args(build_parser().parse_args(["train", *argv, "--metrics-file", metrics])), world))
@@ -133,24 +151,28 @@ def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, l
     exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
 
 
-def moe_part(args) -> dict:
-    argv = [*MOE_MODEL, "--train-iters", str(args.iters)]
+def moe_part(args, part: str = "moe") -> dict:
+    argv = [*(MOE_MODEL if part == "moe" else DENSE_MODEL), "--train-iters", str(args.iters)]
+    world = 8 if part == "moe" else 4
     if args.delay_wgrad_compute:
         argv.append("--delay-wgrad-compute")
+    if part == "dense" and args.sequence_parallel:
+        argv.append("--sequence-parallel")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("overlapped", "sequential"):
             out = f"{tmp}/{mode}"
-            mp.spawn(_moe_worker, args=(8, f"{tmp}/store-{mode}", argv, mode, args.latency_ms / 1e3, out), nprocs=8)
+            mp.spawn(_moe_worker, args=(world, f"{tmp}/store-{mode}", argv, mode, args.latency_ms / 1e3, out, part),
+                     nprocs=world)
             records = [json.loads(line) for line in Path(f"{out}.metrics.jsonl").read_text().splitlines()]
-            rows = [row for r in range(8) for row in json.loads(Path(f"{out}.{r}.json").read_text())]
+            rows = [row for r in range(world) for row in json.loads(Path(f"{out}.{r}.json").read_text())]
             results[mode] = {"iteration_s": statistics.median(r["iteration_time_s"] for r in records[1:]),
                              "loss": [r["loss"] for r in records], "rows": rows}
     over, seq = results["overlapped"], results["sequential"]
     assert over["loss"] == seq["loss"], "the interleaving changed the numbers"
     exposed = {k: sum(w for pair, _, w in results[k]["rows"]) for k in results}
     in_pairs = {k: sum(w for pair, _, w in results[k]["rows"] if pair) for k in results}
-    comm = sum(d for _, d, _ in seq["rows"]) / 8 / args.iters  # per rank per iteration
+    comm = sum(d for _, d, _ in seq["rows"]) / world / args.iters  # per rank per iteration
     return {
         "latency_ms": args.latency_ms, "iterations": args.iters,
         "overlapped_iteration_s": over["iteration_s"], "sequential_iteration_s": seq["iteration_s"],
@@ -158,7 +180,7 @@ def moe_part(args) -> dict:
         "all_to_all_share_of_sequential_step": comm / seq["iteration_s"],
         "hidden_share_in_pairs": 1 - in_pairs["overlapped"] / in_pairs["sequential"],
         "hidden_share_overall": 1 - exposed["overlapped"] / exposed["sequential"],
-        "exchanges_per_rank_per_iteration": len(seq["rows"]) / 8 / args.iters,
+        "exchanges_per_rank_per_iteration": len(seq["rows"]) / world / args.iters,
     }
 
 
@@ -364,7 +386,8 @@ def _bad(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["moe", "sleep", "both"], default="both")
+    parser.add_argument("--part", choices=["moe", "dense", "sleep", "both"], default="both")
+    parser.add_argument("--sequence-parallel", action="store_true", help="dense: with --sequence-parallel")
     parser.add_argument("--latency-ms", type=float, default=10.0, help="moe: each expert exchange's latency floor")
     parser.add_argument("--iters", type=int, default=4, help="moe: training iterations (the first is warm-up)")
     parser.add_argument("--delay-wgrad-compute", action="store_true", help="moe: with --delay-wgrad-compute")
@@ -389,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {}
     if args.part in ("moe", "both"):
         report["moe"] = moe_part(args)
+    if args.part == "dense":
+        report["dense"] = moe_part(args, "dense")
     if args.part in ("sleep", "both"):
         report["sleep"] = sleep_part(args)
     if args.json:
@@ -402,6 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  all-to-all hidden, inside the pairs        {r['hidden_share_in_pairs']:.1%}  (goal >= 70%: "
               f"{'met' if r['hidden_share_in_pairs'] >= 0.7 else 'NOT met'})")
         print(f"  all-to-all hidden, over the whole step     {r['hidden_share_overall']:.1%}")
+        print(f"  iteration time overlapped / sequential     {r['iteration_time_ratio']:.3f} "
+              f"({r['overlapped_iteration_s']:.3f} s / {r['sequential_iteration_s']:.3f} s)")
+    if "dense" in report:
+        r = report["dense"]
+        what = "all-gathers/reduce-scatters" if args.sequence_parallel else "all-reduces"
+        print(f"dense, dualpipev p=2 t=2{' SP' if args.sequence_parallel else ''} (4 gloo processes), tensor-parallel "
+              f"{what} with a latency floor {r['latency_ms']:.0f} ms, "
+              f"{r['exchanges_per_rank_per_iteration']:.0f} timed exchanges per rank per iteration")
+        print(f"  TP collective share of the sequential step {r['all_to_all_share_of_sequential_step']:.1%}")
+        print(f"  TP collectives hidden, inside the pairs    {r['hidden_share_in_pairs']:.1%}")
+        print(f"  TP collectives hidden, over the whole step {r['hidden_share_overall']:.1%}")
         print(f"  iteration time overlapped / sequential     {r['iteration_time_ratio']:.3f} "
               f"({r['overlapped_iteration_s']:.3f} s / {r['sequential_iteration_s']:.3f} s)")
     if "sleep" in report:

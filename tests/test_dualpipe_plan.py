@@ -53,3 +53,16 @@ def test_the_search_proposes_the_overlap_for_moe_layouts_moving_tokens():
     assert dense and not any(c.overlap_moe_expert_parallel_comm or c.schedule == "dualpipev" for c in dense)
     pinned = list(candidates(MOE, CLUSTER, TRAIN, overlap=False, **pins))
     assert not any(c.overlap_moe_expert_parallel_comm or c.schedule == "dualpipev" for c in pinned)
+
+
+def test_the_pairs_hide_a_dense_layouts_tensor_parallel_exchanges():
+    """At t > 1 a layer run in pieces issues its four tensor-parallel collectives as exchanges: a paired pass
+    hides them (with the expert movement) up to the other microbatch's compute; the embedding's and the
+    logits' stay exposed, and so do the passes outside pairs. At t = 1 there is nothing to hide."""
+    def times(schedule: str, t: int):
+        return iteration_times(DENSE, ParallelConfig(t, 2, 8 // t, 2, 1, pipeline_schedule=schedule), CLUSTER, TRAIN)
+
+    zbv, dualpipev = times("zbv", 2), times("dualpipev", 2)
+    assert 0 < dualpipev.tp_comm < zbv.tp_comm
+    assert dualpipev.compute == zbv.compute and dualpipev.ep_comm == zbv.ep_comm == 0
+    assert times("dualpipev", 1).tp_comm == times("zbv", 1).tp_comm == 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +48,7 @@ from ptdp.models.layers import (
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
-from ptdp.models.pieces import Compute, Step
+from ptdp.models.pieces import Compute, Exchange, Step, Transfer
 from ptdp.models.rotary import RotaryEmbedding
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
@@ -87,6 +88,11 @@ class Attention(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or with ``fuse_bias`` the output before its bias and the bias."""
         return self.proj(self.core(self.qkv(x), documents))
+
+    def local(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor | tuple:
+        """:meth:`forward` between the QKV projection's entry and the output projection's exit (``Linear``'s
+        communication seam): what one piece of ``TransformerLayer.steps`` computes."""
+        return self.proj.local(self.core(self.qkv.local(x), documents))
 
     def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,
@@ -128,11 +134,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or (compiled ops) the output before its bias and the bias."""
+        return self._run(x, self.fc1, self.fc2)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor | tuple:
+        """:meth:`forward` between fc1's entry and fc2's exit (``Linear``'s communication seam)."""
+        return self._run(x, self.fc1.local, self.fc2.local)
+
+    def _run(self, x: torch.Tensor, fc1: Callable, fc2: Callable) -> torch.Tensor | tuple:
         if self.swiglu:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
-            gate, up = self.fc1(x).chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
-        h = self.ops.bias_gelu(*self.fc1(x)) if self.fuse else F.gelu(self.fc1(x), approximate="tanh")
-        return self.fc2(h)
+            gate, up = fc1(x).chunk(2, dim=-1)
+            return fc2(F.silu(gate) * up)
+        h = self.ops.bias_gelu(*fc1(x)) if self.fuse else F.gelu(fc1(x), approximate="tanh")
+        return fc2(h)
 
 
 def moe_mlp(cfg: ModelConfig, moe: MoEConfig) -> MoELayer:
@@ -167,20 +180,58 @@ class TransformerLayer(nn.Module):
 
     def steps(self, inp: str, out: str, documents: DocumentLayout | None = None) -> list[Step]:
         """The layer as pieces (``ptdp.models.pieces``) from value ``inp`` to ``out``: its two halves, or with a
-        MoE the attention half (and the norm before the router), the MoE layer's pieces, the residual."""
-        name = functools.partial("{}.{}".format, out)
-        if not isinstance(self.mlp, MoELayer):
-            return [Compute(lambda x: (self.attention_half(x, documents),), (inp,), (name("x1"),), "attention"),
-                    Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
-        return [Compute(functools.partial(self._attention_and_norm, documents=documents), (inp,),
-                        (name("x1"), name("h")), "attention"),
-                *self.mlp.steps(name("h"), name("moe")),
-                Compute(lambda y, x: (self.dropout_add(y, x),), (name("moe"), name("x1")), (out,), "residual")]
+        MoE the attention half (and the norm before the router), the MoE layer's pieces, the residual.
 
-    def _attention_and_norm(self, x: torch.Tensor, documents: DocumentLayout | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.attention_half(x, documents)
-        return x, self.post_attention_layernorm(x)
+        A half whose linears communicate (``Linear.entry`` / ``exit``: a parallelism split them) is cut
+        there: norm, the entry exchange, the GEMMs between (attention, or the MLP), the exit exchange, the
+        bias and residual -- so that the communication runs under another microbatch's piece."""
+        name = functools.partial("{}.{}".format, out)
+        moe = isinstance(self.mlp, MoELayer)
+        attention = self._attention_steps(inp, name, documents, moe)
+        if moe:
+            return [*attention, *self.mlp.steps(name("h"), name("moe")),
+                    Compute(lambda y, x: (self.dropout_add(y, x),), (name("moe"), name("x1")), (out,), "residual")]
+        cut = _cut(self.mlp.fc1, self.mlp.fc2) if isinstance(self.mlp, MLP) else None
+        if cut is None:
+            return [*attention, Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
+        return [*attention, *_cut_half(self.post_attention_layernorm, self.mlp.local, self.mlp.fc2.after,
+                                       lambda y, x: (self.dropout_add(y, x),), cut, name("x1"), (out,), "mlp")]
+
+    def _attention_steps(self, inp: str, name: Callable[[str], str], documents: DocumentLayout | None,
+                         norm: bool) -> list[Step]:
+        """The attention half from ``inp`` to ``name("x1")`` (with ``norm`` also the MLP's norm of it,
+        ``name("h")``, the router's input)."""
+        outputs = (name("x1"), name("h")) if norm else (name("x1"),)
+
+        def residual(out: torch.Tensor | tuple, x: torch.Tensor) -> tuple:
+            x1 = self.dropout_add(out, x)
+            return (x1, self.post_attention_layernorm(x1)) if norm else (x1,)
+
+        cut = _cut(self.attention.qkv, self.attention.proj) if isinstance(self.attention, Attention) else None
+        if cut is None:
+            return [Compute(lambda x: residual(self.attention(self.input_layernorm(x), documents), x), (inp,),
+                            outputs, "attention")]
+        return _cut_half(self.input_layernorm, functools.partial(self.attention.local, documents=documents),
+                         self.attention.proj.after, residual, cut, inp, outputs, "attention")
+
+
+def _cut(first: nn.Module, last: nn.Module) -> tuple[Transfer, Transfer] | None:
+    """The entry of a half's first linear and the exit of its last, where both communicate; else None."""
+    entry, exit = first.entry(), last.exit()
+    return None if entry is None or exit is None else (entry, exit)
+
+
+def _cut_half(norm: nn.Module, local: Callable, after: Callable, residual: Callable,
+              cut: tuple[Transfer, Transfer], inp: str, outputs: tuple[str, ...], what: str) -> list[Step]:
+    """A half ``residual(after(exit(local(entry(norm(x))))), x)`` from ``inp`` to ``outputs``, as pieces cut
+    at its entry and exit (``TransformerLayer.steps``)."""
+    entry, exit = cut
+    n = functools.partial("{}.{}.{}".format, outputs[0], what)
+    return [Compute(lambda x: ((norm(x),),), (inp,), (n("norm"),), f"{what}_norm"),
+            Exchange(lambda _: entry, n("norm"), n("in"), f"{what}_in"),
+            Compute(lambda t: ((local(t[0]),),), (n("in"),), (n("local"),), what),
+            Exchange(lambda _: exit, n("local"), n("out"), f"{what}_out"),
+            Compute(lambda t, x: residual(after(t[0]), x), (n("out"), inp), outputs, f"{what}_residual")]
 
 
 class Embedding(nn.Module):

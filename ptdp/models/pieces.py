@@ -16,7 +16,8 @@ A *program* is a list of steps over named values:
   :class:`Transfer` from what the earlier steps produced (the split sizes of an all-to-all), whose ``start``
   issues the forward communication of a tuple of tensors and ``start_backward`` its transpose, each returning
   a :class:`Pending` waited on by the step that consumes it (``ptdp.parallel.expert.dispatch`` provides the
-  expert dispatch's: gloo work handles on the CPU, NCCL's own stream on a GPU).
+  expert dispatch's, ``ptdp.parallel.tensor.transfers`` a layer's tensor-parallel collectives: gloo work
+  handles on the CPU, NCCL's own stream on a GPU).
 
 :func:`run_sequential` runs a program at once with autograd through the exchanges (a MoE layer's plain
 ``forward`` is exactly that), :class:`ForwardRun` / :class:`BackwardRun` one step at a time, and

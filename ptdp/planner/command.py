@@ -340,8 +340,9 @@ def overlap_lines(c: ParallelConfig, m: int, exposed: float, total: float) -> li
     if not share:
         return []
     how = "dualpipev" if c.schedule == "dualpipev" else f"{c.schedule} with --overlap-moe-expert-parallel-comm"
+    tp = " and its layers' tensor-parallel collectives" if c.tensor_model_parallel_size > 1 else ""
     return [f"{how}: {share:.0%} of the forward and backward passes run in overlapped pairs, each microbatch's "
-            f"expert dispatch and combine under the other's compute; token movement left exposed "
+            f"expert dispatch and combine{tp} under the other's compute; token movement left exposed "
             f"{exposed / total:.0%} of the iteration (docs/dualpipe.md)"]
 
 

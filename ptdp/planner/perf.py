@@ -12,8 +12,8 @@ and one iteration is
     T = (m + (p-1)/v) · T_mb + tied-embedding all-reduce + exposed data-parallel reduction + optimizer step
 
 i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3). The
-overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement of their paired passes up to
-the other microbatch's compute (:func:`overlap_hidden`).
+overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement and, at t > 1, the layers'
+tensor-parallel collectives of their paired passes up to the other microbatch's compute (:func:`overlap_hidden`).
 Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
 in one server and otherwise over the network (Megatron orders ranks t fastest, then d, then p). Every
 constant below is a hardware or implementation fact with its source; none is fitted to the paper's
@@ -69,6 +69,9 @@ class StageTimes:
     grad_accum: float = 0.0  # adding this microbatch's weight gradients into the gradient buffer
     cp_comm: float = 0.0  # context-parallel attention traffic not hidden behind the attention core
     ep_comm: float = 0.0  # MoE token dispatch and combine (planner/experts.py)
+    # the part of tp_comm a layer run in pieces issues as exchanges (its halves' entries and exits, 4 per
+    # layer), which overlapped pairs hide (overlap_hidden)
+    tp_layer_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -195,7 +198,8 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         # vocab-parallel cross entropy on fp32 logits: ~15 passes of 4 B (cast, max, subtract, exp, sum,
         # normalise; backward: softmax minus one-hot, scale, cast back to 16 bits)
         ends += 15 * 4 * tokens * out_share * V / t / hbm
-    tp_comm = collectives * ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
+    one = ring_all_reduce_time(tokens * h * BYTES_PER_ELEMENT, t, bw, lat)
+    tp_comm = collectives * one
 
     # pipeline: per chunk, b·s·h forward and back; with t > 1 each rank sends 1/t of it (scatter/gather) and
     # the receivers all-gather over NVLink, unless sequence parallel already keeps the activations split
@@ -219,7 +223,7 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
         hidden = 3 * core if cfg.cp_comm_type == "p2p" else 0.0  # the ring overlaps each hop with a block
         cp_comm = layers * max(0.0, seconds - hidden)
     ep_comm = experts.dispatch_seconds(model, cfg, cluster, layers, lambda spans: _link(cluster, spans))
-    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum, cp_comm, ep_comm)
+    return StageTimes(compute, ends, recompute, tp_comm, p2p, grad_accum, cp_comm, ep_comm, 4 * layers * one)
 
 
 def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
@@ -318,7 +322,9 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     m = cfg.num_microbatches(train.global_batch_size)
     stage = stage_times(model, cfg, cluster, train.precision)
     bubble = bubble_fraction_formula(p, v, m, cfg.schedule, cfg.overlap_moe_expert_parallel_comm) * m * stage.total
-    ep_comm = m * stage.ep_comm - overlap_hidden(cfg, m, stage)
+    hidden = overlap_hidden(cfg, m, stage)
+    ep_hidden = min(hidden, m * stage.ep_comm)  # the expert movement first, then the TP exchanges
+    ep_comm, tp_hidden = m * stage.ep_comm - ep_hidden, hidden - ep_hidden
 
     # data parallel: ring all-reduce of the gradients (fp16: 2 B, bf16 main grads: 4 B) once per iteration,
     # or reduce-scatter + param all-gather with the distributed optimizer; only the reduction can overlap
@@ -368,7 +374,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
         compute=m * stage.compute,
         logits=m * stage.logits,
         recompute=m * stage.recompute,
-        tp_comm=m * stage.tp_comm,
+        tp_comm=m * stage.tp_comm - tp_hidden,
         p2p=m * stage.p2p,
         grad_accum=m * stage.grad_accum,
         bubble=bubble,
@@ -380,12 +386,14 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
 
 
 def overlap_hidden(cfg: ParallelConfig, m: int, stage: StageTimes) -> float:
-    """Seconds of MoE token movement an iteration hides with overlapped forward-backward pairs (dualpipev,
-    or ``--overlap-moe-expert-parallel-comm`` under 1f1b / interleaved; ``ptdp.schedule.dualpipe``): inside a
-    pair each microbatch's dispatch and combine run under the other microbatch's compute, so a paired pass
-    hides its communication up to that compute (``min(ep_comm, compute)`` per microbatch); the passes
+    """Seconds of communication an iteration hides with overlapped forward-backward pairs (dualpipev, or
+    ``--overlap-moe-expert-parallel-comm`` under 1f1b / interleaved; ``ptdp.schedule.dualpipe``): inside a
+    pair each microbatch's expert dispatch and combine and, at t > 1, its layers' tensor-parallel collectives
+    (the exchanges a layer run in pieces is cut at: ``tp_layer_comm``; the embedding's, the logits' and the
+    loss's stay synchronous) run under the other microbatch's compute, so a paired pass hides its
+    communication up to that compute (``min(ep_comm + tp_layer_comm, compute)`` per microbatch); the passes
     outside pairs (warm-up, cool-down) hide nothing. The share of paired passes is the schedule's own
-    (``pair_share``)."""
+    (``pair_share``). ``iteration_times`` takes it from the expert movement first."""
     share = pair_share(cfg.schedule, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
                        m, cfg.overlap_moe_expert_parallel_comm)
-    return share * m * min(stage.ep_comm, stage.compute)
+    return share * m * min(stage.ep_comm + stage.tp_layer_comm, stage.compute)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
+from ptdp.parallel.context.ring import ring_backward, ring_forward
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
 
@@ -185,23 +186,6 @@ def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- p2p (ring)
 
 
-def _ring_exchange(x: torch.Tensor, group, rank: int, size: int) -> tuple[torch.Tensor, list]:
-    """Send ``x`` to the next ring rank and receive the previous rank's into a new buffer, posted as ONE
-    ``batch_isend_irecv``: send first, then receive, on every rank (the NCCL argument is in
-    ``_RingAttention``). Returns the receive buffer and the works to wait on before reading it."""
-    recv = torch.empty_like(x)
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
-                                    dist.P2POp(dist.irecv, recv, prv, group)])
-    return recv, works
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
 def _block(rank: int, src: int, n: int) -> tuple[slice, slice, bool]:
     """Which queries of this rank see which keys of rank ``src``'s block, and whether causally.
 
@@ -328,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
     backward recomputes each block from the merged output and LSE with the matching flash backward.
 
     NCCL safety (ptdp-facts.md §NCCL point-to-point semantics). Every transfer is one
-    ``_ring_exchange``: a single ``batch_isend_irecv`` holding this rank's send to ring-next and its
+    ``ring.ring_exchange``: a single ``batch_isend_irecv`` holding this rank's send to ring-next and its
     receive from ring-prev. Every rank posts the same sequence of exchanges (forward: c-1 K/V exchanges;
     backward: c-1 K/V exchanges interleaved with c dK/dV exchanges, in the same order on every rank), and
     the host posts exchange n+1 only after exchange n (it never waits on a later one). Each channel
@@ -342,24 +326,21 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float) -> torch.Tensor:
-        c, r = group_size(group), group_rank(group)
+        r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
         qf = q.to(dtype)
         out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         sizes = [k.shape[-1], v.shape[-1]]
-        kv = torch.cat([k, v], dim=-1)  # one block on the wire, whatever the two head sizes
-        for step in range(c):
-            if step < c - 1:  # the next block travels while this one is computed
-                nxt, works = _ring_exchange(kv, group, r, c)
-            rows, cols, causal = _block(r, (r - step) % c, n)
+
+        def visit(src: int, kv: torch.Tensor) -> None:
+            rows, cols, causal = _block(r, src, n)
             kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-            if step < c - 1:
-                _wait(works)
-                kv = nxt
+
+        ring_forward(torch.cat([k, v], dim=-1), group, visit)  # one block on the wire, whatever the head sizes
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out.to(q.dtype)
@@ -368,18 +349,15 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        c, r = group_size(group), group_rank(group)
+        r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
         qf, do = q.to(dtype), dout.to(dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         sizes = [k.shape[-1], v.shape[-1]]
-        kv = torch.cat([k, v], dim=-1)
-        dkv_in, dkv_works = None, None
-        for step in range(c):
-            if step < c - 1:
-                nxt, kv_works = _ring_exchange(kv, group, r, c)
-            rows, cols, causal = _block(r, (r - step) % c, n)
+
+        def visit(src: int, kv: torch.Tensor) -> torch.Tensor:
+            rows, cols, causal = _block(r, src, n)
             kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
                                                lse[:, :, rows], scale, causal)
@@ -387,13 +365,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             dkv[:, :, cols, :sizes[0]] = _fold(dk_b.float(), groups)
             dkv[:, :, cols, sizes[0]:] = _fold(dv_b.float(), groups)
-            if dkv_in is not None:  # the gradient of this block from the ranks it already visited
-                _wait(dkv_works)
-                dkv += dkv_in
-            dkv_in, dkv_works = _ring_exchange(dkv, group, r, c)
-            if step < c - 1:
-                _wait(kv_works)
-                kv = nxt
-        _wait(dkv_works)  # after c hops this rank's own block is back, with every rank's contribution
-        dk, dv = dkv_in.split(sizes, dim=-1)
+            return dkv
+
+        dk, dv = ring_backward(torch.cat([k, v], dim=-1), group, visit).split(sizes, dim=-1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

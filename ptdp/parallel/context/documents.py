@@ -36,8 +36,6 @@ from ptdp.parallel.context.attention import (
     _expand,
     _fold,
     _repeat_kv,
-    _ring_exchange,
-    _wait,
     block_backward,
     block_dtype,
     block_forward,
@@ -45,6 +43,7 @@ from ptdp.parallel.context.attention import (
     merge_block,
     natural_order,
 )
+from ptdp.parallel.context.ring import ring_backward, ring_forward
 
 Piece = tuple[int, int, int, int, bool]  # local query rows [a, b), local key columns [c, d), causal square
 
@@ -157,20 +156,16 @@ class _DocumentRing(torch.autograd.Function):
         qf = q.to(dtype)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
         mine = chunk_segments(s, c, r)
-        for step in range(c):
-            if step < c - 1:
-                nxt, works = _ring_exchange(kv, group, r, c)
-            theirs = chunk_segments(s, c, (r - step) % c)
+
+        def visit(src: int, kv: torch.Tensor) -> None:
             for i, cu in enumerate(bounds):
-                for qa, qb, ka, kb, causal in pieces(cu, mine, theirs):
+                for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
                     kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     blk_out, blk_lse = block_forward(qf[i:i + 1, :, qa:qb], kb_, vb_, scale, causal)
                     merge_block(out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], blk_out, blk_lse)
-            if step < c - 1:
-                _wait(works)
-                kv = nxt
+
+        ring_forward(torch.stack([k, v]), group, visit)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.bounds, ctx.group, ctx.scale = bounds, group, scale
         return out.to(q.dtype)
@@ -184,29 +179,19 @@ class _DocumentRing(torch.autograd.Function):
         dtype = block_dtype(q)
         qf, do = q.to(dtype), dout.to(dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
         mine = chunk_segments(s, c, r)
-        dkv_in, dkv_works = None, None
-        for step in range(c):
-            if step < c - 1:
-                nxt, kv_works = _ring_exchange(kv, group, r, c)
-            theirs = chunk_segments(s, c, (r - step) % c)
+
+        def visit(src: int, kv: torch.Tensor) -> torch.Tensor:
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for i, cu in enumerate(bounds):
-                for qa, qb, ka, kb, causal in pieces(cu, mine, theirs):
+                for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
                     kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     dq_b, dk_b, dv_b = block_backward(do[i:i + 1, :, qa:qb], qf[i:i + 1, :, qa:qb], kb_, vb_,
                                                       out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], scale, causal)
                     dq[i:i + 1, :, qa:qb] += dq_b
                     dkv[0][i:i + 1, :, ka:kb] += _fold(dk_b.float(), groups)
                     dkv[1][i:i + 1, :, ka:kb] += _fold(dv_b.float(), groups)
-            if dkv_in is not None:
-                _wait(dkv_works)
-                dkv += dkv_in
-            dkv_in, dkv_works = _ring_exchange(dkv, group, r, c)
-            if step < c - 1:
-                _wait(kv_works)
-                kv = nxt
-        _wait(dkv_works)
-        dk, dv = dkv_in.unbind(0)
+            return dkv
+
+        dk, dv = ring_backward(torch.stack([k, v]), group, visit).unbind(0)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

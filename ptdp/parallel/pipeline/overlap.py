@@ -8,8 +8,8 @@ inputs, has the stage run the pair (``PipelineStage.forward_backward``: ``Module
 two microbatches' pieces, ``ptdp.models.pieces``, each piece's communication in flight while the other's
 piece computes), does the executor's accounting for both parts and delivers both results, which the list's
 SEND actions after the pair then carry. Pipeline sends overlap compute as everywhere (posted where the
-list places them, waited on at the end); the expert dispatch and combine overlap the other microbatch's
-pieces; the tensor-parallel collectives inside a piece stay synchronous.
+list places them, waited on at the end); the expert dispatch and combine, and at t > 1 each layer's
+tensor-parallel collectives (``ptdp.parallel.tensor.transfers``), overlap the other microbatch's pieces.
 
 A stage must run every forward of a list with such pairs in pieces, since any of them may later be
 backpropagated inside a pair: :func:`stage_options` says so to the stage factory.

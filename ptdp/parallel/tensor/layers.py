@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.models.layers import mask_padding_
+from ptdp.models.pieces import Transfer
 from ptdp.ops.weight_grad import add_bias, linear
 from ptdp.parallel.collectives import (
     copy_to_tensor_model_parallel_region,
@@ -28,6 +29,12 @@ from ptdp.parallel.collectives import (
     scatter_to_tensor_model_parallel_region,
 )
 from ptdp.parallel.sequence.linear import sequence_parallel_linear
+from ptdp.parallel.tensor.transfers import (
+    CopyToRegion,
+    GatherSequence,
+    ReduceFromRegion,
+    ReduceScatterSequence,
+)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -81,6 +88,26 @@ class ColumnParallelLinear(nn.Module):
             return y, None if self.bias is None else self.bias.flatten()
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
+    # ``ptdp.models.layers.Linear``'s communication seam: run in pieces, a layer cuts at the input region
+    def entry(self) -> Transfer | None:
+        """The input's ``f`` (or the sequence all-gather) as an asynchronous transfer; None where nothing
+        is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output)."""
+        if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.gather_output:
+            return None
+        return GatherSequence(self.tp_group) if self.sequence_parallel else CopyToRegion(self.tp_group)
+
+    def exit(self) -> Transfer | None:
+        return None
+
+    def local(self, x: torch.Tensor):
+        """The GEMM of the entered (under sequence parallelism: gathered) input. Under sequence parallelism
+        the GEMM then keeps the gathered input for its backward (the plain forward keeps the shard)."""
+        y = linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        return (y, None if self.bias is None else self.bias.flatten()) if self.skip_bias_add else y
+
+    def after(self, y):
+        return y
+
 
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows: each rank multiplies its slice of the input features, then ``g``.
@@ -116,6 +143,26 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
+        return self.after(y)
+
+    # ``ptdp.models.layers.Linear``'s communication seam: run in pieces, a layer cuts at the output's reduction
+    def entry(self) -> Transfer | None:
+        return None
+
+    def exit(self) -> Transfer | None:
+        """``g`` (or the sequence reduce-scatter) as an asynchronous transfer; None at t = 1, under FP8."""
+        if group_size(self.tp_group) == 1 or self.fp8_linear is not None:
+            return None
+        return ReduceScatterSequence(self.tp_group) if self.sequence_parallel else ReduceFromRegion(self.tp_group)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the reduction."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        return (self.fp8_linear or linear)(x, self.weight)
+
+    def after(self, y: torch.Tensor):
+        """The bias, once, after the reduction (or returned beside the output: ``skip_bias_add``)."""
         if self.skip_bias_add:
             return y, self.bias
         return add_bias(y, self.bias)

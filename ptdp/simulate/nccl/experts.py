@@ -50,7 +50,7 @@ from ptdp.parallel.pipeline.overlap import has_pairs, overlap_handlers
 from ptdp.schedule.actions import Action, virtual_stage
 from ptdp.schedule.param_sync import add_param_sync
 from ptdp.schedule.registry import build_schedule, schedule_placement
-from ptdp.simulate.nccl.pairs import Label, Recorder, chunk_program
+from ptdp.simulate.nccl.pairs import TP_LOSS, Label, Recorder, chunk_program
 from ptdp.simulate.nccl.trace import RecordingComm, _TraceStage
 
 FORWARD = {"alltoall": ["dispatch-counts", "dispatch-tokens", "combine-tokens"],
@@ -69,10 +69,12 @@ class _ExpertTraceStage(_TraceStage):
     (``ptdp.simulate.nccl.pairs``) and a pair interleaves two microbatches' pieces and transfers."""
 
     def __init__(self, *args, moe_layers: int, dispatcher: str, recompute: bool, expert_tensor: bool = False,
-                 piecewise: bool = False, **kwargs) -> None:
+                 piecewise: bool = False, layers: Sequence[bool] | None = None, tensor: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.moe_layers, self.dispatcher, self.recompute = moe_layers, dispatcher, recompute
         self.expert_tensor, self.piecewise = expert_tensor, piecewise
+        self.layers, self.tensor = layers, tensor
         self.recorder = Recorder(self.events)
         self._runs: dict[tuple[int, int], tuple[ForwardRun, str, Label]] = {}
         etp = expert_tensor
@@ -94,6 +96,7 @@ class _ExpertTraceStage(_TraceStage):
     def forward(self, chunk, microbatch, input):
         if self.piecewise:
             self._pieces(chunk, microbatch).finish()
+            self._loss(chunk, microbatch)
         else:
             self._collectives("F", chunk, microbatch)
         return super().forward(chunk, microbatch, input)
@@ -118,6 +121,7 @@ class _ExpertTraceStage(_TraceStage):
             return super().forward_backward(forward, input, backward, output_grad, saving)
         back = self._back(backward)
         interleave(self._pieces(forward.chunk, forward.microbatch), back)
+        self._loss(forward.chunk, forward.microbatch)
         y = _TraceStage.forward(self, forward.chunk, forward.microbatch, input)
         run = _TraceStage.backward if backward.op == "B" else _TraceStage.backward_input
         return y, run(self, backward.chunk, backward.microbatch, output_grad)
@@ -126,10 +130,19 @@ class _ExpertTraceStage(_TraceStage):
         stage = virtual_stage(self.rank, chunk, self.p, self.placement)
         label = Label("F", microbatch, stage)
         steps, out = chunk_program(stage == 0, stage == self.p * self.v - 1, self.moe_layers, self.dispatcher,
-                                   self.expert_tensor, self.recompute, self.recorder, label)
+                                   self.expert_tensor, self.recompute, self.recorder, label, layers=self.layers,
+                                   tensor=self.tensor)
         run = ForwardRun(fuse(steps), {"input": (torch.zeros(1, requires_grad=True),)})  # as ModuleStage
         self._runs[chunk, microbatch] = (run, out, label)
         return run
+
+    def _loss(self, chunk: int, microbatch: int) -> None:
+        """The vocabulary-parallel cross-entropy's all-reduces, where the last stage's forward leaves its
+        pieces (``ModuleStage._exit_pieces``: after a pair's interleaved runs)."""
+        stage = virtual_stage(self.rank, chunk, self.p, self.placement)
+        if self.tensor and stage == self.p * self.v - 1:
+            for name in TP_LOSS:
+                self.recorder.sync(Label("F", microbatch, stage), name, -1)
 
     def _back(self, action: Action) -> BackwardRun:
         run, out, label = self._runs.pop((action.chunk, action.microbatch))
@@ -177,7 +190,8 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
                         per_direction: bool = True, lists: Sequence[Sequence[Action]] | None = None,
                         ep_groups: Sequence[Sequence[int]] | None = None, expert_tensor: bool = False,
                         etp_groups: Sequence[Sequence[int]] | None = None, e: int | None = None,
-                        zero: str | None = None, reshard_after_forward: bool = False, overlap: bool = False) -> dict:
+                        zero: str | None = None, reshard_after_forward: bool = False, overlap: bool = False,
+                        layers: Sequence[bool] | None = None, tensor: str | None = None) -> dict:
     """The comm trace (``nccl_model``) of ``pipelines`` data-parallel copies of ``schedule`` whose MoE
     layers exchange tokens over ``ep_groups`` (global ranks; default: groups of ``e`` consecutive pipelines'
     copies of a stage, as folding places them; ``e`` defaults to all of them). With ``expert_tensor`` the layers also gather and reduce-scatter
@@ -186,13 +200,19 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
     "optim_grads_params"): with ZeRO-2's reductions or ZeRO-3's gathers and reductions over the dense and
     expert data-parallel groups (module docstring). ``overlap``: the combined-1F1B lists
     (``--overlap-moe-expert-parallel-comm``); lists with overlapped pairs (those, dualpipev's) run in pieces
-    (``ptdp.simulate.nccl.pairs``). ``check_trace`` plays it."""
+    (``ptdp.simulate.nccl.pairs``). ``layers``: which layers of a chunk are MoE (default ``moe_layers`` MoE
+    layers). ``tensor`` ("tp", or "sp" with sequence parallelism): t = 2 over pipelines 2j and 2j+1 of a stage
+    (their "tp" communicator; ``ep_groups`` then default to those ranks too, e folded over t), each layer's
+    halves cut at their tensor-parallel transfers (``ptdp.simulate.nccl.pairs``); lists with pairs only.
+    ``check_trace`` plays it."""
     e = e or pipelines
     zero_groups = {"dp": lambda k, r: [j * p + r for j in range(pipelines)],
                    "edp": lambda k, r: [j * p + r for j in range(k % e, pipelines, e)]}
     comms = [c for c in ("dp", "edp") if len(zero_groups[c](0, 0)) > 1]
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, overlap=overlap) for r in range(p)]
     piecewise = any(has_pairs(actions) for actions in lists)
+    if tensor and not piecewise:
+        raise ValueError("tensor: the tensor-parallel transfers are traced in lists with overlapped pairs")
     if zero:  # the gathers and reductions where training places them (ZeRO-2: the gathers record nothing)
         lists = [add_param_sync(actions, reshard_after_forward) for actions in lists]
     placement = schedule_placement(schedule)
@@ -200,18 +220,21 @@ def record_expert_trace(schedule: str, p: int, v: int, m: int, *, pipelines: int
     for r in range(p):
         events: list[dict] = []
         stage = _ExpertTraceStage(r, p, v, events, placement, moe_layers=moe_layers, dispatcher=dispatcher,
-                                  recompute=recompute, expert_tensor=expert_tensor, piecewise=piecewise)
+                                  recompute=recompute, expert_tensor=expert_tensor, piecewise=piecewise,
+                                  layers=layers, tensor=tensor)
         sync = _ExpertParamSync(events, reshard_after_forward, comms, zero == "optim_grads_params") if zero else None
         handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
         run_schedule(lists[r], stage, RecordingComm(r, p, events, placement, per_direction), handlers,
                      count_saved_bytes=False)
         per_rank.append(events)
+    pairs = [[k * p + r for k in range(j, min(j + 2, pipelines))] for r in range(p) for j in range(0, pipelines, 2)]
+    if tensor:
+        ep_groups = ep_groups or pairs
     if expert_tensor:
-        etp_groups = etp_groups or [[k * p + r for k in range(j, min(j + 2, pipelines))]
-                                    for r in range(p) for j in range(0, pipelines, 2)]
+        etp_groups = etp_groups or pairs
         ep_groups = ep_groups or [[k * p + r for k in range(parity, pipelines, 2)] for r in range(p) for parity in (0, 1)]
     ep_groups = ep_groups or [[(i + j) * p + r for j in range(e)] for r in range(p) for i in range(0, pipelines, e)]
-    groups = {"ep": ep_groups, "etp": etp_groups or []}
+    groups = {"ep": ep_groups, "etp": etp_groups or [], "tp": pairs if tensor else []}
     group_of = {comm: {g: group for group in found for g in group} for comm, found in groups.items()}
     ranks = []
     for k in range(pipelines):

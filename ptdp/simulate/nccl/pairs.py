@@ -20,7 +20,7 @@ real MoE layer's steps. ``ptdp.simulate.nccl.experts`` turns the placeholders in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,19 @@ COMBINE = {"alltoall": (["combine-tokens"], ["combine-tokens-grad"]),
            "allgather": (["combine-reduce-scatter"], ["combine-reduce-scatter-grad"])}
 ETP_ROUTE = (["etp-gather-tokens", "etp-gather-probs", "etp-gather-choices"], ["etp-gather-probs-grad", "etp-gather-tokens-grad"])
 ETP_FINISH = (["etp-reduce-scatter"], ["etp-reduce-scatter-grad"])
+# tensor parallelism ("tp"; "sp" with sequence parallelism), on the "tp" communicator: the transfers a half
+# of a layer is cut at (``Linear.entry`` of its first linear, ``exit`` of its last), by the half
+TP_ENTRY = {"tp": lambda h: ([], [f"tp-{h}-in-grad"]), "sp": lambda h: ([f"sp-{h}-gather"], [f"sp-{h}-gather-grad"])}
+TP_EXIT = {"tp": lambda h: ([f"tp-{h}-out"], []), "sp": lambda h: ([f"sp-{h}-reduce-scatter"], [f"sp-{h}-reduce-scatter-grad"])}
+# ... and the synchronous ones inside pieces: the vocabulary-parallel embedding's reduction (and under sequence
+# parallelism the scatter's backward gather), the logits' region, the MoE dispatcher's token slicing over the
+# tensor-parallel ranks (t > 1 without sequence parallelism, expert tensor parallelism 1)
+TP_EMBEDDING = {"tp": (["tp-embedding-reduce"], []), "sp": (["tp-embedding-reduce"], ["sp-embedding-scatter-grad"])}
+TP_HEAD = {"tp": ([], ["tp-logits-in-grad"]), "sp": (["sp-logits-gather"], ["sp-logits-gather-grad"])}
+TP_TOKENS_ROUTE = {"tp": ([], ["tp-token-split-probs-grad", "tp-token-split-tokens-grad"]), "sp": ([], [])}
+TP_TOKENS_FINISH = {"tp": (["tp-token-gather"], []), "sp": ([], [])}
+# the vocabulary-parallel cross-entropy's all-reduces, when the last stage's forward leaves its pieces
+TP_LOSS = ["tp-loss-max", "tp-loss-target", "tp-loss-sum-exp"]
 
 
 @dataclass
@@ -56,7 +69,7 @@ class Recorder:
     refs: int = field(default=0)
 
     def sync(self, label: Label, name: str, layer: int, op: str | None = None) -> None:
-        comm = "etp" if name.startswith("etp") else "ep"
+        comm = _comm(name)
         self.events.append({"collective": [comm, f"{comm} {op or label.op}:{name} layer {layer}",
                                            label.microbatch, label.stage]})
 
@@ -64,13 +77,20 @@ class Recorder:
         refs = []
         for name in names:
             self.refs += 1
-            self.events.append({"collective-start": [self.refs, "ep", f"ep {op or label.op}:{name} layer {layer}",
+            comm = _comm(name)
+            self.events.append({"collective-start": [self.refs, comm, f"{comm} {op or label.op}:{name} layer {layer}",
                                                      label.microbatch, label.stage]})
             refs.append(self.refs)
         return refs
 
     def wait(self, refs: list[int]) -> None:
         self.events.extend({"collective-wait": ref} for ref in refs)
+
+
+def _comm(name: str) -> str:
+    """The communicator of a placeholder: "etp", "tp" (tensor and sequence parallelism's), else "ep"."""
+    head = name.split("-")[0]
+    return {"etp": "etp", "tp": "tp", "sp": "tp"}.get(head, "ep")
 
 
 class _Collectives(torch.autograd.Function):
@@ -115,10 +135,17 @@ class _Transfer:
 
 
 def chunk_program(first: bool, last: bool, moe_layers: int, dispatcher: str, expert_tensor: bool,
-                  recompute: bool, recorder: Recorder, label: Label) -> tuple[list[Step], str]:
+                  recompute: bool, recorder: Recorder, label: Label, *, layers: Sequence[bool] | None = None,
+                  tensor: str | None = None) -> tuple[list[Step], str]:
     """A chunk's pieces (module docstring), from the value "input" (a one-tensor tuple, as every value here)
-    to the returned name. ``label.op`` is "F" while the forward runs; the backward sets its B or I."""
+    to the returned name. ``label.op`` is "F" while the forward runs; the backward sets its B or I.
+    ``layers``: which of the chunk's layers are MoE (default: ``moe_layers`` MoE layers); ``tensor`` ("tp",
+    or "sp" with sequence parallelism; None: t = 1): each half of a layer cut at its tensor-parallel
+    transfers, as ``TransformerLayer.steps`` cuts it, with the synchronous tensor-parallel collectives of
+    the embedding, the head and the MoE dispatcher's token slicing."""
     steps: list[Step] = []
+    layers = [True] * moe_layers if layers is None else list(layers)
+    none: tuple[list[str], list[str]] = ([], [])
 
     def piece(name: str, layer: int, collectives: tuple[list[str], list[str]] = ([], [])) -> None:
         def record_forward() -> None:
@@ -140,20 +167,36 @@ def chunk_program(first: bool, last: bool, moe_layers: int, dispatcher: str, exp
         steps.append(Exchange(lambda _: _Transfer(recorder, label, names, layer), _last(steps), f"v{len(steps)}",
                               name))
 
+    def half(what: str, layer: int) -> None:
+        if tensor is None:
+            piece(what, layer)
+            return
+        piece(f"{what}_norm", layer)
+        exchange(f"{what}_in", layer, TP_ENTRY[tensor](what))
+        piece(what, layer)
+        exchange(f"{what}_out", layer, TP_EXIT[tensor](what))
+        piece(f"{what}_residual", layer)
+
     if first:
-        piece("embedding", -1)
-    etp_route = ETP_ROUTE if expert_tensor else ([], [])
-    etp_finish = ETP_FINISH if expert_tensor else ([], [])
-    for layer in range(moe_layers):
-        piece("attention", layer)
-        piece("moe_route", layer, (etp_route[0] + ROUTE[dispatcher][0], etp_route[1] + ROUTE[dispatcher][1]))
+        piece("embedding", -1, TP_EMBEDDING[tensor] if tensor else none)
+    etp_route = ETP_ROUTE if expert_tensor else none
+    etp_finish = ETP_FINISH if expert_tensor else none
+    route = TP_TOKENS_ROUTE[tensor] if tensor else none
+    finish = TP_TOKENS_FINISH[tensor] if tensor else none
+    for layer, moe in enumerate(layers):
+        half("attention", layer)
+        if not moe:
+            half("mlp", layer)
+            continue
+        piece("moe_route", layer, (etp_route[0] + ROUTE[dispatcher][0] + route[0],
+                                   route[1] + etp_route[1] + ROUTE[dispatcher][1]))
         exchange("moe_dispatch", layer, DISPATCH[dispatcher])
         piece("moe_experts", layer)
         exchange("moe_combine", layer, COMBINE[dispatcher])
-        piece("moe_finish", layer, etp_finish)
+        piece("moe_finish", layer, (etp_finish[0] + finish[0], finish[1] + etp_finish[1]))
         piece("residual", layer)
     if last:
-        piece("head", -1)
+        piece("head", -1, TP_HEAD[tensor] if tensor else none)
     return steps, _last(steps)
 
 
