@@ -6,6 +6,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import helpers  # noqa: E402
+
+# Some modules import ``tests.helpers``, most ``helpers``: one module under both names, or the session
+# would hold two pools of ranks (16 processes) and two records of the runs made (helpers.run_layouts).
+sys.modules.setdefault("tests.helpers", helpers)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_corpus_cache(tmp_path_factory):
@@ -30,3 +36,4 @@ def reference_8_layers(tmp_path_factory):
     from helpers import train_run
 
     return train_run(tmp_path_factory.mktemp("ref8"), 1, ["--num-layers", "8"])
+

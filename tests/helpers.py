@@ -72,9 +72,30 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     return proc
 
 
+# Flags that need a process of their own: the launcher's (acted on by ``ptdp train`` before ``train()``),
+# and torch.compile (dynamo's caches and recompile limit outlive a run: a later compile in the same process
+# could fall back to eager unseen).
+_OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-endpoint", "--rdzv-id",
+                      "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
+
+
+def _in_pool(nproc: int, extra: list[str], base: list[str], env: dict[str, str] | None) -> bool:
+    return (nproc <= _RankPool.SIZE and env is None
+            and not _OWN_PROCESS_FLAGS.intersection(a.split("=")[0] for a in [*base, *extra]))
+
+
 def train_metrics(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TINY,
                   env: dict[str, str] | None = None) -> list[dict]:
-    """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records."""
+    """Train with ``nproc`` workers (1 = a plain single process) and return the metrics records.
+
+    A run without an extra environment, launcher or compile flag trains in ranks of the session's pool
+    (:func:`run_layouts`): the same ``train()`` that ``ptdp train`` (and each worker of its launcher) runs,
+    without starting Python and torch once more in the launcher and every worker (about 3 s of CPU each,
+    ten times the tiny run itself). Tests of the command line itself (its messages, exit codes, signals,
+    launcher) call :func:`run_ptdp`."""
+    if _in_pool(nproc, extra, base, env):
+        name = f"run-{os.urandom(4).hex()}"
+        return run_layouts(tmp_path / name, {name: (nproc, extra)}, base, save=False)[name].records
     metrics = tmp_path / f"metrics-{os.urandom(4).hex()}.jsonl"
     launch = [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
     run_ptdp(["train", *base, *extra, *launch, "--metrics-file", str(metrics)], env=env)
@@ -125,6 +146,9 @@ def train_run(tmp_path: Path, nproc: int, extra: list[str], base: list[str] = TI
               env: dict[str, str] | None = None, save: bool = True) -> Run:
     """Train like :func:`train_metrics`; with ``save`` (unless ``extra`` saves already) the run also saves
     its final checkpoint, so that its weights can be compared (saving changes nothing in training)."""
+    if _in_pool(nproc, extra, base, env):
+        name = f"run-{os.urandom(4).hex()}"
+        return run_layouts(tmp_path / name, {name: (nproc, extra)}, base, save=save)[name]
     ckpt = None
     if "--save" in extra:
         ckpt = Path(extra[extra.index("--save") + 1])
@@ -232,18 +256,49 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
             if world > 1:
                 dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}", rank=rank,
                                         world_size=world)
+            environ, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            _forget_earlier_runs()
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(world))
-            config = config_from_args(build_parser().parse_args(["train", *argv]))
-            errors = validate(config, world)
-            assert not errors, (name, errors)
-            train(derive(config, world))
+            try:
+                config = config_from_args(build_parser().parse_args(["train", *argv]))
+                errors = validate(config, world)
+                assert not errors, (name, errors)
+                train(derive(config, world))
+            finally:  # the next stage starts from the process as it was: its environment, its signal handlers
+                os.environ.clear()
+                os.environ.update(environ)
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
             if world > 1:
                 dist.destroy_process_group()
         # back into the whole world, so that the next stage (and the spawn helper) find a default group
         dist.init_process_group("gloo", init_method=f"file://{out}/store-{name}-all", rank=rank,
                                 world_size=world_size)
         dist.barrier()  # all connected before any rank returns (and _entry destroys the group) after the last
+
+
+def _forget_earlier_runs() -> None:
+    """What a run in a rank of the pool could find left by an earlier run of the same process, and a fresh
+    ``ptdp train`` process would not: ptdp's per-process caches and records (tests/test_pool_state.py lists
+    every module-level one of ptdp and says why the others are safe). The RNGs are seeded by ``train()``."""
+    from ptdp.checkpointing import storage
+    from ptdp.data import mix_state
+    from ptdp.optim import memory
+
+    storage._VERIFIED.clear()  # a checkpoint hashed once is not hashed again: a later corruption went unseen
+    mix_state._IDENTITIES.clear()
+    memory._lifetime_peak.update(rss=0, cuda=0)  # the run's peak memory, not the process's
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # VmHWM := VmRSS, as memory.window_peak_bytes does
+    except OSError:
+        pass
+
+
+def _environment() -> dict[str, str]:
+    """The environment a rank started now would get (pytest's per-test variable aside)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 class _RankPool:
@@ -257,6 +312,7 @@ class _RankPool:
 
     def __init__(self) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks before they import torch
+        self.environment = _environment()  # what the ranks inherit (pooled_spawn restarts them on a change)
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.SimpleQueue() for _ in range(self.SIZE)]
         self.outbox = ctx.SimpleQueue()
@@ -294,6 +350,12 @@ class _RankPool:
 def _pool_rank(rank: int, inbox, outbox) -> None:
     import traceback
 
+    try:  # die with the test session, even one killed without its clean-up (CI's timeout): Linux's prctl
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     while True:
         fn, world_size, store, args = inbox.get()
         try:
@@ -310,24 +372,29 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
     """:func:`spawn` on the session's reused ranks (for functions that leave nothing behind in a process)."""
     global _POOL
     assert world_size <= _RankPool.SIZE, world_size
+    if _POOL is not None and _POOL.environment != _environment():  # a test set a variable: as a new process
+        _POOL.close()
     if _POOL is None:
         _POOL = _RankPool()
     _POOL.run(fn, world_size, str(tmp_path / f"store-{os.urandom(4).hex()}"), args, timeout)
 
 
-def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY) -> dict[str, Run]:
+def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
+                save: bool = True) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
-    training the tiny model does, so a module's layouts share one start. Each run saves its final
-    checkpoint (unless its flags save elsewhere) for its weights. A failure in one fails them all."""
+    training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
+    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A failure
+    in one fails them all."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     stages, runs = [], {}
     for name, (world, flags) in plan.items():
         metrics = tmp_path / f"{name}.jsonl"
         argv = [*base, *flags, "--metrics-file", str(metrics)]
+        ckpt = None
         if "--save" in flags:
             ckpt = Path(flags[flags.index("--save") + 1])
-        else:
+        elif save:
             ckpt = tmp_path / f"{name}-ckpt"
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))

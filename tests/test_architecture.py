@@ -44,6 +44,24 @@ def test_schedules_and_config_import_no_torch():
             assert not bad, f"{path.relative_to(ROOT.parent)} imports {sorted(bad)}"
 
 
+def test_the_command_line_parses_and_refuses_without_torch():
+    """``ptdp --help``, a refused flag or configuration, ``ptdp plan`` and ``ptdp simulate`` answer without
+    importing torch (seconds of start-up on a busy machine, and in every error-path test that runs the
+    command): the parsers, the checks and the planner read no module that loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ptdp.cli.main import main\n"
+            "codes = [main(['train', '--lr', '-1']), main(['plan', '--model', 'llama3-8b', '--gpus', '8']),"
+            " main(['simulate', '--pipeline-model-parallel-size', '2', '--num-microbatches', '4'])]\n"
+            "assert codes == [2, 0, 0], codes\n"
+            "print('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT.parent), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "False", "a parser or a check imports torch"
+
+
 def test_the_check_would_see_an_import(tmp_path):
     """The control: the scan finds both spellings."""
     path = tmp_path / "m.py"

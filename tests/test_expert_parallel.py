@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.parallel.expert.apply import apply_expert_parallel
@@ -113,7 +113,7 @@ def _worker(rank: int, world: int) -> None:
 
 
 def test_dispatchers_match_one_process(tmp_path):
-    spawn(_worker, 4, tmp_path)
+    pooled_spawn(_worker, 4, tmp_path)
 
 
 def test_folded_groups_follow_megatron_core_order():

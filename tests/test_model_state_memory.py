@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import spawn
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -71,7 +71,7 @@ def _check(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_model_state_bytes_match_formulas(tmp_path, world):
-    spawn(_check, world, tmp_path)
+    pooled_spawn(_check, world, tmp_path)
 
 
 def test_formula_values():

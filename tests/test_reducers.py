@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from helpers import spawn
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.parallel.data.buffer import BucketLayout
@@ -93,4 +93,4 @@ def _check(rank: int, world: int) -> None:
 
 
 def test_every_strategy_and_composition_reduces_to_the_average(tmp_path):
-    spawn(_check, 4, tmp_path)
+    pooled_spawn(_check, 4, tmp_path)

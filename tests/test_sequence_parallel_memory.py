@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn
+from helpers import pooled_spawn
 
 from ptdp.ops.weight_grad import defer_weight_grads
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region
@@ -68,4 +68,4 @@ def _check(rank: int, world: int) -> None:
 
 
 def test_sequence_parallel_linear_saves_shard_and_matches(tmp_path):
-    spawn(_check, 2, tmp_path)
+    pooled_spawn(_check, 2, tmp_path)

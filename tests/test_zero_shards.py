@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from helpers import spawn
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.config import OptimizerConfig
@@ -51,4 +51,4 @@ def _check(rank: int, world: int) -> None:
 
 
 def test_local_shards_cover_every_parameter_once(tmp_path):
-    spawn(_check, 2, tmp_path)
+    pooled_spawn(_check, 2, tmp_path)

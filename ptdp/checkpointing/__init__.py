@@ -8,11 +8,20 @@
 - ``full_model``: full tensors in one process, no process group (generate, Hugging Face import/export)
 """
 
-from ptdp.checkpointing.full_model import read_full_model_state, write_full_model_state
-from ptdp.checkpointing.interface import Checkpointable, DataPosition
-from ptdp.checkpointing.manager import CheckpointManager
-from ptdp.checkpointing.state import load_checkpoint, save_checkpoint
-from ptdp.checkpointing.storage import CheckpointError, read_latest
+import importlib
 
-__all__ = ["CheckpointError", "CheckpointManager", "Checkpointable", "DataPosition", "load_checkpoint",
-           "read_full_model_state", "read_latest", "save_checkpoint", "write_full_model_state"]
+# Each name loads its module on first use: ``storage`` and ``validation`` (no torch) serve the command
+# line's checks and ``ptdp samples`` without importing torch.
+_MODULE_OF = {
+    "read_full_model_state": "full_model", "write_full_model_state": "full_model", "CheckpointManager": "manager",
+    "Checkpointable": "interface", "DataPosition": "interface", "load_checkpoint": "state",
+    "save_checkpoint": "state", "CheckpointError": "storage", "read_latest": "storage",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ptdp.config import ConfigError, ModelConfig
-from ptdp.models.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 
 if TYPE_CHECKING:
     import torch
@@ -139,8 +138,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     factor = None
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        published = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-                     "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+        published = _llama3_scaling()
         if kind != "llama3":
             raise LlamaConversionError(f"--in: config.json has rope scaling type {kind!r}; ptdp supports none "
                                        "(default) and 'llama3'")
@@ -170,8 +168,7 @@ def hf_config_kwargs(cfg: ModelConfig, bos_token_id: int | None, eos_token_id: i
     scaling = None
     if cfg.use_rope_scaling:
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                   "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-                   "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+                   **_llama3_scaling()}
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -182,3 +179,12 @@ def hf_config_kwargs(cfg: ModelConfig, bos_token_id: int | None, eos_token_id: i
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "architectures": ["LlamaForCausalLM"],
     }
+
+
+def _llama3_scaling() -> dict[str, float]:
+    """Llama 3.1's published frequency scaling, as HF's ``rope_scaling`` names it (``models.rotary`` loads
+    torch: imported here, so that ``ptdp --help`` and the parsers stay without it)."""
+    from ptdp.models import rotary
+
+    return {"low_freq_factor": rotary.LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": rotary.LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": rotary.LLAMA3_ORIGINAL_CONTEXT}
