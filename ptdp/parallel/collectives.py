@@ -63,9 +63,14 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     if world == 1:
         return tensor
     dim = dim % tensor.dim()
-    shape = tensor.shape
     flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     _all_gather_single(flat, tensor.contiguous().view(-1), group=group)
+    return gathered_along(flat, tensor.shape, world, dim)
+
+
+def gathered_along(flat: torch.Tensor, shape: torch.Size, world: int, dim: int) -> torch.Tensor:
+    """An all-gather's rank-major flat buffer of ``world`` tensors of ``shape``, laid out along ``dim``: a
+    view when the dimensions before ``dim`` have size 1, one ``torch.cat`` otherwise."""
     if all(n == 1 for n in shape[:dim]):
         return flat.view(*shape[:dim], world * shape[dim], *shape[dim + 1:])
     return torch.cat(flat.view(world, *shape).unbind(0), dim=dim)
@@ -80,7 +85,14 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
         return tensor
-    dim = dim % tensor.dim()
+    blocks, out = rank_major(tensor, world, dim % tensor.dim())
+    _reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
+    return out
+
+
+def rank_major(tensor: torch.Tensor, world: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reduce-scatter's input along ``dim`` laid out rank-major (free when the dimensions before ``dim``
+    have size 1, one copy otherwise), and the buffer of this rank's 1/``world`` slice it yields."""
     shape = tensor.shape
     local = shape[dim] // world
     if all(n == 1 for n in shape[:dim]):
@@ -88,8 +100,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     else:
         blocks = tensor.unflatten(dim, (world, local)).movedim(dim, 0).contiguous()
     out = torch.empty((*shape[:dim], local, *shape[dim + 1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
-    return out
+    return blocks, out
 
 
 def split(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:

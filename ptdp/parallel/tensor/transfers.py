@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from ptdp.models.pieces import Done
 from ptdp.observability import flight_recorder
-from ptdp.parallel.collectives import all_gather_single, group_size, reduce_scatter_single
+from ptdp.parallel.collectives import (
+    all_gather_single,
+    gathered_along,
+    group_size,
+    rank_major,
+    reduce_scatter_single,
+)
 
 SEQ_DIM = 1  # activations are [b, s, h]
 
@@ -49,28 +55,14 @@ def _all_reduce(tensors: tuple, group) -> Issued:
 def _all_gather(tensors: tuple, group, dim: int) -> Issued:
     """``collectives.all_gather`` along ``dim``, the rank-major buffer laid out at ``wait``."""
     x, world = tensors[0], group_size(group)
-    shape = x.shape
     flat = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
     work = all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
-
-    def finish() -> tuple:
-        if all(n == 1 for n in shape[:dim]):
-            return (flat.view(*shape[:dim], world * shape[dim], *shape[dim + 1:]),)
-        return (torch.cat(flat.view(world, *shape).unbind(0), dim=dim),)
-
-    return Issued(work, finish)
+    return Issued(work, lambda: (gathered_along(flat, x.shape, world, dim),))
 
 
 def _reduce_scatter(tensors: tuple, group, dim: int) -> Issued:
     """``collectives.reduce_scatter`` along ``dim``."""
-    x, world = tensors[0], group_size(group)
-    shape = x.shape
-    local = shape[dim] // world
-    if all(n == 1 for n in shape[:dim]):
-        blocks = x.contiguous()
-    else:
-        blocks = x.unflatten(dim, (world, local)).movedim(dim, 0).contiguous()
-    out = torch.empty((*shape[:dim], local, *shape[dim + 1:]), dtype=x.dtype, device=x.device)
+    blocks, out = rank_major(tensors[0], group_size(group), dim)
     work = reduce_scatter_single(out.view(-1), blocks.view(-1), group=group, async_op=True)
     return Issued(work, lambda: (out,))
 
