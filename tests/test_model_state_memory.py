@@ -18,7 +18,7 @@ from torch import nn
 
 from ptdp.config import OptimizerConfig
 from ptdp.optim import DistributedOptimizer, FP32Optimizer
-from ptdp.optim.memory import model_state_bytes, model_state_formula_bytes
+from ptdp.optim.memory import HeldStates, model_state_bytes, model_state_formula_bytes
 from ptdp.parallel.data.buffer import BucketLayout
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
@@ -64,9 +64,12 @@ def _check(rank: int, world: int) -> None:
     held, n, grads = held_after_one_step(torch.float32, True)
     params = [p for b in grads.buckets for p in b.params]
     before = model_state_bytes(params, grads, None)
+    held_states = HeldStates()  # the loop's reports: walked again when a held tensor is a new object
+    assert held_states.total(params, grads, None) == before["total"]
     grads.buckets[0].grad_shard = torch.empty_like(grads.buckets[0].grad_data)
     again = model_state_bytes(params, grads, None)
     assert again["grads"] - before["grads"] == grads.buckets[0].grad_data.numel() * 4
+    assert held_states.total(params, grads, None) == again["total"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

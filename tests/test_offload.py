@@ -21,7 +21,7 @@ def test_host_adamw_steps_exactly_like_adamw():
     ref, off = _params(0), _params(0)
     kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
     groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]  # noqa: E731
-    a, b = torch.optim.AdamW(groups(ref), **kwargs), HostOffloadAdamW(groups(off), **kwargs)
+    a, b = torch.optim.AdamW(groups(ref), fused=True, **kwargs), HostOffloadAdamW(groups(off), **kwargs)
     for step in range(4):
         for i, (x, y) in enumerate(zip(ref, off, strict=True)):
             x.grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 * step + i))

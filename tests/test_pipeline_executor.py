@@ -128,12 +128,12 @@ def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
             comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN), pack=pack if hooks else None,
                            unpack=unpack if hooks else None,
                            packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None,
-                           groups=None if hooks else directions)
+                           groups=None if hooks else directions, ahead=0 if hooks else None)
             actions, stats, grads = run_rank(rank, p, schedule, v, m, comm)
             n_send = sum(a.op.startswith("SEND") for a in actions)
             n_recv = sum(a.op.startswith("RECV") for a in actions)
             torch.save({"stats": stats, "grads": grads, "expected_peak": peak_in_flight(actions),
-                        "calls": calls, "n_send": n_send, "n_recv": n_recv},
+                        "calls": calls, "n_send": n_send, "n_recv": n_recv, "ahead": comm.received_ahead},
                        Path(out_dir) / f"{name}.rank{rank}.pt")
             dist.barrier()
     finally:
@@ -163,7 +163,7 @@ CASES = [(p, *cfg) for p, cfgs in CONFIGS.items() for cfg in cfgs]
 @pytest.mark.parametrize("p,name,schedule,v,m,hooks", CASES, ids=[f"p{c[0]}-{c[1]}" for c in CASES])
 def test_matches_single_process(results, p, name, schedule, v, m, hooks):
     ref_losses, ref_grads = reference(p * v, m)
-    got_grads = {}
+    got_grads, ahead = {}, 0
     for rank in range(p):
         res = torch.load(results[p] / f"{name}.rank{rank}.pt", weights_only=False)
         got_grads.update(res["grads"])
@@ -173,11 +173,16 @@ def test_matches_single_process(results, p, name, schedule, v, m, hooks):
         assert stats.busy_s > 0 and stats.wall_s >= stats.busy_s
         if hooks:  # applied on both sides, once per message
             assert res["calls"] == {"pack": res["n_send"], "unpack": res["n_recv"]}
+            assert res["ahead"] == 0  # ahead=0: every receive posted in its batch (NCCL's way)
+        else:  # gloo: receives posted before their batch (P2PComm.expect), the same gradients
+            assert 0 <= res["ahead"] <= res["n_recv"]
+            ahead += res["ahead"]
         if rank == (p * v - 1) % p:
             assert sorted(stats.losses) == list(range(m))
             torch.testing.assert_close([float(x) for x in stats.losses.values()], ref_losses, rtol=1e-6, atol=0)
         else:
             assert stats.losses == {}
+    assert hooks or m == 1 or ahead > 0
     assert sorted(got_grads) == list(range(p * v))
     for s in range(p * v):
         torch.testing.assert_close(got_grads[s], ref_grads[s], rtol=1e-6, atol=1e-9)

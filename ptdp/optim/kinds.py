@@ -24,7 +24,7 @@ from torch import nn
 from ptdp.config import OptimizerConfig
 from ptdp.optim.muon import MuonLayout, muon, placement_of
 from ptdp.optim.muon_units import is_hidden_matrix
-from ptdp.optim.offload import HostOffloadAdamW, HostOffloadSGD
+from ptdp.optim.offload import HostOffloadAdamW, HostOffloadSGD, fused_adamw_on
 from ptdp.parallel.placement import Placements
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -79,13 +79,15 @@ def _decay_groups(stepped: list[Stepped], placements: Placements, weight_decay: 
 
 
 def adamw(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements) -> torch.optim.AdamW:
-    """torch's AdamW with Megatron's decay groups; ``fused=True`` (one kernel for all tensors) on CUDA, the
-    host's with ``--optimizer-cpu-offload``. On a CPU torch's default implementation runs."""
+    """torch's AdamW with Megatron's decay groups, its fused implementation (one kernel for all tensors) where
+    torch has one for the device -- CUDA, and the CPU since torch 2.4, where it steps a small model 4x faster
+    than the default for-each one (issue 42) -- the host's with ``--optimizer-cpu-offload``."""
     groups = _decay_groups(stepped, placements, cfg.weight_decay)
     kwargs = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
     if cfg.optimizer_cpu_offload:  # issue 26: state and step on the host
         return HostOffloadAdamW(groups, **kwargs)
-    return torch.optim.AdamW(groups, fused=any(s.tensor.is_cuda for s in stepped) or None, **kwargs)
+    device = stepped[0].tensor.device.type if stepped else "cpu"
+    return torch.optim.AdamW(groups, fused=fused_adamw_on(device) or None, **kwargs)
 
 
 def _sgd(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements, layout: MuonLayout | None):

@@ -18,6 +18,7 @@ for every parameter (``state_bytes``; ptdp-facts.md, §Muon).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -120,15 +121,20 @@ def model_state_formula_bytes(num_params: int, param_dtype: torch.dtype = torch.
 
 
 def _status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (Linux), 0 where /proc is not there."""
+    """A ``/proc/self/status`` field in bytes (Linux), 0 where /proc is not there. Read with ``os`` calls
+    (not a text file object): this runs at every logged iteration."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        fd = os.open("/proc/self/status", os.O_RDONLY)
+        try:
+            status = os.read(fd, 1 << 14)
+        finally:
+            os.close(fd)
     except OSError:
-        pass
-    return 0
+        return 0
+    start = status.find(field.encode() + b":")
+    if start < 0:
+        return 0
+    return int(status[start + len(field) + 1:status.index(b"kB", start)]) * 1024
 
 
 _lifetime_peak = {"rss": 0, "cuda": 0}  # the window peaks are reset (below): the run's peaks are kept here
@@ -153,19 +159,42 @@ def window_peak_bytes(device: torch.device) -> int:
         torch.cuda.reset_peak_memory_stats(device)
         return peak
     try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # VmHWM := VmRSS
+        fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+        try:
+            os.write(fd, b"5")  # VmHWM := VmRSS
+        finally:
+            os.close(fd)
     except OSError:
         pass
     return resident
 
 
-def memory_row(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> list[float]:
+class HeldStates:
+    """:func:`model_state_bytes`' total for the training loop's reports, walked again only when the tensors
+    held are not the same objects as at the previous report: in steady state they are (the optimizer's state
+    appears at the first step, a resume loads into the tensors there), and the walk's ``untyped_storage`` of
+    some 200 tensors was a third of the loop's own time per logged iteration at nanoGPT's size (issue 42).
+    ZeRO-3 frees and regathers parameter storages inside the same tensors: walked every time there."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._total = 0
+
+    def total(self, params: list[nn.Parameter], grads: GradReducer | None, optimizer) -> int:
+        if grads is not None and grads.param_sync is not None:
+            return model_state_bytes(params, grads, optimizer)["total"]
+        key = tuple(id(t) for _, t in _held(params, grads, optimizer))
+        if key != self._key:
+            self._key, self._total = key, model_state_bytes(params, grads, optimizer)["total"]
+        return self._total
+
+
+def memory_row(states: int, device: torch.device) -> list[float]:
     """This rank's memory numbers, for one gather with the other per-rank numbers of a metrics window:
-    model-state bytes, the window's peak, the run's peak RSS, the run's peak CUDA allocation (-1 on CPU).
-    The window's reading has just updated the run's peaks (no second read of ``/proc``)."""
+    ``states`` (its model-state bytes), the window's peak, the run's peak RSS, the run's peak CUDA allocation
+    (-1 on CPU). The window's reading has just updated the run's peaks (no second read of ``/proc``)."""
     window = float(window_peak_bytes(device))
-    return [float(model_state_bytes(params, grads, optimizer)["total"]), window, float(_lifetime_peak["rss"]),
+    return [float(states), window, float(_lifetime_peak["rss"]),
             float(_lifetime_peak["cuda"]) if device.type == "cuda" else -1.0]
 
 
@@ -190,7 +219,8 @@ def memory_report(params: Iterable[nn.Parameter], grads, optimizer, device: torc
     report (device memory on a GPU, resident set on the CPU); ``peak_resident_bytes_per_rank``: the
     process's peak RSS over the run; ``peak_allocated_bytes_per_rank``: CUDA's peak (None on the CPU).
     """
-    local = torch.tensor(memory_row(params, grads, optimizer, device), dtype=torch.float64, device=device)
+    states = model_state_bytes(params, grads, optimizer)["total"]
+    local = torch.tensor(memory_row(states, device), dtype=torch.float64, device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         rows = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(rows, local)

@@ -9,9 +9,9 @@ momentum on the host itself and orthogonalises on the device, ``ptdp.optim.muon`
 1. the (already reduced, unscaled and clipped) fp32 gradients and the fp32 parameters being stepped are
    copied device -> host into pinned buffers, all enqueued with ``non_blocking=True``, then one wait for
    the copies (the only host synchronisation, inherent to stepping on the host);
-2. ``torch.optim.AdamW``'s own single-tensor implementation steps the host copies, so the arithmetic is
-   torch's CPU AdamW to the bit (exact against the on-device optimizer on a CPU; on a GPU against the
-   fused CUDA kernel up to its rounding);
+2. ``torch.optim.AdamW``'s fused CPU kernel (its single-tensor implementation on a torch without one) steps
+   the host copies, so the arithmetic is torch's CPU AdamW to the bit (exact against the on-device optimizer
+   on a CPU; on a GPU against the fused CUDA kernel up to its rounding);
 3. the new parameters are copied host -> device with ``non_blocking=True`` on the compute stream: the
    next iteration's kernels queue behind them while the host already runs ahead (the copy back overlaps
    the host's work of the next iteration; the copy out does not yet overlap the backward).
@@ -24,16 +24,31 @@ the device moves to the host at the next step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def fused_adamw_on(device_type: str) -> bool:
+    """Whether this torch has a fused AdamW kernel for ``device_type`` (asked of torch itself: its
+    constructor refuses a device it has none for)."""
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device_type, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 class HostOffload(torch.optim.Optimizer):
     """An element-wise torch optimizer (the next class in the MRO) over device parameters whose state and
     arithmetic live on the host."""
 
+    host_implementation = {"foreach": False}  # torch's single-tensor path, unless a subclass has a fused one
+
     def __init__(self, params, **kwargs):
-        kwargs.pop("fused", None)  # the step runs on the CPU: torch's single-tensor path
-        super().__init__(params, foreach=False, **kwargs)
+        kwargs.pop("fused", None)  # the step runs on the CPU
+        super().__init__(params, **self.host_implementation, **kwargs)
         self._pin = torch.cuda.is_available()
         self._host: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -91,7 +106,12 @@ class HostOffload(torch.optim.Optimizer):
 
 
 class HostOffloadAdamW(HostOffload, torch.optim.AdamW):
-    """torch's AdamW, state and step on the host."""
+    """torch's AdamW, state and step on the host: its fused CPU kernel where torch has one (as DeepSpeed's
+    CPU Adam), the arithmetic of the on-device AdamW of a CPU run to the bit."""
+
+    @property
+    def host_implementation(self) -> dict:
+        return {"fused": True} if fused_adamw_on("cpu") else {"foreach": False}
 
 
 class HostOffloadSGD(HostOffload, torch.optim.SGD):

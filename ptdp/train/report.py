@@ -82,7 +82,7 @@ def rank_report(trainer: TrainState, schedule_stats: list[ScheduleStats | None])
     ``read_records``' sync (CUDA-event timings are complete); see ``observability/straggler.py``."""
     busy = straggler.mean_step_time([float(s.busy_s) for s in schedule_stats if s is not None])
     device = trainer.plan.groups.device
-    memory = memory_row(trainer.params, trainer.grads, trainer.optimizer, device)
+    memory = memory_row(trainer.held_states.total(trainer.params, trainer.grads, trainer.optimizer), device)
     rows = straggler.gather_rows([busy, *memory], trainer.plan.world, device)
     return {**straggler.step_time_fields([r[0] for r in rows]), **memory_fields([r[1:] for r in rows])}
 

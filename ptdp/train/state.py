@@ -9,6 +9,7 @@ loop, evaluation and checkpointing read is a field of :class:`TrainState`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -23,6 +24,7 @@ from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
 from ptdp.ops.document_attention import select_document_attention
 from ptdp.optim import MegatronOptimizer, setup_optimizer
+from ptdp.optim.memory import HeldStates
 from ptdp.parallel import init_distributed
 from ptdp.parallel.assembly import Assembly, assemble, build_p2p
 from ptdp.parallel.context.documents import context_parallel_document_line
@@ -56,9 +58,12 @@ class TrainState:
     metrics: list[dict] = field(default_factory=list)
     timeline: Timeline | None = None  # --timeline: this rank's Chrome-trace recorder
     peak_activation_bytes: int | None = None  # measured in the first iteration of the run
+    held_states: HeldStates = field(default_factory=HeldStates)  # the memory report's model-state bytes
 
-    @property
+    @functools.cached_property
     def params(self) -> list[nn.Parameter]:
+        """The chunks' parameters: the same objects for the whole run once set up (ZeRO-3 frees and gathers
+        their storages, never swaps them), so listed once."""
         return [p for chunk in self.chunks for p in chunk.parameters()]
 
     @property

@@ -175,6 +175,8 @@ class _Run:
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, microbatch, producer chunk) -> tensor
         self.pending: dict[tuple[str, int, int], PendingRecv] = {}
         self.live: set[tuple[int, int]] = set()
+        if comm is not None:
+            comm.expect(actions)
 
     def span(self, name: str, category: str, start: Mark, mb: int | None = None, chunk: int | None = None) -> None:
         end = self.clock.mark()

@@ -21,6 +21,7 @@ behind a send backward. ``ptdp.simulate.nccl.model`` plays that layout too
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -84,14 +85,55 @@ class P2PComm:
     unpack: Hook | None = None
     packed_shape: tuple[int, ...] | None = None
     groups: dict[str, dist.ProcessGroup] | None = None  # one communicator per direction: {"F": ..., "B": ...}
+    ahead: int | None = None  # receives posted ahead of their batch: None = 4 on gloo, 0 on NCCL (see expect)
+    received_ahead: int = 0  # receives posted before their batch was issued, over the comm's life
     _sends: list = field(default_factory=list, repr=False)
+    _expected: deque = field(default_factory=deque, repr=False)  # this run's receives not posted yet, in order
+    _early: dict = field(default_factory=dict, repr=False)  # message_key -> PendingRecv posted ahead
+
+    def expect(self, actions: Sequence[Action]) -> None:
+        """The run's list, before it starts: on gloo its receives are then posted up to ``ahead`` receives
+        before their batch, in the list's order (issue 42). gloo sends a message only once its receiver has
+        posted the receive, so a receive posted in the batch right before its consumer cost a round trip
+        between the two ranks' transport threads on the critical path; posted ahead, the data is there.
+        Matching is unchanged (the receives go out in the same order, first-in first-out per peer) and a
+        gloo operation never waits for another, so nothing can hang that could not before. NCCL runs a
+        rank's p2p calls in issue order on one stream: there the lists' placement is what is proven safe
+        (``ptdp.simulate.nccl.model``), and nothing is posted ahead."""
+        if self.ahead is None:
+            self.ahead = 4 if dist.get_backend(self._group("F")) == "gloo" else 0
+        if self._early:
+            raise RuntimeError(f"P2PComm: receives posted ahead were never claimed: {sorted(self._early)}")
+        if self.ahead:
+            self._expected = deque(a for a in actions if a.op.startswith("RECV"))
+
+    def _group(self, kind: str) -> dist.ProcessGroup | None:
+        return self.group if self.groups is None else self.groups[kind]
+
+    def _post_ahead(self, limit: int) -> None:
+        """Post the expected receives until ``limit`` are posted and not yet claimed by their batch."""
+        while self._expected and len(self._early) < limit:
+            action = self._expected.popleft()
+            buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
+            op = dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], self._group(action.op[-1]))
+            flight_recorder.record("batch_isend_irecv", group=op.group, peer=[op.peer], tensor=[buf],
+                                   action=repr(action))
+            self._early[message_key(action)] = PendingRecv(buf, _Batch(dist.batch_isend_irecv([op]), 1), 0)
 
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
         """Post sends and receives in one batch (one per direction with ``groups``); return
-        {message_key: PendingRecv} for the receives."""
+        {message_key: PendingRecv} for the receives (those posted ahead, :meth:`expect`, as they were)."""
+        early = {}
+        if self._expected or self._early:  # posted ahead: the batch's own first (the next expected), then more
+            keys = [message_key(a) for a in recvs]
+            self.received_ahead += sum(k in self._early for k in keys)
+            self._post_ahead(len(self._early) + sum(k not in self._early for k in keys))
+            early = {k: self._early.pop(k) for k in keys if k in self._early}
+            self._post_ahead(self.ahead)
+            recvs = [a for a in recvs if message_key(a) not in early]
         if self.groups is None:
-            return self._issue(sends, recvs, self.group)
-        posted = {}
+            return early | self._issue(sends, recvs, self.group)
+        posted = early
         for kind in ("F", "B"):  # the order ptdp.simulate.nccl.trace.RecordingComm(per_direction=True) records
             posted |= self._issue([(a, t) for a, t in sends if a.op[-1] == kind],
                                   [a for a in recvs if a.op[-1] == kind], self.groups[kind])

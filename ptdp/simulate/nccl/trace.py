@@ -39,6 +39,9 @@ class RecordingComm:
             stage = stage - 1 if kind == "F" else stage + 1
         return [kind, action.microbatch, stage]
 
+    def expect(self, actions: Sequence[Action]) -> None:
+        """NCCL: nothing is posted ahead of its batch (``P2PComm.expect``)."""
+
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
         if not self.per_direction:
             return self._issue(sends, recvs, None)
