@@ -6,6 +6,7 @@ generalised), so a send and the receives that stand beside it are posted togethe
 them is what makes NCCL safe (``ptdp.schedule.communication.place_communication``; ``ptdp.simulate.nccl.model``
 checks the calls made here). Sends are waited on at the end of the schedule and receives when their tensor
 is consumed, so communication overlaps compute. Messages between two ranks are matched first-in first-out.
+On gloo the receives go out a few ahead of their batch (:meth:`P2PComm.expect`; docs/pipeline-communication.md).
 
 ``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
 1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
