@@ -116,10 +116,9 @@ class P2PComm:
         while self._expected and len(self._early) < limit:
             action = self._expected.popleft()
             buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
-            op = dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], self._group(action.op[-1]))
-            flight_recorder.record("batch_isend_irecv", group=op.group, peer=[op.peer], tensor=[buf],
-                                   action=repr(action))
-            self._early[message_key(action)] = PendingRecv(buf, _Batch(dist.batch_isend_irecv([op]), 1), 0)
+            peer, group = self.pp_ranks[action.peer], self._group(action.op[-1])
+            flight_recorder.record("irecv", group=group, peer=peer, tensor=buf, action=repr(action))
+            self._early[message_key(action)] = PendingRecv(buf, _Batch([dist.irecv(buf, peer, group)], 1), 0)
 
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
         """Post sends and receives in one batch (one per direction with ``groups``); return
