@@ -93,3 +93,28 @@ def test_a_stopped_worker_is_named_and_the_job_restarts_with_the_same_losses(tmp
     assert json.loads((report / "rank0-ops.json").read_text())["ops"]
     got = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records(metrics)}
     assert [got[i] for i in range(1, 7)] == straight["track"]  # restarted from iteration 2: bit for bit
+
+
+def test_the_launcher_says_nothing_of_the_stopped_rank_the_hang_reporter_killed(tmp_path, capsys):
+    """The hang reporter SIGKILLs a stopped rank on its host and exits 3; torchrun may see the kill first.
+    A signal death after a new hang report is that report's consequence; one without it gets its line."""
+    import logging
+
+    from ptdp.runtime.launch import _WorkerFailures
+
+    def failure(code: int) -> logging.LogRecord:
+        return logging.LogRecord("torch.distributed.elastic", logging.ERROR, __file__, 0,
+                                 "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                                 (code, 1, 123, "python"), None)
+
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "report-attempt0.txt").write_text("an earlier job's\n")
+    failures = _WorkerFailures(3, single_node=True, hang_dir=hang)
+    failures.emit(failure(-9))  # an earlier job's report says nothing of this kill
+    (hang / "report-attempt1.txt").write_text("hang: rank(s) 1 stopped responding\n")
+    failures.emit(failure(-9))  # killed by the reporter
+    failures.emit(failure(-9))  # no new report since: unexplained
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"ptdp train: worker rank 1 killed by SIGKILL; restarting every worker from the latest "
+                     f"checkpoint (restart {n} of 3)" for n in (1, 3)], lines

@@ -118,8 +118,11 @@ def run_train(args: argparse.Namespace) -> int:
                           "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
         restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
+        from ptdp.observability.flight_recorder import run_directory
+
         return launch_workers(args.nproc_per_node, restarts, worker_args, rendezvous, save=config.checkpoint.save,
-                              cpu_mmap_threshold=args.cpu_mmap_threshold)
+                              cpu_mmap_threshold=args.cpu_mmap_threshold,
+                              run_dir=run_directory(config.checkpoint.save, config.training.metrics_file))
 
     from ptdp.cli.worker import run_worker
 

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from ptdp.runtime.errors import print_error
 
@@ -48,10 +49,12 @@ def launch_line(nproc_per_node: int | None, world_size: int, tensor: int, contex
 
 def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str],
                    rendezvous: dict[str, str] | None = None, save: str | None = None,
-                   cpu_mmap_threshold: int = 0) -> int:
+                   cpu_mmap_threshold: int = 0, run_dir: Path | None = None) -> int:
     """Run torchrun's agent in this process; the exit code of the job. What reaches the terminal is the
     workers' own lines and at most one of the launcher's per event (:class:`_WorkerFailures`): torchrun's
-    log lines (``Sending process ... closing signal SIGTERM``, ``failed (exitcode: 2)``) are not printed."""
+    log lines (``Sending process ... closing signal SIGTERM``, ``failed (exitcode: 2)``) are not printed.
+    ``run_dir``: the workers' run directory, where a hang report tells a worker the reporter killed (a
+    stopped rank on this host) from one that died unexplained."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -73,7 +76,7 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
     from ptdp.runtime import interrupt
 
     interrupt.install_launcher(save)  # Ctrl-C goes to the workers as a graceful stop (ptdp/runtime/interrupt.py)
-    failures = _WorkerFailures(max_restarts, single_node=not rendezvous)
+    failures = _WorkerFailures(max_restarts, single_node=not rendezvous, hang_dir=run_dir and run_dir / "hang")
     failures.attach()
     try:
         run(launcher_args)
@@ -116,12 +119,29 @@ def exit_description(code: int) -> str:
 class _WorkerFailures(logging.Handler):
     """Replaces torchrun's log lines on the terminal: they are dropped, except that a worker's failure the
     agent answers with a restart (``--max-restarts``) gets one line of ours, unless the worker explained
-    itself (exit 2 or 3)."""
+    itself (exit 2 or 3). A worker killed by a signal after a new hang report appeared was killed by the
+    reporter (a stopped rank, ``ptdp/observability/watchdog.py``): that report is its line, and which of the
+    two exits torchrun sees first is a race."""
 
-    def __init__(self, max_restarts: int, single_node: bool) -> None:
+    def __init__(self, max_restarts: int, single_node: bool, hang_dir: Path | None = None) -> None:
         super().__init__(logging.INFO)
         self.left, self.total, self.single_node = max_restarts, max_restarts, single_node
         self._saved: list[tuple[logging.Logger, int, bool]] = []
+        self.hang_dir = hang_dir
+        self._reports = self._hang_reports()  # an earlier job's, which its workers remove at start
+
+    def _hang_reports(self) -> set[tuple[str, int]]:
+        if self.hang_dir is None:
+            return set()
+        try:
+            return {(p.name, p.stat().st_mtime_ns) for p in self.hang_dir.glob("report-attempt*.txt")}
+        except OSError:  # a report removed while listed
+            return set()
+
+    def _new_hang_report(self) -> bool:
+        reports = self._hang_reports()
+        new, self._reports = bool(reports - self._reports), self._reports | reports
+        return new
 
     def attach(self) -> None:
         for name in _TORCHRUN_LOGGERS:
@@ -142,7 +162,8 @@ class _WorkerFailures(logging.Handler):
             return
         code, local_rank = int(record.args[0]), record.args[1]  # torchrun logs the first failure of each round
         self.left -= 1
-        if code in _REPORTED_BY_WORKERS:
+        reported = self._new_hang_report()
+        if code in _REPORTED_BY_WORKERS or (code < 0 and reported):
             return
         who = f"worker rank {local_rank}" if self.single_node else f"local worker {local_rank}"
         sys.stderr.write(f"ptdp train: {who} {exit_description(code)}; restarting every worker from the latest "
