@@ -30,6 +30,8 @@ def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
     from ptdp.models.pieces import BackwardRun, Compute, Exchange, ForwardRun, fuse, interleave
     from ptdp.parallel.placement import Placements
     from ptdp.parallel.tensor.apply import apply_tensor_parallel
+    from ptdp.planner.memory import cut_layer_extra_bytes
+    from ptdp.planner.spec import GPTSpec, ParallelConfig
     from ptdp.simulate.nccl.pairs import Label, Recorder, chunk_program
 
     cfg = validated_config(DENSE)
@@ -84,6 +86,31 @@ def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
     s = 8 // world if sp else 8
     xs = [torch.randn(2, s, 16, generator=generator).requires_grad_(True) for _ in range(2)]
     dys = [torch.randn(2, s, 16, generator=generator) for _ in range(2)]
+    # What the pieces keep beyond the plain run: the planner's price of a cut layer (fp32 here, 16-bit there)
+    weights = {p.data_ptr() for p in model.parameters()}
+
+    def kept(forward) -> int:
+        elements = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            elements[0] += 0 if t.data_ptr() in weights else t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        return elements[0]
+
+    def plain_forward():
+        y = xs[0]
+        for layer in layers:
+            y = layer(y)
+
+    extra = kept(lambda: ForwardRun(fuse(program("x")), {"x": xs[0].detach().requires_grad_(True)}).finish()) \
+        - kept(plain_forward)
+    spec = GPTSpec.from_model_config(cfg.model)
+    price = cut_layer_extra_bytes(spec, ParallelConfig(world, 1, 1, micro_batch_size=2, sequence_parallel=sp))
+    assert extra * 2 == price * len(layers), (extra, price)  # none without sequence parallelism
+    assert extra > 0 if sp else extra == 0
     # the plain autograd run: two microbatches, one after the other
     plain = []
     for x, dy in zip(xs, dys):

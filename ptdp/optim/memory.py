@@ -208,22 +208,3 @@ def memory_fields(rows: list[list[float]]) -> dict:
         "peak_resident_bytes_per_rank": [int(v) for v in resident],
         "peak_allocated_bytes_per_rank": None if allocated[0] < 0 else [int(v) for v in allocated],
     }
-
-
-def memory_report(params: Iterable[nn.Parameter], grads, optimizer, device: torch.device) -> dict:
-    """Per-rank ``model_state_bytes`` (distinct storages held) and peak memory, for the metrics JSONL.
-
-    Collective over the world (one all-gather): every rank calls it; lists are indexed by global rank.
-    The training loop does not call it: it sends :func:`memory_row` with the straggler report's gather
-    (``ptdp.train.report.rank_report``). ``peak_memory_bytes_per_rank``: the peak since the previous
-    report (device memory on a GPU, resident set on the CPU); ``peak_resident_bytes_per_rank``: the
-    process's peak RSS over the run; ``peak_allocated_bytes_per_rank``: CUDA's peak (None on the CPU).
-    """
-    states = model_state_bytes(params, grads, optimizer)["total"]
-    local = torch.tensor(memory_row(states, device), dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        rows = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(rows, local)
-    else:
-        rows = [local]
-    return memory_fields([r.tolist() for r in rows])

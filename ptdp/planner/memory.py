@@ -74,12 +74,17 @@ def step_buffer_bytes_per_param(precision: str, strategy: str) -> float:
 
 def muon_step_bytes_per_param(shards: int, grid: int, tp: int = 1) -> float:
     """Bytes per hidden-matrix parameter of a rank that Muon's step holds only while it runs
-    (``ptdp.optim.muon_exchange``): the update of the range this rank holds (4 bytes, over ``shards`` under
-    ZeRO); for the matrices whose data-parallel owner it is -- 1/``grid`` of its tensor-parallel slices --
-    the assembled slices and the updates handed back (4 + 4 bytes), and with ``tp`` > 1 the whole matrices
-    concatenated from the slices (4 more). Measured against it: benchmarks/muon.py. Its time:
-    ``ptdp.planner.muon``."""
-    return 4 / max(shards, 1) + (8 + (4 if tp > 1 else 0)) / max(grid, 1)
+    (``ptdp.optim.muon_exchange``), ``grid`` being the D data-parallel ranks of the exchange: the update of
+    the range this rank holds (4 bytes, over ``shards`` under ZeRO); for the matrices whose data-parallel
+    owner it is -- 1/D of its tensor-parallel slices -- the assembled slices and the updates handed back
+    (4 + 4 bytes), and with ``tp`` > 1 the whole matrices concatenated from the slices (4 more); and the
+    data-parallel scatter's send and receive buffers, alive with all of these: the owner sends the held
+    ranges of the other D - 1 ranks and receives the range it holds of every matrix it does not own, each
+    4·(D - 1)/D of a held range (1/``shards`` of the slices). Measured against it: benchmarks/muon.py.
+    Its time: ``ptdp.planner.muon``."""
+    d = max(grid, 1)
+    exchange = 8 * (d - 1) / d / max(shards, 1)
+    return 4 / max(shards, 1) + (8 + (4 if tp > 1 else 0)) / d + exchange
 
 
 def _norm_params(model: GPTSpec) -> int:
@@ -174,6 +179,20 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     return (replicated / (t if sp else 1)) + (split + attention_core) / t
 
 
+def cut_layer_extra_bytes(model: GPTSpec, cfg: ParallelConfig) -> float:
+    """What a layer run in pieces (an overlapped pair's, ``TransformerLayer.steps``) keeps per microbatch
+    beyond :func:`activation_bytes_per_layer`: under sequence parallelism each half cut at its
+    tensor-parallel exchanges keeps its first GEMM's *gathered* input (QKV, fc1) for the backward, where the
+    plain run keeps the s/t shard and gathers again (docs/dualpipe.md) -- 2·s·b·h·(1 - 1/t) bytes a GEMM.
+    Not cut: multi-latent attention, a MoE layer's MLP (its experts take the dispatched tokens)."""
+    t = cfg.tensor_model_parallel_size
+    if not cfg.sequence_parallel or t == 1 or cfg.recompute_granularity == "full":
+        return 0.0
+    gathered = 2 * model.seq_length // cfg.context_parallel_size * cfg.micro_batch_size * model.hidden_size
+    dense_mlps = 1 - (model.moe.moe_layers / model.num_layers if model.moe is not None else 0)
+    return ((model.mla is None) + dense_mlps) * gathered * (1 - 1 / t)
+
+
 def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int, overlap: bool = False) -> int:
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
@@ -233,6 +252,9 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
+    spec = schedule_spec(cfg.schedule)
+    if spec.overlaps or (cfg.overlap_moe_expert_parallel_comm and spec.combined is not None):
+        stash += cut_layer_extra_bytes(model, cfg)  # every stash counted as a pair's: an upper bound
     # a layer being recomputed or run in backward materialises its whole working set once
     working = activation_bytes_per_layer(model, cfg, stashed=False) if cfg.recompute_granularity == "full" else 0.0
     out_list = []
