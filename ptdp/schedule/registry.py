@@ -102,12 +102,19 @@ class ScheduleSpec:
         kept until its B, or its W when the backward is split): what the memory model charges. ``overlap``:
         of the ``combined`` lists (one more microbatch in flight)."""
         if self.split_backward or self.overlaps or (overlap and self.combined is not None):
-            return peak_stashed(self.compute(p, v, m, rank, overlap and self.combined is not None))
+            return _list_peak(self.name, p, v, m, rank, overlap and self.combined is not None)
         if self.name == "gpipe":
             return m * v
         if self.name == "interleaved":  # Megatron's warm-up + the steady state's forward before its backward
             return m * v if m == p else min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
         return min(p - rank, m)  # 1F1B
+
+
+@functools.lru_cache(maxsize=65536)
+def _list_peak(name: str, p: int, v: int, m: int, rank: int, overlap: bool) -> int:
+    """``peak_stashed`` of a rank's list, built once per shape: the planner asks for each of thousands of
+    layouts, and most share their (p, v, m)."""
+    return peak_stashed(REGISTRY[name].compute(p, v, m, rank, overlap))
 
 
 REGISTRY: dict[str, ScheduleSpec] = {s.name: s for s in (
@@ -165,7 +172,7 @@ def schedule_placement(name: str) -> str:
     return spec.placement if spec else "loop"
 
 
-@functools.lru_cache(maxsize=64)  # the metrics ask every logged iteration; the zero-bubble answer is a timing
+@functools.lru_cache(maxsize=1024)  # the metrics ask every logged iteration, the planner every layout
 def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None, overlap: bool = False) -> float:
     """Ideal bubble time over ideal compute time (ptdp-facts.md, §Schedules): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v·m) interleaved; for the zero-bubble family (zb-h1, zb-h2, zbv, v-half, v-min) the bubble of the
