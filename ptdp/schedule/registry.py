@@ -102,7 +102,7 @@ class ScheduleSpec:
         kept until its B, or its W when the backward is split): what the memory model charges. ``overlap``:
         of the ``combined`` lists (one more microbatch in flight)."""
         if self.split_backward or self.overlaps or (overlap and self.combined is not None):
-            return _list_peak(self.name, p, v, m, rank, overlap and self.combined is not None)
+            return _list_peak(self, p, v, m, rank, overlap and self.combined is not None)
         if self.name == "gpipe":
             return m * v
         if self.name == "interleaved":  # Megatron's warm-up + the steady state's forward before its backward
@@ -111,10 +111,10 @@ class ScheduleSpec:
 
 
 @functools.lru_cache(maxsize=65536)
-def _list_peak(name: str, p: int, v: int, m: int, rank: int, overlap: bool) -> int:
+def _list_peak(spec: ScheduleSpec, p: int, v: int, m: int, rank: int, overlap: bool) -> int:
     """``peak_stashed`` of a rank's list, built once per shape: the planner asks for each of thousands of
     layouts, and most share their (p, v, m)."""
-    return peak_stashed(REGISTRY[name].compute(p, v, m, rank, overlap))
+    return peak_stashed(spec.compute(p, v, m, rank, overlap))
 
 
 REGISTRY: dict[str, ScheduleSpec] = {s.name: s for s in (
