@@ -252,8 +252,7 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)
-    spec = schedule_spec(cfg.schedule)
-    if spec.overlaps or (cfg.overlap_moe_expert_parallel_comm and spec.combined is not None):
+    if schedule_spec(cfg.schedule).runs_pairs(cfg.overlap_moe_expert_parallel_comm):
         stash += cut_layer_extra_bytes(model, cfg)  # every stash counted as a pair's: an upper bound
     # a layer being recomputed or run in backward materialises its whole working set once
     working = activation_bytes_per_layer(model, cfg, stashed=False) if cfg.recompute_granularity == "full" else 0.0

@@ -78,6 +78,11 @@ class ScheduleSpec:
         dualpipev: at least 2p)."""
         return (not self.microbatches_multiple_of_p or m % p == 0) and m >= self.min_microbatches_per_p * p
 
+    def runs_pairs(self, overlap: bool = False) -> bool:
+        """Whether its lists run overlapped forward-backward pairs: its own (dualpipev), or with ``overlap``
+        its ``combined`` variant's."""
+        return self.overlaps or (overlap and self.combined is not None)
+
     def compute(self, p: int, v: int, m: int, rank: int, overlap: bool = False) -> list[Action]:
         """Rank ``rank``'s compute actions (no communication); ValueError naming the problem if invalid.
         ``overlap``: the ``combined`` variant (its steady-state pairs overlapped)."""
@@ -101,7 +106,7 @@ class ScheduleSpec:
         """Peak activation stashes on ``rank`` in chunk units (one chunk's activations of one microbatch,
         kept until its B, or its W when the backward is split): what the memory model charges. ``overlap``:
         of the ``combined`` lists (one more microbatch in flight)."""
-        if self.split_backward or self.overlaps or (overlap and self.combined is not None):
+        if self.split_backward or self.runs_pairs(overlap):
             return _list_peak(self, p, v, m, rank, overlap and self.combined is not None)
         if self.name == "gpipe":
             return m * v
@@ -201,7 +206,7 @@ def pair_share(schedule: str, p: int, v: int, m: int, overlap: bool = False) -> 
     combined 1F1B's with ``overlap``), averaged over the ranks: what the planner's overlap hides the expert
     communication of. 0 for a schedule without pairs."""
     spec = REGISTRY[schedule]
-    if not spec.overlaps and not (overlap and spec.combined is not None):
+    if not spec.runs_pairs(overlap):
         return 0.0
     paired = total = 0
     for rank in range(p):
