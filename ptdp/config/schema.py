@@ -10,110 +10,13 @@ problem, pure) and ``derive`` (resolved values, a new object).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ptdp.config.fields import DELAY_WGRAD_HELP, OVERLAP_HELP, opt, schedule_help
 from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
+from ptdp.config.model import ModelConfig as ModelConfig  # re-exported: one section per module where it grew
 from ptdp.schedule.registry import REGISTRY, default_schedule, default_virtual_size
-
-
-@dataclass
-class ModelConfig:
-    num_layers: int = opt(4, "number of transformer layers")
-    hidden_size: int = opt(128, "hidden size h")
-    num_attention_heads: int = opt(4, "attention heads a")
-    ffn_hidden_size: int | None = opt(None, "MLP hidden size (default 4h)")
-    seq_length: int = opt(128, "sequence length s")
-    hidden_dropout: float = opt(0.1, "dropout on the residual stream and embeddings")
-    attention_dropout: float = opt(0.1, "dropout on attention probabilities")
-    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this (and of t)")
-    init_method_std: float = opt(0.02, "std of the normal initialisation")
-    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon", aliases=("--layernorm-epsilon",))
-    # Llama-family options (Megatron-LM's flags); the defaults are the GPT-2 architecture above.
-    position_embedding_type: str = opt("learned_absolute", "learned_absolute (GPT-2) or rope (rotary, Llama)",
-                                       choices=["learned_absolute", "rope"])
-    rotary_base: float = opt(10000.0, "RoPE base (theta) of the rotation frequencies")
-    rotary_percent: float = opt(1.0, "fraction of each head's dimensions that RoPE rotates")
-    use_rope_scaling: bool = opt(False, "Llama 3.1's RoPE frequency scaling (low/high frequency factors 1/4, "
-                                 "original context 8192)")
-    rope_scaling_factor: float = opt(8.0, "Llama 3.1 RoPE scaling factor (with --use-rope-scaling)")
-    normalization: str = opt("LayerNorm", "LayerNorm (GPT-2) or RMSNorm (Llama)", choices=["LayerNorm", "RMSNorm"])
-    swiglu: bool = opt(False, "SwiGLU MLP down(silu(gate(x)) * up(x)); default --ffn-hidden-size becomes "
-                       "int(8h/3 / 64) * 64")
-    group_query_attention: bool = opt(False, "grouped-query attention: --num-query-groups K/V heads")
-    num_query_groups: int = opt(1, "key/value head groups G with --group-query-attention (t must divide G)")
-    untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead of the input "
-                                                    "embedding")
-    disable_bias_linear: bool = opt(False, "no biases in the attention and MLP linears (Llama)")
-    add_qkv_bias: bool = opt(False, "a bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    disable_bias_norm: bool = opt(False, "no bias in the LayerNorms (with --disable-bias-linear: no bias anywhere, "
-                                  "nanoGPT's bias=False). Not a Megatron-LM flag: there the LayerNorm always has "
-                                  "one and RMSNorm none, so --disable-bias-linear leaves the LayerNorms' biases")
-    kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
-    vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
-    recompute_granularity: str | None = opt(
-        None, "activation recomputation: full (whole layers) or selective (attention core only)",
-        choices=["full", "selective"])
-    recompute_method: str | None = opt(
-        None, "with full: uniform (units of --recompute-num-layers layers) or block (only the first "
-        "--recompute-num-layers layers of each chunk); default uniform", choices=["uniform", "block"])
-    recompute_num_layers: int | None = opt(None, "layers per recompute unit (uniform) or recomputed layers "
-                                           "per chunk (block); default 1")
-    distribute_saved_activations: bool = opt(
-        False, "with --recompute-granularity full: keep each checkpointed layer input as 1/t across the "
-        "tensor-parallel ranks, all-gathered for the recompute (ZeRO-R's partitioned activation checkpointing; "
-        "needs t > 1, not with --sequence-parallel)")
-    checkpoint_in_cpu: bool = opt(
-        False, "with --recompute-granularity full on a GPU: keep the checkpointed layer inputs (or their 1/t "
-        "slices) in pinned host memory until the recompute (ZeRO-R's CPU checkpointing; Megatron-DeepSpeed's flag)")
-    compile: bool = opt(False, "torch.compile each transformer layer on a GPU (on the CPU: fused bias-GeLU and "
-                        "bias-dropout-add); eager if it fails")
-    multi_latent_attention: bool = opt(False, "multi-latent attention (DeepSeek-V2/V3): low-rank q, kv; decoupled RoPE")
-    q_lora_rank: int | None = opt(None, "rank of the query compression (unset: one full query projection)")
-    kv_lora_rank: int = opt(32, "rank of the key/value compression (the latent an inference cache keeps)")
-    qk_head_dim: int = opt(128, "per-head query/key dimension without the RoPE part")
-    qk_pos_emb_head_dim: int = opt(64, "per-head query/key RoPE dimension (the key's is shared by the heads)")
-    v_head_dim: int = opt(128, "per-head value dimension")
-    rope_type: str | None = opt(None, "rope or yarn (unset: yarn with MLA, else rope)", choices=["rope", "yarn"])
-    rotary_scaling_factor: float = opt(1.0, "YaRN context-extension factor (1: no scaling)")
-    mscale: float = opt(1.0, "YaRN: tables times mscale(f, mscale)/mscale(f, all-dim); mscale(f, m)=0.1*m*ln(f)+1")
-    mscale_all_dim: float = opt(0.0, "YaRN: the softmax scale times mscale(factor, mscale-all-dim)^2")
-    original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at")
-    beta_fast: float = opt(32.0, "YaRN: rotations above which a dimension is not interpolated")
-    beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
-    mtp_num_layers: int | None = opt(None, "multi-token prediction: D modules, k-th predicting t+k+1 (0: none)")
-    mtp_loss_scaling_factor: float = opt(0.1, "lambda: the objective adds lambda * the MTP modules' mean CE")
-
-    @property
-    def ffn_size(self) -> int:
-        """Megatron's default: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64 (same params)."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads: G with --group-query-attention, else one per query head."""
-        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
-
-    @property
-    def add_bias_linear(self) -> bool:
-        return not self.disable_bias_linear
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return not self.untie_embeddings_and_output_weights
-
-    def padded_vocab_size(self, vocab_size: int, tp: int) -> int:
-        """Pad to a multiple of lcm(divisible_by, t), the same for every layout whose t divides it."""
-        multiple = math.lcm(self.make_vocab_size_divisible_by, tp)
-        return -(-vocab_size // multiple) * multiple
 
 
 @dataclass
