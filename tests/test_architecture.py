@@ -198,10 +198,10 @@ _P2 = ["--pipeline-model-parallel-size", "2"]
 _T2 = ["--tensor-model-parallel-size", "2"]
 RECORD_LAYOUTS = {  # name: (flags, what the registry must show on some rank)
     "tp-sp-tied-copy": ([*_T2, *_P2, "--sequence-parallel", "--use-distributed-optimizer", "--bf16"],
-                        {"sequence_parallel", "tp", "embedding_copy"}),
+                        {"partial_over_tp", "tp", "embedding_copy"}),
     "experts-etp-sp": ([*_MOE, *_T2, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
                         "--sequence-parallel", "--use-distributed-optimizer"],
-                       {"expert", "ep", "etp", "sequence_parallel", "norm_owner"}),
+                       {"expert", "ep", "etp", "partial_over_tp", "norm_owner"}),
     "experts-folded-zbv": ([*_MOE, *_T2, *_P2, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
                             "1", "--pipeline-schedule", "zbv"], {"expert", "ep", "embedding_copy", "norm_owner"}),
     "vocab": ([*_T2, *_P2, "--enable-vocab-parallel", "--use-distributed-optimizer", "--bf16"], {"vocab", "pp", "tp"}),
@@ -245,7 +245,7 @@ def _check_records(rank: int, world: int, out: str) -> None:
                 assert not _foreign_attributes(param), (name, pname, sorted(_foreign_attributes(param)))
                 placement = trainer.placements[param]  # every parameter has its record
                 kinds.update([placement.role] + [s.axis for s in placement.splits if s.size > 1])
-                kinds.update(k for k in ("sequence_parallel",) if placement.sequence_parallel)
+                kinds.update(["partial_over_tp"] if "tp" in placement.partial_over else [])
                 kinds.update(["norm_owner"] if placement.norm_owner is not None else [])
         seen[name] = sorted(kinds)
     Path(f"{out}.{rank}").write_text(json.dumps(seen))

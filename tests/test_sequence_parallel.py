@@ -14,7 +14,7 @@ from ptdp.models import GPTModel
 from ptdp.parallel.init import init_parameters
 from ptdp.parallel.parallelize import parallelize
 from ptdp.parallel.placement import Placements
-from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
+from ptdp.parallel.sequence.grads import all_reduce_tp_partial_grads
 from ptdp.parallel.tensor import language_model_loss, model_parallel_seed
 from ptdp.runtime.startup import startup_warnings
 
@@ -53,9 +53,9 @@ def _layernorm_grads(rank: int, world_size: int, out: str) -> None:
         model_parallel_seed(1, rank if group else 0, 0, torch.device("cpu"))
         language_model_loss(model(tokens[:, :-1]), tokens[:, 1:], group).backward()
         if sp:
-            all_reduce_sequence_parallel_grads(model.parameters(), group, placements)
+            all_reduce_tp_partial_grads(model.parameters(), group, placements)
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if not placements[p].split_over_tp}
-    marked = [n for n, p in model.named_parameters() if placements[p].sequence_parallel]
+    marked = [n for n, p in model.named_parameters() if "tp" in placements[p].partial_over]
     assert len(marked) == 2 * 6 + 2  # per layer: 2 LayerNorms x (weight, bias) + 2 row-parallel biases
     for n, g in grads["full"].items():
         torch.testing.assert_close(grads["sp"][n], g, rtol=1e-5, atol=1e-7, msg=n)

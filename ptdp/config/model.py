@@ -18,6 +18,9 @@ class ModelConfig:
     num_attention_heads: int = opt(4, "attention heads a")
     ffn_hidden_size: int | None = opt(None, "MLP hidden size (default 4h)")
     seq_length: int = opt(128, "sequence length s")
+    max_position_embeddings: int | None = opt(
+        None, "the longest sequence the model is built for (a learned position table's rows; the context a "
+        "rotary model was trained or imported at); default --seq-length. --seq-length may be anything up to it")
     hidden_dropout: float = opt(0.1, "dropout on the residual stream and embeddings")
     attention_dropout: float = opt(0.1, "dropout on attention probabilities")
     make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this (and of t)")
@@ -44,6 +47,8 @@ class ModelConfig:
                                   "nanoGPT's bias=False). Not a Megatron-LM flag: there the LayerNorm always has "
                                   "one and RMSNorm none, so --disable-bias-linear leaves the LayerNorms' biases")
     kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
+    qk_layernorm: bool = opt(False, "normalise each head's query and key (--normalization over the head "
+                             "dimension) before the rotary embedding (Qwen3, Gemma 3, OLMo 2)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
         None, "activation recomputation: full (whole layers) or selective (attention core only)",

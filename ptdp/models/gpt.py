@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.models.documents import DocumentLayout, position_ids
+from ptdp.models.gpt_sharding import gpt_sharding_rules
 from ptdp.models.layers import (
     CausalAttention,
     DropoutAdd,
@@ -50,6 +51,7 @@ from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
 from ptdp.models.pieces import Compute, Exchange, Step, Transfer
 from ptdp.models.rotary import RotaryEmbedding
+from ptdp.models.sharding import ShardingRules
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
 if TYPE_CHECKING:
@@ -81,6 +83,10 @@ class Attention(nn.Module):
         else:  # [3, a·d, h]: all q heads, all k heads, all v heads
             self.qkv = Linear(h, a * d, fused=3, bias=qkv_bias)
         self.positions = positions
+        # --qk-layernorm: one norm over the head dimension, shared by every query head (and one by every key
+        # head); its gradient sums over the heads (the sharding rules say so: ``GPTModel.sharding_rules``)
+        self.q_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
+        self.k_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
         self.core_attention = CausalAttention()
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
 
@@ -106,6 +112,8 @@ class Attention(nn.Module):
             k, v = groups[:, :, :, -2].transpose(1, 2), groups[:, :, :, -1].transpose(1, 2)
         else:
             q, k, v = qkv.view(b, s, 3, -1, d).permute(2, 0, 3, 1, 4)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, self.positions, documents), self.rotary(k, self.positions, documents)
         if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
@@ -240,7 +248,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, positions: SequencePositions):
         super().__init__()
         self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = (nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings or cfg.seq_length, cfg.hidden_size)
                                     if cfg.position_embedding_type == "learned_absolute" else None)  # else RoPE
         self.positions = positions
         self.dropout = nn.Dropout(cfg.hidden_dropout)
@@ -284,6 +292,10 @@ class GPTModel(nn.Module):
         # Multi-token prediction's copy of the embedding, on a chunk without it (the same place).
         self.embedding_copy: Embedding | None = None
         self.logits = Logits(vocab_size)
+
+    def sharding_rules(self) -> ShardingRules:
+        """How the parallelisms may split this model (``ptdp.models.gpt_sharding``)."""
+        return gpt_sharding_rules(self.cfg)
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V, h]`` weight of the logits: the untied head's, else the input embedding's (or its copy)."""

@@ -13,7 +13,7 @@ naming any of them:
   wraps it (``ptdp.parallel.vocab.stage.VocabParallel``), running its chunks in pieces when the list holds
   overlapped pairs;
 * the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
-  and expert buffers), the tied embedding's two copies, the sequence-parallel sums;
+  and expert buffers), the tied embedding's two copies, the sums of gradients partial over TP;
 * the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule, its
   statistics and expert-bias update after the step; multi-token prediction's loss scale and losses;
 * the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation;
@@ -51,7 +51,7 @@ from ptdp.parallel.pipeline.p2p import P2PComm, direction_groups
 from ptdp.parallel.pipeline.stage import sync_embedding_grads, tied_embedding_weights
 from ptdp.parallel.placement import Placements
 from ptdp.parallel.plan import ParallelPlan
-from ptdp.parallel.sequence.grads import all_reduce_sequence_parallel_grads
+from ptdp.parallel.sequence.grads import all_reduce_tp_partial_grads
 from ptdp.parallel.tensor import language_model_loss
 from ptdp.parallel.vocab.stage import VocabParallel
 from ptdp.schedule.actions import Action
@@ -173,10 +173,10 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     if tied_embedding_weights(chunks, p):
         grad_syncs.append(GradSync("embedding_grad_sync",
                                    functools.partial(sync_embedding_grads, chunks, p, g.embedding_group)))
-    if plan.sequence_parallel:
-        params = [q for chunk in chunks for q in chunk.parameters()]
-        grad_syncs.append(GradSync("sequence_parallel_grad_all_reduce",
-                                   functools.partial(all_reduce_sequence_parallel_grads, params, g.tp_group,
+    partial = [q for chunk in chunks for q in chunk.parameters() if placements.partial_over(q, "tp")]
+    if partial and plan.t > 1:  # sequence-parallel norms and router, per-head q/k norms
+        grad_syncs.append(GradSync("tp_partial_grad_all_reduce",
+                                   functools.partial(all_reduce_tp_partial_grads, partial, g.tp_group,
                                                      placements)))
     handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),

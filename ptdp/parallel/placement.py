@@ -12,7 +12,7 @@ chunks, ``TrainState.placements`` keeps it): initialisation draws the full tenso
 :meth:`Placement.piece`; checkpoints build their ``DTensor`` views with :func:`to_dtensor` (and the ZeRO
 boxes with :meth:`Placement.offset`); clipping asks :meth:`Placement.counts_in_norm`; the gradient
 buffers keep vocabulary slices and sequence-parallel parameters apart; the optimizers group by
-``weight_decay``; the sequence-parallel sync sums the ``sequence_parallel`` ones. Nothing parallel is set
+``weight_decay``; the partial-gradient sync sums the ones ``partial_over`` the TP group. Nothing parallel is set
 on ``nn.Parameter`` any more: its ``__dict__`` holds only ``main_grad`` (Megatron's convention), and
 ``tests/test_architecture.py`` checks it.
 
@@ -62,14 +62,16 @@ class Split:
 class Placement:
     """One parameter of this rank: its full-model (layout-independent) ``name``, the ``splits`` that cut
     the full tensor down to this rank's piece (outermost first), its ``role`` (``embedding_copy``: the last
-    stage's copy of the tied embedding, saved and counted once), ``sequence_parallel`` (replicated over TP
-    but each rank's gradient is a partial sum over its tokens), ``weight_decay``, and ``norm_owner``: set
+    stage's copy of the tied embedding, saved and counted once), ``partial_over`` (the mesh axes over which
+    the parameter is replicated but each rank's gradient is a partial sum: ``("tp",)`` for a norm that sees
+    this rank's tokens under sequence parallelism, or a per-head q/k norm that sees this rank's heads; the
+    sums run after the backward, ``ptdp.parallel.sequence.grads``), ``weight_decay``, and ``norm_owner``: set
     when the gradient norm is summed over more than the TP and PP groups (MoE), whether this rank counts it."""
 
     name: str
     splits: tuple[Split, ...] = ()
     role: Role = "dense"
-    sequence_parallel: bool = False
+    partial_over: tuple[str, ...] = ()
     weight_decay: bool = True
     norm_owner: bool | None = None
 
@@ -170,9 +172,16 @@ class Placements:
         placement = self._records.get(param)
         return placement is not None and placement.role == role
 
-    def sequence_parallel(self, param: nn.Parameter) -> bool:
+    def add_partial(self, param: nn.Parameter, axis: str) -> None:
+        """``param``'s gradient on this rank is a partial sum over the ranks of mesh dimension ``axis``."""
+        partial = self._records[param].partial_over
+        if axis not in partial:
+            self.update(param, partial_over=(*partial, axis))
+
+    def partial_over(self, param: nn.Parameter, axis: str = "tp") -> bool:
+        """Whether ``param``'s gradient is a partial sum over mesh dimension ``axis`` (summed after the backward)."""
         placement = self._records.get(param)
-        return placement is not None and placement.sequence_parallel
+        return placement is not None and axis in placement.partial_over
 
 
 def to_dtensor(tensor: Tensor, placement: Placement, mesh_for: Callable[[tuple[str, ...]], object]) -> Tensor:

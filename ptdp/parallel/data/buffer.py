@@ -206,7 +206,7 @@ class FlatBuffer:
             offset += p.numel()
             self.bucket_of[p] = bucket
         bucket.transient = storage.transient and not any(id(p) in layout.separate
-                                                          or layout.placements.sequence_parallel(p) for p in params)
+                                                          or layout.placements.partial_over(p, "tp") for p in params)
         if storage.grad_shards:  # never the whole model's gradients at once, not even at set-up
             free_storage(grad_data)  # (re)allocated per bucket: ensure_grad, or zero() for the kept ones
         if storage.param_shards:  # keep this rank's shard, so at most one bucket is ever whole here

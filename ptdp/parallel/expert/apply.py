@@ -85,7 +85,7 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, place
     ``expert`` None (or a world of one) keeps every expert and routes with the chosen dispatcher over a group
     of one. ``dispatcher`` is ``--moe-token-dispatcher-type``. Under ``sequence_parallel`` (t > 1) each
     tensor-parallel rank routes its own tokens: the router, the shared expert and its gate, replicated over
-    TP, then get partial gradients and are recorded ``sequence_parallel`` (summed over TP after the backward);
+    TP, then get partial gradients and are recorded ``partial_over`` TP (summed after the backward);
     with etp = t the dispatcher gathers the routed tokens over the expert-tensor group first.
     """
     if dispatcher not in DISPATCHERS:
@@ -107,5 +107,5 @@ def apply_expert_parallel(model: nn.Module, expert: ExpertParallel | None, place
         if sequence_parallel:
             for param in layer.parameters():
                 if placements[param].role != "expert":
-                    placements.update(param, sequence_parallel=True)
+                    placements.add_partial(param, "tp")
     return model

@@ -1,28 +1,30 @@
-"""Tensor (and sequence) parallelism applied to a plain model: swap its blocks for split ones, by name.
+"""Tensor (and sequence) parallelism applied to a plain model: its blocks swapped for split ones, as the
+model's sharding rules say (``ptdp.models.sharding``; ``GPTModel.sharding_rules``). Nothing here names an
+attribute of one model class: a rule names a module, and one handler per kind of rule applies it.
 
-Megatron's plan (paper §2.3): in each layer the QKV and fc1 projections become column-parallel (each rank
-its a/t heads, its ffn/t columns) and the attention and fc2 output projections row-parallel (``g`` sums
-the partial products); the embedding and the output weight are split by vocabulary rows, and the logits
-stay split for the vocabulary-parallel cross-entropy. The model's attention reads its head count from the
-QKV weight, so nothing else changes. The split layers declare which dimension of each parameter they cut
-(``PARTITION_DIMS``); each swap records it, a ``Split("tp", dim, t, tp_rank)``, in the rank's placement
-registry (``ptdp.parallel.placement``), which initialisation, checkpoints and clipping read.
+Megatron's plan (paper §2.3) is what the rules of the models in ``ptdp.models`` say: in each layer the QKV
+and fc1 projections column-parallel (each rank its a/t heads, its ffn/t columns), the attention and fc2
+output projections row-parallel (``g`` sums the partial products); the embedding and the output weight
+split by vocabulary rows, the logits left split for the vocabulary-parallel cross-entropy. The model's
+attention reads its head count from the QKV weight, so nothing else changes. The split layers declare
+which dimension of each parameter they cut (``PARTITION_DIMS``); each swap records it, a ``Split("tp",
+dim, t, tp_rank)``, in the rank's placement registry (``ptdp.parallel.placement``), which initialisation,
+checkpoints and clipping read.
 
 Sequence parallelism (Korthikanti et al.) keeps the residual stream between the layers ``[b, s/t, h]``:
-the embedding output is scattered along the sequence, column-parallel linears all-gather it and
-row-parallel ones reduce-scatter, the logits all-gather it. LayerNorm and the row-parallel biases then see
-this rank's tokens only: their placements are ``sequence_parallel`` (their grads are summed over the TP
-group after the backward, ``ptdp.parallel.sequence.grads``), and hidden dropout draws a mask per rank.
+the embedding output is scattered along the sequence (the ``SequenceEntry`` rule), column-parallel linears
+all-gather it and row-parallel ones reduce-scatter, the logits all-gather it. The norms and the
+row-parallel biases then see this rank's tokens only: their placements are ``partial_over`` TP (summed over
+the TP group after the backward, ``ptdp.parallel.sequence.grads``), and hidden dropout draws a mask per
+rank. A per-head q/k norm is partial over TP whenever t > 1: each rank holds its heads.
 
-Multi-latent attention (issue 41) is split as Megatron-Core splits it: the up projections (``q_proj`` or
-``q_up_proj``, ``kv_up_proj``) column-parallel by heads, ``proj`` row-parallel; the down projections and
-the latent norms stay whole on every rank (``duplicated``: under sequence parallelism they see this rank's
-tokens, so their placements are ``sequence_parallel``, and the up projections gather the sequence); the
-RoPE key all heads share reaches this rank's heads through ``HeadSharedInput`` (its gradient summed over
-the ranks' heads; under sequence parallelism all-gathered). Multi-token prediction's modules: their
-transformer layers as the model's, ``eh_proj`` column-parallel with its output gathered (and scattered
-along the sequence again under sequence parallelism, as Megatron-Core), their cross-entropy the
-vocabulary-parallel one, the embedding copy (``ptdp.parallel.pipeline.stage``) split like the embedding.
+Multi-latent attention is split as Megatron-Core splits it: the up projections column-parallel by heads,
+the down projections and latent norms whole on every rank (partial over the tokens under sequence
+parallelism), the RoPE key all heads share reaching this rank's heads through ``HeadSharedInput`` (its
+gradient summed over the ranks' heads). Multi-token prediction's ``eh_proj`` is column-parallel with its
+output gathered (and scattered along the sequence again under sequence parallelism), its cross-entropy the
+vocabulary-parallel one; the pipeline's copies of the embedding (``ptdp.parallel.pipeline.stage``) are
+split like the embedding.
 
 Applied even at t = 1 (a group of one: every collective is a no-op), so the same modules, records and
 random streams run whatever the layout: attention dropout always draws from the tracker's model-parallel
@@ -31,10 +33,23 @@ stream (``ptdp.parallel.tensor.random``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
-from ptdp.models import Embedding, GPTModel, Linear, MultiLatentAttention
+from ptdp.models.layers import DropoutAdd, Linear
+from ptdp.models.sharding import (
+    ColumnParallel,
+    PartialGradient,
+    RowParallel,
+    SequenceEntry,
+    VocabParallel,
+    VocabParallelOutput,
+)
+from ptdp.models.sharding import HeadSharedInput as HeadSharedRule
 from ptdp.parallel.collectives import group_rank, group_size
 from ptdp.parallel.placement import Placements, Split
 from ptdp.parallel.tensor import (
@@ -59,7 +74,7 @@ def _swap(old: nn.Module, new: nn.Module, tp_group, placements: Placements, sp: 
             dim = new.PARTITION_DIMS[name] % param.dim()
             placements.add_split(param, Split("tp", dim, group_size(tp_group), group_rank(tp_group)))
         if sp and name in new.SEQUENCE_PARALLEL:
-            placements.update(param, sequence_parallel=True)
+            placements.add_partial(param, "tp")
     return new
 
 
@@ -90,79 +105,83 @@ def vocab_parallel(table: nn.Module, tp_group, placements: Placements) -> VocabP
                      placements, False)
 
 
-def _split_mla(attention: MultiLatentAttention, tp_group, placements: Placements, sp: bool) -> None:
-    """Megatron-Core's split of multi-latent attention (module docstring)."""
-    for name in ("q_proj", "q_up_proj", "kv_up_proj"):
-        linear = getattr(attention, name)
-        if linear is not None:
-            setattr(attention, name, column_parallel(linear, tp_group, placements, sp))
-    attention.proj = row_parallel(attention.proj, tp_group, placements, sp)
-    attention.rope_key_region = HeadSharedInput(tp_group, sp)
-    for down in (attention.q_down_proj, attention.kv_down_proj):
-        for param in down.parameters() if down is not None and sp else ():
-            placements.update(param, sequence_parallel=True)  # partial sums over this rank's tokens
-
-
-def _split_embedding(model: GPTModel, embedding: Embedding, tp_group, placements: Placements, sp: bool) -> None:
-    """The embedding (or the last stage's copy, and with it the tied copy it holds) split by vocabulary."""
-    table = embedding.word_embeddings
-    embedding.word_embeddings = vocab_parallel(table, tp_group, placements)
-    if model.output_layer is table:  # the tied copy is this table
-        model.output_layer = embedding.word_embeddings
-    if sp:  # after the embedding's dropout (one mask for the full sequence, as one process draws it)
-        embedding.register_forward_hook(lambda module, args, out: scatter_to_sequence_parallel_region(out, tp_group))
-
-
 def model_parallel_rng():
     """The tracker's model-parallel stream, looked up when used (``model_parallel_seed`` replaces the
     tracker after the model is built)."""
     return get_rng_tracker().fork()
 
 
-def apply_tensor_parallel(model: GPTModel, tp_group, placements: Placements, *,
-                          sequence_parallel: bool = False) -> GPTModel:
-    """Split ``model`` (or a pipeline chunk of it) over ``tp_group`` in place, recording the splits in
-    ``placements``; returns it.
+def apply_tensor_parallel(model: nn.Module, tp_group, placements: Placements, *,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model`` (or a pipeline chunk of it) over ``tp_group`` in place, as its sharding rules say
+    (``model.sharding_rules()``, ``ptdp.models.sharding``), recording the splits in ``placements``; returns it.
 
     On the meta device (``ptdp.parallel.parallelize``) no memory is touched; on a real device the new parameters are
     uninitialised (``ptdp.parallel.init.init_parameters`` fills them). ``sequence_parallel`` is decided by the
     caller (``ptdp.parallel.plan``: only with more than one rank in ``tp_group``).
     """
-    fork = model_parallel_rng
     placements.adopt(model)  # a plain model's parameters (a pipeline chunk's are recorded already)
-    for embedding in (model.embedding, model.embedding_copy):
-        if embedding is not None:
-            _split_embedding(model, embedding, tp_group, placements, sequence_parallel)
-    mtp = [] if model.mtp is None else list(model.mtp.layers.values())
-    for module in mtp:  # issue 41: multi-token prediction's own projection, as Megatron-Core splits it
-        module.eh_proj = column_parallel(module.eh_proj, tp_group, placements, sequence_parallel,
-                                         gather_output=True)
-        if sequence_parallel:  # back to this rank's tokens before its transformer layer
-            module.eh_proj.register_forward_hook(
-                lambda _, args, out: scatter_to_sequence_parallel_region(out, tp_group))
-    if model.mtp is not None:
-        model.mtp.cross_entropy = VocabParallelCrossEntropy(tp_group)
-    for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
-        attention, mlp = layer.attention, layer.mlp
-        if isinstance(attention, MultiLatentAttention):
-            _split_mla(attention, tp_group, placements, sequence_parallel)
-        else:
-            attention.qkv = column_parallel(attention.qkv, tp_group, placements, sequence_parallel)
-            attention.proj = row_parallel(attention.proj, tp_group, placements, sequence_parallel)
-        attention.dropout_rng = fork  # heads are split across ranks: masks must differ per rank
-        if hasattr(mlp, "fc1"):  # a mixture of experts is split by its own layout (ptdp.parallel.expert.apply)
-            mlp.fc1 = column_parallel(mlp.fc1, tp_group, placements, sequence_parallel)
-            mlp.fc2 = row_parallel(mlp.fc2, tp_group, placements, sequence_parallel)
-        if sequence_parallel:  # each rank holds different tokens: independent masks
-            layer.dropout_add.rng = fork
-    if model.lm_head is not None:
-        model.lm_head = vocab_parallel(model.lm_head, tp_group, placements)
-    if model.output_layer is not None and not isinstance(model.output_layer, VocabParallelEmbedding):
-        model.output_layer = vocab_parallel(model.output_layer, tp_group, placements)
-    if model.final_layernorm is not None:
-        model.logits = VocabParallelLogits(model.vocab_size, tp_group=tp_group, sequence_parallel=sequence_parallel)
-    if sequence_parallel:
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                placements.update(param, sequence_parallel=True)  # partial sums over this rank's tokens
+    split = _Split(tp_group, placements, sequence_parallel)
+    sharding = model.sharding_rules()
+    swapped: dict[int, nn.Module] = {}  # a module under two names (the tied copy) is split once
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        rule = sharding.rule_for(name)
+        if rule is None or not name:
+            continue
+        if id(module) not in swapped:
+            swapped[id(module)] = _HANDLERS[type(rule)](split, module, rule) or module
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, swapped[id(module)])
+    for module in model.modules():  # the shared blocks' random streams
+        if hasattr(module, "dropout_rng"):  # heads are split across ranks: attention masks must differ per rank
+            module.dropout_rng = model_parallel_rng
+        if sequence_parallel and isinstance(module, DropoutAdd):  # each rank holds different tokens
+            module.rng = model_parallel_rng
     return model
+
+
+@dataclass(frozen=True)
+class _Split:
+    """What every rule's handler needs: the group, the registry, whether sequence parallelism is on."""
+
+    tp_group: object
+    placements: Placements
+    sp: bool
+
+
+def _column(split: _Split, linear: Linear, rule: ColumnParallel) -> nn.Module:
+    new = column_parallel(linear, split.tp_group, split.placements, split.sp, gather_output=rule.gather_output)
+    if rule.scatter_to_sequence and split.sp:  # back to this rank's tokens (multi-token prediction's eh_proj)
+        new.register_forward_hook(lambda _, args, out: scatter_to_sequence_parallel_region(out, split.tp_group))
+    return new
+
+
+def _sequence_entry(split: _Split, module: nn.Module, rule: SequenceEntry) -> None:
+    if split.sp:  # after the embedding's dropout (one mask for the full sequence, as one process draws it)
+        module.register_forward_hook(lambda _, args, out: scatter_to_sequence_parallel_region(out, split.tp_group))
+
+
+def _vocab_output(split: _Split, module: nn.Module, rule: VocabParallelOutput) -> nn.Module:
+    if rule.kind == "cross_entropy":
+        return VocabParallelCrossEntropy(split.tp_group)
+    return VocabParallelLogits(module.vocab_size, tp_group=split.tp_group, sequence_parallel=split.sp)
+
+
+def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:
+    """Heads are split whenever t > 1; tokens only under sequence parallelism."""
+    if (rule.over == "heads" and group_size(split.tp_group) > 1) or (rule.over == "tokens" and split.sp):
+        for param in module.parameters():
+            split.placements.add_partial(param, "tp")
+
+
+# One handler per rule kind (a new kind of rule is a handler here, not a branch): each returns the module
+# that takes the old one's place, or None to keep it (marked or hooked).
+_HANDLERS: dict[type, Callable[[_Split, nn.Module, Any], nn.Module | None]] = {
+    ColumnParallel: _column,
+    RowParallel: lambda split, linear, rule: row_parallel(linear, split.tp_group, split.placements, split.sp),
+    VocabParallel: lambda split, table, rule: vocab_parallel(table, split.tp_group, split.placements),
+    VocabParallelOutput: _vocab_output,
+    SequenceEntry: _sequence_entry,
+    HeadSharedRule: lambda split, module, rule: HeadSharedInput(split.tp_group, split.sp),
+    PartialGradient: _partial,
+}
