@@ -100,7 +100,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_llama_and_ours():
-    from ptdp.hf.llama import from_hf_state, model_config_from_hf
+    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
     from ptdp.models import GPTModel
     from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
@@ -146,7 +146,7 @@ def test_a_packed_batch_equals_its_documents_run_one_by_one_through_hf_llama(per
     of the step's loss (Megatron's default normalisation, or one mean over all unmasked tokens) equals the
     gradient of the same sum over HF's document-by-document losses."""
     from ptdp.data.documents import DocumentOptions
-    from ptdp.hf.llama import from_hf_state
+    from ptdp.models.llama.hf import from_hf_state
     from ptdp.parallel import ParallelDims, ParallelState
     from ptdp.parallel.assembly import stage_loss
     from ptdp.train.batches import BatchFormat, Microbatches

@@ -52,12 +52,14 @@ class CheckpointManager:
         if not self.ck.load:
             return 0
         iteration = load_checkpoint(self.run, self.ck.load)
-        if not iteration and self.run.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet
+        if iteration is None and self.run.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet
             print(f" no checkpoint in {self.ck.load}: starting from scratch", flush=True)
+        if iteration == 0 and self.run.plan.groups.rank == 0:  # an imported model (ptdp import) or a step-0 save
+            print(f" loaded the model of {self.ck.load} (iteration 0: training starts with it)", flush=True)
         if iteration and self.run.plan.groups.rank == 0:
             print(f" loaded checkpoint {self.ck.load} at iteration {iteration}", flush=True)
             self._report_layout_change()
-        return iteration
+        return iteration or 0
 
     def _report_layout_change(self) -> None:
         """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/runtime/elastic.py)."""

@@ -174,13 +174,14 @@ def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=
     return storage.iteration_dir(ck.save, iteration)
 
 
-def load_checkpoint(run: Checkpointable, path: str | Path) -> int:
+def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
-    iteration it holds (0 when nothing was saved yet). Collective when a checkpoint exists.
+    iteration it holds (0 for an imported model), None when nothing was saved yet. Collective when a
+    checkpoint exists.
     """
     directory = storage.resolve(path)
     if directory is None:
-        return 0
+        return None
     storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
     from ptdp.checkpointing.saver import verify_data_files
 

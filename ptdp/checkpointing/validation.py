@@ -21,8 +21,7 @@ from ptdp.config import Config, ModelConfig
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
 SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
-               "num_attention_heads": "--num-attention-heads", "ffn_size": "--ffn-hidden-size",
-               "seq_length": "--seq-length"}
+               "num_attention_heads": "--num-attention-heads", "ffn_size": "--ffn-hidden-size"}
 
 
 # Architecture flags (the Llama options): another value means other parameters or another computation.
@@ -30,7 +29,8 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "swiglu": "--swiglu", "group_query_attention": "--group-query-attention",
                       "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
                       "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                      "disable_bias_linear": "--disable-bias-linear", "disable_bias_norm": "--disable-bias-norm"}
+                      "disable_bias_linear": "--disable-bias-linear", "disable_bias_norm": "--disable-bias-norm",
+                      "qk_layernorm": "--qk-layernorm"}
 
 
 def _fields(model: ModelConfig) -> dict:
@@ -56,6 +56,11 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
               if saved.get(key, default[key]) != here[key]
               and (key != "num_query_groups" or model.group_query_attention)
               and (key != "disable_bias_norm" or model.normalization != "RMSNorm")]  # RMSNorm has no bias
+    # --seq-length is a training setting (any length up to the positions the model was built for); a learned
+    # position table's rows are a shape (checkpoints from before --max-position-embeddings: their --seq-length)
+    rows = saved.get("max_position_embeddings") or saved.get("seq_length")
+    if model.position_embedding_type == "learned_absolute" and rows != (model.max_position_embeddings or model.seq_length):
+        diffs.append(f"--max-position-embeddings {rows} there, {model.max_position_embeddings or model.seq_length} here")
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
     if diffs:
@@ -164,7 +169,9 @@ def _load_errors(config: Config, path: Path, hash_data: bool = True) -> list[str
         info = read_info(directory)
     except CheckpointError as e:
         return [str(e)]
-    problem = model_mismatch(info["model"], config.model, config.model.vocab_size,
+    from ptdp.data.training_data import model_vocab_size
+
+    problem = model_mismatch(info["model"], config.model, model_vocab_size(config),
                              config.parallel.tensor_model_parallel_size) or optimizer_mismatch(info, config)
     if problem:
         return [f"--load {directory}: {problem}"]

@@ -2,8 +2,9 @@
 
 A checkpoint of any (t, p, d, v) layout is read as full tensors (``ptdp.checkpointing.full_model``) into a
 t = 1 :class:`~ptdp.models.GPTModel`, so generation needs no process group and no GPUs. Decoding is the
-plain autoregressive loop: every step runs the model on the whole context (at most ``seq_length`` tokens:
-positions are learned, so a longer context keeps its last ``seq_length`` tokens) and picks the next token
+plain autoregressive loop: every step runs the model on the whole context (at most
+``--max-position-embeddings`` tokens, the saved ``--seq-length`` for checkpoints from before it: a longer
+context keeps its last ones) and picks the next token
 greedily or by sampling with temperature, top-k and nucleus (top-p) filtering from a seeded generator, so
 both modes are reproducible. There is no KV cache: the window slides once the context is full, and
 recomputing at most ``seq_length`` positions is cheap for the models this runs on; correctness first.
@@ -54,7 +55,7 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
         raise ValueError("generate: the prompt needs at least one token (use the tokenizer's eod_id)")
     model.eval()
     device = next(model.parameters()).device
-    seq_length, vocab = model.cfg.seq_length, model.vocab_size
+    seq_length, vocab = model.cfg.max_position_embeddings or model.cfg.seq_length, model.vocab_size
     eod = tokenizer.eod_id if tokenizer is not None else None
     tokens = [int(i) for i in prompt_ids]
     new: list[int] = []

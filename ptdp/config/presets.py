@@ -26,6 +26,12 @@ _MLA: dict[str, Any] = {
     "beta_slow": 1.0,
 }
 
+# What every Qwen3 shares: Llama with a per-head q/k norm, grouped queries and a 128-wide head.
+_QWEN3: dict[str, Any] = {
+    **_LLAMA, "qk_layernorm": True, "group_query_attention": True, "kv_channels": 128, "seq_length": 4096,
+    "max_position_embeddings": 40960, "vocab_size": 151936, "norm_epsilon": 1e-6, "rotary_base": 1000000.0,
+}
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
                   "vocab_size": 51200},
@@ -50,6 +56,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": {**_LLAMA, "num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                     "ffn_hidden_size": 18432, "seq_length": 4096, "vocab_size": 129280, "norm_epsilon": 1e-6,
                     "rotary_base": 10000.0, **_MLA, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1},
+    # Qwen3 (HF config.json of Qwen/Qwen3-*): q/k RMSNorm per head, head_dim 128 apart from h/a, 40,960 positions
+    "qwen3-0.6b": {**_QWEN3, "num_layers": 28, "hidden_size": 1024, "num_attention_heads": 16,
+                   "num_query_groups": 8, "ffn_hidden_size": 3072, "untie_embeddings_and_output_weights": False},
+    "qwen3-8b": {**_QWEN3, "num_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
+                 "ffn_hidden_size": 12288},
+    "qwen3-32b": {**_QWEN3, "num_layers": 64, "hidden_size": 5120, "num_attention_heads": 64, "num_query_groups": 8,
+                  "ffn_hidden_size": 25600},
+    "qwen3-30b-a3b": {**_QWEN3, "num_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                      "num_query_groups": 4, "ffn_hidden_size": 6144},
+    "qwen3-235b-a22b": {**_QWEN3, "num_layers": 94, "hidden_size": 4096, "num_attention_heads": 64,
+                        "num_query_groups": 4, "ffn_hidden_size": 12288},
     # test-sized models (the tokenizer decides the vocabulary)
     "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -66,6 +83,10 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                           "moe_shared_expert_intermediate_size": 5632, "moe_shared_expert_gate": True,
                           "moe_router_pre_softmax": True},
     "tiny-mixtral": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
+    # Qwen3-MoE: 128 experts, top-8 renormalised, no shared expert, every layer MoE
+    "qwen3-30b-a3b": {"num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768},
+    "qwen3-235b-a22b": {"num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 1536},
+    "tiny-qwen3-moe": {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
     # DeepSeek-V3's router (HF config.json; Megatron-Core's recipe: sequence-wise balance loss alpha = 1e-4)
     "deepseek-v3": {"num_experts": 256, "moe_router_topk": 8, "moe_ffn_hidden_size": 2048,
                     "moe_shared_expert_intermediate_size": 2048, "moe_layer_freq": "([0]*3+[1]*58)",
@@ -78,6 +99,8 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                       "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
 }
 MODEL_PRESETS["tiny-mixtral"] = dict(MODEL_PRESETS["tiny-llama"])
+MODEL_PRESETS["tiny-qwen3"] = {**MODEL_PRESETS["tiny-llama"], "qk_layernorm": True, "kv_channels": 16}
+MODEL_PRESETS["tiny-qwen3-moe"] = dict(MODEL_PRESETS["tiny-qwen3"])
 # tiny-deepseek: the DeepSeek-V3 architecture at test size (MLA with a query compression, one dense layer
 # then MoE ones, one MTP module); a large bias update rate makes the bias move the routing within a test
 MODEL_PRESETS["tiny-deepseek"] = {
@@ -98,6 +121,7 @@ def model_family(cfg: Any) -> str:
         attention = f"GQA {cfg.query_groups} groups" if cfg.query_groups < cfg.num_attention_heads else "MHA"
         attention = "MLA" if getattr(cfg, "multi_latent_attention", False) else attention
         attention += f", {cfg.mtp_num_layers} MTP" if getattr(cfg, "mtp_num_layers", None) else ""
+        attention += ", q/k norm" if getattr(cfg, "qk_layernorm", False) else ""
         return f"Llama ({attention}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu) == ("learned_absolute", "LayerNorm", False):
         return "GPT-2"

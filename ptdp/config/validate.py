@@ -56,6 +56,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         if value <= 0:
             errors.append(f"{flag} must be a positive integer, got {value}")
             bad.add(flag)
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings > 0:
+        errors.append(f"--seq-length {m.seq_length} is longer than --max-position-embeddings "
+                      f"{m.max_position_embeddings}, the longest sequence the model is built for")
     for flag, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
             errors.append(f"{flag} must be in [0, 1), got {value}")

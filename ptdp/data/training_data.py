@@ -51,6 +51,26 @@ def train_valid_test_num_samples(config: Config) -> tuple[int, int | None, int]:
     return tr.train_iters * batch, valid, tr.eval_iters * batch
 
 
+def model_vocab_size(config: Config) -> int | None:
+    """The vocabulary the model gets: ``--vocab-size``, else the tokenizer's (the flags', else the one saved
+    beside the first training dataset); None where that tokenizer cannot be read here (the run reports why)."""
+    if config.model.vocab_size:
+        return config.model.vocab_size
+    from ptdp.data.builder import _strip_suffix
+    from ptdp.data.default_corpus import default_corpus_prefix
+    from ptdp.data.tokenizer import load_tokenizer
+
+    d = config.data
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+        if tokenizer is None:
+            prefixes = parse_data_path(train_data(config)[0])[0] if train_data(config)[0] else []
+            tokenizer = load_tokenizer(_strip_suffix(prefixes[0]) if prefixes else default_corpus_prefix())
+    except Exception:  # noqa: BLE001 - the data checks name the problem
+        return None
+    return tokenizer.vocab_size
+
+
 def train_data(config: Config) -> tuple[list[str], str]:
     """The training split's ``--data-path`` and ``--split``: ``--train-data-path``'s datasets whole
     (``"100,0,0"``, which builds the same samples), or ``--data-path`` divided by ``--split``."""

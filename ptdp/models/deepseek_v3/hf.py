@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
 from ptdp.config.validate_moe import rope_type
-from ptdp.hf import llama as hf_llama
-from ptdp.hf import moe as hf_moe
+from ptdp.models.llama import hf as hf_llama
+from ptdp.models.mixtral import hf as hf_moe
 
 # ``ptdp train`` flags an imported DeepSeek-V3 needs beyond the Llama family's (``convert.train_flags``)
 MODEL_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
@@ -233,7 +233,8 @@ def model_config_from_hf(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
         moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None)
     cfg = ModelConfig(**{
         **{f: getattr(llama, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                          "seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
+                                          "seq_length", "max_position_embeddings", "hidden_dropout",
+                                          "attention_dropout", "init_method_std",
                                           "norm_epsilon", "vocab_size", "position_embedding_type", "normalization",
                                           "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear")},
         "multi_latent_attention": True, "q_lora_rank": hf_config.get("q_lora_rank"),
@@ -278,7 +279,7 @@ def hf_config_kwargs(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int
         "num_experts_per_tok": moe.moe_router_topk if moe.num_experts else 1,
         "first_k_dense_replace": pattern.index(True) if any(pattern) else cfg.num_layers,
         "norm_topk_prob": moe.moe_router_topk > 1 if moe.num_experts else True, "hidden_act": "silu",
-        "max_position_embeddings": cfg.seq_length, "initializer_range": cfg.init_method_std,
+        "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length, "initializer_range": cfg.init_method_std,
         "rms_norm_eps": cfg.norm_epsilon, "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
         "attention_dropout": cfg.attention_dropout, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "num_nextn_predict_layers": cfg.mtp_num_layers or 0, "bos_token_id": bos, "eos_token_id": eos,

@@ -29,7 +29,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
-from ptdp.hf import llama as hf_llama
+from ptdp.models.llama import hf as hf_llama
 
 if TYPE_CHECKING:
     import torch

@@ -47,7 +47,8 @@ class LlamaConversionError(ConfigError):
 def is_llama(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is a model HF's ``LlamaForCausalLM`` computes exactly."""
     return (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
-            and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0)
+            and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0
+            and not cfg.qk_layernorm and not cfg.multi_latent_attention)
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,6 +153,7 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
     return ModelConfig(
         num_layers=hf_config["num_hidden_layers"], hidden_size=h, num_attention_heads=a,
         ffn_hidden_size=hf_config["intermediate_size"], seq_length=hf_config["max_position_embeddings"],
+        max_position_embeddings=hf_config["max_position_embeddings"],
         hidden_dropout=0.0, attention_dropout=float(hf_config.get("attention_dropout", 0.0)),
         init_method_std=hf_config.get("initializer_range", 0.02), norm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
         vocab_size=hf_config["vocab_size"], position_embedding_type="rope", rotary_base=theta,
@@ -173,7 +175,7 @@ def hf_config_kwargs(cfg: ModelConfig, bos_token_id: int | None, eos_token_id: i
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_epsilon,
+        "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length, "rms_norm_eps": cfg.norm_epsilon,
         "rope_theta": cfg.rotary_base, "rope_scaling": scaling, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,

@@ -1,0 +1,139 @@
+"""Hugging Face ``GPT2LMHeadModel`` import and export (``ptdp import/export --format hf``).
+
+ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
+ptdp/models/gpt.py), so conversion is a renaming plus three layout changes:
+
+- HF GPT-2 uses ``Conv1D`` layers whose weights are ``[in, out]``; ptdp's linears are ``[out, in]``.
+- ptdp's fused QKV weight is ``[3, h, h]`` (q, k, v blocks, heads contiguous in each) and HF's ``c_attn``
+  is ``[h, 3h]`` with the same q|k|v column order, so it is a flatten and a transpose.
+- ptdp pads the vocabulary (``--make-vocab-size-divisible-by``, and t); HF holds only the real rows.
+  Token ids are not remapped: the byte-level tokenizer's ids are the model's ids on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ptdp.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+EMBEDDING = "embedding.word_embeddings.weight"
+HF_PREFIX = "transformer."
+# HF activations that are exactly ptdp's GeLU with the tanh approximation.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+# ptdp name suffix inside layers.N -> (HF name suffix inside h.N, whether the weight is transposed)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("ln_1.weight", False),
+    "input_layernorm.bias": ("ln_1.bias", False),
+    "attention.qkv.weight": ("attn.c_attn.weight", True),
+    "attention.qkv.bias": ("attn.c_attn.bias", False),
+    "attention.proj.weight": ("attn.c_proj.weight", True),
+    "attention.proj.bias": ("attn.c_proj.bias", False),
+    "post_attention_layernorm.weight": ("ln_2.weight", False),
+    "post_attention_layernorm.bias": ("ln_2.bias", False),
+    "mlp.fc1.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc1.bias": ("mlp.c_fc.bias", False),
+    "mlp.fc2.weight": ("mlp.c_proj.weight", True),
+    "mlp.fc2.bias": ("mlp.c_proj.bias", False),
+}
+_TOP_MAP = {
+    "embedding.position_embeddings.weight": "wpe.weight",
+    "final_layernorm.weight": "ln_f.weight",
+    "final_layernorm.bias": "ln_f.bias",
+}
+
+
+class GPT2ConversionError(ConfigError):
+    """Something in the model or its files that ptdp's GPT-2 cannot represent; one line."""
+
+
+def is_gpt2(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
+    return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
+            and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
+            and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
+
+
+
+def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """ptdp full tensors -> HF ``GPT2LMHeadModel`` tensors (``transformer.*``; ``lm_head`` is tied)."""
+    import torch
+
+    vocab, h = cfg.vocab_size, cfg.hidden_size
+    out = {HF_PREFIX + "wte.weight": tensors[EMBEDDING][:vocab]}  # drop the padding rows
+    for name, hf_name in _TOP_MAP.items():
+        out[HF_PREFIX + hf_name] = tensors[name]
+    for i in range(cfg.num_layers):
+        for suffix, (hf_suffix, transpose) in _LAYER_MAP.items():
+            value = tensors[f"layers.{i}.{suffix}"]
+            if suffix.startswith("attention.qkv"):
+                value = value.reshape(3 * h, h) if transpose else value.reshape(3 * h)
+            out[f"{HF_PREFIX}h.{i}.{hf_suffix}"] = value.t() if transpose else value
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
+    """``GPT2Config`` keyword arguments that make HF compute exactly what ptdp computes."""
+    return {
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.max_position_embeddings or cfg.seq_length, "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_epsilon,
+        "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "initializer_range": cfg.init_method_std, "tie_word_embeddings": True,
+        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        "architectures": ["GPT2LMHeadModel"],
+    }
+
+
+
+def from_hf_state(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors (with or without the ``transformer.`` prefix) -> ptdp full tensors, unpadded."""
+    import torch
+
+    hf = {k.removeprefix(HF_PREFIX): v for k, v in hf_tensors.items()}
+    h = cfg.hidden_size
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise GPT2ConversionError(f"--in: the checkpoint has no tensor {HF_PREFIX}{name}; is it a GPT-2 model?")
+        return hf[name]
+
+    out = {EMBEDDING: take("wte.weight")}
+    for name, hf_name in _TOP_MAP.items():
+        out[name] = take(hf_name)
+    for i in range(cfg.num_layers):
+        for suffix, (hf_suffix, transpose) in _LAYER_MAP.items():
+            value = take(f"h.{i}.{hf_suffix}")
+            value = value.t() if transpose else value
+            if suffix.startswith("attention.qkv"):
+                value = value.reshape(3, h, h) if transpose else value.reshape(3, h)
+            out[f"layers.{i}.{suffix}"] = value
+    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def model_config_from_hf(hf_config: dict) -> ModelConfig:
+    """ptdp's model flags for an HF GPT-2 ``config.json``; refuses variants ptdp does not compute."""
+    by_layer_idx = hf_config.get("scale_attn_by_inverse_layer_idx", False)
+    checks = [
+        ("activation_function", hf_config.get("activation_function", "gelu_new") in TANH_GELUS, "gelu_new"),
+        ("scale_attn_weights", hf_config.get("scale_attn_weights", True), "true"),
+        ("scale_attn_by_inverse_layer_idx", not by_layer_idx, "false"),
+        ("add_cross_attention", not hf_config.get("add_cross_attention", False), "false"),
+        ("tie_word_embeddings", hf_config.get("tie_word_embeddings", True), "true"),
+    ]
+    for key, ok, wanted in checks:
+        if not ok:
+            raise GPT2ConversionError(f"--in: config.json has {key}={hf_config.get(key)!r}; ptdp's GPT needs {wanted}")
+    n_embd = hf_config["n_embd"]
+    return ModelConfig(
+        num_layers=hf_config["n_layer"], hidden_size=n_embd, num_attention_heads=hf_config["n_head"],
+        ffn_hidden_size=hf_config.get("n_inner") or 4 * n_embd, seq_length=hf_config["n_positions"],
+        max_position_embeddings=hf_config["n_positions"],
+        hidden_dropout=hf_config.get("resid_pdrop", 0.1), attention_dropout=hf_config.get("attn_pdrop", 0.1),
+        init_method_std=hf_config.get("initializer_range", 0.02),
+        norm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5), vocab_size=hf_config["vocab_size"],
+    )
