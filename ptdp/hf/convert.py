@@ -255,8 +255,17 @@ def run_import(args: argparse.Namespace) -> int:
         return _fail("import", str(e) if isinstance(e, ConfigError) else f"--in: config.json lacks {e}")
     except ValueError as e:  # shapes that contradict config.json
         return _fail("import", f"--in {args.input}: {e}")
-    print(f"wrote {path}; continue training with: ptdp train --load {args.save} {train_flags(cfg, moe)}")
+    print(f"wrote {path}; continue training with: ptdp train --load {args.save} {train_flags(cfg, moe)} "
+          f"{_data_flags(Path(args.input), cfg.vocab_size)}")
     return 0
+
+
+def _data_flags(directory: Path, vocab_size: int) -> str:
+    """The vocabulary (and tokenizer) flags the printed command needs: the model's vocabulary, and the HF
+    tokenizer saved beside the weights when there is one (else the run's data brings its own tokenizer)."""
+    tokenizer = (f" --tokenizer-type HuggingFaceTokenizer --tokenizer-model {directory}"
+                 if (directory / "tokenizer.json").is_file() else "")
+    return f"--vocab-size {vocab_size}{tokenizer}"
 
 
 def _fail(command: str, message: str) -> int:

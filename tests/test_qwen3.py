@@ -1,0 +1,168 @@
+"""Qwen3 and Qwen3-MoE, imported from random Hugging Face models built here (no hub), trained by ``ptdp train``
+in one process and in composed layouts -- t = 2 with sequence parallelism and p = 2, c = 2 with ZeRO-3, and
+(t, e) = (2, 2) folded for the MoE -- each equal, per iteration (loss and gradient norm), to
+``transformers`` + ``torch.optim.AdamW`` trained on the same batches; the one-process run's final weights
+equal HF's; export loads back in ``transformers`` bit for bit; and the importer's printed command runs as
+printed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_layouts, run_ptdp, validated_config
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from ptdp.checkpointing import read_full_model_state  # noqa: E402
+from ptdp.cli.main import main  # noqa: E402
+from ptdp.hf.convert import export_hf, full_model_from_state, import_hf_model, train_flags  # noqa: E402
+
+V, S = 300, 32
+COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=24, max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
+         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
+LAYOUTS = {
+    "dense": {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--pipeline-model-parallel-size", "2"]),
+              "c2-zero3": (4, ["--context-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"])},
+    "moe": {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--pipeline-model-parallel-size", "2"]),
+            "c2-zero3": (4, ["--context-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"]),
+            "t2-e2-folded": (2, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                 "--expert-tensor-parallel-size", "1", "--sequence-parallel"])},
+}
+
+
+def hf_model(directory, kind: str):
+    torch.manual_seed(0)
+    if kind == "dense":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=96, **COMMON))
+    else:  # the second layer dense, the top-k weights renormalised
+        config = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+                                             **COMMON)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    model.float().eval()
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return model
+
+
+def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[..., :V].flatten(0, 1).float(), tokens.flatten())
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path, kind):
+    hf = hf_model(tmp_path / "hf", kind)
+    _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
+    assert cfg.qk_layernorm and cfg.kv_channels == 24 and cfg.max_position_embeddings == 4096
+    assert (moe.num_experts, moe.moe_layer_freq, moe.moe_router_pre_softmax) == ((4, "[1,0]", False) if kind == "moe"
+                                                                                  else (None, "1", False))
+    ours = full_model_from_state(*read_full_model_state(tmp_path / "ckpt"))
+    tokens = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens)[..., :V], expected, rtol=0, atol=1e-5)
+
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["model_type"] == ("qwen3" if kind == "dense" else "qwen3_moe")
+    assert saved["head_dim"] == 24 and saved["max_position_embeddings"] == 4096
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+
+
+def _batches(args: list[str], iterations: int, global_batch: int) -> list[torch.Tensor]:
+    """The global batches ``ptdp train`` reads with these flags: Megatron's sample order, ``seq + 1`` ids."""
+    from ptdp.data.training_data import datasets_for_config
+
+    stream = datasets_for_config(validated_config(args)).train
+    return [torch.stack([torch.from_numpy(stream[i].astype("int64")) for i in range(k * global_batch,
+                                                                                   (k + 1) * global_batch)])
+            for k in range(iterations)]
+
+
+def hf_training(hf, batches: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """(loss, gradient norm) per iteration of HF's model under ``torch.optim.AdamW`` with ptdp's settings:
+    lr 1e-2 constant, no weight decay, the global norm clipped to 1."""
+    hf.train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0)
+    track = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = _lm_loss(hf(batch[:, :-1]).logits, batch[:, 1:])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optimizer.step()
+        track.append((loss.item(), norm.item()))
+    return track
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def trained(request, tmp_path_factory):
+    """Every layout of one family from one imported checkpoint, and HF's training on the same batches."""
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f"qwen3-{kind}")
+    hf = hf_model(tmp / "hf", kind)
+    _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
+    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(V), *TRAIN]
+    plan = {"one": (1, ["--load", str(tmp / "imported")])}
+    plan.update({name: (world, ["--load", str(tmp / "imported"), *flags])
+                 for name, (world, flags) in LAYOUTS[kind].items()})
+    runs = run_layouts(tmp, plan, base=base)
+    return kind, runs, hf_training(hf, _batches(base, 3, 8)), hf
+
+
+def _assert_hf_track(run, track: list[tuple[float, float]]) -> None:
+    got = [(r["loss"], r["grad_norm"]) for r in run.records]
+    assert len(got) == len(track) == 3
+    for (loss, norm), (want_loss, want_norm) in zip(got, track):
+        assert loss == pytest.approx(want_loss, rel=1e-4), (got, track)
+        assert norm == pytest.approx(want_norm, rel=1e-3), (got, track)
+    assert track[0][0] != pytest.approx(track[-1][0], rel=1e-3)  # the model trained: the comparison bites
+
+
+def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
+    from ptdp.models.families import family_for_hf
+
+    kind, runs, track, hf = trained
+    _assert_hf_track(runs["one"], track)
+    family = family_for_hf("qwen3" if kind == "dense" else "qwen3_moe")
+    cfg, moe, want = family.read(hf.config.to_dict(), {k: v.detach() for k, v in hf.state_dict().items()})
+    for name, value in want.items():
+        got = runs["one"].weights[name][:value.shape[0]]  # the vocabulary's padding rows are ptdp's own
+        torch.testing.assert_close(got, value, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["t2-sp-p2", "c2-zero3", "t2-e2-folded"])
+def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
+    kind, runs, track, _ = trained
+    if layout not in runs:
+        pytest.skip(f"{layout} is a mixture-of-experts layout")
+    _assert_hf_track(runs[layout], track)
+
+
+def test_the_import_command_prints_a_train_command_that_runs_as_printed(tmp_path, capsys):
+    hf_model(tmp_path / "hf", "dense")
+    capsys.readouterr()
+    assert main(["import", "--format", "hf", "--in", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    command = shlex.split(printed.split("continue training with: ", 1)[1])
+    assert command[:2] == ["ptdp", "train"] and "--max-position-embeddings" in command and "--qk-layernorm" in command
+    out = run_ptdp(["train", *command[2:], "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
+                    "--seq-length", "16"]).stdout
+    assert f"loaded the model of {tmp_path / 'ckpt'}" in out and "starting from scratch" not in out
