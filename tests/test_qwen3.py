@@ -13,7 +13,7 @@ import shlex
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_layouts, run_ptdp, validated_config
+from helpers import pooled_spawn, run_layouts, run_ptdp, validated_config
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -30,7 +30,8 @@ TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
          "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 LAYOUTS = {
-    "dense": {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "dense": {"t2": (2, ["--tensor-model-parallel-size", "2"]),  # per-head norms split without SP too
+              "t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                "--pipeline-model-parallel-size", "2"]),
               "c2-zero3": (4, ["--context-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"])},
     "moe": {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -148,11 +149,11 @@ def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(traine
         torch.testing.assert_close(got, value, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["t2-sp-p2", "c2-zero3", "t2-e2-folded"])
+@pytest.mark.parametrize("layout", ["t2", "t2-sp-p2", "c2-zero3", "t2-e2-folded"])
 def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
     kind, runs, track, _ = trained
     if layout not in runs:
-        pytest.skip(f"{layout} is a mixture-of-experts layout")
+        pytest.skip(f"{layout} is not among this family's layouts")
     _assert_hf_track(runs[layout], track)
 
 
@@ -166,3 +167,55 @@ def test_the_import_command_prints_a_train_command_that_runs_as_printed(tmp_path
     out = run_ptdp(["train", *command[2:], "--train-iters", "1", "--micro-batch-size", "1", "--global-batch-size", "1",
                     "--seq-length", "16"]).stdout
     assert f"loaded the model of {tmp_path / 'ckpt'}" in out and "starting from scratch" not in out
+
+
+def _qk_norm_grads(rank: int, world_size: int, out: str) -> None:
+    """t = 2 without sequence parallelism: the per-head q/k norms' gradients after the post-backward sum equal
+    one process's; with their sharding rule removed each rank keeps the sum over its own heads only."""
+    import torch.distributed as dist
+
+    from ptdp.config import ModelConfig
+    from ptdp.models import GPTModel
+    from ptdp.models.sharding import ShardingRules
+    from ptdp.parallel.init import init_parameters
+    from ptdp.parallel.parallelize import parallelize
+    from ptdp.parallel.placement import Placements
+    from ptdp.parallel.sequence.grads import all_reduce_tp_partial_grads
+    from ptdp.parallel.tensor import language_model_loss
+    from ptdp.parallel.tensor.random import model_parallel_seed
+
+    class WithoutHeadRules(GPTModel):  # the obvious way to add a q/k norm, and the trap
+        def sharding_rules(self) -> ShardingRules:
+            rules = super().sharding_rules().rules
+            return ShardingRules(tuple((p, r) for p, r in rules if not p.endswith(("q_layernorm", "k_layernorm"))))
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0,
+                      attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                      group_query_attention=True, num_query_groups=2, disable_bias_linear=True, qk_layernorm=True)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for name, model_class, group in (("full", GPTModel, None), ("t2", GPTModel, dist.group.WORLD),
+                                     ("t2-no-rule", WithoutHeadRules, dist.group.WORLD)):
+        placements = Placements()
+        model = parallelize(model_class(cfg, 50, 64), placements, tp_group=group)
+        init_parameters(model, seed=3, std=0.02, num_layers=cfg.num_layers, placements=placements)
+        with torch.no_grad():  # norms away from 1, so that their gradients matter
+            for n, p in model.named_parameters():
+                if "q_layernorm" in n or "k_layernorm" in n:
+                    p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(n)))
+        model_parallel_seed(1, rank if group else 0, 0, torch.device("cpu"))
+        language_model_loss(model(tokens[:, :-1]), tokens[:, 1:], group).backward()
+        if group is not None:
+            all_reduce_tp_partial_grads(model.parameters(), group, placements)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if "layernorm" in n}
+    assert len(grads["full"]) == 2 * 4 + 1
+    for n, g in grads["full"].items():
+        torch.testing.assert_close(grads["t2"][n], g, rtol=1e-5, atol=1e-7, msg=n)
+    broken = [n for n, g in grads["full"].items() if not torch.allclose(grads["t2-no-rule"][n], g, rtol=1e-3)]
+    assert sorted(broken) == sorted(n for n in grads["full"] if "q_layernorm" in n or "k_layernorm" in n), broken
+    torch.save(True, f"{out}.{rank}")
+
+
+def test_per_head_qk_norm_gradients_are_summed_over_the_tensor_parallel_heads(tmp_path):
+    pooled_spawn(_qk_norm_grads, 2, tmp_path, str(tmp_path / "ok"))
+    assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
