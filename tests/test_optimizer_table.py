@@ -133,3 +133,18 @@ def test_a_new_optimizer_is_one_entry_plus_its_step_function_and_gets_no_adam_st
     layout = ParallelConfig(1, 1, 1)
     adam, plain = (memory_per_gpu(model, layout, 8, "fp32", name).model_states for name in ("adam", "plain"))
     assert adam == 2 * plain
+
+
+@pytest.mark.parametrize(("saved", "runs", "refused"), [
+    ("dist_muon", "muon", False), ("muon", "dist_muon", False), ("adam", "muon", True), ("sgd", "adam", True)])
+def test_a_checkpoint_of_an_alias_is_its_optimizers_state(saved, runs, refused):
+    """The checkpoint's optimizer check compares the table's names: Megatron-LM's ``dist_muon`` saved is
+    Muon's state; another optimizer's state is one line naming both."""
+    from ptdp.checkpointing.validation import optimizer_mismatch
+    from ptdp.config import Config
+
+    config = Config(optimizer=OptimizerConfig(optimizer=runs))
+    info = {"contents": ["optimizer"], "config": {"optimizer": {"optimizer": saved}}}
+    line = optimizer_mismatch(info, config)
+    assert (line is not None) == refused
+    assert not refused or f"--optimizer {saved}'s state" in line
