@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Every state field is one fp32 tensor shaped like its parameter (or the rank's piece of it): 4 bytes per
-# parameter each, what the planner charges and what ``ptdp.optim.kinds.pending_state_bytes`` announces.
+# Every state field is one fp32 tensor shaped like its parameter (or the rank's piece of it), in every precision
+# (16-bit runs step fp32 main parameters): 4 bytes per parameter each, what the planner charges and what
+# ``ptdp.optim.kinds.pending_state_bytes`` announces.
 STATE_FIELD_BYTES = 4
 
 ADAM_FIELDS = ("exp_avg", "exp_avg_sq")  # torch's AdamW: the two moments

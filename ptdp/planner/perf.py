@@ -368,8 +368,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     local_params = params / max(cfg.shards // cfg.context_parallel_size, 1) + expert / experts.expert_shards(cfg)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
-    # + Muon's orthogonalisation of the fullest rank's matrices and its exchange
-    if optimizer_spec(train.optimizer).exchanges_matrices:
+    if optimizer_spec(train.optimizer).exchanges_matrices:  # + Muon's: the fullest rank's matrices, exchanged
         layers = max(rank_layers(model.num_layers, cfg)[r] for r in checked)
         optimizer += muon_seconds(muon_work(model, cfg, layers), cfg, cluster)
     return IterationTimes(
