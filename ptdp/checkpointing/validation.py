@@ -18,6 +18,7 @@ from ptdp.checkpointing.storage import (
     verify_checksums,
 )
 from ptdp.config import Config, ModelConfig
+from ptdp.config.optimizers import canonical_name
 
 # Flags that change a parameter's logical shape: a checkpoint only loads into the same values.
 SHAPE_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -78,7 +79,7 @@ def optimizer_mismatch(info: dict, config: Config) -> str | None:
     """One line when the checkpoint's optimizer state is another ``--optimizer``'s (AdamW's moments do not
     become Muon's momentum, nor the reverse), unless ``--no-load-optim`` leaves it unread."""
     saved = info.get("config", {}).get("optimizer", {}).get("optimizer", "adam")  # before --optimizer: AdamW
-    saved = "muon" if saved == "dist_muon" else saved
+    saved = canonical_name(saved)  # an alias (dist_muon) saved is its optimizer's state
     if "optimizer" not in info.get("contents", []) or config.checkpoint.no_load_optim or saved == config.optimizer.kind:
         return None
     return (f"the checkpoint holds --optimizer {saved}'s state, this run uses --optimizer {config.optimizer.optimizer}; "

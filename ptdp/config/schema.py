@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.config import optimizers
 from ptdp.config.fields import DELAY_WGRAD_HELP, OVERLAP_HELP, opt, schedule_help
 from ptdp.config.fields import ConfigError as ConfigError  # re-exported: the checks raise it from here
 from ptdp.config.model import ModelConfig as ModelConfig  # re-exported: one section per module where it grew
@@ -151,11 +152,7 @@ class OptimizerConfig:
         "first to its last use in the step (measured faster, BENCHMARKS.md)")
     optimizer_cpu_offload: bool = opt(False, "ZeRO-Offload: the optimizer's state and element-wise step on the host "
                                       "(pinned buffers; ptdp/optim/offload.py)")
-    optimizer: str = opt("adam", "adam (AdamW), sgd (SGD, --sgd-momentum) or muon (dist_muon: Megatron-LM's name for it): "
-                         "Muon on the 2-D hidden weights (Q, K, V apart; attention output; MLP, gate and up apart; each "
-                         "expert's; the router), each orthogonalised whole on one rank; AdamW (--adam-*) on the "
-                         "embeddings, output layer, norms and biases (docs/optimizers.md)",
-                         choices=["adam", "sgd", "muon", "dist_muon"])
+    optimizer: str = opt("adam", optimizers.optimizer_help(), choices=list(optimizers.CHOICES))
     sgd_momentum: float = opt(0.9, "SGD momentum (--optimizer sgd)")
     muon_momentum: float = opt(0.95, "Muon momentum: M <- mu M + (1 - mu) G")
     muon_nesterov: bool = opt(False, "Muon: orthogonalise G + mu (M - G), not M", aliases=("--muon-use-nesterov",))
@@ -176,8 +173,9 @@ class OptimizerConfig:
 
     @property
     def kind(self) -> str:
-        """The optimizer that runs: ``dist_muon`` is ``muon`` (ptdp's Muon always spreads the matrices)."""
-        return "muon" if self.optimizer == "dist_muon" else self.optimizer
+        """The optimizer that runs, by its registered name: ``dist_muon`` is ``muon`` (ptdp's Muon always
+        spreads the matrices; ``ptdp.config.optimizers``)."""
+        return optimizers.canonical_name(self.optimizer)
 
 
 def effective_sharding(strategy: str, use_distributed_optimizer: bool) -> str:

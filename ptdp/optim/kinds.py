@@ -1,16 +1,16 @@
-"""``--optimizer``: the table of update rules, each building the torch optimizer that steps a rank's tensors.
+"""``--optimizer``: the step functions of the update rules, each building the torch optimizer that steps a
+rank's tensors.
 
 The step (``MegatronOptimizer.step``: unscale, norm, clip, ``optimizer.step()``, publish) and the checkpoint
 code know none of them: an entry of :data:`OPTIMIZERS` takes the tensors this rank steps (:class:`Stepped`:
 whole fp32 parameters, or the fp32 main pieces of this rank's shards) and returns a torch optimizer over them;
 :func:`state_fields` and :func:`install_state` are what the checkpoints read and write per parameter.
+What each rule keeps and reads is declared in the torch-free table ``ptdp.config.optimizers`` (its
+``OptimizerSpec``, which the flags and the planner read too); this module only adds the torch side.
 
 * ``adam``: torch's AdamW with Megatron's decay groups (weight matrices only) -- the reference;
 * ``sgd``: torch's SGD with ``--sgd-momentum`` and L2 weight decay on the same groups (Megatron-LM's SGD);
 * ``muon``: Muon on the hidden matrices (``ptdp.optim.muon``), AdamW on the rest, as one :class:`Chained`.
-
-Memory per parameter of the optimizer's state, in fp32: AdamW 8 bytes, Muon and SGD (with momentum) 4
-(ptdp-facts.md, §Muon; :func:`state_fields`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import torch
 from torch import nn
 
 from ptdp.config import OptimizerConfig
+from ptdp.config.optimizers import STATE_FIELD_BYTES, optimizer_spec
 from ptdp.optim.muon import MuonLayout, muon, placement_of
 from ptdp.optim.muon_units import is_hidden_matrix
 from ptdp.optim.offload import HostOffloadAdamW, HostOffloadSGD, fused_adamw_on
 from ptdp.parallel.placement import Placements
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,8 @@ def _muon(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements, 
     return Chained([*members, adamw(rest, cfg, placements)])
 
 
+# The step function of each ``ptdp.config.optimizers.REGISTRY`` entry, by its name (a test checks the two
+# name the same optimizers): (stepped, cfg, placements, layout) -> the torch optimizer over ``stepped``.
 OPTIMIZERS: dict[str, Callable[..., Inner]] = {"adam": _adam, "sgd": _sgd, "muon": _muon}
 
 
@@ -121,20 +122,19 @@ def build(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements |
 
 def state_fields(cfg: OptimizerConfig, placements: Placements, param: nn.Parameter) -> tuple[str, ...]:
     """The per-element state (shaped like ``param``, or like the piece of it a rank steps) ``--optimizer``
-    keeps for ``param``: what a checkpoint stores as ``optimizer.<name>.<field>``. Decided by the parameter
-    alone, so ranks holding no piece of it agree."""
-    if cfg.kind == "sgd":
-        return ("momentum_buffer",) if cfg.sgd_momentum else ()
-    if cfg.kind == "muon" and is_hidden_matrix(placement_of(param, placements), param):
-        return ("momentum_buffer",)
-    return ADAM_KEYS
+    keeps for ``param``: what a checkpoint stores as ``optimizer.<name>.<field>``, as its ``OptimizerSpec``
+    declares it (nothing is assumed of a rule that declares nothing). Decided by the parameter alone, so ranks
+    holding no piece of it agree."""
+    spec = optimizer_spec(cfg.kind)
+    matrix = spec.matrices_apart and is_hidden_matrix(placement_of(param, placements), param)
+    return spec.fields(cfg, matrix)
 
 
 def pending_state_bytes(optimizer: Inner, cfg: OptimizerConfig, placements: Placements, of) -> int:
     """Bytes of the fp32 state the optimizer allocates at its first step for the tensors that have none yet;
     ``of(tensor)`` is the parameter a stepped tensor is (a piece of)."""
     state = optimizer.state
-    return sum(4 * t.numel() * len(state_fields(cfg, placements, of(t)))
+    return sum(STATE_FIELD_BYTES * t.numel() * len(state_fields(cfg, placements, of(t)))
                for group in optimizer.param_groups for t in group["params"] if not state.get(t))
 
 

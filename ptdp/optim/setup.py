@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.config import MixedPrecisionConfig, OptimizerConfig
+from ptdp.config.optimizers import optimizer_spec
 from ptdp.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from ptdp.optim.muon import MuonLayout
 from ptdp.optim.muon_exchange import Shards
@@ -74,8 +75,8 @@ def muon_layout(plan: ParallelPlan, hyper: OptimizerConfig, grads: GradReducer,
     """Where ``--optimizer muon``'s matrices lie (``ptdp.optim.muon_exchange``): split over the tensor-
     parallel group (experts: the expert-tensor group), sharded as the reducer's buckets are over their
     data-parallel group (``GradReducer.group_of``); grouped-query attention's QKV row order. None for the
-    other optimizers."""
-    if hyper.kind != "muon":
+    optimizers whose step exchanges no matrices (``OptimizerSpec.exchanges_matrices``)."""
+    if not optimizer_spec(hyper.kind).exchanges_matrices:
         return None
     where = {}
     for bucket in grads.buckets:

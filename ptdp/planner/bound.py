@@ -23,10 +23,10 @@ import heapq
 import math
 from dataclasses import replace
 
+from ptdp.config.optimizers import optimizer_spec
 from ptdp.planner import experts
 from ptdp.planner.estimate import Estimate, SearchResult, evaluate, ranked_result
 from ptdp.planner.memory import (
-    OPTIMIZER_STATE_BYTES,
     RUNTIME_OVERHEAD_BYTES,
     activation_bytes_per_layer,
     activation_microbatches_in_flight,
@@ -141,7 +141,7 @@ class LowerBound:
             else:
                 dense, expert = experts.layer_parameters(self.model, cell.t, e, etp)
             precision, least = self.train.precision, math.inf
-            state = OPTIMIZER_STATE_BYTES[self.train.optimizer]  # Muon: its matrices' 4 bytes for all, a bound
+            state = optimizer_spec(self.train.optimizer).least_state_bytes  # Muon: its matrices' 4 for all
             for i in range(len(cell.shardings)):
                 cfg = cell.config(i, j)
                 least = min(least, dense * model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, state)

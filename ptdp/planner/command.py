@@ -9,6 +9,7 @@ import sys
 
 from ptdp import config as train_config
 from ptdp.config import ConfigError, ModelConfig, MoEConfig, add_field_arguments, model_config
+from ptdp.config.optimizers import canonical_name, optimizer_spec
 from ptdp.config.validate_moe import moe_errors
 from ptdp.config.validate_pipeline import layout_stage_count
 from ptdp.models.flops import moe_shape
@@ -181,7 +182,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPTSpec, ClusterSpec, TrainingSpec
     if args.bf16 and args.fp16:
         raise _UsageError("--bf16 and --fp16 are exclusive; give one of them")
     precision = "bf16" if args.bf16 else "fp16"
-    optimizer = "muon" if args.optimizer == "dist_muon" else args.optimizer
+    optimizer = canonical_name(args.optimizer)  # the table's name of an alias (dist_muon)
     return model, cluster, TrainingSpec(args.global_batch_size, precision, args.overlap_grad_reduce, optimizer)
 
 
@@ -353,17 +354,15 @@ def _bubble_words(schedule: str) -> str:
     return words if words.startswith("(") else f"({words})"
 
 
-_OPTIMIZER_WORDS = {"adam": "Adam", "sgd": "SGD momentum", "muon": "Muon's momentum; Adam on the rest"}
-
-
 def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
     """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
-    from ptdp.planner.memory import OPTIMIZER_STATE_BYTES, model_state_bytes_per_param
+    from ptdp.planner.memory import model_state_bytes_per_param
 
     c, mem, times = best.config, best.memory, best.times
     t, p, d, v = (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.data_parallel_size,
                   c.virtual_pipeline_model_parallel_size)
-    state = OPTIMIZER_STATE_BYTES[train.optimizer]
+    optimizer = optimizer_spec(train.optimizer)
+    state = optimizer.matrix_state_bytes  # the hidden matrices': nearly all of the parameters
     states = params * model_state_bytes_per_param(train.precision, False, 1, state)
     share = {k: seconds / best.iteration_time_s for k, seconds in (
         ("compute", times.compute), ("bubble", times.bubble), ("tp_comm", times.tp_comm), ("dp_comm", times.dp_comm))}
@@ -374,7 +373,7 @@ def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: 
     return cp_line + expert_lines(model, c, times.ep_comm / best.iteration_time_s) + overlap_lines(
         c, best.num_microbatches, times.ep_comm, best.iteration_time_s) + [
         f"memory: {params / 1e9:.1f}B parameters x {states / params:.0f} B/param ({train.precision} + "
-        f"{_OPTIMIZER_WORDS[train.optimizer]}) = "
+        f"{optimizer.words}) = "
         f"{states / GIB:,.0f} GiB of model states before sharding vs {best.memory_limit / GIB:.0f} GiB per GPU: this "
         f"layout splits the weights over t·p = {t * p} GPUs{expert_split_words(model, c)}"
         f"{_sharded_words(c)}, just enough to fit "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ptdp.config.optimizers import optimizer_spec
 from ptdp.models.flops import architecture, layer_parameter_count, norm_parameters
 from ptdp.planner import experts
 from ptdp.planner.spec import GPTSpec, ParallelConfig
@@ -31,8 +32,6 @@ RUNTIME_OVERHEAD_BYTES = 2 * 1024**3
 # bytes/param held for (parameters, gradients, what the optimizer owns besides its state: fp32 master copy of
 # 16-bit weights, fp32 main grads of 16-bit grads) -- ptdp-facts.md, §Memory and §ZeRO; plus the state:
 _STATE_BYTES = {"fp16": (2, 2, 8), "bf16": (2, 4, 4), "fp32": (4, 4, 0)}
-# fp32 optimizer state per parameter: AdamW's two moments; one momentum for SGD and Muon (ptdp-facts.md, §Muon)
-OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
@@ -234,21 +233,22 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
                 ranks: list[int] | None = None, optimizer: str = "adam") -> list[MemoryEstimate]:
     """Memory of each pipeline rank in ``ranks`` (default all): layers from the layout, the vocabulary
     tables and fp32 logits where they live (1/p of them everywhere under vocabulary parallelism).
-    ``optimizer`` muon: its hidden matrices keep 4 bytes of state instead of AdamW's 8, and its step holds
-    the gather's buffers (:func:`muon_step_bytes_per_param`) instead of ZeRO-2/3's, which are freed by then."""
+    ``optimizer``: its state bytes per parameter (``ptdp.config.optimizers.OptimizerSpec``: AdamW 8, SGD 4);
+    one whose hidden matrices keep another state (Muon: 4 bytes instead of AdamW's 8) counts them apart, and
+    one that exchanges the matrices holds the gather's buffers during its step
+    (:func:`muon_step_bytes_per_param`) instead of ZeRO-2/3's, which are freed by then."""
     t, p, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     m = cfg.num_microbatches(global_batch_size)
-    state = OPTIMIZER_STATE_BYTES[optimizer]
-    muon = optimizer == "muon"
-    rest_state = 8 if muon else state  # Muon's AdamW part
+    spec = optimizer_spec(optimizer)
+    state, rest_state = spec.matrix_state_bytes, spec.state_bytes  # Muon's rest_state: its AdamW part
     # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
     per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, rest_state)
     # expert parameters shard over their expert-data-parallel group instead (issue 25)
     expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg), rest_state)
     saved = state - rest_state  # per hidden-matrix parameter, sharded like the rest of the state
-    matrix = hidden_matrix_fraction(model, t, cfg) if muon else 0.0
+    matrix = hidden_matrix_fraction(model, t, cfg) if spec.matrices_apart else 0.0
     grid = cfg.data_parallel_size * cfg.context_parallel_size // cfg.distributed_optimizer_instances
-    muon_step = muon_step_bytes_per_param(cfg.shards, grid, t) if muon else 0.0
+    muon_step = muon_step_bytes_per_param(cfg.shards, grid, t) if spec.exchanges_matrices else 0.0
     step_per_param = step_buffer_bytes_per_param(precision, cfg.strategy)
     layers = rank_layers(model.num_layers, cfg)
     stash = activation_bytes_per_layer(model, cfg)

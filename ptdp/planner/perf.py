@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.config.optimizers import optimizer_spec
 from ptdp.planner import experts
 from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.muon import NS_STEPS, MuonWork, muon_work
@@ -367,7 +368,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     local_params = params / max(cfg.shards // cfg.context_parallel_size, 1) + expert / experts.expert_shards(cfg)
     optimizer = local_params * optimizer_bytes_per_param(train.precision) / (
         cluster.gpu.memory_bandwidth * HBM_EFFICIENCY)
-    if train.optimizer == "muon":  # + the orthogonalisation of the fullest rank's matrices and its exchange
+    if optimizer_spec(train.optimizer).exchanges_matrices:  # + Muon's: the fullest rank's matrices, exchanged
         layers = max(rank_layers(model.num_layers, cfg)[r] for r in checked)
         optimizer += muon_seconds(muon_work(model, cfg, layers), cfg, cluster)
     return IterationTimes(

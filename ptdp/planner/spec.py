@@ -207,15 +207,16 @@ class TrainingSpec:
     """Per-iteration workload and numerics.
 
     ``precision``: "fp16" (the paper: fp16 grads, 20 bytes/param) or "bf16" (Megatron: fp32 main grads,
-    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: its state is 8 bytes/param (AdamW's two
-    moments), 4 for SGD and for Muon's hidden matrices (one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
+    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: an ``--optimizer`` name, whose state bytes per
+    parameter are its ``ptdp.config.optimizers.OptimizerSpec``'s (AdamW 8, its two moments; SGD and Muon's
+    hidden matrices 4, one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
     reduction during the last microbatch's backward (modern Megatron); the paper's runs did not.
     """
 
     global_batch_size: int
     precision: str = "fp16"
     overlap_grad_reduce: bool = False
-    optimizer: str = "adam"  # --optimizer: adam, sgd or muon (Muon on the hidden matrices, AdamW on the rest)
+    optimizer: str = "adam"  # --optimizer: a name of ptdp.config.optimizers.REGISTRY
 
 
 @dataclass(frozen=True)
