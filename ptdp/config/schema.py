@@ -206,6 +206,12 @@ class TrainingConfig:
         False, "reduce each gradient bucket asynchronously during the last microbatch's backward")
     tensorboard_dir: str | None = opt(None, "write loss, lr, grad norm, throughput, memory as TensorBoard "
                                       "scalars here (rank 0)")
+    # Weights & Biases, Megatron-LM's flags (ptdp/observability/wandb_writer.py)
+    wandb_project: str | None = opt(None, "log the --tensorboard-dir scalars to this Weights & Biases project "
+                                    "(rank 0; offline, for `wandb sync`, unless WANDB_API_KEY is set)")
+    wandb_exp_name: str | None = opt(None, "the W&B run's name, with --wandb-project (default: wandb's)")
+    wandb_save_dir: str | None = opt(None, "the W&B run files' directory, with --wandb-project (default: --save "
+                                     "DIR/wandb, else ./wandb)")
     timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
                                "of the first --timeline-iters iterations")
     timeline_iters: int = opt(3, "iterations the --timeline records")

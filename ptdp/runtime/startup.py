@@ -24,13 +24,21 @@ from ptdp.config import Config
 
 
 def startup_problems(config: Config) -> list[str]:
-    """``--tensorboard-dir`` (the package must be installed) and ``--timeline``: each directory created now, so
-    a path that cannot be one is a line here rather than a traceback on rank 0 mid-run."""
+    """``--tensorboard-dir`` and ``--wandb-project`` (the package must be installed), ``--timeline`` and
+    ``--wandb-save-dir``: each directory created now, so a path that cannot be one is a line here rather than
+    a traceback on rank 0 mid-run."""
     tr, errors = config.training, []
     if tr.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         errors.append(f"--tensorboard-dir {tr.tensorboard_dir} needs the tensorboard package: "
                       "pip install 'ptdp[tensorboard]'")
-    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline)):
+    if tr.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        errors.append(f"--wandb-project {tr.wandb_project} needs the wandb package: pip install 'ptdp[wandb]'")
+    for flag, given in (("--wandb-exp-name", tr.wandb_exp_name), ("--wandb-save-dir", tr.wandb_save_dir)):
+        if given is not None and tr.wandb_project is None:
+            errors.append(f"{flag} {given} is for a Weights & Biases run: give --wandb-project too")
+    wandb_dir = tr.wandb_save_dir if tr.wandb_project is not None else None
+    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline),
+                            ("--wandb-save-dir", wandb_dir)):
         if directory is None:
             continue
         try:
