@@ -226,7 +226,7 @@ class MixedPrecisionConfig:
     """16-bit parameters and activations with fp32 main weights (Megatron's flags); see ``ptdp.optim``."""
 
     bf16: bool = opt(False, "bf16 parameters and activations, fp32 main weights and gradients")
-    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights")
+    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights (GPU only)")
     loss_scale: float | None = opt(None, "static fp16 loss scale (default: dynamic)")
     initial_loss_scale: float = opt(2.0**32, "initial dynamic fp16 loss scale")
     min_loss_scale: float = opt(1.0, "lower bound of the dynamic fp16 loss scale")
