@@ -121,3 +121,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert main(["samples", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and fragment in err and "Traceback" not in err, err
+
+
+def test_first_limits_a_blend_with_or_without_iteration(tmp_path, capsys):
+    """``--first 2`` prints exactly 2 samples: it was ignored with ``--iteration``, which printed the whole
+    global batch (32 with the default flags); with ``--iteration`` they are the batch's first two."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    random_corpus(a, 1, n_docs=300)
+    random_corpus(b, 2, n_docs=200)
+    blend = ["--data-path", "0.5", a, "0.5", b, "--seq-length", "16"]
+    assert len(samples(capsys, *blend, "--first", "2")) == 2
+    batch = samples(capsys, *blend, "--iteration", "2")
+    assert len(batch) == 32 and {r["dataset"] for r in batch} == {a, b}
+    assert samples(capsys, *blend, "--iteration", "2", "--first", "2") == batch[:2]
+    assert main(["samples", *blend, "--iteration", "2", "--start", "3"]) == 2
+    assert capsys.readouterr().err.startswith("ptdp samples: error: --start 3 and --iteration 2: give one of them")

@@ -4,7 +4,7 @@ overflows are skipped, counted and back the loss scale off."""
 from __future__ import annotations
 
 import pytest
-from helpers import LAYOUT_2222, assert_same_run, run_layouts, run_ptdp
+from helpers import LAYOUT_2222, TINY, assert_same_run, run_layouts, run_ptdp
 
 STEPS = ["--train-iters", "20", "--lr", "3e-3"]
 TRACK = 0.02  # 16-bit rounding: within 2% of fp32 over 20 steps (losses and gradient norms)
@@ -73,3 +73,30 @@ def test_static_loss_scale_fp32_grads(runs):
 def test_bad_precision_flags(extra, message):
     proc = run_ptdp(["train", *extra], check=False, timeout=60)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fp16_without_a_gpu_is_refused_in_one_line_naming_what_to_use(monkeypatch, capsys):
+    """On the CPU --fp16 ran with "grad norm: nan" for many iterations: refused at start-up, before training."""
+    import torch
+
+    from ptdp.cli.main import main as ptdp_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ptdp_main(["train", *TINY, "--fp16"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ptdp train: error: --fp16 needs a CUDA GPU") and "--bf16" in line and "fp32" in line
+
+
+def test_bf16_on_the_cpu_warns_once_that_it_is_slow(monkeypatch):
+    import torch
+
+    from ptdp.config import Config, derive
+    from ptdp.runtime.startup import startup_warnings
+
+    config = Config()
+    config.precision.bf16 = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (line,) = startup_warnings(config, derive(config, 1))
+    assert line.startswith("--bf16 on the CPU: it trains, but much slower than fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert startup_warnings(config, derive(config, 1)) == []

@@ -60,9 +60,15 @@ def closest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
 
 
 def unknown_arguments_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
-    """One line for the arguments no flag took, with a suggestion for the first unknown flag."""
-    message = f"unrecognized argument(s): {' '.join(extras)}"
+    """One line for the arguments no flag took, with a suggestion for the first unknown flag; for a
+    well-known Megatron-LM flag ptdp does not implement, what it is and what to do instead."""
+    from ptdp.config.megatron_flags import explanation
+
     flags = [e for e in extras if e.startswith("--")]
+    explained = next((line for line in map(explanation, flags) if line), None)
+    if explained:
+        return explained
+    message = f"unrecognized argument(s): {' '.join(extras)}"
     suggestion = closest_flag(flags[0], parser) if flags else None
     return message + (f"; did you mean {suggestion}?" if suggestion else "")
 

@@ -37,8 +37,10 @@ def add_samples_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         launch.add_argument(flag, default=None)
     launch.add_argument("--elastic", action="store_true")
     show = parser.add_argument_group("samples")
-    show.add_argument("--first", type=int, default=10, help="how many samples to print (default 10)")
-    show.add_argument("--start", type=int, default=0, help="index of the first sample in the training order")
+    show.add_argument("--first", type=int, default=None, help="how many samples to print (default 10; with "
+                      "--iteration, the first samples of that batch in the order the ranks read them, default all)")
+    show.add_argument("--start", type=int, default=None, help="index of the first sample in the training order "
+                      "(default 0)")
     show.add_argument("--iteration", type=int, default=None,
                       help="print every sample of global batch N (iterations count from 1, as in the log)")
     show.add_argument("--split-name", choices=("train", "valid", "test"), default="train")
@@ -78,8 +80,11 @@ def run_samples(args: argparse.Namespace) -> int:
     if errors:
         return _fail(errors[0])
     config = derive(config, world)
-    if args.first < 0 or args.start < 0:
+    if (args.first or 0) < 0 or (args.start or 0) < 0:
         return _fail("--first and --start must be >= 0")
+    if args.iteration is not None and args.start is not None:
+        return _fail(f"--start {args.start} and --iteration {args.iteration}: give one of them (--iteration N "
+                     "--first K prints the first K samples of global batch N)")
     tr, par = config.training, config.parallel
     dp = world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size)
     if args.iteration is not None and args.iteration < 1:
@@ -103,12 +108,12 @@ def run_samples(args: argparse.Namespace) -> int:
         d = config.data
         documents = DocumentOptions(splits.tokenizer.eod_id, d.reset_position_ids, d.reset_attention_mask,
                                     d.eod_mask_loss)
-        if args.iteration is not None:
+        if args.iteration is not None:  # the whole batch, or its first --first samples
             rows = [(i, args.iteration, r, j) for i, r, j in
-                    batch_indices(args.iteration, tr.global_batch_size, dp, tr.micro_batch_size)]
+                    batch_indices(args.iteration, tr.global_batch_size, dp, tr.micro_batch_size)][:args.first]
         else:
-            rows = iter_samples(dataset, tr.global_batch_size, dp, tr.micro_batch_size,
-                                range(args.start, args.start + args.first))
+            start, first = args.start or 0, 10 if args.first is None else args.first
+            rows = iter_samples(dataset, tr.global_batch_size, dp, tr.micro_batch_size, range(start, start + first))
         for i, iteration, rank, micro in rows:
             record = sample_record(dataset, i, iteration, rank, micro, tokenizer, documents if documents.any else None)
             sys.stdout.write(_text_view(record) if args.format == "text" else json.dumps(record) + "\n")

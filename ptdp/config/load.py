@@ -20,6 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from ptdp.config.megatron_flags import MAPPED_FLAGS, add_megatron_arguments, apply_mapped, dest, toml_problem
 from ptdp.config.schema import Config, ConfigError, ModelConfig
 
 
@@ -131,6 +132,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         "flags given explicitly override it")
     for name, section in Config().sections().items():
         add_field_arguments(parser.add_argument_group(name), type(section))
+    add_megatron_arguments(parser)  # --use-flash-attn and the like: accepted, or mapped to ptdp's flags
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -169,6 +171,13 @@ def toml_values(raw: dict[str, Any], path: str) -> tuple[dict[str, Any], list[st
                 values[name] = value
             continue
         if name not in fields:
+            known, problem = toml_problem(name, value)  # a Megatron-LM flag ptdp ignores, maps or explains
+            if known:
+                if problem:
+                    problems.append(f"--config {path}: key {key}: {problem}")
+                else:
+                    values[name] = value
+                continue
             close = difflib.get_close_matches(name, keys, n=1)
             hint = f"; did you mean {close[0].replace('_', '-')}?" if close else "; see `ptdp train --help`"
             problems.append(f"--config {path}: unknown key {key} (no flag --{key.replace('_', '-')}){hint}")
@@ -209,12 +218,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if problems:
         raise ConfigError(*problems)
     given = vars(args)  # the flags by field name, as add_field_arguments declared them
+    explicit: dict[str, Any] = {}  # the fields given on the command line or in the file
     for section in config.sections().values():
         for f in dataclasses.fields(section):
             if given.get(f.name) is not None:
-                setattr(section, f.name, given[f.name])
+                explicit[f.name] = given[f.name]
             elif f.name in values:
-                setattr(section, f.name, values[f.name])
+                explicit[f.name] = values[f.name]
+            if f.name in explicit:
+                setattr(section, f.name, explicit[f.name])
+    mapped = {d: given[d] if given.get(d) is not None else values.get(d) for d in map(dest, MAPPED_FLAGS)}
+    problems = apply_mapped(config, mapped, explicit)  # --recompute-activations, --lr-warmup-fraction
+    if problems:
+        raise ConfigError(*problems)
     return config
 
 

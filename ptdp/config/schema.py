@@ -204,6 +204,12 @@ class TrainingConfig:
         False, "reduce each gradient bucket asynchronously during the last microbatch's backward")
     tensorboard_dir: str | None = opt(None, "write loss, lr, grad norm, throughput, memory as TensorBoard "
                                       "scalars here (rank 0)")
+    # Weights & Biases, Megatron-LM's flags (ptdp/observability/wandb_writer.py)
+    wandb_project: str | None = opt(None, "log the --tensorboard-dir scalars to this Weights & Biases project "
+                                    "(rank 0; offline, for `wandb sync`, unless WANDB_API_KEY is set)")
+    wandb_exp_name: str | None = opt(None, "the W&B run's name, with --wandb-project (default: wandb's)")
+    wandb_save_dir: str | None = opt(None, "the W&B run files' directory, with --wandb-project (default: --save "
+                                     "DIR/wandb, else ./wandb)")
     timeline: str | None = opt(None, "write a Chrome trace per rank (DIR/rank{N}.json) and DIR/merged.json "
                                "of the first --timeline-iters iterations")
     timeline_iters: int = opt(3, "iterations the --timeline records")
@@ -218,7 +224,7 @@ class MixedPrecisionConfig:
     """16-bit parameters and activations with fp32 main weights (Megatron's flags); see ``ptdp.optim``."""
 
     bf16: bool = opt(False, "bf16 parameters and activations, fp32 main weights and gradients")
-    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights")
+    fp16: bool = opt(False, "fp16 parameters and activations with loss scaling, fp32 main weights (GPU only)")
     loss_scale: float | None = opt(None, "static fp16 loss scale (default: dynamic)")
     initial_loss_scale: float = opt(2.0**32, "initial dynamic fp16 loss scale")
     min_loss_scale: float = opt(1.0, "lower bound of the dynamic fp16 loss scale")

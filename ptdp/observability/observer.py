@@ -1,8 +1,8 @@
-"""``RunObserver``: the training loop's one handle on TensorBoard, the timeline and the summary.
+"""``RunObserver``: the training loop's one handle on TensorBoard, Weights & Biases, the timeline and the summary.
 
 ``ptdp.train.loop.train`` calls ``begin_iteration(i)`` before each step, ``log(record)`` after it and
 ``finish(...)`` after the loop; every rank calls all three (the timeline is per rank and its merge needs a
-barrier), while TensorBoard and the printed summary are rank 0's.
+barrier), while TensorBoard, W&B and the printed summary are rank 0's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class RunObserver:
             from ptdp.observability.tensorboard import TensorBoardLogger
 
             self.tensorboard = TensorBoardLogger(tr.tensorboard_dir)
+        self.wandb = None
+        if tr.wandb_project and rank == 0:  # the same scalars as TensorBoard, by the same rank
+            from ptdp.observability.wandb_writer import WandbLogger
+
+            self.wandb = WandbLogger(config)
 
     def begin_iteration(self, iteration: int) -> None:
         if self.timeline is None:
@@ -40,6 +45,8 @@ class RunObserver:
     def log(self, record: dict) -> None:
         if self.tensorboard is not None:
             self.tensorboard.log(record)
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def save_timeline(self) -> None:
         """Every rank writes its trace; after a barrier rank 0 merges them (same iteration on every rank)."""
@@ -73,3 +80,6 @@ class RunObserver:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None

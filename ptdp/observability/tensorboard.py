@@ -43,6 +43,16 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """The scalars of one training record by tag (``SCALARS``, the validation values under ``val/`` and the
+    peak memory): what TensorBoard and Weights & Biases both log."""
+    out = {tag: record[key] for key, tag in SCALARS.items() if _is_number(record.get(key))}
+    out.update({"val/" + key.removeprefix(VALIDATION_PREFIX): value for key, value in record.items()
+                if key.startswith(VALIDATION_PREFIX) and _is_number(value)})
+    out["memory/peak_bytes"] = peak_memory_bytes()
+    return out
+
+
 class TensorBoardLogger:
     def __init__(self, log_dir: str):
         from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is an optional extra
@@ -51,14 +61,8 @@ class TensorBoardLogger:
 
     def log(self, record: dict) -> None:
         step = record["iteration"]
-        for key, tag in SCALARS.items():
-            value = record.get(key)
-            if _is_number(value):
-                self.writer.add_scalar(tag, value, step)
-        for key, value in record.items():
-            if key.startswith(VALIDATION_PREFIX) and _is_number(value):
-                self.writer.add_scalar("val/" + key.removeprefix(VALIDATION_PREFIX), value, step)
-        self.writer.add_scalar("memory/peak_bytes", peak_memory_bytes(), step)
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
     def close(self) -> None:

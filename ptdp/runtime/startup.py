@@ -24,13 +24,24 @@ from ptdp.config import Config
 
 
 def startup_problems(config: Config) -> list[str]:
-    """``--tensorboard-dir`` (the package must be installed) and ``--timeline``: each directory created now, so
-    a path that cannot be one is a line here rather than a traceback on rank 0 mid-run."""
+    """``--tensorboard-dir`` and ``--wandb-project`` (the package must be installed), ``--timeline`` and
+    ``--wandb-save-dir``: each directory created now, so a path that cannot be one is a line here rather than
+    a traceback on rank 0 mid-run."""
     tr, errors = config.training, []
+    if config.precision.fp16 and not _gpu():  # the device is the GPU when one is visible (parallel.dims)
+        errors.append("--fp16 needs a CUDA GPU and none is visible (on the CPU fp16 training is slow and its "
+                      "steps overflow: grad norm nan); train in fp32 there (no precision flag), or with --bf16")
     if tr.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         errors.append(f"--tensorboard-dir {tr.tensorboard_dir} needs the tensorboard package: "
                       "pip install 'ptdp[tensorboard]'")
-    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline)):
+    if tr.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        errors.append(f"--wandb-project {tr.wandb_project} needs the wandb package: pip install 'ptdp[wandb]'")
+    for flag, given in (("--wandb-exp-name", tr.wandb_exp_name), ("--wandb-save-dir", tr.wandb_save_dir)):
+        if given is not None and tr.wandb_project is None:
+            errors.append(f"{flag} {given} is for a Weights & Biases run: give --wandb-project too")
+    wandb_dir = tr.wandb_save_dir if tr.wandb_project is not None else None
+    for flag, directory in (("--tensorboard-dir", tr.tensorboard_dir), ("--timeline", tr.timeline),
+                            ("--wandb-save-dir", wandb_dir)):
         if directory is None:
             continue
         try:
@@ -44,8 +55,18 @@ def startup_problems(config: Config) -> list[str]:
 
 def startup_warnings(given: Config, derived: Config) -> list[str]:
     """One line per flag the user gave that ``derive`` resolved otherwise (Megatron-LM's behaviour, so one
-    configuration moves between layouts)."""
+    configuration moves between layouts), or that works but slowly on this machine (``--bf16`` on the CPU)."""
     warnings = []
+    if given.precision.bf16 and not _gpu():
+        warnings.append("--bf16 on the CPU: it trains, but much slower than fp32 there (no GPU is visible); "
+                        "drop --bf16 for CPU runs")
     if given.parallel.sequence_parallel and not derived.parallel.sequence_parallel:
         warnings.append("--sequence-parallel is off because --tensor-model-parallel-size is 1")
     return warnings
+
+
+def _gpu() -> bool:
+    """Whether training runs on a GPU: ``ptdp.parallel.dims`` takes one whenever CUDA sees one."""
+    import torch  # at start-up torch is imported already (``ptdp train``'s "importing torch" phase)
+
+    return torch.cuda.is_available()

@@ -18,6 +18,7 @@ from ptdp.runtime.phases import phase
 from ptdp.train.controller import RunController
 from ptdp.train.report import (
     evaluate_checkpoint,
+    interval_loss,
     progress_line,
     rank_report,
     read_records,
@@ -108,6 +109,8 @@ def train(config: Config) -> list[dict]:
         return trainer.metrics[-1]
 
     iteration = None
+    # the records since the last progress line: its "lm loss" is their mean (Megatron-LM's)
+    printed, skipped = len(trainer.metrics), trainer.optimizer.skipped_iterations
     try:
         for iteration in range(first_iteration, tr.train_iters + 1):
             controller.before_iteration(iteration)
@@ -124,9 +127,12 @@ def train(config: Config) -> list[dict]:
             if logged or evaluated or checkpoints.due(iteration):
                 record = flush(evaluate_at=iteration if evaluated else None)
                 loss = record["loss"]
-                if is_logger and logged:
-                    print(progress_line(record, tr.train_iters, time.perf_counter() - start, first_iteration),
-                          flush=True)
+                if logged:
+                    loss_mean = interval_loss(trainer.metrics[printed:], skipped)
+                    printed, skipped = len(trainer.metrics), record.get("skipped_iterations", skipped)
+                    if is_logger:
+                        print(progress_line(record, tr.train_iters, time.perf_counter() - start,
+                                            first_iteration, loss_mean), flush=True)
             signalled = controller.after_iteration(iteration, loss)  # agreed by every rank; NaN raises
             stop = signalled is not None or checkpoints.exit_due(iteration)
             if checkpoints.save_due(iteration) or (stop and checkpoints.saves):

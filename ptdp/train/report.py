@@ -172,13 +172,27 @@ def evaluate_checkpoint(trainer: TrainState, iteration: int) -> dict:
     return record
 
 
-def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1) -> str:
-    """Megatron-style progress line, plus tokens/s and an ETA (from the iterations this run has done)."""
+def interval_loss(records: list[dict], skipped_before: int) -> float:
+    """Megatron-LM's "lm loss": the mean loss over the iterations since the last progress line (``records``),
+    those an fp16 overflow skipped left out (their ``skipped_iterations`` count rose; ``skipped_before``: the
+    count before the first of them), all of them if every one was skipped."""
+    counts = [skipped_before, *(r.get("skipped_iterations", skipped_before) for r in records)]
+    advanced = [r["loss"] for r, before, after in zip(records, counts, counts[1:]) if after == before]
+    losses = advanced or [r["loss"] for r in records]
+    return sum(losses) / len(losses)
+
+
+def progress_line(record: dict, train_iters: int, wall_s: float, first_iteration: int = 1,
+                  loss: float | None = None) -> str:
+    """Megatron-style progress line, plus tokens/s and an ETA (from the iterations this run has done).
+    ``loss``: the "lm loss" shown, Megatron's mean over the log interval (:func:`interval_loss`); default the
+    record's own."""
     it = record["iteration"]
+    loss = record["loss"] if loss is None else loss
     eta = wall_s / (it - first_iteration + 1) * (train_iters - it)
     return (f" iteration {it:8d}/{train_iters:8d} | consumed samples: {record['consumed_samples']:10d} | "
             f"elapsed time per iteration (ms): {record['iteration_time_s'] * 1000:.1f} | "
-            f"learning rate: {record['lr']:.3E} | lm loss: {record['loss']:.6E} | "
+            f"learning rate: {record['lr']:.3E} | lm loss: {loss:.6E} | "
             f"grad norm: {record['grad_norm']:.3f} | tokens/s: {record['tokens_per_s']:.0f} | "
             f"TFLOP/s/GPU: {record['tflops_per_gpu']:.3f}"
             + (f" (attention inside documents only: sum(l^2)/s = {record['attention_length']:.1f})"
