@@ -100,8 +100,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_llama_and_ours():
-    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
     from ptdp.models import GPTModel
+    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
     from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     torch.manual_seed(0)
