@@ -1,4 +1,5 @@
-"""Qwen3 and Qwen3-MoE, imported from random Hugging Face models built here (no hub), trained by ``ptdp train``
+"""Qwen3 and Qwen3-MoE (and a Llama of 4,096 positions trained at 32), imported from random Hugging Face models
+built here (no hub), trained by ``ptdp train``
 in one process and in composed layouts -- t = 2 with sequence parallelism and p = 2, c = 2 with ZeRO-3, and
 (t, e) = (2, 2) folded for the MoE -- each equal, per iteration (loss and gradient norm), to
 ``transformers`` + ``torch.optim.AdamW`` trained on the same batches; the one-process run's final weights
@@ -46,6 +47,8 @@ def hf_model(directory, kind: str):
     torch.manual_seed(0)
     if kind == "dense":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=96, **COMMON))
+    elif kind == "llama":  # 4,096 positions, trained at --seq-length 32
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=96, **COMMON))
     else:  # the second layer dense, the top-k weights renormalised
         config = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                              num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
@@ -113,7 +116,7 @@ def hf_training(hf, batches: list[torch.Tensor]) -> list[tuple[float, float]]:
     return track
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "llama"])
 def trained(request, tmp_path_factory):
     """Every layout of one family from one imported checkpoint, and HF's training on the same batches."""
     kind = request.param
@@ -123,7 +126,7 @@ def trained(request, tmp_path_factory):
     base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(V), *TRAIN]
     plan = {"one": (1, ["--load", str(tmp / "imported")])}
     plan.update({name: (world, ["--load", str(tmp / "imported"), *flags])
-                 for name, (world, flags) in LAYOUTS[kind].items()})
+                 for name, (world, flags) in LAYOUTS.get(kind, {}).items()})
     runs = run_layouts(tmp, plan, base=base)
     return kind, runs, hf_training(hf, _batches(base, 3, 8)), hf
 
@@ -142,7 +145,7 @@ def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(traine
 
     kind, runs, track, hf = trained
     _assert_hf_track(runs["one"], track)
-    family = family_for_hf("qwen3" if kind == "dense" else "qwen3_moe")
+    family = family_for_hf(hf.config.model_type)
     cfg, moe, want = family.read(hf.config.to_dict(), {k: v.detach() for k, v in hf.state_dict().items()})
     for name, value in want.items():
         got = runs["one"].weights[name][:value.shape[0]]  # the vocabulary's padding rows are ptdp's own

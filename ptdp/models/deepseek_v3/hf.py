@@ -1,5 +1,5 @@
-"""Hugging Face ``DeepseekV3ForCausalLM`` export and import (``ptdp export/import --format hf``;
-``ptdp.hf.convert`` dispatches here for ``model_type`` "deepseek_v3" and for multi-latent attention models).
+"""Hugging Face ``DeepseekV3ForCausalLM`` export and import (``ptdp export/import --format hf``, through the
+family registry for ``model_type`` "deepseek_v3" and for multi-latent attention models).
 
 DeepSeek-V3 is ptdp's Llama options plus multi-latent attention (``ptdp.models.mla``), the sigmoid router
 with an expert bias, groups and a scaling factor (``ptdp.models.moe``), the first k layers dense, a shared
@@ -10,7 +10,7 @@ expert, and multi-token prediction (``ptdp.models.mtp``). Conversion is renaming
   (``q_proj``), ``kv_down_proj``, ``kv_layernorm``, ``kv_up_proj``, ``proj``, same shapes and row orders.
 - experts: per expert on disk (``mlp.experts.{i}.gate_proj/up_proj/down_proj``) or fused in memory
   (transformers 5's ``gate_up_proj``), stacked ``experts.fc1_weight [E, 2, f, h]`` as for Qwen2-MoE
-  (``ptdp.hf.moe``); the router ``mlp.gate.weight`` and its ``e_score_correction_bias`` are ``mlp.router.weight``
+  (``ptdp.models.mixtral.hf``); the router ``mlp.gate.weight`` and its ``e_score_correction_bias`` are ``mlp.router.weight``
   and ``mlp.router.expert_bias``; ``mlp.shared_experts`` is ``mlp.shared_expert``.
 - MTP module k lives at layer index ``num_hidden_layers + k`` of the checkpoint (``enorm``, ``hnorm``,
   ``eh_proj``, ``shared_head.norm``, and a copy of the embedding and output layer that ptdp shares);

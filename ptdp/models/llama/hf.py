@@ -1,5 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` export and import (``ptdp export/import --format hf``; ``ptdp.hf.convert``
-dispatches here when the model is a Llama).
+"""Hugging Face ``LlamaForCausalLM`` export and import (``ptdp export/import --format hf``, through the family
+registry; Mixtral, Qwen2-MoE, Qwen3 and DeepSeek-V3 convert their Llama parts here).
 
 ptdp's Llama options compute what HF's Llama computes (ptdp/models/gpt.py), so conversion is renaming plus
 three layout changes:

@@ -1,8 +1,9 @@
 """Hugging Face ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` export and import (``ptdp export/import
---format hf``; ``ptdp.hf.convert`` dispatches here for ``model_type`` "mixtral" and "qwen2_moe").
+--format hf``, through the family registry for ``model_type`` "mixtral" and "qwen2_moe"; Qwen3-MoE reads
+and writes its experts here too).
 
-Both are the Llama architecture (``ptdp.hf.llama`` converts the shared parts) with a mixture of experts in
-place of the MLP (``ptdp.models.moe``):
+Both are the Llama architecture (``ptdp.models.llama.hf`` converts the shared parts) with a mixture of
+experts in place of the MLP (``ptdp.models.moe``):
 
 - router: HF's ``mlp.gate.weight`` (``block_sparse_moe.gate`` in Mixtral's files) ``[E, h]`` is
   ``mlp.router.weight``. Mixtral takes softmax, top-k, renormalise = ptdp's default router; Qwen2-MoE
