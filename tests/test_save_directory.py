@@ -111,12 +111,13 @@ def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
     assert storage.saved_iterations(root) == [10, 19, 21]
 
 
-def test_the_launcher_refuses_another_runs_directory_before_any_worker_starts(tmp_path):
+@pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], []], ids=["launcher", "one-process"])
+def test_train_refuses_another_runs_directory_before_any_worker_starts(tmp_path, launch):
     ckpt = _other_run(tmp_path / "ck")
     before = sorted(p.name for p in ckpt.iterdir())
     markers = tmp_path / "workers"
     markers.mkdir()
-    proc = run_ptdp(["train", *TINY, "--nproc-per-node", "2", "--save", str(ckpt), "--keep-last", "1"],
+    proc = run_ptdp(["train", *TINY, *launch, "--save", str(ckpt), "--keep-last", "1"],
                     check=False, env={"PTDP_TEST_WORKER_MARKER": str(markers)})
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
@@ -124,4 +125,16 @@ def test_the_launcher_refuses_another_runs_directory_before_any_worker_starts(tm
         proc.stderr[-3000:]
     assert f"--load {ckpt} to continue" in lines[0]
     assert not list(markers.iterdir()), "a worker started"
+    assert sorted(p.name for p in ckpt.iterdir()) == before and storage.read_latest(ckpt) == 21
+
+
+def test_writing_a_model_into_another_runs_directory_is_refused(tmp_path):
+    """``ptdp import --save DIR`` (``write_full_model_state``) writes iteration 0: into a run's directory it
+    would move ``latest`` back to 0. It stops with one line (``ptdp import`` prints it) and writes nothing."""
+    from ptdp.checkpointing import CheckpointError, write_full_model_state
+
+    ckpt = _other_run(tmp_path / "ck")
+    before = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(CheckpointError, match="already holds a run's checkpoints.*--save a fresh directory"):
+        write_full_model_state(ckpt, {}, {"model": {}})
     assert sorted(p.name for p in ckpt.iterdir()) == before and storage.read_latest(ckpt) == 21
