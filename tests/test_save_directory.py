@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY, run_ptdp
+from helpers import TINY, run_ptdp, train_metrics
 
 from ptdp.checkpointing import storage
 from ptdp.checkpointing.validation import checkpoint_errors, other_run_errors
@@ -109,6 +109,22 @@ def test_keep_last_deletes_only_the_runs_own_checkpoints(tmp_path):
     (root / storage.LATEST).write_text("10\n")
     storage.prune(root, 1, {6, 8, 10})
     assert storage.saved_iterations(root) == [10, 19, 21]
+
+
+def test_keep_last_after_a_rollback_neither_counts_nor_deletes_checkpoints_it_did_not_write(tmp_path):
+    """A run saved 1 to 4; a copy stands for a later run's 21. ``--load DIR/iter_0000002 --save DIR
+    --keep-last 2`` continues from 2 (an explicit roll-back) and saves 3 and 4 again: the run's own newest
+    two (3, 4) stay, and so does 21, which it neither wrote nor loaded. (Counting 21 among the K, 3 went.)"""
+    import shutil
+
+    ckpt = tmp_path / "ck"
+    train_metrics(tmp_path, 1, ["--train-iters", "4", "--save", str(ckpt), "--save-interval", "1"])
+    assert storage.saved_iterations(ckpt) == [1, 2, 3, 4]
+    shutil.copytree(storage.iteration_dir(ckpt, 4), storage.iteration_dir(ckpt, 21))
+    records = train_metrics(tmp_path, 1, ["--train-iters", "4", "--load", str(storage.iteration_dir(ckpt, 2)),
+                                          "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2"])
+    assert [r["iteration"] for r in records] == [3, 4]
+    assert storage.saved_iterations(ckpt) == [3, 4, 21] and storage.read_latest(ckpt) == 4
 
 
 @pytest.mark.parametrize("launch", [["--nproc-per-node", "2"], []], ids=["launcher", "one-process"])
