@@ -10,9 +10,9 @@ ages, where its main thread is and whether it waits in communication, the last o
 A rank that waits (for a peer that computes, for rank 0's announced index build) is not hung while any
 rank progresses: a rank silent for the timeout reads every heartbeat and :func:`diagnose` decides. On the
 CPU a rank inside one long operation is progressing too, though it ticks nothing until the operation
-returns (a matmul of minutes on a loaded machine): its heartbeat makes it :func:`computing` while its main
-thread is inside native calls outside communication (``MainThread.native_share``) and the process's CPU time
-advances (``cpu_share``, from ``time.process_time``: utime + stime). A stopped process (no heartbeat), one
+returns (a matmul of minutes on a loaded machine): its heartbeat makes it :func:`computing` while its
+main thread is inside native calls outside communication (``MainThread.native_share``) and the process's
+CPU time advances (``cpu_share``, from ``time.process_time``: utime + stime). A stopped process (no heartbeat), one
 blocked in a collective (no CPU, or a communication frame) and one whose CPU time stands still are not
 computing; nor is one looping in Python (it holds the interpreter lock: no native call). On a GPU the
 device's events are the compute progress, so a host spinning in a synchronisation counts for nothing.
@@ -84,9 +84,10 @@ def computing(beat: dict) -> bool:
 def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_s: float) -> Verdict | None:
     """None while the job progresses: a rank with a live heartbeat made progress within ``timeout_s``, is
     in an announced phase, or is :func:`computing`. Else the culprits (the module docstring's step 2).
-    ``beats``: every rank's latest heartbeat (None: none written). A live heartbeat's silence is its ``idle_s`` plus the time since
-    the next one was due: the ``POLL_S`` a heartbeat waits for its successor is no silence (counted, a rank
-    ticking every 0.5 s read as silent for 1 s half the time, and was called hung under a 1 s timeout)."""
+    ``beats``: every rank's latest heartbeat (None: none written). A live heartbeat's silence is its
+    ``idle_s`` plus the time since the next one was due: the ``POLL_S`` a heartbeat waits for its successor
+    is no silence (counted, a rank ticking every 0.5 s read as silent for 1 s half the time, and was called
+    hung under a 1 s timeout)."""
     alive = {r: b for r, b in beats.items() if b is not None and _age(b, now) <= stale_s}
     for b in alive.values():
         if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s or computing(b):
