@@ -54,8 +54,12 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
     """Write ``tensors`` (full, logical names) as the iteration-0 checkpoint of ``path``, loadable by
     ``--load`` in any layout; it holds no optimizer state, so AdamW starts fresh. ``config_dict`` is a
     ``Config.to_dict()`` or just its ``model`` section; ``model.vocab_size`` defaults to the embedding's
-    rows, and an unpadded embedding is padded with zero rows.
+    rows, and an unpadded embedding is padded with zero rows. A ``path`` that holds checkpoints already
+    raises :class:`~.storage.CheckpointError` (``ptdp import``'s one line) and is left as it was.
     """
+    if storage.saved_iterations(path) or (Path(path) / storage.LATEST).exists():  # iteration 0 would replace `latest`
+        raise storage.CheckpointError(f"--save {path} already holds a run's checkpoints; writing a model there would "
+                                      f"move {Path(path) / storage.LATEST} back to iteration 0; --save a fresh directory")
     config = _config_from_dict(config_dict)
     model_cfg = config.model
     embedding = tensors.get(TIED_EMBEDDING)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ptdp.checkpointing import storage
 from ptdp.checkpointing.interface import Checkpointable
 from ptdp.checkpointing.state import _layout, load_checkpoint, save_checkpoint
 
@@ -24,15 +25,16 @@ class CheckpointManager:
         self._stall_s: float | None = None  # the loop's stall for the last save, until reported
         self.last_stall_s: float | None = None
         self.writer = None
+        # The checkpoints of --save this run owns, the only ones --keep-last may delete: those it wrote, and
+        # when --load continued the run in --save, that run's up to the one loaded (``storage.prune``).
+        self.owned: set[int] = set()
         rank = run.plan.groups.rank
         if self.ck.save:  # every rank alike: creating the writer's process group is collective
             from ptdp.checkpointing.saver import CheckpointWriter
 
             self.writer = CheckpointWriter(rank, run.plan.world, self.ck.async_save)
             if rank == 0:  # a save cut short (Ctrl-C twice, a kill) left a temporary directory
-                from ptdp.checkpointing.storage import remove_leftovers
-
-                for path in remove_leftovers(self.ck.save):
+                for path in storage.remove_leftovers(self.ck.save):
                     print(f" removed {path}, left by an interrupted save", flush=True)
 
     @property
@@ -52,6 +54,8 @@ class CheckpointManager:
         if not self.ck.load:
             return 0
         iteration = load_checkpoint(self.run, self.ck.load)
+        if iteration and storage.continues(self.ck.load, self.ck.save):
+            self.owned.update(i for i in storage.saved_iterations(self.ck.save) if i <= iteration)
         if iteration is None and self.run.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet
             print(f" no checkpoint in {self.ck.load}: starting from scratch", flush=True)
         if iteration == 0 and self.run.plan.groups.rank == 0:  # an imported model (ptdp import) or a step-0 save
@@ -63,11 +67,10 @@ class CheckpointManager:
 
     def _report_layout_change(self) -> None:
         """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/runtime/elastic.py)."""
-        from ptdp.checkpointing.storage import read_info, resolve
         from ptdp.runtime.elastic import layout_change
 
         run = self.run
-        saved = read_info(resolve(self.ck.load))["layout"]
+        saved = storage.read_info(storage.resolve(self.ck.load))["layout"]
         line = layout_change(saved, _layout(run), run.config.training.global_batch_size, run.plan.m)
         if line:
             print(line, flush=True)
@@ -96,7 +99,8 @@ class CheckpointManager:
     def save(self, iteration: int) -> None:
         """Save ``iteration``; the loop stalls only for staging the copy with ``--async-save``."""
         start = time.perf_counter()
-        save_checkpoint(self.run, iteration, self.writer, self._committed)
+        self.owned.add(iteration)
+        save_checkpoint(self.run, iteration, self.writer, self._committed, frozenset(self.owned))
         self._stall_s = self.last_stall_s = time.perf_counter() - start
         self.last_saved = iteration
 

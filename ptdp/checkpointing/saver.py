@@ -65,10 +65,11 @@ class CheckpointWriter:
         self.last_write_s: float | None = None
 
     def submit(self, root: Path, iteration: int, staged: dict, info: dict | None, keep_last: int | None,
-               on_commit) -> None:
-        """Write ``staged`` as iteration ``iteration`` (``info``: rank 0's ``ptdp.json`` content)."""
+               on_commit, ours: frozenset[int] = frozenset()) -> None:
+        """Write ``staged`` as iteration ``iteration`` (``info``: rank 0's ``ptdp.json`` content); ``--keep-last``
+        then prunes among ``ours``, the checkpoints of this run (``storage.prune``)."""
         self.wait()
-        args = (Path(root), iteration, staged, info, keep_last, on_commit)
+        args = (Path(root), iteration, staged, info, keep_last, on_commit, ours)
         if not self.async_save:
             self._write(*args)
             return
@@ -101,7 +102,7 @@ class CheckpointWriter:
             dist.barrier(group=self.group)
 
     def _write(self, root: Path, iteration: int, staged: dict, info: dict | None, keep_last: int | None,
-               on_commit) -> None:
+               on_commit, ours: frozenset[int] = frozenset()) -> None:
         start = time.perf_counter()
         tmp = storage.temporary_dir(root, iteration)
         if self.rank == 0:
@@ -119,7 +120,7 @@ class CheckpointWriter:
             dist.all_gather_object(shares, lines, group=self.group)
             lines = [line for share in shares for line in share]
         if self.rank == 0:
-            storage.commit(root, iteration, keep_last, lines)
+            storage.commit(root, iteration, keep_last, lines, ours)
         self._barrier()  # nobody reports (or exits) before `latest` names the new checkpoint
         self.last_write_s = time.perf_counter() - start
         if on_commit is not None:

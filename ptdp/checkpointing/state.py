@@ -140,8 +140,10 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=None) -> Path:
+def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=None,
+                    ours: frozenset[int] = frozenset()) -> Path:
     """Save atomically to ``--save``/iter_NNNNNNN and move ``latest`` (collective: every rank calls it).
+    ``--keep-last`` prunes only among ``ours`` (the checkpoints of this run) and this one.
 
     ``writer`` (a :class:`~.saver.CheckpointWriter`) decides whether the write happens now or in the
     background (``--async-save``: this call then returns after copying the state, and ``on_commit(iteration,
@@ -170,7 +172,7 @@ def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=
         }
     # A background write needs a private copy (the loop changes the live tensors at once); inline, none.
     staged = stage(state_dict) if writer.async_save else state_dict
-    writer.submit(Path(ck.save), iteration, staged, info, ck.keep_last, on_commit)
+    writer.submit(Path(ck.save), iteration, staged, info, ck.keep_last, on_commit, ours)
     return storage.iteration_dir(ck.save, iteration)
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -248,9 +249,11 @@ def prepare_temporary(root: str | Path, iteration: int) -> Path:
     return tmp
 
 
-def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines: list[str] | None = None) -> Path:
+def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines: list[str] | None = None,
+           ours: Collection[int] = ()) -> Path:
     """Write the manifest (``lines``: every rank's fsynced share; all files hashed here when None), rename
-    the temporary directory into place, then move ``latest``, then prune."""
+    the temporary directory into place, then move ``latest``, then prune (``--keep-last``) among ``ours``,
+    the iterations this run may delete, and the one just written (:func:`prune`)."""
     root = Path(root)
     tmp, final = temporary_dir(root, iteration), iteration_dir(root, iteration)
     write_checksums(tmp, lines)
@@ -267,7 +270,7 @@ def commit(root: str | Path, iteration: int, keep_last: int | None = None, lines
     os.replace(latest_tmp, root / LATEST)
     _fsync(root)
     if keep_last:
-        prune(root, keep_last)
+        prune(root, keep_last, {*ours, iteration})
     return final
 
 
@@ -278,10 +281,27 @@ def saved_iterations(root: str | Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _ITER_DIR.match(p.name)) and p.is_dir())
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints; never the one ``latest`` names."""
+def continues(load: str | Path | None, save: str | Path | None) -> bool:
+    """Whether ``--load`` continues the run that wrote ``--save``: the checkpoint it loads (``DIR/latest``'s,
+    or the ``iter_*`` directory it names) lies in the ``--save`` directory."""
+    if not load or not save:
+        return False
+    load = Path(load)
+    if _ITER_DIR.match(load.name):
+        root = load.parent
+    else:
+        directory = resolve(load)
+        root = load if directory is None else directory.parent
+    return root.resolve() == Path(save).resolve()
+
+
+def prune(root: Path, keep_last: int, ours: Collection[int]) -> None:
+    """Delete all but the newest ``keep_last`` of ``ours``, the checkpoints this run owns (those it wrote and
+    those of the run it continued: ``CheckpointManager.owned``); never the one ``latest`` names, and never a
+    checkpoint of another run that shares the directory (they neither count towards ``keep_last`` nor go)."""
     latest = read_latest(root)
-    for iteration in saved_iterations(root)[:-keep_last]:
+    mine = [iteration for iteration in saved_iterations(root) if iteration in ours]
+    for iteration in mine[:-keep_last]:
         if iteration != latest:
             shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
 

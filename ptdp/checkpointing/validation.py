@@ -10,10 +10,14 @@ import os
 from pathlib import Path
 
 from ptdp.checkpointing.storage import (
+    LATEST,
     VERIFIED_ENV,
     CheckpointError,
+    continues,
     read_info,
+    read_latest,
     resolve,
+    saved_iterations,
     verified_token,
     verify_checksums,
 )
@@ -103,6 +107,8 @@ def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = 
         return errors
     if ck.save:
         errors += _save_errors(Path(ck.save))
+    if ck.save and not errors:
+        errors += other_run_errors(ck.save, ck.load)
     if ck.load and not errors:
         errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
     return errors
@@ -132,6 +138,35 @@ def _save_errors(path: Path) -> list[str]:
     except OSError as e:
         return [f"--save {path} is not writable ({e.strerror}); choose a directory you can write to"]
     return []
+
+
+def other_run_errors(save: str, load: str | None) -> list[str]:
+    """``--save DIR`` where DIR holds checkpoints (``latest`` or ``iter_*`` directories) that ``--load`` does
+    not continue (no ``--load``, or one elsewhere): the run would train from another start, move ``latest``
+    back and let ``--keep-last`` delete that run's checkpoints, so it stops instead. ``--load DIR`` (or one
+    of DIR's ``iter_*`` directories) continues the run in DIR and passes. A worker restarted by its launcher
+    (``TORCHELASTIC_RESTART_COUNT`` above 0) skips the check: its job's first attempt passed it and wrote
+    what DIR holds now."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return []
+    try:
+        if load and continues(load, save):
+            return []
+    except CheckpointError:  # --load's own problem: the --load checks name it
+        return []
+    root = Path(save)
+    iterations = saved_iterations(root)
+    if not iterations and not (root / LATEST).exists():
+        return []  # nothing saved there yet (a leftover of a save cut short is removed at start-up)
+    try:
+        latest = read_latest(root)
+    except CheckpointError:
+        latest = None
+    held = f"latest iteration {latest}" if latest is not None else f"{len(iterations)} iter_* directories"
+    started = f"--load {load} starts elsewhere" if load else "no --load is given"
+    return [f"--save {save} already holds another run's checkpoints ({held}) and {started}: saving there would "
+            f"overwrite them and move {root / LATEST} back; pass --load {save} to continue that run, "
+            "or --save a fresh directory"]
 
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's counterpart of `latest`

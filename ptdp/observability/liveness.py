@@ -9,7 +9,9 @@
   host blocked while its GPU works through a long queue is seen making progress.
 
 :class:`MainThread` tells the hang report where a silent rank's main thread is, and whether it waits
-(blocked: no CPU, or in a communication call: a peer's fault) or runs (its own: a Python loop).
+(blocked: no CPU, or in a communication call: a peer's fault), computes (inside one long native operation,
+a matmul of minutes on a loaded CPU: the interpreter lock is free and the process's CPU time advances)
+or loops in Python (its own code holds the interpreter lock).
 """
 
 from __future__ import annotations
@@ -91,30 +93,71 @@ _COMM_FILES = ("torch/distributed/", "ptdp/parallel/pipeline/p2p.py")
 _WAITS = {"wait", "wait_for", "wait_sends", "barrier", "monitored_barrier"}
 
 
-class MainThread:
-    """Where the main thread is, and whether it waits (read by the watchdog thread)."""
+_TAKES_KEPT = 56  # the interpreter lock takes :meth:`MainThread.native_share` judges by: 8 heartbeats' worth
 
-    def __init__(self) -> None:
-        self.ident = threading.main_thread().ident
-        try:  # the main thread's own CPU clock: the watchdog's and gloo's threads do not count
-            self._clock: int | None = time.pthread_getcpuclockid(self.ident)
-        except (AttributeError, OSError):
-            self._clock = None
-        self._samples: collections.deque = collections.deque([(time.monotonic(), self._cpu_s())])
 
-    def _cpu_s(self) -> float:
-        return time.clock_gettime(self._clock) if self._clock is not None else time.process_time()
+class _CpuRate:
+    """The share of one core a CPU clock advanced over about the last ``window_s`` seconds of samples."""
 
-    def cpu_share(self, window_s: float = 2.0) -> float:
-        """The share of one core the main thread used over about the last ``window_s`` seconds: about 0
-        while it is blocked (a collective, a receive, a lock), more while it runs (a loop gets some CPU even
-        on a machine loaded many times over, over a window of seconds)."""
-        now, cpu = time.monotonic(), self._cpu_s()
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._samples: collections.deque = collections.deque([(time.monotonic(), clock())])
+
+    def share(self, window_s: float = 2.0) -> float:
+        now, cpu = time.monotonic(), self.clock()
         self._samples.append((now, cpu))
         while len(self._samples) > 2 and now - self._samples[1][0] >= window_s:
             self._samples.popleft()
         then, cpu_then = self._samples[0]
         return (cpu - cpu_then) / max(now - then, 1e-6)
+
+
+class MainThread:
+    """Where the main thread is, whether it waits or computes (read by the watchdog thread)."""
+
+    def __init__(self) -> None:
+        self.ident = threading.main_thread().ident
+        try:  # the main thread's own CPU clock: the watchdog's and gloo's threads do not count
+            clock: int | None = time.pthread_getcpuclockid(self.ident)
+        except (AttributeError, OSError):
+            clock = None
+        self._thread = _CpuRate(time.process_time if clock is None else lambda: time.clock_gettime(clock))
+        # The process's CPU time (utime + stime of every thread, /proc/<pid>/stat's): an operation may run
+        # on intra-op threads while the main thread waits for them.
+        self._process = _CpuRate(time.process_time)
+        self._takes: collections.deque = collections.deque(maxlen=_TAKES_KEPT)
+
+    def cpu_share(self, window_s: float = 2.0) -> float:
+        """The share of one core the main thread used over about the last ``window_s`` seconds: about 0
+        while it is blocked (a collective, a receive, a lock), more while it runs (a loop gets some CPU even
+        on a machine loaded many times over, over a window of seconds)."""
+        return self._thread.share(window_s)
+
+    def process_cpu_share(self, window_s: float = 2.0) -> float:
+        """The share of one core the whole process used over about the last ``window_s`` seconds."""
+        return self._process.share(window_s)
+
+    def native_share(self, trials: int = 7) -> float:
+        """How often the main thread was found inside a native call that let go of the interpreter lock (a
+        torch operation, a hash, a blocking wait) rather than running Python bytecode: the share of the takes
+        of the lock since :meth:`forget_native` (the last ``_TAKES_KEPT``) that found it free at once.
+
+        Called from another thread (the watchdog's), which gives up the lock and takes it back ``trials``
+        times now. A main thread running Python holds the lock and hands it over only when the interpreter
+        forces a switch, after ``sys.getswitchinterval()`` (5 ms): most takes wait that long. Inside a
+        native call the lock is free and a take returns in microseconds. A take is a noisy witness on a
+        loaded machine (a main thread slow to wake lets the lock go by), hence a share over many: about 1
+        inside operations, well under 1/2 in a Python loop, measured at a load of 7 per core."""
+        limit = sys.getswitchinterval() / 2
+        for _ in range(trials):
+            start = time.perf_counter()
+            time.sleep(0)  # releases the interpreter lock and takes it back
+            self._takes.append(time.perf_counter() - start < limit)
+        return sum(self._takes) / len(self._takes)
+
+    def forget_native(self) -> None:
+        """Start :meth:`native_share` afresh (the rank made progress: its next silence is another one)."""
+        self._takes.clear()
 
     def _frame(self):
         return sys._current_frames().get(self.ident)

@@ -8,8 +8,15 @@ progress of each kind", and writes a heartbeat to ``RUN/hang/heartbeat-rank<k>.j
 ages, where its main thread is and whether it waits in communication, the last operations.
 
 A rank that waits (for a peer that computes, for rank 0's announced index build) is not hung while any
-rank progresses: a rank silent for the timeout reads every heartbeat and :func:`diagnose` decides. Only
-when every rank has been silent that long (or stopped), it
+rank progresses: a rank silent for the timeout reads every heartbeat and :func:`diagnose` decides. On the
+CPU a rank inside one long operation is progressing too, though it ticks nothing until the operation
+returns (a matmul of minutes on a loaded machine): its heartbeat makes it :func:`computing` while its
+main thread is inside native calls outside communication (``MainThread.native_share``) and the process's
+CPU time advances (``cpu_share``, from ``time.process_time``: utime + stime). A stopped process (no heartbeat), one
+blocked in a collective (no CPU, or a communication frame) and one whose CPU time stands still are not
+computing; nor is one looping in Python (it holds the interpreter lock: no native call). On a GPU the
+device's events are the compute progress, so a host spinning in a synchronisation counts for nothing.
+Only when every rank has been silent that long (or stopped), it
 
 1. writes this rank's last operations to ``RUN/hang/rank<k>-ops.json`` (a stopped rank's from its last
    heartbeat);
@@ -47,6 +54,12 @@ from ptdp.observability.liveness import DeviceProgress, MainThread
 
 POLL_S = 0.5
 SILENCE = "no layer, executor action, communication, GPU work or iteration"
+# The share of one core a rank inside a native call must use to count as computing: far above what the
+# watchdog's own thread and idle gloo threads take, far below what an operation gets on a loaded machine.
+COMPUTING_CPU_SHARE = 0.02
+# The share of the interpreter lock's takes that must find it free for the main thread to be inside native
+# calls (``MainThread.native_share``): about 1 there, well under this in a Python loop.
+NATIVE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,15 +74,23 @@ def _age(beat: dict, now: float) -> float:
     return max(0.0, now - beat["time"])
 
 
+def computing(beat: dict) -> bool:
+    """Whether a live heartbeat's rank is inside a compute operation: its main thread in a native call,
+    outside communication, and its process's CPU time advancing (live work, however long since a tick)."""
+    return (bool(beat.get("in_op")) and not beat.get("comm")
+            and beat.get("cpu_share", 0.0) >= COMPUTING_CPU_SHARE)
+
+
 def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_s: float) -> Verdict | None:
-    """None while the job progresses: a rank with a live heartbeat made progress within ``timeout_s``, or
-    is in an announced phase. Else the culprits (the module docstring's step 2). ``beats``: every rank's
-    latest heartbeat (None: none written). A live heartbeat's silence is its ``idle_s`` plus the time since
-    the next one was due: the ``POLL_S`` a heartbeat waits for its successor is no silence (counted, a rank
-    ticking every 0.5 s read as silent for 1 s half the time, and was called hung under a 1 s timeout)."""
+    """None while the job progresses: a rank with a live heartbeat made progress within ``timeout_s``, is
+    in an announced phase, or is :func:`computing`. Else the culprits (the module docstring's step 2).
+    ``beats``: every rank's latest heartbeat (None: none written). A live heartbeat's silence is its
+    ``idle_s`` plus the time since the next one was due: the ``POLL_S`` a heartbeat waits for its successor
+    is no silence (counted, a rank ticking every 0.5 s read as silent for 1 s half the time, and was called
+    hung under a 1 s timeout)."""
     alive = {r: b for r, b in beats.items() if b is not None and _age(b, now) <= stale_s}
     for b in alive.values():
-        if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s:
+        if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s or computing(b):
             return None
     stopped = sorted(r for r in beats if r not in alive)
     if stopped:
@@ -140,15 +161,27 @@ class Watchdog:
         return time.monotonic() - max(self._last.values())
 
     def heartbeat(self) -> dict:
-        now = time.monotonic()
+        now, idle_s = time.monotonic(), self.idle_s()
         where, comm = self._main.where()
         # Waiting: the main thread is in a communication call, or blocked (an asynchronous collective's
-        # handle, a receive: no CPU). A silent rank that runs is stuck in its own code (a Python loop).
+        # handle, a receive: no CPU). A silent rank that runs is computing when inside a native call
+        # (``computing``), else stuck in its own code (a Python loop).
         comm = comm or self._main.cpu_share() < 0.01
+        cpu_share = self._main.process_cpu_share()
+        # Probed only on the CPU and once the rank is silent a while: a running rank needs no excuse, and
+        # the probe takes the interpreter lock from a main thread running Python a few times.
+        native = None
+        if self.device is None and not comm and idle_s >= min(1.0, self.timeout_s / 2):
+            native = self._main.native_share()
+        else:
+            self._main.forget_native()
+        in_op = native is not None and native >= NATIVE_SHARE
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                "iteration": COUNTS[ITERATION], "seq": COUNTS[COMM], "idle_s": self.idle_s(),
+                "iteration": COUNTS[ITERATION], "seq": COUNTS[COMM], "idle_s": idle_s,
                 "ages": {kind: round(now - t, 3) for kind, t in self._last.items()},
                 "announced": flight_recorder.announced(), "where": where, "comm": comm,
+                "cpu_s": round(time.process_time(), 3), "cpu_share": round(cpu_share, 3), "in_op": in_op,
+                "native_share": None if native is None else round(native, 2),
                 "ops": flight_recorder.last_operations(16)}
 
     def _write(self, path: Path, content: dict) -> None:

@@ -18,6 +18,9 @@ table is the one place to update.
   ``.test-killed-<run dir>-N`` marker beside it keeps a restarted run from dying again).
 - ``PTDP_TEST_LOOP_AT_ITERATION=N``: that rank loops in Python without progress at the start of iteration N
   (once per run directory, as above).
+- ``PTDP_TEST_COMPUTE_AT_ITERATION=N:SECONDS``: one rank (``PTDP_TEST_KILL_RANK``, default 0) computes for
+  SECONDS at the start of iteration N (matmuls, nothing that ticks: live work that reports no progress), once
+  per run directory (as above).
 - ``PTDP_TEST_CRASH_IN_SAVE=N``: every rank exits 17 once the data files of iteration N are written, before
   the commit. ``N:POINT`` instead SIGKILLs one rank (``PTDP_TEST_KILL_RANK``, default the last; rank 0 for
   ``before-latest``, which only rank 0 reaches) once per save directory (``.test-crashed-N-POINT``):
@@ -107,6 +110,18 @@ def loop_at_iteration(original, controller, iteration, *args, **kwargs):
     return result
 
 
+def compute_at_iteration(original, controller, iteration, *args, **kwargs):
+    result = original(controller, iteration, *args, **kwargs)
+    at, _, seconds = os.environ["PTDP_TEST_COMPUTE_AT_ITERATION"].partition(":")
+    if int(at) == iteration and _rank() == _victim(0) and _once(_marker(controller, "computed", iteration)):
+        import torch
+
+        a, end = torch.randn(512, 512), time.monotonic() + float(seconds)
+        while time.monotonic() < end:  # the interpreter lock is free inside each matmul
+            a = torch.tanh(a @ a)
+    return result
+
+
 # -- PTDP_TEST_CRASH_IN_SAVE -----------------------------------------------------------------------------
 
 def _crash_in_save(iteration: int, point: str, tmp: Path, rank: int) -> None:
@@ -186,6 +201,9 @@ PATCHES = {
     ],
     "PTDP_TEST_LOOP_AT_ITERATION": [
         ("ptdp.train.controller:RunController.before_iteration", loop_at_iteration),
+    ],
+    "PTDP_TEST_COMPUTE_AT_ITERATION": [
+        ("ptdp.train.controller:RunController.before_iteration", compute_at_iteration),
     ],
     "PTDP_TEST_CRASH_IN_SAVE": [
         ("torch.distributed.checkpoint:save", crash_after_data_files),
