@@ -222,14 +222,16 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face GPT-2, Llama, Mixtral, Qwen2-MoE or DeepSeek-V3)")
+                        help="output format (Hugging Face, in the model's family: GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3, "
+                             "Qwen3-MoE or DeepSeek-V3)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe or deepseek_v3)")
+                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe, qwen3, qwen3_moe "
+                             "or deepseek_v3)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")
