@@ -361,3 +361,91 @@ def test_validate_touches_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
     startup_problems(config)
     assert (tmp_path / "tl").is_dir()
+
+
+# -- one door for communication ---------------------------------------------------------------------------
+
+# torch.distributed's communication: its collectives and point-to-point calls. What else it offers manages
+# process groups or names types (new_group, get_rank, get_world_size, get_global_rank, get_backend,
+# is_initialized, init_process_group, destroy_process_group, ReduceOp, P2POp ...) and is called directly.
+COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list",
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "all_gather_object",
+    "gather", "gather_object", "scatter", "scatter_object_list",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+    "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+    "barrier", "monitored_barrier",
+})
+# torch's other doors to collectives (functional and autograd-aware ones), which would bypass the recorder
+COLLECTIVE_MODULES = ("torch.distributed._functional_collectives", "torch.distributed.nn")
+DOOR = ROOT / "observability" / "communication.py"
+
+
+def _is_torch_distributed(node: ast.expr, aliases: set[str]) -> bool:
+    """``dist`` (a name bound to torch.distributed), ``torch.distributed`` or ``torch.distributed.distributed_c10d``."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    if isinstance(node, ast.Attribute) and node.attr == "distributed_c10d":
+        return _is_torch_distributed(node.value, aliases)
+    return (isinstance(node, ast.Attribute) and node.attr == "distributed" and isinstance(node.value, ast.Name)
+            and node.value.id == "torch")
+
+
+def _raw_communication(path: Path) -> list[str]:
+    """Where ``path`` reaches a torch.distributed collective or point-to-point call itself: an attribute
+    (``dist.all_reduce(...)``, ``dist.P2POp(dist.isend, ...)``, ``torch.distributed.barrier()``), a
+    ``getattr`` of one, an import of one, or an import of torch's functional collectives."""
+    tree = ast.parse(path.read_text())
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    label = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path.name
+    where = lambda node, what: f"{label}:{node.lineno} {what}"  # noqa: E731
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and _is_torch_distributed(node.value, aliases):
+            found.append(where(node, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and _is_torch_distributed(node.args[0], aliases)
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in COLLECTIVES):
+            found.append(where(node, f"getattr {node.args[1].value}"))
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            found += [where(node, f"import {a.name}") for a in node.names if a.name in COLLECTIVES]
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [where(node, f"import {m}") for m in modules if m.startswith(COLLECTIVE_MODULES)]
+    return found
+
+
+def test_every_collective_goes_through_the_door():
+    """Every collective and point-to-point call of ptdp goes through ptdp/observability/communication.py,
+    which records it in the flight recorder before issuing it: a call made around it would be invisible
+    to the hang watchdog's report. No exception is listed: the door sits in the lowest layer that every
+    caller may import (pyproject.toml), the observability's own straggler gather and barrier included."""
+    found = [f for path in sorted(ROOT.rglob("*.py")) if path != DOOR for f in _raw_communication(path)]
+    assert found == [], f"use ptdp.observability.communication instead: {found}"
+    assert _raw_communication(DOOR)  # the door itself is where they are
+
+
+def test_the_door_check_sees_every_spelling(tmp_path):
+    """The control: each way of reaching a collective around the door is found, group management is not."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch import distributed as d2\n"
+        "from torch.distributed import all_gather_object, new_group\n"
+        "import torch.distributed._functional_collectives as funcol\n"
+        "def f(x, g):\n"
+        "    dist.all_reduce(x, group=g)\n"
+        "    d2.barrier()\n"
+        "    torch.distributed.broadcast(x, 0)\n"
+        "    ops = [dist.P2POp(dist.isend, x, 1, g)]\n"
+        "    getattr(dist, 'reduce_scatter_single', None)\n"
+        "    torch.distributed.distributed_c10d.all_to_all_single(x, x)\n"
+        "    return dist.get_rank(g), dist.get_world_size(g), dist.new_group([0]), dist.ReduceOp.MAX\n")
+    found = [f.split(" ", 1)[1] for f in _raw_communication(path)]
+    assert sorted(found) == sorted(["import all_gather_object", "import torch.distributed._functional_collectives",
+                                    "all_reduce", "barrier", "broadcast", "isend", "getattr reduce_scatter_single",
+                                    "all_to_all_single"])

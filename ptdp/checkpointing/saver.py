@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import storage
 from ptdp.checkpointing.sharded import Boxes, BoxSavePlanner
+from ptdp.observability import communication
 
 
 def stage(state_dict: dict) -> dict:
@@ -99,7 +100,7 @@ class CheckpointWriter:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            communication.barrier(group=self.group, action="checkpoint")
 
     def _write(self, root: Path, iteration: int, staged: dict, info: dict | None, keep_last: int | None,
                on_commit, ours: frozenset[int] = frozenset()) -> None:
@@ -117,7 +118,7 @@ class CheckpointWriter:
         lines = storage.fsync_and_hash(tmp, self.rank, self.world_size)
         if self.group is not None:
             shares: list = [None] * self.world_size
-            dist.all_gather_object(shares, lines, group=self.group)
+            communication.all_gather_object(shares, lines, group=self.group, action="checkpoint_hashes")
             lines = [line for share in shares for line in share]
         if self.rank == 0:
             storage.commit(root, iteration, keep_last, lines, ours)
@@ -133,7 +134,7 @@ def verify_data_files(directory: Path, rank: int, world_size: int) -> None:
     problem = storage.data_file_problem(directory, rank, world_size)
     if world_size > 1:
         problems: list = [None] * world_size
-        dist.all_gather_object(problems, problem)
+        communication.all_gather_object(problems, problem, action="checkpoint_verify")
         found = [p for p in problems if p is not None]
         problem = min(found) if found else None
     if problem is not None:

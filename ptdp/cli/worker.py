@@ -46,11 +46,13 @@ def _teardown(code: int) -> None:
     teardown wait, and the launcher restarts or stops the job anyway."""
     import torch.distributed as dist
 
+    from ptdp.observability import communication
+
     if not dist.is_initialized():
         return
     if code and dist.get_backend() == "gloo":  # every rank raised: let all finish talking before teardown
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=60))
+            communication.monitored_barrier(timeout=timedelta(seconds=60), action="teardown")
         except RuntimeError:
             pass
     dist.destroy_process_group()

@@ -1,10 +1,14 @@
 """What each rank is doing, cheaply: a ring buffer of its last communication operations and counters of
 every kind of progress, read by the hang watchdog's thread (``ptdp/observability/watchdog.py``).
 
-Call sites record each communication just before issuing it::
+Each communication is recorded just before it is issued, by the one door every ptdp call to
+``torch.distributed`` goes through (``ptdp/observability/communication.py``)::
 
-    flight_recorder.record("all_reduce", group=group, tensor=tensor)
-    flight_recorder.record("p2p", group=group, peer=peer, tensor=tensor, action="send_forward")
+    communication.all_reduce(tensor, group=group, action="dp_grads")
+    # records ("all_reduce", group, shape and dtype of tensor, "dp_grads"), then calls dist.all_reduce
+
+What is not a call to torch (the pipeline's wait for a posted receive, an evaluation batch) is recorded
+with :func:`record` directly.
 
 and report compute as it completes: :func:`tick` once per executor action and per layer (forward and
 backward, hooked by ``ptdp/observability/liveness.py``), :func:`progress` at every iteration boundary.

@@ -89,7 +89,9 @@ class DeviceProgress:
 
 # --- the main thread -----------------------------------------------------------------------------------
 
-_COMM_FILES = ("torch/distributed/", "ptdp/parallel/pipeline/p2p.py")
+# a frame in one of these files is inside a communication call (the door of every ptdp collective, the
+# pipeline's transport, which waits for its receives)
+_COMM_FILES = ("torch/distributed/", "ptdp/observability/communication.py", "ptdp/parallel/pipeline/p2p.py")
 _WAITS = {"wait", "wait_for", "wait_sends", "barrier", "monitored_barrier"}
 
 

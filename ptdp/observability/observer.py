@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ptdp.config import Config
+from ptdp.observability import communication
 from ptdp.observability.summary import run_summary, summary_line
 from ptdp.observability.timeline import Timeline, merge_timelines
 
@@ -55,7 +56,7 @@ class RunObserver:
         self.timeline.iteration = None  # stop recording
         self.timeline.save()
         if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
+            communication.barrier(action="timeline")
         if self.rank == 0:
             path = merge_timelines(self.timeline.directory)
             print(f" timeline of iterations {self.timeline.first}-{self.timeline.last}: {path} "

@@ -13,7 +13,8 @@ from __future__ import annotations
 import statistics
 
 import torch
-import torch.distributed as dist
+
+from ptdp.observability import communication
 
 
 def gather_rows(row: list[float], world_size: int, device: torch.device) -> list[list[float]]:
@@ -23,7 +24,7 @@ def gather_rows(row: list[float], world_size: int, device: torch.device) -> list
         return [list(row)]
     local = torch.tensor(row, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
+    communication.all_gather(gathered, local, action="rank_report")
     return torch.stack(gathered).tolist()
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.parallel.collectives import group_size
 
 
@@ -31,8 +30,7 @@ def global_grad_norm_tensor(counted: Sequence[torch.Tensor], groups: Iterable, d
         total = torch.stack(torch._foreach_norm([g.float() for g in counted], 2.0)).square().sum()
     for group in groups:
         if group_size(group) > 1:
-            flight_recorder.record("all_reduce", group=group, tensor=total, action="grad_norm")
-            dist.all_reduce(total, group=group)
+            communication.all_reduce(total, group=group, action="grad_norm")
     return total.sqrt()
 
 

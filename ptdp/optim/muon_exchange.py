@@ -31,10 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.optim.muon_units import Unit
 from ptdp.parallel.collectives import group_rank, group_size
 
@@ -106,8 +105,8 @@ def _all_to_all(group, size: int, sends: list[list[torch.Tensor]], recv: list[in
     flat = [t.reshape(-1) for seg in sends for t in seg]
     inp = torch.cat(flat) if flat else torch.empty(0, device=device)
     out = torch.empty(sum(recv), device=device)
-    flight_recorder.record("all_to_all", group=group, tensor=out, action=action)
-    dist.all_to_all_single(out, inp, recv, [sum(t.numel() for t in seg) for seg in sends], group=group)
+    communication.all_to_all_single(out, inp, recv, [sum(t.numel() for t in seg) for seg in sends], group,
+                                    action=action)
     return list(out.split(recv))
 
 

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from ptdp.models.moe import moe_layer_names
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.ops.weight_grad import compute_at_once
 from ptdp.parallel.collectives import all_gather, group_size, split
 from ptdp.parallel.data.protocol import GradReducer
@@ -86,12 +85,10 @@ class LossReduction:
 
     def __call__(self, loss: Tensor) -> Tensor:
         if group_size(self.pipeline) > 1:
-            flight_recorder.record("all_reduce", group=self.pipeline, tensor=loss, action="loss")
-            dist.all_reduce(loss, group=self.pipeline)
+            communication.all_reduce(loss, group=self.pipeline, action="loss")
         n = group_size(self.replicas)
         if n > 1:
-            flight_recorder.record("all_reduce", group=self.replicas, tensor=loss, action="loss")
-            dist.all_reduce(loss.div_(n), group=self.replicas)
+            communication.all_reduce(loss.div_(n), group=self.replicas, action="loss")
         return loss
 
 
@@ -218,10 +215,10 @@ def build_p2p(plan: ParallelPlan) -> P2PComm | None:
     numel = shape[0] * shape[1] * shape[2]
     # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
     # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
-    dist.all_reduce(torch.zeros(1, device=g.device), group=g.pp_group)
+    communication.all_reduce(torch.zeros(1, device=g.device), group=g.pp_group, action="pipeline_warm_up")
     groups = direction_groups(g.dims, g.rank)  # issue 26: one communicator per direction
     for group in groups.values():
-        dist.all_reduce(torch.zeros(1, device=g.device), group=group)
+        communication.all_reduce(torch.zeros(1, device=g.device), group=group, action="pipeline_warm_up")
     scatter_gather = plan.scatter_gather
     return P2PComm(groups=groups,
         pp_ranks=g.pipeline_ranks(), shape=shape, device=g.device, group=g.pp_group, dtype=plan.dtype,

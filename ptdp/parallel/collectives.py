@@ -4,6 +4,9 @@ Megatron's ``f`` (identity forward, all-reduce backward) enters a tensor-paralle
 (all-reduce forward, identity backward) leaves it (paper §2.3, ptdp-facts.md §Communication). Sequence
 parallelism (Korthikanti et al.) replaces each all-reduce by an all-gather/reduce-scatter pair along the
 sequence dimension. All of them are no-ops for a group of one rank, so a t=1 run costs nothing.
+
+Here ``group=None`` means no parallelism (a group of one). The calls themselves go through the door of
+``ptdp.observability.communication`` (torch's semantics, each call recorded by the flight recorder).
 """
 
 from __future__ import annotations
@@ -11,44 +14,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 
-
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """``output`` := the group's ``input`` tensors concatenated along dim 0 (one flat collective).
-
-    torch >= 2.10 names it ``all_gather_single``; older versions (the package supports torch >= 2.4) only
-    have ``all_gather_into_tensor``. Looked up at call time, so every caller (TP, ZeRO-1) shares the
-    fallback and a test can hide the new name.
-    """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    flight_recorder.record("all_gather", group=group, tensor=input)
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """``output`` := this rank's 1/n slice (dim 0) of the sum of the group's ``input``; see all_gather_single."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    flight_recorder.record("reduce_scatter", group=group, tensor=input)
-    return fn(output, input, group=group, async_op=async_op)
-
-
-_all_gather_single = all_gather_single  # the names this module used before
-_reduce_scatter_single = reduce_scatter_single
+# The flat collectives of the door, re-exported for the parallelisms (TP, ZeRO, recomputation) that use them.
+all_gather_single = communication.all_gather_single
+reduce_scatter_single = communication.reduce_scatter_single
 
 
 def group_size(group) -> int:
+    """The size of ``group``; 1 for None (no parallelism, in this module's convention)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
+    """This rank's index in ``group``; 0 for None."""
     return 0 if group is None else dist.get_rank(group)
 
 
 def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place (nothing for a group of one rank, or None)."""
     if group_size(group) > 1:
-        flight_recorder.record("all_reduce", group=group, tensor=tensor)
-        dist.all_reduce(tensor, group=group)
+        communication.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -64,7 +50,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
         return tensor
     dim = dim % tensor.dim()
     flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(flat, tensor.contiguous().view(-1), group=group)
+    all_gather_single(flat, tensor.contiguous().view(-1), group=group)
     return gathered_along(flat, tensor.shape, world, dim)
 
 
@@ -86,7 +72,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if world == 1:
         return tensor
     blocks, out = rank_major(tensor, world, dim % tensor.dim())
-    _reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
     return out
 
 

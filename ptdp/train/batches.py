@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ptdp.data import get_microbatch
 from ptdp.data.documents import DocumentOptions, cu_seqlens, loss_mask, positions
 from ptdp.models.documents import DocumentLayout
+from ptdp.observability import communication
 from ptdp.ops.document_attention import DocumentAttention
 from ptdp.parallel import ParallelState
 from ptdp.parallel.collectives import group_size
@@ -136,7 +136,7 @@ class Microbatches:
         local = sum(self._load(j).mask.sum() for j in range(self.num_microbatches))
         count = local.to(torch.float64).reshape(1)
         if group_size(self.state.dp_cp_group) > 1:
-            dist.all_reduce(count, group=self.state.dp_cp_group)
+            communication.all_reduce(count, group=self.state.dp_cp_group, action="loss_tokens")
         self._global_count = count.clamp(min=1.0)
 
     def loss_weights(self, microbatch: int) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import ConfigError
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication, flight_recorder
 from ptdp.observability.liveness import DeviceProgress, watch_layers
 from ptdp.observability.watchdog import Watchdog
 from ptdp.runtime import interrupt
@@ -173,6 +173,6 @@ class RunController:
         if not self.distributed:  # one process: no tensor, so no host-device sync either
             return [bool(f) for f in flags]
         values = torch.tensor([float(f) for f in flags])  # a host tensor: no GPU stream is involved
-        flight_recorder.record("all_reduce", tensor=values, action="agree (SIGTERM, SIGINT, NaN)")
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._agree_group)
+        communication.all_reduce(values, op=dist.ReduceOp.MAX, group=self._agree_group,
+                                 action="agree (SIGTERM, SIGINT, NaN)")
         return [bool(v) for v in values.tolist()]

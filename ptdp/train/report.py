@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.models import flops
-from ptdp.observability import straggler
+from ptdp.observability import communication, straggler
 from ptdp.optim.memory import memory_fields, memory_row, model_states_at_start
 from ptdp.parallel.pipeline.executor import ScheduleStats
 from ptdp.schedule.registry import bubble_fraction_formula
@@ -57,7 +57,7 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
     row = [idle / max(idle + busy, 1e-12), stats.peak_in_flight, stats.peak_saved_bytes]
     if plan.world > 1:
         worst = to_device(torch.tensor(row, dtype=torch.float64), plan.groups.device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        communication.all_reduce(worst, op=dist.ReduceOp.MAX, action="schedule_stats")
         row = worst.tolist()
     bubble, in_flight, saved = row
     ratio = bubble_fraction_formula(plan.p, len(trainer.chunks), plan.m, plan.schedule,

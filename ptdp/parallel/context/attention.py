@@ -27,9 +27,9 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ptdp.observability import communication
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.ring import ring_backward, ring_forward
 
@@ -151,7 +151,7 @@ def _all_to_all(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.T
     c = group_size(group)
     send = torch.stack(x.chunk(c, dim=split_dim)).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    communication.all_to_all_single(recv, send, group=group, action="cp_a2a")
     return torch.cat(recv.unbind(0), dim=cat_dim)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ptdp.observability import communication
 from ptdp.parallel.collectives import group_rank, group_size
 
 
@@ -23,12 +24,13 @@ def ring_exchange(x: torch.Tensor, group, rank: int, size: int) -> tuple[torch.T
     recv = torch.empty_like(x)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
-                                    dist.P2POp(dist.irecv, recv, prv, group)])
+    ops = [communication.send_op(x, nxt, group), communication.recv_op(recv, prv, group)]
+    works = communication.batch_isend_irecv(ops, group, action="cp_ring")
     return recv, works
 
 
 def wait_all(works: list) -> None:
+    """Wait on each work of an exchange (gloo gives one per operation, NCCL one for the batch)."""
     for work in works:
         work.wait()
 

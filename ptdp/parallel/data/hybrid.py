@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ptdp.observability import communication
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.data.reducer import Composite, Gatherer
 
@@ -27,7 +28,9 @@ class Hybrid(Composite):
 
     def finish_grad_sync(self) -> None:
         super().finish_grad_sync()
-        handles = [dist.all_reduce(b.shard, group=self.replica_group, async_op=True) for b in self.buckets]
+        group = self.replica_group
+        handles = [communication.all_reduce(b.shard, group=group, async_op=True, action="hybrid_grads")
+                   for b in self.buckets]
         for handle in handles:
             handle.wait()
 

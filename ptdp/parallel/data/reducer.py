@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.ops.weight_grad import grad_deferred
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size, reduce_scatter_single
 from ptdp.parallel.data.buffer import Bucket, FlatBuffer, Storage
@@ -142,8 +142,7 @@ class NoShard:
         bucket.handle = self._reduce(bucket)
 
     def _reduce(self, bucket: Bucket) -> dist.Work:
-        flight_recorder.record("all_reduce", group=self.group, tensor=bucket.grad_data, action="dp_grads")
-        return dist.all_reduce(bucket.grad_data, group=self.group, async_op=True)
+        return communication.all_reduce(bucket.grad_data, group=self.group, async_op=True, action="dp_grads")
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.handle is not None:
@@ -164,7 +163,8 @@ class Optim(NoShard):
 
     def _reduce(self, bucket: Bucket) -> dist.Work:
         if bucket.grad_data.device.type != "cpu":
-            return reduce_scatter_single(bucket.shard, bucket.grad_data, group=self.group, async_op=True)
+            return reduce_scatter_single(bucket.shard, bucket.grad_data, group=self.group, async_op=True,
+                                         action="dp_grads")
         return super()._reduce(bucket)  # gloo: reduce-scatter is an all-reduce of a copy; this one is in place
 
     def all_gather_params(self) -> None:
@@ -179,13 +179,12 @@ class Optim(NoShard):
         b = bucket
         if b.param_data.device.type != "cpu":  # in place: this rank's shard is a view of the output
             own = b.param_data[b.shard_start:b.shard_end]
-            return [all_gather_single(b.param_data, own, group=self.group, async_op=True)]
+            return [all_gather_single(b.param_data, own, self.group, async_op=True, action="zero_params")]
         size = b.shard_end - b.shard_start  # gloo: one broadcast per owner (module docstring)
         handles = []
         for r in range(self.size):
-            flight_recorder.record("broadcast", group=self.group, tensor=b.param_data[:size], action="zero_params")
-            handles.append(dist.broadcast(b.param_data[r * size:(r + 1) * size], src=self._ranks[r],
-                                          group=self.group, async_op=True))
+            handles.append(communication.broadcast(b.param_data[r * size:(r + 1) * size], self._ranks[r],
+                                                   group=self.group, async_op=True, action="zero_params"))
         return handles
 
 

@@ -45,11 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ptdp.models.moe import Dispatcher, Local
 from ptdp.models.pieces import Transfer
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.parallel.collectives import (
     all_gather,
     all_gather_single,
@@ -83,8 +82,8 @@ class AllToAllTransfer:
 
 def _all_to_all_async(x: torch.Tensor, group, send: list[int], recv: list[int], what: str) -> Works:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    flight_recorder.record("all_to_all", group=group, tensor=x, action=what)
-    return Works([dist.all_to_all_single(out, x.contiguous(), recv, send, group=group, async_op=True)], (out,))
+    work = communication.all_to_all_single(out, x.contiguous(), recv, send, group, async_op=True, action=what)
+    return Works([work], (out,))
 
 
 class GatherTransfer:
@@ -258,8 +257,7 @@ def _counts_all_to_all(counts: torch.Tensor, group) -> torch.Tensor:
     """``[e, E/e]``: how many pairs each rank of the group sends to each of this rank's experts."""
     e = group_size(group)
     out = torch.empty_like(counts)
-    flight_recorder.record("all_to_all", group=group, tensor=counts, action="moe_counts")
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    communication.all_to_all_single(out, counts.contiguous(), group=group, action="moe_counts")
     return out.view(e, -1)
 
 

@@ -1,8 +1,9 @@
-"""Point-to-point transport between pipeline ranks: one ``dist.batch_isend_irecv`` per run of SEND/RECV.
+"""Point-to-point transport between pipeline ranks: one ``batch_isend_irecv`` per run of SEND/RECV.
 
 The executor hands ``P2PComm`` each run of consecutive SEND/RECV actions of its list; they go out in ONE
-``dist.batch_isend_irecv`` call (Megatron's send_forward_recv_backward and its 4-op interleaved batch,
-generalised), so a send and the receives that stand beside it are posted together. Where the list puts
+``batch_isend_irecv`` call (Megatron's send_forward_recv_backward and its 4-op interleaved batch,
+generalised; through ``ptdp.observability.communication``, which records it in the flight recorder), so a
+send and the receives that stand beside it are posted together. Where the list puts
 them is what makes NCCL safe (``ptdp.schedule.communication.place_communication``; ``ptdp.simulate.nccl.model``
 checks the calls made here). Sends are waited on at the end of the schedule and receives when their tensor
 is consumed, so communication overlaps compute. Messages between two ranks are matched first-in first-out.
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication, flight_recorder
 from ptdp.schedule.actions import Action
 
 Hook = Callable[[Tensor], Tensor]
@@ -117,8 +118,8 @@ class P2PComm:
             action = self._expected.popleft()
             buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
             peer, group = self.pp_ranks[action.peer], self._group(action.op[-1])
-            flight_recorder.record("irecv", group=group, peer=peer, tensor=buf, action=repr(action))
-            self._early[message_key(action)] = PendingRecv(buf, _Batch([dist.irecv(buf, peer, group)], 1), 0)
+            work = communication.irecv(buf, peer, group, action=repr(action))
+            self._early[message_key(action)] = PendingRecv(buf, _Batch([work], 1), 0)
 
     def issue(self, sends: Sequence[tuple[Action, Tensor]], recvs: Sequence[Action]) -> dict:
         """Post sends and receives in one batch (one per direction with ``groups``); return
@@ -143,19 +144,17 @@ class P2PComm:
         ops: list[dist.P2POp] = []
         for action, tensor in sends:
             payload = self.pack(tensor) if self.pack is not None else tensor
-            ops.append(dist.P2POp(dist.isend, payload.contiguous(), self.pp_ranks[action.peer], group))
+            ops.append(communication.send_op(payload.contiguous(), self.pp_ranks[action.peer], group))
         buffers = []
         for action in recvs:
             buf = torch.empty(self.packed_shape or self.shape, dtype=self.dtype, device=self.device)
             buffers.append((action, buf, len(ops)))
-            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[action.peer], group))
+            ops.append(communication.recv_op(buf, self.pp_ranks[action.peer], group))
         if not ops:
             return {}
         self._reap_sends()
-        flight_recorder.record("batch_isend_irecv", group=group, peer=[op.peer for op in ops],
-                               tensor=[op.tensor for op in ops],
-                               action=" ".join(map(repr, [a for a, _ in sends] + list(recvs))))
-        batch = _Batch(dist.batch_isend_irecv(ops), len(ops))
+        what = " ".join(map(repr, [a for a, _ in sends] + list(recvs)))
+        batch = _Batch(communication.batch_isend_irecv(ops, group, action=what), len(ops))
         if sends:
             self._sends.append((batch, [op.tensor for op in ops[: len(sends)]]))
         return {message_key(a): PendingRecv(buf, batch, i) for a, buf, i in buffers}

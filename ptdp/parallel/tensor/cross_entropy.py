@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ptdp.models.layers import mask_padding_
+from ptdp.observability import communication
 from ptdp.parallel.collectives import all_reduce, group_rank, group_size
 
 
@@ -48,7 +49,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         buf = logits.float()
         logits_max = buf.max(dim=-1).values
         if group_size(group) > 1:
-            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group)
+            communication.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=group,
+                                     action="logits_max")
         buf.sub_(logits_max.unsqueeze(-1))  # shifted
 
         local = buf.shape[-1]

@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ptdp.models.pieces import Done
-from ptdp.observability import flight_recorder
+from ptdp.observability import communication
 from ptdp.parallel.collectives import (
     all_gather_single,
     gathered_along,
@@ -48,8 +47,7 @@ class Issued:
 
 def _all_reduce(tensors: tuple, group) -> Issued:
     x = tensors[0].contiguous()
-    flight_recorder.record("all_reduce", group=group, tensor=x)
-    return Issued(dist.all_reduce(x, group=group, async_op=True), lambda: (x,))
+    return Issued(communication.all_reduce(x, group=group, async_op=True), lambda: (x,))
 
 
 def _all_gather(tensors: tuple, group, dim: int) -> Issued:

@@ -22,18 +22,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ptdp.models.layers import mask_padding_
+from ptdp.observability import communication
 from ptdp.parallel.collectives import all_gather, group_size
 
 
 def tp_sum(x: Tensor, group) -> Tensor:
+    """``x`` summed over the tensor-parallel ``group``, in place (nothing for one rank)."""
     if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        communication.all_reduce(x, group=group, action="vocab_sum")
     return x
 
 
 def tp_max(x: Tensor, group) -> Tensor:
+    """``x``'s elementwise maximum over the tensor-parallel ``group``, in place (nothing for one rank)."""
     if group_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        communication.all_reduce(x, op=dist.ReduceOp.MAX, group=group, action="vocab_max")
     return x
 
 

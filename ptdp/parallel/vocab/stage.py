@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.models import GPTModel
 from ptdp.models.mtp import MultiTokenPrediction, ShiftLabels
+from ptdp.observability import communication
 from ptdp.parallel.collectives import group_rank, group_size
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
@@ -270,28 +270,30 @@ class VocabStage(ModuleStage):
 
     # ---- collectives -------------------------------------------------------------------------------
     def collective(self, action) -> None:
-        op, mb, group = action.op, action.microbatch, self.pp_group
+        op, mb = action.op, action.microbatch
+        first, last = self.pp_ranks[self.first_rank], self.pp_ranks[self.last_rank]
+        issue = {"group": self.pp_group, "async_op": True, "action": repr(action)}  # recorded as the action
         if op == "EMB":  # with MTP the last stage reads the rows too
             buf = self._buf["EMB", 0]
-            work = dist.all_reduce(buf, group=group, async_op=True) if self.mtp else \
-                dist.reduce(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
+            work = (communication.all_reduce(buf, **issue) if self.mtp
+                    else communication.reduce(buf, first, **issue))
         elif op == "BCAST_H":
             buf = self._buf.get(("H", mb))
             if buf is None:
                 buf = self._buf["H", mb] = torch.empty(self._hidden_shape(), dtype=self._dtype())
-            work = dist.broadcast(buf, self.pp_ranks[self.last_rank], group=group, async_op=True)
+            work = communication.broadcast(buf, last, **issue)
         elif op == "C0":
             mine = self._buf.pop(("S", mb))
             out = [torch.empty_like(mine) for _ in range(self.p)]
             self._buf["C0", mb] = out
-            work = dist.all_gather(out, mine, group=group, async_op=True)
+            work = communication.all_gather(out, mine, **issue)
         elif op == "C1":
             buf = self._buf.pop(("C1", mb))
-            work = dist.reduce(buf, self.pp_ranks[self.last_rank], group=group, async_op=True)
+            work = communication.reduce(buf, last, **issue)
         elif op == "EMB_G":  # with MTP both ends hold gradients of the rows
             buf = self._emb_grads()
-            work = dist.all_reduce(buf, group=group, async_op=True) if self.mtp else \
-                dist.broadcast(buf, self.pp_ranks[self.first_rank], group=group, async_op=True)
+            work = (communication.all_reduce(buf, **issue) if self.mtp
+                    else communication.broadcast(buf, first, **issue))
         else:
             raise ValueError(f"unknown vocabulary collective {op}")
         self._works[op, mb] = work
