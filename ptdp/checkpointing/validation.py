@@ -63,9 +63,12 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
               and (key != "disable_bias_norm" or model.normalization != "RMSNorm")]  # RMSNorm has no bias
     # --seq-length is a training setting (any length up to the positions the model was built for); a learned
     # position table's rows are a shape (checkpoints from before --max-position-embeddings: their --seq-length)
-    rows = saved.get("max_position_embeddings") or saved.get("seq_length")
-    if model.position_embedding_type == "learned_absolute" and rows != (model.max_position_embeddings or model.seq_length):
-        diffs.append(f"--max-position-embeddings {rows} there, {model.max_position_embeddings or model.seq_length} here")
+    rows, here_rows = saved.get("max_position_embeddings") or saved.get("seq_length"), (model.max_position_embeddings
+                                                                                      or model.seq_length)
+    if model.position_embedding_type == "learned_absolute" and rows != here_rows:
+        neither = saved.get("max_position_embeddings") is None and model.max_position_embeddings is None
+        flag = "--seq-length" if neither else "--max-position-embeddings"  # the flag that sized each table
+        diffs.append(f"{flag} {rows} there, {here_rows} here")
     if vocab_size is not None and vocab_size != saved.get("vocab_size"):
         diffs.append(f"--vocab-size {saved.get('vocab_size')} there, {vocab_size} here")
     if diffs:

@@ -68,10 +68,6 @@ class MegatronOptimizer:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     @property
     def loss_scale(self) -> float:
         """Multiply the loss by this before the backward (1.0 unless --fp16)."""
