@@ -231,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is None:  # the `ptdp` console script (not a call from Python): Ctrl-C as ptdp/runtime/interrupt.py says
         install_for_command(sys.argv[1:])
+        # torch's OpenMP threads otherwise spin while they wait for each other: on a machine busy with other
+        # work a one-process run then went 12x slower (BENCHMARKS.md, "Threads of a one-process run"); sleeping
+        # instead costs little on an idle one. Set before torch loads; the user's own setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     args = parse(build_parser(), argv)
     code = args.run(args)

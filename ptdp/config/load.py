@@ -115,7 +115,8 @@ def add_field_arguments(parser: Any, section: type, names: tuple[str, ...] | Non
         help_text = help_with_default(f.metadata["help"], default if f.name in defaults else default_of(f))
         extra = (overrides or {}).get(f.name, {})
         if _base_type(f) == "bool":
-            action = "store_false" if default_of(f) is True else "store_true"  # --no-x, --muon-no-split-qkv
+            # --no-x, --muon-no-split-qkv; a field may ask for both spellings (argparse.BooleanOptionalAction)
+            action = f.metadata["argparse"].get("action") or ("store_false" if default_of(f) is True else "store_true")
             parser.add_argument(flag_of(f), *f.metadata["aliases"], dest=f.name,
                                 **{"action": action, "default": default, "help": help_text, **extra})
             continue

@@ -9,6 +9,7 @@ problem, pure) and ``derive`` (resolved values, a new object).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,9 +148,10 @@ class OptimizerConfig:
     num_distributed_optimizer_instances: int = opt(
         1, "hybrid sharding: shard within d/K data-parallel ranks, replicate over the K groups")
     reshard_after_forward: bool = opt(
-        False, "ZeRO-3: free a chunk's gathered parameters after each run of its forwards and gather them "
-        "again for its backward (less memory, more all-gathers); default: keep each chunk gathered from its "
-        "first to its last use in the step (measured faster, BENCHMARKS.md)")
+        True, "ZeRO-3 (the paper's stage 3): free gathered parameters after their forward and gather them again "
+        "for their backward: per transformer layer, the next one prefetched, without a pipeline; per run of a "
+        "chunk's forwards with one. --no-reshard-after-forward keeps each chunk gathered from its first to its "
+        "last use in the step (more memory, fewer all-gathers; docs/zero.md)", action=argparse.BooleanOptionalAction)
     optimizer_cpu_offload: bool = opt(False, "ZeRO-Offload: the optimizer's state and element-wise step on the host "
                                       "(pinned buffers; ptdp/optim/offload.py)")
     optimizer: str = opt("adam", optimizers.optimizer_help(), choices=list(optimizers.CHOICES))
