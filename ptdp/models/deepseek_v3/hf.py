@@ -293,13 +293,3 @@ def import_model(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelCon
     cfg = with_mtp(cfg, moe, hf_config, hf)
     return cfg, moe, from_hf_state(hf, cfg, moe)
 
-
-def export(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None,
-           source: str) -> tuple[dict[str, torch.Tensor], Any]:
-    """HF tensors and ``DeepseekV3Config`` of a ptdp model (``source`` names it in the one-line refusal)."""
-    import transformers
-
-    problem = export_problem(cfg, moe)
-    if problem:
-        raise DeepSeekConversionError(f"{source}: {problem}")
-    return to_hf_state(tensors, cfg, moe), transformers.DeepseekV3Config(**hf_config_kwargs(cfg, moe, bos, eos))
