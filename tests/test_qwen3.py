@@ -222,3 +222,22 @@ def _qk_norm_grads(rank: int, world_size: int, out: str) -> None:
 def test_per_head_qk_norm_gradients_are_summed_over_the_tensor_parallel_heads(tmp_path):
     pooled_spawn(_qk_norm_grads, 2, tmp_path, str(tmp_path / "ok"))
     assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
+
+
+@pytest.mark.parametrize("kind,change,fragment", [
+    ("dense", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=true"),
+    ("dense", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types ['sliding_attention']"),
+    ("dense", {"attention_bias": True}, "attention_bias=true"),
+    ("moe", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("moe", {"mlp_only_layers": [0, 1]}, "no MoE layer"),
+])
+def test_what_qwen3_cannot_compute_is_refused_at_import_in_one_line(tmp_path, capsys, kind, change, fragment):
+    hf_model(tmp_path / "hf", kind)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(change)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["import", "--format", "hf", "--in", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "ckpt").exists()
