@@ -3,8 +3,8 @@
 Every stage is synthetic, so compute time is known exactly and the CPU count does not matter: a stage's
 forward sleeps t_F, its input gradient (I) t_B, its weight gradient (W) t_W, and a full backward (B)
 t_B + t_W, each chunk 1/v of that so every schedule does the same work. The papers' case (Qi et al.;
-ptdp-facts.md, §Beyond the paper: zero-bubble) is t_F = t_B = t_W, the default. The ideal step time is
-m·(t_F+t_B+t_W)·(1 + bubble_fraction_formula(p, v, m, schedule)) with free communication (ptdp-facts.md,
+docs/references.md, §Zero-bubble and V schedules) is t_F = t_B = t_W, the default. The ideal step time is
+m·(t_F+t_B+t_W)·(1 + bubble_fraction_formula(p, v, m, schedule)) with free communication (docs/references.md,
 §Schedules); ``bubble_fraction`` is the measured step time over m·(t_F+t_B+t_W), minus one.
 
 ptdp's side runs ``ptdp.parallel.pipeline.run_schedule`` on ``SleepStage`` (the ``PipelineStage`` protocol with

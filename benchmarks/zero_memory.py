@@ -6,7 +6,7 @@ reads the last metrics record: ``model_state_bytes_per_rank`` (distinct storages
 gradient buffers, main parameters and Adam state, counted from the tensors held: ptdp/optim/memory.py),
 ``peak_resident_bytes_per_rank`` (each worker's VmHWM) and, on a GPU, ``peak_allocated_bytes_per_rank``
 (``torch.cuda.max_memory_allocated``). The formula is 16 -> 8 + 8/d bytes per parameter in fp32 and
-18 -> 6 + 12/d with ``--bf16`` (ptdp-facts.md, §Memory); the Adam saving is the difference, and the
+18 -> 6 + 12/d with ``--bf16`` (docs/references.md, §Memory); the Adam saving is the difference, and the
 goal is that peak resident memory falls by at least 80% of it.
 
     python benchmarks/zero_memory.py                 # a 25M-parameter GPT (fast on a small CPU box)

@@ -217,7 +217,7 @@ def _sharding_errors(config: Config, d: int) -> list[str]:
 
 def _context_parallel_errors(config: Config) -> list[str]:
     """``--context-parallel-size`` and ``--cp-comm-type``: the 2c load-balanced chunks must be equal
-    (ptdp-facts.md, §context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
+    (docs/references.md, §Context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
     kernels take no attention dropout (one mask over s/c tokens cannot reproduce the full mask)."""
     m, par = config.model, config.parallel
     c, t = par.context_parallel_size, par.tensor_model_parallel_size

@@ -355,7 +355,7 @@ def _bubble_words(schedule: str) -> str:
 
 
 def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
-    """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
+    """The best layout explained with the paper's takeaways (docs/references.md, §Configuration takeaways)."""
     from ptdp.planner.memory import model_state_bytes_per_param
 
     c, mem, times = best.config, best.memory, best.times

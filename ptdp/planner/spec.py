@@ -1,6 +1,6 @@
 """What the planner plans for: the model, the cluster, the training setup, and one parallel layout.
 
-Vocabulary follows Megatron-Core and ptdp-facts.md: t tensor, p pipeline, d data parallel size, v model
+Vocabulary follows Megatron-Core and docs/references.md, §Notation: t tensor, p pipeline, d data parallel size, v model
 chunks per pipeline rank, b micro-batch size, m = B/(b·d) microbatches per pipeline per iteration.
 """
 
@@ -207,9 +207,9 @@ class TrainingSpec:
     """Per-iteration workload and numerics.
 
     ``precision``: "fp16" (the paper: fp16 grads, 20 bytes/param) or "bf16" (Megatron: fp32 main grads,
-    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: an ``--optimizer`` name, whose state bytes per
+    18 bytes/param); see docs/references.md, §Memory. ``optimizer``: an ``--optimizer`` name, whose state bytes per
     parameter are its ``ptdp.config.optimizers.OptimizerSpec``'s (AdamW 8, its two moments; SGD and Muon's
-    hidden matrices 4, one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
+    hidden matrices 4, one momentum; docs/references.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
     reduction during the last microbatch's backward (modern Megatron); the paper's runs did not.
     """
 

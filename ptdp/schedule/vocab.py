@@ -1,7 +1,7 @@
 """Vocabulary parallelism across pipeline stages (Yeung et al. 2024): the schedule side.
 
 The input embedding and the output layer with its cross-entropy are split by vocabulary over all p
-pipeline ranks (ptdp-facts.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
+pipeline ranks (docs/references.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
 so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with them:
 
 * ``EF`` (once per iteration, first): this rank's rows of the embedding for every microbatch's ids; the

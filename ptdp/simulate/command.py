@@ -2,7 +2,7 @@
 
 The model (``ptdp.simulate.core``) runs exactly the action lists the executor runs (``ptdp.schedule.registry``).
 
-Bubble fraction follows the paper (ptdp-facts.md, §Schedules): idle time over busy time, so that GPipe and
+Bubble fraction follows the paper (docs/references.md, §Schedules): idle time over busy time, so that GPipe and
 1F1B give (p-1)/m and interleaved (p-1)/(v·m) in the ideal case; ``idle_fraction`` is idle over total.
 """
 

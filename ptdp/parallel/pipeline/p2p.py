@@ -10,8 +10,8 @@ is consumed, so communication overlaps compute. Messages between two ranks are m
 On gloo the receives go out a few ahead of their batch (:meth:`P2PComm.expect`; docs/pipeline-communication.md).
 
 ``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
-1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
-§Communication per microbatch). Activations and their gradients have the same shape, so one packed shape
+1/t of the activation and all-gathers it in the tensor-parallel group on arrival (docs/references.md,
+§Communication). Activations and their gradients have the same shape, so one packed shape
 serves both directions.
 
 With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks, issue 26) the

@@ -9,7 +9,7 @@ through ``RecordingComm`` (a transport that records instead of sending):
     {"wait": i}                          the compute stream waits for this rank's i-th issue
     {"compute": [op, microbatch, local_chunk]}
 
-and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
+and plays it under the semantics of docs/references.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
 
 * a rank's issues on one communicator run on that communicator's NCCL stream in issue order: issue i
   starts once the previous issue on the same communicator completed and the compute stream has run
