@@ -276,7 +276,7 @@ def report_for(args, m: int, raw: dict) -> dict:
 
 
 def goals(report: dict, work: float) -> list[str]:
-    """The issue's goals (issue 13) that this run can judge, each with its verdict."""
+    """The schedules' goals that this run can judge, each with its verdict."""
     lines = []
     for name in ("zbv", "zb-h2"):
         if name in report:
@@ -286,7 +286,7 @@ def goals(report: dict, work: float) -> list[str]:
         ratio = report["zb-h1"]["ours_s"] / report["1f1b"]["ours_s"]
         lines.append(f"zb-h1 <= 0.8 x 1f1b: {ratio:.3f} -> {'met' if ratio <= 0.8 else 'NOT met'}")
     for name, r in report.items():
-        if name == "dualpipev" and r["time_over_torch"] is not None:  # issue 38: no slower than torch's
+        if name == "dualpipev" and r["time_over_torch"] is not None:  # no slower than torch's
             verdict = "met" if r["time_over_torch"] <= 1 else "NOT met"
             lines.append(f"dualpipev no slower than torch ScheduleDualPipeV: {r['time_over_torch']:.3f} -> {verdict}")
         elif name in ZERO_BUBBLE and r["time_over_torch"] is not None:

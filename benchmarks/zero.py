@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (issue 23): model-state bytes, peak memory and iteration time per strategy, on 4 CPU
+"""ZeRO stages 1-3: model-state bytes, peak memory and iteration time per strategy, on 4 CPU
 processes, against ZeRO's formulas and against ``no_shard`` measured in the same run.
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy

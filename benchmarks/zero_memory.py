@@ -1,4 +1,4 @@
-"""ZeRO-1's memory (issue 32): model-state bytes and peak memory per rank, with and without
+"""ZeRO-1's memory: model-state bytes and peak memory per rank, with and without
 ``--use-distributed-optimizer``, measured in the same run, against ZeRO's/Megatron's formulas.
 
 Each case trains a GPT for a few iterations with ``ptdp train`` on d = 4 CPU processes (t = p = 1) and
@@ -10,7 +10,7 @@ gradient buffers, main parameters and Adam state, counted from the tensors held:
 goal is that peak resident memory falls by at least 80% of it.
 
     python benchmarks/zero_memory.py                 # a 25M-parameter GPT (fast on a small CPU box)
-    python benchmarks/zero_memory.py --model 85m     # the issue's 85M GPT (12 layers, hidden 768)
+    python benchmarks/zero_memory.py --model 85m     # the reference 85M GPT (12 layers, hidden 768)
     python benchmarks/zero_memory.py --bf16 --json
 """
 

@@ -30,12 +30,12 @@ and value width of G query groups (G = a without GQA):
 * RMSNorm, rotary embeddings and the element-wise ops are not counted (as LayerNorm and GeLU are not);
   an untied output layer costs the same logit FLOPs as a tied one.
 
-Mixture of experts (``moe``, a :class:`MoEShape`; issue 25): FLOPs and "active" parameters count what a token
+Mixture of experts (``moe``, a :class:`MoEShape`): FLOPs and "active" parameters count what a token
 goes through -- the router ``2·B·s·h·E``, its k experts' MLPs (``k`` times the MLP term with the experts'
 hidden size), the shared expert's MLP and its gate ``2·B·s·h`` -- in the ``moe_layers`` MoE layers; the total
 parameter count holds all E experts.
 
-Multi-latent attention (``mla``, an :class:`MLAShape`; issue 41) replaces the attention projections by its
+Multi-latent attention (``mla``, an :class:`MLAShape`) replaces the attention projections by its
 five (``MLAShape.projections``: the down and up projections of queries and keys/values, and the output), and
 the scores and weighted values by ``2·B·s²·a·(d_k + d_r)`` and ``2·B·s²·a·d_v``; its two latent norms add
 parameters. Multi-token prediction (``mtp_num_layers`` D) adds per module a transformer layer (MoE when the

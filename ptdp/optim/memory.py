@@ -173,7 +173,7 @@ class HeldStates:
     """:func:`model_state_bytes`' total for the training loop's reports, walked again only when the tensors
     held are not the same objects as at the previous report: in steady state they are (the optimizer's state
     appears at the first step, a resume loads into the tensors there), and the walk's ``untyped_storage`` of
-    some 200 tensors was a third of the loop's own time per logged iteration at nanoGPT's size (issue 42).
+    some 200 tensors was a third of the loop's own time per logged iteration at nanoGPT's size.
     ZeRO-3 frees and regathers parameter storages inside the same tensors: walked every time there."""
 
     def __init__(self) -> None:

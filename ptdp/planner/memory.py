@@ -243,7 +243,7 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     state, rest_state = spec.matrix_state_bytes, spec.state_bytes  # Muon's rest_state: its AdamW part
     # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
     per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, rest_state)
-    # expert parameters shard over their expert-data-parallel group instead (issue 25)
+    # expert parameters shard over their expert-data-parallel group instead
     expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg), rest_state)
     saved = state - rest_state  # per hidden-matrix parameter, sharded like the rest of the state
     matrix = hidden_matrix_fraction(model, t, cfg) if spec.matrices_apart else 0.0

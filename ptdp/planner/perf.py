@@ -333,7 +333,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
     checked = ranks_to_check(cfg, model.num_layers)
     params = max(parameters_per_rank(model, t, p, r, cfg) for r in checked)
-    # expert parameters reduce over their expert-data-parallel group, after the dense ones (issue 25)
+    # expert parameters reduce over their expert-data-parallel group, after the dense ones
     expert = max(experts.expert_parameters_per_rank(model, cfg, rank_layers(model.num_layers, cfg)[r]) for r in checked)
     params -= expert
     grad_bytes = 2 if train.precision == "fp16" else 4

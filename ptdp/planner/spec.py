@@ -45,7 +45,7 @@ class GPTSpec:
     # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
     # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
     attention_length: float | None = None
-    multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
+    multi_latent_attention: bool = False  # MLA with ModelConfig's sizes
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
     qk_head_dim: int = 128
@@ -234,7 +234,7 @@ class ParallelConfig:
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved when v > 1
     context_parallel_size: int = 1  # c: each sample's sequence over c ranks (world = t·c·d·p)
     cp_comm_type: str = "p2p"  # ring attention (p2p), Ulysses (a2a) or allgather
-    # issue 24: an uneven layout (Megatron's layout string; None: even) and vocabulary parallelism
+    # an uneven layout (Megatron's layout string; None: even) and vocabulary parallelism
     pipeline_model_parallel_layout: str | None = None
     enable_vocab_parallel: bool = False
     disable_fb_fusion: bool = False  # with enable_vocab_parallel: two barriers per microbatch
@@ -242,11 +242,11 @@ class ParallelConfig:
     # hybrid sharding (--num-distributed-optimizer-instances K: shards over d·c/K ranks, K replicas)
     sharding_strategy: str = "no_shard"
     distributed_optimizer_instances: int = 1
-    # issue 25, a mixture of experts: e, etp (None: t, as Megatron-Core) and the dispatcher (planner/experts.py)
+    # a mixture of experts: e, etp (None: t, as Megatron-Core) and the dispatcher (planner/experts.py)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"  # ptdp train's (and Megatron-LM's) default
-    # issue 38: combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
+    # combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
     overlap_moe_expert_parallel_comm: bool = False
 
     @property

@@ -15,7 +15,7 @@ so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with
 * ``EMB_G`` and ``EB`` (once, last): the first stage's embedding-output gradients to every rank, which adds
   them into its rows.
 
-With multi-token prediction (issue 41) the last stage embeds tokens too: its F waits for EMB, which then
+With multi-token prediction the last stage embeds tokens too: its F waits for EMB, which then
 reaches every rank (an all-reduce), and EMB_G sums both ends' gradients; S and T carry the MTP modules'
 heads beside the model's (``ptdp.parallel.vocab``). The actions and their order do not change.
 

@@ -18,7 +18,7 @@ Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
 * ``allgather``: all-gather K/V, attend with a mask from the real positions; its backward reduce-scatters
   dK/dV. The simplest, O(s) memory per rank; the reference the other two are checked against.
 
-Values may be narrower than q and k (MLA, issue 41): K and V travel as one block; flash kernels pad V.
+Values may be narrower than q and k (MLA): K and V travel as one block; flash kernels pad V.
 """
 
 from __future__ import annotations
