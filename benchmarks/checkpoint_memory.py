@@ -1,4 +1,4 @@
-"""Memory a checkpoint save costs each rank with the distributed optimizer (issue 23: shard-by-shard saves).
+"""Memory a checkpoint save costs each rank with the distributed optimizer (shard-by-shard saves).
 
     python benchmarks/checkpoint_memory.py [--json]                        # this tree
     python benchmarks/checkpoint_memory.py --strategy optim_grads_params   # ZeRO-3: the weights are pieces too

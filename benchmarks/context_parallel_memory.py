@@ -1,4 +1,4 @@
-"""Peak activation memory per rank against the sequence length under context parallelism (issue 15).
+"""Peak activation memory per rank against the sequence length under context parallelism.
 
 Each case trains one iteration of a small GPT with ``ptdp train`` on c real CPU processes (t = p = d = 1,
 ``--context-parallel-size c``) and reads ``peak_activation_bytes``: the bytes autograd saved for

@@ -1,6 +1,6 @@
-"""CPU workers' memory and speed under glibc's default malloc against a pinned mmap threshold (issue 43).
+"""CPU workers' memory and speed under glibc's default malloc against a pinned mmap threshold.
 
-    python benchmarks/cpu_allocator.py --json                  # the issue's case, 2 rounds
+    python benchmarks/cpu_allocator.py --json                  # the reference case, 2 rounds
     python benchmarks/cpu_allocator.py --layers 2 --seq 256    # smaller, quicker
 
 glibc serves an allocation of at least the *mmap threshold* with its own ``mmap`` and gives it back to the
@@ -11,7 +11,7 @@ keeps the high-water mark of whatever pattern of sizes it ever had -- a feature 
 not show in the RSS. ``MALLOC_MMAP_THRESHOLD_`` (or ``mallopt``) pins the threshold and turns the dynamic
 rule off: every tensor of at least that size is its own mapping, returned when freed.
 
-Each case trains the issue's model (t = 2 on 2 CPU processes, h = 256, s = 1024, b = 8, 8 layers, fp32)
+Each case trains the reference model (t = 2 on 2 CPU processes, h = 256, s = 1024, b = 8, 8 layers, fp32)
 through ``ptdp train`` for ``--iters`` iterations, with and without ``--sequence-parallel``, under ptdp's
 launcher default (the threshold pinned, ``--cpu-mmap-threshold 1048576``) and under glibc's own dynamic
 threshold (``--cpu-mmap-threshold 0``). Reported per case: the workers' peak RSS, ptdp's

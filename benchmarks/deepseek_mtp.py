@@ -1,4 +1,4 @@
-"""Multi-token prediction under vocabulary parallelism (issue 41): rank balance and iteration time.
+"""Multi-token prediction under vocabulary parallelism: rank balance and iteration time.
 
 A DeepSeek-style dense model (MLA, RMSNorm, SwiGLU, untied output), h=256, 8 layers, s=128, V=64k, with 2 MTP
 modules, p=4 on 4 CPU processes (1F1B), in one run:

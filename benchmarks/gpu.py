@@ -7,8 +7,8 @@
     python benchmarks/gpu.py --json --skip-plain --optimizer-cpu-offload    # Adam on the host
     python benchmarks/gpu.py --json --skip-plain --loss-curve 200           # + 200 iterations' losses
 
-``benchmarks/gpu_suite.py`` runs these (and the rest of issue 43's GPU checks) in one prepared run;
-``benchmarks/gpu_features.py`` runs the issue-26 subset. :func:`measure` is what both call.
+``benchmarks/gpu_suite.py`` runs these (and the rest of the GPU checks) in one prepared run;
+``benchmarks/gpu_features.py`` runs the FP8 / CPU-offload / MFU subset. :func:`measure` is what both call.
 
 The GPT-3 1.3B shape (24 layers, h=2048, 16 heads, s=2048, V=50257) in bf16 with the best single-device
 settings: flash SDPA, fused AdamW, ``--compile`` (each transformer layer compiled), dropout off. It is
@@ -106,7 +106,7 @@ def ptdp_setup(args):
     m.compile = not args.no_compile
     m.recompute_granularity, m.checkpoint_in_cpu = args.recompute_granularity, args.checkpoint_in_cpu  # ZeRO-R
     c.precision.bf16 = True
-    c.precision.fp8_format, c.precision.fp8_recipe = args.fp8_format, args.fp8_recipe  # issue 26
+    c.precision.fp8_format, c.precision.fp8_recipe = args.fp8_format, args.fp8_recipe
     o.optimizer_cpu_offload = args.optimizer_cpu_offload
     tr.micro_batch_size, tr.global_batch_size = args.micro_batch_size, args.micro_batch_size * args.microbatches
     tr.train_iters = 10**6

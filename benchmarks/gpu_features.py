@@ -1,4 +1,4 @@
-"""Issue 26's GPU numbers in one run: bf16 MFU of the 1.3B GPT and the Llama-style 1.2B, FP8 over bf16,
+"""The GPU-readiness numbers in one run: bf16 MFU of the 1.3B GPT and the Llama-style 1.2B, FP8 over bf16,
 and ``--optimizer-cpu-offload``'s memory saved and time cost.
 
     python benchmarks/gpu_features.py --json            # one JSON object on stdout

@@ -1,4 +1,4 @@
-"""The parts of ``benchmarks/gpu_suite.py`` (issue 43): each measures one thing on the GPU, or at toy size on
+"""The parts of ``benchmarks/gpu_suite.py``: each measures one thing on the GPU, or at toy size on
 the CPU (``ctx.dry_run``), and reports through ``ctx.emit`` as it goes, so a part stopped by its time budget
 still leaves what it had measured. A part raises :class:`Skipped` when this machine cannot run it (FP8 needs
 compute capability >= 8.9 and torchao) and :class:`NotBuilt` when the feature does not exist yet.
@@ -338,7 +338,7 @@ DOCUMENT_ATTENTION = [("ptdp.ops.document_attention", "document_attention"),
 
 
 def find_document_attention() -> Callable | None:
-    """Issue 40's ``document_attention(q, k, v, cu_seqlens)`` (causal within each document of a packed
+    """The packed-document ``document_attention(q, k, v, cu_seqlens)`` (causal within each document of a packed
     sequence, ``cu_seqlens`` the cumulative lengths), wherever the packing work puts it; None until then."""
     for module, name in DOCUMENT_ATTENTION:
         try:
@@ -355,7 +355,7 @@ def part_document_masking(ctx: PartContext) -> None:
     time of forward + backward of each (goal: roughly the ratio of computed blocks)."""
     fn = find_document_attention()
     if fn is None:
-        raise NotBuilt("document-masked attention (issue 40) is not in ptdp yet: looked for "
+        raise NotBuilt("document-masked attention is not in ptdp yet: looked for "
                        + ", ".join(f"{m}.{n}" for m, n in DOCUMENT_ATTENTION))
     import torch.nn.functional as F
 

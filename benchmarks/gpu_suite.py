@@ -1,4 +1,4 @@
-"""Issue 43's GPU run in one prepared script: everything since the last GPU run, in at most 6 minutes of one
+"""The GPU suite in one prepared script: everything since the last GPU run, in at most 6 minutes of one
 H100, written to ONE JSON file.
 
     python benchmarks/gpu_suite.py --out gpu_suite.json            # on a GPU machine (benchmarks/gpu_suite.sh)
@@ -10,7 +10,7 @@ Llama-1B against plain PyTorch (MFU, time ratio, peak memory); bf16 against FP8 
 200 iterations); the MoE grouped GEMM against the loop; ``--optimizer-cpu-offload``'s memory saved and time
 cost; context parallelism's flash block against math attention at c = 1; ZeRO-3's per-layer gathers over a
 group of one; ZeRO-R's ``--checkpoint-in-cpu``; document-masked attention (reported "not built yet" until
-issue 40 provides it).
+ptdp provides the kernel).
 
 **Isolation.** Each part runs in a process of its own, forked from a server that imported torch once (no
 CUDA context is ever made before the fork), in a session of its own: a crash, an out-of-memory or a hang
@@ -191,7 +191,7 @@ def shape_errors(report: dict, dry_run: bool) -> list[str]:
 
 
 def summary(parts: dict) -> dict:
-    """The issue's figures, each beside its goal (None where the part did not produce it)."""
+    """The suite's figures, each beside its goal (None where the part did not produce it)."""
     def get(part: str, *keys: str):
         value = parts.get(part, {}).get("result", {})
         for key in keys:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 43's GPU run on a lent GPU machine: benchmarks/gpu_suite.py with this checkout on PYTHONPATH, the
+# The GPU suite on a lent GPU machine: benchmarks/gpu_suite.py with this checkout on PYTHONPATH, the
 # JSON (and nvidia-smi's view) written to $OUT (the device tool's result folder) or the current folder.
 #   bash benchmarks/gpu_suite.sh                    # every part, <= 6 minutes on one H100
 #   bash benchmarks/gpu_suite.sh --parts fp8        # a rerun of some parts

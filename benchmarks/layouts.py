@@ -1,4 +1,4 @@
-"""Megatron's uneven pipeline layouts against the even split at a large vocabulary (issue 24).
+"""Megatron's uneven pipeline layouts against the even split at a large vocabulary.
 
 GPT (h=256, 8 layers, V=65,536 by default), p=4 on 4 CPU processes (gloo), 1F1B, each variant one
 ``python -m ptdp train`` run of a few iterations, all in one invocation: the even split (the baseline),

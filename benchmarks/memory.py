@@ -4,7 +4,7 @@ Each case trains one iteration of a small GPT with ``ptdp train`` on 4 real CPU 
 ``peak_activation_bytes``: the bytes autograd saved for backward (saved-tensor hooks in the pipeline
 executor), at their peak over the schedule, on the worst rank. Beside it:
 
-- ``formula_bytes``: the paper's count (Korthikanti et al.; ptdp-facts.md, §Memory),
+- ``formula_bytes``: the paper's count (Korthikanti et al.; docs/references.md, §Memory),
   s·b·h·(34 + 5·a·s/h) bytes per layer per microbatch at 16 bits, x2 for fp32, times the layers of a
   chunk l/(p·v), times the microbatches rank 0 keeps in flight. It knows nothing of t, recomputation
   or sequence parallelism: it is the baseline they shrink.
@@ -16,15 +16,14 @@ executor), at their peak over the schedule, on the worst rank. Beside it:
 
 Dropout is on (0.1), as in the formula, which counts the dropout masks.
 
-The zero-bubble and V schedules (issue 13) keep a stash from its F until its W (the executor frees saved
+The zero-bubble and V schedules keep a stash from its F until its W (the executor frees saved
 bytes at B, or at W when the backward is split). ``stashed_ratio_to_1f1b`` is the prediction from the
 lists themselves: ``schedules.peak_stashed`` on the worst rank times the layers of a chunk, over 1F1B's;
-the papers claim zb-h1 ≈ 1x, zb-h2 ≈ 2x, zbv ≈ 1x, v-half ≈ 0.5x, v-min ≈ 0.33x (ptdp-facts.md, §Beyond
-the paper: zero-bubble and V schedules).
+the papers claim zb-h1 ≈ 1x, zb-h2 ≈ 2x, zbv ≈ 1x, v-half ≈ 0.5x, v-min ≈ 0.33x (docs/references.md, §Zero-bubble and V schedules).
 
 ``korthikanti_bytes`` is Korthikanti et al.'s count with tensor parallelism, s·b·h·(10 + 24/t +
-5·a·s/(h·t)) per layer per microbatch, and s·b·h·(34 + 5·a·s/h)/t with sequence parallelism (issue 32:
-the column-parallel linears keep their s/t-token input, ``ptdp/parallel/sequence/linear.py``);
+5·a·s/(h·t)) per layer per microbatch, and s·b·h·(34 + 5·a·s/h)/t with sequence parallelism (the
+column-parallel linears keep their s/t-token input, ``ptdp/parallel/sequence/linear.py``);
 ``peak_resident_bytes`` is the worst worker's peak RSS (VmHWM) over the run.
 
     python benchmarks/memory.py            # table

@@ -1,4 +1,4 @@
-"""Mixture of experts (issue 25): the cost of the expert computation and of the model, one run.
+"""Mixture of experts: the cost of the expert computation and of the model, one run.
 
     python benchmarks/moe.py                         # every part, CPU, one thread
     python benchmarks/moe.py --json --parts experts model --device cuda --dtype bfloat16

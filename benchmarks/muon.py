@@ -1,4 +1,4 @@
-"""Muon against AdamW (issue 39): the optimizer step's time at d = 1 and d = 4, the Newton–Schulz work spread
+"""Muon against AdamW: the optimizer step's time at d = 1 and d = 4, the Newton–Schulz work spread
 over the data-parallel ranks, memory per rank against the formula, and the loss after N tokens.
 
 ``step``: a ~100M-parameter GPT (14 layers, h = 768, byte vocabulary) is set up as ``ptdp train`` sets it up

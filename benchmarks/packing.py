@@ -1,4 +1,4 @@
-"""Packed documents (issue 40): document-masked attention against full causal attention, and end to end.
+"""Packed documents: document-masked attention against full causal attention, and end to end.
 
     python benchmarks/packing.py attention                  # s = 4096, documents of mean 256, 384, 512
     python benchmarks/packing.py attention --device cuda --dtype bf16

@@ -4,7 +4,7 @@
     python benchmarks/plan_speed.py --model llama3-70b --gpus 512 --json
 
 Both searches run in this process on the same space, the exhaustive one (``search(configs=candidates(...))``,
-what ``ptdp plan`` did before issue 42) first. Printed: wall and CPU seconds of each, their ratio, the
+what ``ptdp plan`` did before the branch and bound) first. Printed: wall and CPU seconds of each, their ratio, the
 layouts each estimated, and whether the answers (the best layout and the runners-up, every field of
 ``--json``) are identical. CPU seconds are the figure to compare on a shared machine.
 """

@@ -1,5 +1,5 @@
 """``ptdp preprocess`` against Megatron-LM's ``tools/preprocess_data.py`` logic, and a large Parquet file in
-bounded memory (issue 27).
+bounded memory.
 
     python benchmarks/preprocess.py --json                       # both parts, one JSON line on stdout
     python benchmarks/preprocess.py --jsonl-mb 20 --workers 2 --parquet-mb 1024

@@ -3,8 +3,8 @@
 Every stage is synthetic, so compute time is known exactly and the CPU count does not matter: a stage's
 forward sleeps t_F, its input gradient (I) t_B, its weight gradient (W) t_W, and a full backward (B)
 t_B + t_W, each chunk 1/v of that so every schedule does the same work. The papers' case (Qi et al.;
-ptdp-facts.md, §Beyond the paper: zero-bubble) is t_F = t_B = t_W, the default. The ideal step time is
-m·(t_F+t_B+t_W)·(1 + bubble_fraction_formula(p, v, m, schedule)) with free communication (ptdp-facts.md,
+docs/references.md, §Zero-bubble and V schedules) is t_F = t_B = t_W, the default. The ideal step time is
+m·(t_F+t_B+t_W)·(1 + bubble_fraction_formula(p, v, m, schedule)) with free communication (docs/references.md,
 §Schedules); ``bubble_fraction`` is the measured step time over m·(t_F+t_B+t_W), minus one.
 
 ptdp's side runs ``ptdp.parallel.pipeline.run_schedule`` on ``SleepStage`` (the ``PipelineStage`` protocol with
@@ -276,7 +276,7 @@ def report_for(args, m: int, raw: dict) -> dict:
 
 
 def goals(report: dict, work: float) -> list[str]:
-    """The issue's goals (issue 13) that this run can judge, each with its verdict."""
+    """The schedules' goals that this run can judge, each with its verdict."""
     lines = []
     for name in ("zbv", "zb-h2"):
         if name in report:
@@ -286,7 +286,7 @@ def goals(report: dict, work: float) -> list[str]:
         ratio = report["zb-h1"]["ours_s"] / report["1f1b"]["ours_s"]
         lines.append(f"zb-h1 <= 0.8 x 1f1b: {ratio:.3f} -> {'met' if ratio <= 0.8 else 'NOT met'}")
     for name, r in report.items():
-        if name == "dualpipev" and r["time_over_torch"] is not None:  # issue 38: no slower than torch's
+        if name == "dualpipev" and r["time_over_torch"] is not None:  # no slower than torch's
             verdict = "met" if r["time_over_torch"] <= 1 else "NOT met"
             lines.append(f"dualpipev no slower than torch ScheduleDualPipeV: {r['time_over_torch']:.3f} -> {verdict}")
         elif name in ZERO_BUBBLE and r["time_over_torch"] is not None:

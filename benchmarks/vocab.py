@@ -1,4 +1,4 @@
-"""Vocabulary parallelism (issue 24): iteration time, rank balance and memory balance against the baseline.
+"""Vocabulary parallelism: iteration time, rank balance and memory balance against the baseline.
 
 GPT, h=256, 8 layers, p=4 on 4 CPU processes (1F1B), for each vocabulary size V in one run:
 
@@ -35,7 +35,7 @@ VARIANTS = {
     "vocab-1": ["--enable-vocab-parallel"],
     "vocab-2": ["--enable-vocab-parallel", "--disable-fb-fusion"],
 }
-# The uneven layout issue 24's other half found fastest at V = 64k (benchmarks/layouts.py, BENCHMARKS.md):
+# The uneven layout found fastest at V = 64k (benchmarks/layouts.py, BENCHMARKS.md):
 # no transformer layer on the last stage, which keeps the output layer and the loss.
 LAYOUT = "Ett|ttt|ttt|L"
 

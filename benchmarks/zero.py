@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (issue 23): model-state bytes, peak memory and iteration time per strategy, on 4 CPU
+"""ZeRO stages 1-3: model-state bytes, peak memory and iteration time per strategy, on 4 CPU
 processes, against ZeRO's formulas and against ``no_shard`` measured in the same run.
 
     python benchmarks/zero.py                      # ~100M GPT, d=4 and p=2 x d=2, every strategy
@@ -14,7 +14,7 @@ the metrics JSONL: ``model_state_bytes_per_rank`` (distinct storages held after 
 ptdp/optim/memory.py), ``peak_memory_bytes_per_rank`` (each worker's resident-set high-water mark over
 the last iteration; device memory on a GPU; ``MALLOC_MMAP_THRESHOLD_`` = 128 KiB, as in
 checkpoint_memory.py, so tensors freed mid-step go back to the system instead of staying in glibc's heap) and the median ``iteration_time_s`` after the first iteration.
-Formulas (fp32 Adam, Ψ = a rank's parameters, measured as no_shard's bytes / 16; ptdp-facts.md §ZeRO):
+Formulas (fp32 Adam, Ψ = a rank's parameters, measured as no_shard's bytes / 16; docs/references.md, §ZeRO):
 no_shard 16Ψ, optim 8Ψ + 8Ψ/d, optim_grads 4Ψ + 12Ψ/d, optim_grads_params 16Ψ/d. Stage 3 also holds, during
 the step, the gathered parameters of its chunks (4Ψ; ptdp keeps a chunk gathered through its backward).
 Goals: stage 3 states <= 1.05 x 16Ψ/d (+ a chunk's gathered parameters, which the step's peak shows),

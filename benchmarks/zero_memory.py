@@ -1,4 +1,4 @@
-"""ZeRO-1's memory (issue 32): model-state bytes and peak memory per rank, with and without
+"""ZeRO-1's memory: model-state bytes and peak memory per rank, with and without
 ``--use-distributed-optimizer``, measured in the same run, against ZeRO's/Megatron's formulas.
 
 Each case trains a GPT for a few iterations with ``ptdp train`` on d = 4 CPU processes (t = p = 1) and
@@ -6,11 +6,11 @@ reads the last metrics record: ``model_state_bytes_per_rank`` (distinct storages
 gradient buffers, main parameters and Adam state, counted from the tensors held: ptdp/optim/memory.py),
 ``peak_resident_bytes_per_rank`` (each worker's VmHWM) and, on a GPU, ``peak_allocated_bytes_per_rank``
 (``torch.cuda.max_memory_allocated``). The formula is 16 -> 8 + 8/d bytes per parameter in fp32 and
-18 -> 6 + 12/d with ``--bf16`` (ptdp-facts.md, §Memory); the Adam saving is the difference, and the
+18 -> 6 + 12/d with ``--bf16`` (docs/references.md, §Memory); the Adam saving is the difference, and the
 goal is that peak resident memory falls by at least 80% of it.
 
     python benchmarks/zero_memory.py                 # a 25M-parameter GPT (fast on a small CPU box)
-    python benchmarks/zero_memory.py --model 85m     # the issue's 85M GPT (12 layers, hidden 768)
+    python benchmarks/zero_memory.py --model 85m     # the reference 85M GPT (12 layers, hidden 768)
     python benchmarks/zero_memory.py --bf16 --json
 """
 

@@ -104,7 +104,7 @@ def _cycles(graph) -> list[list[str]]:
 
 
 def test_no_import_cycle_anywhere_in_the_package():
-    """Issues 22 and 37: no module imports, directly or not, one that imports it back -- lazy imports inside
+    """No module imports, directly or not, one that imports it back -- lazy imports inside
     functions and ``typing.TYPE_CHECKING`` imports included (a circle closed only for the types is a circle of
     the design all the same; lint-imports counts them too)."""
     grimp = pytest.importorskip("grimp")  # installed with import-linter (the dev extra)
@@ -114,7 +114,7 @@ def test_no_import_cycle_anywhere_in_the_package():
     assert _cycles(graph)
 
 
-# --- Issue 37: nothing parallel is set on nn.Parameter outside ptdp/parallel/placement.py -------------------
+# --- Nothing parallel is set on nn.Parameter outside ptdp/parallel/placement.py ----------------------------
 
 # The attributes ptdp used to hang on parameters (and read back with getattr); their successors are the
 # fields of ``Placement``, ``DeferredInit`` and ``GradReducer.allocate_main_grad``.

@@ -123,3 +123,66 @@ def test_the_check_sees_a_stale_name():
     assert checked == 9
     assert bad == ["ptdp.optim.grad_buffer.GradBuckets", "ptdp.parallel.assembly.Assembly.no_such_member",
                    "ptdp.parallel.dims.ParallelState.tp_rank.real", "ptdp/parallel/tensor_parallel.py"]
+
+
+# --- The sources cite the repository's own pages, never the project's history or files outside it ------------
+
+REFERENCES = ROOT / "docs" / "references.md"
+OUTSIDE = "ptdp" + "-facts"  # a notes file beside the repository (split so this file does not name it)
+HISTORY = re.compile(r"\b[Ii]ssues? #?\d+")  # an issue number instead of what the code does
+CITATION = re.compile(r"docs/references\.md,? (§[^)]*)")  # up to the citation's closing parenthesis
+SECTION = re.compile(r"§(?=[A-Za-z])")
+SCANNED = ("ptdp", "benchmarks", "tests", "docs", "examples")
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".json", ".toml", ".sbatch", ".txt", ".cfg", ".yaml", ".yml"}
+
+
+def _sources() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "BENCHMARKS.md"]
+    for top in SCANNED:
+        files += [p for p in sorted((ROOT / top).rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
+    return files
+
+
+def _headings() -> list[str]:
+    return [line.lstrip("#").strip() for line in REFERENCES.read_text().splitlines() if line.startswith("#")]
+
+
+def _bad_sections(text: str, headings: list[str]) -> list[str]:
+    """The ``§`` names of ``docs/references.md`` citations in ``text`` that start no heading of the page."""
+    flat = re.sub(r"\s+", " ", text)
+    bad = []
+    for cite in CITATION.finditer(flat):
+        span = cite.group(1)[:200]
+        for mark in SECTION.finditer(span):
+            name = span[mark.end():]
+            if not any(name.startswith(h) for h in headings):
+                bad.append(name[:40])
+    return bad
+
+
+def test_sources_cite_no_issue_numbers_and_no_outside_notes():
+    found = []
+    for path in _sources():
+        text = path.read_text(errors="replace")
+        rel = path.relative_to(ROOT)
+        found += [f"{rel}: {OUTSIDE}" for _ in range(OUTSIDE in text)]
+        found += [f"{rel}: {m.group(0)!r}" for m in HISTORY.finditer(text)]
+    assert not found, "say what the code does, not where it came from:\n" + "\n".join(found)
+
+
+def test_every_references_citation_names_a_section_of_the_page():
+    headings = _headings()
+    assert {"Schedules", "Memory", "ZeRO", "Vocabulary parallelism", "Muon"} <= set(headings)
+    bad = [f"{p.relative_to(ROOT)}: §{name}" for p in _sources() for name in _bad_sections(p.read_text(errors="replace"), headings)]
+    assert not bad, "no such section in docs/references.md:\n" + "\n".join(bad)
+    own = re.sub(r"\s+", " ", REFERENCES.read_text())  # the page's own cross-references
+    stale = [own[m.end():m.end() + 40] for m in SECTION.finditer(own)
+             if not any(own[m.end():].startswith(h) for h in headings)]
+    assert not stale, stale
+
+
+def test_the_citation_check_sees_a_missing_section():
+    headings = ["Memory", "Zero-bubble and V schedules"]
+    assert _bad_sections("(docs/references.md, §Memory and §Zero-bubble and V schedules)", headings) == []
+    assert _bad_sections("(docs/references.md,\n    §Beyond the paper)", headings) == ["Beyond the paper"]
+    assert HISTORY.search("the fix (" + "issue" + " 24)") and not HISTORY.search("issues nothing")

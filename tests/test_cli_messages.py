@@ -1,5 +1,5 @@
 """The command line a new user meets: argument parsing as Megatron-LM's, Megatron-LM's defaults, and one
-clear line (exact first words, exit code, nothing written) for each mistake of issue #31."""
+clear line (exact first words, exit code, nothing written) for each common mistake."""
 
 from __future__ import annotations
 

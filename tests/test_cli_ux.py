@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 42): ``ptdp simulate --out`` after ``pip install -e .`` (no
+"""What a new user meets first: ``ptdp simulate --out`` after ``pip install -e .`` (no
 matplotlib), "did you mean" for a mistyped command, ``--help`` texts, ``generate --load`` of a directory
 that does not exist, and the pipeline metrics' bubble fraction within [0, 1]. In-process, fast."""
 

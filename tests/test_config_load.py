@@ -1,4 +1,4 @@
-"""Loading, validating and deriving the configuration (issue #22, "one validation"): TOML values checked
+"""Loading, validating and deriving the configuration (one validation for every source): TOML values checked
 against the field types, unknown keys and tables one line each, every problem reported at once, a pure
 ``validate``, a ``derive`` that returns a new object, and one schedule registry behind every check."""
 

@@ -27,7 +27,7 @@ from ptdp.parallel.context.attention import (
 )
 
 # (batch, heads, kv_heads, seq, head_dim): a small case, a long one (s=256), grouped-query attention
-# (b, heads, kv_heads, s, d, d_v): the last, multi-latent attention's narrower values (issue 41)
+# (b, heads, kv_heads, s, d, d_v): the last, multi-latent attention's narrower values
 CASES = [(2, 4, 4, 16, 8, 8), (1, 4, 4, 256, 16, 16), (2, 4, 2, 32, 8, 8), (2, 4, 4, 16, 12, 8)]
 COMM_TYPES = ["p2p", "a2a", "allgather"]
 
@@ -228,7 +228,7 @@ def _ring_in_one_process(q, k, v, dout, c: int, dtype=None):
 @pytest.mark.parametrize("kernel", ["cpu-flash", "math"])
 @pytest.mark.parametrize("c", [2, 4])
 def test_flash_blocks_merged_by_lse_equal_full_attention(monkeypatch, kernel, c):
-    """Issue 26: the ring's math (one flash call per block returning its LSE, blocks merged by the LSE, the
+    """The ring's math (one flash call per block returning its LSE, blocks merged by the LSE, the
     backward per block from the merged output and LSE) against one full causal SDPA, on the CPU, with
     the CPU flash kernel and with the explicit fallback."""
     import ptdp.parallel.context.attention as cp

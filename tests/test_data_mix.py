@@ -1,4 +1,4 @@
-"""Changing the data mix at a resume (issue 30): a blend A 0.5 / B 0.5 trains 8 iterations and saves; runs
+"""Changing the data mix at a resume: a blend A 0.5 / B 0.5 trains 8 iterations and saves; runs
 resume it with A 0.2 / B 0.5 / C 0.3 (uninterrupted, at another d, and SIGKILLed then resumed) or with the
 same blend. What every rank trained on is recorded microbatch by microbatch and matched with ``ptdp samples``,
 whose ``dataset_sample`` (the index in that dataset's own order) then shows: no sample twice, each dataset

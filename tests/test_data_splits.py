@@ -1,4 +1,4 @@
-"""Megatron-LM's per-split datasets, ``--skip-train`` and ``--full-validation`` (issue 42), and the norm
+"""Megatron-LM's per-split datasets, ``--skip-train`` and ``--full-validation``, and the norm
 biases off with the linear ones (``--disable-bias-norm``).
 
 Equivalence: ``--train-data-path X`` is ``--data-path X --split 100,0,0`` (the same samples, the same

@@ -1,4 +1,4 @@
-"""DeepSeek-V3-style models in one process (issue 41): the multi-token prediction loss against a
+"""DeepSeek-V3-style models in one process: the multi-token prediction loss against a
 hand-written reference, the sigmoid router's group-limited choice and the expert-bias update against their
 formulas, the flags' one-line refusals, FLOPs and the planner's counts. (Every parallel layout equal to one
 process: tests/test_deepseek_parallel.py; the model against Hugging Face's DeepSeek-V3:
@@ -310,5 +310,5 @@ def test_plan_places_deepseek_v3_on_h800s_with_an_uneven_pipeline():
     assert invalid_reason(spec, report, cluster, train) is None
     estimate = evaluate(spec, report, cluster, train)
     assert estimate.fits and estimate.memory.total > 20 * 2**30
-    overlapped = dataclasses.replace(report, overlap_moe_expert_parallel_comm=True)  # not with MTP yet (issue 38)
+    overlapped = dataclasses.replace(report, overlap_moe_expert_parallel_comm=True)  # not with MTP yet
     assert "--mtp-num-layers" in invalid_reason(spec, overlapped, cluster, train)

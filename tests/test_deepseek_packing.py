@@ -1,4 +1,4 @@
-"""DeepSeek-V3 with packed documents (issues 40 and 41): multi-latent attention inside documents.
+"""DeepSeek-V3 with packed documents: multi-latent attention inside documents.
 
 A packed sample through an imported random Hugging Face ``DeepseekV3ForCausalLM`` (MLA with YaRN and its own
 softmax scale, values narrower than the keys) with ``--reset-position-ids --reset-attention-mask`` equals its

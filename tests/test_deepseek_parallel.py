@@ -1,7 +1,7 @@
-"""DeepSeek-V3-style models under every parallelism (issue 41, phase 2): ``ptdp train --model tiny-deepseek``
+"""DeepSeek-V3-style models under every parallelism: ``ptdp train --model tiny-deepseek``
 (MLA, the sigmoid router with its expert bias and groups, a shared expert, a first dense layer, one MTP
 module) equal to one process in the LM loss, the MTP loss, the gradient norm, the final weights and the
-expert biases, in one spawn of every layout the issue names -- (t, e) = (2, 2) folded with sequence
+expert biases, in one spawn of every layout of interest -- (t, e) = (2, 2) folded with sequence
 parallelism, p = 4 interleaved with MTP on the last stage, p = 4 with vocabulary parallelism carrying the MTP
 heads, c = 2 with MLA, ZeRO-3 with zbv -- and a resume that restores the biases; plus the NCCL model on
 every schedule's vocabulary passes with the MTP heads' embedding on the last stage."""

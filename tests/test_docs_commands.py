@@ -1,4 +1,4 @@
-"""Every fenced ``ptdp ...`` command of README.md and docs/*.md works as written (issue 42).
+"""Every fenced ``ptdp ...`` command of README.md and docs/*.md works as written.
 
 Three tiers, so the whole file stays within about a minute on two cores:
 

@@ -1,4 +1,4 @@
-"""``ptdp plan`` prices the overlapped pairs (issue 38): dualpipev and combined 1F1B hide a MoE layout's token
+"""``ptdp plan`` prices the overlapped pairs: dualpipev and combined 1F1B hide a MoE layout's token
 movement up to the other microbatch's compute, the search proposes them for MoE layouts at e > 1 only, and
 combined 1F1B's bubble is that of its own timed lists (under 1f1b at p > 1 each pair waits for its
 neighbour's)."""

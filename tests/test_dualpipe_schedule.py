@@ -1,4 +1,4 @@
-"""DualPipeV and combined 1F1B as schedule data (issue 38): the lists, their bubble and memory, torch's
+"""DualPipeV and combined 1F1B as schedule data: the lists, their bubble and memory, torch's
 ``ScheduleDualPipeV`` as the outside reference, and the NCCL model on the overlapped pairs.
 
 Pure, except the torch reference (its ``PipelineStage`` needs a process group: p gloo ranks build torch's

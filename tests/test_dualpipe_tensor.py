@@ -1,5 +1,5 @@
-"""Tensor-parallel collectives as exchanges of the overlapped pairs (issue 38: "dense models overlap their
-pipeline sends and tensor-parallel collectives the same way").
+"""Tensor-parallel collectives as exchanges of the overlapped pairs: dense models overlap their
+pipeline sends and tensor-parallel collectives the same way.
 
 Run in pieces under t > 1, a transformer layer cuts at its tensor-parallel collectives (``Linear.entry`` /
 ``exit``, ``ptdp.parallel.tensor.transfers``): the attention's and the MLP's input region (``f``: backward

@@ -1,4 +1,4 @@
-"""DualPipeV and combined 1F1B (issue 38) train the same model as one process: loss and gradient norm per
+"""DualPipeV and combined 1F1B train the same model as one process: loss and gradient norm per
 iteration, final weights.
 
 The overlapped pairs run as interleaved pieces (``ptdp.parallel.pipeline.overlap``, ``ptdp.models.pieces``):

@@ -1,4 +1,4 @@
-"""What a CPU can prove of the GPU fast path (issue 12): collectives on old torch, no host syncs in the
+"""What a CPU can prove of the GPU fast path: collectives on old torch, no host syncs in the
 steady state, the in-place cross entropy, RNG streams, and device-independent checkpoints.
 
 The GPU half (the same code on CUDA, bf16, sync-debug mode) is tests/test_gpu.py (``pytest -m gpu``).

@@ -1,5 +1,5 @@
 """FLOPs, parameters and the planner for Llama-family models, against values derived by hand from
-ptdp-facts.md §Llama-family layers (and against the real model's parameter count)."""
+docs/references.md, §Llama-family layers (and against the real model's parameter count)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``--fp8-format`` (issue 26): flags, clear errors where FP8 cannot run, and torchao's FP8 GEMMs wired into
+"""``--fp8-format``: flags, clear errors where FP8 cannot run, and torchao's FP8 GEMMs wired into
 the transformer layers only. On the CPU the FP8 casts run emulated (torchao's ``emulate=True``: the same
 scales and fp8 rounding, high-precision GEMMs); the real FP8 GEMMs are in the GPU tier (``pytest -m gpu``)."""
 

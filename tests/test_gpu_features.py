@@ -1,4 +1,4 @@
-"""The GPU tier for what came after the last GPU run (issue 43): each feature's single-GPU code path on CUDA
+"""The GPU tier for what came after the last GPU run: each feature's single-GPU code path on CUDA
 against the same computation on the CPU, and no host sync in its steady state.
 
 On one GPU the multi-rank parallelisms (vocabulary, expert, context, ZeRO over d > 1) cannot run, so what

@@ -1,4 +1,4 @@
-"""Issue 26 on the CPU: what keeps the steady-state loop off the GPU's queue and the watchdog quiet.
+"""GPU readiness on the CPU: what keeps the steady-state loop off the GPU's queue and the watchdog quiet.
 
 The GPU tier (tests/test_gpu.py, ``pytest -m gpu``) counts real synchronisations with
 ``torch.cuda.set_sync_debug_mode("error")``; these tests check the same design where a CPU can: the

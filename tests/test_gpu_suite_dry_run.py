@@ -1,5 +1,5 @@
 """benchmarks/gpu_suite.py on the CPU: ``--dry-run`` runs every part at toy size and writes the JSON of a GPU
-run; one part's crash or hang leaves the others' results (issue 43). The GPU run itself is the device tool's.
+run; one part's crash or hang leaves the others' results. The GPU run itself is the device tool's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_dry_run_runs_every_part_and_writes_the_json_shape(dry_run):
     assert report["dry_run"] is True and not report["shape_errors"]
     assert set(report["parts"]) == set(gpu_suite.all_parts())
     statuses = {name: part["status"] for name, part in report["parts"].items()}
-    assert statuses.pop("document_masking") in ("not built yet", "ok")  # issue 40's function, once it exists
+    assert statuses.pop("document_masking") in ("not built yet", "ok")  # the packed-document kernel, once it exists
     assert set(statuses.values()) == {"ok"}, statuses
     tests = report["parts"]["pytest_gpu"]["result"]
     assert tests["skipped"] > 0 and tests["failed"] == tests["error"] == 0  # no CUDA: every GPU test skips

@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3 round trips (issue 41): a small random ``DeepseekV3ForCausalLM`` built locally (no
+"""Hugging Face DeepSeek-V3 round trips: a small random ``DeepseekV3ForCausalLM`` built locally (no
 hub) -- multi-latent attention with a query compression, the sigmoid router with a non-zero expert bias and
 groups, a shared expert, a first dense layer -- imports into a ptdp checkpoint that computes HF's logits,
 trains one AdamW step to HF's loss and decodes greedily to HF's tokens; the export loads back in transformers

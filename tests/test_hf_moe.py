@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral and Qwen2-MoE round trips (issue 25): small random models built locally (no hub)
+"""Hugging Face Mixtral and Qwen2-MoE round trips: small random models built locally (no hub)
 import into ptdp checkpoints that compute HF's logits (from either expert layout: per-expert files, or the
 fused in-memory tensors of transformers 5), train one AdamW step to HF's loss, export back to files that
 transformers loads, and decode greedily to the same tokens."""

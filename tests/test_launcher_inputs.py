@@ -1,9 +1,9 @@
-"""Issue 42: every file input is checked by ``ptdp train``'s launcher before any worker starts, and a
+"""Every file input is checked by ``ptdp train``'s launcher before any worker starts, and a
 problem is ONE line on stderr with exit 2: no worker started (none touched its marker), nothing from
 torchrun (``Sending process ... closing signal SIGTERM``, ``failed (exitcode: 2)``) or the launcher beside
 it. A worker's own error (found only once training runs: a NaN loss) is one line too.
 
-Four workers, as the issue's command; the launcher refuses before starting them, so this costs one process."""
+Four workers, as in the reference command; the launcher refuses before starting them, so this costs one process."""
 
 from __future__ import annotations
 

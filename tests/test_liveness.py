@@ -1,4 +1,4 @@
-"""Issue 42: a hang watchdog that never kills live work. Liveness comes from compute (per layer and per
+"""A hang watchdog that never kills live work. Liveness comes from compute (per layer and per
 executor action on the CPU, CUDA events on a GPU) as well as communication; a job is hung only when no
 rank has made progress of any kind for --hang-timeout-s, and the report says which kind of silence it saw.
 

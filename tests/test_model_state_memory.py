@@ -1,4 +1,4 @@
-"""Model states per rank are what ZeRO's and Megatron's formulas say (issue 32).
+"""Model states per rank are what ZeRO's and Megatron's formulas say.
 
 Real gloo ranks at d = 1, 2, 4 build the gradient buffers and optimizer ``setup_optimizer`` would, take
 a step (Adam's state exists after it), and count the *distinct storages* held by the model, the buffers

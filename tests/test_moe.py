@@ -1,4 +1,4 @@
-"""The single-process mixture-of-experts layer (issue 25): routing, capacity, grouped GEMM, auxiliary losses,
+"""The single-process mixture-of-experts layer: routing, capacity, grouped GEMM, auxiliary losses,
 zero-bubble deferral, recomputation, the flags and one training run."""
 
 from __future__ import annotations

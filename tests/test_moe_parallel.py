@@ -1,4 +1,4 @@
-"""Expert parallelism end to end (issue 25): every layout trains the tiny MoE model as one process does.
+"""Expert parallelism end to end: every layout trains the tiny MoE model as one process does.
 
 Per iteration the loss AND the gradient norm (a wrong expert-gradient averaging or a norm that counts an
 expert twice changes the norm, not the losses), and the final weights, for: (e, d) = (2, 2); (t, e) = (2, 2)

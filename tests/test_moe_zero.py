@@ -1,4 +1,4 @@
-"""Mixture-of-experts models under ZeRO-2, ZeRO-3 and hybrid sharding (issues 23 and 25): every layout
+"""Mixture-of-experts models under ZeRO-2, ZeRO-3 and hybrid sharding: every layout
 trains the tiny MoE model as one process does -- per iteration the loss AND the gradient norm (an expert
 shard counted twice, or once per hybrid instance, changes the norm, not the losses), and the final weights.
 

@@ -1,7 +1,7 @@
 """Two torchrun agents ("nodes") meeting through c10d rendezvous train the single-process model.
 
 Each agent starts 2 workers; with t = 2 the tensor-parallel pairs stay inside a node and the p = 2
-pipeline crosses the nodes, as ptdp-facts.md §Configuration takeaways recommends. The rendezvous port
+pipeline crosses the nodes, as docs/references.md, §Configuration takeaways recommends. The rendezvous port
 is picked free by the OS; both agents run in their own session and are killed on any failure.
 """
 

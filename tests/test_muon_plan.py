@@ -1,6 +1,6 @@
 """``ptdp plan --optimizer muon``: Muon's bytes (one momentum on the hidden matrices, AdamW's two moments on the
 rest) and its step (Newton–Schulz spread over the grid, the fp32 exchange), counted independently here from
-a GPT layer's 12h² matrix parameters (4h² attention, 8h² MLP: ptdp-facts.md, §Muon)."""
+a GPT layer's 12h² matrix parameters (4h² attention, 8h² MLP: docs/references.md, §Muon)."""
 
 from __future__ import annotations
 

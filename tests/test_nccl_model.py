@@ -151,7 +151,7 @@ def test_simulate_comm_trace_cli(tmp_path):
 
 
 def test_per_direction_communicators_are_separate_streams_and_channels():
-    """Issue 26: with a communicator per direction a send of activations does not queue behind a send of
+    """With a communicator per direction a send of activations does not queue behind a send of
     gradients. The old hoisted-receive hang (rank 0 posts [recv B0] before F0's [send F0]) is a deadlock
     on one communicator and none on two; FIFO matching is per communicator."""
     lists = [hoist_receives(build_schedule("1f1b", 2, 1, 2, r), 2) for r in range(2)]

@@ -1,4 +1,4 @@
-"""``--optimizer-cpu-offload`` (issue 26): Adam's state and step on the host, exact against the on-device
+"""``--optimizer-cpu-offload``: Adam's state and step on the host, exact against the on-device
 optimizer. On a CPU the "device" and the host are the same memory, but the offloading optimizer still
 copies every parameter and gradient into buffers of its own, steps those and copies back (the GPU code
 path), so these tests check its bookkeeping; the GPU tier measures memory and time."""

@@ -1,4 +1,4 @@
-"""Packed documents (issue 40): Megatron's three GPTDataset flags, the document attention kernels, and a packed
+"""Packed documents: Megatron's three GPTDataset flags, the document attention kernels, and a packed
 batch against its documents run one by one through Hugging Face's Llama (random weights, imported).
 
 The layouts (t, p, c, ZeRO-3, e, vocabulary parallel) against one process: tests/test_packing_layouts.py;

@@ -1,4 +1,4 @@
-"""Packed documents at the command line (issue 40): bad input is one line (exit 2), ``ptdp samples`` shows the
+"""Packed documents at the command line: bad input is one line (exit 2), ``ptdp samples`` shows the
 boundaries, ``ptdp plan`` and the progress line count only the attention inside the documents."""
 
 from __future__ import annotations

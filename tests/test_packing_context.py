@@ -1,4 +1,4 @@
-"""Context-parallel attention over packed documents (issue 40; ptdp.parallel.context.documents).
+"""Context-parallel attention over packed documents (ptdp.parallel.context.documents).
 
 The pieces each rank computes cover exactly the document-causal pairs of one process, once (pure); ring,
 all-gather and Ulysses attention over documents equal single-process SDPA under Megatron's mask, forward

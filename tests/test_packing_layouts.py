@@ -1,4 +1,4 @@
-"""Packed documents in every layout (issue 40): with ``--reset-position-ids --reset-attention-mask
+"""Packed documents in every layout: with ``--reset-position-ids --reset-attention-mask
 --eod-mask-loss`` on a corpus of short documents, each layout trains like one process -- the same loss and
 gradient norm every iteration, the same weights at the end -- under Megatron's default loss normalisation
 and under ``--calculate-per-token-loss``. One ``run_layouts`` call (one start of the ranks) for them all.

@@ -32,7 +32,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
        "--moe-shared-expert-intermediate-size", "16"]
 
 MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "8", "--qk-head-dim", "8",
-       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--q-lora-rank", "8"]  # issue 41: pieces run MLA too
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--q-lora-rank", "8"]  # pieces run MLA too
 
 
 class Batches(PlainBatches):

@@ -1,4 +1,4 @@
-"""Megatron-LM's uneven pipeline layouts (issue 24): the parser against Megatron's own formulas, one-line
+"""Megatron-LM's uneven pipeline layouts: the parser against Megatron's own formulas, one-line
 errors for layouts that do not add up, and training with them equivalent to one process (losses, gradient
 norms, final weights), GPT and Llama, tied and untied, 1f1b and interleaved, with a checkpoint saved
 under one layout string continuing identically under another."""

@@ -1,4 +1,4 @@
-"""``ptdp plan``'s branch and bound (ptdp/planner/bound.py, issue 42): the answer of pricing every layout,
+"""``ptdp plan``'s branch and bound (ptdp/planner/bound.py): the answer of pricing every layout,
 pricing few. Checked three ways: against the full search on small spaces (each phase: groups that fit, too
 few groups that fit, none), against main's answers for the README's plan commands (tests/data), and the
 two bounds against every layout's estimate. The speed is benchmarks/plan_speed.py's (BENCHMARKS.md)."""

@@ -1,4 +1,4 @@
-"""``ptdp plan`` with a mixture of experts (issue 25): it searches the expert-parallel size e (and etp, and
+"""``ptdp plan`` with a mixture of experts: it searches the expert-parallel size e (and etp, and
 the dispatcher), divides the experts' states by e·etp (sharded over the expert-data-parallel group), and
 prices the token dispatch. The estimate against measured model states is in tests/test_moe_parallel.py."""
 
@@ -114,7 +114,7 @@ def test_bad_expert_layouts_are_refused_with_the_flag(changes, expected):
         dense, ParallelConfig(1, 1, 16, expert_model_parallel_size=2), ClusterSpec.of("h100-80gb", 16), TRAIN)
 
 
-# --- ptdp train's MoE flags (issue 22: plan takes its model from train's dataclasses) -------------------------
+# --- ptdp train's MoE flags (plan takes its model from train's dataclasses) -------------------------
 
 GPT3_EXPERTS = ["--model", "gpt3-175b", "--gpus", "1024", "--tensor-model-parallel-size", "8",
                 "--pipeline-model-parallel-size", "16", "--expert-model-parallel-size", "8"]

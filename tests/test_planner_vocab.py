@@ -1,4 +1,4 @@
-"""The planner's per-stage estimates know the vocabulary layers (issue 24): at V = 64k with p = 4 the even
+"""The planner's per-stage estimates know the vocabulary layers: at V = 64k with p = 4 the even
 split is unbalanced (the last rank carries the output layer and the loss, the first the embedding), and
 vocabulary parallelism or an uneven layout ranks better; ``ptdp plan`` proposes them and prints the flags."""
 
@@ -16,7 +16,7 @@ from ptdp.planner.stages import balanced_counts, rank_layers, vocab_shares
 from ptdp.planner.vocab import vocab_costs, vocab_variants
 from ptdp.schedule.layout import stages_from_string
 
-# the issue's measurement: GPT, h = 256, 8 layers, V = 65,536, p = 4 (here priced on 4 GPUs of one server)
+# the measured case: GPT, h = 256, 8 layers, V = 65,536, p = 4 (here priced on 4 GPUs of one server)
 MODEL = GPTSpec(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=1024, vocab_size=65536)
 CLUSTER = ClusterSpec.of("a100-80gb", 4, gpus_per_node=4)
 TRAIN = TrainingSpec(global_batch_size=64)

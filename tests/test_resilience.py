@@ -1,4 +1,4 @@
-"""Issue 16: checkpoints that neither stall nor break, hang detection with a culprit, elastic restarts.
+"""Checkpoints that neither stall nor break, hang detection with a culprit, elastic restarts.
 
 All runs are real ``ptdp train`` processes of the tiny model; every run that is killed or hangs on purpose
 is bounded by ``run_command``'s timeout, which kills its whole process group."""

@@ -132,7 +132,7 @@ def makespan(schedules: list[list[Action]], p: int, v: int, t_f: float, t_b: flo
 
 @pytest.mark.parametrize("name,p,v,m", CASES, ids=IDS)
 def test_bubble_matches_formula(name, p, v, m):
-    """Ideal time (m + (p-1)/v)(t_f + t_b), i.e. bubble fraction (p-1)/(v m) (ptdp-facts.md, §Schedules);
+    """Ideal time (m + (p-1)/v)(t_f + t_b), i.e. bubble fraction (p-1)/(v m) (docs/references.md, §Schedules);
     for the zero-bubble family the schedule's own formula at t_i = t_w = t_b / 2."""
     t_f, t_b = 1.0, 2.0
     ideal = m * (t_f + t_b) * (1 + bubble_fraction_formula(p, v, m, name))

@@ -1,4 +1,4 @@
-"""Sequence parallelism's column-parallel linear keeps only its sharded input for backward (issue 32).
+"""Sequence parallelism's column-parallel linear keeps only its sharded input for backward.
 
 Two gloo ranks: ``sequence_parallel_linear`` on this rank's s/t tokens equals gather-then-linear bit for
 bit (output, input gradient, weight and bias gradients), with the weight gradient computed at once and

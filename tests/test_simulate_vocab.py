@@ -1,4 +1,4 @@
-"""``ptdp simulate --enable-vocab-parallel`` (issue 24): the executor's vocabulary-parallel lists through time.
+"""``ptdp simulate --enable-vocab-parallel``: the executor's vocabulary-parallel lists through time.
 Every rank runs its S, T, EF and EB, each pass starts only after the collective it consumes, the per-rank
 busy time is even where the baseline's is not, a small case by hand, the picture and the CLI."""
 

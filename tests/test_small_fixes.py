@@ -1,4 +1,4 @@
-"""Issue 16's smaller fixes: the fp16 LR schedule does not advance on a skipped iteration, ``ptdp.config``
+"""Smaller fixes to resilience and configuration: the fp16 LR schedule does not advance on a skipped iteration, ``ptdp.config``
 does not import ``ptdp.checkpointing``, every error is one newline-terminated line, a corrupt
 ``model.safetensors`` is one line, and a warm-up longer than the decay is refused."""
 

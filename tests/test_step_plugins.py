@@ -1,4 +1,4 @@
-"""The architecture rule of issue 37 for the step: the executor, the training step and evaluation name no
+"""The architecture's plug-in rule for the step: the executor, the training step and evaluation name no
 parallelism and probe nothing; what each parallelism adds comes from ``ptdp.parallel.assembly`` (handlers,
 stage factory, gradient syncs, step hooks). A new ``if <feature>`` in these files fails here."""
 

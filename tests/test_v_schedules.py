@@ -1,4 +1,4 @@
-"""The zero-bubble and V-shaped schedules (issue 13) train the same model as one process (losses, gradient norms, weights).
+"""The zero-bubble and V-shaped schedules train the same model as one process (losses, gradient norms, weights).
 
 zbv, v-half and v-min place each rank's two chunks in a V (rank r holds virtual stages r and 2p-1-r), so
 the first and last stage, and the two copies of the tied embedding, share rank 0; zb-h2 keeps one chunk

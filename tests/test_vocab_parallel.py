@@ -1,4 +1,4 @@
-"""Vocabulary parallelism across pipeline stages (issue 24): equivalence with one process, the schedules'
+"""Vocabulary parallelism across pipeline stages: equivalence with one process, the schedules'
 NCCL safety with the S/T passes and their collectives, and the flags' errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Vocabulary parallelism with context parallelism (issue 24): each of the c pipelines (one per CP rank)
+"""Vocabulary parallelism with context parallelism: each of the c pipelines (one per CP rank)
 splits the vocabulary over its p ranks for its own sequence slice, and the loss and the gradients average
 over the CP ranks as without vocabulary parallelism. Equivalence with one process (losses, gradient norms,
 final weights, the validation loss), and the NCCL model with the vocabulary barriers and the attention's

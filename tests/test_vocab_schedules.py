@@ -1,4 +1,4 @@
-"""Vocabulary parallelism's schedule side (issue 24), without processes: every schedule with the S/T passes
+"""Vocabulary parallelism's schedule side, without processes: every schedule with the S/T passes
 and their collectives (one and two barriers) is NCCL-safe under the multi-communicator model, the model
 catches collectives posted in a bad order, the passes sit where they must, and bad flags are one line."""
 

@@ -1,4 +1,4 @@
-"""Vocabulary parallelism with ZeRO-3 and with ``--overlap-grad-reduce`` (issue 24): the S/T/EF/EB passes
+"""Vocabulary parallelism with ZeRO-3 and with ``--overlap-grad-reduce``: the S/T/EF/EB passes
 are uses of chunk 0 in ZeRO-3's plan (``ptdp.schedule.param_sync``), the combined lists are deadlock-free
 under the NCCL model, and training matches one process."""
 

@@ -1,4 +1,4 @@
-"""Checkpoints written shard by shard (issue 23): a checkpoint saved at (t, p, d) = (1, 2, 4) with the
+"""Checkpoints written shard by shard: a checkpoint saved at (t, p, d) = (1, 2, 4) with the
 optimizer state sharded (ZeRO-1), or the model too (ZeRO-3, ``optim_grads_params``), continues
 identically with no sharding at (2, 2, 1), and the reverse, against one process trained straight through
 (losses and gradient norms per iteration, final weights). Plus the
@@ -103,7 +103,7 @@ def test_sharded_checkpoint_holds_pieces(runs, save, kind):
 
 
 def test_metrics_show_model_states_and_peak_memory_per_rank(runs):
-    """Issue 23's "memory you can see": every record of a window has ``model_state_bytes`` and the peak
+    """Memory you can see: every record of a window has ``model_state_bytes`` and the peak
     memory of the window per rank; ZeRO-3 holds fewer model-state bytes than ZeRO-1 at the same layout."""
     for name, world in (("p2d4-save", 8), ("z3-p2d4-save", 8), ("t2p2-save", 4)):
         last = runs[name].records[-1]

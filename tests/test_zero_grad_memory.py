@@ -1,4 +1,4 @@
-"""ZeRO-2/3 full gradient buffers are per bucket and transient (issue 23): a bucket's full gradient is
+"""ZeRO-2/3 full gradient buffers are per bucket and transient: a bucket's full gradient is
 allocated when its first gradient arrives and freed right after its reduction, so the last backward of a
 step never holds the whole model's gradients -- and the reduced shards still equal the DP average of the
 gradients accumulated over every microbatch. Two gloo processes, a stack of tiny linears (one bucket each).

@@ -1,4 +1,4 @@
-"""Start-up without the whole model (issue 23's capacity run): where flat parameter buffers hold the weights
+"""Start-up without the whole model (ZeRO-3's capacity run): where flat parameter buffers hold the weights
 (ZeRO-1/2/3, 16-bit models), each parameter is drawn straight into its bucket (``ptdp.parallel.init.
 defer_init``) and ZeRO-3 keeps only its shard of a bucket before building the next. The weights must be
 bit for bit those of the eager path (materialise, initialise, cast: what one process draws), and a ZeRO-3

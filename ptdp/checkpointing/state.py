@@ -82,7 +82,7 @@ def named_buffers(run: Checkpointable) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _mesh_for(run: Checkpointable) -> Callable[[tuple[str, ...]], DeviceMesh | None]:
     """The mesh over the dimensions a placement's splits name (``to_dtensor``): the expert mesh's ``ep``
-    and ``etp`` (issue 25), else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
+    and ``etp``, else the rank's mesh (``tp``; ``pp`` and ``tp`` for a vocabulary slice)."""
     meshes: dict[tuple[str, ...], DeviceMesh | None] = {}
 
     def mesh_for(axes: tuple[str, ...]) -> DeviceMesh | None:

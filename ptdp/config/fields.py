@@ -1,6 +1,6 @@
 """The pieces the configuration tree is made of: a field with its flag (:func:`opt`), the one-line error
 type every check raises (:class:`ConfigError`), the ``--pipeline-schedule`` help read from the schedule
-registry and the overlapped pairs' flags' help (issue 38). Kept apart from ``ptdp.config.schema`` so the
+registry and the overlapped pairs' flags' help. Kept apart from ``ptdp.config.schema`` so the
 tree itself stays one screenful per section."""
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = opt(
         None, "Megatron's layout string of the p x v virtual stages in pipeline order, e.g. 'Et|(tt|)*2,tL': "
         "E embedding, t layer, L loss, | between stages, *n repeats; sets v = stages / p")
-    # Vocabulary parallelism (issue 24): ptdp/schedule/vocab.py, docs/vocab-parallel.md
+    # Vocabulary parallelism: ptdp/schedule/vocab.py, docs/vocab-parallel.md
     enable_vocab_parallel: bool = opt(False, "split the input embedding and the output layer with its loss by "
                                       "vocabulary over all p pipeline ranks (and t within each), as S and T "
                                       "passes in the schedule (Yeung et al. 2024; docs/vocab-parallel.md)")
@@ -104,7 +104,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts: t (the "
                                                   "default, as Megatron-Core) or 1, which lets e span the "
                                                   "tensor-parallel ranks")
-    # Overlapped forward-backward pairs (issue 38): ptdp/schedule/dualpipe.py, docs/dualpipe.md
+    # Overlapped forward-backward pairs: ptdp/schedule/dualpipe.py, docs/dualpipe.md
     overlap_moe_expert_parallel_comm: bool = opt(False, OVERLAP_HELP)
     delay_wgrad_compute: bool = opt(False, DELAY_WGRAD_HELP)
 

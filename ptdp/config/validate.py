@@ -100,8 +100,8 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     if par.hang_timeout_s < 0:
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
-    errors += moe_errors(config)  # issue 25
-    errors += deepseek_errors(config) if sizes_ok and shape_ok else []  # issue 41
+    errors += moe_errors(config)
+    errors += deepseek_errors(config) if sizes_ok and shape_ok else []
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         errors += expert_layout_errors(
             world_size=world_size, t=t, c=c, p=p, e=par.expert_model_parallel_size,
@@ -116,9 +116,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
                       f"a node: choose t dividing {local_world_size}")
     if tr.timeline_iters is not None and tr.timeline_iters <= 0:
         errors.append(f"--timeline-iters must be a positive integer, got {tr.timeline_iters}")
-    errors += vocab_parallel_errors(config) if sizes_ok else []  # issue 24
-    errors += overlap_errors(config)  # issue 38
-    from ptdp.config.validate_data import data_errors  # issue 42: per-split datasets, --skip-train
+    errors += vocab_parallel_errors(config) if sizes_ok else []
+    errors += overlap_errors(config)
+    from ptdp.config.validate_data import data_errors  # per-split datasets, --skip-train
 
     errors += data_errors(config)
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
@@ -217,7 +217,7 @@ def _sharding_errors(config: Config, d: int) -> list[str]:
 
 def _context_parallel_errors(config: Config) -> list[str]:
     """``--context-parallel-size`` and ``--cp-comm-type``: the 2c load-balanced chunks must be equal
-    (ptdp-facts.md, §context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
+    (docs/references.md, §Context parallelism), Ulysses needs whole heads per CP rank, and the CP attention
     kernels take no attention dropout (one mask over s/c tokens cannot reproduce the full mask)."""
     m, par = config.model, config.parallel
     c, t = par.context_parallel_size, par.tensor_model_parallel_size

@@ -1,4 +1,4 @@
-"""The data and evaluation flags' problems (issue 42): Megatron-LM's per-split datasets, ``--skip-train`` and
+"""The data and evaluation flags' problems: Megatron-LM's per-split datasets, ``--skip-train`` and
 ``--full-validation``, one line each naming the flag. Pure: the files themselves are checked at start-up.
 
 Megatron's rules: ``--data-path`` (with ``--split``) and the per-split ``--train-data-path`` /

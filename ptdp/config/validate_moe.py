@@ -103,7 +103,7 @@ def _router_errors(config: Config) -> list[str]:
 
 
 def deepseek_errors(config: Config) -> list[str]:
-    """Multi-latent attention, YaRN and multi-token prediction (issue 41): their shapes, and the one layout
+    """Multi-latent attention, YaRN and multi-token prediction: their shapes, and the one layout
     they do not run in (MTP under vocabulary and context parallelism at once)."""
     m = config.model
     errors = []

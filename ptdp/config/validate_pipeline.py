@@ -75,7 +75,7 @@ def overlap_errors(config: Config) -> list[str]:
             errors.append(f"{flag} keeps a recomputed unit's input elsewhere, but overlapped forward-backward "
                           "pairs recompute a layer piece by piece: drop it, or --overlap-moe-expert-parallel-comm "
                           "and dualpipev")
-    if pairs and config.model.mtp_num_layers:  # issue 41 x 38: the modules' expert exchanges are not pieces yet
+    if pairs and config.model.mtp_num_layers:  # MTP with pairs: the MTP modules' expert exchanges are not pieces yet
         errors.append("--mtp-num-layers with overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm "
                       "or dualpipev) is not supported yet: drop one of them")
     if par.delay_wgrad_compute and not pairs:
@@ -246,7 +246,7 @@ def layout_virtual_size(layout: str, p: int, per: int | None, v: int | None) -> 
 
 
 def vocab_parallel_errors(config: Config) -> list[str]:
-    """``--enable-vocab-parallel`` (issue 24, ``ptdp.schedule.vocab``) against the layout, one line each."""
+    """``--enable-vocab-parallel`` (vocabulary parallelism, ``ptdp.schedule.vocab``) against the layout, one line each."""
     par, m = config.parallel, config.model
     if not par.enable_vocab_parallel:
         return ["--disable-fb-fusion needs --enable-vocab-parallel"] if par.disable_fb_fusion else []

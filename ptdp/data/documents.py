@@ -1,5 +1,5 @@
 """Document boundaries inside a packed sample: Megatron's ``--reset-position-ids``, ``--reset-attention-mask``
-and ``--eod-mask-loss`` (ptdp-facts.md §Packed sequences; docs/packing.md), as plain numbers.
+and ``--eod-mask-loss`` (docs/references.md, §Packed sequences; docs/packing.md), as plain numbers.
 
 A GPT sample is a window of ``s + 1`` tokens of concatenated documents, each ended by the end-of-document
 token (EOD). Megatron's ``_get_ltor_masks_and_position_ids`` reads the INPUTS ``tokens = text[:-1]``:

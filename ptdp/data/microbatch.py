@@ -3,7 +3,7 @@
 Sample positions are a pure function of the iteration: global batch ``k`` is positions
 ``[k*B, (k+1)*B)``, DP rank ``r`` of ``d`` takes the contiguous slice ``[k*B + r*B/d, k*B + (r+1)*B/d)``,
 and microbatch ``j`` is rows ``[j*b, (j+1)*b)`` of that slice (m = B/(b*d) microbatches per pipeline, see
-ptdp-facts.md, notation). Consequences: any (d, b) layout sees exactly the samples of a single process
+docs/references.md, §Notation). Consequences: any (d, b) layout sees exactly the samples of a single process
 running B/b microbatches, in the same order, so parallel runs are comparable to the serial reference; and
 positions are all a resume needs (which sample a position reads, across data-mix changes, is
 ``train_stream.TrainStream``'s business, from the data state the checkpoint records).

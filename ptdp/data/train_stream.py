@@ -175,7 +175,7 @@ def megatron_size(weight: float, target: int) -> int:
 def new_blend_sizes(weights: Sequence[float], remaining: int) -> tuple[list[int], tuple[np.ndarray, np.ndarray]]:
     """Samples each member of a new blend must provide for ``remaining`` positions: Megatron's size, or the
     greedy index's actual count when that is larger (Megatron takes the weight alone and can ask a member
-    past its end, issue 705 there), and the index itself (reused, not rebuilt)."""
+    past its end), and the index itself (reused, not rebuilt)."""
     index = greedy_blend_indices(blend_weights(weights), remaining)  # as BlendedDataset(..., weights) builds it
     counts = np.bincount(index[0], minlength=len(weights))
     return [max(megatron_size(w, remaining), int(c)) for w, c in zip(weights, counts, strict=True)], index

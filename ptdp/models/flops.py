@@ -1,6 +1,6 @@
 """Model FLOPs and parameter counts of a GPT, exactly as the PTD-P paper counts them.
 
-See ptdp-facts.md, §FLOPs (the paper's Appendix, eq. 3). The trainer calls ``flops_per_iteration`` every
+See docs/references.md, §FLOPs (the paper's Appendix, eq. 3). The trainer calls ``flops_per_iteration`` every
 iteration to report TFLOP/s per GPU, so everything here is closed-form integer arithmetic.
 
 Where the paper assumes ``ffn_hidden_size = 4h`` we keep its structure and only replace the MLP term, so
@@ -11,7 +11,7 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   (two GEMMs of ``h × ffn``) + attention scores and weighted values ``4·B·s²·h``.
   With ``ffn = 4h`` that is the paper's ``24·B·s·h² + 4·B·s²·h``.
 * logits: ``2·B·s·h·V`` forward.
-* packed documents with ``--reset-attention-mask`` (ptdp-facts.md §Packed sequences): attention is
+* packed documents with ``--reset-attention-mask`` (docs/references.md, §Packed sequences): attention is
   computed inside each document only, so a sample's scores-and-values term ``4·s²·h`` becomes
   ``4·(sum of l_i²)·h`` over its documents' lengths l_i: ``attention_length`` is that sum divided by s
   (averaged over the samples; s itself for whole windows), and the term is ``4·B·s·attention_length·h``.
@@ -19,7 +19,7 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
 
-Llama-family options (keyword arguments, all defaulting to GPT-2; ptdp-facts.md §Llama-family layers),
+Llama-family options (keyword arguments, all defaulting to GPT-2; docs/references.md, §Llama-family layers),
 with ``q = a·d`` query/output width (``d`` = ``kv_channels``, default h/a, so q = h) and ``k = G·d`` the key
 and value width of G query groups (G = a without GQA):
 
@@ -30,12 +30,12 @@ and value width of G query groups (G = a without GQA):
 * RMSNorm, rotary embeddings and the element-wise ops are not counted (as LayerNorm and GeLU are not);
   an untied output layer costs the same logit FLOPs as a tied one.
 
-Mixture of experts (``moe``, a :class:`MoEShape`; issue 25): FLOPs and "active" parameters count what a token
+Mixture of experts (``moe``, a :class:`MoEShape`): FLOPs and "active" parameters count what a token
 goes through -- the router ``2·B·s·h·E``, its k experts' MLPs (``k`` times the MLP term with the experts'
 hidden size), the shared expert's MLP and its gate ``2·B·s·h`` -- in the ``moe_layers`` MoE layers; the total
 parameter count holds all E experts.
 
-Multi-latent attention (``mla``, an :class:`MLAShape`; issue 41) replaces the attention projections by its
+Multi-latent attention (``mla``, an :class:`MLAShape`) replaces the attention projections by its
 five (``MLAShape.projections``: the down and up projections of queries and keys/values, and the output), and
 the scores and weighted values by ``2·B·s²·a·(d_k + d_r)`` and ``2·B·s²·a·d_v``; its two latent norms add
 parameters. Multi-token prediction (``mtp_num_layers`` D) adds per module a transformer layer (MoE when the
@@ -257,7 +257,7 @@ def flops_per_iteration(
 
     With ``recompute=True`` (full activation recomputation) and ffn = 4h this is the paper's eq. (3),
     ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; without it the layer terms get 72 instead of 96 and the
-    logit term stays ``6·B·s·h·V`` (ptdp-facts.md, §FLOPs). Selective recomputation re-runs only the
+    logit term stays ``6·B·s·h·V`` (docs/references.md, §FLOPs). Selective recomputation re-runs only the
     attention core; like Megatron we do not count it (pass ``recompute=False``). ``attention_length``:
     packed documents' attention (module docstring).
     """
@@ -324,7 +324,7 @@ def parameter_count(
     mtp_num_layers: int = 0,
     **layer: Any,
 ) -> int:
-    """Parameters ``P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`` (ptdp-facts.md, §FLOPs).
+    """Parameters ``P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`` (docs/references.md, §FLOPs).
 
     Layers plus word embeddings ``V·h`` (tied with the output layer) plus learned positions ``s·h``.
     Like the paper, the final LayerNorm (2h) is not counted. An untied output layer adds ``V·h``; rotary

@@ -1,7 +1,7 @@
 """Multi-latent attention (MLA; DeepSeek-V2/V3), one process: ``--multi-latent-attention``.
 
 Queries and keys/values go through low-rank compressions, and the position information through a separate,
-decoupled RoPE part (ptdp-facts.md, §DeepSeek-V3). With a heads, per head ``qk_head_dim`` (d_k) query/key
+decoupled RoPE part (docs/references.md, §DeepSeek-V3). With a heads, per head ``qk_head_dim`` (d_k) query/key
 dimensions without positions, ``qk_pos_emb_head_dim`` (d_r) with RoPE, ``v_head_dim`` (d_v):
 
     q          = q_up_proj(norm(q_down_proj(x)))      [a·(d_k + d_r)]   (``q_proj(x)`` without --q-lora-rank)

@@ -8,7 +8,7 @@ final norm, and predicts ``t_{i+k+1}`` with the model's output layer:
     h^k = final_layernorm_k(layer_k(eh_proj_k([embedding_layernorm_k(Emb(t_{·+k})) ; hidden_layernorm_k(h^{k-1})])))
     loss_MTP = λ · mean_k CE_k,   CE_k the mean over the b·(s-k) positions whose target t_{i+k+1} exists
 
-(ptdp-facts.md, §DeepSeek-V3; λ = ``--mtp-loss-scaling-factor``). The embedding and the output layer are
+(docs/references.md, §DeepSeek-V3; λ = ``--mtp-loss-scaling-factor``). The embedding and the output layer are
 the model's own (shared). The tokens are read from the labels, ``labels_i = t_{i+1}``, so that the module
 needs only what the loss already has: module k's targets are ``labels`` shifted left by k places, its
 tokens ``labels`` shifted by k-1 places, token 0 where the target does not exist (Megatron-Core rolls the

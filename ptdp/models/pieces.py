@@ -1,6 +1,6 @@
 """A model's forward as pieces with explicit boundaries, so that two microbatches can run interleaved.
 
-DualPipe's overlapped forward-and-backward (ptdp-facts.md, §DualPipe) runs one microbatch's forward and
+DualPipe's overlapped forward-and-backward (docs/references.md, §DualPipe) runs one microbatch's forward and
 another's backward at once, piece by piece (per layer: attention, expert dispatch, experts, combine), each
 piece's communication in flight while the other microbatch's piece computes. That needs what one autograd
 graph does not give: a forward that stops between pieces, and a backward driven one piece at a time, with

@@ -1,5 +1,5 @@
 """The MoE router (``ptdp.models.moe``'s step 1): router logits, scores, top-k choice, auxiliary losses,
-the capacity drop, and DeepSeek-V3's expert bias with its update after each optimizer step (issue 41).
+the capacity drop, and DeepSeek-V3's expert bias with its update after each optimizer step.
 Kept apart from ``moe.py`` so each stays one short module; ``ptdp.models.moe`` re-exports its names."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The end-of-run summary rank 0 prints after the last progress line.
 
-Average TFLOP/s per GPU divides the model FLOPs of every iteration run (ptdp-facts.md, §FLOPs) by the
+Average TFLOP/s per GPU divides the model FLOPs of every iteration run (docs/references.md, §FLOPs) by the
 whole wall time of the loop and the GPU count: like the paper's "achieved throughput" it counts
 everything (data loading, optimizer, communication, logging, checkpoint saves), not just the steps.
 """

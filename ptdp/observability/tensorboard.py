@@ -26,7 +26,7 @@ SCALARS = {
     "moe_z_loss": "moe/z_loss",
     "moe_max_load_ratio": "moe/max_load_over_mean",
     "moe_dropped_tokens": "moe/dropped_tokens",
-    "mtp_loss": "train/mtp_loss",  # multi-token prediction (issue 41)
+    "mtp_loss": "train/mtp_loss",  # multi-token prediction
 }
 VALIDATION_PREFIX = "val_"  # present on evaluation iterations: val_loss -> val/loss, val_ppl -> val/ppl
 

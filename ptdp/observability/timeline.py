@@ -4,7 +4,7 @@ Each rank writes ``DIR/rank{N}.json`` (``{"traceEvents": [...]}``, opened by htt
 chrome://tracing) with one complete event (``"ph": "X"``) per forward and per backward of every
 (microbatch, chunk) pair, per wait on a pipeline receive/send, and per collective of the step (DP
 gradient all-reduce, embedding sync, grad-norm, optimizer step). Rank 0 merges them into
-``DIR/merged.json`` with ``pid`` = rank, so the pipeline bubble of ptdp-facts.md §Schedules is visible
+``DIR/merged.json`` with ``pid`` = rank, so the pipeline bubble of docs/references.md, §Schedules is visible
 as the gaps between a rank's compute events; ``ptdp timeline merge DIR`` redoes the merge by hand.
 
 Timestamps are wall-clock microseconds (``time.time`` anchored to ``perf_counter``), so the ranks of one

@@ -1,5 +1,4 @@
-"""Deferred weight gradients: the real B/W split of zero-bubble schedules (ptdp-facts.md, §Beyond the paper:
-zero-bubble and V schedules -- "W must cost only the weight-gradient work").
+"""Deferred weight gradients: the real B/W split of zero-bubble schedules (docs/references.md, §Zero-bubble and V schedules: W must do only the weight-gradient work).
 
 The weight-bearing ops (linears, LayerNorm/RMSNorm) are custom autograd Functions. Their backward always
 computes the input gradient; the weight (and bias) gradient is computed at once, as autograd would, unless

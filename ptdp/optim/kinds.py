@@ -80,10 +80,10 @@ def _decay_groups(stepped: list[Stepped], placements: Placements, weight_decay: 
 def adamw(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements) -> torch.optim.AdamW:
     """torch's AdamW with Megatron's decay groups, its fused implementation (one kernel for all tensors) where
     torch has one for the device -- CUDA, and the CPU since torch 2.4, where it steps a small model 4x faster
-    than the default for-each one (issue 42) -- the host's with ``--optimizer-cpu-offload``."""
+    than the default for-each one -- the host's with ``--optimizer-cpu-offload``."""
     groups = _decay_groups(stepped, placements, cfg.weight_decay)
     kwargs = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
-    if cfg.optimizer_cpu_offload:  # issue 26: state and step on the host
+    if cfg.optimizer_cpu_offload:  # state and step on the host
         return HostOffloadAdamW(groups, **kwargs)
     device = stepped[0].tensor.device.type if stepped else "cpu"
     return torch.optim.AdamW(groups, fused=fused_adamw_on(device) or None, **kwargs)

@@ -6,14 +6,14 @@ and state -- and adds the size of every *distinct* storage once. A view
 costs nothing beyond the buffer it points into (fp32 ZeRO-1's main parameters are views of the flat
 parameter buffer), and a full-size tensor kept beside a shard shows up as the bytes it costs. That is
 what makes it a check rather than a restatement of :func:`model_state_formula_bytes`, which is the
-accounting of ZeRO (Rajbhandari et al.) and Megatron's distributed optimizer (ptdp-facts.md, §Memory):
+accounting of ZeRO (Rajbhandari et al.) and Megatron's distributed optimizer (docs/references.md, §Memory):
 
 * fp32: 4 (parameters) + 4 (gradients) + 8 (Adam) bytes per parameter -> 8 + 8/d sharded;
 * bf16 parameters with fp32 gradients: 2 + 4 + 4 (fp32 main copy) + 8 = 18 -> 6 + 12/d;
 * fp16 parameters and fp16 gradients: 2 + 2 + 4 (fp32 main grad) + 4 + 8 = 20 -> 4 + 16/d.
 
 ``--optimizer muon`` keeps one fp32 momentum (4 bytes) for the hidden matrices instead of Adam's 8, SGD one
-for every parameter (``state_bytes``; ptdp-facts.md, §Muon).
+for every parameter (``state_bytes``; docs/references.md, §Muon).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class HeldStates:
     """:func:`model_state_bytes`' total for the training loop's reports, walked again only when the tensors
     held are not the same objects as at the previous report: in steady state they are (the optimizer's state
     appears at the first step, a resume loads into the tensors there), and the walk's ``untyped_storage`` of
-    some 200 tensors was a third of the loop's own time per logged iteration at nanoGPT's size (issue 42).
+    some 200 tensors was a third of the loop's own time per logged iteration at nanoGPT's size.
     ZeRO-3 frees and regathers parameter storages inside the same tensors: walked every time there."""
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """Muon (Keller Jordan 2024; Moonshot, "Muon is scalable", 2025) on this rank's pieces of the hidden matrices.
 
-Per matrix W with gradient G (ptdp-facts.md, §Muon; Megatron-Core's ``TensorParallelMuon`` and
+Per matrix W with gradient G (docs/references.md, §Muon; Megatron-Core's ``TensorParallelMuon`` and
 ``torch.optim.Muon``, which agree on these):
 
     M ← μM + (1 − μ)G                      (``--muon-momentum`` μ; torch: ``buf.lerp_(grad, 1 - μ)``)

@@ -6,7 +6,7 @@ shard, ``Bucket.shard_start:shard_end`` over ``GradReducer.group_of(bucket)``). 
 the same matrices form a grid, T tensor-parallel ranks by D data-parallel ranks (per pipeline stage; for the
 experts, the expert-tensor by expert-data-parallel ranks of one expert-parallel index). Each unit
 (``ptdp.optim.muon_units``) gets an owner in that grid, chosen by the longest-processing-time rule on its
-Newton–Schulz FLOPs, 2·steps·(2mn² + n³) (ptdp-facts.md, §Muon), so each of the T·D ranks does about
+Newton–Schulz FLOPs, 2·steps·(2mn² + n³) (docs/references.md, §Muon), so each of the T·D ranks does about
 1/(T·D) of the work whatever the mix of shapes. One step of a grid (:meth:`Exchange.orthogonalize`):
 
 1. ``dp gather``: on every TP rank, the D data-parallel ranks send their shard of each unit's input to the

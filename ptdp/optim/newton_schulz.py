@@ -4,7 +4,7 @@ Megatron-Core's Muon (``emerging_optimizers``' ``newton_schulz`` and ``get_muon_
 ``--muon-coefficient-type``, ``--muon-num-ns-steps``, ``--muon-fp32-matmul-prec``, ``--muon-scale-mode``,
 ``--muon-extra-scale-factor``) and ``torch.optim.Muon`` (``coefficient_type="simple"``, precision ``low``,
 scale ``shape_scaling``: its ``adjust_lr_fn=None``; ``spectral`` with factor 0.2: its ``match_rms_adamw``)
-are the same iteration (ptdp-facts.md, §Muon): on ``X = M / ‖M‖_F``, transposed so that it is wide,
+are the same iteration (docs/references.md, §Muon): on ``X = M / ‖M‖_F``, transposed so that it is wide,
 ``A = X Xᵀ; B = bA + cA²; X ← aX + BX`` per step, with one ``(a, b, c)`` per step. The precisions differ
 in where the cast to bf16 happens, which is why ``--muon-fp32-matmul-prec`` has three values here:
 
@@ -84,6 +84,6 @@ def scale_factor(rows: int, cols: int, mode: str, extra: float = 1.0) -> float:
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
     """Multiply-add FLOPs of ``steps`` iterations on an m×n matrix (n <= m after the transpose):
-    2·steps·(2mn² + n³) (ptdp-facts.md, §Muon), what the owners are balanced by."""
+    2·steps·(2mn² + n³) (docs/references.md, §Muon), what the owners are balanced by."""
     m, n = max(rows, cols), min(rows, cols)
     return 2.0 * steps * (2.0 * m * n * n + n ** 3)

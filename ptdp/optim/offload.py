@@ -2,7 +2,7 @@
 
 The GPU keeps what the forward and backward need (the model's parameters and gradient buffers, and the
 fp32 main parameters of a 16-bit model); the two fp32 Adam moments -- 8 bytes per parameter, the largest
-item of mixed-precision training's 18 (ptdp-facts.md §Memory) -- live in host memory, and AdamW runs on
+item of mixed-precision training's 18 (docs/references.md, §Memory) -- live in host memory, and AdamW runs on
 the CPU (SGD's momentum likewise: :class:`HostOffload` wraps any element-wise torch optimizer; Muon keeps its
 momentum on the host itself and orthogonalises on the device, ``ptdp.optim.muon``). Each step:
 

@@ -16,7 +16,7 @@ arithmetic is torch's to the bit. Nothing here depends on which rule runs: the c
 ``kinds.state_fields`` what to save per tensor.
 
 Weight decay applies to matrices only (not biases, not LayerNorm), as Megatron does. Memory per
-parameter: ptdp-facts.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/d bytes with AdamW).
+parameter: docs/references.md, §Memory (e.g. bf16 params + fp32 grads: 18 -> 6 + 12/d bytes with AdamW).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def setup_optimizer(model: ParallelModel, plan: ParallelPlan, hyper: OptimizerCo
     # ZeRO-3 with one chunk and no pipeline, resharding after the forward: gathered per layer (zero_layers).
     per_layer = zero.reshard_after_forward and plan.p == 1 and len(chunks) == 1
     gather = GatherPlan(zero.reshard_after_forward, tuple(chunks[0].layers.values()) if per_layer else ())
-    if g.expert is not None:  # issue 25: expert grads over the expert-DP group
+    if g.expert is not None:  # expert grads over the expert-DP group
         from ptdp.parallel.expert.grads import expert_data_parallel
 
         parts, norm_groups = expert_data_parallel(params, g, placements, dense, zero.distributed, zero.instances)

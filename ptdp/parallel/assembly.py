@@ -148,10 +148,10 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     gather actions, its ``finish_grad_sync`` is the first gradient sync), as ``plan`` resolves them."""
     g, p = plan.groups, plan.p
     layout = StageLayout(g.pp_rank, p, len(chunks), plan.placement,
-                         labels_to_last=bool(plan.model.mtp_num_layers))  # issue 41: MTP reads the labels
+                         labels_to_last=bool(plan.model.mtp_num_layers))  # MTP reads the labels
     barriers = plan.vocab_barriers
     stage_factory: StageFactory = ModuleStage
-    if barriers:  # issue 24: the vocabulary layers over all pipeline ranks, as S/T actions
+    if barriers:  # the vocabulary layers over all pipeline ranks, as S/T actions
         stage_factory = VocabParallel(barriers, g.pp_group, g.tp_group, tuple(g.pipeline_ranks()),
                                       plan.sequence_parallel, grads)
     sync = grads.param_sync
@@ -189,10 +189,10 @@ def step_hooks(plan: ParallelPlan, chunks: Sequence[nn.Module]) -> list[StepHook
     g = plan.groups
     tokens = [g.dp_cp_group, *([g.tp_group] if plan.sequence_parallel else [])]
     hooks: list[StepHook] = []
-    if plan.moe.num_experts:  # issue 25: statistics summed like the loss; issue 41: the expert biases
+    if plan.moe.num_experts:  # router statistics summed like the loss; DeepSeek-V3's expert biases
         rows = moe_layer_names(plan.model, plan.moe)
         hooks.append(MoEStepHook(chunks, plan.moe.num_experts, rows, [g.pp_group, *tokens], tokens, g.device))
-    if plan.model.mtp_num_layers:  # issue 41: the MTP modules' losses, summed like the LM loss
+    if plan.model.mtp_num_layers:  # the MTP modules' losses, summed like the LM loss
         hooks.append(MTPStepHook(chunks, plan.model.mtp_num_layers, [g.pp_group, g.dp_cp_group], g.device))
     return hooks
 
@@ -216,7 +216,7 @@ def build_p2p(plan: ParallelPlan) -> P2PComm | None:
     # The first batch_isend_irecv on a group must involve all its ranks under NCCL (torch's docs): one
     # collective over the pipeline group first, so the schedule's first batched call meets a ready group.
     communication.all_reduce(torch.zeros(1, device=g.device), group=g.pp_group, action="pipeline_warm_up")
-    groups = direction_groups(g.dims, g.rank)  # issue 26: one communicator per direction
+    groups = direction_groups(g.dims, g.rank)  # one communicator per direction
     for group in groups.values():
         communication.all_reduce(torch.zeros(1, device=g.device), group=group, action="pipeline_warm_up")
     scatter_gather = plan.scatter_gather

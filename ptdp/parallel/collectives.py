@@ -1,7 +1,7 @@
 """The conjugate communication operators of tensor parallelism, as autograd functions.
 
 Megatron's ``f`` (identity forward, all-reduce backward) enters a tensor-parallel region and ``g``
-(all-reduce forward, identity backward) leaves it (paper §2.3, ptdp-facts.md §Communication). Sequence
+(all-reduce forward, identity backward) leaves it (paper §2.3, docs/references.md, §Communication). Sequence
 parallelism (Korthikanti et al.) replaces each all-reduce by an all-gather/reduce-scatter pair along the
 sequence dimension. All of them are no-ops for a group of one rank, so a t=1 run costs nothing.
 

@@ -1,6 +1,6 @@
 """Process groups for PTD-P, owned by one object.
 
-Ranks are ordered as Megatron orders them (ptdp-facts.md, notation and §context parallelism):
+Ranks are ordered as Megatron orders them (docs/references.md, §Notation and §Context parallelism):
 tensor-parallel ranks are adjacent (so a TP group sits inside one node, on NVLink), then context-parallel,
 then data-parallel, then pipeline:
 

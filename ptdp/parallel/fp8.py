@@ -1,4 +1,4 @@
-"""FP8 training of the transformer layers' GEMMs through torchao's float8 (``--fp8-format``, issue 26).
+"""FP8 training of the transformer layers' GEMMs through torchao's float8 (``--fp8-format``).
 
 Megatron-LM's flags: ``--fp8-format e4m3`` casts inputs, weights and output gradients to e4m3;
 ``--fp8-format hybrid`` keeps e4m3 in the forward and uses e5m2 (more range, less precision) for the

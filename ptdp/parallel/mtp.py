@@ -1,4 +1,4 @@
-"""What multi-token prediction (``ptdp.models.mtp``, issue 41) adds to every training step: a step hook
+"""What multi-token prediction (``ptdp.models.mtp``) adds to every training step: a step hook
 (``ptdp.parallel.assembly.StepHook``).
 
 * Before the schedule: the MTP loss's backward weight, the LM loss's per-microbatch factor (1/m times the

@@ -78,10 +78,10 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
     for chunk in chunks:
         parallelize(chunk, placements, tp_group=g.tp_group, sequence_parallel=plan.sequence_parallel,
                     cp_group=g.cp_group, cp_comm_type=plan.cp_comm_type)
-        if plan.moe.num_experts:  # issue 25: this rank's experts and the token dispatcher
+        if plan.moe.num_experts:  # this rank's experts and the token dispatcher
             apply_expert_parallel(chunk, g.expert, placements, plan.moe.moe_token_dispatcher_type,
                                   plan.sequence_parallel)
-        if plan.vocab_parallel:  # issue 24: the vocabulary layers split over all pipeline ranks
+        if plan.vocab_parallel:  # the vocabulary layers split over all pipeline ranks
             apply_vocab_parallel(chunk, chunks.index(chunk), g.pp_rank, p, g.tp_rank, plan.t,
                                  padded_vocab_size, placements)
         # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
@@ -92,7 +92,7 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
             materialize(chunk, g.device, placements)  # built where it trains: no CPU copy, no H2D move
             init_parameters(chunk, plan.seed, m.init_method_std, m.num_layers, placements)
         chunk.to(plan.dtype)  # --bf16/--fp16: initialised in fp32 like the fp32 model, then cast
-        if plan.fp8_format:  # issue 26: FP8 GEMMs in the layers' linears (ptdp/parallel/fp8.py)
+        if plan.fp8_format:  # FP8 GEMMs in the layers' linears (ptdp/parallel/fp8.py)
             from ptdp.parallel.fp8 import enable_fp8
 
             enable_fp8([chunk], plan.fp8_format, plan.fp8_recipe)

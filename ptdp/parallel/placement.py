@@ -25,7 +25,7 @@ Why a registry of plain records rather than the alternatives:
   buffers (``param.data`` is a view of a bucket) work on plain local tensors; ptdp only needs DTensors at
   the checkpoint boundary, so :func:`to_dtensor` builds them there from the record.
 
-One :class:`Split` per *mesh dimension*, applied outermost first: a vocabulary slice (issue 24) is
+One :class:`Split` per *mesh dimension*, applied outermost first: a vocabulary slice is
 ``Split("pp", 0, p, pp_rank)`` then ``Split("tp", 0, t, tp_rank)`` (row block ``pp_rank·t + tp_rank``), not
 one ``p·t``-way split, so a record maps one to one onto DTensor's ``[Shard(0), Shard(0)]`` over the
 ``(pp, tp)`` mesh, and "split over the TP group" (which decides who counts it in the norm) is one test for

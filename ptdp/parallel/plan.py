@@ -91,7 +91,7 @@ class ParallelPlan:
 
     @property
     def vocab_parallel(self) -> bool:
-        """The vocabulary layers split over all p pipeline ranks too (issue 24)."""
+        """The vocabulary layers split over all p pipeline ranks too."""
         return self.vocab_barriers > 0
 
     @property

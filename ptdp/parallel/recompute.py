@@ -1,6 +1,6 @@
 """Activation recomputation: keep fewer activations in the forward, recompute them in the backward.
 
-Megatron's two granularities (Korthikanti et al., 2022; ptdp-facts.md, §Memory):
+Megatron's two granularities (Korthikanti et al., 2022; docs/references.md, §Memory):
 
 - ``full``: a unit of whole layers keeps only its input; the backward reruns the unit's forward first.
   ``--recompute-method uniform`` cuts each model chunk into units of ``--recompute-num-layers`` layers;
@@ -8,7 +8,7 @@ Megatron's two granularities (Korthikanti et al., 2022; ptdp-facts.md, §Memory)
 - ``selective``: only the attention core (QK^T, softmax, dropout, times V -- the SDPA call) is recomputed.
   It holds the ``5·a·s²·b`` term of a layer's activations but only a few percent of its FLOPs.
 
-ZeRO-R's activation memory work (Rajbhandari et al., 2020; ptdp-facts.md, §ZeRO) on top of ``full``, for
+ZeRO-R's activation memory work (Rajbhandari et al., 2020; docs/references.md, §ZeRO) on top of ``full``, for
 the input each checkpointed unit keeps:
 
 - ``--distribute-saved-activations`` (Megatron; ZeRO-R's *P_a*): without sequence parallelism that input is

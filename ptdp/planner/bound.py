@@ -1,5 +1,5 @@
 """``ptdp plan``'s search without pricing every layout: the same answer as ``search(configs=...)`` over
-the whole space, found by branch and bound (issue 42: Mixtral-8x7B on 64 GPUs priced 303,012 layouts).
+the whole space, found by branch and bound (Mixtral-8x7B on 64 GPUs priced 303,012 layouts).
 
 The answer depends on few layouts: the plan shows the fastest layout that fits and, for each other
 (t, p, c, e), its fastest layout, in the order of the first ``top + 1`` groups. So
@@ -11,7 +11,7 @@ The answer depends on few layouts: the plan shows the fastest layout that fits a
 * **memory before time**: a layout that does not fit is never priced (its memory estimate is cheap);
 * **dominated layouts**: the vocabulary variants of a layout share its bound, so they are visited (and
   built: their balanced layout costs two stage estimates) only when it survives; so do its overlapped
-  variants (issue 38: combined 1F1B, dualpipev), whose bound hides what the overlap can hide.
+  variants (combined 1F1B, dualpipev), whose bound hides what the overlap can hide.
 
 Only when fewer than ``top + 1`` groups fit does the answer need the fastest layouts that do not fit; a
 second pass finds those the same way. Ties keep ``candidates``' order, as the full search's stable sort.
@@ -234,7 +234,7 @@ def pruned_search(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, spa
 def _layouts(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, cell: Cell, j: int):
     """(order, layout) of every valid layout of the cell with expert layout j, in ``candidates``' order:
     each ZeRO sharding with its vocabulary variants (built once: the sharding does not change them), then
-    its overlapped variants (issue 38)."""
+    its overlapped variants."""
     base = cell.config(0, j)
     if invalid_reason(model, base, cluster, train) is not None:  # validity does not depend on the sharding
         return

@@ -30,7 +30,7 @@ from ptdp.schedule.registry import default_virtual_size, pair_share, schedule_sp
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 _ARCH_FLAGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "swiglu", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "disable_bias_norm", "normalization", "position_embedding_type",
-               # issue 41: multi-latent attention and multi-token prediction
+               # multi-latent attention and multi-token prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                "v_head_dim", "mtp_num_layers")
 # A mixture of experts' shape, as ``ptdp train`` spells it (the routing and loss flags change no count)
@@ -45,7 +45,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(m, ModelConfig, (*_MODEL_FLAGS, *_ARCH_FLAGS, "group_query_attention"))
     add_field_arguments(m, train_config.TrainingConfig, ("global_batch_size",))
     add_field_arguments(m, MoEConfig, _MOE_FLAGS)  # a MoE preset's experts, or a dense shape's
-    add_field_arguments(m, train_config.DataConfig, ("reset_attention_mask",))  # issue 40: packed documents
+    add_field_arguments(m, train_config.DataConfig, ("reset_attention_mask",))  # packed documents
     m.add_argument("--mean-document-length", type=int, metavar="L",
                    help="with --reset-attention-mask: documents of L tokens fill each window, so attention "
                    "counts sum(l^2)/s = L keys per query instead of s (FLOPs, time, score memory)")
@@ -65,15 +65,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "sequence_parallel", "cp_comm_type", "pipeline_schedule"),
         cp_comm_type="p2p", sequence_parallel=False)
-    # issue 24: evaluate a given vocabulary handling (with t and p); the search tries both by itself
+    # evaluate a given vocabulary handling (with t and p); the search tries both by itself
     add_field_arguments(p, train_config.ParallelConfig, (
         "pipeline_model_parallel_layout", "enable_vocab_parallel", "disable_fb_fusion"),
         enable_vocab_parallel=False, disable_fb_fusion=False)
     add_field_arguments(p, train_config.TrainingConfig, ("micro_batch_size",))
-    # issue 25: a mixture of experts' expert layout (default: search e, etp and the dispatcher)
+    # a mixture of experts' expert layout (default: search e, etp and the dispatcher)
     add_field_arguments(p, train_config.ParallelConfig, ("expert_model_parallel_size", "expert_tensor_parallel_size"))
     add_field_arguments(p, train_config.MoEConfig, ("moe_token_dispatcher_type",))
-    # issue 38: pin the combined 1F1B overlap (default: search it, and dualpipev, for a MoE layout at e > 1)
+    # pin the combined 1F1B overlap (default: search it, and dualpipev, for a MoE layout at e > 1)
     add_field_arguments(p, train_config.ParallelConfig, ("overlap_moe_expert_parallel_comm",),
                         overlap_moe_expert_parallel_comm=None)
     # The search space has two values train spells by leaving a flag out: no recomputation (``none``), and
@@ -334,7 +334,7 @@ def _table(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Esti
 
 
 def overlap_lines(c: ParallelConfig, m: int, exposed: float, total: float) -> list[str]:
-    """The overlapped pairs of the chosen layout (issue 38, docs/dualpipe.md): how much token movement they
+    """The overlapped pairs of the chosen layout (docs/dualpipe.md): how much token movement they
     hide; none without pairs."""
     share = pair_share(c.schedule, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size, m,
                        c.overlap_moe_expert_parallel_comm)
@@ -355,7 +355,7 @@ def _bubble_words(schedule: str) -> str:
 
 
 def _reasoning(model: GPTSpec, cluster: ClusterSpec, train: TrainingSpec, best: Estimate, params: int) -> list[str]:
-    """The best layout explained with the paper's takeaways (ptdp-facts.md, §Configuration takeaways)."""
+    """The best layout explained with the paper's takeaways (docs/references.md, §Configuration takeaways)."""
     from ptdp.planner.memory import model_state_bytes_per_param
 
     c, mem, times = best.config, best.memory, best.times

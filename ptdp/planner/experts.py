@@ -1,4 +1,4 @@
-"""Expert parallelism in the planner (issue 25): what e and etp change in memory, time and validity.
+"""Expert parallelism in the planner: what e and etp change in memory, time and validity.
 
 A mixture-of-experts layer keeps attention's ``t × c × d × p`` layout; its experts are split over the
 ``etp × e × edp`` view of the same ranks (MoE Parallel Folding, ``ptdp.parallel.expert.dims``):

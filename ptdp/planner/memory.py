@@ -1,7 +1,7 @@
 """Memory per GPU: model states (weights, grads, optimizer) plus stashed activations, for the worst rank.
 
 Model states use Megatron's distributed-optimizer bytes/param table, activations Korthikanti et al.'s
-per-layer count (ptdp-facts.md, §Memory). Pipeline rank 0 holds the word + position embeddings and stashes
+per-layer count (docs/references.md, §Memory). Pipeline rank 0 holds the word + position embeddings and stashes
 the most microbatches; the last rank holds the (tied) output layer and the fp32 logits. Every other rank
 is dominated by rank 0, so the planner checks those two.
 """
@@ -30,7 +30,7 @@ from ptdp.schedule.registry import schedule_spec
 RUNTIME_OVERHEAD_BYTES = 2 * 1024**3
 
 # bytes/param held for (parameters, gradients, what the optimizer owns besides its state: fp32 master copy of
-# 16-bit weights, fp32 main grads of 16-bit grads) -- ptdp-facts.md, §Memory and §ZeRO; plus the state:
+# 16-bit weights, fp32 main grads of 16-bit grads) -- docs/references.md, §Memory and §ZeRO; plus the state:
 _STATE_BYTES = {"fp16": (2, 2, 8), "bf16": (2, 4, 4), "fp32": (4, 4, 0)}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -152,7 +152,7 @@ def parameters_per_rank(model: GPTSpec, t: int, p: int, pipeline_rank: int, cfg:
 
 
 def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: bool = True) -> float:
-    """Activation bytes one layer keeps per microbatch at 16 bits (Korthikanti et al., ptdp-facts.md §Memory).
+    """Activation bytes one layer keeps per microbatch at 16 bits (Korthikanti et al., docs/references.md, §Memory).
 
     Without recomputation, t = 1: ``s·b·(18h + 4·ffn) + 5·a·s²·b`` (= s·b·h·(34 + 5as/h) for ffn = 4h).
     Tensor parallelism splits all but ``10·s·b·h`` (LayerNorm inputs, the inputs of the QKV and first MLP
@@ -195,7 +195,7 @@ def cut_layer_extra_bytes(model: GPTSpec, cfg: ParallelConfig) -> float:
 def activation_microbatches_in_flight(schedule: str, p: int, v: int, m: int, rank: int, overlap: bool = False) -> int:
     """Peak (microbatch, chunk) activation stashes on ``rank``; each holds l/(p·v) layers.
 
-    Closed form of ``ptdp.parallel.pipeline.schedules.peak_in_flight`` (ptdp-facts.md, §Schedules): GPipe m, 1F1B
+    Closed form of ``ptdp.parallel.pipeline.schedules.peak_in_flight`` (docs/references.md, §Schedules): GPipe m, 1F1B
     min(p - r, m), interleaved Megatron's warm-up count + 1 (the steady state's forward runs before its
     backward), capped at m·v. The zero-bubble schedules keep a stash until its W: ``peak_stashed`` of
     their list (ZB-H1 min(p, m) on every rank, ZB-V 2p chunks of l/(2p) layers, V-Half and V-Min less),
@@ -243,7 +243,7 @@ def rank_memory(model: GPTSpec, cfg: ParallelConfig, global_batch_size: int, pre
     state, rest_state = spec.matrix_state_bytes, spec.state_bytes  # Muon's rest_state: its AdamW part
     # ZeRO shards over the dp-cp group (parameters are replicated over CP too), or one hybrid instance of it
     per_param = model_state_bytes_per_param(precision, cfg.strategy, cfg.shards, rest_state)
-    # expert parameters shard over their expert-data-parallel group instead (issue 25)
+    # expert parameters shard over their expert-data-parallel group instead
     expert_per_param = model_state_bytes_per_param(precision, cfg.strategy, experts.expert_shards(cfg), rest_state)
     saved = state - rest_state  # per hidden-matrix parameter, sharded like the rest of the state
     matrix = hidden_matrix_fraction(model, t, cfg) if spec.matrices_apart else 0.0

@@ -4,7 +4,7 @@ Each hidden matrix is orthogonalised once, whole, on one rank of its grid (``ptd
 dense matrices over the t x (d·c/K) ranks of a pipeline stage, each expert's over the etp x edp/K ranks of
 its expert-parallel index. With the owners balanced by FLOPs (longest processing time first), a rank does
 about 1/grid of its stage's Newton–Schulz work, 2·steps·(2mn² + n³) FLOPs per m x n matrix, n <= m
-(ptdp-facts.md, §Muon). The exchange carries fp32. Under ZeRO a rank holds 1/D of its tensor-parallel
+(docs/references.md, §Muon). The exchange carries fp32. Under ZeRO a rank holds 1/D of its tensor-parallel
 slices and owns 1/D of the matrices, so each all_to_all (data-parallel gather, scatter) moves about 1/D of
 its slices per rank; without ZeRO there is no gather and the scatter is the owners' broadcast of their
 results, an all-gather of the whole slices. The tensor-parallel gather and scatter move the 1/D of the

@@ -11,10 +11,11 @@ and one iteration is
 
     T = (m + (p-1)/v) · T_mb + tied-embedding all-reduce + exposed data-parallel reduction + optimizer step
 
-i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (ptdp-facts.md, §Schedules and takeaway #3). The
-overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement and, at t > 1, the layers'
+i.e. ideal time m·T_mb plus the bubble (p-1)/(v·m) of it (docs/references.md, §Schedules and
+§Configuration takeaways, 3).
+The overlapped schedules (dualpipev, combined 1F1B) hide the MoE token movement and, at t > 1, the layers'
 tensor-parallel collectives of their paired passes up to the other microbatch's compute (:func:`overlap_hidden`).
-Communication volumes are ptdp-facts.md, §Communication; a collective runs over NVLink when its group fits
+Communication volumes are docs/references.md, §Communication; a collective runs over NVLink when its group fits
 in one server and otherwise over the network (Megatron orders ranks t fastest, then d, then p). Every
 constant below is a hardware or implementation fact with its source; none is fitted to the paper's
 measurements (docs/planner.md compares the result with them).
@@ -228,7 +229,7 @@ def _stage(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision:
 
 
 def stage_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, precision: str = "fp16") -> StageTimes:
-    """Per-microbatch times of the pipeline's slowest stage: the first or the last (ptdp-facts.md §Schedules),
+    """Per-microbatch times of the pipeline's slowest stage: the first or the last (docs/references.md, §Schedules),
     or any rank under an uneven layout or vocabulary parallelism.
 
     In 1F1B every stage waits on its neighbours' blocking sends, so the slowest stage sets the pace.
@@ -332,7 +333,7 @@ def iteration_times(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, t
     # with the last microbatch's backward (overlap_grad_reduce), the all-gather precedes the next forward.
     checked = ranks_to_check(cfg, model.num_layers)
     params = max(parameters_per_rank(model, t, p, r, cfg) for r in checked)
-    # expert parameters reduce over their expert-data-parallel group, after the dense ones (issue 25)
+    # expert parameters reduce over their expert-data-parallel group, after the dense ones
     expert = max(experts.expert_parameters_per_rank(model, cfg, rank_layers(model.num_layers, cfg)[r]) for r in checked)
     params -= expert
     grad_bytes = 2 if train.precision == "fp16" else 4

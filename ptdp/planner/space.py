@@ -53,7 +53,7 @@ def invalid_reason(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, tr
         return "--mtp-num-layers with overlapped forward-backward pairs is not supported yet"
     if cfg.recompute_granularity not in RECOMPUTE_CHOICES:
         return f"--recompute-granularity must be one of {', '.join(RECOMPUTE_CHOICES)}"
-    return expert_layout_problem(model, cfg, cluster.num_gpus)  # issue 25: e, etp and the dispatcher
+    return expert_layout_problem(model, cfg, cluster.num_gpus)  # e, etp and the dispatcher
 
 
 LONG_SEQUENCE = 16384
@@ -81,7 +81,7 @@ class Space:
     ``vocab_layouts`` each layout with p > 1 comes also with vocabulary parallelism and with the uneven
     layout that balances its stages (``vocab_variants``). A mixture of experts also searches e (dividing
     E), etp in {t, 1} and, at e > 1, both token dispatchers (``experts.expert_choices``) and, unless
-    ``overlap`` or the schedule is pinned, the overlapped schedules (``overlap_variants``, issue 38);
+    ``overlap`` or the schedule is pinned, the overlapped schedules (``overlap_variants``);
     ``overlap`` pins ``--overlap-moe-expert-parallel-comm``."""
 
     tensor_sizes: Sequence[int] | None = None
@@ -200,15 +200,15 @@ def candidates(
             cfg = cell.config(i, j)
             if invalid_reason(model, cfg, cluster, train) is None:
                 yield cfg
-                if vocab_layouts:  # issue 24: the vocabulary layers balanced two ways
+                if vocab_layouts:  # the vocabulary layers balanced two ways
                     yield from vocab_variants(model, cfg, cluster, train)
-                if space.searches_overlap():  # issue 38
+                if space.searches_overlap():
                     yield from overlap_variants(model, cfg, cluster, train)
 
 
 def overlap_variants(model: GPTSpec, cfg: ParallelConfig, cluster: ClusterSpec, train: TrainingSpec
                      ) -> Iterator[ParallelConfig]:
-    """A MoE layout moving tokens (e > 1) also with its expert communication overlapped (issue 38): its
+    """A MoE layout moving tokens (e > 1) also with its expert communication overlapped: its
     schedule's combined 1F1B (``--overlap-moe-expert-parallel-comm``) and, at v = 2, dualpipev; those that are
     valid (dualpipev needs m >= 2p)."""
     if model.moe is None or cfg.expert_model_parallel_size == 1:

@@ -1,6 +1,6 @@
 """What the planner plans for: the model, the cluster, the training setup, and one parallel layout.
 
-Vocabulary follows Megatron-Core and ptdp-facts.md: t tensor, p pipeline, d data parallel size, v model
+Vocabulary follows Megatron-Core and docs/references.md, §Notation: t tensor, p pipeline, d data parallel size, v model
 chunks per pipeline rank, b micro-batch size, m = B/(b·d) microbatches per pipeline per iteration.
 """
 
@@ -45,7 +45,7 @@ class GPTSpec:
     # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
     # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
     attention_length: float | None = None
-    multi_latent_attention: bool = False  # MLA (issue 41) with ModelConfig's sizes
+    multi_latent_attention: bool = False  # MLA with ModelConfig's sizes
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
     qk_head_dim: int = 128
@@ -207,9 +207,9 @@ class TrainingSpec:
     """Per-iteration workload and numerics.
 
     ``precision``: "fp16" (the paper: fp16 grads, 20 bytes/param) or "bf16" (Megatron: fp32 main grads,
-    18 bytes/param); see ptdp-facts.md, §Memory. ``optimizer``: an ``--optimizer`` name, whose state bytes per
+    18 bytes/param); see docs/references.md, §Memory. ``optimizer``: an ``--optimizer`` name, whose state bytes per
     parameter are its ``ptdp.config.optimizers.OptimizerSpec``'s (AdamW 8, its two moments; SGD and Muon's
-    hidden matrices 4, one momentum; ptdp-facts.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
+    hidden matrices 4, one momentum; docs/references.md, §Muon). ``overlap_grad_reduce``: start the data-parallel gradient
     reduction during the last microbatch's backward (modern Megatron); the paper's runs did not.
     """
 
@@ -234,7 +234,7 @@ class ParallelConfig:
     pipeline_schedule: str | None = None  # None: 1f1b, or interleaved when v > 1
     context_parallel_size: int = 1  # c: each sample's sequence over c ranks (world = t·c·d·p)
     cp_comm_type: str = "p2p"  # ring attention (p2p), Ulysses (a2a) or allgather
-    # issue 24: an uneven layout (Megatron's layout string; None: even) and vocabulary parallelism
+    # an uneven layout (Megatron's layout string; None: even) and vocabulary parallelism
     pipeline_model_parallel_layout: str | None = None
     enable_vocab_parallel: bool = False
     disable_fb_fusion: bool = False  # with enable_vocab_parallel: two barriers per microbatch
@@ -242,11 +242,11 @@ class ParallelConfig:
     # hybrid sharding (--num-distributed-optimizer-instances K: shards over d·c/K ranks, K replicas)
     sharding_strategy: str = "no_shard"
     distributed_optimizer_instances: int = 1
-    # issue 25, a mixture of experts: e, etp (None: t, as Megatron-Core) and the dispatcher (planner/experts.py)
+    # a mixture of experts: e, etp (None: t, as Megatron-Core) and the dispatcher (planner/experts.py)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str = "allgather"  # ptdp train's (and Megatron-LM's) default
-    # issue 38: combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
+    # combined 1F1B (1f1b, interleaved); dualpipev overlaps by itself (planner/perf.py prices both)
     overlap_moe_expert_parallel_comm: bool = False
 
     @property

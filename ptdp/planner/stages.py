@@ -1,6 +1,6 @@
 """Per pipeline rank: how many transformer layers, and which share of the vocabulary layers, it holds.
 
-The vocabulary layers unbalance a pipeline (issue 24): the first stage holds the input embedding, the
+The vocabulary layers unbalance a pipeline: the first stage holds the input embedding, the
 last the output layer and the softmax cross-entropy, each V x h. Two cures, both modelled here:
 
 * an uneven layout (Megatron's ``--pipeline-model-parallel-layout`` or first/last-stage flags): fewer

@@ -1,4 +1,4 @@
-"""What ``ptdp plan`` tries against the vocabulary imbalance (issue 24), and how it says what it picked.
+"""What ``ptdp plan`` tries against the vocabulary imbalance, and how it says what it picked.
 
 For every layout with p > 1 the search also evaluates
 

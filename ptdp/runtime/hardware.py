@@ -6,7 +6,7 @@ and per direction, in bytes/s:
 * intra-node: NVLink through NVSwitch. A100: 12 NVLink3 links x 25 GB/s = 300 GB/s; H100/H200: 18 NVLink4
   links x 25 GB/s = 450 GB/s. H800 (the export H100 DeepSeek-V3 trained on): the H100's compute and HBM
   with 400 GB/s of NVLink in both directions together, 200 GB/s each way (the report measures ~160 GB/s).
-* inter-node: one NIC per GPU, as in DGX servers (ptdp-facts.md, §Hardware: 8 x 200 Gb/s HDR InfiniBand
+* inter-node: one NIC per GPU, as in DGX servers (docs/references.md, §Hardware: 8 x 200 Gb/s HDR InfiniBand
   per A100 node = 25 GB/s per GPU; 8 x 400 Gb/s NDR per H100/H200 node = 50 GB/s per GPU).
 """
 

@@ -94,7 +94,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 def peak_stashed(actions: Sequence[Action]) -> int:
     """Max number of (microbatch, chunk) activation stashes alive at once, each kept from its F until its
     last backward action (B, or W when the backward is split: W still needs the layers' inputs). In units
-    of one chunk's activations of one microbatch; 1F1B on rank 0 holds p of them (ptdp-facts.md, §Schedules)."""
+    of one chunk's activations of one microbatch; 1F1B on rank 0 holds p of them (docs/references.md, §Schedules)."""
     actions = plain(actions)
     last_use = {(a.microbatch, a.chunk): i for i, a in enumerate(actions) if a.op in ("B", "I", "W")}
     live, peak = 0, 0

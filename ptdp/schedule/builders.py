@@ -4,8 +4,8 @@ Keeping schedules as plain data lets one executor (``ptdp.parallel.pipeline.exec
 them, lets the simulator and the pictures consume exactly what runs, and lets tests check ordering,
 matching and deadlock freedom without processes. Each is declared once, with its placement, constraints
 and formulas, in ``ptdp.schedule.registry``; ``registry.build_schedule`` adds the SEND/RECV actions
-(``ptdp.schedule.communication``). The schedules and their bubble/memory properties are in ptdp-facts.md,
-§Schedules, and docs/planner.md.
+(``ptdp.schedule.communication``). The schedules and their bubble/memory properties are in
+docs/references.md, §Schedules, and docs/planner.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ptdp.schedule.actions import Action, overlapped, virtual_stage
 
 
 def gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
-    """GPipe: all m forwards, then all m backwards. Stashes all m microbatches (ptdp-facts.md, §Schedules)."""
+    """GPipe: all m forwards, then all m backwards. Stashes all m microbatches (docs/references.md, §Schedules)."""
     compute = [Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
     return compute
 
@@ -41,7 +41,7 @@ def _one_f_one_b_compute(p: int, m: int, rank: int, backward_ops: Sequence[str],
 def one_f_one_b(p: int, v: int, m: int, rank: int, combined: bool = False) -> list[Action]:
     """1F1B (PipeDream-Flush): p-r-1 warm-up forwards, then F/B pairs, then cool-down backwards.
 
-    At most min(p - r, m) microbatches stashed on rank r (ptdp-facts.md, §Schedules). ``combined`` (combined
+    At most min(p - r, m) microbatches stashed on rank r (docs/references.md, §Schedules). ``combined`` (combined
     1F1B, ``ptdp.schedule.dualpipe``): one more warm-up forward, and each steady-state pair overlapped.
     """
     return _one_f_one_b_compute(p, m, rank, ["B"], combined)
@@ -68,7 +68,7 @@ def interleaved(p: int, v: int, m: int, rank: int, combined: bool = False) -> li
     """Megatron's interleaved 1F1B: groups of p microbatches per chunk, bubble (p-1)/(v*m).
 
     Virtual microbatch k runs forward on chunk (k mod p*v) div p and backward on v-1 minus that; see
-    ptdp-facts.md, §Schedules for the warm-up count. ``combined`` (combined 1F1B, ``ptdp.schedule.dualpipe``):
+    docs/references.md, §Schedules for the warm-up count. ``combined`` (combined 1F1B, ``ptdp.schedule.dualpipe``):
     one more warm-up forward, and each steady-state pair overlapped.
     """
     total = m * v
@@ -94,7 +94,7 @@ def zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
     W(i - r) right after I(i) and flushes its last r W's at the end, where 1F1B idles. With 1F1B's warm-up
     the bubble drops from (p-1)(t_f+t_b) to (p-1)(t_f+t_i-t_w), a third with t_i = t_w = t_b/2. Microbatches
     with F done and I pending stay 1F1B's (p-r); activations kept until W are at most p on every rank,
-    1F1B's peak on rank 0 (ptdp-facts.md, §Schedules).
+    1F1B's peak on rank 0 (docs/references.md, §Schedules).
     """
     lag = min(rank, m)
     compute: list[Action] = []
@@ -117,7 +117,7 @@ def _greedy(p: int, m: int, placement: str, limit: int, interval: int = 0) -> li
     (input gradient: on the critical path), a ready F if its activation memory allows, a pending W (weight
     gradient: fills what would be bubble), in unit time each (the papers' t_F = t_B = t_W), with free
     communication. This is the zero-bubble papers' heuristic scheduler (Qi et al., ICLR'24 §3; NeurIPS'24;
-    ptdp-facts.md, §Beyond the paper: zero-bubble and V schedules).
+    docs/references.md, §Zero-bubble and V schedules).
 
     ``limit`` caps each rank's activation stashes (``peak_stashed`` units: one chunk of one microbatch, kept
     from F to W). An F that starts a microbatch on a rank reserves the room for every chunk the

@@ -65,7 +65,7 @@ def place_communication(computes: Sequence[Sequence[Action]], p: int, v: int,
     """Insert every SEND/RECV into the ranks' compute lists so that no NCCL ordering can deadlock.
 
     NCCL runs a rank's batched p2p calls in issue order on one stream, a batch starts only once the
-    compute before it ran, and a send may wait for its receive (ptdp-facts.md, §NCCL). So each message
+    compute before it ran, and a send may wait for its receive (docs/references.md, §NCCL). So each message
     gets one global time, the end of the compute that produces it in ``compute_times``, and BOTH ends post
     it at that time: the sender right after the producing compute, the receiver after its computes that
     started before that time (and before any that starts later, its consumer included). Consecutive

@@ -1,7 +1,7 @@
 """Schedules whose steady state overlaps two microbatches on one rank: DualPipeV and combined 1F1B.
 
 * :func:`dualpipev` -- DeepSeek's DualPipeV (the "cut-in-half" DualPipe of Sea AI Lab; deepseek-ai/DualPipe;
-  ptdp-facts.md, §DualPipe): the V placement (rank r holds virtual stages r and 2p-1-r) and, in its steady
+  docs/references.md, §DualPipe): the V placement (rank r holds virtual stages r and 2p-1-r) and, in its steady
   state, the forward of one microbatch on one chunk overlapped with the full backward of another on the
   other chunk (an ``OVERLAP`` action, "FB"), with the zero-bubble split (I then W) where the pipeline
   fills and drains. The order is torch.distributed.pipelining's ``ScheduleDualPipeV`` (the same actions per

@@ -16,7 +16,7 @@ pipeline_parallel_layer_layout.py``, ``transformer_block.get_num_layers_to_build
   ``x*n`` and ``(...)*n`` repeats (no nesting, as in Megatron). It lists the p·v virtual stages in
   pipeline order, so it sets v = stages / p; for Megatron's interleaving stage s is chunk s // p of rank
   s % p (for the V schedules, wherever the placement puts stage s). ``m`` is a multi-token prediction
-  module (issue 41): ptdp places them all on the last stage, before L (``tmL``, ``|mL``); Megatron's
+  module: ptdp places them all on the last stage, before L (``tmL``, ``|mL``); Megatron's
   standalone MTP stage (``m|L``) is not supported.
 
 Every way gives a list of :class:`Stage`, one per virtual stage in pipeline order, with the layers

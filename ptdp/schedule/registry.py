@@ -4,7 +4,7 @@ The CLI's ``--pipeline-schedule`` choices and help (``ptdp.config``), the config
 (``ptdp.config.validate_pipeline``), the planner (``ptdp.planner``), the simulator (``ptdp.simulate.command``)
 and the executor (``build_schedule``) all read :data:`REGISTRY`; a new schedule is one :class:`ScheduleSpec`
 entry here plus its builder in ``ptdp.schedule.builders``. The schedules and their bubble/memory
-properties are in ptdp-facts.md, §Schedules, and docs/planner.md.
+properties are in docs/references.md, §Schedules, and docs/planner.md.
 
 Pure arithmetic on plain numbers and names: a spec says what it takes (:meth:`ScheduleSpec.takes_chunks`,
 :meth:`ScheduleSpec.takes_microbatches`) and refuses anything else with a ValueError in those terms; the lines
@@ -30,7 +30,7 @@ UNIT = {"F": 1, "I": 1, "W": 1, "B": 2}
 
 def dualpipe_bubble(p: int, v: int, m: int) -> float:
     """DualPipeV's bubble over its ideal time: (PP/2-1)(F&B+B-3W) with PP = 2p stages (DualPipe README,
-    ptdp-facts.md §DualPipe), over a rank's 2m chunk passes of F + B; (p-1)/(3m) at unit costs."""
+    docs/references.md, §DualPipe), over a rank's 2m chunk passes of F + B; (p-1)/(3m) at unit costs."""
     f, b, w = UNIT["F"], UNIT["B"], UNIT["W"]
     return (p - 1) * ((f + b) + b - 3 * w) / (2 * m * (f + b))
 
@@ -179,7 +179,7 @@ def schedule_placement(name: str) -> str:
 
 @functools.lru_cache(maxsize=1024)  # the metrics ask every logged iteration, the planner every layout
 def bubble_fraction_formula(p: int, v: int, m: int, schedule: str | None = None, overlap: bool = False) -> float:
-    """Ideal bubble time over ideal compute time (ptdp-facts.md, §Schedules): (p-1)/m for GPipe and 1F1B,
+    """Ideal bubble time over ideal compute time (docs/references.md, §Schedules): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v·m) interleaved; for the zero-bubble family (zb-h1, zb-h2, zbv, v-half, v-min) the bubble of the
     schedule's own lists timed with the papers' t_F = t_B = t_W and free communication (for ZB-H1 and
     m >= p that is Qi et al.'s (p-1)/(3m)); a schedule's own closed form when it has one (dualpipev).

@@ -1,7 +1,7 @@
 """Vocabulary parallelism across pipeline stages (Yeung et al. 2024): the schedule side.
 
 The input embedding and the output layer with its cross-entropy are split by vocabulary over all p
-pipeline ranks (ptdp-facts.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
+pipeline ranks (docs/references.md, §Vocabulary parallelism). Their work becomes actions in every rank's list,
 so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with them:
 
 * ``EF`` (once per iteration, first): this rank's rows of the embedding for every microbatch's ids; the
@@ -15,7 +15,7 @@ so the one executor (``ptdp.parallel.pipeline.executor``) runs any schedule with
 * ``EMB_G`` and ``EB`` (once, last): the first stage's embedding-output gradients to every rank, which adds
   them into its rows.
 
-With multi-token prediction (issue 41) the last stage embeds tokens too: its F waits for EMB, which then
+With multi-token prediction the last stage embeds tokens too: its F waits for EMB, which then
 reaches every rank (an all-reduce), and EMB_G sums both ends' gradients; S and T carry the MTP modules'
 heads beside the model's (``ptdp.parallel.vocab``). The actions and their order do not change.
 

@@ -2,7 +2,7 @@
 
 The model (``ptdp.simulate.core``) runs exactly the action lists the executor runs (``ptdp.schedule.registry``).
 
-Bubble fraction follows the paper (ptdp-facts.md, §Schedules): idle time over busy time, so that GPipe and
+Bubble fraction follows the paper (docs/references.md, §Schedules): idle time over busy time, so that GPipe and
 1F1B give (p-1)/m and interleaved (p-1)/(v·m) in the ideal case; ``idle_fraction`` is idle over total.
 """
 
@@ -22,7 +22,7 @@ from ptdp.schedule.layout import stage_work
 from ptdp.schedule.registry import REGISTRY, build_schedule, default_schedule, default_virtual_size
 from ptdp.simulate.core import SimulationResult, run_lists
 from ptdp.simulate.draw import NeedsMatplotlib, draw
-from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers (issue 24)
+from ptdp.simulate.vocab import simulate_vocab  # S, T and the barriers
 
 
 def simulate(
@@ -82,7 +82,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "overlap_moe_expert_parallel_comm"),
                         pipeline_schedule="1f1b", pipeline_model_parallel_size=4,
                         overlap_moe_expert_parallel_comm=False)  # ``ptdp train``'s flags
-    # issue 24: uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
+    # uneven layouts and the vocabulary layers (times then per even stage of --num-layers / (p·v))
     add_field_arguments(parser, ParallelConfig, (
         "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "enable_vocab_parallel",

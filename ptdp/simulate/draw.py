@@ -1,9 +1,9 @@
 """``ptdp simulate --out``: the timeline drawn like the paper's figures, one row per rank (rank 0 on top),
 boxes numbered by microbatch (1-based, as in the paper) and shaded by chunk; white gaps are the bubble. An
-overlapped pair (DualPipeV's F&B, issue 38) is one cell with a heavy border and two shades, its forward
+overlapped pair (DualPipeV's F&B) is one cell with a heavy border and two shades, its forward
 above its backward, as in DeepSeek's figure.
 
-An ``.svg`` is written here, by hand, with no dependency (issue 42: the README's ``ptdp simulate --out``
+An ``.svg`` is written here, by hand, with no dependency (the README's ``ptdp simulate --out``
 failed with a 12-line ``ModuleNotFoundError`` on a fresh ``pip install -e .``). ``.png`` and ``.pdf`` need a
 rasteriser: matplotlib (``pip install 'ptdp[plot]'``); without it they are one line, exit 2, naming
 ``.svg``. Both drawers read the same marks: the boxes, and what a result adds (``extra_marks``: the

@@ -1,4 +1,4 @@
-"""``ptdp simulate --enable-vocab-parallel``: the vocabulary-parallel lists through time (issue 24).
+"""``ptdp simulate --enable-vocab-parallel``: the vocabulary-parallel lists through time.
 
 The lists are the executor's own (``build_schedule(..., vocab_barriers=1|2)``, placed by
 ``ptdp.schedule.vocab``): the schedule's computes and p2p plus EF, S, T, EB and the collectives EMB,

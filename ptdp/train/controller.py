@@ -8,7 +8,7 @@ ORed over all ranks with one tiny all-reduce, so no rank saves or stops alone an
 a collective (``after_save()`` agrees once more after each save, so a signal during a save stops on it).
 That all-reduce is of a host tensor over a gloo group (the default group on the CPU, one of
 its own on GPUs): it never touches a CUDA stream, so the host does not wait for the GPU queue to drain
-(issue 26: no host synchronisation in the steady-state loop). Saving is the checkpoint manager's
+(no host synchronisation in the steady-state loop). Saving is the checkpoint manager's
 (``ptdp/checkpointing/manager.py``); the loop asks both.
 
 The watchdog (``ptdp/observability/watchdog.py``) is armed from the run's second iteration: start-up and the
@@ -16,7 +16,7 @@ first iteration (a lazy ``torch.compile``, NCCL's communicator set-up) are bound
 ``--distributed-timeout-minutes`` instead. Progress is reported per executor action and per layer
 (:meth:`watch`), so a rank that computes is never called hung however long its iterations take.
 
-It lives in ``ptdp.train`` rather than ``ptdp.runtime`` (issue 37 named the runtime) because it joins two
+It lives in ``ptdp.train`` rather than ``ptdp.runtime`` because it joins two
 low packages that must not know each other: the runtime's signals, Ctrl-C state and phases, and the
 observability package's watchdog, flight recorder and layer hooks (``pyproject.toml``: "ptdp.observability |
 ptdp.runtime"). It is the training run's lifecycle; nothing in it reads the trainer, checkpoints,

@@ -1,5 +1,5 @@
-"""Mixture-of-experts metrics per iteration (issue 25): the auxiliary losses, the busiest expert's load over
-the mean, the dropped tokens -- and (issue 41) the multi-token prediction loss -- in the progress line,
+"""Mixture-of-experts metrics per iteration: the auxiliary losses, the busiest expert's load over
+the mean, the dropped tokens -- and the multi-token prediction loss -- in the progress line,
 ``--metrics-file`` and TensorBoard.
 
 The model's step hooks (``ptdp.parallel.expert.step_hooks``) leave device tensors summed over the ranks in

@@ -46,9 +46,9 @@ def pipeline_metrics(trainer: TrainState, stats: ScheduleStats) -> dict:
     ``bubble_fraction`` is the fraction of the worst rank's schedule time spent waiting on communication,
     idle / (idle + busy), in [0, 1] by construction; ``bubble_fraction_formula`` is the same fraction for
     the ideal schedule, r / (1 + r) with r the paper's bubble time over ideal time, (p-1)/(v*m) (or the
-    schedule's own: ptdp-facts.md, §Schedules). The paper's ratio is not a fraction: it exceeds 1 when
+    schedule's own: docs/references.md, §Schedules). The paper's ratio is not a fraction: it exceeds 1 when
     m < p - 1, and measured, the first iteration's waits (gloo's connections made on first use, the other
-    ranks' first allocations) made it 1.059 (issue 42). Read after the iteration's sync (CUDA-event
+    ranks' first allocations) made it 1.059. Read after the iteration's sync (CUDA-event
     timings are complete); the worst rank is found with one small all-reduce (collective: every rank
     reads the same records).
     """

@@ -2,7 +2,7 @@
 attention packed documents actually compute.
 
 With ``--reset-attention-mask`` attention runs inside each document only, so eq. 3's ``4·s²·h`` per sample
-is ``4·(sum of l_i²)·h`` over its documents (ptdp-facts.md §Packed sequences). The global batch's documents
+is ``4·(sum of l_i²)·h`` over its documents (docs/references.md, §Packed sequences). The global batch's documents
 change every iteration: :class:`IterationFlops` reads their boundaries from the samples of iteration k (on
 the logging rank, when it logs: the host only, a scan for end-of-document tokens) and the record carries
 ``attention_length`` (the batch's sum of l_i² / s per sample), which the progress line names.

@@ -4,7 +4,7 @@ A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.conte
 model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
 position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
-all-gather). Multi-token prediction (issue 41) reads tokens k places ahead, which may sit in another rank's
+all-gather). Multi-token prediction reads tokens k places ahead, which may sit in another rank's
 chunk: its ``ShiftLabels`` becomes :class:`ContextParallelShift`, which gathers the labels of the CP group
 (integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. Multi-latent attention
 inside packed documents reaches the document kernels through ``ptdp.models.documents.equal_widths``. The

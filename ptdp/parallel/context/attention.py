@@ -1,6 +1,6 @@
 """Context parallelism: causal attention over a sequence split across the c ranks of a CP group.
 
-Layout (ptdp-facts.md §Beyond the paper: context parallelism). The sequence is cut into 2c equal chunks
+Layout (docs/references.md, §Context parallelism). The sequence is cut into 2c equal chunks
 and CP rank i holds chunks i and 2c-1-i, concatenated in that order. Under a causal mask an early chunk
 attends to few keys and a late one to many, so pairing them gives every rank the same work. Everything
 outside attention is per-token and never notices the split; positions (learned or rotary) must follow
@@ -18,7 +18,7 @@ Three ways to attend over the whole sequence (Megatron's ``--cp-comm-type``):
 * ``allgather``: all-gather K/V, attend with a mask from the real positions; its backward reduce-scatters
   dK/dV. The simplest, O(s) memory per rank; the reference the other two are checked against.
 
-Values may be narrower than q and k (MLA, issue 41): K and V travel as one block; flash kernels pad V.
+Values may be narrower than q and k (MLA): K and V travel as one block; flash kernels pad V.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ class _RingAttention(torch.autograd.Function):
     fp32 output: no (s/c)² score block is materialised, so per-rank activation memory is O(s/c). The
     backward recomputes each block from the merged output and LSE with the matching flash backward.
 
-    NCCL safety (ptdp-facts.md §NCCL point-to-point semantics). Every transfer is one
+    NCCL safety (docs/references.md, §NCCL). Every transfer is one
     ``ring.ring_exchange``: a single ``batch_isend_irecv`` holding this rank's send to ring-next and its
     receive from ring-prev. Every rank posts the same sequence of exchanges (forward: c-1 K/V exchanges;
     backward: c-1 K/V exchanges interleaved with c dK/dV exchanges, in the same order on every rank), and

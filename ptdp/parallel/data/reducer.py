@@ -13,8 +13,7 @@ Hybrid sharding and a MoE model's two groups are compositions of these (:class:`
 ``ptdp.parallel.data.hybrid.Hybrid``); ``ptdp.parallel.data.strategy`` picks the class from a table.
 
 Both collectives run *in place* (Megatron's layout: a rank's shard is a view of the bucket), so ZeRO-1
-holds no buffer beside the flat parameter and gradient buffers (ptdp-facts.md, §Communication "one
-all-reduce, or reduce-scatter + all-gather", and §Memory; ``ptdp.optim.memory`` counts them). On the GPU
+holds no buffer beside the flat parameter and gradient buffers (docs/references.md, §Communication: one all-reduce, or a reduce-scatter and an all-gather; and §Memory; ``ptdp.optim.memory`` counts them). On the GPU
 they are NCCL's in-place reduce-scatter and all-gather. gloo (CPU) has neither natively: its
 reduce-scatter all-reduces a full-size copy of the input and its all-gather stages the output in a
 full-size temporary, both kept alive by the returned work object, so on the CPU the reduction is the same

@@ -8,7 +8,7 @@
   other pipeline stages are zero here) and summed over ``stats_groups`` (the assembly's: the pipeline and
   the ranks that routed other tokens), without a host sync: ``ptdp.train.moe_metrics`` reads the record's
   ``moe_stats``.
-* After the step, auxiliary-loss-free balancing (issue 41): every router with an expert bias moves it by
+* After the step, auxiliary-loss-free balancing: every router with an expert bias moves it by
   the step's token counts (``ptdp.models.moe.update_expert_biases``), summed over ``token_groups``: the
   ranks whose routers saw other tokens of the same global batch -- data- and context-parallel ranks, and
   tensor-parallel ranks under sequence parallelism. Expert-parallel ranks are among them (MoE Parallel

@@ -10,11 +10,11 @@ is consumed, so communication overlaps compute. Messages between two ranks are m
 On gloo the receives go out a few ahead of their batch (:meth:`P2PComm.expect`; docs/pipeline-communication.md).
 
 ``pack``/``unpack`` hooks let the caller change what travels: Megatron's scatter/gather optimisation sends
-1/t of the activation and all-gathers it in the tensor-parallel group on arrival (ptdp-facts.md,
-§Communication per microbatch). Activations and their gradients have the same shape, so one packed shape
+1/t of the activation and all-gathers it in the tensor-parallel group on arrival (docs/references.md,
+§Communication). Activations and their gradients have the same shape, so one packed shape
 serves both directions.
 
-With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks, issue 26) the
+With ``groups={"F": ..., "B": ...}`` (two communicators over the same pipeline ranks) the
 activations travel on one communicator and the gradients on the other: each run is posted as up to two
 batches (activations first), each on its communicator's own NCCL stream, so a send forward never queues
 behind a send backward. ``ptdp.simulate.nccl.model`` plays that layout too
@@ -95,7 +95,7 @@ class P2PComm:
 
     def expect(self, actions: Sequence[Action]) -> None:
         """The run's list, before it starts: on gloo its receives are then posted up to ``ahead`` receives
-        before their batch, in the list's order (issue 42). gloo sends a message only once its receiver has
+        before their batch, in the list's order. gloo sends a message only once its receiver has
         posted the receive, so a receive posted in the batch right before its consumer cost a round trip
         between the two ranks' transport threads on the critical path; posted ahead, the data is there.
         Matching is unchanged (the receives go out in the same order, first-in first-out per peer) and a

@@ -15,7 +15,7 @@ is its record's name), saved once (checkpoints skip the copy), counted once in t
 (:func:`tied_embedding_weights`) and its gradient summed with the embedding's after every backward
 (:func:`sync_embedding_grads`), as Megatron does, so the two copies stay equal.
 
-Multi-token prediction (issue 41) places its modules with the final norm, on the last stage (Megatron's
+Multi-token prediction places its modules with the final norm, on the last stage (Megatron's
 default); they embed tokens too, so the last stage then keeps a copy of the embedding, ``embedding_copy``
 (the tied copy is its word table), a copy of the same kind, summed over the same group (Megatron-Core's
 ``mtp_process`` stage does the same).
@@ -37,7 +37,7 @@ HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding
 MTP_COPY = "embedding_copy.word_embeddings.weight"  # its copy of the embedding for multi-token prediction
 
 
-# issue 24: a rank's vocabulary rows (``ptdp.parallel.vocab.stage``) are slices of these full weights
+# a rank's vocabulary rows (``ptdp.parallel.vocab.stage``) are slices of these full weights
 VOCAB_SLICE_NAMES = {"vocab_slices.embedding": TIED_EMBEDDING, "vocab_slices.head": "lm_head.weight"}
 
 

@@ -1,6 +1,6 @@
 """The column-parallel linear under sequence parallelism, saving only its *sharded* input for backward.
 
-Korthikanti et al.'s activation saving under sequence parallelism (ptdp-facts.md, §Memory) needs the
+Korthikanti et al.'s activation saving under sequence parallelism (docs/references.md, §Memory) needs the
 QKV and first-MLP linears to keep their input as each rank holds it -- ``s/t`` tokens -- not the
 all-gathered ``s`` tokens the GEMM reads. Gathering and then calling a linear makes autograd keep the
 gathered tensor (t times the bytes) for the weight gradient. Megatron's

@@ -54,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
     ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
-    fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one (issue 26)
+    fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one
     PARTITION_DIMS = {"weight": -2, "bias": -1}  # the output features (of each fused block)
     SEQUENCE_PARALLEL: tuple[str, ...] = ()
 
@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Module):
     ``skip_bias_add`` returns ``(output, bias)`` so the caller can fuse the bias into what follows.
     """
 
-    fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one (issue 26)
+    fp8_linear = None  # the GEMM in FP8 when ``ptdp.parallel.fp8.enable_fp8`` set one
     PARTITION_DIMS = {"weight": -1}  # the input features; the bias is replicated
     SEQUENCE_PARALLEL = ("bias",)  # added after the reduce-scatter: each rank's tokens only
 

@@ -17,7 +17,7 @@ sum of exponentials to the global max. With one barrier, S also computes this sl
 terms ``exp(z - max_r) W_r`` and the target rows, which C0 carries with the statistics, so the last stage
 assembles the input gradient without a second barrier (the math: ``ptdp.parallel.vocab.heads``).
 
-Multi-token prediction (issue 41): its modules run on the last stage, but their output projections and
+Multi-token prediction: its modules run on the last stage, but their output projections and
 cross-entropies are heads of S and T like the model's (``heads``), so no stage computes 1 + D vocabulary
 layers: the last chunk returns the model's and the D modules' hidden states stacked, BCAST_H carries them
 all, and T's input gradient comes back stacked. The modules embed tokens 1..D places ahead, which are the
@@ -126,7 +126,7 @@ def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int
             if gone is not None:
                 placements.remove(gone)
         chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
-    if chunk.embedding_copy is not None:  # issue 41: the MTP modules read EMB's rows, their heads go to S/T
+    if chunk.embedding_copy is not None:  # the MTP modules read EMB's rows, their heads go to S/T
         placements.remove(chunk.embedding_copy.word_embeddings)
         chunk.embedding_copy.word_embeddings = _ProvidedTokens(padded_vocab)
         chunk.mtp.forward = functools.partial(_stacked_hidden_states, chunk.mtp)
@@ -195,7 +195,7 @@ class VocabStage(ModuleStage):
         self.grads = vocab.grads
         self.slices = vocab_slices(chunks)
         cfg = chunks[0].cfg
-        self.vocab_size, self.mtp = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # issue 41: MTP heads
+        self.vocab_size, self.mtp = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # MTP heads
         self.heads = 1 + (0 if forward_only else self.mtp)  # the modules run in training only
         mtp_weight = cfg.mtp_loss_scaling_factor / max(self.mtp, 1)
         self.weights = torch.tensor([self.scale] + [self.scale * mtp_weight] * (self.heads - 1), dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The NCCL model check of vocabulary parallelism with context parallelism (issue 24).
+"""The NCCL model check of vocabulary parallelism with context parallelism.
 
 With ``--context-parallel-size c`` each pipeline holds one sequence slice of every sample, so there are c
 pipelines (one per CP rank, at fixed t and d), each running the same vocabulary-parallel lists. Two kinds

@@ -1,4 +1,4 @@
-"""The per-token loss's count of loss positions under the NCCL model (issue 40).
+"""The per-token loss's count of loss positions under the NCCL model.
 
 With ``--calculate-per-token-loss`` and ``--eod-mask-loss`` every rank all-reduces the count of the loss
 positions in its microbatches over its data- and context-parallel group (``Microbatches.begin``, called by

@@ -9,7 +9,7 @@ through ``RecordingComm`` (a transport that records instead of sending):
     {"wait": i}                          the compute stream waits for this rank's i-th issue
     {"compute": [op, microbatch, local_chunk]}
 
-and plays it under the semantics of ptdp-facts.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
+and plays it under the semantics of docs/references.md, §NCCL (ProcessGroupNCCL, torch 2.4-2.13):
 
 * a rank's issues on one communicator run on that communicator's NCCL stream in issue order: issue i
   starts once the previous issue on the same communicator completed and the compute stream has run
@@ -73,8 +73,8 @@ def record_comm_trace(schedule: str, p: int, v: int, m: int, forward_only: bool 
     activations and gradients on two communicators, as ``P2PComm`` with ``groups`` does. ``plugin``: a
     factory ``(comm) -> TracePlugin`` whose handlers record the collectives of the lists' other actions
     (ZeRO-3's). ``vocab_barriers`` 1 or 2: with the vocabulary-parallel passes and their collectives
-    (issue 24); ``vocab_embeds_last``: the last stage's forwards wait for EMB too (multi-token prediction,
-    issue 41). ``overlap``: the schedule's combined-1F1B lists (``--overlap-moe-expert-parallel-comm``)."""
+   ; ``vocab_embeds_last``: the last stage's forwards wait for EMB too (multi-token
+    prediction). ``overlap``: the schedule's combined-1F1B lists (``--overlap-moe-expert-parallel-comm``)."""
     lists = lists or [build_schedule(schedule, p, v, m, r, forward_only, vocab_barriers, overlap) for r in range(p)]
     placement = schedule_placement(schedule)
     ranks = []

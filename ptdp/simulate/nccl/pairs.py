@@ -4,7 +4,7 @@ In a list with overlapped pairs (DualPipeV, combined 1F1B) the stage runs every 
 pieces (``ptdp.models.pieces``), and inside a pair it alternates the pieces of one microbatch's forward and
 another's backward, each issuing its dispatch and combine asynchronously and waiting for them only where
 they are needed. So on one rank the collectives of two microbatches interleave, and what must hold is that
-every rank of an expert-parallel group issues them in the same order (ptdp-facts.md, §NCCL).
+every rank of an expert-parallel group issues them in the same order (docs/references.md, §NCCL).
 
 :func:`chunk_program` mirrors a chunk of ``moe_layers`` MoE layers as the real model cuts it
 (``GPTModel.program``: the embedding, per layer attention / route / dispatch / experts / combine / finish /
