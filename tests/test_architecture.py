@@ -449,3 +449,37 @@ def test_the_door_check_sees_every_spelling(tmp_path):
     assert sorted(found) == sorted(["import all_gather_object", "import torch.distributed._functional_collectives",
                                     "all_reduce", "barrier", "broadcast", "isend", "getattr reduce_scatter_single",
                                     "all_to_all_single"])
+
+
+# GPTModel's attribute names for its pipeline parts: the pipeline split and vocabulary parallelism read the
+# model's declaration (``pipeline_parts()``, ``ptdp.models.parts``) instead. ``.mtp`` is looked for as an
+# attribute of anything but ``self`` (VocabStage's ``mtp_depth`` is its own count).
+_MODEL_PARTS = re.compile(r"\.(final_layernorm|lm_head|embedding_copy|output_layer|word_embeddings|logits)\b"
+                          r"|(?<!self)\.mtp\b")
+_DECLARED_PARTS = {"parallel/pipeline/stage.py": re.compile(rf"{_MODEL_PARTS.pattern}|\.embedding\b"),
+                   "parallel/pipeline/parts.py": re.compile(rf"{_MODEL_PARTS.pattern}|\.embedding\b"),
+                   "parallel/vocab/stage.py": _MODEL_PARTS}
+
+
+def _named_parts(path: Path, pattern: re.Pattern) -> list[str]:
+    """The lines of ``path`` that name a part by GPTModel's attribute (imports name modules: skipped)."""
+    return [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line) and not line.startswith(("from ", "import "))]
+
+
+@pytest.mark.parametrize("module", sorted(_DECLARED_PARTS))
+def test_the_pipeline_and_vocabulary_stages_read_the_declared_parts(module):
+    """The pipeline split and the vocabulary-parallel stage reach a chunk's embedding, final norm, output
+    layer and copies through the model's declared pipeline parts, never by GPTModel's attribute names: a
+    model family that names its parts otherwise is split and vocabulary-split the same."""
+    assert _named_parts(ROOT / module, _DECLARED_PARTS[module]) == []
+
+
+def test_the_declared_parts_check_sees_a_name(tmp_path):
+    """The control: the lines the stages were written with before the declaration are found."""
+    path = tmp_path / "m.py"
+    path.write_text("from ptdp.models.mtp import ShiftLabels\n"
+                    "chunk.final_layernorm = chunk.lm_head = chunk.mtp = None\nx = self.mtp\n"
+                    "chunk.embedding_copy.word_embeddings = p\nchunk.output_layer.weight\ny = chunk.embedding\n")
+    assert len(_named_parts(path, _MODEL_PARTS)) == 3
+    assert len(_named_parts(path, _DECLARED_PARTS["parallel/pipeline/stage.py"])) == 4

@@ -40,7 +40,7 @@ def _recorded(rank: int, world: int) -> None:
         Hybrid(inner, group).finish_grad_sync()
         assert shard.tolist() == [3.0] * 4
         # the vocabulary stage's pipeline collectives (the stage stubbed to the buffers they read)
-        stage = SimpleNamespace(pp_group=group, pp_ranks=[0, 1], first_rank=0, last_rank=1, mtp=0, p=world,
+        stage = SimpleNamespace(pp_group=group, pp_ranks=[0, 1], first_rank=0, last_rank=1, mtp_depth=0, p=world,
                                 _works={}, _buf={("S", 0): torch.full((2,), float(rank)), ("C1", 0): torch.ones(2),
                                                  ("H", 0): torch.full((2,), float(rank)), ("EMB", 0): torch.ones(2)})
         for op in ("C0", "C1", "BCAST_H", "EMB"):

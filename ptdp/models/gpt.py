@@ -49,6 +49,7 @@ from ptdp.models.layers import (
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
+from ptdp.models.parts import PipelineParts
 from ptdp.models.pieces import Compute, Exchange, Step, Transfer
 from ptdp.models.rotary import RotaryEmbedding
 from ptdp.models.sharding import ShardingRules
@@ -57,7 +58,12 @@ from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the input embedding, also the output weight when tied
+# How the pipeline cuts a GPTModel (``ptdp.models.parts``): the attribute names of ``GPTModel.__init__``.
+PIPELINE_PARTS = PipelineParts(
+    layers="layers", first=("embedding",), last=("final_layernorm", "lm_head", "mtp"), input_embedding="embedding",
+    table="word_embeddings", final_norm="final_layernorm", untied_output="lm_head", to_logits="logits",
+    multi_token_prediction="mtp", head_copy="output_layer", mtp_copy="embedding_copy")
+TIED_EMBEDDING = PIPELINE_PARTS.table_weight  # the input embedding, also the output weight when tied
 
 
 class Attention(nn.Module):
@@ -296,6 +302,11 @@ class GPTModel(nn.Module):
     def sharding_rules(self) -> ShardingRules:
         """How the parallelisms may split this model (``ptdp.models.gpt_sharding``)."""
         return gpt_sharding_rules(self.cfg)
+
+    def pipeline_parts(self) -> PipelineParts:
+        """How the pipeline cuts this model into stages (``ptdp.models.parts``): what the pipeline split and
+        vocabulary parallelism read instead of this class's attribute names."""
+        return PIPELINE_PARTS
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V, h]`` weight of the logits: the untied head's, else the input embedding's (or its copy)."""

@@ -4,21 +4,24 @@ The layers are split over the p·v virtual stages evenly or as Megatron's layout
 (``ptdp.schedule.layout``); a rank holds the stages its schedule's placement
 gives it (``virtual_stage``: Megatron's interleaving, with p=4, v=2 and 8 layers rank 0 holds layers 0 and
 4, or a V: zbv, v-half, v-min rank 0 holds layers 0 and 7). A chunk is the model itself with only its parts
-kept: the embedding on virtual stage 0, the final norm and logits on the last, its layers under their
-global indices (names, hence checkpoints, do not depend on the layout).
+kept, as the model declares them (``pipeline_parts()``, ``ptdp.models.parts``; read through
+``ptdp.parallel.pipeline.parts``, so nothing here names one model class's attributes): the first-stage
+parts (the input embedding) on virtual stage 0, the last-stage parts (the final norm, the output layer,
+multi-token prediction) on the last, its layers under their global indices (names, hence checkpoints, do
+not depend on the layout).
 
 Tied embeddings (GPT-2: the logits' weight is the input embedding). When the first and last stage are
-different chunks, the last one holds a copy, ``output_layer.weight``, recorded with the role
-``embedding_copy`` (``ptdp.parallel.placement``): it is initialised as the embedding (:func:`logical_name`
-is its record's name), saved once (checkpoints skip the copy), counted once in the grad norm
-(``Placement.counts_in_norm``), kept apart in the gradient buffers
-(:func:`tied_embedding_weights`) and its gradient summed with the embedding's after every backward
-(:func:`sync_embedding_grads`), as Megatron does, so the two copies stay equal.
+different chunks, the last one holds a copy of the table under the declared ``head_copy`` name, recorded
+with the role ``embedding_copy`` (``ptdp.parallel.placement``): it is initialised as the embedding (the
+record's ``logical_name`` is the table's name), saved once (checkpoints skip the copy), counted once in the
+grad norm (``Placement.counts_in_norm``), kept apart in the gradient buffers (:func:`tied_embedding_weights`)
+and its gradient summed with the embedding's after every backward (:func:`sync_embedding_grads`), as
+Megatron does, so the two copies stay equal.
 
-Multi-token prediction places its modules with the final norm, on the last stage (Megatron's
-default); they embed tokens too, so the last stage then keeps a copy of the embedding, ``embedding_copy``
-(the tied copy is its word table), a copy of the same kind, summed over the same group (Megatron-Core's
-``mtp_process`` stage does the same).
+Multi-token prediction places its modules with the final norm, on the last stage (Megatron's default); they
+embed tokens too, so the last stage then keeps a copy of the whole input embedding under the declared
+``embedding_copy`` name (the tied copy is its table), a copy of the same kind, summed over the same group
+(Megatron-Core's ``mtp_process`` stage does the same).
 """
 
 from __future__ import annotations
@@ -28,68 +31,61 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ptdp.models import TIED_EMBEDDING, GPTModel
 from ptdp.parallel.collectives import all_reduce
+from ptdp.parallel.pipeline.parts import ChunkParts
 from ptdp.parallel.placement import Placement, Placements
 from ptdp.schedule.layout import Stage, stages_from_counts
 
-HEAD_COPY = "output_layer.weight"  # the last stage's copy of the tied embedding when it is its own chunk
-MTP_COPY = "embedding_copy.word_embeddings.weight"  # its copy of the embedding for multi-token prediction
 
-
-# a rank's vocabulary rows (``ptdp.parallel.vocab.stage``) are slices of these full weights
-VOCAB_SLICE_NAMES = {"vocab_slices.embedding": TIED_EMBEDDING, "vocab_slices.head": "lm_head.weight"}
-
-
-def logical_name(name: str) -> str:
-    """The full-model name of a parameter (the last stage's copies are the input embedding)."""
-    return TIED_EMBEDDING if name in (HEAD_COPY, MTP_COPY) else VOCAB_SLICE_NAMES.get(name, name)
-
-
-def split_model(model: GPTModel, stages: Sequence[int], num_stages: int, placements: Placements,
-                plan: Sequence[Stage] | None = None) -> list[GPTModel]:
+def split_model(model: nn.Module, stages: Sequence[int], num_stages: int, placements: Placements,
+                plan: Sequence[Stage] | None = None) -> list[nn.Module]:
     """One chunk per virtual stage in ``stages`` (of ``num_stages``), each a copy of ``model`` (built on the
     meta device: copying costs nothing) with only that stage's parts: the layers ``plan`` gives it
     (``ptdp.schedule.layout``: Megatron's uneven layouts), or an even share. Every parameter of the chunks
     is recorded in ``placements`` under its full-model name, whole (the later steps split it)."""
-    plan = plan or stages_from_counts([len(model.layers) // num_stages] * num_stages)
+    plan = plan or stages_from_counts([len(ChunkParts(model).layers) // num_stages] * num_stages)
     chunks = []
     for stage in stages:
         chunk = copy.deepcopy(model)
+        parts = ChunkParts(chunk)
+        names, layers = parts.names, parts.layers
         keep = {str(i) for i in plan[stage].layers}
-        for name in [n for n in chunk.layers if n not in keep]:
-            del chunk.layers[name]
+        for name in [n for n in layers if n not in keep]:
+            del layers[name]
         first, last = stage == 0, stage == num_stages - 1
         if not last:
-            chunk.final_layernorm = chunk.lm_head = chunk.mtp = None
+            for name in names.last:
+                parts.set(name, None)
         if not first:
-            if last and chunk.mtp is not None:  # multi-token prediction embeds tokens: keep a copy
-                chunk.embedding_copy = chunk.embedding
-            if last and chunk.lm_head is None:  # tied, the embedding elsewhere: keep a copy of its table
-                chunk.output_layer = chunk.embedding.word_embeddings
-            chunk.embedding = None
+            if last and parts.multi_token_prediction is not None:  # it embeds tokens: keep a copy
+                parts.set(names.mtp_copy, parts.input_embedding)
+            if last and parts.untied_output is None:  # tied, the embedding elsewhere: keep a copy of its table
+                parts.set(names.head_copy, parts.table(parts.input_embedding))
+            for name in names.first:
+                parts.set(name, None)
         for name, param in chunk.named_parameters():
-            role = "embedding_copy" if name in (HEAD_COPY, MTP_COPY) else "dense"
-            placements.record(param, Placement(logical_name(name), role=role))
+            role = "embedding_copy" if name in names.copies else "dense"
+            placements.record(param, Placement(names.logical_name(name), role=role))
         chunks.append(chunk)
     return chunks
 
 
-def is_first(chunk: GPTModel) -> bool:
-    return chunk.embedding is not None
+def is_first(chunk: nn.Module) -> bool:
+    return ChunkParts(chunk).is_first()
 
 
-def is_last(chunk: GPTModel) -> bool:
-    return chunk.final_layernorm is not None
+def is_last(chunk: nn.Module) -> bool:
+    return ChunkParts(chunk).is_last()
 
 
-def _word_embedding(chunk: GPTModel) -> nn.Parameter:
+def _word_embedding(chunk: nn.Module) -> nn.Parameter:
     """The chunk's copy of the input embedding's table: its own (first stage), or the last stage's copy."""
-    table = chunk.embedding or chunk.embedding_copy
-    return chunk.output_layer.weight if table is None else table.word_embeddings.weight
+    parts = ChunkParts(chunk)
+    embedding = parts.input_embedding or parts.mtp_copy
+    return parts.head_copy.weight if embedding is None else parts.table(embedding).weight
 
 
-def tied_embedding_weights(chunks: Sequence[GPTModel], p: int) -> list[nn.Parameter]:
+def tied_embedding_weights(chunks: Sequence[nn.Module], p: int) -> list[nn.Parameter]:
     """This rank's copies of the input embedding when there are two (p > 1, tied or with multi-token
     prediction): the optimizer keeps them in a separate gradient bucket (their gradients are summed across
     stages before the data-parallel sync)."""
@@ -99,7 +95,7 @@ def tied_embedding_weights(chunks: Sequence[GPTModel], p: int) -> list[nn.Parame
     return [_word_embedding(c) for c in chunks if is_first(c) or is_last(c)]
 
 
-def sync_embedding_grads(chunks: Sequence[GPTModel], p: int, embedding_group) -> None:
+def sync_embedding_grads(chunks: Sequence[nn.Module], p: int, embedding_group) -> None:
     """Sum the gradients of the input embedding's two copies (first and last stage), as Megatron does: on
     this rank when a V placement holds both, else over the embedding group (first and last stage)."""
     if not tied_embedding_weights(chunks, p):

@@ -5,9 +5,11 @@ stage keeps its position embeddings and dropout but reads the word embeddings th
 summed; the last stage stops at the final norm. Each rank's chunk 0 gets :class:`VocabSlices`, its
 ``V/(p·t)`` rows of the embedding and of the output weight (the same parameter when tied: no embedding
 group all-reduce), ordinary parameters of the chunk, so optimizers, ZeRO and checkpoints see them like any
-other (checkpoints save them as the global ``embedding.word_embeddings.weight`` / ``lm_head.weight``,
-sharded over the pipeline and tensor ranks: their placements are ``Split("pp", 0, p, pp_rank)`` then
-``Split("tp", 0, t, tp_rank)`` with the role ``vocab``, ``ptdp.parallel.placement``).
+other (checkpoints save them as the global input table and untied output weight the model declares,
+``PipelineParts.table_weight`` / ``output_weight``, sharded over the pipeline and tensor ranks: their
+placements are ``Split("pp", 0, p, pp_rank)`` then ``Split("tp", 0, t, tp_rank)`` with the role ``vocab``,
+``ptdp.parallel.placement``). The chunk's parts are reached through the model's declaration
+(``ptdp.parallel.pipeline.parts``), never by one model class's attribute names.
 
 :class:`VocabStage` runs the actions of ``ptdp.schedule.vocab`` (its handlers; :class:`VocabParallel` is the
 plug-in that makes such stages for training and evaluation). The cross-entropy is the tensor-parallel
@@ -38,14 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ptdp.models import GPTModel
 from ptdp.models.mtp import MultiTokenPrediction, ShiftLabels
 from ptdp.observability import communication
 from ptdp.parallel.collectives import group_rank, group_size
 from ptdp.parallel.data.protocol import GradReducer
 from ptdp.parallel.pipeline.handlers import ActionHandler, Handler
 from ptdp.parallel.pipeline.module_stage import BatchSource, LossFn, ModuleStage, StageLayout
-from ptdp.parallel.pipeline.stage import logical_name
+from ptdp.parallel.pipeline.parts import ChunkParts
 from ptdp.parallel.placement import Placement, Placements, Split
 from ptdp.parallel.vocab.heads import Saved, gather_sequence, rows_of, s_pass, t_pass, tp_sum
 from ptdp.schedule.actions import Action
@@ -113,31 +114,37 @@ class _Hidden(nn.Module):
         return x
 
 
-def apply_vocab_parallel(chunk: GPTModel, local_chunk: int, pp_rank: int, p: int, tp_rank: int, t: int,
-                         padded_vocab: int, placements: Placements) -> GPTModel:
+def apply_vocab_parallel(chunk: nn.Module, local_chunk: int, pp_rank: int, p: int, tp_rank: int, t: int,
+                         padded_vocab: int, placements: Placements) -> nn.Module:
     """Take the vocabulary layers out of ``chunk`` (module docstring); chunk 0 gets the slices, recorded in
     ``placements``: distinct on every rank (each counts its own in the norm), weight-decayed as the full
     tables are."""
-    if chunk.embedding is not None:
-        placements.remove(chunk.embedding.word_embeddings)
-        chunk.embedding.word_embeddings = _Provided()
-    if chunk.final_layernorm is not None:
-        for gone in (chunk.lm_head, chunk.output_layer):
+    parts = ChunkParts(chunk)
+    names = parts.names
+    if parts.input_embedding is not None:
+        placements.remove(parts.table(parts.input_embedding))
+        parts.set_table(parts.input_embedding, _Provided())
+    if parts.is_last():
+        for gone in (parts.untied_output, parts.head_copy):
             if gone is not None:
                 placements.remove(gone)
-        chunk.lm_head, chunk.output_layer, chunk.logits = None, _NoWeight(), _Hidden()
-    if chunk.embedding_copy is not None:  # the MTP modules read EMB's rows, their heads go to S/T
-        placements.remove(chunk.embedding_copy.word_embeddings)
-        chunk.embedding_copy.word_embeddings = _ProvidedTokens(padded_vocab)
-        chunk.mtp.forward = functools.partial(_stacked_hidden_states, chunk.mtp)
+        parts.set(names.untied_output, None)
+        parts.set(names.head_copy, _NoWeight())
+        parts.set(names.to_logits, _Hidden())
+    if parts.mtp_copy is not None:  # the MTP modules read EMB's rows, their heads go to S/T
+        placements.remove(parts.table(parts.mtp_copy))
+        parts.set_table(parts.mtp_copy, _ProvidedTokens(padded_vocab))
+        mtp = parts.multi_token_prediction
+        mtp.forward = functools.partial(_stacked_hidden_states, mtp)
     if local_chunk == 0:
         rows = padded_vocab // (p * t)
         device = next(chunk.parameters(), torch.empty(0, device="meta")).device  # meta in build_model_chunks
         with torch.device(device):
             slices = VocabSlices(rows, chunk.cfg.hidden_size, (pp_rank * t + tp_rank) * rows, chunk.cfg.tied_embeddings)
         splits = (Split("pp", 0, p, pp_rank), Split("tp", 0, t, tp_rank))  # row block pp_rank·t + tp_rank
+        full = {"embedding": names.table_weight, "head": names.output_weight}  # the slices' full-model names
         for name, param in slices.named_parameters():
-            placements.record(param, Placement(logical_name(f"{SLICES}.{name}"), splits, role="vocab"))
+            placements.record(param, Placement(full[name], splits, role="vocab"))
         setattr(chunk, SLICES, slices)
     return chunk
 
@@ -195,9 +202,9 @@ class VocabStage(ModuleStage):
         self.grads = vocab.grads
         self.slices = vocab_slices(chunks)
         cfg = chunks[0].cfg
-        self.vocab_size, self.mtp = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # MTP heads
-        self.heads = 1 + (0 if forward_only else self.mtp)  # the modules run in training only
-        mtp_weight = cfg.mtp_loss_scaling_factor / max(self.mtp, 1)
+        self.vocab_size, self.mtp_depth = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # the MTP heads
+        self.heads = 1 + (0 if forward_only else self.mtp_depth)  # the modules run in training only
+        mtp_weight = cfg.mtp_loss_scaling_factor / max(self.mtp_depth, 1)
         self.weights = torch.tensor([self.scale] + [self.scale * mtp_weight] * (self.heads - 1), dtype=torch.float64)
         v = layout.v
         self.first_chunk = next((c for c in range(v) if self.is_first(c)), None)
@@ -217,7 +224,7 @@ class VocabStage(ModuleStage):
 
     # ---- waits -----------------------------------------------------------------------------------
     def _wait(self, action) -> None:
-        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers, embeds_last=self.mtp > 0):
+        for key in waits_for(action, self.first_chunk, self.last_chunk, self.barriers, embeds_last=self.mtp_depth > 0):
             work = self._works.pop(key, None)
             if work is not None:
                 work.wait()
@@ -234,9 +241,11 @@ class VocabStage(ModuleStage):
         self._wait(Action("F", microbatch, chunk))
         if chunk == self.first_chunk:
             ids = self.batches.inputs(microbatch)
-            self.chunks[chunk].embedding.word_embeddings.current = self._leaf(chunk, microbatch, ids.shape[1])
+            parts = ChunkParts(self.chunks[chunk])
+            parts.table(parts.input_embedding).current = self._leaf(chunk, microbatch, ids.shape[1])
         if chunk == self.last_chunk and self.heads > 1:  # the MTP modules' embedding rows
-            provided = self.chunks[chunk].embedding_copy.word_embeddings
+            parts = ChunkParts(self.chunks[chunk])
+            provided = parts.table(parts.mtp_copy)
             provided.current, provided.ids = self._leaf(chunk, microbatch, None), self._ids[0][microbatch]
         return super()._enter(chunk, microbatch, input)
 
@@ -275,7 +284,7 @@ class VocabStage(ModuleStage):
         issue = {"group": self.pp_group, "async_op": True, "action": repr(action)}  # recorded as the action
         if op == "EMB":  # with MTP the last stage reads the rows too
             buf = self._buf["EMB", 0]
-            work = (communication.all_reduce(buf, **issue) if self.mtp
+            work = (communication.all_reduce(buf, **issue) if self.mtp_depth
                     else communication.reduce(buf, first, **issue))
         elif op == "BCAST_H":
             buf = self._buf.get(("H", mb))
@@ -292,7 +301,7 @@ class VocabStage(ModuleStage):
             work = communication.reduce(buf, last, **issue)
         elif op == "EMB_G":  # with MTP both ends hold gradients of the rows
             buf = self._emb_grads()
-            work = (communication.all_reduce(buf, **issue) if self.mtp
+            work = (communication.all_reduce(buf, **issue) if self.mtp_depth
                     else communication.broadcast(buf, first, **issue))
         else:
             raise ValueError(f"unknown vocabulary collective {op}")
@@ -315,7 +324,7 @@ class VocabStage(ModuleStage):
 
     def _embed(self, _: int) -> None:
         ids = torch.stack([self.batches.inputs(j) for j in range(self.m)])
-        if self.mtp:  # and token 0, which the MTP modules read past the sequence's end
+        if self.mtp_depth:  # and token 0, which the MTP modules read past the sequence's end
             ids = torch.cat([ids, ids.new_zeros(*ids.shape[:2], 1)], dim=2)
         local, outside = rows_of(ids, self.slices.start, self.slices.rows)
         part = F.embedding(local, self.slices.embedding).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -352,7 +361,7 @@ class VocabStage(ModuleStage):
         if last:
             self.losses[mb] = out.losses[0] * self.scale  # as ModuleStage's: over m, times the loss scale
             if self.heads > 1:  # the MTP modules' cross-entropies, for their step hook
-                stats = self.chunks[self.last_chunk].mtp.stats
+                stats = ChunkParts(self.chunks[self.last_chunk]).multi_token_prediction.stats
                 stats["mtp_losses"] = stats["mtp_losses"] + out.losses[1:] if "mtp_losses" in stats \
                     else out.losses[1:].clone()
         if self.forward_only:

@@ -1,0 +1,71 @@
+"""Pipeline parts: how a model family's modules cut into pipeline stages, declared by the family.
+
+A model says which of its attributes hold the transformer layers (a module dictionary keyed by the GLOBAL
+layer index, so parameter names, hence checkpoints, do not depend on the layout), which modules live only
+on the first stage (the input embedding) and only on the last (the final norm, an untied output layer,
+multi-token prediction), and where the pipeline may put its copies of the input embedding's table on the
+last stage. ``ptdp.parallel.pipeline.stage`` (the split, the tied copies) and ``ptdp.parallel.vocab.stage``
+(vocabulary parallelism) read this record and never the attribute names of one model class, as tensor
+parallelism reads the sharding rules (``ptdp.models.sharding``).
+
+A plain record, no torch: the declaration is data, as the sharding rules are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """The attribute names of a model's pipeline parts. An absent part is an attribute set to None (the
+    model's forward runs each part only when present), so a chunk is the model with the other stages' parts
+    set to None and the other layers deleted from ``layers``.
+
+    ``layers``: the module dictionary of the transformer layers, keyed by global layer index.
+    ``first``: the modules only the first stage holds (the input embedding among them).
+    ``last``: the modules only the last stage holds (the final norm, the untied output layer, ``mtp``).
+    ``input_embedding``: the input embedding, whose ``table`` submodule is its ``[V, h]`` word table (its
+    ``weight`` is the tied output weight, and the source of every copy).
+    ``final_norm``: the last stage's first module: present exactly on the last stage.
+    ``untied_output``: the untied output layer (None on the model when the output weight is tied).
+    ``to_logits``: the module that turns hidden states into logits (vocabulary parallelism replaces it).
+    ``multi_token_prediction``: the last-stage module that embeds tokens too, or None if the model has no
+    such module: where it is present the last stage keeps a copy of the whole input embedding.
+    ``head_copy``: where the last stage keeps its copy of the tied table when the embedding is elsewhere.
+    ``mtp_copy``: where the last stage keeps its copy of the input embedding for multi-token prediction.
+
+    The field names are the pipeline's words, not a model's: the parallelisms name these, and the model
+    maps them to its attributes."""
+
+    layers: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    input_embedding: str
+    table: str
+    final_norm: str
+    untied_output: str
+    to_logits: str
+    multi_token_prediction: str | None
+    head_copy: str
+    mtp_copy: str
+
+    @property
+    def table_weight(self) -> str:
+        """The full-model name of the input embedding's table (the tied output weight)."""
+        return f"{self.input_embedding}.{self.table}.weight"
+
+    @property
+    def output_weight(self) -> str:
+        """The full-model name of the untied output layer's weight."""
+        return f"{self.untied_output}.weight"
+
+    @property
+    def copies(self) -> tuple[str, str]:
+        """The parameter names of the last stage's copies of the table: checkpoints save them as
+        :attr:`table_weight`, once."""
+        return f"{self.head_copy}.weight", f"{self.mtp_copy}.{self.table}.weight"
+
+    def logical_name(self, name: str) -> str:
+        """The full-model name of a chunk's parameter (a copy of the table is the table)."""
+        return self.table_weight if name in self.copies else name
