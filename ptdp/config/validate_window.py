@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ptdp.config.validate_moe import moe_layer_pattern
 
 if TYPE_CHECKING:
-    from ptdp.config import Config, ModelConfig
+    from ptdp.config.schema import Config, ModelConfig
 
 
 def window_layers(cfg: ModelConfig) -> list[int | None]:
