@@ -191,7 +191,9 @@ def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
         if isinstance(value, bool):
             flags += [flag] if value else []
         elif value is not None and (name in _MODEL_FLAGS[:6] or value != defaults[name]):
-            flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+            exact = isinstance(value, float) and float(f"{value:g}") != value  # e.g. Gemma's 20^-1/2: every digit
+            flags.append(f"{flag} {value!r}" if exact else f"{flag} {value:g}" if isinstance(value, float)
+                         else f"{flag} {value}")
     positions = cfg.max_position_embeddings or cfg.seq_length
     if positions < default.seq_length:  # the default --seq-length would not fit
         flags.append(f"--seq-length {positions}")
