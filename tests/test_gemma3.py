@@ -180,3 +180,19 @@ def test_tiny_gemma3_preset_validates_and_its_layers_alternate():
     assert {n for n, _ in model.named_parameters() if n.startswith("layers.0.") and "norm" in n} == {
         f"layers.0.{n}.weight" for n in ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
                                          "post_mlp_layernorm", "attention.q_layernorm", "attention.k_layernorm")}
+
+
+def test_gemma3_1b_preset_has_the_published_parameter_count_and_plans(capsys):
+    """google/gemma-3-1b-pt holds 999,885,952 parameters (tied embeddings); ``ptdp plan`` runs on the presets."""
+    from ptdp.cli.main import main
+    from ptdp.config import ModelConfig
+    from ptdp.config.presets import MODEL_PRESETS
+    from ptdp.models import GPTModel
+
+    preset = MODEL_PRESETS["gemma3-1b"]
+    with torch.device("meta"):
+        model = GPTModel(ModelConfig(**preset), preset["vocab_size"], preset["vocab_size"])
+    assert sum(p.numel() for p in model.parameters()) == 999_885_952
+    for name in ("gemma3-1b", "gemma3-27b"):
+        assert main(["plan", "--model", name, "--gpus", "8", "--global-batch-size", "64"]) == 0
+        assert "parameters" in capsys.readouterr().out
