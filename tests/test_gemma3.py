@@ -180,6 +180,10 @@ def test_tiny_gemma3_preset_validates_and_its_layers_alternate():
     assert {n for n, _ in model.named_parameters() if n.startswith("layers.0.") and "norm" in n} == {
         f"layers.0.{n}.weight" for n in ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
                                          "post_mlp_layernorm", "attention.q_layernorm", "attention.k_layernorm")}
+    from ptdp.parallel.init import init_parameters
+
+    init_parameters(model, seed=1, std=0.02, num_layers=8)  # the (1 + w) norms start at w = 0: the identity scale
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if "layernorm" in n)
 
 
 def test_gemma3_1b_preset_has_the_published_parameter_count_and_plans(capsys):
