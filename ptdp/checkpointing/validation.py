@@ -35,7 +35,10 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
                       "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                       "disable_bias_linear": "--disable-bias-linear", "disable_bias_norm": "--disable-bias-norm",
-                      "qk_layernorm": "--qk-layernorm"}
+                      "qk_layernorm": "--qk-layernorm", "window_size": "--window-size",
+                      "window_attn_skip_freq": "--window-attn-skip-freq", "local_rotary_base": "--local-rotary-base",
+                      "sandwich_norm": "--sandwich-norm", "apply_layernorm_1p": "--apply-layernorm-1p",
+                      "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale"}
 
 
 def _fields(model: ModelConfig) -> dict:

@@ -49,6 +49,24 @@ class ModelConfig:
     kv_channels: int | None = opt(None, "per-head dimension (default hidden size / heads)")
     qk_layernorm: bool = opt(False, "normalise each head's query and key (--normalization over the head "
                              "dimension) before the rotary embedding (Qwen3, Gemma 3, OLMo 2)")
+    # Gemma 3's options: sliding-window attention and its layer pattern, sandwich norms, (1 + w) norms, GeGLU
+    window_size: int | None = opt(None, "sliding-window attention: query i attends to keys i - w < j <= i (the "
+                                  "window counts the token itself, as HF's sliding_window); unset: the whole context")
+    window_attn_skip_freq: str | None = opt(
+        None, "with --window-size, which layers attend to the whole context: N (every N-th layer, 1-based, is "
+        "global: Gemma 3's 6) or a Python list per layer, 1 sliding and 0 global, e.g. \"([1]*5+[0])*2\"; "
+        "unset: every layer slides")
+    local_rotary_base: float | None = opt(None, "RoPE base of the sliding-window layers (Gemma 3: 10,000 with "
+                                          "--rotary-base 1,000,000 for the global ones); default --rotary-base")
+    sandwich_norm: bool = opt(False, "a norm after the attention and after the MLP, before each residual add "
+                              "(Gemma 2/3's post_attention/post_feedforward norms)")
+    apply_layernorm_1p: bool = opt(False, "zero-centred norm weights: y = norm(x)·(1 + w), computed in fp32 "
+                                   "(Gemma's RMSNorm; weights initialised to 0)")
+    scale_embedding: bool = opt(False, "multiply the input embeddings by √h, rounded to the model's dtype (Gemma)")
+    geglu: bool = opt(False, "GeGLU MLP down(gelu_tanh(gate(x)) * up(x)) (Gemma); fc1 holds [gate; up] as "
+                      "--swiglu's does, with its default --ffn-hidden-size")
+    softmax_scale: float | None = opt(None, "the attention softmax scale (Gemma 3: query_pre_attn_scalar^-1/2); "
+                                      "default 1/√head-dim")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
         None, "activation recomputation: full (whole layers) or selective (attention core only)",
@@ -88,7 +106,12 @@ class ModelConfig:
         """Megatron's default: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64 (same params)."""
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.gated_mlp else 4 * self.hidden_size
+
+    @property
+    def gated_mlp(self) -> bool:
+        """A gated MLP (SwiGLU or GeGLU): fc1 is [gate; up], three ffn matrices."""
+        return self.swiglu or self.geglu
 
     @property
     def head_dim(self) -> int:

@@ -32,6 +32,16 @@ _QWEN3: dict[str, Any] = {
     "max_position_embeddings": 40960, "vocab_size": 151936, "norm_epsilon": 1e-6, "rotary_base": 1000000.0,
 }
 
+# What every Gemma 3 shares (HF config.json of google/gemma-3-*-pt, text config): GQA with q/k norms, five
+# sliding-window layers to one global, sandwich (1 + w) RMSNorms, GeGLU, √h embeddings, tied output, rotary
+# bases 1M (global) and 10k (local). --seq-length is a training context of ours (the models' is 32K).
+_GEMMA3: dict[str, Any] = {
+    **_LLAMA, "swiglu": False, "geglu": True, "qk_layernorm": True, "sandwich_norm": True,
+    "apply_layernorm_1p": True, "scale_embedding": True, "untie_embeddings_and_output_weights": False,
+    "group_query_attention": True, "window_attn_skip_freq": "6", "rotary_base": 1000000.0,
+    "local_rotary_base": 10000.0, "norm_epsilon": 1e-6, "seq_length": 4096,
+}
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
                   "vocab_size": 51200},
@@ -67,6 +77,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                       "num_query_groups": 4, "ffn_hidden_size": 6144},
     "qwen3-235b-a22b": {**_QWEN3, "num_layers": 94, "hidden_size": 4096, "num_attention_heads": 64,
                         "num_query_groups": 4, "ffn_hidden_size": 12288},
+    # Gemma 3 1B (google/gemma-3-1b-pt) and 27B (gemma-3-27b-pt's text config, without its linear rope
+    # scaling of factor 8 for the 128K context, which ptdp does not compute)
+    "gemma3-1b": {**_GEMMA3, "num_layers": 26, "hidden_size": 1152, "num_attention_heads": 4, "num_query_groups": 1,
+                  "kv_channels": 256, "ffn_hidden_size": 6912, "window_size": 512, "softmax_scale": 256 ** -0.5,
+                  "max_position_embeddings": 32768, "vocab_size": 262144},
+    "gemma3-27b": {**_GEMMA3, "num_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
+                   "num_query_groups": 16, "kv_channels": 128, "ffn_hidden_size": 21504, "window_size": 1024,
+                   "softmax_scale": 168 ** -0.5, "max_position_embeddings": 131072, "vocab_size": 262208},
     # test-sized models (the tokenizer decides the vocabulary)
     "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -101,6 +119,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
 MODEL_PRESETS["tiny-mixtral"] = dict(MODEL_PRESETS["tiny-llama"])
 MODEL_PRESETS["tiny-qwen3"] = {**MODEL_PRESETS["tiny-llama"], "qk_layernorm": True, "kv_channels": 16}
 MODEL_PRESETS["tiny-qwen3-moe"] = dict(MODEL_PRESETS["tiny-qwen3"])
+# tiny-gemma3: windows of 4 tokens at --seq-length 16, every third layer global
+MODEL_PRESETS["tiny-gemma3"] = {
+    **_GEMMA3, "num_layers": 8, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 16, "ffn_hidden_size": 64, "seq_length": 16, "window_size": 4, "window_attn_skip_freq": "3",
+    "softmax_scale": 16 ** -0.5}
 # tiny-deepseek: the DeepSeek-V3 architecture at test size (MLA with a query compression, one dense layer
 # then MoE ones, one MTP module); a large bias update rate makes the bias move the routing within a test
 MODEL_PRESETS["tiny-deepseek"] = {
@@ -116,6 +139,9 @@ PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "ll
 
 def model_family(cfg: Any) -> str:
     """A short name for the architecture a ``ModelConfig`` describes (for the start-up summary)."""
+    if getattr(cfg, "geglu", False) and getattr(cfg, "sandwich_norm", False):
+        window = f"window {cfg.window_size}" if getattr(cfg, "window_size", None) else "no window"
+        return f"Gemma 3 (GQA {cfg.query_groups} groups, {window}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"
     llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu)
     if llama:
         attention = f"GQA {cfg.query_groups} groups" if cfg.query_groups < cfg.num_attention_heads else "MHA"

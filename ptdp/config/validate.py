@@ -25,6 +25,7 @@ from ptdp.config.validate_pipeline import (
     virtual_size,
     vocab_parallel_errors,
 )
+from ptdp.config.validate_window import window_errors
 from ptdp.schedule.layout import Stage
 
 
@@ -101,6 +102,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors.append(f"--hang-timeout-s must be >= 0 (0 disables the watchdog), got {par.hang_timeout_s}")
     errors += _precision_errors(config.precision)
     errors += moe_errors(config)
+    errors += window_errors(config)  # sliding windows (Gemma 3)
     errors += deepseek_errors(config) if sizes_ok and shape_ok else []
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         errors += expert_layout_errors(

@@ -174,7 +174,9 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "norm_epsilon", "qk_layernorm",
                 "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "normalization",
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS)
+                "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS,
+                "window_size", "window_attn_skip_freq", "local_rotary_base", "sandwich_norm", "apply_layernorm_1p",
+                "scale_embedding", "geglu", "softmax_scale")
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
@@ -189,7 +191,9 @@ def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
         if isinstance(value, bool):
             flags += [flag] if value else []
         elif value is not None and (name in _MODEL_FLAGS[:6] or value != defaults[name]):
-            flags.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+            exact = isinstance(value, float) and float(f"{value:g}") != value  # e.g. Gemma's 20^-1/2: every digit
+            flags.append(f"{flag} {value!r}" if exact else f"{flag} {value:g}" if isinstance(value, float)
+                         else f"{flag} {value}")
     positions = cfg.max_position_embeddings or cfg.seq_length
     if positions < default.seq_length:  # the default --seq-length would not fit
         flags.append(f"--seq-length {positions}")
@@ -230,8 +234,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe, qwen3, qwen3_moe "
-                             "or deepseek_v3)")
+                        help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe, qwen3, qwen3_moe, "
+                             "gemma3_text or deepseek_v3)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")

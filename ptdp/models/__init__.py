@@ -12,9 +12,10 @@ torch loads.
 import importlib
 
 _WHERE = {
-    **dict.fromkeys(("MLP", "TIED_EMBEDDING", "Attention", "Embedding", "GPTModel", "TransformerLayer"), "gpt"),
-    **dict.fromkeys(("CausalAttention", "CrossEntropy", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm"),
-                    "layers"),
+    **dict.fromkeys(("MLP", "TIED_EMBEDDING", "Embedding", "GPTModel", "TransformerLayer"), "gpt"),
+    "Attention": "attention",
+    **dict.fromkeys(("CausalAttention", "CrossEntropy", "DropoutAdd", "Linear", "Logits", "SequencePositions", "norm",
+                     "ZeroCenteredRMSNorm", "window_mask"), "layers"),
     **dict.fromkeys(("GroupedExperts", "LocalDispatcher", "MoELayer", "TopKRouter"), "moe"),
     "MultiLatentAttention": "mla",
     "MultiTokenPrediction": "mtp",

@@ -197,7 +197,9 @@ def architecture(model: ModelShape) -> dict[str, Any]:
     return {
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups if model.group_query_attention else None,
-        "kv_channels": model.kv_channels, "swiglu": model.swiglu, "mla": mla_shape(model),
+        # a gated MLP (SwiGLU or Gemma's GeGLU): three ffn matrices
+        "kv_channels": model.kv_channels, "swiglu": model.swiglu or getattr(model, "geglu", False),
+        "mla": mla_shape(model),
     }
 
 

@@ -19,13 +19,15 @@ splitting keeps only some of its parts, which is why each part runs only when pr
 full model's (``layers.7.mlp.fc1.weight`` is layer 7 wherever it lives), so checkpoints do not depend on the
 layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention.core`.
 
+Gemma 3 adds, by flags: sliding-window attention per layer (``attention.py``), sandwich norms, zero-centred
+(1 + w) RMSNorms, a GeGLU MLP and embeddings scaled by √h.
+
 :meth:`GPTModel.program` is the same forward as pieces with explicit boundaries (``ptdp.models.pieces``):
 what DualPipe's overlapped forward-and-backward interleaves with another microbatch's backward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -35,14 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.config.validate_window import window_layers
+from ptdp.models.attention import Attention
 from ptdp.models.documents import DocumentLayout, position_ids
 from ptdp.models.gpt_sharding import gpt_sharding_rules
 from ptdp.models.layers import (
-    CausalAttention,
     DropoutAdd,
     Linear,
     Logits,
-    RngContext,
     SequencePositions,
     norm,
 )
@@ -51,7 +53,6 @@ from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
 from ptdp.models.parts import PipelineParts
 from ptdp.models.pieces import Compute, Exchange, Step, Transfer
-from ptdp.models.rotary import RotaryEmbedding
 from ptdp.models.sharding import ShardingRules
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
@@ -66,82 +67,16 @@ PIPELINE_PARTS = PipelineParts(
 TIED_EMBEDDING = PIPELINE_PARTS.table_weight  # the input embedding, also the output weight when tied
 
 
-class Attention(nn.Module):
-    """Causal self-attention: QKV projection, per-head attention core (rotary positions when on, GQA),
-    output projection. The number of heads is read from the QKV weight: a tensor-parallel rank holding a/t
-    of them runs this same code."""
-
-    def __init__(self, cfg: ModelConfig, positions: SequencePositions, fuse_bias: bool):
-        super().__init__()
-        h, a, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.head_dim = d
-        self.grouped = cfg.group_query_attention
-        self.heads_per_group = a // cfg.query_groups
-        self.dropout = cfg.attention_dropout
-        self.dropout_rng: RngContext | None = None  # tensor parallelism: a mask per rank's heads
-        self.rotary = (RotaryEmbedding(d, cfg.rotary_percent, cfg.rotary_base,
-                                       cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
-                       if cfg.position_embedding_type == "rope" else None)
-        bias = cfg.add_bias_linear
-        qkv_bias = bias or cfg.add_qkv_bias
-        if self.grouped:  # per group: its a/G query heads, its key head, its value head (Megatron's order)
-            self.qkv = Linear(h, (a + 2 * cfg.query_groups) * d, bias=qkv_bias)
-        else:  # [3, a·d, h]: all q heads, all k heads, all v heads
-            self.qkv = Linear(h, a * d, fused=3, bias=qkv_bias)
-        self.positions = positions
-        # --qk-layernorm: one norm over the head dimension, shared by every query head (and one by every key
-        # head); its gradient sums over the heads (the sharding rules say so: ``GPTModel.sharding_rules``)
-        self.q_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
-        self.k_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
-        self.core_attention = CausalAttention()
-        self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
-
-    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """The output, or with ``fuse_bias`` the output before its bias and the bias."""
-        return self.proj(self.core(self.qkv(x), documents))
-
-    def local(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor | tuple:
-        """:meth:`forward` between the QKV projection's entry and the output projection's exit (``Linear``'s
-        communication seam): what one piece of ``TransformerLayer.steps`` computes."""
-        return self.proj.local(self.core(self.qkv.local(x), documents))
-
-    def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
-        """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,
-        inside each document of ``documents`` when it masks attention (``ptdp.models.documents``).
-        Selective recomputation recomputes exactly this (it holds the a·s² activations, few FLOPs)."""
-        b, s, _ = qkv.shape
-        d = self.head_dim
-        if self.grouped:
-            groups = qkv.view(b, s, -1, self.heads_per_group + 2, d)
-            q = groups[:, :, :, :-2].reshape(b, s, -1, d).transpose(1, 2)
-            k, v = groups[:, :, :, -2].transpose(1, 2), groups[:, :, :, -1].transpose(1, 2)
-        else:
-            q, k, v = qkv.view(b, s, 3, -1, d).permute(2, 0, 3, 1, 4)
-        if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if self.rotary is not None:
-            q, k = self.rotary(q, self.positions, documents), self.rotary(k, self.positions, documents)
-        if self.grouped and self.heads_per_group > 1:  # query head j attends with key/value group j // (a/G)
-            k, v = k.repeat_interleave(self.heads_per_group, 1), v.repeat_interleave(self.heads_per_group, 1)
-        dropout = self.dropout if self.training else 0.0
-        # Without dropout no RNG stream is switched: swapping generator states would split a compiled layer
-        # into pieces (graph breaks).
-        rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
-        with rng():
-            y = self.core_attention(q, k, v, dropout, documents)
-        return y.transpose(1, 2).reshape(b, s, -1)
-
-
 class MLP(nn.Module):
-    """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]."""
+    """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]
+    (``--geglu``: the tanh GeLU for the SiLU)."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.geglu = cfg.swiglu, cfg.geglu
         # Eagerly, the bias is cheapest inside the GEMM (addmm); compiled, it fuses with the GeLU.
-        self.fuse = ops.compiled and not cfg.swiglu and cfg.add_bias_linear
-        self.fc1 = Linear(cfg.hidden_size, cfg.ffn_size, fused=2 if cfg.swiglu else 1, bias=cfg.add_bias_linear,
+        self.fuse = ops.compiled and not cfg.gated_mlp and cfg.add_bias_linear
+        self.fc1 = Linear(cfg.hidden_size, cfg.ffn_size, fused=2 if cfg.gated_mlp else 1, bias=cfg.add_bias_linear,
                           skip_bias_add=self.fuse)
         self.fc2 = Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear, skip_bias_add=ops.compiled)
         self.ops = ops
@@ -158,6 +93,9 @@ class MLP(nn.Module):
         if self.swiglu:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
             gate, up = fc1(x).chunk(2, dim=-1)
             return fc2(F.silu(gate) * up)
+        if self.geglu:
+            gate, up = fc1(x).chunk(2, dim=-1)
+            return fc2(F.gelu(gate, approximate="tanh") * up)
         h = self.ops.bias_gelu(*fc1(x)) if self.fuse else F.gelu(fc1(x), approximate="tanh")
         return fc2(h)
 
@@ -172,25 +110,40 @@ def moe_mlp(cfg: ModelConfig, moe: MoEConfig) -> MoELayer:
 
 class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias); with ``moe``
-    the MLP is a mixture of experts, with ``--multi-latent-attention`` the attention is MLA (``mla.py``)."""
+    the MLP is a mixture of experts, with ``--multi-latent-attention`` the attention is MLA (``mla.py``).
+    ``--sandwich-norm`` (Gemma) also normalises each half's output before its residual add
+    (``post_self_attn_layernorm``, ``post_mlp_layernorm``); ``window``: the attention's sliding window."""
 
-    def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None):
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None,
+                 window: int | None = None):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        attention = MultiLatentAttention if cfg.multi_latent_attention else Attention
-        self.attention = attention(cfg, positions, fuse_bias=ops.compiled)
+        if cfg.multi_latent_attention:
+            self.attention = MultiLatentAttention(cfg, positions, fuse_bias=ops.compiled)
+        else:
+            self.attention = Attention(cfg, positions, fuse_bias=ops.compiled, window=window)
+        self.post_self_attn_layernorm = norm(cfg) if cfg.sandwich_norm else None
         self.post_attention_layernorm = norm(cfg)
         self.mlp = moe_mlp(cfg, moe) if moe is not None else MLP(cfg, ops)
+        self.post_mlp_layernorm = norm(cfg) if cfg.sandwich_norm else None
         self.dropout_add = DropoutAdd(cfg.hidden_dropout, ops)
 
     def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         return self.mlp_half(self.attention_half(x, documents))
 
     def attention_half(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
-        return self.dropout_add(self.attention(self.input_layernorm(x), documents), x)
+        return self.attention_residual(self.attention(self.input_layernorm(x), documents), x)
 
     def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout_add(self.mlp(self.post_attention_layernorm(x)), x)
+        return self.mlp_residual(self.mlp(self.post_attention_layernorm(x)), x)
+
+    def attention_residual(self, out: torch.Tensor | tuple, x: torch.Tensor) -> torch.Tensor:
+        """``x`` + the attention's output (and bias), through ``post_self_attn_layernorm`` if any."""
+        return self.dropout_add(_post_norm(self.post_self_attn_layernorm, out), x)
+
+    def mlp_residual(self, out: torch.Tensor | tuple, x: torch.Tensor) -> torch.Tensor:
+        """``x`` + the MLP's output (and bias), through ``post_mlp_layernorm`` if any."""
+        return self.dropout_add(_post_norm(self.post_mlp_layernorm, out), x)
 
     def steps(self, inp: str, out: str, documents: DocumentLayout | None = None) -> list[Step]:
         """The layer as pieces (``ptdp.models.pieces``) from value ``inp`` to ``out``: its two halves, or with a
@@ -204,12 +157,12 @@ class TransformerLayer(nn.Module):
         attention = self._attention_steps(inp, name, documents, moe)
         if moe:
             return [*attention, *self.mlp.steps(name("h"), name("moe")),
-                    Compute(lambda y, x: (self.dropout_add(y, x),), (name("moe"), name("x1")), (out,), "residual")]
+                    Compute(lambda y, x: (self.mlp_residual(y, x),), (name("moe"), name("x1")), (out,), "residual")]
         cut = _cut(self.mlp.fc1, self.mlp.fc2) if isinstance(self.mlp, MLP) else None
         if cut is None:
             return [*attention, Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
         return [*attention, *_cut_half(self.post_attention_layernorm, self.mlp.local, self.mlp.fc2.after,
-                                       lambda y, x: (self.dropout_add(y, x),), cut, name("x1"), (out,), "mlp")]
+                                       lambda y, x: (self.mlp_residual(y, x),), cut, name("x1"), (out,), "mlp")]
 
     def _attention_steps(self, inp: str, name: Callable[[str], str], documents: DocumentLayout | None,
                          norm: bool) -> list[Step]:
@@ -218,7 +171,7 @@ class TransformerLayer(nn.Module):
         outputs = (name("x1"), name("h")) if norm else (name("x1"),)
 
         def residual(out: torch.Tensor | tuple, x: torch.Tensor) -> tuple:
-            x1 = self.dropout_add(out, x)
+            x1 = self.attention_residual(out, x)
             return (x1, self.post_attention_layernorm(x1)) if norm else (x1,)
 
         cut = _cut(self.attention.qkv, self.attention.proj) if isinstance(self.attention, Attention) else None
@@ -227,6 +180,14 @@ class TransformerLayer(nn.Module):
                             outputs, "attention")]
         return _cut_half(self.input_layernorm, functools.partial(self.attention.local, documents=documents),
                          self.attention.proj.after, residual, cut, inp, outputs, "attention")
+
+
+def _post_norm(norm: nn.Module | None, out: torch.Tensor | tuple) -> torch.Tensor | tuple:
+    """``norm`` of a half's output, its bias added first (a sandwich norm); the output as is without one."""
+    if norm is None:
+        return out
+    y, bias = out if isinstance(out, tuple) else (out, None)
+    return norm(y if bias is None else y + bias)
 
 
 def _cut(first: nn.Module, last: nn.Module) -> tuple[Transfer, Transfer] | None:
@@ -249,7 +210,8 @@ def _cut_half(norm: nn.Module, local: Callable, after: Callable, residual: Calla
 
 
 class Embedding(nn.Module):
-    """Token embeddings plus (GPT-2) learned position embeddings, then dropout."""
+    """Token embeddings plus (GPT-2) learned position embeddings (``--scale-embedding``: times √h, rounded
+    to the table's dtype first, as Gemma), then dropout."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, positions: SequencePositions):
         super().__init__()
@@ -257,10 +219,13 @@ class Embedding(nn.Module):
         self.position_embeddings = (nn.Embedding(cfg.max_position_embeddings or cfg.seq_length, cfg.hidden_size)
                                     if cfg.position_embedding_type == "learned_absolute" else None)  # else RoPE
         self.positions = positions
+        self.scale = cfg.hidden_size ** 0.5 if cfg.scale_embedding else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         x = self.word_embeddings(tokens)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
         if self.position_embeddings is not None:
             ids = position_ids(documents)  # --reset-position-ids: [b, s], restarting in every document
             x = x + self.position_embeddings(self.positions(tokens.shape[1], tokens.device) if ids is None else ids)
@@ -283,12 +248,14 @@ class GPTModel(nn.Module):
         self.embedding: Embedding | None = Embedding(cfg, padded_vocab_size, positions)
         sparse = (moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers) if moe is not None and moe.num_experts
                   else [False] * cfg.num_layers)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None)
-                                     for i in range(cfg.num_layers)})
+        windows = window_layers(cfg)  # --window-size: per layer its sliding window or None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None,
+                                                              windows[i]) for i in range(cfg.num_layers)})
         self.final_layernorm: nn.Module | None = norm(cfg)
         self.mtp: MultiTokenPrediction | None = None
         if cfg.mtp_num_layers:
-            self.mtp = MultiTokenPrediction(cfg, [TransformerLayer(cfg, ops, positions, moe if sparse[-1] else None)
+            self.mtp = MultiTokenPrediction(cfg, [TransformerLayer(cfg, ops, positions, moe if sparse[-1] else None,
+                                                                   windows[-1])
                                                   for _ in range(cfg.mtp_num_layers)])
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,

@@ -1,8 +1,9 @@
-"""The sharding rules of ``GPTModel`` (GPT-2, Llama, Mixtral/Qwen2-MoE, DeepSeek-V3, Qwen3 and Qwen3-MoE):
+"""The sharding rules of ``GPTModel`` (GPT-2, Llama, Mixtral/Qwen2-MoE, DeepSeek-V3, Qwen3, Qwen3-MoE, Gemma 3):
 Megatron's tensor-parallel plan, written as the data ``ptdp.models.sharding`` defines.
 
 Per transformer layer: QKV (or MLA's up projections) and fc1 column-parallel, the output projection and
-fc2 row-parallel; the layer norms hold gradients partial over the tokens under sequence parallelism, and
+fc2 row-parallel; the layer norms (Gemma's sandwich norms after the attention and the MLP too) hold
+gradients partial over the tokens under sequence parallelism, and
 so do MLA's down projections and latent norms (whole on every rank, as Megatron-Core keeps them); a
 per-head q/k norm (``--qk-layernorm``) holds gradients partial over the heads. A mixture of experts is
 split by its own layout (``ptdp.parallel.expert``), so its MLP has no rule here. The embedding tables and
@@ -45,7 +46,8 @@ def layer_rules(layer: str, cfg: ModelConfig) -> ShardingRules:
                  (f"{attention}.k_layernorm", HEADS)]
     return rules([*split, (f"{attention}.proj", RowParallel()), (f"{layer}.mlp.fc1", ColumnParallel()),
                   (f"{layer}.mlp.fc2", RowParallel()), (f"{layer}.input_layernorm", TOKENS),
-                  (f"{layer}.post_attention_layernorm", TOKENS)])
+                  (f"{layer}.post_attention_layernorm", TOKENS), (f"{layer}.post_self_attn_layernorm", TOKENS),
+                  (f"{layer}.post_mlp_layernorm", TOKENS)])
 
 
 def gpt_sharding_rules(cfg: ModelConfig) -> ShardingRules:

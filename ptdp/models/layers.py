@@ -34,10 +34,28 @@ RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-
 
 def norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
     """``--normalization`` over ``size`` features (default the hidden size): LayerNorm (GPT-2; without its bias
-    under ``--disable-bias-norm``) or RMSNorm (Llama: no bias, no mean subtraction)."""
+    under ``--disable-bias-norm``) or RMSNorm (Llama: no bias, no mean subtraction); with
+    ``--apply-layernorm-1p`` the zero-centred RMSNorm (Gemma)."""
+    if cfg.apply_layernorm_1p:
+        return ZeroCenteredRMSNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon)
     if cfg.normalization == "RMSNorm":
         return RMSNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon)
     return LayerNorm(size or cfg.hidden_size, eps=cfg.norm_epsilon, bias=not cfg.disable_bias_norm)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """``x / rms(x) · (1 + w)`` over the last dimension, all in fp32 and rounded to x's dtype once at the end
+    (Gemma's RMSNorm: ``w`` starts at 0; a bf16 model multiplies by 1 + w before rounding, not after)."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
 
 
 class Linear(nn.Module):
@@ -129,18 +147,39 @@ class SequencePositions(nn.Module):
         return torch.arange(seq_len, device=device)
 
 
+def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[s, s]`` booleans: query i attends to key j iff i - window < j <= i (the window counts the token
+    itself, as HF's ``sliding_window`` does)."""
+    i = torch.arange(s, device=device)[:, None]
+    j = torch.arange(s, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
 class CausalAttention(nn.Module):
     """softmax(QKᵀ/√d) V under a causal mask, through SDPA (flash kernels on GPU). q, k, v: ``[b, heads,
     s, d]`` (k and v already repeated to the query heads). With a ``documents`` layout that masks attention
     (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
     start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
-    version of the same function."""
+    version of the same function. ``window`` (``--window-size``): a sliding window, through SDPA with an
+    explicit boolean mask (:func:`window_mask`); the configuration refuses it with context parallelism and
+    with document masks (``ptdp.config.validate_window``)."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                 documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
-        """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature)."""
+        """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature,
+        ``--softmax-scale``)."""
         if masks_attention(documents):
+            if self.window is not None:
+                raise ValueError("--window-size with --reset-attention-mask is not supported yet")
             return documents.attend(q, k, v, dropout_p, scale)
+        s = q.shape[-2]
+        if self.window is not None and self.window < s:
+            mask = window_mask(s, self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
 
 

@@ -85,7 +85,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class QKVLayout:
-    """How the QKV weight of grouped-query attention orders its rows (``ptdp.models.gpt.Attention``)."""
+    """How the QKV weight of grouped-query attention orders its rows (``ptdp.models.attention.Attention``)."""
 
     heads_per_group: int  # a / G
     head_dim: int  # d

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ptdp.models.layers import ZeroCenteredRMSNorm
 from ptdp.parallel.placement import Placement, Placements
 
 
@@ -61,18 +62,25 @@ def init_parameters(model: nn.Module, seed: int, std: float, num_layers: int,
     the embedding) and the splits that make this rank's piece; a parameter it does not know (a plain
     one-process model: ``placements`` None) is whole, under its name in ``model``.
     """
+    zero = _zero_centred(model)
     for name, param in model.named_parameters():
         placement = None if placements is None else placements.get(param)
-        init_parameter(placement or Placement(name), param, seed, std, num_layers)
+        init_parameter(placement or Placement(name), param, seed, std, num_layers, norm_weight=float(param not in zero))
+
+
+def _zero_centred(model: nn.Module) -> set[nn.Parameter]:
+    """The weights of ``--apply-layernorm-1p``'s norms, y = norm(x)·(1 + w): they start at 0, not 1."""
+    return {p for m in model.modules() if isinstance(m, ZeroCenteredRMSNorm) for p in m.parameters(recurse=False)}
 
 
 @torch.no_grad()
-def init_parameter(placement: Placement, out: torch.Tensor, seed: int, std: float, num_layers: int) -> None:
+def init_parameter(placement: Placement, out: torch.Tensor, seed: int, std: float, num_layers: int,
+                   norm_weight: float = 1.0) -> None:
     """Write the initial values of ``placement``'s piece into ``out`` (the piece's shape, any dtype: the
-    fp32 draw is cast as ``Module.to`` would cast it)."""
+    fp32 draw is cast as ``Module.to`` would cast it); a norm's weight is ``norm_weight`` (0: zero-centred)."""
     name = placement.name
     if "layernorm" in name:
-        out.fill_(1.0 if name.endswith("weight") else 0.0)
+        out.fill_(norm_weight if name.endswith("weight") else 0.0)
         return
     if name.endswith("bias"):
         out.zero_()
@@ -129,10 +137,11 @@ def defer_init(model: nn.Module, device: torch.device, dtype: torch.dtype, place
             new = nn.Parameter(_unallocated(param.shape, dtype, device), requires_grad=param.requires_grad)
             placements.replace(param, new)
             module._parameters[name] = new
+    zero = _zero_centred(model)
     for param in model.parameters():
         if param.numel() > 0 and param.untyped_storage().nbytes() == 0:
             deferred.add(param, functools.partial(init_parameter, placements[param], seed=seed, std=std,
-                                                  num_layers=num_layers))
+                                                  num_layers=num_layers, norm_weight=float(param not in zero)))
     return materialize_buffers(model, device)
 
 

@@ -139,7 +139,7 @@ class GPTSpec:
             num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
             seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=m.ffn_hidden_size,
             num_query_groups=m.num_query_groups if m.group_query_attention else None, kv_channels=m.kv_channels,
-            swiglu=m.swiglu, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+            swiglu=m.gated_mlp, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             normalization=m.normalization, position_embedding_type=m.position_embedding_type,
             disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
             multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,

@@ -54,7 +54,9 @@ def is_gpt2(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is the GPT-2 architecture HF's ``GPT2LMHeadModel`` computes."""
     return (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
-            and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
+            and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
+            and not (cfg.window_size or cfg.sandwich_norm or cfg.apply_layernorm_1p or cfg.scale_embedding or cfg.geglu
+                     or cfg.softmax_scale is not None))  # none of Gemma 3's blocks
 
 
 

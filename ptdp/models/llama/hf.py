@@ -48,7 +48,13 @@ def is_llama(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is a model HF's ``LlamaForCausalLM`` computes exactly."""
     return (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
             and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0
-            and not cfg.qk_layernorm and not cfg.multi_latent_attention)
+            and not cfg.qk_layernorm and not cfg.multi_latent_attention and not gemma_options(cfg))
+
+
+def gemma_options(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` uses any of the blocks Gemma 3 added (no Llama, Qwen3 or DeepSeek-V3 has them)."""
+    return bool(cfg.window_size or cfg.sandwich_norm or cfg.apply_layernorm_1p or cfg.scale_embedding or cfg.geglu
+                or cfg.softmax_scale is not None or cfg.local_rotary_base is not None)
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

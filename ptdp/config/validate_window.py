@@ -1,0 +1,69 @@
+"""Sliding-window attention and the other Gemma 3 flags (``ModelConfig``): which layers slide, and the
+combinations ptdp refuses (one line each) instead of computing something else.
+
+``window_layers`` is Megatron's ``is_layer_window_attention``: with ``--window-attn-skip-freq N`` the layers
+whose 1-based number is a multiple of N attend to the whole context, with a list the entry 1 marks a sliding
+layer; unset, every layer slides. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ptdp.config.validate_moe import moe_layer_pattern
+
+if TYPE_CHECKING:
+    from ptdp.config.schema import Config, ModelConfig
+
+
+def window_layers(cfg: ModelConfig) -> list[int | None]:
+    """Per layer its window w (a sliding layer) or None (the whole causal context). ValueError naming the
+    flag for a pattern it cannot read."""
+    if not cfg.window_size:
+        return [None] * cfg.num_layers
+    freq = cfg.window_attn_skip_freq
+    if freq is None:
+        return [cfg.window_size] * cfg.num_layers
+    text = str(freq).strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--window-attn-skip-freq must be a positive integer or a list, got {text}")
+        return [None if (i + 1) % n == 0 else cfg.window_size for i in range(cfg.num_layers)]
+    try:  # the list form, read as --moe-layer-freq's (a 1 per sliding layer)
+        sliding = moe_layer_pattern(text, cfg.num_layers)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--moe-layer-freq", "--window-attn-skip-freq")) from None
+    return [cfg.window_size if s else None for s in sliding]
+
+
+def window_errors(config: Config) -> list[str]:
+    """The Gemma 3 flags against each other and against the parallelisms and packing."""
+    m = config.model
+    errors = []
+    if m.swiglu and m.geglu:
+        errors.append("--swiglu and --geglu are two MLPs; give one")
+    if m.softmax_scale is not None and not m.softmax_scale > 0:
+        errors.append(f"--softmax-scale must be > 0, got {m.softmax_scale}")
+    if m.local_rotary_base is not None and not m.local_rotary_base > 0:
+        errors.append(f"--local-rotary-base must be > 0, got {m.local_rotary_base}")
+    if m.apply_layernorm_1p and m.normalization != "RMSNorm":
+        errors.append("--apply-layernorm-1p needs --normalization RMSNorm (ptdp's zero-centred norm is Gemma's RMSNorm)")
+    if m.window_size is None:
+        if m.window_attn_skip_freq is not None:
+            errors.append("--window-attn-skip-freq needs --window-size")
+        return errors
+    if m.window_size < 1:
+        errors.append(f"--window-size must be a positive integer, got {m.window_size}")
+    try:
+        window_layers(m)
+    except ValueError as e:
+        errors.append(str(e))
+    if config.parallel.context_parallel_size > 1:
+        errors.append("--window-size with --context-parallel-size > 1 is not supported yet")
+    if config.data.reset_attention_mask:
+        errors.append("--window-size with --reset-attention-mask is not supported yet (the document kernels "
+                      "attend to the whole document)")
+    if m.multi_latent_attention:
+        errors.append("--window-size with --multi-latent-attention is not supported")
+    return errors
