@@ -22,15 +22,20 @@ from collections import deque
 
 import numpy as np
 
-from ptdp.data.chat import BadRow, check_messages, encode_conversation, has_generation_markers, load_chat_tokenizer
+from ptdp.data.chat import (
+    BadRow,
+    check_messages,
+    encode_conversation,
+    has_generation_markers,
+    load_chat_tokenizer,
+)
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter
 from ptdp.data.inputs import Task, expand_inputs, read_tasks
 from ptdp.data.progress import Progress
+from ptdp.data.sft_dataset import LOSS_MASK_SUFFIX
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX
 from ptdp.data.tokenizer_flags import build_tokenizer
-
-LOSS_MASK_SUFFIX = "_loss_mask"  # PREFIX_loss_mask.bin/.idx beside PREFIX.bin/.idx
 
 _worker: dict = {}
 
