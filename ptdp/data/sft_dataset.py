@@ -117,7 +117,7 @@ class SFTDataset:
     def __len__(self) -> int:
         return int(len(self.sample_index) - 1)
 
-    def _documents(self, i: int) -> list[tuple[int, int]]:
+    def conversations(self, i: int) -> list[tuple[int, int]]:
         """(conversation id, tokens used) of sample ``i``, in order (wrapping past the end)."""
         n = len(self)
         if i < 0 or n == 0:
@@ -131,7 +131,7 @@ class SFTDataset:
         return self, int(i)
 
     def document_ids(self, i: int) -> list[int]:
-        return [d for d, _ in self._documents(int(i))]
+        return [d for d, _ in self.conversations(int(i))]
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.sft_sample(i)[0]
@@ -143,7 +143,7 @@ class SFTDataset:
         tokens = np.full(s + 1, self.options.pad, dtype=np.int64)
         weights = np.zeros(s, dtype=np.float32)
         bounds, o = [], 0
-        for doc, n in self._documents(int(i)):
+        for doc, n in self.conversations(int(i)):
             tokens[o:o + n] = self.indexed.get(doc, 0, n)
             weights[o:o + n - 1] = self.masks.get(doc, 1, n - 1)  # label t + 1 of input t, same conversation
             bounds.append(o)
