@@ -271,3 +271,16 @@ def test_a_short_sft_training_run(chat_data, tmp_path):
     short = [*base[:base.index("--seq-length")], "--seq-length", "32", *base[base.index("--seq-length") + 2:]]
     proc = run_ptdp(["train", *short, "--sft", "--data-path", chat_data], check=False)
     assert proc.returncode == 2 and "more than --seq-length + 1 = 33" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sft-truncate", "--data-path", "d"], "--sft-truncate applies only with --sft"),
+    (["--sft"], "--sft trains on chat data: give --data-path"),
+    (["--sft", "--data-path", "d", "--eod-mask-loss"], "--sft with --eod-mask-loss"),
+])
+def test_sft_flag_conflicts_are_one_line_each(flags, message):
+    from ptdp.cli.main import build_parser
+    from ptdp.config import config_from_args, validate
+
+    errors = validate(config_from_args(build_parser().parse_args(["train", *flags])), 1)
+    assert any(message in e for e in errors), errors
