@@ -284,3 +284,21 @@ def test_sft_flag_conflicts_are_one_line_each(flags, message):
 
     errors = validate(config_from_args(build_parser().parse_args(["train", *flags])), 1)
     assert any(message in e for e in errors), errors
+
+
+def test_sft_layouts_train_like_one_process(chat_data, tmp_path):
+    """Data and context parallelism under --sft (both normalisations) train like one process: the loss
+    weights and the conversations' boundaries reach every rank's share of the samples."""
+    from helpers import assert_equivalent, run_layouts
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "152",
+            "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
+            "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
+            "--split", "100,0,0", "--sft", "--data-path", chat_data]
+    per_token = ["--calculate-per-token-loss"]
+    runs = run_layouts(tmp_path, {"one": (1, []), "d2": (2, []), "c2": (2, ["--context-parallel-size", "2"]),
+                                  "one_per_token": (1, per_token), "d2_per_token": (2, per_token)}, base=base)
+    assert_equivalent(runs["d2"], runs["one"])
+    assert_equivalent(runs["c2"], runs["one"])
+    assert_equivalent(runs["d2_per_token"], runs["one_per_token"])
+    assert all(abs(a - b) > 1e-6 for a, b in zip(runs["one"].losses, runs["one_per_token"].losses))
