@@ -7,7 +7,8 @@ written in input order, so the output does not depend on the worker count and me
 For a Hugging Face tokenizer the tokenizer is saved as ``PREFIX.tokenizer.json`` so ``ptdp train`` finds it
 without flags. Malformed JSONL lines (bad JSON, not an object, key missing or not a string) and records
 whose column is null are skipped and counted; ``--strict`` makes the first one fatal. The last line on
-stdout is one JSON summary for scripts; progress goes to stderr (progress.py).
+stdout is one JSON summary for scripts; progress goes to stderr (progress.py). ``--sft`` (chat rows with
+``messages``, rendered by the model's chat template, plus a loss mask) is ``preprocess_sft.py``.
 """
 
 from __future__ import annotations
