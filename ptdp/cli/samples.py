@@ -44,7 +44,8 @@ def add_samples_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     show.add_argument("--iteration", type=int, default=None,
                       help="print every sample of global batch N (iterations count from 1, as in the log)")
     show.add_argument("--split-name", choices=("train", "valid", "test"), default="train")
-    show.add_argument("--decode", action="store_true", help="add the detokenized \"text\"")
+    show.add_argument("--decode", action="store_true", help="add the detokenized \"text\" (with --sft: the "
+                      "tokens that carry the loss between [[ and ]])")
     show.add_argument("--format", choices=("json", "text"), default="json")
     return parser
 
@@ -60,7 +61,8 @@ def _text_view(record: dict) -> str:
     head = (f"sample {record['sample']} | iteration {record['iteration']} | dp_rank {record['dp_rank']} | "
             f"microbatch {record['microbatch']} | {record['dataset']} | documents {record['document_ids']}"
             + (f" | cu_seqlens {record['cu_seqlens']}" if "cu_seqlens" in record else "")
-            + (f" | out of the loss {record['loss_masked_positions']}" if "loss_masked_positions" in record else ""))
+            + (f" | out of the loss {record['loss_masked_positions']}" if "loss_masked_positions" in record else "")
+            + (f" | conversations {record['conversations']} | loss on [[...]]" if "conversations" in record else ""))
     body = record.get("text")
     return head + "\n" + (body if body is not None else " ".join(map(str, record["tokens"]))) + "\n"
 
@@ -107,7 +109,7 @@ def run_samples(args: argparse.Namespace) -> int:
         tokenizer = splits.tokenizer if args.decode else None
         d = config.data
         documents = DocumentOptions(splits.tokenizer.eod_id, d.reset_position_ids, d.reset_attention_mask,
-                                    d.eod_mask_loss)
+                                    d.eod_mask_loss, d.sft)
         if args.iteration is not None:  # the whole batch, or its first --first samples
             rows = [(i, args.iteration, r, j) for i, r, j in
                     batch_indices(args.iteration, tr.global_batch_size, dp, tr.micro_batch_size)][:args.first]

@@ -218,7 +218,7 @@ class TrainingConfig:
     calculate_per_token_loss: bool = opt(
         False, "the loss is one mean over every unmasked token of the global batch (an all-reduce of the token "
         "counts) instead of each microbatch's mean averaged over microbatches and data-parallel ranks; differs "
-        "only with --eod-mask-loss")
+        "only with --eod-mask-loss or --sft")
 
 
 @dataclass
@@ -266,6 +266,11 @@ class DataConfig:
                                      "boundaries travel as cu_seqlens; only the blocks inside documents are computed)")
     eod_mask_loss: bool = opt(False, "leave out of the loss the positions whose input is the end-of-document "
                               "token (their target is the next document's first token)")
+    # Chat fine-tuning (ptdp/data/sft_dataset.py, docs/sft.md)
+    sft: bool = opt(False, "supervised fine-tuning on `ptdp preprocess --sft` data: whole conversations packed per "
+                    "sample, attention and positions stop at each one, loss on assistant tokens only")
+    sft_truncate: bool = opt(False, "with --sft: keep the first --seq-length + 1 tokens of a longer conversation "
+                             "(default: refuse it)")
 
 
 @dataclass

@@ -43,6 +43,13 @@ def data_errors(config: Config) -> list[str]:
         shares = _split_shares(d.split)
         has_valid, has_test = (shares[1] > 0, shares[2] > 0) if shares else (True, True)
         where = f"a validation share in --split (it is {d.split})"
+    if d.sft_truncate and not d.sft:
+        errors.append("--sft-truncate applies only with --sft")
+    if d.sft and not (d.data_path or d.train_data_path):
+        errors.append("--sft trains on chat data: give --data-path PREFIX (written by `ptdp preprocess --sft`)")
+    if d.sft and d.eod_mask_loss:
+        errors.append("--sft with --eod-mask-loss: --sft's loss mask (assistant tokens only) already leaves out "
+                      "everything else; drop --eod-mask-loss")
     if tr.full_validation and not has_valid:
         errors.append(f"--full-validation evaluates the whole validation split: give it one ({where})")
     if tr.skip_train and not (has_valid or has_test):

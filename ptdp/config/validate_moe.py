@@ -151,7 +151,8 @@ def _mtp_errors(config: Config) -> list[str]:
                       "without learned positions)")
     packed = [flag for flag, on in (("--reset-position-ids", config.data.reset_position_ids),
                                     ("--reset-attention-mask", config.data.reset_attention_mask),
-                                    ("--eod-mask-loss", config.data.eod_mask_loss)) if on]
+                                    ("--eod-mask-loss", config.data.eod_mask_loss),
+                                    ("--sft", config.data.sft)) if on]
     if packed:  # the modules' targets t_{i+k+1} would cross document ends (Megatron rolls them per document)
         errors.append(f"--mtp-num-layers with {packed[0]} is not supported (the modules' shifted targets would "
                       "cross document boundaries); drop one of them")

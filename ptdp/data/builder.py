@@ -18,6 +18,7 @@ from ptdp.data.default_corpus import default_corpus_prefix
 from ptdp.data.errors import DataError
 from ptdp.data.gpt_dataset import GPTDataset
 from ptdp.data.indexed_dataset import IndexedDataset
+from ptdp.data.sft_dataset import SFTDataset, SFTOptions
 from ptdp.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -101,6 +102,8 @@ def build_datasets(
     tokenizer: Tokenizer | None = None,
     per_split: Sequence[Sequence[str]] | None = None,
     whole_valid: bool = False,
+    sft: bool = False,
+    sft_truncate: bool = False,
 ) -> DataSplits:
     """The three splits. ``num_samples`` (train, valid, test) sizes the datasets as Megatron's
     ``train_valid_test_num_samples`` does (None: one epoch each); ``tokenizer`` (from the tokenizer flags)
@@ -108,14 +111,17 @@ def build_datasets(
     ``blend_per_split``): each split reads all of its own datasets, as ``--data-path`` with the split's
     whole share of ``--split`` would (``"100,0,0"`` for the training split); ``data_path`` and ``split``
     are then unused. ``whole_valid`` (``--full-validation``): the validation split is every sample of its
-    datasets once, blended by size. Rank 0 says so when this takes more than 2 s (a first run tokenizes
+    datasets once, blended by size. ``sft`` (``--sft``): whole conversations packed with their loss
+    masks (``sft_dataset.py``; ``sft_truncate``: ``--sft-truncate``). Rank 0 says so when this takes more than 2 s (a first run tokenizes
     and caches the default corpus, an indexed dataset builds its sample index)."""
     from ptdp.runtime.phases import phase
 
     with phase("building the datasets"):
         if per_split is not None and any(per_split):
-            return _build_per_split(per_split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid)
-        return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid)
+            return _build_per_split(per_split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid,
+                                    (sft, sft_truncate))
+        return _build_datasets(data_path, split, seq_length, seed, num_samples, cache_path, tokenizer, whole_valid,
+                               (sft, sft_truncate))
 
 
 def _sources(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -135,7 +141,7 @@ def _shared_tokenizer(prefixes: list[str], flag: str = "--data-path") -> Tokeniz
 
 def _split_dataset(indexed: list[IndexedDataset], weights: list[float] | None, fractions: list[float],
                    split_id: int, target: int | None, seq_length: int, seed: int, cache_path: str | None,
-                   whole: bool = False) -> GPTDataset | BlendedDataset | None:
+                   whole: bool = False, sft: SFTOptions | None = None) -> GPTDataset | BlendedDataset | None:
     """Split ``split_id`` of the datasets: each one's share of its documents (``fractions``), blended
     (None when no sample fits). ``whole``: one epoch of each, blended by size, whatever the weights."""
     name = SPLIT_NAMES[split_id]
@@ -149,7 +155,8 @@ def _split_dataset(indexed: list[IndexedDataset], weights: list[float] | None, f
         if weights is not None and weights[k] <= 0:
             continue  # a weight of 0 keeps the dataset in the list but reads nothing from it
         doc_range = split_document_ranges(data.num_documents, fractions)[split_id]
-        dataset = GPTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name)
+        dataset = (SFTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name, sft) if sft else
+                   GPTDataset(data, doc_range, seq_length, seed, sizes[k], cache_path, name))
         if len(dataset):
             members.append((dataset, weights[k] if weights is not None else len(dataset)))
     if not members:
@@ -158,6 +165,11 @@ def _split_dataset(indexed: list[IndexedDataset], weights: list[float] | None, f
         return members[0][0]
     size = target if weights is not None else None
     return BlendedDataset([d for d, _ in members], [w for _, w in members], size)
+
+
+def sft_options(sft: tuple[bool, bool], tokenizer: Tokenizer) -> SFTOptions | None:
+    """``(--sft, --sft-truncate)`` as the datasets' options: samples are padded with the end-of-document id."""
+    return SFTOptions(tokenizer.eod_id, sft[1]) if sft[0] else None
 
 
 def _no_train_sample(seq_length: int, flag: str) -> DataError:
@@ -174,6 +186,7 @@ def _build_datasets(
     cache_path: str | None,
     tokenizer: Tokenizer | None,
     whole_valid: bool = False,
+    sft: tuple[bool, bool] = (False, False),
 ) -> DataSplits:
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1, got {seq_length}")
@@ -182,8 +195,9 @@ def _build_datasets(
     prefixes, weights = _sources(data_path) if data_path else ([default_corpus_prefix()], None)
     tokenizer = tokenizer or _shared_tokenizer(prefixes)
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    options = sft_options(sft, tokenizer)
     train, valid, test = (_split_dataset(indexed, weights, fractions, k, targets[k], seq_length, seed, cache_path,
-                                         whole=whole_valid and k == 1) for k in range(3))
+                                         whole=whole_valid and k == 1, sft=options) for k in range(3))
     if train is None:
         raise _no_train_sample(seq_length, "--data-path")
     return DataSplits(train=train, valid=valid, test=test, tokenizer=tokenizer)
@@ -191,7 +205,7 @@ def _build_datasets(
 
 def _build_per_split(per_split: Sequence[Sequence[str]], seq_length: int, seed: int,
                      num_samples: Sequence[int | None] | None, cache_path: str | None, tokenizer: Tokenizer | None,
-                     whole_valid: bool) -> DataSplits:
+                     whole_valid: bool, sft: tuple[bool, bool] = (False, False)) -> DataSplits:
     """Megatron's ``blend_per_split``: split k reads all the documents of its own datasets (the split
     proportions spoofed to 100% for k), under split k's name and size, so ``--train-data-path X`` builds
     exactly ``--data-path X --split 100,0,0``'s training split."""
@@ -201,11 +215,13 @@ def _build_per_split(per_split: Sequence[Sequence[str]], seq_length: int, seed: 
     sources = [_sources(path) if path else ([], None) for path in per_split]
     tokenizer = tokenizer or _shared_tokenizer([p for prefixes, _ in sources for p in prefixes],
                                                "--train/valid/test-data-path")
+    options = sft_options(sft, tokenizer)
     splits: list[GPTDataset | BlendedDataset | None] = []
     for k, (prefixes, weights) in enumerate(sources):
         fractions = [float(k == j) for j in range(3)]
         splits.append(_split_dataset([IndexedDataset(p) for p in prefixes], weights, fractions, k, targets[k],
-                                     seq_length, seed, cache_path, whole=whole_valid and k == 1) if prefixes else None)
+                                     seq_length, seed, cache_path, whole=whole_valid and k == 1, sft=options)
+                      if prefixes else None)
     if splits[0] is None and per_split[0]:
         raise _no_train_sample(seq_length, "--train-data-path")
     return DataSplits(train=splits[0], valid=splits[1], test=splits[2], tokenizer=tokenizer)

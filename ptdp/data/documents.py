@@ -33,10 +33,25 @@ class DocumentOptions:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    sft: bool = False  # --sft: boundaries and loss weights come from the dataset (ptdp.data.sft_dataset)
 
     @property
     def any(self) -> bool:
-        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss or self.sft
+
+    @property
+    def masks_loss(self) -> bool:
+        """Whether some positions leave the loss (per-token weights instead of the plain mean)."""
+        return self.eod_mask_loss or self.sft
+
+
+def sample_bounds(dataset, i: int, options: DocumentOptions) -> tuple[int, ...]:
+    """``cu_seqlens`` of sample ``i`` of ``dataset``: from an SFT dataset's packing with ``--sft``, else
+    found by the end-of-document tokens of its inputs."""
+    if options.sft:
+        member, k = dataset.locate(i)
+        return member.sft_sample(k)[2]
+    return cu_seqlens(np.asarray(dataset[i])[:-1], options.eod)
 
 
 def cu_seqlens(tokens: np.ndarray, eod: int) -> tuple[int, ...]:

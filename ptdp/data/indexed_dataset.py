@@ -75,9 +75,9 @@ class IndexedDatasetWriter:
     complete .bin beside it.
     """
 
-    def __init__(self, prefix: str, vocab_size: int) -> None:
+    def __init__(self, prefix: str, vocab_size: int, dtype: np.dtype | None = None) -> None:
         self.prefix = prefix
-        self.dtype = dtype_for_vocab(vocab_size)
+        self.dtype = np.dtype(dtype) if dtype is not None else dtype_for_vocab(vocab_size)
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin_tmp = _tmp_path(prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")

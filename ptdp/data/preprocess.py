@@ -7,7 +7,8 @@ written in input order, so the output does not depend on the worker count and me
 For a Hugging Face tokenizer the tokenizer is saved as ``PREFIX.tokenizer.json`` so ``ptdp train`` finds it
 without flags. Malformed JSONL lines (bad JSON, not an object, key missing or not a string) and records
 whose column is null are skipped and counted; ``--strict`` makes the first one fatal. The last line on
-stdout is one JSON summary for scripts; progress goes to stderr (progress.py).
+stdout is one JSON summary for scripts; progress goes to stderr (progress.py). ``--sft`` (chat rows with
+``messages``, rendered by the model's chat template, plus a loss mask) is ``preprocess_sft.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from ptdp.data.inputs import Malformed, Task, check_columns, document_text, expand_inputs, read_tasks
+from ptdp.data.preprocess_sft import run_sft_preprocess
 from ptdp.data.progress import Progress
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer, Tokenizer
 from ptdp.data.tokenizer_flags import TOKENIZER_TYPES, build_tokenizer
@@ -58,6 +60,11 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument("--strict", action="store_true", help="fail on the first malformed line")
     parser.add_argument("--progress-interval", type=float, default=10.0,
                         help="seconds between progress lines when stderr is not a terminal")
+    parser.add_argument("--sft", action="store_true",
+                        help="chat data: JSONL rows with \"messages\", rendered by the model's chat template; also "
+                        "writes PREFIX_loss_mask.bin/.idx, 1 on assistant tokens (docs/sft.md)")
+    parser.add_argument("--chat-template", default=None,
+                        help="with --sft: a Jinja chat template file instead of the tokenizer's own")
     return parser
 
 
@@ -177,6 +184,14 @@ class _StrictFailure(Exception):
 
 def run_preprocess(args: argparse.Namespace) -> int:
     """Run preprocessing; returns the process exit code (0 ok, 1 malformed under --strict, 2 bad input)."""
+    if getattr(args, "sft", False):
+        code, result = run_sft_preprocess(args)
+        if code:
+            return _fail(result, code)
+        print(json.dumps(result))
+        return 0
+    if getattr(args, "chat_template", None) is not None:
+        return _fail("--chat-template applies only with --sft", 2)
     start = time.perf_counter()
     keys = [k for k in args.json_keys.split(",") if k]
     problem = _check_flags(args)

@@ -121,9 +121,10 @@ class BPETokenizer:
         # explicit rather than through the file's post-processor, which only some files have
         return ids if self.bos_id is None else [self.bos_id, *ids]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        # The ByteLevel decoder maps invalid UTF-8 to U+FFFD, matching ByteTokenizer; eod is skipped in both.
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str:
+        # The ByteLevel decoder maps invalid UTF-8 to U+FFFD, matching ByteTokenizer; eod is skipped in both
+        # (``keep_special``: special tokens shown, as a chat template's turn markers).
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not keep_special)
 
 
 def load_tokenizer(prefix: str) -> Tokenizer:

@@ -32,6 +32,8 @@ from ptdp.data.mix_state import (
     identity_error,
     normalized,
 )
+from ptdp.data.sft_dataset import SFTDataset, SFTOptions
+from ptdp.data.tokenizer import load_tokenizer
 from ptdp.data.tokenizer_flags import build_tokenizer
 from ptdp.data.train_stream import TrainStream, new_blend_sizes, summary
 
@@ -58,7 +60,6 @@ def model_vocab_size(config: Config) -> int | None:
         return config.model.vocab_size
     from ptdp.data.builder import _strip_suffix
     from ptdp.data.default_corpus import default_corpus_prefix
-    from ptdp.data.tokenizer import load_tokenizer
 
     d = config.data
     try:
@@ -96,7 +97,7 @@ def datasets_for_config(config: Config, saved: dict | None = None, directory: st
     splits = build_datasets(d.data_path or None, d.split, config.model.seq_length, tr.seed,
                             num_samples=train_valid_test_num_samples(config), cache_path=d.data_cache_path,
                             tokenizer=tokenizer, per_split=[d.train_data_path, d.valid_data_path, d.test_data_path],
-                            whole_valid=tr.full_validation)
+                            whole_valid=tr.full_validation, sft=d.sft, sft_truncate=d.sft_truncate)
     if tr.full_validation and splits.valid is not None and len(splits.valid) < tr.global_batch_size:
         raise DataError(f"--full-validation: the validation split holds {len(splits.valid)} samples, fewer than one "
                         f"global batch (--global-batch-size {tr.global_batch_size})")
@@ -115,6 +116,8 @@ def check_end_of_documents(config: Config, splits: DataSplits) -> None:
     ``EOD_SCAN_TOKENS`` tokens is one line of :class:`DataError` (exit 2) instead of a run in which every
     sample is one document."""
     d = config.data
+    if d.sft:  # conversations are told apart by the index, not by an end-of-document token
+        return
     flags = [flag for flag, on in (("--reset-position-ids", d.reset_position_ids),
                                    ("--reset-attention-mask", d.reset_attention_mask),
                                    ("--eod-mask-loss", d.eod_mask_loss)) if on]
@@ -215,6 +218,14 @@ def _dataset(config: Config, prefix: str, num_samples: int | None, built: dict[s
     if have is not None and have.num_samples == num_samples:
         return have
     indexed, doc_range = _train_split(config, prefix)[0]
+    d = config.data
+    if d.sft:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
+                                    config.model.vocab_size) or load_tokenizer(prefix)
+        options = SFTOptions(tokenizer.eod_id, d.sft_truncate)
+        dataset = SFTDataset(indexed, doc_range, config.model.seq_length, config.training.seed, num_samples,
+                             d.data_cache_path, "train", options)
+        return dataset if len(dataset) else None
     dataset = GPTDataset(indexed, doc_range, config.model.seq_length, config.training.seed, num_samples,
                          config.data.data_cache_path, "train")
     return dataset if len(dataset) else None

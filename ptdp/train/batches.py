@@ -10,7 +10,9 @@ Packed documents (``--reset-position-ids``, ``--reset-attention-mask``, ``--eod-
 each microbatch also carries its documents -- boundaries found on the host in the whole samples
 (``ptdp.data.documents``), this rank's share of the restarted position ids, the attention kernel chosen at
 start-up -- as a ``DocumentLayout`` every stage's chunks read with their input (``extras``), and the
-per-token weights of its loss (``loss_weights``), which make the loss exact for any layout:
+per-token weights of its loss (``loss_weights``), which make the loss exact for any layout. With ``--sft``
+the boundaries and the weights (assistant tokens only) come from the SFT dataset itself
+(``ptdp.data.sft_dataset``), not from end-of-document tokens:
 
 * Megatron's default: each microbatch's mean over its unmasked tokens, averaged over the microbatches and
   the data-parallel ranks. Every CP rank loaded the whole samples, so it knows the microbatch's count
@@ -26,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from ptdp.data import get_microbatch
+from ptdp.data import get_microbatch, microbatch_positions
 from ptdp.data.documents import DocumentOptions, cu_seqlens, loss_mask, positions
 from ptdp.models.documents import DocumentLayout
 from ptdp.observability import communication
@@ -76,6 +79,14 @@ class _Microbatch:
     count: int = 0  # positions counting in the loss in the whole microbatch (every CP rank's)
 
 
+def sft_microbatch(dataset, positions) -> tuple[torch.Tensor, np.ndarray, tuple[tuple[int, ...], ...]]:
+    """``--sft``: (tokens ``[b, s + 1]``, loss weights ``[b, s]`` float32, each sample's ``cu_seqlens``) of the
+    samples at ``positions``, from their SFT datasets (``ptdp.data.sft_dataset``)."""
+    parts = [member.sft_sample(k) for member, k in (dataset.locate(i) for i in positions)]
+    return (torch.from_numpy(np.stack([p[0] for p in parts])), np.stack([p[1] for p in parts]),
+            tuple(p[2] for p in parts))
+
+
 class Microbatches:
     """Global batch ``index`` (0-based) of ``dataset``: inputs ``[:, :-1]`` and labels ``[:, 1:]`` of each
     of this rank's ``num_microbatches`` microbatches, with their documents (module docstring)."""
@@ -90,19 +101,27 @@ class Microbatches:
     def _load(self, microbatch: int) -> _Microbatch:
         if microbatch not in self._loaded:
             fmt, state = self.format, self.state
-            sample = get_microbatch(self.dataset, self.index, fmt.global_batch_size, state.dp_rank, state.dims.dp,
-                                    fmt.micro_batch_size, microbatch)
+            sft = None
+            if fmt.documents is not None and fmt.documents.sft:  # tokens, weights and boundaries from the dataset
+                sft = sft_microbatch(self.dataset, microbatch_positions(
+                    self.index, fmt.global_batch_size, state.dp_rank, state.dims.dp, fmt.micro_batch_size,
+                    microbatch))
+                sample = sft[0]
+            else:
+                sample = get_microbatch(self.dataset, self.index, fmt.global_batch_size, state.dp_rank,
+                                        state.dims.dp, fmt.micro_batch_size, microbatch)
             on_device = to_device(sample, state.device)
             batch = _Microbatch(cp_shard(on_device[:, :-1], state), cp_shard(on_device[:, 1:], state))
             if fmt.documents is not None:
-                self._add_documents(batch, sample[:, :-1].numpy(), fmt.documents)
+                self._add_documents(batch, sample[:, :-1].numpy(), fmt.documents, sft)
             self._loaded[microbatch] = batch
         return self._loaded[microbatch]
 
-    def _add_documents(self, batch: _Microbatch, tokens, options: DocumentOptions) -> None:
-        """The microbatch's documents, from its whole samples' inputs on the host (``tokens`` ``[b, s]``)."""
+    def _add_documents(self, batch: _Microbatch, tokens, options: DocumentOptions, sft=None) -> None:
+        """The microbatch's documents, from its whole samples' inputs on the host (``tokens`` ``[b, s]``), or
+        with ``--sft`` the dataset's (``sft``: :func:`sft_microbatch`)."""
         state = self.state
-        bounds = tuple(cu_seqlens(row, options.eod) for row in tokens)
+        bounds = sft[2] if sft is not None else tuple(cu_seqlens(row, options.eod) for row in tokens)
         ids = None
         if options.reset_position_ids:
             ids = cp_shard(to_device(torch.stack([torch.from_numpy(positions(cu)) for cu in bounds]), state.device),
@@ -110,8 +129,8 @@ class Microbatches:
         if options.reset_position_ids or options.reset_attention_mask:
             batch.documents = DocumentLayout(bounds, ids, self.format.attention if options.reset_attention_mask
                                              else None)
-        if options.eod_mask_loss:
-            mask = loss_mask(tokens, options.eod)
+        if options.masks_loss:
+            mask = sft[1] if sft is not None else loss_mask(tokens, options.eod)
             batch.count = int(mask.sum())
             batch.mask = cp_shard(to_device(torch.from_numpy(mask), state.device), state)
 
@@ -127,11 +146,11 @@ class Microbatches:
         return {} if documents is None else {"documents": documents}
 
     def begin(self) -> None:
-        """Before the schedule, on every rank: with ``--calculate-per-token-loss`` and ``--eod-mask-loss``,
+        """Before the schedule, on every rank: with ``--calculate-per-token-loss`` and ``--eod-mask-loss`` (or ``--sft``),
         the global batch's count of loss positions (one all-reduce over the data- and context-parallel
         ranks of this rank's counts, kept on the device: no host sync)."""
         fmt = self.format
-        if not (fmt.per_token_loss and fmt.documents is not None and fmt.documents.eod_mask_loss):
+        if not (fmt.per_token_loss and fmt.documents is not None and fmt.documents.masks_loss):
             return
         local = sum(self._load(j).mask.sum() for j in range(self.num_microbatches))
         count = local.to(torch.float64).reshape(1)

@@ -108,7 +108,9 @@ def batch_format(config: Config, plan: ParallelPlan, eod: int) -> BatchFormat:
     """The trainer's :class:`BatchFormat`; with ``--reset-attention-mask`` the attention kernel is chosen
     here, once, and rank 0 prints the one line saying which (``ptdp.ops.document_attention``)."""
     d, tr = config.data, config.training
-    options = DocumentOptions(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    # --sft packs whole conversations: positions and attention restart at each one (ptdp/data/sft_dataset.py)
+    options = DocumentOptions(eod, d.reset_position_ids or d.sft, d.reset_attention_mask or d.sft, d.eod_mask_loss,
+                              d.sft)
     kernel = None
     if options.reset_attention_mask:
         kernel, line = select_document_attention(plan.groups.device, plan.dtype, config.model.attention_dropout)

@@ -10,10 +10,8 @@ the logging rank, when it logs: the host only, a scan for end-of-document tokens
 
 from __future__ import annotations
 
-import numpy as np
-
 from ptdp.config import Config
-from ptdp.data.documents import DocumentOptions, cu_seqlens, squared_lengths
+from ptdp.data.documents import DocumentOptions, sample_bounds, squared_lengths
 from ptdp.models import flops
 
 
@@ -24,6 +22,7 @@ class IterationFlops:
         m, tr = config.model, config.training
         self.config, self.vocab, self.dataset = config, vocab, dataset
         self.eod = documents.eod if documents is not None and documents.reset_attention_mask else None
+        self.documents = documents
         self._kwargs = dict(ffn_hidden_size=m.ffn_size, moe=flops.moe_shape(m, config.moe),
                             mtp_num_layers=flops.mtp_layers(m), **flops.architecture(m))
         self._args = (m.num_layers, m.hidden_size, m.seq_length, vocab, tr.global_batch_size)
@@ -34,7 +33,7 @@ class IterationFlops:
             return None
         batch, s = self.config.training.global_batch_size, self.config.model.seq_length
         start = (iteration - 1) * batch
-        total = sum(squared_lengths(cu_seqlens(np.asarray(self.dataset[i])[:-1], self.eod))
+        total = sum(squared_lengths(sample_bounds(self.dataset, i, self.documents))
                     for i in range(start, start + batch))
         return total / (batch * s)
 
