@@ -28,6 +28,7 @@ KNOWN = {
     "observability/flight_recorder.py:DEVICE": "GPU watchdog only",
     "observability/flight_recorder.py:_SOLO": "hang-report phase, restored on leaving it",
     "data/preprocess.py:_worker": "`ptdp preprocess`'s worker processes only",
+    "data/preprocess_sft.py:_worker": "`ptdp preprocess --sft`'s worker processes only (as preprocess.py's)",
     "runtime/phases.py:_RUNNING": "a stack of `with` blocks, unwound at their end",
     "runtime/interrupt.py:_STATE": "Ctrl-C state: interrupt.install never runs in the pool, no signal reaches it",
     "runtime/interrupt.py:_LAUNCHER": "the launcher's (not in the pool)",
