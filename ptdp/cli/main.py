@@ -231,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is None:  # the `ptdp` console script (not a call from Python): Ctrl-C as ptdp/runtime/interrupt.py says
         install_for_command(sys.argv[1:])
-        # torch's OpenMP threads otherwise spin while they wait for each other: on a machine busy with other
-        # work a one-process run then went 12x slower (BENCHMARKS.md, "Threads of a one-process run"); sleeping
-        # instead costs little on an idle one. Set before torch loads; the user's own setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # torch's OpenMP threads (libgomp) spin 300,000 times while they wait for each other: on a machine busy
+        # with other work a one-process run then went 5x slower; spinning 10,000 times, then sleeping, holds up
+        # there and is no slower idle (BENCHMARKS.md, "Threads of a one-process run"). Set before torch loads;
+        # a wait policy or spin count the user set wins.
+        if "OMP_WAIT_POLICY" not in os.environ:
+            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
     args = parse(build_parser(), argv)
     code = args.run(args)
