@@ -4,13 +4,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import helpers  # noqa: E402
-
-# Some modules import ``tests.helpers``, most ``helpers``: one module under both names, or the session
-# would hold two pools of ranks (16 processes) and two records of the runs made (helpers.run_layouts).
-sys.modules.setdefault("tests.helpers", helpers)
+sys.path.insert(0, str(Path(__file__).parent))  # every test module imports ``helpers`` (one module: one pool)
 
 
 @pytest.fixture(scope="session", autouse=True)

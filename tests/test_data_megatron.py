@@ -9,9 +9,9 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import TINY, run_ptdp, train_metrics
 
 from ptdp.data import IndexedDataset, build_datasets
-from tests.helpers import TINY, run_ptdp, train_metrics
 
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 

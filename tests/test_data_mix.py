@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+from helpers import _run_layouts, spawn
 
 from ptdp.cli.main import main
-from tests.helpers import _run_layouts, spawn
 from tests.test_data_megatron import random_corpus
 
 B = 16
@@ -164,10 +164,11 @@ def test_extreme_weights_and_a_new_global_batch_size(runs, capsys):
     after = per_dataset(shown(capsys, flags, range(9, 17)))
     assert "a" not in after and after["b"] == list(range(64, 64 + len(after["b"])))  # a kept at weight 0: stops
     assert after.get("c", []) == list(range(len(after.get("c", []))))
+    from helpers import validated_config
+
     from ptdp.checkpointing.storage import latest_info
     from ptdp.data.train_stream import summary_lines
     from ptdp.data.training_data import datasets_for_config
-    from tests.helpers import validated_config
 
     config = validated_config(flags)
     resumed = datasets_for_config(config, *latest_info(config.checkpoint.load)).train.resumed

@@ -10,9 +10,9 @@ import signal
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+from helpers import TINY, spawn
 
 from ptdp.cli.main import main
-from tests.helpers import TINY, spawn
 from tests.test_data_megatron import megatron_blend, megatron_indices, megatron_sample, random_corpus
 
 LAYOUT = ["--pipeline-model-parallel-size", "2", "--seed", "5", "--split", "969,30,1"]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import assert_equivalent, run_layouts
 
 from ptdp.data.documents import positions
 from ptdp.models.documents import DocumentLayout, equal_widths
 from ptdp.ops.document_attention import Dense, PerDocument
-from tests.helpers import assert_equivalent, run_layouts
 
 PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 # tiny-deepseek without its MTP module (refused with the packing flags, below); e = 2 keeps the MoE layers

@@ -141,7 +141,7 @@ def test_mtp_modules_round_trip_through_hf_files(tmp_path):
 
 
 def test_refuses_what_ptdp_does_not_compute_with_one_line(tmp_path):
-    from tests.helpers import run_ptdp
+    from helpers import run_ptdp
 
     hf_model(tmp_path / "hf", rope_interleave=False)
     proc = run_ptdp(["import", "--in", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")], check=False)

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TINY, run_ptdp
 
 from ptdp.config import ModelConfig, MoEConfig
 from ptdp.models import GPTModel, MoELayer
 from ptdp.models.moe import moe_layer_pattern
 from ptdp.ops.weight_grad import defer_weight_grads
-from tests.helpers import TINY, run_ptdp
 
 H, F_, E = 16, 8, 4
 

@@ -8,8 +8,7 @@ are tested with it (tests/test_expert_parallel.py)."""
 from __future__ import annotations
 
 import pytest
-
-from tests.helpers import TINY, assert_equivalent, run_layouts
+from helpers import TINY, assert_equivalent, run_layouts
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",
        "0.001", "--moe-layer-freq", "[1,1,0,1]", "--moe-shared-expert-intermediate-size", "24",

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import run_ptdp
 
 from ptdp.models import flops
-from tests.helpers import run_ptdp
 from tests.test_cli_messages import one_error
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

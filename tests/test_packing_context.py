@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import pooled_spawn
 
 from ptdp.data.documents import cu_seqlens
 from ptdp.ops.document_attention import PerDocument, dense_mask
 from ptdp.parallel.context.documents import chunk_segments, pieces
-from tests.helpers import pooled_spawn
 from tests.test_context_parallel_attention import _receive_first, _record_p2p
 
 EOD = 9

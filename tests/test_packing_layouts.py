@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from tests.helpers import TINY, assert_equivalent, run_layouts
+from helpers import TINY, assert_equivalent, run_layouts
 
 PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 PER_TOKEN = ["--calculate-per-token-loss"]
