@@ -19,10 +19,10 @@ from ptdp.planner import (
     run_plan,
     search,
 )
+from ptdp.planner.gemm import gemm_efficiency
 from ptdp.planner.memory import activation_bytes_per_layer, model_state_bytes_per_param
 from ptdp.planner.perf import (
     dp_link,
-    gemm_efficiency,
     grad_accumulation_bytes_per_param,
     ring_all_reduce_time,
     stage_times,

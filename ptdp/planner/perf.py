@@ -27,17 +27,13 @@ from dataclasses import dataclass
 
 from ptdp.config.optimizers import optimizer_spec
 from ptdp.planner import experts
+from ptdp.planner.gemm import gemm_time
 from ptdp.planner.memory import parameters_per_rank
 from ptdp.planner.muon import NS_STEPS, MuonWork, muon_work
 from ptdp.planner.spec import ClusterSpec, GPTSpec, ParallelConfig, TrainingSpec
 from ptdp.planner.stages import rank_layers, ranks_to_check, vocab_parallel_messages, vocab_shares
 from ptdp.schedule.registry import bubble_fraction_formula, pair_share
 
-# Large 16-bit GEMMs reach ~85-90% of the datasheet peak with cuBLAS on A100/H100; a dimension x only
-# fills the tensor-core tiles and SM waves in proportion x / (x + GEMM_HALF_DIM) (1024^3 -> ~69% of peak,
-# 8192^3 -> ~87%, a 128-wide attention head dimension -> half). These are hardware facts, not fitted.
-GEMM_MAX_EFFICIENCY = 0.9
-GEMM_HALF_DIM = 96
 # STREAM-like kernels reach ~80% of HBM bandwidth; NCCL reaches ~80% of NVLink / InfiniBand link rate.
 HBM_EFFICIENCY = 0.8
 LINK_EFFICIENCY = 0.8
@@ -45,18 +41,6 @@ LINK_EFFICIENCY = 0.8
 INTRA_NODE_LATENCY = 2e-6
 INTER_NODE_LATENCY = 8e-6
 BYTES_PER_ELEMENT = 2  # 16-bit activations
-
-
-def gemm_efficiency(m: float, n: float, k: float) -> float:
-    """Achieved fraction of peak of an (m x k) @ (k x n) GEMM; symmetric, so dgrad/wgrad match the forward."""
-    eff = GEMM_MAX_EFFICIENCY
-    for dim in (m, n, k):
-        eff *= dim / (dim + GEMM_HALF_DIM)
-    return eff
-
-
-def gemm_time(m: float, n: float, k: float, peak: float, batch: float = 1) -> float:
-    return 2 * m * n * k * batch / (peak * gemm_efficiency(m, n, k))
 
 
 @dataclass(frozen=True)
