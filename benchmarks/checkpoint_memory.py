@@ -77,7 +77,7 @@ def _worker(rank: int, store: str, workdir: str, out: str, strategy: str) -> Non
     ckpt = str(Path(workdir) / "ckpt")
     config = derive(config_from_args(build_parser().parse_args(
         ["train", *MODEL, "--save", ckpt, *([] if strategy == "optim" else ["--data-parallel-sharding-strategy",
-                                                                             strategy])])), WORLD)
+                                                                             strategy])])))
     trainer = setup(config)
     train_step(trainer, 1)
     states = model_state_bytes(trainer.params, trainer.grads, trainer.optimizer)["total"]

@@ -143,7 +143,7 @@ def _moe_worker(rank: int, world: int, store: str, argv: list[str], mode: str, l
     _install(latency, mode == "sequential", exposure, part)
     try:
         metrics = f"{out}.metrics.jsonl"
-        train(derive(config_from_args(build_parser().parse_args(["train", *argv, "--metrics-file", metrics])), world))
+        train(derive(config_from_args(build_parser().parse_args(["train", *argv, "--metrics-file", metrics]))))
         Path(f"{out}.{rank}.json").write_text(json.dumps(exposure.rows))
         dist.barrier()
     finally:

@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: st
     from ptdp.train.step import train_step
 
     torch.set_num_threads(1)
-    trainer = setup(derive(config_from_args(build_parser().parse_args(["train", *argv])), world))
+    trainer = setup(derive(config_from_args(build_parser().parse_args(["train", *argv]))))
     device = trainer.plan.groups.device
     inner = trainer.optimizer.optimizer
     ns = {"wall": 0.0, "cpu": 0.0, "flops": 0.0}

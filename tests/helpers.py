@@ -264,7 +264,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
                 config = config_from_args(build_parser().parse_args(["train", *argv]))
                 errors = validate(config, world)
                 assert not errors, (name, errors)
-                train(derive(config, world))
+                train(derive(config))
             finally:  # the next stage starts from the process as it was: its environment, its signal handlers
                 os.environ.clear()
                 os.environ.update(environ)
@@ -459,4 +459,4 @@ def validated_config(args: list[str]):
     add_config_arguments(parser)
     config = config_from_args(parser.parse_args(args))
     assert not validate(config, 1)
-    return derive(config, 1)
+    return derive(config)

@@ -235,7 +235,7 @@ def _check_records(rank: int, world: int, out: str) -> None:
         assert not validate(config, world), (name, validate(config, world))
         with mock.patch.object(parallelize, "materialize", checked(parallelize.materialize)), \
                 mock.patch.object(parallelize, "defer_init", checked(parallelize.defer_init)):
-            trainer = setup(derive(config, world))
+            trainer = setup(derive(config))
         assert not on_meta, (name, on_meta)
         train_step(trainer, 1)
         assert set(map(id, trainer.placements)) == set(map(id, trainer.params)), name  # no stale record

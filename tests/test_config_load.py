@@ -90,7 +90,7 @@ def test_validate_does_not_mutate_and_derive_returns_a_new_object():
     before = copy.deepcopy(config)
     assert validate(config, 2) == []
     assert config == before and config.parallel.virtual_pipeline_model_parallel_size is None
-    derived = derive(config, 2)
+    derived = derive(config)
     assert derived is not config and derived.parallel is not config.parallel
     assert derived.parallel.virtual_pipeline_model_parallel_size == 2 and derived.parallel.schedule == "interleaved"
     assert config == before  # derive left it alone too

@@ -96,7 +96,7 @@ def test_bf16_on_the_cpu_warns_once_that_it_is_slow(monkeypatch):
     config = Config()
     config.precision.bf16 = True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    (line,) = startup_warnings(config, derive(config, 1))
+    (line,) = startup_warnings(config, derive(config))
     assert line.startswith("--bf16 on the CPU: it trains, but much slower than fp32")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert startup_warnings(config, derive(config, 1)) == []
+    assert startup_warnings(config, derive(config)) == []

@@ -26,7 +26,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4"
 def _plan(world: int, *flags: str, rank: int = 0):
     config = config_from_args(build_parser().parse_args(["train", *TINY, *flags]))
     assert not validate(config, world), validate(config, world)
-    config = derive(config, world)
+    config = derive(config)
     par = config.parallel
     dims = ParallelDims(world, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         par.context_parallel_size)
@@ -76,7 +76,7 @@ def test_every_rank_resolves_the_same_plan():
 
 def test_groups_for_other_sizes_are_refused():
     config = derive(config_from_args(build_parser().parse_args(["train", *TINY, "--tensor-model-parallel-size",
-                                                                  "2"])), 4)
+                                                                  "2"])))
     groups = SimpleNamespace(dims=ParallelDims(4, 1, 1, 1), placement="loop")
     with pytest.raises(ValueError, match="groups built for t=1"):
         resolve_plan(config, groups)

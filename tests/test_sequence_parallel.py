@@ -79,7 +79,7 @@ def test_t1_warns_and_turns_it_off(capsys):
     config.parallel = dataclasses.replace(config.parallel, sequence_parallel=True)
     assert validate(config, 1) == []
     assert config.parallel.sequence_parallel is True  # validate is pure: derive turns it off
-    derived = derive(config, 1)
+    derived = derive(config)
     assert derived.parallel.sequence_parallel is False and config.parallel.sequence_parallel is True
     assert capsys.readouterr().err == ""  # derive prints nothing: the start-up checks say it
     assert startup_warnings(config, derived) == ["--sequence-parallel is off because --tensor-model-parallel-size is 1"]

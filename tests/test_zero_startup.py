@@ -67,7 +67,7 @@ def _start(rank: int, world: int, argv: list[str]):
 
     config = config_from_args(build_parser().parse_args(["train", *argv]))
     assert not validate(config, world)
-    config = derive(config, world)
+    config = derive(config)
     plan = resolve_plan(config, process_groups(config, rank, world, torch.device("cpu")))
     padded = config.model.padded_vocab_size(256, plan.vocab_divisor)
     model = build_model_chunks(plan, 256, padded)

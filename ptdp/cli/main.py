@@ -96,7 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
         from ptdp.runtime.phases import phase
         from ptdp.runtime.startup import startup_warnings
 
-        given, config = config, derive(config, world_size)  # validate never changes what it checks
+        given, config = config, derive(config)  # validate never changes what it checks
         with phase("importing torch"):
             import torch  # noqa: F401 - the checks below need it; say so when it takes a while
         with phase("checking the input files and the machine"):

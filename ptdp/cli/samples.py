@@ -81,7 +81,7 @@ def run_samples(args: argparse.Namespace) -> int:
     errors = validate(config, world)
     if errors:
         return _fail(errors[0])
-    config = derive(config, world)
+    config = derive(config)
     if (args.first or 0) < 0 or (args.start or 0) < 0:
         return _fail("--first and --start must be >= 0")
     if args.iteration is not None and args.start is not None:

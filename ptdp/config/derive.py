@@ -14,7 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from ptdp.config.schema import Config, ConfigError
-from ptdp.config.validate_pipeline import virtual_size
+from ptdp.config.validate_moe import expert_tensor_size
+from ptdp.config.validate_pipeline import stages_of, virtual_size
+from ptdp.schedule.layout import Stage
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,11 @@ class Layout:
     virtual_pipeline_model_parallel_size: int
     num_microbatches: int
     pipeline_schedule: str
+    expert_tensor_parallel_size: int
+    stages: tuple[Stage, ...]  # the p·v pipeline stages, even or Megatron's uneven layout
 
 
-def derive(config: Config, world_size: int) -> Config:
+def derive(config: Config) -> Config:
     """A copy of ``config`` with its derived values filled in (``config`` itself is not modified).
 
     Call it on a configuration ``validate`` accepted; ConfigError if a derived value cannot be found.
@@ -52,4 +56,5 @@ def layout(config: Config, world_size: int) -> Layout:
     par, tr = config.parallel, config.training
     t, c, p = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
     d = world_size // (t * c * p)
-    return Layout(t, c, p, d, par.virtual_size, tr.global_batch_size // (tr.micro_batch_size * d), par.schedule)
+    return Layout(t, c, p, d, par.virtual_size, tr.global_batch_size // (tr.micro_batch_size * d), par.schedule,
+                  expert_tensor_size(par.expert_tensor_parallel_size, t), tuple(stages_of(config, p, par.virtual_size)))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from ptdp.data.errors import DataError
@@ -187,3 +188,15 @@ def read_tasks(files: list[str], keys: list[str]) -> Iterator[Task]:
             else:
                 batches = iter(reader)
             yield from _batch_tasks(path, (b.select(keys) for b in batches), None, keys)
+
+
+def bounded_imap(pool, fn: Callable, tasks: Iterable, max_pending: int) -> Iterator:
+    """``pool.imap(fn, tasks)`` in order, reading at most ``max_pending`` tasks ahead (``Pool.imap`` reads
+    the whole input at once: a 100 GB corpus would be read into the parent before the first chunk comes back)."""
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.apply_async(fn, (task,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()

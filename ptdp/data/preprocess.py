@@ -19,14 +19,21 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 
 import numpy as np
 
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
-from ptdp.data.inputs import Malformed, Task, check_columns, document_text, expand_inputs, read_tasks
+from ptdp.data.inputs import (
+    Malformed,
+    Task,
+    bounded_imap,
+    check_columns,
+    document_text,
+    expand_inputs,
+    read_tasks,
+)
 from ptdp.data.preprocess_sft import run_sft_preprocess
 from ptdp.data.progress import Progress
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX, BPETokenizer, ByteTokenizer, Tokenizer
@@ -104,16 +111,6 @@ def _encode_chunk(task: Task) -> tuple[bytes, list[int], list[tuple[str, int, st
     data = np.concatenate(pieces).tobytes() if pieces else b""
     return data, [len(d) + 1 for d in docs], malformed, task.nbytes
 
-
-def _bounded_imap(pool, tasks: Iterator, max_pending: int) -> Iterator:
-    """Ordered ``pool.imap`` that reads ahead at most ``max_pending`` chunks (Pool.imap reads all input)."""
-    pending: deque = deque()
-    for task in tasks:
-        pending.append(pool.apply_async(_encode_chunk, (task,)))
-        if len(pending) >= max_pending:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 def _training_texts(files: list[str], keys: list[str], strict: bool, errors: list) -> Iterator[str]:
@@ -230,7 +227,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
     try:
         if args.workers > 1:  # fork: the tokenizer object is inherited, never pickled
             pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
-            results = _bounded_imap(pool, read_tasks(files, keys), 2 * args.workers)
+            results = bounded_imap(pool, _encode_chunk, read_tasks(files, keys), 2 * args.workers)
         else:
             _init_worker(*init)
             results = map(_encode_chunk, read_tasks(files, keys))

@@ -18,7 +18,6 @@ import json
 import multiprocessing as mp
 import os
 import time
-from collections import deque
 
 import numpy as np
 
@@ -31,7 +30,7 @@ from ptdp.data.chat import (
 )
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter
-from ptdp.data.inputs import Task, expand_inputs, read_tasks
+from ptdp.data.inputs import Task, bounded_imap, expand_inputs, read_tasks
 from ptdp.data.progress import Progress
 from ptdp.data.sft_dataset import LOSS_MASK_SUFFIX
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX
@@ -67,15 +66,6 @@ def _encode_chunk(task: Task) -> tuple[bytes, bytes, list[int], tuple[str, int, 
     masks = np.concatenate(mask_parts).tobytes() if mask_parts else b""
     return data, masks, lengths, None, task.nbytes
 
-
-def _bounded_imap(pool, tasks, max_pending: int):
-    pending: deque = deque()
-    for task in tasks:
-        pending.append(pool.apply_async(_encode_chunk, (task,)))
-        if len(pending) >= max_pending:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -117,7 +107,7 @@ def run_sft_preprocess(args: argparse.Namespace) -> tuple[int, str | dict]:
     try:
         if args.workers > 1:  # fork: the tokenizer is inherited, never pickled
             pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
-            results = _bounded_imap(pool, read_tasks(files, ["messages"]), 2 * args.workers)
+            results = bounded_imap(pool, _encode_chunk, read_tasks(files, ["messages"]), 2 * args.workers)
         else:
             _init_worker(*init)
             results = map(_encode_chunk, read_tasks(files, ["messages"]))

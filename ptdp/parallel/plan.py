@@ -31,8 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from ptdp.config import Config, ModelConfig, MoEConfig, layout
-from ptdp.config.validate_moe import expert_tensor_size
-from ptdp.config.validate_pipeline import stages_of
 from ptdp.parallel.dims import ParallelDims, ParallelState
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.schedule.layout import Stage
@@ -130,13 +128,13 @@ def resolve_plan(config: Config, groups: ParallelState) -> ParallelPlan:
         raise ValueError(f"groups built for t={groups.dims.tp} c={groups.dims.cp} p={groups.dims.pp}, "
                          f"the configuration says t={t} c={c} p={p}")
     sp = par.sequence_parallel  # derive turned it off at t = 1
-    e, etp = par.expert_model_parallel_size, expert_tensor_size(par.expert_tensor_parallel_size, t)
+    e, etp = par.expert_model_parallel_size, sizes.expert_tensor_parallel_size
     sharding = opt.sharding
     return ParallelPlan(
         groups=groups, world=groups.dims.world_size, t=t, c=c, p=p, d=d, v=sizes.virtual_pipeline_model_parallel_size,
         m=sizes.num_microbatches, e=e, etp=etp, edp=groups.dims.world_size // (etp * e * p),
         sequence_parallel=sp, schedule=sizes.pipeline_schedule, placement=groups.placement,
-        stages=tuple(stages_of(config, p, sizes.virtual_pipeline_model_parallel_size)),
+        stages=sizes.stages,
         vocab_barriers=par.vocab_barriers, overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=par.delay_wgrad_compute, cp_comm_type=par.cp_comm_type,
         scatter_gather=par.scatter_gather_tensors_in_pipeline and t > 1 and not sp,
