@@ -98,6 +98,7 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
 
             enable_fp8([chunk], plan.fp8_format, plan.fp8_recipe)
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
-            compile_layers(ChunkParts(chunk).layers.values(), (plan.micro_batch_size, plan.local_seq_length, m.hidden_size),
+            parts = ChunkParts(chunk)
+            compile_layers(parts.layers.values(), (plan.micro_batch_size, plan.local_seq_length, m.hidden_size),
                            plan.dtype)
     return ParallelModel(chunks, placements, deferred)

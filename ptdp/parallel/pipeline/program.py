@@ -8,8 +8,8 @@ order and in each the two linears where a parallelism that splits them communica
 cuts there: the embedding, each layer's pieces (:func:`layer_pieces`), the head -- the parts the chunk holds.
 
 A half is cut only where both its linears offer the :class:`Seam` and communicate: tensor parallelism's
-column- and row-parallel linears do (``ptdp.parallel.tensor.layers``: the input region ``f`` or the sequence
-all-gather on the way in, the reduction ``g`` or the reduce-scatter on the way out); the plain linear does
+column- and row-parallel linears do (the input region ``f`` or the sequence all-gather on the way in, the
+reduction ``g`` or the reduce-scatter on the way out: ``ptdp.parallel.tensor.transfers``); the plain linear does
 not, so one process runs each half as one piece. A cut half is: the norm | the entry exchange | the block
 with its two linears running locally (:func:`running_locally`) | the exit exchange | what follows the exit
 and the residual. A block that is a program itself (a MoE layer: route, dispatch, experts, combine) brings

@@ -38,7 +38,7 @@ COMBINE = {"alltoall": (["combine-tokens"], ["combine-tokens-grad"]),
 ETP_ROUTE = (["etp-gather-tokens", "etp-gather-probs", "etp-gather-choices"], ["etp-gather-probs-grad", "etp-gather-tokens-grad"])
 ETP_FINISH = (["etp-reduce-scatter"], ["etp-reduce-scatter-grad"])
 # tensor parallelism ("tp"; "sp" with sequence parallelism), on the "tp" communicator: the transfers a half
-# of a layer is cut at (``Linear.entry`` of its first linear, ``exit`` of its last), by the half
+# of a layer is cut at (the entry of its first linear, the exit of its last: ptdp.parallel.pipeline.program), by the half
 TP_ENTRY = {"tp": lambda h: ([], [f"tp-{h}-in-grad"]), "sp": lambda h: ([f"sp-{h}-gather"], [f"sp-{h}-gather-grad"])}
 TP_EXIT = {"tp": lambda h: ([f"tp-{h}-out"], []), "sp": lambda h: ([f"sp-{h}-reduce-scatter"], [f"sp-{h}-reduce-scatter-grad"])}
 # ... and the synchronous ones inside pieces: the vocabulary-parallel embedding's reduction (and under sequence
