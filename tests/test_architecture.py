@@ -456,8 +456,18 @@ def test_the_door_check_sees_every_spelling(tmp_path):
 # attribute of anything but ``self`` (VocabStage's ``mtp_depth`` is its own count).
 _MODEL_PARTS = re.compile(r"\.(final_layernorm|lm_head|embedding_copy|output_layer|word_embeddings|logits)\b"
                           r"|(?<!self)\.mtp\b")
+# Recomputation and the assembly reach the layers, the multi-token prediction modules and the methods they
+# replace through the declaration too (``ChunkParts.layers``, read as ``parts.layers``, is the declared way);
+# the pipeline's cutter of the overlapped pairs' pieces names no attribute of a layer or its blocks either.
+_LAYERS = r"|(?<!parts)\.layers\b|(?<!names\.)\brun_layers\b|\blayer_steps\b|\.program\(|\.transformer_layer\b"
+_LAYER_PARTS = (r"|\.(attention|mlp|qkv|proj|fc1|fc2|steps|core)\b|(?<!names)\.head\b"
+                r"|\b(input_layernorm|post_attention_layernorm|attention_residual|mlp_residual)\b")
 _DECLARED_PARTS = {"parallel/pipeline/stage.py": re.compile(rf"{_MODEL_PARTS.pattern}|\.embedding\b"),
                    "parallel/pipeline/parts.py": re.compile(rf"{_MODEL_PARTS.pattern}|\.embedding\b"),
+                   "parallel/pipeline/program.py": re.compile(rf"{_MODEL_PARTS.pattern}|\.embedding\b{_LAYERS}"
+                                                              rf"{_LAYER_PARTS}"),
+                   "parallel/recompute.py": re.compile(rf"{_MODEL_PARTS.pattern}{_LAYERS}{_LAYER_PARTS}"),
+                   "parallel/parallelize.py": re.compile(rf"{_MODEL_PARTS.pattern}{_LAYERS}"),
                    "parallel/vocab/stage.py": _MODEL_PARTS}
 
 
@@ -483,3 +493,48 @@ def test_the_declared_parts_check_sees_a_name(tmp_path):
                     "chunk.embedding_copy.word_embeddings = p\nchunk.output_layer.weight\ny = chunk.embedding\n")
     assert len(_named_parts(path, _MODEL_PARTS)) == 3
     assert len(_named_parts(path, _DECLARED_PARTS["parallel/pipeline/stage.py"])) == 4
+
+
+def test_the_declared_layers_check_sees_a_name(tmp_path):
+    """The control: the lines recomputation, the assembly and the pieces were written with before the
+    declaration are found, and the declared ways (``parts.layers``, ``names.head``) are not."""
+    path = tmp_path / "m.py"
+    path.write_text("mtp = [] if model.mtp is None else list(model.mtp.layers.values())\n"
+                    "model.run_layers = functools.partial(_run_planned, plan)\n"
+                    "model.layer_steps = functools.partial(_checkpoint_steps, recomputed)\n"
+                    "compile_layers(chunk.layers.values(), shape, dtype)\n"
+                    "steps, name = self.chunks[chunk].program(INPUT)\n"
+                    "steps += layer.steps(x, out)\n"
+                    "layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)\n"
+                    "for key, layer in parts.layers.items(): head = getattr(chunk, parts.names.head)\n")
+    assert len(_named_parts(path, _DECLARED_PARTS["parallel/parallelize.py"])) == 5
+    assert len(_named_parts(path, _DECLARED_PARTS["parallel/recompute.py"])) == 7
+
+
+# What the overlapped pairs' cutting used to keep in the plain model: the pipeline cuts now
+# (``ptdp.parallel.pipeline.program``), where the model declares it may (``PipelineParts.cuts``).
+_CUT_MACHINERY = {"entry", "exit", "local", "after", "program", "layer_steps", "_cut", "_cut_half",
+                  "_attention_steps"}
+
+
+def _cut_machinery(path: Path) -> list[str]:
+    return [f"{path.name}:{node.lineno}: def {node.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in _CUT_MACHINERY]
+
+
+def test_the_plain_models_keep_no_cut_machinery():
+    """The plain model says where a layer may be cut (data); it defines no function that cuts it, nor a
+    communication seam on its linears: those are the pipeline's and the parallelisms'."""
+    found = [line for path in sorted((ROOT / "models").rglob("*.py")) for line in _cut_machinery(path)]
+    assert found == []
+    gpt = ast.parse((ROOT / "models" / "gpt.py").read_text())
+    layer = next(n for n in gpt.body if isinstance(n, ast.ClassDef) and n.name == "TransformerLayer")
+    assert "steps" not in {n.name for n in layer.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_cut_machinery_check_sees_a_method(tmp_path):
+    """The control: the plain linear's former seam is found."""
+    path = tmp_path / "m.py"
+    path.write_text("class Linear:\n    def entry(self):\n        return None\n"
+                    "    def local(self, x):\n        return x\n\n\ndef _cut_half(norm):\n    pass\n")
+    assert len(_cut_machinery(path)) == 3

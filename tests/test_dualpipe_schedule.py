@@ -182,13 +182,14 @@ def test_the_nccl_model_mirrors_the_real_layer_pieces():
 
     from ptdp.models import GPTModel
     from ptdp.models.pieces import Exchange
+    from ptdp.parallel.pipeline.program import chunk_program as real_program
     from ptdp.simulate.nccl.pairs import Label, Recorder, chunk_program
 
     cfg = validated_config(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length",
                             "4", "--num-experts", "2", "--vocab-size", "16"])
     with torch.device("meta"):
         model = GPTModel(cfg.model, 16, 16, cfg.moe)
-    real, _ = model.program("input")
+    real, _ = real_program(model, "input")
     mirror, _ = chunk_program(True, True, 2, "alltoall", False, False, Recorder([]), Label("F", 0, 0))
     kinds = [[(type(s).__name__, s.name) for s in steps] for steps in (real, mirror)]
     assert kinds[0] == kinds[1]

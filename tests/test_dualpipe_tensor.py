@@ -1,8 +1,9 @@
 """Tensor-parallel collectives as exchanges of the overlapped pairs: dense models overlap their
 pipeline sends and tensor-parallel collectives the same way.
 
-Run in pieces under t > 1, a transformer layer cuts at its tensor-parallel collectives (``Linear.entry`` /
-``exit``, ``ptdp.parallel.tensor.transfers``): the attention's and the MLP's input region (``f``: backward
+Run in pieces under t > 1, a transformer layer cuts at its tensor-parallel collectives (where its model
+declares a half may be cut and the split linears communicate: ``ptdp.parallel.pipeline.program``,
+``ptdp.parallel.tensor.transfers``): the attention's and the MLP's input region (``f``: backward
 all-reduce; with sequence parallelism the all-gather, backward reduce-scatter) and output reduction (``g``:
 all-reduce; the reduce-scatter, backward all-gather) are exchanges issued asynchronously and waited on by
 the piece that consumes them, never a collective inside a compute piece. Shown on two gloo ranks, piece by
@@ -28,6 +29,7 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "red
 def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
     from ptdp.models import GPTModel
     from ptdp.models.pieces import BackwardRun, Compute, Exchange, ForwardRun, fuse, interleave
+    from ptdp.parallel.pipeline.program import layer_pieces
     from ptdp.parallel.placement import Placements
     from ptdp.parallel.tensor.apply import apply_tensor_parallel
     from ptdp.planner.memory import cut_layer_extra_bytes
@@ -45,7 +47,7 @@ def _check_layer_pieces(rank: int, world: int, sp: bool) -> None:
     def program(x: str) -> list:
         steps = []
         for i, layer in enumerate(layers):
-            steps += layer.steps(x, f"layer{i}")
+            steps += layer_pieces(layer, model.pipeline_parts().cuts, x, f"layer{i}")
             x = f"layer{i}"
         return steps
 

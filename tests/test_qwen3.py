@@ -1,7 +1,8 @@
 """Qwen3 and Qwen3-MoE (and a Llama of 4,096 positions trained at 32), imported from random Hugging Face models
 built here (no hub), trained by ``ptdp train`` in one process and in composed layouts -- t = 2 with and
 without sequence parallelism, with p = 2; c = 2 with ZeRO-3; interleaved p = 2 with full recomputation; ZBV
-with vocabulary parallelism; DualPipeV (with t = 2 for the dense model); (t, e) = (2, 2) folded for the MoE
+with vocabulary parallelism; DualPipeV (with t = 2 for the dense model); (t, e) = (2, 2) folded for the MoE;
+GPipe with ZeRO-1, ZB-H1 and V-Min for the dense model, 1F1B with ZeRO-2, ZB-H2 and V-Half for the MoE
 -- each equal, per iteration (loss and gradient norm), to ``transformers`` + ``torch.optim.AdamW`` trained
 on the same batches; the one-process run's final weights equal HF's; export loads back in ``transformers``
 bit for bit; the importer's printed command runs as printed; a per-head q/k norm's gradient is summed over
@@ -40,11 +41,19 @@ LAYOUTS = {
     "dense": {"t2": (2, ["--tensor-model-parallel-size", "2"]),  # per-head norms split without SP too
               "t2-sp-p2": T2_SP_P2, "c2-zero3": C2_ZERO3, "p2-interleaved-recompute": INTERLEAVED_RECOMPUTE,
               "p2-zbv-vocab": (2, [*P2, "--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
-              "p2-dualpipev-t2": (4, [*P2, "--pipeline-schedule", "dualpipev", "--tensor-model-parallel-size", "2"])},
+              "p2-dualpipev-t2": (4, [*P2, "--pipeline-schedule", "dualpipev", "--tensor-model-parallel-size", "2"]),
+              # the other schedules and ZeRO stages, each on one of the two models (the pair costs twice)
+              "p2-gpipe-d2-zero1": (4, [*P2, "--pipeline-schedule", "gpipe", "--use-distributed-optimizer"]),
+              "p2-zbh1": (2, [*P2, "--pipeline-schedule", "zb-h1"]),
+              "p2-vmin": (2, [*P2, "--pipeline-schedule", "v-min"])},
     "moe": {"t2-sp-p2": T2_SP_P2, "c2-zero3": C2_ZERO3, "p2-interleaved-recompute": INTERLEAVED_RECOMPUTE,
             "t2-e2-folded": (2, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                                  "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
-            "p2-dualpipev": (2, [*P2, "--pipeline-schedule", "dualpipev"])},
+            "p2-dualpipev": (2, [*P2, "--pipeline-schedule", "dualpipev"]),
+            "p2-1f1b-d2-zero2": (4, [*P2, "--pipeline-schedule", "1f1b",
+                                     "--data-parallel-sharding-strategy", "optim_grads"]),
+            "p2-zbh2": (2, [*P2, "--pipeline-schedule", "zb-h2"]),
+            "p2-vhalf": (2, [*P2, "--pipeline-schedule", "v-half"])},
 }
 
 

@@ -57,11 +57,6 @@ class Attention(nn.Module):
         """The output, or with ``fuse_bias`` the output before its bias and the bias."""
         return self.proj(self.core(self.qkv(x), documents))
 
-    def local(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor | tuple:
-        """:meth:`forward` between the QKV projection's entry and the output projection's exit (``Linear``'s
-        communication seam): what one piece of ``TransformerLayer.steps`` computes."""
-        return self.proj.local(self.core(self.qkv.local(x), documents))
-
     def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,
         inside each document of ``documents`` when it masks attention (``ptdp.models.documents``).

@@ -22,15 +22,14 @@ layout; recomputation overrides :meth:`GPTModel.run_layers` and :meth:`Attention
 Gemma 3 adds, by flags: sliding-window attention per layer (``attention.py``), sandwich norms, zero-centred
 (1 + w) RMSNorms, a GeGLU MLP and embeddings scaled by √h.
 
-:meth:`GPTModel.program` is the same forward as pieces with explicit boundaries (``ptdp.models.pieces``):
-what DualPipe's overlapped forward-and-backward interleaves with another microbatch's backward.
+Where a layer may be cut into pieces (what DualPipe's overlapped forward-and-backward interleaves with
+another microbatch's backward) is declared with the pipeline parts (``PIPELINE_PARTS.cuts``,
+``ptdp.models.parts.LayerCuts``); the pipeline does the cutting (``ptdp.parallel.pipeline.program``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,19 +50,28 @@ from ptdp.models.layers import (
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
-from ptdp.models.parts import PipelineParts
-from ptdp.models.pieces import Compute, Exchange, Step, Transfer
+from ptdp.models.parts import Half, LayerCuts, PipelineParts
 from ptdp.models.sharding import ShardingRules
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
+# Where a TransformerLayer may be cut (``ptdp.models.parts.LayerCuts``): its attention half, cut at the QKV
+# projection's input and the output projection's output, then its MLP half, cut at fc1's input and fc2's
+# output; a MoE layer's MLP is a program of pieces itself (``MoELayer.steps``).
+LAYER_CUTS = LayerCuts(
+    halves=(Half("attention", norm="input_layernorm", block="attention", residual="attention_residual",
+                 first="qkv", last="proj", documents=True),
+            Half("mlp", norm="post_attention_layernorm", block="mlp", residual="mlp_residual", first="fc1",
+                 last="fc2")),
+    pieces="steps", selective="attention.core")
 # How the pipeline cuts a GPTModel (``ptdp.models.parts``): the attribute names of ``GPTModel.__init__``.
 PIPELINE_PARTS = PipelineParts(
     layers="layers", first=("embedding",), last=("final_layernorm", "lm_head", "mtp"), input_embedding="embedding",
     table="word_embeddings", final_norm="final_layernorm", untied_output="lm_head", to_logits="logits",
-    multi_token_prediction="mtp", head_copy="output_layer", mtp_copy="embedding_copy")
+    multi_token_prediction="mtp", head_copy="output_layer", mtp_copy="embedding_copy", mtp_modules="layers",
+    mtp_layer="transformer_layer", run_layers="run_layers", head="head", cuts=LAYER_CUTS)
 TIED_EMBEDDING = PIPELINE_PARTS.table_weight  # the input embedding, also the output weight when tied
 
 
@@ -83,13 +91,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or (compiled ops) the output before its bias and the bias."""
-        return self._run(x, self.fc1, self.fc2)
-
-    def local(self, x: torch.Tensor) -> torch.Tensor | tuple:
-        """:meth:`forward` between fc1's entry and fc2's exit (``Linear``'s communication seam)."""
-        return self._run(x, self.fc1.local, self.fc2.local)
-
-    def _run(self, x: torch.Tensor, fc1: Callable, fc2: Callable) -> torch.Tensor | tuple:
+        fc1, fc2 = self.fc1, self.fc2
         if self.swiglu:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
             gate, up = fc1(x).chunk(2, dim=-1)
             return fc2(F.silu(gate) * up)
@@ -145,42 +147,6 @@ class TransformerLayer(nn.Module):
         """``x`` + the MLP's output (and bias), through ``post_mlp_layernorm`` if any."""
         return self.dropout_add(_post_norm(self.post_mlp_layernorm, out), x)
 
-    def steps(self, inp: str, out: str, documents: DocumentLayout | None = None) -> list[Step]:
-        """The layer as pieces (``ptdp.models.pieces``) from value ``inp`` to ``out``: its two halves, or with a
-        MoE the attention half (and the norm before the router), the MoE layer's pieces, the residual.
-
-        A half whose linears communicate (``Linear.entry`` / ``exit``: a parallelism split them) is cut
-        there: norm, the entry exchange, the GEMMs between (attention, or the MLP), the exit exchange, the
-        bias and residual -- so that the communication runs under another microbatch's piece."""
-        name = functools.partial("{}.{}".format, out)
-        moe = isinstance(self.mlp, MoELayer)
-        attention = self._attention_steps(inp, name, documents, moe)
-        if moe:
-            return [*attention, *self.mlp.steps(name("h"), name("moe")),
-                    Compute(lambda y, x: (self.mlp_residual(y, x),), (name("moe"), name("x1")), (out,), "residual")]
-        cut = _cut(self.mlp.fc1, self.mlp.fc2) if isinstance(self.mlp, MLP) else None
-        if cut is None:
-            return [*attention, Compute(lambda x: (self.mlp_half(x),), (name("x1"),), (out,), "mlp")]
-        return [*attention, *_cut_half(self.post_attention_layernorm, self.mlp.local, self.mlp.fc2.after,
-                                       lambda y, x: (self.mlp_residual(y, x),), cut, name("x1"), (out,), "mlp")]
-
-    def _attention_steps(self, inp: str, name: Callable[[str], str], documents: DocumentLayout | None,
-                         norm: bool) -> list[Step]:
-        """The attention half from ``inp`` to ``name("x1")`` (with ``norm`` also the MLP's norm of it,
-        ``name("h")``, the router's input)."""
-        outputs = (name("x1"), name("h")) if norm else (name("x1"),)
-
-        def residual(out: torch.Tensor | tuple, x: torch.Tensor) -> tuple:
-            x1 = self.attention_residual(out, x)
-            return (x1, self.post_attention_layernorm(x1)) if norm else (x1,)
-
-        cut = _cut(self.attention.qkv, self.attention.proj) if isinstance(self.attention, Attention) else None
-        if cut is None:
-            return [Compute(lambda x: residual(self.attention(self.input_layernorm(x), documents), x), (inp,),
-                            outputs, "attention")]
-        return _cut_half(self.input_layernorm, functools.partial(self.attention.local, documents=documents),
-                         self.attention.proj.after, residual, cut, inp, outputs, "attention")
-
 
 def _post_norm(norm: nn.Module | None, out: torch.Tensor | tuple) -> torch.Tensor | tuple:
     """``norm`` of a half's output, its bias added first (a sandwich norm); the output as is without one."""
@@ -188,25 +154,6 @@ def _post_norm(norm: nn.Module | None, out: torch.Tensor | tuple) -> torch.Tenso
         return out
     y, bias = out if isinstance(out, tuple) else (out, None)
     return norm(y if bias is None else y + bias)
-
-
-def _cut(first: nn.Module, last: nn.Module) -> tuple[Transfer, Transfer] | None:
-    """The entry of a half's first linear and the exit of its last, where both communicate; else None."""
-    entry, exit = first.entry(), last.exit()
-    return None if entry is None or exit is None else (entry, exit)
-
-
-def _cut_half(norm: nn.Module, local: Callable, after: Callable, residual: Callable,
-              cut: tuple[Transfer, Transfer], inp: str, outputs: tuple[str, ...], what: str) -> list[Step]:
-    """A half ``residual(after(exit(local(entry(norm(x))))), x)`` from ``inp`` to ``outputs``, as pieces cut
-    at its entry and exit (``TransformerLayer.steps``)."""
-    entry, exit = cut
-    n = functools.partial("{}.{}.{}".format, outputs[0], what)
-    return [Compute(lambda x: ((norm(x),),), (inp,), (n("norm"),), f"{what}_norm"),
-            Exchange(lambda _: entry, n("norm"), n("in"), f"{what}_in"),
-            Compute(lambda t: ((local(t[0]),),), (n("in"),), (n("local"),), what),
-            Exchange(lambda _: exit, n("local"), n("out"), f"{what}_out"),
-            Compute(lambda t, x: residual(after(t[0]), x), (n("out"), inp), outputs, f"{what}_residual")]
 
 
 class Embedding(nn.Module):
@@ -284,7 +231,8 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     def run_layers(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
-        """The transformer layers in order (full recomputation overrides this: ``ptdp.parallel.recompute``)."""
+        """The transformer layers in order (full recomputation replaces this, ``PipelineParts.run_layers``:
+        ``ptdp.parallel.recompute``)."""
         for layer in self.layers.values():
             x = layer(x, documents)
         return x
@@ -311,25 +259,3 @@ class GPTModel(nn.Module):
         if self.mtp is not None and labels is not None and self.training:
             x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
         return self.logits(x, self.output_weight(), shared)
-
-    def program(self, inp: str, documents: DocumentLayout | None = None, labels: torch.Tensor | None = None
-                ) -> tuple[list[Step], str]:
-        """``forward`` as pieces (``ptdp.models.pieces``) from the value ``inp``, and the name of its output:
-        the embedding, each layer's pieces (:meth:`layer_steps`), the head (with the multi-token prediction
-        modules, given the ``labels``) -- those this chunk holds."""
-        steps, name = [], inp
-        if self.embedding is not None:
-            steps.append(Compute(lambda ids: (self.embedding(ids, documents),), (name,), ("embedded",), "embedding"))
-            name = "embedded"
-        for key, layer in self.layers.items():
-            steps += self.layer_steps(key, layer.steps(name, f"layer{key}", documents))
-            name = f"layer{key}"
-        if self.final_layernorm is not None:
-            steps.append(Compute(lambda x: (self.head(x, labels),), (name,), ("logits",), "head"))
-            name = "logits"
-        return steps, name
-
-    def layer_steps(self, key: str, steps: list[Step]) -> list[Step]:
-        """Layer ``key``'s pieces as the program runs them (full recomputation overrides this, as
-        :meth:`run_layers`: ``ptdp.parallel.recompute``)."""
-        return steps

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.models.documents import DocumentLayout, masks_attention
-from ptdp.models.pieces import Transfer
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -76,26 +75,6 @@ class Linear(nn.Module):
         if self.skip_bias_add:
             return linear(x, self.weight), None if self.bias is None else self.bias.flatten()
         return linear(x, self.weight, self.bias)
-
-    # The communication seam of the pieces (``ptdp.models.pieces``; ``TransformerLayer.steps``): a linear
-    # that a parallelism splits may communicate on its input before the GEMM (``entry``) and on its output
-    # after it (``exit``); ``forward`` = ``after(exit(local(entry(x))))``. The pieces cut there, so that the
-    # communication runs while another microbatch's piece computes. One process: nothing to cut.
-    def entry(self) -> Transfer | None:
-        """The transfer the input goes through before :meth:`local` (None: none)."""
-        return None
-
-    def exit(self) -> Transfer | None:
-        """The transfer :meth:`local`'s output goes through before :meth:`after` (None: none)."""
-        return None
-
-    def local(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """The linear between its entry and its exit."""
-        return self(x)
-
-    def after(self, y: torch.Tensor | tuple) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """What follows the exit (a split linear's bias, added once after its reduction)."""
-        return y
 
 
 class _MaskPadding(torch.autograd.Function):

@@ -8,12 +8,52 @@ last stage. ``ptdp.parallel.pipeline.stage`` (the split, the tied copies) and ``
 (vocabulary parallelism) read this record and never the attribute names of one model class, as tensor
 parallelism reads the sharding rules (``ptdp.models.sharding``).
 
+It also says where a transformer layer may be cut (:class:`LayerCuts`): its residual halves in order, and in
+each the two linears where a parallelism that splits them communicates. The overlapped schedules run a
+chunk's forward as pieces cut there (``ptdp.parallel.pipeline.program``), so that one microbatch's
+communication runs while another's piece computes; the model itself keeps no such machinery. Recomputation
+(``ptdp.parallel.recompute``) reads the same record for the layers it checkpoints.
+
 A plain record, no torch: the declaration is data, as the sharding rules are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Half:
+    """One residual half of a transformer layer, ``residual(block(norm(x)), x)``, and its cut points.
+
+    ``name``: what its pieces are called ("attention", "mlp"). ``norm``, ``block``: the layer's attributes
+    of the norm before the block and of the block; ``residual``: the layer's method ``(block output, x) ->
+    output`` (the bias, a norm after the block, dropout, the residual add). ``documents``: whether the block
+    takes the microbatch's document layout as its second argument. ``first``, ``last``: the block's
+    attributes of the linear that reads the normed input (nothing else does) and of the linear whose output
+    the block returns (nothing follows it): the cut points. A block without them (multi-latent attention)
+    is one piece; a block that is a program of pieces itself (``LayerCuts.pieces``) brings its own cuts."""
+
+    name: str
+    norm: str
+    block: str
+    residual: str
+    first: str
+    last: str
+    documents: bool = False
+
+
+@dataclass(frozen=True)
+class LayerCuts:
+    """Where a transformer layer may be cut: ``halves`` in the order the layer runs them (its forward is
+    their composition), and ``pieces``, the method of a block that is already a program of pieces
+    (``ptdp.models.pieces``: a MoE layer's route, dispatch, experts, combine) taking the names of its input
+    and output values. ``selective``: the dotted path, from a layer, of the method selective recomputation
+    checkpoints (the attention core)."""
+
+    halves: tuple[Half, ...]
+    pieces: str
+    selective: str
 
 
 @dataclass(frozen=True)
@@ -34,6 +74,12 @@ class PipelineParts:
     such module: where it is present the last stage keeps a copy of the whole input embedding.
     ``head_copy``: where the last stage keeps its copy of the tied table when the embedding is elsewhere.
     ``mtp_copy``: where the last stage keeps its copy of the input embedding for multi-token prediction.
+    ``mtp_modules``: the multi-token prediction module's dictionary of its modules (each one unit of full
+    recomputation); ``mtp_layer``: the attribute of such a module that holds its transformer layer.
+    ``run_layers``: the model's method that runs its layers in order, ``(x, documents) -> x`` (full
+    recomputation replaces it); ``head``: the model's method from the last layer's output to the logits,
+    ``(x, labels) -> logits`` (present with ``final_norm``).
+    ``cuts``: where a layer may be cut into pieces (:class:`LayerCuts`).
 
     The field names are the pipeline's words, not a model's: the parallelisms name these, and the model
     maps them to its attributes."""
@@ -49,6 +95,11 @@ class PipelineParts:
     multi_token_prediction: str | None
     head_copy: str
     mtp_copy: str
+    mtp_modules: str
+    mtp_layer: str
+    run_layers: str
+    head: str
+    cuts: LayerCuts
 
     @property
     def table_weight(self) -> str:

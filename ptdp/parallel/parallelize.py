@@ -25,6 +25,7 @@ from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel.context.apply import apply_context_parallel
 from ptdp.parallel.expert.apply import apply_expert_parallel
 from ptdp.parallel.init import DeferredInit, defer_init, init_parameters, materialize, record_weight_decay
+from ptdp.parallel.pipeline.parts import ChunkParts
 from ptdp.parallel.pipeline.stage import split_model
 from ptdp.parallel.placement import Placements
 from ptdp.parallel.plan import ParallelPlan
@@ -97,6 +98,7 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
 
             enable_fp8([chunk], plan.fp8_format, plan.fp8_recipe)
         if m.compile:  # on CUDA each layer is compiled whole (on the CPU only the fused element-wise ops)
-            compile_layers(chunk.layers.values(), (plan.micro_batch_size, plan.local_seq_length, m.hidden_size),
+            parts = ChunkParts(chunk)
+            compile_layers(parts.layers.values(), (plan.micro_batch_size, plan.local_seq_length, m.hidden_size),
                            plan.dtype)
     return ParallelModel(chunks, placements, deferred)

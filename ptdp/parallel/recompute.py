@@ -22,9 +22,11 @@ A recomputed forward must draw the same dropout masks as the first one. ``torch.
 replays the default generator; :func:`checkpoint` also replays the tensor-parallel RNG tracker's streams
 (``ptdp.parallel.tensor.random``), which attention dropout and sequence-parallel dropout draw from.
 
-:func:`apply_recompute` applies either to a plain model (or a pipeline chunk) from outside: ``full``
-overrides its ``run_layers`` (and ``layer_steps``, for the overlapped schedules' pieces), ``selective`` each
-attention's ``core``; the model files do not change.
+:func:`apply_recompute` applies either to a plain model (or a pipeline chunk) from outside, reaching it only
+through the model's declared pipeline parts (``ptdp.models.parts.PipelineParts``): ``full`` replaces its
+method that runs the layers (and checkpoints the layers' pieces the overlapped schedules run,
+``ptdp.parallel.pipeline.program``), ``selective`` each layer's declared attention core; the model files do
+not change.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ptdp.models.documents import DocumentLayout
 from ptdp.models.pieces import Compute, Step
 from ptdp.parallel.collectives import all_gather_single, group_rank, group_size
+from ptdp.parallel.pipeline.parts import ChunkParts
+from ptdp.parallel.pipeline.program import wrap_layer_pieces
 from ptdp.parallel.tensor import get_rng_tracker
 
 
@@ -197,7 +201,7 @@ def _maybe_checkpoint(function: Callable[..., Tensor], *args: Any) -> Tensor:
 
 def _run_planned(layers: list[nn.Module], plan: list[tuple[range, bool]], distribute_group, offload: bool,
                  x: Tensor, documents: DocumentLayout | None = None) -> Tensor:
-    """``GPTModel.run_layers`` by the plan; ``documents`` (a packed microbatch's layout) is not an activation:
+    """The model's run of its layers by the plan; ``documents`` (a packed microbatch's layout) is not an activation:
     the recomputed forward reads the same object."""
     kept_elsewhere = offload or group_size(distribute_group) > 1
     for span, recompute in plan:  # full recomputation: a unit keeps only its input
@@ -216,7 +220,7 @@ def _run(layers: list[nn.Module], x: Tensor, documents: DocumentLayout | None = 
 
 
 def _checkpoint_steps(recomputed: frozenset[str], key: str, steps: list[Step]) -> list[Step]:
-    """A recomputed layer's pieces (``GPTModel.program``), each checkpointed: the overlapped schedules run a
+    """A recomputed layer's pieces (``ptdp.parallel.pipeline.program``), each checkpointed: the overlapped schedules run a
     layer a piece at a time, so each piece keeps only its inputs (not the whole unit's first input)."""
     if key not in recomputed:
         return steps
@@ -232,17 +236,21 @@ def apply_recompute(model: nn.Module, granularity: str | None, method: str | Non
 
     With ``full``, ``distribute_group`` (the tensor-parallel group, ``--distribute-saved-activations``) and
     ``offload`` (``--checkpoint-in-cpu``) say where each unit's kept input lives (module docstring)."""
-    mtp = [] if model.mtp is None else list(model.mtp.layers.values())
+    parts = ChunkParts(model)
+    names, layers, mtp = parts.names, parts.layers, parts.multi_token_prediction
+    modules = [] if mtp is None else list(getattr(mtp, names.mtp_modules).values())
     if granularity == "selective":
-        for layer in [*model.layers.values(), *(module.transformer_layer for module in mtp)]:
-            layer.attention.core = functools.partial(_maybe_checkpoint, layer.attention.core)
+        *path, core = names.cuts.selective.split(".")  # the attention core of each layer
+        for layer in [*layers.values(), *(getattr(module, names.mtp_layer) for module in modules)]:
+            owner = functools.reduce(getattr, path, layer)
+            setattr(owner, core, functools.partial(_maybe_checkpoint, getattr(owner, core)))
     elif granularity == "full":
-        plan = recompute_plan(len(model.layers), granularity, method, recompute_num_layers)
-        model.run_layers = functools.partial(_run_planned, list(model.layers.values()), plan, distribute_group,
-                                             offload)
-        keys = list(model.layers)
+        plan = recompute_plan(len(layers), granularity, method, recompute_num_layers)
+        setattr(model, names.run_layers, functools.partial(_run_planned, list(layers.values()), plan,
+                                                           distribute_group, offload))
+        keys = list(layers)
         recomputed = frozenset(keys[i] for span, on in plan if on for i in span)
-        model.layer_steps = functools.partial(_checkpoint_steps, recomputed)
-        for module in mtp:
+        wrap_layer_pieces(model, functools.partial(_checkpoint_steps, recomputed))
+        for module in modules:
             module.forward = functools.partial(_maybe_checkpoint, module.forward)
     return model

@@ -179,7 +179,7 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
 
 
 def cut_layer_extra_bytes(model: GPTSpec, cfg: ParallelConfig) -> float:
-    """What a layer run in pieces (an overlapped pair's, ``TransformerLayer.steps``) keeps per microbatch
+    """What a layer run in pieces (an overlapped pair's, ``ptdp.parallel.pipeline.program``) keeps per microbatch
     beyond :func:`activation_bytes_per_layer`: under sequence parallelism each half cut at its
     tensor-parallel exchanges keeps its first GEMM's *gathered* input (QKV, fc1) for the backward, where the
     plain run keeps the s/t shard and gathers again (docs/dualpipe.md) -- 2·s·b·h·(1 - 1/t) bytes a GEMM.

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ptdp.models.pieces import BackwardRun, ForwardRun, fuse, interleave
 from ptdp.ops.weight_grad import WeightGradStore, defer_weight_grads
 from ptdp.parallel.pipeline.handlers import ActionHandler
+from ptdp.parallel.pipeline.program import chunk_program
 from ptdp.schedule.actions import Action, virtual_stage
 
 # (last stage's output, the microbatch's labels, its per-token loss weights or None) -> the microbatch's loss:
@@ -111,7 +112,7 @@ class ModuleStage:
     (evaluation): no autograd graph, nothing kept, only the losses.
 
     ``piecewise`` (the overlapped schedules: ``ptdp.parallel.pipeline.overlap``): every training forward
-    runs the chunk's pieces (``GPTModel.program``, ``ptdp.models.pieces``) and every backward drives them
+    runs the chunk's pieces (``ptdp.parallel.pipeline.program``, ``ptdp.models.pieces``) and every backward drives them
     back one at a time, so that :meth:`forward_backward` can interleave one microbatch's forward with
     another's backward; the numbers are the plain run's. ``delay_weight_grads``
     (``--delay-wgrad-compute``): in an overlapped pair, a piece whose input gradients go out through an
@@ -252,7 +253,7 @@ class ModuleStage:
 
     # ---- piece by piece -------------------------------------------------------------------------------
     def _pieces(self, chunk: int, microbatch: int, x: Tensor) -> tuple[ForwardRun, str]:
-        steps, name = self.chunks[chunk].program(INPUT, **self._arguments(chunk, microbatch))
+        steps, name = chunk_program(self.chunks[chunk], INPUT, **self._arguments(chunk, microbatch))
         return ForwardRun(fuse(steps), {INPUT: x}), name
 
     def _exit_pieces(self, chunk: int, microbatch: int, x: Tensor, run: ForwardRun, name: str) -> Tensor | None:

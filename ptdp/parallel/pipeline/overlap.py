@@ -5,7 +5,7 @@ one microbatch's forward and another's backward into ONE action of the list (``p
 ``Action.sub`` holds the two). The executor knows no such op: :class:`OverlapHandler`, registered here
 for it (:func:`overlap_handlers`; the assembly and the NCCL model's recorders add it), receives both
 inputs, has the stage run the pair (``PipelineStage.forward_backward``: ``ModuleStage`` interleaves the
-two microbatches' pieces, ``ptdp.models.pieces``, each piece's communication in flight while the other's
+two microbatches' pieces, ``ptdp.models.pieces``, cut by ``ptdp.parallel.pipeline.program``, each piece's communication in flight while the other's
 piece computes), does the executor's accounting for both parts and delivers both results, which the list's
 SEND actions after the pair then carry. Pipeline sends overlap compute as everywhere (posted where the
 list places them, waited on at the end); the expert dispatch and combine, and at t > 1 each layer's

@@ -88,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             return y, None if self.bias is None else self.bias.flatten()
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
-    # ``ptdp.models.layers.Linear``'s communication seam: run in pieces, a layer cuts at the input region
+    # The pieces' communication seam (``ptdp.parallel.pipeline.program.Seam``): a cut layer cuts at the input region
     def entry(self) -> Transfer | None:
         """The input's ``f`` (or the sequence all-gather) as an asynchronous transfer; None where nothing
         is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output)."""
@@ -145,7 +145,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         return self.after(y)
 
-    # ``ptdp.models.layers.Linear``'s communication seam: run in pieces, a layer cuts at the output's reduction
+    # The pieces' communication seam (``ptdp.parallel.pipeline.program.Seam``): a cut layer cuts at the output's
+    # reduction
     def entry(self) -> Transfer | None:
         return None
 

@@ -4,7 +4,7 @@ Megatron's conjugate pair ``f`` (identity forward, all-reduce backward) / ``g`` 
 identity backward), and under sequence parallelism the all-gather / reduce-scatter pair along the sequence
 (``ptdp.parallel.collectives``), are autograd functions that communicate at once. Run in pieces (the
 overlapped forward-and-backward of DualPipeV and combined 1F1B: ``ptdp.models.pieces``), a transformer
-layer is cut at them instead (``ptdp.models.layers.Linear.entry`` / ``exit``, ``TransformerLayer.steps``):
+layer is cut at them instead (the linears' ``entry`` / ``exit``, ``ptdp.parallel.pipeline.program``):
 each becomes an exchange whose :class:`~ptdp.models.pieces.Transfer` here issues the collective with
 ``async_op=True`` (a gloo work handle on the CPU; NCCL's stream of the group on a GPU) and is waited on only
 by the piece that consumes its result, while the other microbatch's piece computes.

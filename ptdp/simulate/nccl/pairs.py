@@ -6,9 +6,9 @@ another's backward, each issuing its dispatch and combine asynchronously and wai
 they are needed. So on one rank the collectives of two microbatches interleave, and what must hold is that
 every rank of an expert-parallel group issues them in the same order (docs/references.md, §NCCL).
 
-:func:`chunk_program` mirrors a chunk of ``moe_layers`` MoE layers as the real model cuts it
-(``GPTModel.program``: the embedding, per layer attention / route / dispatch / experts / combine / finish /
-residual, the head), with steps that compute nothing but record, in the order the real engine runs them,
+:func:`chunk_program` mirrors a chunk of ``moe_layers`` MoE layers as the real pipeline cuts it
+(``ptdp.parallel.pipeline.program``: the embedding, per layer attention / norm / route / dispatch / experts /
+combine / finish / residual, the head), with steps that compute nothing but record, in the order the real engine runs them,
 the collectives the real pieces make: synchronous ones inside a piece (the all-to-all of the counts,
 expert tensor parallelism's gathers) as trace placeholders waited on at once, the transfers between pieces
 as placeholders issued at ``start`` and waited on at ``wait``. Running it through the REAL engine
@@ -38,7 +38,7 @@ COMBINE = {"alltoall": (["combine-tokens"], ["combine-tokens-grad"]),
 ETP_ROUTE = (["etp-gather-tokens", "etp-gather-probs", "etp-gather-choices"], ["etp-gather-probs-grad", "etp-gather-tokens-grad"])
 ETP_FINISH = (["etp-reduce-scatter"], ["etp-reduce-scatter-grad"])
 # tensor parallelism ("tp"; "sp" with sequence parallelism), on the "tp" communicator: the transfers a half
-# of a layer is cut at (``Linear.entry`` of its first linear, ``exit`` of its last), by the half
+# of a layer is cut at (the entry of its first linear, the exit of its last: ptdp.parallel.pipeline.program), by the half
 TP_ENTRY = {"tp": lambda h: ([], [f"tp-{h}-in-grad"]), "sp": lambda h: ([f"sp-{h}-gather"], [f"sp-{h}-gather-grad"])}
 TP_EXIT = {"tp": lambda h: ([f"tp-{h}-out"], []), "sp": lambda h: ([f"sp-{h}-reduce-scatter"], [f"sp-{h}-reduce-scatter-grad"])}
 # ... and the synchronous ones inside pieces: the vocabulary-parallel embedding's reduction (and under sequence
@@ -141,7 +141,7 @@ def chunk_program(first: bool, last: bool, moe_layers: int, dispatcher: str, exp
     to the returned name. ``label.op`` is "F" while the forward runs; the backward sets its B or I.
     ``layers``: which of the chunk's layers are MoE (default: ``moe_layers`` MoE layers); ``tensor`` ("tp",
     or "sp" with sequence parallelism; None: t = 1): each half of a layer cut at its tensor-parallel
-    transfers, as ``TransformerLayer.steps`` cuts it, with the synchronous tensor-parallel collectives of
+    transfers, as ``ptdp.parallel.pipeline.program`` cuts it, with the synchronous tensor-parallel collectives of
     the embedding, the head and the MoE dispatcher's token slicing."""
     steps: list[Step] = []
     layers = [True] * moe_layers if layers is None else list(layers)
@@ -188,13 +188,14 @@ def chunk_program(first: bool, last: bool, moe_layers: int, dispatcher: str, exp
         if not moe:
             half("mlp", layer)
             continue
+        piece("mlp_norm", layer)
         piece("moe_route", layer, (etp_route[0] + ROUTE[dispatcher][0] + route[0],
                                    route[1] + etp_route[1] + ROUTE[dispatcher][1]))
         exchange("moe_dispatch", layer, DISPATCH[dispatcher])
         piece("moe_experts", layer)
         exchange("moe_combine", layer, COMBINE[dispatcher])
         piece("moe_finish", layer, (etp_finish[0] + finish[0], finish[1] + etp_finish[1]))
-        piece("residual", layer)
+        piece("mlp_residual", layer)
     if last:
         piece("head", -1, TP_HEAD[tensor] if tensor else none)
     return steps, _last(steps)
