@@ -31,9 +31,10 @@ def owns_pieces(optimizer) -> bool:
 
 
 def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:
-    """The full-model name of each of this rank's parameters (with ``copies``, the tied copy's too)."""
+    """The full-model name of each of this rank's trained parameters (with ``copies``, the tied copy's too;
+    a frozen one, LoRA's base weights, has no optimizer state)."""
     return {param: placements[param].name for param in placements
-            if copies or placements[param].role != "embedding_copy"}
+            if (copies or placements[param].role != "embedding_copy") and param.requires_grad}
 
 
 def _boxes(x, flat: torch.Tensor, placements: Placements) -> tuple[torch.Size, list]:

@@ -1,0 +1,178 @@
+"""LoRA fine-tuning (``--lora-rank``, ptdp/parallel/lora.py, docs/lora.md) of a random Hugging Face Llama
+(grouped-query attention) imported here: started from the base with ``--pretrained-checkpoint``, trained in
+one process and in layouts -- t = 2 with sequence parallelism, p = 2 under 1F1B and under ZBV (its weight
+gradients deferred to W passes), ZeRO-1 and ZeRO-3 over d = 2, c = 2 -- each equal to one process per
+iteration (loss, gradient norm) and in the final adapters; the base weights come out of every layout
+exactly as they went in, and only the adapters have optimizer state. A resumed run continues exactly. The
+PEFT export loaded by ``peft.PeftModel`` over the HF base gives ptdp's logits; the merged export holds
+W + (alpha/r) B A and ``transformers`` gives ptdp's logits with it. The gradient buffers hold the adapters
+alone."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from helpers import assert_same_run, assert_same_training, run_layouts
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from ptdp.checkpointing import read_full_model_state  # noqa: E402
+from ptdp.hf.convert import export_hf, full_model_from_state, import_hf_model, train_flags  # noqa: E402
+from ptdp.parallel.lora import is_adapter  # noqa: E402
+
+V, S, R, ALPHA = 300, 32, 8, 16.0
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--lr-warmup-iters", "0",
+         "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--seq-length", str(S), "--log-interval", "1", "--lora-rank", str(R), "--lora-alpha", str(ALPHA)]
+P2 = ["--pipeline-model-parallel-size", "2"]
+LAYOUTS = {
+    "t2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "t2": (2, ["--tensor-model-parallel-size", "2"]),
+    "p2-1f1b": (2, P2),
+    "p2-zbv": (2, [*P2, "--pipeline-schedule", "zbv"]),
+    "zero1-d2": (2, ["--use-distributed-optimizer"]),
+    "zero3-d2": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+    "c2": (2, ["--context-parallel-size", "2"]),
+}
+
+
+def hf_llama(directory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    hf = hf_llama(tmp / "hf")
+    _, cfg, moe = import_hf_model(tmp / "hf", tmp / "base")
+    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(V), *TRAIN,
+            "--pretrained-checkpoint", str(tmp / "base")]
+    plan = {"one": (1, ["--train-iters", "3"])}
+    plan.update({name: (world, ["--train-iters", "3", *flags]) for name, (world, flags) in LAYOUTS.items()})
+    # resumed: two iterations saved, then the third after a restart (--load wins over --pretrained-checkpoint)
+    plan["first-two"] = (1, ["--train-iters", "2", "--save", str(tmp / "resume")])
+    plan["resumed"] = (1, ["--train-iters", "3", "--load", str(tmp / "resume"), "--save", str(tmp / "resume")])
+    runs = run_layouts(tmp, plan, base=base)
+    return tmp, hf, runs
+
+
+def _adapters(weights: dict) -> dict:
+    return {name: t for name, t in weights.items() if is_adapter(name)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_trains_the_adapters_as_one_process(trained, layout):
+    tmp, _, runs = trained
+    one, got = runs["one"], runs[layout]
+    assert_same_run(got, one)
+    assert_same_training(_adapters(got.weights), _adapters(one.weights), _adapters(one.initial))
+    base, _ = read_full_model_state(tmp / "base")
+    frozen = {name: t for name, t in got.weights.items() if not is_adapter(name)}
+    assert frozen.keys() == base.keys()
+    for name, tensor in base.items():  # the base weights never move, in any layout
+        assert torch.equal(frozen[name], tensor), name
+
+
+def test_only_the_adapters_have_optimizer_state(trained):
+    import torch.distributed.checkpoint as dcp
+
+    from ptdp.checkpointing import storage
+
+    tmp, _, runs = trained
+    for name in ("one", "zero1-d2", "zero3-d2"):
+        keys = dcp.FileSystemReader(storage.resolve(runs[name].ckpt)).read_metadata().state_dict_metadata
+        optimizer = {k.removeprefix("optimizer.").rpartition(".")[0] for k in keys if k.startswith("optimizer.")}
+        assert optimizer and all(is_adapter(n) for n in optimizer), (name, sorted(optimizer)[:4])
+        adapters = {k.removeprefix("model.") for k in keys if k.startswith("model.") and is_adapter(k)}
+        assert optimizer == adapters, name  # and every adapter has its state
+    b = runs["one"].weights["layers.0.attention.qkv.adapter.lora_B"]
+    assert b.abs().max() > 0  # trained: B left zero (the fresh adapter) would make the exports vacuous
+
+
+def test_resumed_run_continues_exactly(trained):
+    _, _, runs = trained
+    assert [r["iteration"] for r in runs["resumed"].records] == [3]
+    assert_same_run(runs["first-two"], runs["one"], rtol=0)
+    assert_same_run(runs["resumed"], runs["one"], rtol=0)
+
+
+def _ptdp_logits(ckpt, tokens):
+    model = full_model_from_state(*read_full_model_state(ckpt))
+    with torch.no_grad():
+        return model(tokens)[..., :V]
+
+
+def test_peft_adapter_gives_ptdp_logits(trained):
+    tmp, hf, runs = trained
+    export_hf(runs["one"].ckpt, tmp / "peft", fmt="peft")
+    config = json.loads((tmp / "peft" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (R, ALPHA)
+    tokens = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = hf(tokens).logits
+        model = peft.PeftModel.from_pretrained(hf, str(tmp / "peft")).eval()
+        got = model(tokens).logits
+    expected = _ptdp_logits(runs["one"].ckpt, tokens)
+    assert (expected - before).abs().max() > 1e-3  # the adapters change the model
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+
+
+def test_merged_export_is_base_plus_scaled_BA_and_gives_ptdp_logits(trained):
+    tmp, _, runs = trained
+    export_hf(runs["one"].ckpt, tmp / "merged", merge_lora=True)
+    tensors, _ = read_full_model_state(runs["one"].ckpt)
+    from safetensors.torch import load_file
+
+    merged = load_file(str(tmp / "merged" / "model.safetensors"))
+    a, b = tensors["layers.1.mlp.fc2.adapter.lora_A"], tensors["layers.1.mlp.fc2.adapter.lora_B"]
+    want = tensors["layers.1.mlp.fc2.weight"] + (ALPHA / R) * b @ a
+    torch.testing.assert_close(merged["model.layers.1.mlp.down_proj.weight"], want, rtol=0, atol=1e-6)
+    a, b = tensors["layers.0.mlp.fc1.adapter.lora_A"], tensors["layers.0.mlp.fc1.adapter.lora_B"]  # fused gate/up
+    want = tensors["layers.0.mlp.fc1.weight"][1] + (ALPHA / R) * b[1] @ a
+    torch.testing.assert_close(merged["model.layers.0.mlp.up_proj.weight"], want, rtol=0, atol=1e-6)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "merged")).eval()
+    tokens = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, _ptdp_logits(runs["one"].ckpt, tokens), rtol=0, atol=2e-5)
+
+
+def test_gradient_buffers_hold_the_adapters_alone():
+    from ptdp.config import LoRAConfig, ModelConfig, MoEConfig
+    from ptdp.models import GPTModel
+    from ptdp.parallel.data.buffer import BucketLayout, FlatBuffer
+    from ptdp.parallel.init import init_parameters
+    from ptdp.parallel.lora import apply_lora
+    from ptdp.parallel.placement import Placements
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
+                      attention_dropout=0.0)
+    model = GPTModel(cfg, 64, 128, MoEConfig())
+    placements = Placements()
+    placements.adopt(model)
+    apply_lora(model, LoRAConfig(lora_rank=4, lora_target_modules=["linear_qkv", "linear_fc2"]), placements)
+    init_parameters(model, 1, 0.02, 2, placements)
+    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    assert len(adapters) == 2 * 2 * 2 and all(p.requires_grad for p in adapters)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not is_adapter(n))
+    buffer = FlatBuffer(model.parameters(), BucketLayout(1 << 20, placements=placements))
+    assert set(buffer.params) == set(adapters)
+    assert sum(b.grad_data.numel() for b in buffer.buckets) == sum(p.numel() for p in adapters)
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():  # a fresh adapter (B = 0, A drawn) leaves the model unchanged
+        adapted = model(tokens)
+        linears = [m for m in model.modules() if getattr(m, "adapter", None) is not None]
+        assert all(m.adapter.lora_B.abs().max() == 0 < m.adapter.lora_A.abs().max() for m in linears)
+        for m in linears:
+            m.adapter = None
+        torch.testing.assert_close(model(tokens), adapted, rtol=0, atol=0)
