@@ -176,3 +176,17 @@ def test_gradient_buffers_hold_the_adapters_alone():
         for m in linears:
             m.adapter = None
         torch.testing.assert_close(model(tokens), adapted, rtol=0, atol=0)
+
+
+def test_moe_expert_parallel_trains_the_adapters_as_one_process(tmp_path):
+    """A GPT MoE model (experts frozen, attention and nothing else adapted) with e = 2 against one process."""
+    from helpers import TINY
+
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--lora-rank", "4", "--lora-alpha", "8",
+             "--lora-target-modules", "linear_qkv", "linear_proj", "--lr", "1e-2"]
+    runs = run_layouts(tmp_path, {"one": (1, flags), "e2": (2, [*flags, "--expert-model-parallel-size", "2"])},
+                       base=[*TINY, "--num-layers", "2"])
+    assert_same_run(runs["e2"], runs["one"])
+    assert_same_training(_adapters(runs["e2"].weights), _adapters(runs["one"].weights),
+                         _adapters(runs["one"].initial))
+    assert not any("mlp" in name for name in _adapters(runs["one"].weights))

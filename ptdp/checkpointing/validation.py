@@ -117,7 +117,27 @@ def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = 
         errors += other_run_errors(ck.save, ck.load)
     if ck.load and not errors:
         errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
+    if ck.pretrained_checkpoint and not errors:
+        errors += _pretrained_errors(config, Path(ck.pretrained_checkpoint))
     return errors
+
+
+def _pretrained_errors(config: Config, path: Path) -> list[str]:
+    """``--pretrained-checkpoint``: a checkpoint of the same model (its weights only are read)."""
+    try:
+        directory = resolve(path) if path.is_dir() else None
+        if directory is None:
+            return [f"--pretrained-checkpoint {path} holds no checkpoint; give a directory written by --save or "
+                    "`ptdp import`"]
+        verify_checksums(directory, hash_data=False)
+        info = read_info(directory)
+    except CheckpointError as e:
+        return [f"--pretrained-checkpoint {path}: {e}"]
+    from ptdp.data.training_data import model_vocab_size
+
+    problem = model_mismatch(info["model"], config.model, model_vocab_size(config),
+                             config.parallel.tensor_model_parallel_size)
+    return [f"--pretrained-checkpoint {directory}: {problem}"] if problem else []
 
 
 def share_verification(load: str | Path) -> None:

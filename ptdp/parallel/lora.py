@@ -1,4 +1,4 @@
-"""LoRA (Hu et al., 2021): the base weights frozen, a low-rank adapter beside each targeted linear.
+"""LoRA (docs/references.md, §LoRA): the base weights frozen, a low-rank adapter beside each targeted linear.
 
 An adapter adds ``(alpha/r) · B A x`` to its linear's output, ``A`` ``[r, in]`` and ``B`` ``[out, r]`` (a
 fused linear's ``B`` is ``[k, out, r]``, one block per fused projection, so that its rows line up with the
