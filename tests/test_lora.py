@@ -1,8 +1,8 @@
 """LoRA fine-tuning (``--lora-rank``, ptdp/parallel/lora.py, docs/lora.md) of a random Hugging Face Llama
 (grouped-query attention) imported here: started from the base with ``--pretrained-checkpoint``, trained in
-one process and in layouts -- t = 2 with sequence parallelism, p = 2 under 1F1B and under ZBV (its weight
-gradients deferred to W passes), ZeRO-1 and ZeRO-3 over d = 2, c = 2 -- each equal to one process per
-iteration (loss, gradient norm) and in the final adapters; the base weights come out of every layout
+one process and in layouts -- t = 2 with and without sequence parallelism, p = 2 under 1F1B, interleaved,
+ZBV (its weight gradients deferred to W passes) and DualPipeV (overlapped pairs), ZeRO-1 and ZeRO-3 over
+d = 2, c = 2 -- each equal to one process per iteration (loss, gradient norm) and in the final adapters; the base weights come out of every layout
 exactly as they went in, and only the adapters have optimizer state. A resumed run continues exactly. The
 PEFT export loaded by ``peft.PeftModel`` over the HF base gives ptdp's logits; the merged export holds
 W + (alpha/r) B A and ``transformers`` gives ptdp's logits with it. The gradient buffers hold the adapters
@@ -34,6 +34,8 @@ LAYOUTS = {
     "t2": (2, ["--tensor-model-parallel-size", "2"]),
     "p2-1f1b": (2, P2),
     "p2-zbv": (2, [*P2, "--pipeline-schedule", "zbv"]),
+    "p2-interleaved": (2, [*P2, "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]),
+    "p2-dualpipev": (2, [*P2, "--pipeline-schedule", "dualpipev"]),
     "zero1-d2": (2, ["--use-distributed-optimizer"]),
     "zero3-d2": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"]),
     "c2": (2, ["--context-parallel-size", "2"]),
