@@ -181,14 +181,21 @@ def test_gradient_buffers_hold_the_adapters_alone():
 
 
 def test_moe_expert_parallel_trains_the_adapters_as_one_process(tmp_path):
-    """A GPT MoE model (experts frozen, attention and nothing else adapted) with e = 2 against one process."""
+    """A GPT MoE model, its experts adapted too (``linear_fc1``/``linear_fc2``: one adapter per expert, split by
+    experts like the weights), with e = 2 against one process; the experts' adapters merge per expert."""
     from helpers import TINY
 
-    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--lora-rank", "4", "--lora-alpha", "8",
-             "--lora-target-modules", "linear_qkv", "linear_proj", "--lr", "1e-2"]
+    from ptdp.parallel.lora import merge_lora
+
+    flags = ["--num-experts", "4", "--moe-router-topk", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
     runs = run_layouts(tmp_path, {"one": (1, flags), "e2": (2, [*flags, "--expert-model-parallel-size", "2"])},
                        base=[*TINY, "--num-layers", "2"])
     assert_same_run(runs["e2"], runs["one"])
-    assert_same_training(_adapters(runs["e2"].weights), _adapters(runs["one"].weights),
-                         _adapters(runs["one"].initial))
-    assert not any("mlp" in name for name in _adapters(runs["one"].weights))
+    one = _adapters(runs["one"].weights)
+    assert_same_training(_adapters(runs["e2"].weights), one, _adapters(runs["one"].initial))
+    a, b = one["layers.1.mlp.experts.fc2_adapter.lora_A"], one["layers.1.mlp.experts.fc2_adapter.lora_B"]
+    assert a.shape == (4, 4, 128) and b.shape == (4, 32, 4) and b.abs().max() > 0
+    merged = merge_lora(runs["one"].weights, 8 / 4)
+    weight = runs["one"].weights["layers.1.mlp.experts.fc2_weight"]
+    for e in range(4):
+        torch.testing.assert_close(merged["layers.1.mlp.experts.fc2_weight"][e], weight[e] + 2.0 * b[e] @ a[e])

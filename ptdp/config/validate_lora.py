@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ptdp.config.schema import LORA_TARGETS
+from ptdp.config.validate_moe import expert_tensor_size
 
 if TYPE_CHECKING:
     from ptdp.config.schema import Config
@@ -31,6 +32,11 @@ def lora_errors(config: Config) -> list[str]:
     if m.multi_latent_attention and "linear_qkv" in lo.lora_target_modules:
         errors.append("--lora-target-modules linear_qkv with --multi-latent-attention: multi-latent attention has "
                       "no fused QKV projection; target linear_proj, linear_fc1 and linear_fc2")
+    experts = config.moe.num_experts and {"linear_fc1", "linear_fc2"} & set(lo.lora_target_modules)
+    if experts and expert_tensor_size(par.expert_tensor_parallel_size, par.tensor_model_parallel_size) > 1:
+        errors.append("--lora-target-modules linear_fc1/linear_fc2 adapt the experts too, which is not supported "
+                      "with expert tensor parallelism yet: pass --expert-tensor-parallel-size 1, or target "
+                      "linear_qkv and linear_proj only")
     if config.precision.fp8_format:
         errors.append("--lora-rank with --fp8-format is not supported yet: the adapters run in the GEMMs' dtype only")
     if par.vocab_barriers:

@@ -62,7 +62,7 @@ def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -
     cfg = model_config_from_dict(config_dict)
     vocab = cfg.vocab_size or tensors[TIED_EMBEDDING].shape[0]
     model = GPTModel(cfg, vocab, tensors[TIED_EMBEDDING].shape[0], moe_config_from_dict(config_dict))
-    if any(".adapter.lora_" in name for name in tensors):  # a LoRA run's checkpoint: its adapters attached
+    if any("adapter.lora_" in name for name in tensors):  # a LoRA run's checkpoint: its adapters attached
         _attach_adapters(model, config_dict)
     model.load_state_dict(tensors, strict=True)
     return model.eval()
@@ -112,7 +112,7 @@ def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: 
 
     tensors, config_dict = read_full_model_state(load)
     rank, alpha, _ = hf_lora.lora_settings(config_dict)
-    adapters = any(".adapter.lora_" in name for name in tensors)
+    adapters = any("adapter.lora_" in name for name in tensors)
     if adapters and fmt == "hf" and not merge_lora:
         raise HFError(f"--load {load}: the checkpoint holds LoRA adapters; pass --merge-lora (the merged weights) "
                       "or --format peft (the adapters, for peft.PeftModel)")

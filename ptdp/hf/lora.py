@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
+from ptdp.parallel.lora import is_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,9 @@ def write_peft(tensors: dict[str, torch.Tensor], config_dict: dict, family: Mode
     if not rank or not linears:
         raise ConfigError(f"--load {load}: the checkpoint holds no LoRA adapters (trained without --lora-rank); "
                           "export it with --format hf")
+    if any(name.endswith("_adapter.lora_A") for name in tensors):
+        raise ConfigError(f"--format peft: the checkpoint {load} holds the experts' adapters, which PEFT's LoRA (on "
+                          "nn.Linear modules) cannot hold; export merged weights with --format hf --merge-lora")
     if family.hf_model_type not in PEFT_MODEL_TYPES:
         raise ConfigError(f"--format peft: the model is {family.name}, whose HF modules ptdp does not map to PEFT's "
                           f"(it does for {', '.join(PEFT_MODEL_TYPES)}); export merged weights with --format hf "
@@ -68,7 +72,7 @@ def write_peft(tensors: dict[str, torch.Tensor], config_dict: dict, family: Mode
     for linear in linears:
         weight, b = tensors[f"{linear}.weight"], tensors[f"{linear}.adapter.lora_B"]
         rows[f"{linear}.weight"] = torch.cat([b, weight.new_zeros(*b.shape[:-1], weight.shape[-1] - rank)], -1)
-    hf_rows = family.write({k: v for k, v in rows.items() if ".adapter." not in k}, cfg, moe)
+    hf_rows = family.write({k: v for k, v in rows.items() if not is_adapter(k)}, cfg, moe)
     state, targets = {}, set()
     for linear in linears:
         layer, _, inside = linear.partition(".")[2].partition(".")

@@ -25,6 +25,10 @@ base split by rows, its output gathered); the adapters are so small (r·(in + ou
 those whole instead, which spares a gather forward and an all-reduce backward per adapter. Checkpoints and
 exports hold the full ``A`` and ``B`` whatever the layout.
 
+A MoE layer's stacked experts get stacked adapters (``linear_fc1``/``linear_fc2``, as Megatron-Bridge's
+targets): one ``A``/``B`` per expert, through the experts' grouped GEMMs, split by experts (role ``expert``:
+reduced over the expert-data-parallel group) like the weights.
+
 Everything that is not an adapter is frozen (``requires_grad`` False): the gradient buffers skip it
 (``ptdp.parallel.data.buffer``), so it gets no gradient memory, no optimizer state and no reduction; its
 placement records stay, so initialisation, checkpoints and exports read and write it as before.
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from ptdp.config import LoRAConfig
+from ptdp.ops.grouped import grouped_linear
 from ptdp.ops.weight_grad import linear
 from ptdp.parallel.collectives import (
     copy_to_tensor_model_parallel_region,
@@ -58,8 +63,9 @@ ADAPTER = "adapter"  # the adapter's module name inside its linear: ``layers.3.m
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a full-model parameter name is an adapter's."""
-    return name.endswith((f".{ADAPTER}.lora_A", f".{ADAPTER}.lora_B"))
+    """Whether a full-model parameter name is an adapter's (``...fc1.adapter.lora_A``, the experts'
+    ``...experts.fc1_adapter.lora_A``)."""
+    return name.endswith((f"{ADAPTER}.lora_A", f"{ADAPTER}.lora_B"))
 
 
 class LoRAAdapter(nn.Module):
@@ -87,6 +93,44 @@ class LoRAAdapter(nn.Module):
         elif self.column:
             z = copy_to_tensor_model_parallel_region(z, self.tp_group)
         return linear(z, self.lora_B) * self.scaling
+
+
+class ExpertLoRAAdapter(nn.Module):
+    """The adapters of E_local stacked experts, ``A [E, r, in]``, ``B [E, (g,) out, r]``: the rows of each
+    expert through its own ``scaling · B_e A_e`` (grouped like the experts' weights, ``ptdp.ops.grouped``).
+    Expert parallelism slices them by experts, as the weights; each rank holds its experts whole."""
+
+    def __init__(self, a_shape: tuple[int, ...], b_shape: tuple[int, ...], scaling: float, dropout: float,
+                 grouped: bool):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(a_shape))
+        self.lora_B = nn.Parameter(torch.empty(b_shape))
+        self.scaling, self.dropout, self.grouped = scaling, dropout, grouped
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0.0:
+            x = torch.nn.functional.dropout(x, self.dropout)
+        z = grouped_linear(x, self.lora_A, tokens_per_expert, self.grouped)
+        return grouped_linear(z, self.lora_B, tokens_per_expert, self.grouped) * self.scaling
+
+
+def _attach_expert_adapters(experts: nn.Module, lora: LoRAConfig, placements: Placements) -> None:
+    """``linear_fc1``/``linear_fc2`` adapt the experts too (Megatron-Bridge's targets): one adapter per expert,
+    stacked, split by experts as the weights are (the refusal of expert tensor parallelism is the config's)."""
+    r = lora.lora_rank
+    for target, name in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
+        if target not in lora.lora_target_modules:
+            continue
+        weight = getattr(experts, f"{name}_weight")
+        base = placements[weight]
+        with torch.device(weight.device):
+            adapter = ExpertLoRAAdapter((weight.shape[0], r, weight.shape[-1]), (*weight.shape[:-1], r),
+                                        lora.lora_alpha / r, lora.lora_dropout, experts.grouped)
+        prefix = base.name.removesuffix("_weight") + f"_{ADAPTER}."
+        experts_split = tuple(s for s in base.splits if s.axis == "ep")
+        placements.record(adapter.lora_A, Placement(prefix + "lora_A", experts_split, role="expert"))
+        placements.record(adapter.lora_B, Placement(prefix + "lora_B", experts_split, role="expert"))
+        setattr(experts, f"{name}_adapter", adapter)
 
 
 def _tp_split(placement: Placement) -> Split | None:
@@ -120,6 +164,9 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, placements: Placements, tp_gr
         if t > 1 and ((column and sequence_parallel) or not column):  # each rank's gradient is part of the sum
             placements.add_partial(adapter.lora_A if column else adapter.lora_B, "tp")
         module.adapter = adapter
+    for module in model.modules():
+        if hasattr(module, "fc1_adapter"):  # a MoE layer's stacked experts
+            _attach_expert_adapters(module, lora, placements)
     return model
 
 
@@ -128,9 +175,13 @@ def merge_lora(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, to
     ``[k, out, in]`` one block by block), the adapters dropped."""
     out = {name: t for name, t in tensors.items() if not is_adapter(name)}
     for name in tensors:
-        if name.endswith(f".{ADAPTER}.lora_A"):
-            linear_name = name.removesuffix(f".{ADAPTER}.lora_A")
-            a, b = tensors[name].float(), tensors[f"{linear_name}.{ADAPTER}.lora_B"].float()
-            weight = out[f"{linear_name}.weight"]
-            out[f"{linear_name}.weight"] = (weight.float() + scaling * torch.matmul(b, a)).to(weight.dtype)
+        for sep, weight_suffix in ((f".{ADAPTER}.lora_A", ".weight"), (f"_{ADAPTER}.lora_A", "_weight")):
+            if not name.endswith(sep):
+                continue
+            stem = name.removesuffix(sep)
+            a, b = tensors[name].float(), tensors[name.removesuffix("lora_A") + "lora_B"].float()
+            if a.dim() == 3:  # stacked experts [E, r, in]: one A per expert, against B [E, (g,) out, r]
+                a = a.view(a.shape[0], *([1] * (b.dim() - 3)), *a.shape[1:])
+            weight = out[stem + weight_suffix]
+            out[stem + weight_suffix] = (weight.float() + scaling * torch.matmul(b, a)).to(weight.dtype)
     return out
