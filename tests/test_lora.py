@@ -199,3 +199,22 @@ def test_moe_expert_parallel_trains_the_adapters_as_one_process(tmp_path):
     weight = runs["one"].weights["layers.1.mlp.experts.fc2_weight"]
     for e in range(4):
         torch.testing.assert_close(merged["layers.1.mlp.experts.fc2_weight"][e], weight[e] + 2.0 * b[e] @ a[e])
+
+
+def test_refusals_name_the_flag(trained):
+    from ptdp.config import Config, ConfigError, validate
+
+    config = Config()
+    config.lora.lora_rank, config.lora.lora_target_modules = 4, ["linear_qkv", "experts"]
+    config.moe.num_experts, config.parallel.tensor_model_parallel_size = 4, 2
+    errors = validate(config, 2)
+    assert any(e.startswith("--lora-target-modules: experts is not one of") for e in errors), errors
+    config.lora.lora_target_modules = ["linear_fc1"]
+    assert any("expert tensor parallelism" in e for e in validate(config, 2))
+    config.lora.lora_rank, config.lora.lora_dropout = 0, 0.1
+    assert "--lora-dropout and --lora-target-modules apply only with --lora-rank R > 0" in validate(config, 2)
+    tmp, _, runs = trained
+    with pytest.raises(ConfigError, match="holds LoRA adapters; pass --merge-lora"):
+        export_hf(runs["one"].ckpt, tmp / "refused")
+    with pytest.raises(ConfigError, match="holds no LoRA adapters"):
+        export_hf(tmp / "base", tmp / "refused", merge_lora=True)
