@@ -93,7 +93,8 @@ class ColumnParallelLinear(nn.Module):
     # ``ptdp.models.layers.Linear``'s communication seam: run in pieces, a layer cuts at the input region
     def entry(self) -> Transfer | None:
         """The input's ``f`` (or the sequence all-gather) as an asynchronous transfer; None where nothing
-        is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output)."""
+        is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output, a LoRA adapter: it
+        reads the input before the entry)."""
         if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.gather_output or self.adapter is not None:
             return None
         return GatherSequence(self.tp_group) if self.sequence_parallel else CopyToRegion(self.tp_group)
@@ -153,7 +154,8 @@ class RowParallelLinear(nn.Module):
         return None
 
     def exit(self) -> Transfer | None:
-        """``g`` (or the sequence reduce-scatter) as an asynchronous transfer; None at t = 1, under FP8."""
+        """``g`` (or the sequence reduce-scatter) as an asynchronous transfer; None at t = 1, under FP8, with a
+        LoRA adapter (the layer then runs whole)."""
         if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.adapter is not None:
             return None
         return ReduceScatterSequence(self.tp_group) if self.sequence_parallel else ReduceFromRegion(self.tp_group)
