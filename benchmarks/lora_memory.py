@@ -3,8 +3,8 @@ formulas on a preset shape and measured on the CPU model in the same run.
 
 Full fine-tuning keeps, per parameter, the weight, its gradient and the optimizer's share (bf16: 2 + 4 + 12
 bytes, the 12 sharded over d with ``--use-distributed-optimizer``: docs/references.md, §Memory and §ZeRO).
-LoRA keeps the frozen weights (2 bytes each in bf16, never sharded: docs/lora.md) and the full 18 bytes only
-for the adapters: per adapted linear r·(in + out) parameters, of which a tensor-parallel rank holds its
+LoRA keeps the frozen weights (2 bytes each in bf16; sharded over d only under ZeRO-3: docs/lora.md) and the
+full 18 bytes only for the adapters: per adapted linear r·(in + out) parameters, of which a tensor-parallel rank holds its
 piece (column-parallel linears: A whole, B split; row-parallel: A split, B whole).
 
 The measured part trains a small Llama-shaped GPT for a few iterations in one CPU process (fp32: 4 + 4 + 8
@@ -53,6 +53,9 @@ def formulas(preset: str, t: int, d: int) -> dict:
         adapters = adapter_parameters_per_rank(model, r, t)
         out[f"lora_r{r}"] = params * 2 + adapters * model_state_bytes_per_param("bf16", "optim", d)
         out[f"lora_r{r}_adapters"] = adapters
+        # ZeRO-3 shards the frozen weights too (docs/lora.md): 2/d per frozen weight, 18/d per adapter one
+        out[f"lora_r{r}_zero3"] = params * 2 / d + adapters * model_state_bytes_per_param("bf16", "optim_grads_params", d)
+    out["full_zero3"] = params * model_state_bytes_per_param("bf16", "optim_grads_params", d)
     return out
 
 
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in RANKS:
         print(f"  LoRA r={r:<2}        {planned[f'lora_r{r}'] / gib:8.2f} GiB  ({planned[f'lora_r{r}'] / planned['full']:.3f}x; "
               f"{planned[f'lora_r{r}_adapters'] / 1e6:.2f}M adapter parameters per rank)")
+    print(f"  ZeRO-3 instead: full fine-tuning {planned['full_zero3'] / gib:.2f} GiB, "
+          + ", ".join(f"LoRA r={r} {planned[f'lora_r{r}_zero3'] / gib:.2f} GiB" for r in RANKS))
     print("CPU model (6 layers, h=256, fp32, one process, measured from the tensors held):")
     print(f"  full fine-tuning {measured['full'] / 2**20:8.2f} MiB")
     for r in RANKS:

@@ -65,6 +65,10 @@ def trained(tmp_path_factory):
     # resumed: two iterations saved, then the third after a restart (--load wins over --pretrained-checkpoint)
     plan["first-two"] = (1, ["--train-iters", "2", "--save", str(tmp / "resume")])
     plan["resumed"] = (1, ["--train-iters", "3", "--load", str(tmp / "resume"), "--save", str(tmp / "resume")])
+    zero3 = LAYOUTS["zero3-d2"][1]  # and under ZeRO-3, whose shards of the frozen weights are saved and loaded
+    plan["zero3-first-two"] = (2, [*zero3, "--train-iters", "2", "--save", str(tmp / "resume3")])
+    plan["zero3-resumed"] = (2, [*zero3, "--train-iters", "3", "--load", str(tmp / "resume3"), "--save",
+                                 str(tmp / "resume3")])
     runs = run_layouts(tmp, plan, base=base)
     return tmp, hf, runs
 
@@ -107,6 +111,17 @@ def test_resumed_run_continues_exactly(trained):
     assert [r["iteration"] for r in runs["resumed"].records] == [3]
     assert_same_run(runs["first-two"], runs["one"], rtol=0)
     assert_same_run(runs["resumed"], runs["one"], rtol=0)
+    assert [r["iteration"] for r in runs["zero3-resumed"].records] == [3]
+    assert_same_run(runs["zero3-resumed"], runs["zero3-d2"], rtol=0)
+
+
+def test_zero3_shards_the_frozen_weights(trained):
+    """ZeRO-3 keeps 1/d of the frozen base weights per rank (gathered per chunk, never reduced): its model
+    states are about half ZeRO-1's at d = 2, where every rank keeps the base whole."""
+    _, _, runs = trained
+    zero1 = max(runs["zero1-d2"].records[-1]["model_state_bytes_per_rank"])
+    zero3 = max(runs["zero3-d2"].records[-1]["model_state_bytes_per_rank"])
+    assert zero3 < 0.6 * zero1, (zero3, zero1)
 
 
 def _ptdp_logits(ckpt, tokens):

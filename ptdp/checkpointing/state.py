@@ -124,16 +124,18 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     pieces = optimizer_shards.owns_pieces(run.optimizer)  # sharded state: each rank writes its pieces
     sharded_model = run.model_sharded
     optim = {} if pieces else optimizer_state(run.optimizer)
+    frozen = optimizer_shards.frozen_sharded(run.optimizer)  # ZeRO-3's shards of frozen weights (LoRA's base)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(run):
         placement = run.placements[param]
         if placement.role == "embedding_copy":  # one copy of the tied embedding
             continue
-        if not sharded_model or not param.requires_grad:  # ZeRO-3 shards only what trains (LoRA: the adapters)
+        if (not sharded_model or not param.requires_grad) and param not in frozen:
             out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
     out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(run)})
+    out.update(optimizer_shards.frozen_boxes(run.optimizer, run.placements, copies=False))
     if pieces:
         out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
     out.update(_rng_entries(run.plan.groups.rank))
@@ -214,8 +216,11 @@ def load_checkpoint(run: Checkpointable, path: str | Path, model_only: bool = Fa
     load_optim = "optimizer" in info["contents"] and not run.config.checkpoint.no_load_optim and not model_only
     pieces = optimizer_shards.owns_pieces(run.optimizer) and load_optim
     sharded_model = run.model_sharded and not model_only  # ZeRO-3: into the parameter shards
+    frozen = optimizer_shards.frozen_sharded(run.optimizer)  # read into their ZeRO-3 shards (below)
     for name, param in named_parameters(run):
-        if model_only and param.requires_grad and f"model.{name}" not in saved_keys:  # a new adapter (LoRA)
+        if model_only and param.requires_grad and (f"model.{name}" not in saved_keys or run.model_sharded):
+            continue  # an adapter the base lacks (LoRA), or one ZeRO-3 shards: it starts fresh
+        if param in frozen:
             continue
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
         if not sharded_model or not param.requires_grad:
@@ -232,6 +237,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path, model_only: bool = Fa
                 want(key, live, param, shard=field != "step")
     for name, buffer in named_buffers(run):
         want(f"model.{name}", buffer, None, shard=False)
+    request.update(optimizer_shards.frozen_boxes(run.optimizer, run.placements, copies=True))
     same_layout = info["layout"] == _layout(run) and not model_only
     rng = _rng_entries(run.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):

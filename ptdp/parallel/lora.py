@@ -30,8 +30,9 @@ targets): one ``A``/``B`` per expert, through the experts' grouped GEMMs, split 
 reduced over the expert-data-parallel group) like the weights.
 
 Everything that is not an adapter is frozen (``requires_grad`` False): the gradient buffers skip it
-(``ptdp.parallel.data.buffer``), so it gets no gradient memory, no optimizer state and no reduction; its
-placement records stay, so initialisation, checkpoints and exports read and write it as before.
+(``ptdp.parallel.data.buffer``), so it gets no gradient memory, no optimizer state and no reduction (ZeRO-3
+still shards it: ``FlatBuffer.frozen_buckets``, gathered, never reduced); its placement records stay, so
+initialisation, checkpoints and exports read and write it as before.
 """
 
 from __future__ import annotations
