@@ -203,11 +203,16 @@ def test_moe_expert_parallel_trains_the_adapters_as_one_process(tmp_path):
     from ptdp.parallel.lora import merge_lora
 
     flags = ["--num-experts", "4", "--moe-router-topk", "2", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
-    runs = run_layouts(tmp_path, {"one": (1, flags), "e2": (2, [*flags, "--expert-model-parallel-size", "2"])},
+    e2 = [*flags, "--expert-model-parallel-size", "2"]
+    runs = run_layouts(tmp_path, {"one": (1, flags), "e2": (2, e2),  # ZeRO-3: the dense part's frozen weights sharded
+                                  "e2-zero3": (2, [*e2, "--data-parallel-sharding-strategy", "optim_grads_params"])},
                        base=[*TINY, "--num-layers", "2"])
-    assert_same_run(runs["e2"], runs["one"])
     one = _adapters(runs["one"].weights)
-    assert_same_training(_adapters(runs["e2"].weights), one, _adapters(runs["one"].initial))
+    for name in ("e2", "e2-zero3"):
+        assert_same_run(runs[name], runs["one"])
+        assert_same_training(_adapters(runs[name].weights), one, _adapters(runs["one"].initial))
+    base = {k: v for k, v in runs["one"].weights.items() if not is_adapter(k)}
+    assert all(torch.equal(runs["e2-zero3"].weights[k], v) for k, v in base.items())
     a, b = one["layers.1.mlp.experts.fc2_adapter.lora_A"], one["layers.1.mlp.experts.fc2_adapter.lora_B"]
     assert a.shape == (4, 4, 128) and b.shape == (4, 32, 4) and b.abs().max() > 0
     merged = merge_lora(runs["one"].weights, 8 / 4)
