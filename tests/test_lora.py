@@ -3,7 +3,8 @@
 one process and in layouts -- t = 2 with and without sequence parallelism, p = 2 under 1F1B, interleaved,
 ZBV (its weight gradients deferred to W passes) and DualPipeV (overlapped pairs), ZeRO-1 and ZeRO-3 over
 d = 2, c = 2 -- each equal to one process per iteration (loss, gradient norm) and in the final adapters; the base weights come out of every layout
-exactly as they went in, and only the adapters have optimizer state. A resumed run continues exactly. The
+exactly as they went in, and only the adapters have optimizer state; ZeRO-3 shards the frozen weights too
+(model states about half ZeRO-1's at d = 2). A resumed run continues exactly, also under ZeRO-3. The
 PEFT export loaded by ``peft.PeftModel`` over the HF base gives ptdp's logits; the merged export holds
 W + (alpha/r) B A and ``transformers`` gives ptdp's logits with it. The gradient buffers hold the adapters
 alone."""
