@@ -51,9 +51,15 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Load ``--load`` if it holds a checkpoint; the iteration it holds (0 to start fresh)."""
+        iteration = load_checkpoint(self.run, self.ck.load) if self.ck.load else None
+        if iteration is None and self.ck.pretrained_checkpoint:  # a new fine-tuning run from a base model
+            load_checkpoint(self.run, self.ck.pretrained_checkpoint, model_only=True)
+            if self.run.plan.groups.rank == 0:
+                print(f" loaded the model of {self.ck.pretrained_checkpoint} (--pretrained-checkpoint): training "
+                      "starts with it at iteration 0", flush=True)
+            return 0
         if not self.ck.load:
             return 0
-        iteration = load_checkpoint(self.run, self.ck.load)
         if iteration and storage.continues(self.ck.load, self.ck.save):
             self.owned.update(i for i in storage.saved_iterations(self.ck.save) if i <= iteration)
         if iteration is None and self.run.plan.groups.rank == 0:  # an empty DIR, or a --save DIR not saved yet

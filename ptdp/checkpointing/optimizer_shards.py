@@ -31,9 +31,10 @@ def owns_pieces(optimizer) -> bool:
 
 
 def _names(placements: Placements, copies: bool) -> dict[nn.Parameter, str]:
-    """The full-model name of each of this rank's parameters (with ``copies``, the tied copy's too)."""
+    """The full-model name of each of this rank's trained parameters (with ``copies``, the tied copy's too;
+    a frozen one, LoRA's base weights, has no optimizer state)."""
     return {param: placements[param].name for param in placements
-            if copies or placements[param].role != "embedding_copy"}
+            if (copies or placements[param].role != "embedding_copy") and param.requires_grad}
 
 
 def _boxes(x, flat: torch.Tensor, placements: Placements) -> tuple[torch.Size, list]:
@@ -116,3 +117,27 @@ def load_requests(optimizer: DistributedOptimizer, placements: Placements, saved
                     x.model_view.copy_(x.main)
 
     return request, install
+
+
+def frozen_sharded(optimizer) -> set[nn.Parameter]:
+    """The frozen parameters (LoRA's base) whose weights ZeRO-3 keeps as shards (``FlatBuffer.frozen_buckets``)."""
+    grads = getattr(optimizer, "grads", None)
+    return {p for b in (grads.frozen_buckets if grads is not None else ()) for p in b.params}
+
+
+def frozen_boxes(optimizer, placements: Placements, copies: bool) -> dict:
+    """``model.<name>`` boxes of this rank's shards of the frozen parameters (views of the shards: a save
+    writes them, a load fills them in place); ``copies``: the tied copy's too (a load)."""
+    grads = getattr(optimizer, "grads", None)
+    out: dict = {}
+    for b in grads.frozen_buckets if grads is not None else ():
+        for p, offset in zip(b.params, b.offsets, strict=True):
+            lo, hi = max(offset, b.shard_start), min(offset + p.numel(), b.shard_end)
+            placement = placements[p]
+            if lo >= hi or (not copies and placement.role == "embedding_copy"):
+                continue
+            local = tuple(p.shape)
+            flat = b.param_shard[lo - b.shard_start:hi - b.shard_start]
+            add_boxes(out, f"model.{placement.name}", placement.full_shape(local),
+                      piece_boxes(flat, local, lo - offset, placement.offset(local)))
+    return out

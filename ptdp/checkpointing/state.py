@@ -124,16 +124,18 @@ def save_state_dict(run: Checkpointable) -> dict[str, torch.Tensor]:
     pieces = optimizer_shards.owns_pieces(run.optimizer)  # sharded state: each rank writes its pieces
     sharded_model = run.model_sharded
     optim = {} if pieces else optimizer_state(run.optimizer)
+    frozen = optimizer_shards.frozen_sharded(run.optimizer)  # ZeRO-3's shards of frozen weights (LoRA's base)
     out: dict[str, torch.Tensor] = {}
     for name, param in named_parameters(run):
         placement = run.placements[param]
         if placement.role == "embedding_copy":  # one copy of the tied embedding
             continue
-        if not sharded_model:
+        if (not sharded_model or not param.requires_grad) and param not in frozen:
             out[f"model.{name}"] = to_dtensor(param.detach(), placement, mesh_for)
         for key, tensor in optim.get(param, {}).items():
             out[f"optimizer.{name}.{key}"] = tensor if key == "step" else to_dtensor(tensor, placement, mesh_for)
     out.update({f"model.{name}": buffer.detach() for name, buffer in named_buffers(run)})
+    out.update(optimizer_shards.frozen_boxes(run.optimizer, run.placements, copies=False))
     if pieces:
         out.update(optimizer_shards.save_entries(run.optimizer, run.placements, sharded_model))
     out.update(_rng_entries(run.plan.groups.rank))
@@ -176,10 +178,14 @@ def save_checkpoint(run: Checkpointable, iteration: int, writer=None, on_commit=
     return storage.iteration_dir(ck.save, iteration)
 
 
-def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
+def load_checkpoint(run: Checkpointable, path: str | Path, model_only: bool = False) -> int | None:
     """Load ``path`` (a directory with ``latest``, or one iter_* directory) into this rank; returns the
     iteration it holds (0 for an imported model), None when nothing was saved yet. Collective when a
     checkpoint exists.
+
+    ``model_only`` (``--pretrained-checkpoint``): the model's weights alone, as the start of a new run
+    (iteration 0: no optimizer state, no RNG states); LoRA adapters the checkpoint lacks (a base model's)
+    keep their fresh initial values.
     """
     directory = storage.resolve(path)
     if directory is None:
@@ -190,7 +196,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
     verify_data_files(directory, run.plan.groups.rank, run.plan.world)  # each rank a share
     info = storage.read_info(directory)
     problem = model_mismatch(info["model"], run.config.model, run.chunks[0].vocab_size,
-                             run.plan.t) or optimizer_mismatch(info, run.config)
+                             run.plan.t) or (None if model_only else optimizer_mismatch(info, run.config))
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -207,15 +213,21 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
 
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     # --no-load-optim: the model only (the optimizer starts afresh, e.g. after changing --optimizer)
-    load_optim = "optimizer" in info["contents"] and not run.config.checkpoint.no_load_optim
+    load_optim = "optimizer" in info["contents"] and not run.config.checkpoint.no_load_optim and not model_only
     pieces = optimizer_shards.owns_pieces(run.optimizer) and load_optim
-    sharded_model = run.model_sharded  # ZeRO-3: into the parameter shards
+    sharded_model = run.model_sharded and not model_only  # ZeRO-3: into the parameter shards
+    frozen = optimizer_shards.frozen_sharded(run.optimizer)  # read into their ZeRO-3 shards (below)
     for name, param in named_parameters(run):
+        if model_only and param.requires_grad and (f"model.{name}" not in saved_keys or run.model_sharded):
+            continue  # an adapter the base lacks (LoRA), or one ZeRO-3 shards: it starts fresh
+        if param in frozen:
+            continue
         master = f"optimizer.{name}.main_param"  # fp32 weights: from the fp32 master copy of a 16-bit run
-        if not sharded_model:
+        if not sharded_model or not param.requires_grad:
             want(master if param.dtype == torch.float32 and master in saved_keys else f"model.{name}",
                  param.detach(), param)
-        fields = (*run.optimizer.state_fields(param), "step", "main_param") if load_optim and not pieces else ()
+        trains = load_optim and not pieces and param.requires_grad  # a frozen weight (LoRA) has no state
+        fields = (*run.optimizer.state_fields(param), "step", "main_param") if trains else ()
         for field in fields:
             key = f"optimizer.{name}.{field}"
             if key in saved_keys or field != "main_param":  # main_param only when the run had master weights
@@ -225,7 +237,8 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
                 want(key, live, param, shard=field != "step")
     for name, buffer in named_buffers(run):
         want(f"model.{name}", buffer, None, shard=False)
-    same_layout = info["layout"] == _layout(run)
+    request.update(optimizer_shards.frozen_boxes(run.optimizer, run.placements, copies=True))
+    same_layout = info["layout"] == _layout(run) and not model_only
     rng = _rng_entries(run.plan.groups.rank)
     if same_layout and all(key in saved_keys for key in rng):
         request.update({key: torch.empty_like(value) for key, value in rng.items()})
@@ -256,8 +269,8 @@ def load_checkpoint(run: Checkpointable, path: str | Path) -> int | None:
         install_pieces()  # restores the fp32 master weights if saved
     if info.get("grad_scaler") and _grad_scaler(run):
         _grad_scaler(run).load_state_dict(info["grad_scaler"])
-    run.optimizer.skipped_iterations = int(info.get("skipped_iterations", 0))
-    iteration = int(info["iteration"])
+    run.optimizer.skipped_iterations = 0 if model_only else int(info.get("skipped_iterations", 0))
+    iteration = 0 if model_only else int(info["iteration"])
     if same_layout and rng.keys() <= request.keys():
         prefix = f"rng.rank{run.plan.groups.rank}."
         _restore_rng(run, {key.removeprefix(prefix): request[key] for key in rng})

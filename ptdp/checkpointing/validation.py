@@ -88,6 +88,15 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
 def optimizer_mismatch(info: dict, config: Config) -> str | None:
     """One line when the checkpoint's optimizer state is another ``--optimizer``'s (AdamW's moments do not
     become Muon's momentum, nor the reverse), unless ``--no-load-optim`` leaves it unread."""
+    lora = info.get("config", {}).get("lora", {})
+    saved_lora = (lora.get("lora_rank", 0), sorted(lora.get("lora_target_modules", [])) if lora.get("lora_rank") else [])
+    this_lora = (config.lora.lora_rank, sorted(config.lora.lora_target_modules) if config.lora.lora_rank else [])
+    if saved_lora != this_lora:  # other adapters (or none): another set of trained parameters
+        return (f"the checkpoint was trained with --lora-rank {saved_lora[0]}"
+                + (f" on {' '.join(saved_lora[1])}" if saved_lora[0] else "")
+                + f", this run uses --lora-rank {this_lora[0]}" + (f" on {' '.join(this_lora[1])}" if this_lora[0] else "")
+                + "; resume with the same LoRA flags (--pretrained-checkpoint starts a new run from its weights, "
+                "reading the adapters this run has)")
     saved = info.get("config", {}).get("optimizer", {}).get("optimizer", "adam")  # before --optimizer: AdamW
     saved = canonical_name(saved)  # an alias (dist_muon) saved is its optimizer's state
     if "optimizer" not in info.get("contents", []) or config.checkpoint.no_load_optim or saved == config.optimizer.kind:
@@ -117,7 +126,27 @@ def checkpoint_errors(config: Config, world_size: int, hash_data: bool | None = 
         errors += other_run_errors(ck.save, ck.load)
     if ck.load and not errors:
         errors += _load_errors(config, Path(ck.load), world_size == 1 if hash_data is None else hash_data)
+    if ck.pretrained_checkpoint and not errors:
+        errors += _pretrained_errors(config, Path(ck.pretrained_checkpoint))
     return errors
+
+
+def _pretrained_errors(config: Config, path: Path) -> list[str]:
+    """``--pretrained-checkpoint``: a checkpoint of the same model (its weights only are read)."""
+    try:
+        directory = resolve(path) if path.is_dir() else None
+        if directory is None:
+            return [f"--pretrained-checkpoint {path} holds no checkpoint; give a directory written by --save or "
+                    "`ptdp import`"]
+        verify_checksums(directory, hash_data=False)
+        info = read_info(directory)
+    except CheckpointError as e:
+        return [f"--pretrained-checkpoint {path}: {e}"]
+    from ptdp.data.training_data import model_vocab_size
+
+    problem = model_mismatch(info["model"], config.model, model_vocab_size(config),
+                             config.parallel.tensor_model_parallel_size)
+    return [f"--pretrained-checkpoint {directory}: {problem}"] if problem else []
 
 
 def share_verification(load: str | Path) -> None:

@@ -25,6 +25,7 @@ from ptdp.config.schema import (
     Config,
     ConfigError,
     DataConfig,
+    LoRAConfig,
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
@@ -36,7 +37,7 @@ from ptdp.config.schema import (
 from ptdp.config.validate import validate
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Layout", "MixedPrecisionConfig", "ModelConfig",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Layout", "LoRAConfig", "MixedPrecisionConfig", "ModelConfig",
     "MoEConfig", "OptimizerConfig", "ParallelConfig", "TrainingConfig", "add_config_arguments", "add_field_arguments",
     "config_from_args", "derive", "flag_of", "layout", "model_config", "opt", "read_toml", "toml_values",
     "type_problems", "validate",

@@ -286,6 +286,24 @@ class CheckpointConfig:
     keep_last: int | None = opt(None, "keep only the newest K checkpoints (pruned after a newer one is complete)")
     async_save: bool = opt(False, "write checkpoints in the background: the loop stalls only to copy the state")
     no_load_optim: bool = opt(False, "with --load: start the optimizer afresh (e.g. after changing --optimizer)")
+    pretrained_checkpoint: str | None = opt(None, "start from this checkpoint's model weights (a base model for "
+                                            "LoRA: the adapters start fresh; no optimizer, iteration 0); --load, when "
+                                            "it holds a checkpoint, wins (a resumed fine-tuning run)")
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's module names
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA fine-tuning (Megatron-Bridge's knobs; ``ptdp.parallel.lora``, docs/lora.md): the base weights frozen,
+    low-rank adapters trained beside the targeted linears. Off while ``--lora-rank`` is 0."""
+
+    lora_rank: int = opt(0, "rank r of the LoRA adapters (0: no LoRA, every weight trains)")
+    lora_alpha: float = opt(32.0, "LoRA alpha: an adapter adds (alpha/r) B A x to its linear's output")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
+    lora_target_modules: list[str] = opt(list(LORA_TARGETS), "the linears that get adapters (Megatron-Bridge's "
+                                         "names): " + ", ".join(LORA_TARGETS), nargs="+")
 
 
 @dataclass
@@ -298,6 +316,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def sections(self) -> dict[str, Any]:
         """The sections by name (``model``, ``parallel``, ...), as checkpoints record them."""

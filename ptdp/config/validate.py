@@ -123,6 +123,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from ptdp.config.validate_data import data_errors  # per-split datasets, --skip-train
 
     errors += data_errors(config)
+    from ptdp.config.validate_lora import lora_errors  # LoRA fine-tuning (docs/lora.md)
+
+    errors += lora_errors(config)
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

@@ -62,8 +62,22 @@ def full_model_from_state(tensors: dict[str, torch.Tensor], config_dict: dict) -
     cfg = model_config_from_dict(config_dict)
     vocab = cfg.vocab_size or tensors[TIED_EMBEDDING].shape[0]
     model = GPTModel(cfg, vocab, tensors[TIED_EMBEDDING].shape[0], moe_config_from_dict(config_dict))
+    if any("adapter.lora_" in name for name in tensors):  # a LoRA run's checkpoint: its adapters attached
+        _attach_adapters(model, config_dict)
     model.load_state_dict(tensors, strict=True)
     return model.eval()
+
+
+def _attach_adapters(model: GPTModel, config_dict: dict) -> None:
+    from ptdp.config import LoRAConfig
+    from ptdp.parallel.lora import apply_lora
+    from ptdp.parallel.placement import Placements
+
+    known = {f.name for f in dataclasses.fields(LoRAConfig)}
+    lora = LoRAConfig(**{k: v for k, v in config_dict.get("lora", {}).items() if k in known})
+    placements = Placements()
+    placements.adopt(model)
+    apply_lora(model, lora, placements)
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -88,12 +102,28 @@ def _tokenizer(config_dict: dict, vocab: int) -> Tokenizer | None:
     return tokenizer if tokenizer.vocab_size == vocab else None
 
 
-def export_hf(load: str | Path, out: str | Path) -> Path:
+def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: str = "hf") -> Path:
     """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``, in
-    the Hugging Face architecture of the model's family (``ptdp.models.families``)."""
+    the Hugging Face architecture of the model's family (``ptdp.models.families``). A LoRA run's checkpoint:
+    ``merge_lora`` folds the adapters into the weights; ``fmt`` ``"peft"`` writes the adapters alone, as
+    PEFT's adapter directory (``ptdp.hf.lora``)."""
     from ptdp.checkpointing import read_full_model_state
+    from ptdp.hf import lora as hf_lora
 
     tensors, config_dict = read_full_model_state(load)
+    rank, alpha, _ = hf_lora.lora_settings(config_dict)
+    adapters = any("adapter.lora_" in name for name in tensors)
+    if adapters and fmt == "hf" and not merge_lora:
+        raise HFError(f"--load {load}: the checkpoint holds LoRA adapters; pass --merge-lora (the merged weights) "
+                      "or --format peft (the adapters, for peft.PeftModel)")
+    if merge_lora and fmt == "peft":
+        raise HFError("--merge-lora writes merged weights (--format hf); --format peft writes the adapters alone")
+    if merge_lora and not adapters:
+        raise HFError(f"--merge-lora: the checkpoint {load} holds no LoRA adapters (trained without --lora-rank)")
+    if merge_lora:
+        from ptdp.parallel.lora import merge_lora as merged
+
+        tensors = merged(tensors, alpha / rank)
     transformers, safetensors_torch = _require_hf()
     cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
     family = family_of(cfg, moe)
@@ -104,6 +134,8 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     problem = family.export_problem(cfg, moe)
     if problem:
         raise HFError(f"--load {load}: {problem}")
+    if fmt == "peft":
+        return hf_lora.write_peft(tensors, config_dict, family, cfg, moe, Path(out), str(load))
     bos, eos = _special_ids(config_dict, cfg.vocab_size)
     state = family.write(tensors, cfg, moe)
     hf_config = transformers.AutoConfig.for_model(family.hf_model_type, **family.hf_config(cfg, moe, bos, eos))
@@ -225,9 +257,11 @@ def _require_hf(need_transformers: bool = True):
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
-    parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="output format (Hugging Face, in the model's family: GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3, "
-                             "Qwen3-MoE or DeepSeek-V3)")
+    parser.add_argument("--format", default="hf", choices=["hf", "peft"],
+                        help="output format: hf (Hugging Face, in the model's family: GPT-2, Llama, Mixtral, Qwen2-MoE, "
+                             "Qwen3, Qwen3-MoE or DeepSeek-V3) or peft (a LoRA run's adapters, for peft.PeftModel)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="--format hf of a LoRA run: the weights with the adapters merged in (W + alpha/r B A)")
     parser.add_argument("--out", required=True,
                         help="directory to write config.json and model.safetensors to")
 
@@ -245,11 +279,15 @@ def run_export(args: argparse.Namespace) -> int:
     from ptdp.checkpointing import CheckpointError
 
     try:
-        out = export_hf(args.load, args.out)
+        out = export_hf(args.load, args.out, args.merge_lora, args.format)
     except CheckpointError as e:
         return _fail("export", f"--load {args.load}: {e}")
     except ConfigError as e:
         return _fail("export", str(e))
+    if args.format == "peft":
+        print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors: "
+              f"peft.PeftModel.from_pretrained(base, {str(out)!r})")
+        return 0
     print(f"wrote {out}/config.json and {out}/{HF_WEIGHTS}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 

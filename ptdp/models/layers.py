@@ -70,11 +70,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.zeros(shape[:-1])) if bias else None
         self.skip_bias_add = skip_bias_add
+        self.adapter: nn.Module | None = None  # a LoRA adapter (``ptdp.parallel.lora``): adapted(self, x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.skip_bias_add:
-            return linear(x, self.weight), None if self.bias is None else self.bias.flatten()
-        return linear(x, self.weight, self.bias)
+            return adapted(self, x, linear(x, self.weight)), None if self.bias is None else self.bias.flatten()
+        return adapted(self, x, linear(x, self.weight, self.bias))
+
+
+def adapted(linear_module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (the linear's GEMM of ``x``, before any reduction a parallelism adds) plus its adapter's output on
+    the same input, when one is attached (LoRA: ``ptdp.parallel.lora``); ``y`` itself otherwise. The seam
+    every linear block calls, the split ones too, so that an adapter sees the input its linear sees."""
+    adapter = linear_module.adapter
+    return y if adapter is None else y + adapter(x)
 
 
 class _MaskPadding(torch.autograd.Function):

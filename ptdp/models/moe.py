@@ -79,15 +79,21 @@ class GroupedExperts(nn.Module):
         self.swiglu, self.grouped = cfg.swiglu, moe.moe_grouped_gemm
         self.fc1_weight = nn.Parameter(torch.empty(moe.num_experts, 2 if cfg.swiglu else 1, ffn, cfg.hidden_size))
         self.fc2_weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, ffn))
+        # LoRA adapters of the stacked experts (``ptdp.parallel.lora``), called like the weights: (x, counts)
+        self.fc1_adapter: nn.Module | None = None
+        self.fc2_adapter: nn.Module | None = None
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         h = grouped_linear(x, self.fc1_weight, tokens_per_expert, self.grouped)
+        if self.fc1_adapter is not None:
+            h = h + self.fc1_adapter(x, tokens_per_expert)
         if self.swiglu:  # this rank's gate rows, then its up rows (as the dense MLP's fc1)
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
+        y = grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
+        return y if self.fc2_adapter is None else y + self.fc2_adapter(h, tokens_per_expert)
 
 
 class Dispatcher:

@@ -56,6 +56,8 @@ def _held(params: Iterable[nn.Parameter], grads: GradReducer | None, optimizer) 
             yield "grads", p.grad
     for bucket in grads.buckets if grads is not None else ():  # main_grad: views of these
         yield from bucket.tensors()
+    for bucket in grads.frozen_buckets if grads is not None else ():  # ZeRO-3's shards of frozen weights
+        yield from (("params", t) for _, t in bucket.tensors() if t.numel())
     if optimizer is not None:
         for t in _optimizer_tensors(optimizer):
             yield "optimizer", t

@@ -82,7 +82,7 @@ def init_parameter(placement: Placement, out: torch.Tensor, seed: int, std: floa
     if "layernorm" in name:
         out.fill_(norm_weight if name.endswith("weight") else 0.0)
         return
-    if name.endswith("bias"):
+    if name.endswith(("bias", ".lora_B")):  # a LoRA adapter's B starts at zero: the model starts unchanged
         out.zero_()
         return
     scaled = name.endswith(("attention.proj.weight", "fc2.weight", "experts.fc2_weight"))  # + MoE experts
@@ -91,7 +91,11 @@ def init_parameter(placement: Placement, out: torch.Tensor, seed: int, std: floa
     generator = torch.Generator()
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     full = torch.empty(placement.full_shape(out.shape), device="cpu")
-    full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
+    if name.endswith(".lora_A"):  # PEFT's: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
+        bound = 1.0 / math.sqrt(full.shape[-1])
+        full.uniform_(-bound, bound, generator=generator)
+    else:
+        full.normal_(0.0, std / math.sqrt(2.0 * num_layers) if scaled else std, generator=generator)
     out.copy_(placement.piece(full))
     del full
 

@@ -1,7 +1,7 @@
 """This rank's model chunks: a plain model, transformed by each parallelism in turn (torchtitan's shape).
 
     build on the meta device  →  split into pipeline chunks  →  tensor (+ sequence) parallel
-    →  context parallel  →  recompute  →  expert parallel (MoE models)
+    →  context parallel  →  recompute  →  expert parallel (MoE models)  →  LoRA adapters (``--lora-rank``)
     →  materialise on the device with one process's values
     →  cast to the parameter dtype  →  FP8 GEMMs (``--fp8-format``)  →  compile (``--compile`` on a GPU)
 
@@ -25,6 +25,7 @@ from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel.context.apply import apply_context_parallel
 from ptdp.parallel.expert.apply import apply_expert_parallel
 from ptdp.parallel.init import DeferredInit, defer_init, init_parameters, materialize, record_weight_decay
+from ptdp.parallel.lora import apply_lora
 from ptdp.parallel.pipeline.parts import ChunkParts
 from ptdp.parallel.pipeline.stage import split_model
 from ptdp.parallel.placement import Placements
@@ -85,6 +86,8 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
         if plan.vocab_parallel:  # the vocabulary layers split over all pipeline ranks
             apply_vocab_parallel(chunk, chunks.index(chunk), g.pp_rank, p, g.tp_rank, plan.t,
                                  padded_vocab_size, placements)
+        if plan.lora.lora_rank:  # LoRA: adapters beside the targeted linears, everything else frozen
+            apply_lora(chunk, plan.lora, placements, g.tp_group, plan.sequence_parallel)
         # Every parameter will live in a flat parameter buffer (ZeRO-1/2/3, or a 16-bit model's main copy): then
         # no rank materialises its chunks whole; ZeRO-3 keeps one bucket whole at a time (ptdp.parallel.init).
         if plan.defer_init:  # drawn straight into the flat parameter buffers, bucket by bucket (ptdp.optim.setup)

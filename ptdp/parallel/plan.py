@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ptdp.config import Config, ModelConfig, MoEConfig, layout
+from ptdp.config import Config, LoRAConfig, ModelConfig, MoEConfig, layout
 from ptdp.parallel.dims import ParallelDims, ParallelState
 from ptdp.parallel.expert.dims import build_expert_parallel
 from ptdp.schedule.layout import Stage
@@ -86,6 +86,7 @@ class ParallelPlan:
     fp8_recipe: str
     model: ModelConfig = dataclasses.field(repr=False)
     moe: MoEConfig = dataclasses.field(repr=False)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig, repr=False)  # rank 0: no LoRA
 
     @property
     def vocab_parallel(self) -> bool:
@@ -144,7 +145,7 @@ def resolve_plan(config: Config, groups: ParallelState) -> ParallelPlan:
         # fp32 main grads unless fp16 without --accumulate-allreduce-grads-in-fp32 (Megatron's default)
         grad_dtype=torch.float16 if mp.fp16 and not mp.accumulate_allreduce_grads_in_fp32 else torch.float32,
         seed=tr.seed, micro_batch_size=tr.micro_batch_size, fp8_format=mp.fp8_format, fp8_recipe=mp.fp8_recipe,
-        model=config.model, moe=config.moe,
+        model=config.model, moe=config.moe, lora=config.lora,
     )
 
 

@@ -26,6 +26,10 @@ over which group is the reducers' (``ptdp.parallel.data.reducer``, ``.zero``, ``
   FSDP1 does, so views survive a re-gather). Sharded bucket by bucket at build time: start-up never
   holds a whole chunk.
 
+Parameters that do not train (LoRA's frozen base) get no gradient storage and no bucket in ``buckets``;
+under ZeRO-3 they get parameter-only buckets of their own (``FlatBuffer.frozen_buckets``), sharded like the
+rest and gathered with their chunk, never reduced or stepped.
+
 What the buffer needs to know of a parameter it reads from the rank's registries, handed in with the
 :class:`BucketLayout`: its placement (``ptdp.parallel.placement``: vocabulary slices, sequence-parallel
 parameters) and, for a parameter created without storage, its initialiser (``ptdp.parallel.init.DeferredInit``).
@@ -147,12 +151,19 @@ class FlatBuffer:
     """The buckets of ``params`` (those that require a gradient) laid out by ``layout``, held as ``storage``."""
 
     def __init__(self, params: Iterable[nn.Parameter], layout: BucketLayout, storage: Storage = Storage()):
+        params = list(params)
         self.params = [p for p in params if p.requires_grad]
         self.layout, self.storage = layout, storage
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
-        for run in self._runs():
+        for run in self._runs(self.params):
             self._make_bucket(run)
+        # ZeRO-3 shards the frozen weights too (LoRA's base): parameter shards, gathered with their chunk's
+        # buckets, but no gradient buffer, no optimizer piece, no reduction (``frozen_buckets``, not ``buckets``)
+        self.frozen_buckets: list[Bucket] = []
+        if storage.param_shards and layout.param_buffer:
+            for run in self._runs([p for p in params if not p.requires_grad]):
+                self._make_frozen_bucket(run)
         self._copy_to_main = {p for p in self.params if p.main_grad.dtype != p.dtype}
         for p in self.params:
             if p in self._copy_to_main:
@@ -160,10 +171,10 @@ class FlatBuffer:
             if self.bucket_of[p].transient:
                 p.register_hook(functools.partial(self._arrival, self.bucket_of[p]))
 
-    def _runs(self) -> Iterator[list[nn.Parameter]]:
+    def _runs(self, params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
         """The parameters of each bucket, in reverse order (the last layers' gradients are ready first)."""
         chunk_of, run = self.layout.chunk_of, []
-        for p in reversed(self.params):
+        for p in reversed(params):
             if run and chunk_of.get(id(p), 0) != chunk_of.get(id(run[-1]), 0):  # never across two chunks
                 yield run
                 run = []
@@ -213,6 +224,30 @@ class FlatBuffer:
             bucket.param_shard = param_data[bucket.shard_start:bucket.shard_end].clone()
             free_storage(param_data)
         self.buckets.append(bucket)
+
+    @torch.no_grad()
+    def _make_frozen_bucket(self, params: list[nn.Parameter]) -> None:
+        """A bucket of frozen parameters: a flat parameter buffer, of which this rank keeps its shard."""
+        first, storage, layout = params[0], self.storage, self.layout
+        padded = -(-sum(p.numel() for p in params) // storage.shards) * storage.shards
+        param_data = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        shard = padded // storage.shards
+        bucket = Bucket(list(params), [], param_data.new_empty(0), param_data, storage.index * shard,
+                        (storage.index + 1) * shard, shards=storage.shards, chunk=layout.chunk_of.get(id(first), 0))
+        offset = 0
+        for p in params:
+            bucket.offsets.append(offset)
+            view = param_data[offset:offset + p.numel()].view_as(p)
+            init = layout.deferred.pop(p)
+            if init is not None:
+                init(view)
+            else:
+                view.copy_(p.detach())
+            p.data = view
+            offset += p.numel()
+        bucket.param_shard = param_data[bucket.shard_start:bucket.shard_end].clone()
+        free_storage(param_data)
+        self.frozen_buckets.append(bucket)
 
     def _accumulate_main(self, param: nn.Parameter) -> None:
         """This microbatch's 16-bit ``param.grad`` into the fp32 ``main_grad``."""

@@ -53,6 +53,7 @@ class GradReducer(Protocol):
     """The data-parallel gradient synchronisation of a set of parameters (see the module docstring)."""
 
     buckets: list[Bucket]
+    frozen_buckets: list[Bucket]  # ZeRO-3's shards of weights that do not train (LoRA's base): gathered only
     params: list[nn.Parameter]
     param_sync: ParamSync | None  # ZeRO-3 with sharded parameters: the per-chunk gatherer; else None
 

@@ -62,6 +62,7 @@ class NoShard:
                  gather: Gatherer | None = None):
         self.buffer, self.group = buffer, group
         self.buckets, self.params = buffer.buckets, buffer.params
+        self.frozen_buckets = buffer.frozen_buckets  # ZeRO-3's shards of frozen weights: gathered, never reduced
         self.size = group_size(group)
         self.divisor = self.size if divisor is None else divisor
         self._expected: int | None = None  # microbatches of this iteration (None: between iterations)
@@ -71,7 +72,7 @@ class NoShard:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self.grad_ready)
         self.param_sync: ParamSync | None = None
-        if gather is not None and any(b.param_shard is not None for b in self.buckets):
+        if gather is not None and any(b.param_shard is not None for b in (*self.buckets, *self.frozen_buckets)):
             self.param_sync = gather(self)
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -247,10 +248,11 @@ class Composite:
         self.parts = parts
         self.buckets = [b for part in parts for b in part.buckets]
         self.params = [p for part in parts for p in part.params]
-        self._part_of_bucket = {id(b): part for part in parts for b in part.buckets}
+        self.frozen_buckets = [b for part in parts for b in part.frozen_buckets]
+        self._part_of_bucket = {id(b): part for part in parts for b in (*part.buckets, *part.frozen_buckets)}
         self._part_of_param = {p: part for part in parts for p in part.params}
         self.param_sync: ParamSync | None = None
-        if gather is not None and any(b.param_shard is not None for b in self.buckets):
+        if gather is not None and any(b.param_shard is not None for b in (*self.buckets, *self.frozen_buckets)):
             self.param_sync = gather(self)
 
     def start_iteration(self, num_microbatches: int) -> None:

@@ -82,7 +82,8 @@ class ChunkParamSync:
         self._gathered: set[int] = set()
 
     def _buckets(self, chunk: int) -> list[Bucket]:
-        return [b for b in self.grads.buckets if b.chunk == chunk and b.param_shard is not None]
+        return [b for b in (*self.grads.buckets, *self.grads.frozen_buckets)
+                if b.chunk == chunk and b.param_shard is not None]
 
     def gather(self, chunk: int) -> None:
         """Start the all-gather of ``chunk``'s parameters (asynchronous: a prefetch)."""
@@ -115,7 +116,7 @@ class ChunkParamSync:
 @torch.no_grad()
 def keep_parameter_shards(grads: GradReducer) -> None:
     """Inside :func:`full_parameters`: the (e.g. just loaded) whole parameters become the shards again."""
-    for b in grads.buckets:
+    for b in (*grads.buckets, *grads.frozen_buckets):
         if b.param_shard is not None:
             b.param_shard.copy_(b.param_data[b.shard_start:b.shard_end])
 
@@ -124,7 +125,7 @@ def keep_parameter_shards(grads: GradReducer) -> None:
 def full_parameters(grads: GradReducer) -> Iterator[None]:
     """Every parameter whole inside the block (ZeRO-3; nothing to do otherwise), e.g. for a checkpoint;
     freed again at its end (call :func:`keep_parameter_shards` inside to keep changes)."""
-    buckets = [b for b in grads.buckets if b.param_shard is not None]
+    buckets = [b for b in (*grads.buckets, *grads.frozen_buckets) if b.param_shard is not None]
     for handle in [h for b in buckets for h in grads.gather_bucket(b)]:
         handle.wait()
     try:

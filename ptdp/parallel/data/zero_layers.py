@@ -66,6 +66,7 @@ class LayerParamSync(ChunkParamSync):
         in_layer = {id(p) for layer in layers for p in layer.parameters()}  # a bucket with any other: kept
         self._rest = [b for b in grads.buckets if b.param_shard is not None
                       and any(id(p) not in in_layer for p in b.params)]
+        self._rest += grads.frozen_buckets  # frozen weights (LoRA): no gradient marks their layer's end: per chunk
         self._active: set[int] = set()  # layers whose buckets must stay whole (in use, in flight, kept)
         self._handles: dict[int, list] = {}  # id(bucket) -> the works of its all-gather still in flight
         self._pending: list[int] = [0] * len(layers)  # parameters still to receive this backward's grad

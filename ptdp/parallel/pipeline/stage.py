@@ -101,6 +101,8 @@ def sync_embedding_grads(chunks: Sequence[nn.Module], p: int, embedding_group) -
     if not tied_embedding_weights(chunks, p):
         return
     ends = [chunk for chunk in chunks if is_first(chunk) or is_last(chunk)]
+    if not all(_word_embedding(chunk).requires_grad for chunk in ends):  # frozen (LoRA): no gradient to sum
+        return
     if len(ends) == 2:  # a V placement: both copies live on this rank
         first, last = (_word_embedding(chunk).main_grad for chunk in ends)
         first.add_(last)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.models.layers import mask_padding_
+from ptdp.models.layers import adapted, mask_padding_
 from ptdp.models.pieces import Transfer
 from ptdp.ops.weight_grad import add_bias, linear
 from ptdp.parallel.collectives import (
@@ -70,10 +70,11 @@ class ColumnParallelLinear(nn.Module):
         shape = (local_out, input_size) if fused == 1 else (fused, local_out, input_size)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.zeros(shape[:-1])) if bias else None
+        self.adapter: nn.Module | None = None  # LoRA (``ptdp.parallel.lora``): it enters the region itself
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # weight.flatten(0, -2) x + bias, with wgrad and bias grad deferrable to W (``weight_grad``)
-        bias = None if self.skip_bias_add else self.bias
+        bias, x_in = None if self.skip_bias_add else self.bias, x
         if self.fp8_linear is not None:  # torchao's FP8 GEMM takes the whole (gathered) input
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, self.tp_group)
@@ -84,6 +85,7 @@ class ColumnParallelLinear(nn.Module):
             y = sequence_parallel_linear(x, self.weight, bias, self.tp_group)
         else:
             y = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, bias)
+        y = adapted(self, x_in, y)
         if self.skip_bias_add:
             return y, None if self.bias is None else self.bias.flatten()
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
@@ -91,8 +93,9 @@ class ColumnParallelLinear(nn.Module):
     # The pieces' communication seam (``ptdp.parallel.pipeline.program.Seam``): a cut layer cuts at the input region
     def entry(self) -> Transfer | None:
         """The input's ``f`` (or the sequence all-gather) as an asynchronous transfer; None where nothing
-        is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output)."""
-        if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.gather_output:
+        is communicated (t = 1) or the linear is not cut (FP8 GEMM, a gathered output, a LoRA adapter: it
+        reads the input before the entry)."""
+        if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.gather_output or self.adapter is not None:
             return None
         return GatherSequence(self.tp_group) if self.sequence_parallel else CopyToRegion(self.tp_group)
 
@@ -131,14 +134,15 @@ class RowParallelLinear(nn.Module):
         local_in = _divide(input_size, group_size(tp_group), "input size")
         self.weight = nn.Parameter(torch.empty(output_size, local_in))
         self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+        self.adapter: nn.Module | None = None  # LoRA (``ptdp.parallel.lora``): its partial sum joins the reduction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
         mm = self.fp8_linear or linear
         if group_size(self.tp_group) == 1 and not self.skip_bias_add:
-            return mm(x, self.weight, self.bias)  # nothing to reduce: the bias joins the GEMM
-        y = mm(x, self.weight)
+            return adapted(self, x, mm(x, self.weight, self.bias))  # nothing to reduce: the bias joins the GEMM
+        y = adapted(self, x, mm(x, self.weight))
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -151,8 +155,9 @@ class RowParallelLinear(nn.Module):
         return None
 
     def exit(self) -> Transfer | None:
-        """``g`` (or the sequence reduce-scatter) as an asynchronous transfer; None at t = 1, under FP8."""
-        if group_size(self.tp_group) == 1 or self.fp8_linear is not None:
+        """``g`` (or the sequence reduce-scatter) as an asynchronous transfer; None at t = 1, under FP8, with a
+        LoRA adapter (the layer then runs whole)."""
+        if group_size(self.tp_group) == 1 or self.fp8_linear is not None or self.adapter is not None:
             return None
         return ReduceScatterSequence(self.tp_group) if self.sequence_parallel else ReduceFromRegion(self.tp_group)
 
