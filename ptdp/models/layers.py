@@ -22,6 +22,7 @@ from torch import nn
 
 from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.models.pieces import Transfer
+from ptdp.models.sinks import sink_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -169,14 +170,19 @@ class CausalAttention(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, scale: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature,
-        ``--softmax-scale``)."""
+        ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
+        ``ptdp.models.sinks``)."""
         if masks_attention(documents):
-            if self.window is not None:
-                raise ValueError("--window-size with --reset-attention-mask is not supported yet")
+            if self.window is not None or sinks is not None:
+                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
             return documents.attend(q, k, v, dropout_p, scale)
         s = q.shape[-2]
+        if sinks is not None:
+            mask = window_mask(s, self.window, q.device) if self.window is not None else None
+            return sink_attention(q, k, v, sinks, mask, dropout_p, scale)
         if self.window is not None and self.window < s:
             mask = window_mask(s, self.window, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
