@@ -154,8 +154,6 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (2, {"context_parallel_size": 2, "attention_dropout": 0.0},
-     "--window-size with --context-parallel-size > 1 is not supported yet"),
     (1, {"reset_attention_mask": True}, "--window-size with --reset-attention-mask is not supported yet"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])

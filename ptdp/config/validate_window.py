@@ -59,8 +59,6 @@ def window_errors(config: Config) -> list[str]:
         window_layers(m)
     except ValueError as e:
         errors.append(str(e))
-    if config.parallel.context_parallel_size > 1:
-        errors.append("--window-size with --context-parallel-size > 1 is not supported yet")
     if config.data.reset_attention_mask:
         errors.append("--window-size with --reset-attention-mask is not supported yet (the document kernels "
                       "attend to the whole document)")
@@ -79,8 +77,6 @@ def _gpt_oss_errors(config: Config) -> list[str]:
     if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
         errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
     if m.softmax_type != "vanilla":
-        if par.context_parallel_size > 1:
-            errors.append(f"--softmax-type {m.softmax_type} with --context-parallel-size > 1 is not supported yet")
         if config.data.reset_attention_mask:
             errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask is not supported yet (the "
                           "document kernels have no sink)")
