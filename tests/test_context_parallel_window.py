@@ -1,11 +1,11 @@
 """Sliding windows and attention sinks under context parallelism equal one process, and a windowed layer
-moves only the chunks inside its windows.
+moves only the keys inside its windows.
 
 Every comm type (p2p: the windowed exchange for a windowed layer, the ring with the sink merged for a full
 one; a2a; allgather) runs on c = 2 and c = 4 real gloo processes on the same random inputs as the one-process
 core (``ptdp.models.sinks``/``ptdp.models.window`` against a naive masked softmax): each rank's output and its
 shards of dq, dk, dv and the sinks' gradient equal the reference's at fp32 tolerance. The exchange plan sends
-nothing a window does not reach: at w <= n a rank sends at most two chunks, whatever c.
+nothing a window does not reach: at w <= n a rank sends at most two tails of w - 1 tokens, whatever c and s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from helpers import pooled_spawn
 
 from ptdp.parallel.context.attention import context_parallel_attention, shard_sequence
-from ptdp.parallel.context.window import exchange_plan, key_chunks, sent_chunks
+from ptdp.parallel.context.window import exchange_plan, key_chunks, sent_tokens
 
 # (b, heads, kv_heads, s, d, window, sinks): windows inside a chunk, across several chunks, beyond the
 # sequence (a full layer), with and without sinks; grouped-query attention
@@ -74,16 +74,17 @@ def test_windows_and_sinks_under_context_parallelism_equal_one_process(tmp_path,
     assert all((tmp_path / f"ok.{r}").exists() for r in range(c))
 
 
-def test_the_exchange_sends_only_chunks_a_window_reaches():
-    """w <= n: a query chunk sees its own chunk and the one before; every rank sends at most two chunks
-    (whatever c), and rank 0's first chunk (the sequence's start) needs nothing from anyone."""
+def test_the_exchange_sends_only_the_tails_a_window_reaches():
+    """w <= n: a query chunk sees its own chunk and the last w - 1 tokens of the one before; every rank sends at
+    most two such tails, whatever c and s, and rank 0's first chunk (the sequence's start) needs nothing."""
     assert list(key_chunks(5, 8, 1)) == [5] and list(key_chunks(5, 8, 2)) == [4, 5]
     assert list(key_chunks(5, 8, 9)) == [4, 5] and list(key_chunks(5, 8, 10)) == [3, 4, 5]
     for c in (2, 4, 8):
-        assert max(sent_chunks(c, 16, 16, r) for r in range(c)) <= 2
-        # every chunk but the last goes to its successor's rank once, except chunk c-1 (its successor is its
-        # own rank's other chunk)
-        assert sum(sent_chunks(c, 16, 16, r) for r in range(c)) == 2 * c - 2
-        assert exchange_plan(c, 16, 16)[0] == ((), (1,), *[()] * (c - 2))
-    # a window over the whole sequence: rank r needs every chunk before its second one but its own first
-    assert sum(sent_chunks(4, 4, 32, r) for r in range(4)) == sum(2 * 4 - 2 - r for r in range(4))
+        for n in (16, 64, 1024):  # s = 2cn grows; the tails do not
+            assert max(sent_tokens(c, n, 16, r) for r in range(c)) == (15 if c == 2 else 2 * 15)
+            # every chunk but the last sends its tail to its successor's rank, except chunk c-1 (its
+            # successor is its own rank's other chunk)
+            assert sum(sent_tokens(c, n, 16, r) for r in range(c)) == (2 * c - 2) * 15
+        assert exchange_plan(c, 16, 16)[0] == ((), ((1, 1),), *[()] * (c - 2))  # chunk 2c-2 from its token 1
+    # a window over the whole sequence: rank r needs every chunk before its second one but its own first, whole
+    assert sum(sent_tokens(4, 4, 32, r) for r in range(4)) == 4 * sum(2 * 4 - 2 - r for r in range(4))
