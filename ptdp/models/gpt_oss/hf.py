@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
 from ptdp.config.validate_window import window_layers
 from ptdp.models.gemma3.hf import FULL, SLIDING, window_pattern
-from ptdp.models.glu import QUICK_GELU_ALPHA
 from ptdp.models.llama import hf as llama
 from ptdp.models.mixtral.hf import _bias_cfg, _fuse_qkv_bias
 
@@ -90,6 +89,9 @@ def _rope(hf_config: dict) -> dict[str, Any]:
 
 
 def _config(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    # imported here: the family registry, which the parsers read, stays without torch
+    from ptdp.models.glu import QUICK_GELU_ALPHA
+
     alpha = float(hf_config.get("swiglu_alpha", QUICK_GELU_ALPHA))
     if alpha != QUICK_GELU_ALPHA:
         raise GptOssConversionError(f"--in: config.json has swiglu_alpha={alpha}; ptdp's quick-GeGLU uses "
@@ -197,6 +199,7 @@ def write_gpt_oss(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoECo
 
 def gpt_oss_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:
     """``GptOssConfig`` keyword arguments that make HF compute what ptdp computes."""
+    from ptdp.models.glu import QUICK_GELU_ALPHA
     kwargs = llama.hf_config_kwargs(_plain(cfg), bos, eos)
     for key in ("mlp_bias", "rope_theta", "rope_scaling"):
         kwargs.pop(key)
