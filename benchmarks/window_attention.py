@@ -8,9 +8,9 @@ For each s and c, one process per CP rank (one thread each, gloo) runs ``context
 s/c tokens twice: with ``window=w`` (c = 1: the tiled core ``ptdp.models.window``; c > 1: the windowed
 exchange of ``ptdp.parallel.context.window``) and without (c = 1: causal SDPA, c > 1: the causal ring), each
 ``--cp-comm-type p2p``. Reported: the median over repeats of the slowest rank's time, per token of the rank
-(µs), and the bytes rank 0 sends in one forward + backward (every ``batch_isend_irecv`` send counted). A
-windowed layer's time per token should stay flat in s and its bytes constant; full attention's grow with s.
-On a shared machine the times are noisy; the bytes are exact.
+(µs; wall time and the process's CPU time, the steadier of the two on a shared machine), and the bytes rank 0
+sends in one forward + backward (every ``batch_isend_irecv`` send counted). A windowed layer's time per token
+should stay flat in s and its bytes constant; full attention's grow with s. The bytes are exact.
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ def _measure(args, s: int, c: int, rank: int, group) -> dict:
                 dist.barrier(group)
             sent[0] = 0
             dist.batch_isend_irecv = counting
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             context_parallel_attention(*leaves, cp_group=group, comm_type="p2p", window=window).backward(dout)
-            elapsed = time.perf_counter() - start
+            elapsed = (time.perf_counter() - start, time.process_time() - cpu)
             dist.batch_isend_irecv = real
             if i:
                 times.append(elapsed)
-        seconds = torch.tensor([statistics.median(times)])
+        seconds = torch.tensor([statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)])
         if group is not None:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
-        result[name] = {"us_per_token": round(1e6 * seconds.item() / (s // c), 3), "bytes_sent": sent[0]}
+        result[name] = {"us_per_token": round(1e6 * seconds[0].item() / (s // c), 3),
+                        "cpu_us_per_token": round(1e6 * seconds[1].item() / (s // c), 3), "bytes_sent": sent[0]}
     return result
 
 
@@ -105,11 +106,13 @@ def main() -> None:
         for s in args.seqs:
             result = run(args, s, c)
             base = base or result
-            row = {"cp": c, "seq": s, "window": args.window, **{f"{k}_{m}": v[m] for k, v in result.items()
-                                                                 for m in ("us_per_token", "bytes_sent")},
-                   # against the shortest sequence of the same c: flat for the window, growing for full attention
-                   "window_time_vs_first": round(result["window"]["us_per_token"] / base["window"]["us_per_token"], 2),
-                   "full_time_vs_first": round(result["full"]["us_per_token"] / base["full"]["us_per_token"], 2)}
+            row = {"cp": c, "seq": s, "window": args.window,
+                   **{f"{k}_{m}": v[m] for k, v in result.items() for m in ("us_per_token", "cpu_us_per_token",
+                                                                            "bytes_sent")},
+                   # CPU time against the shortest sequence of the same c: flat for the window, growing for full
+                   "window_cpu_vs_first": round(result["window"]["cpu_us_per_token"]
+                                                / base["window"]["cpu_us_per_token"], 2),
+                   "full_cpu_vs_first": round(result["full"]["cpu_us_per_token"] / base["full"]["cpu_us_per_token"], 2)}
             rows.append(row)
             if not args.json:
                 print(json.dumps(row), flush=True)

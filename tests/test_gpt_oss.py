@@ -4,8 +4,9 @@ per head, biases on q/k/v/o, the router and the experts, the clamped quick-GeGLU
 bites) and YaRN with its ramp unrounded. Import gives HF's logits, export loads back in ``transformers`` bit
 for bit, the MXFP4 blocks and scales of the published checkpoints dequantize as transformers' own function
 does, and ``ptdp train`` in one process, at t = 2 with sequence parallelism and p = 2, with (t, e) = (2, 2)
-folded and with ZeRO-3 over d = 2 equals ``transformers`` + ``torch.optim.AdamW`` per iteration (loss and
-gradient norm); the one-process run's final weights equal HF's. Also the sink attention core against a
+folded, with ZeRO-3 over d = 2, at c = 2 with each ``--cp-comm-type``, interleaved p = 2 with full
+recomputation and ZBV with vocabulary parallelism equals ``transformers`` + ``torch.optim.AdamW`` per iteration
+(loss and gradient norm); the one-process run's final weights equal HF's. Also the sink attention core against a
 naive softmax, its rescaling form, and the refusals."""
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ LAYOUTS = {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-par
            # windows across the CP chunks (8 tokens each), sinks in every layer: the windowed exchange and the
            # ring with its sink merged, and Ulysses
            "c2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
-           "c2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])}
+           "c2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+           "c2-allgather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"]),
+           "p2-interleaved-recompute": (2, ["--pipeline-model-parallel-size", "2",
+                                            "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                            "interleaved", "--recompute-granularity", "full",
+                                            "--recompute-method", "uniform"]),
+           "p2-zbv-vocab": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                                "--enable-vocab-parallel"])}
 
 
 def hf_config(**overrides):
