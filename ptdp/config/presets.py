@@ -157,7 +157,7 @@ MODEL_PRESETS["tiny-gpt-oss"] = {
     "original_max_position_embeddings": 8, "max_position_embeddings": 64, "vocab_size": None}
 MOE_PRESETS["gpt-oss-20b"] = {**_GPT_OSS_MOE, "num_experts": 32}
 MOE_PRESETS["gpt-oss-120b"] = {**_GPT_OSS_MOE, "num_experts": 128}
-MOE_PRESETS["tiny-gpt-oss"] = {**_GPT_OSS_MOE, "num_experts": 4, "moe_ffn_hidden_size": 32}
+MOE_PRESETS["tiny-gpt-oss"] = {**_GPT_OSS_MOE, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 # Global batch sizes the planner assumes when --global-batch-size is not given (the papers' runs).
 PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512,
