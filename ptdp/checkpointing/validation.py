@@ -38,7 +38,10 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "qk_layernorm": "--qk-layernorm", "window_size": "--window-size",
                       "window_attn_skip_freq": "--window-attn-skip-freq", "local_rotary_base": "--local-rotary-base",
                       "sandwich_norm": "--sandwich-norm", "apply_layernorm_1p": "--apply-layernorm-1p",
-                      "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale"}
+                      "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale",
+                      "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu",
+                      "glu_linear_offset": "--glu-linear-offset",
+                      "activation_func_clamp_value": "--activation-func-clamp-value"}
 
 
 def _fields(model: ModelConfig) -> dict:

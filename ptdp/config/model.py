@@ -67,6 +67,15 @@ class ModelConfig:
                       "--swiglu's does, with its default --ffn-hidden-size")
     softmax_scale: float | None = opt(None, "the attention softmax scale (Gemma 3: query_pre_attn_scalar^-1/2); "
                                       "default 1/√head-dim")
+    # GPT-OSS's options: attention sinks, the clamped quick-GeGLU with its +1 on the linear half
+    softmax_type: str = opt("vanilla", "attention softmax: vanilla, learnable (an extra logit per head, a learned "
+                            "attention sink: GPT-OSS) or off-by-one (that logit fixed at 0)",
+                            choices=["vanilla", "learnable", "off-by-one"])
+    quick_geglu: bool = opt(False, "gated MLP down(g·sigmoid(1.702·g) * (up + --glu-linear-offset)) (GPT-OSS's "
+                            "experts); fc1 holds [gate; up] as --swiglu's does")
+    glu_linear_offset: float = opt(0.0, "added to the linear half of a gated MLP before the product (GPT-OSS: 1)")
+    activation_func_clamp_value: float | None = opt(
+        None, "a gated MLP clamps its gate to <= v and its linear half to [-v, v] before the activation (GPT-OSS: 7)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
         None, "activation recomputation: full (whole layers) or selective (attention core only)",
@@ -98,6 +107,9 @@ class ModelConfig:
     original_max_position_embeddings: int = opt(4096, "YaRN: the context length the model was trained at")
     beta_fast: float = opt(32.0, "YaRN: rotations above which a dimension is not interpolated")
     beta_slow: float = opt(1.0, "YaRN: rotations below which a dimension is fully interpolated")
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "YaRN: keep the ramp between beta-fast and beta-slow unrounded (GPT-OSS; HF's truncate=false); "
+        "default: its ends rounded outwards to whole dimensions", flag="--no-yarn-correction-range-round-to-int")
     mtp_num_layers: int | None = opt(None, "multi-token prediction: D modules, k-th predicting t+k+1 (0: none)")
     mtp_loss_scaling_factor: float = opt(0.1, "lambda: the objective adds lambda * the MTP modules' mean CE")
 
@@ -110,8 +122,8 @@ class ModelConfig:
 
     @property
     def gated_mlp(self) -> bool:
-        """A gated MLP (SwiGLU or GeGLU): fc1 is [gate; up], three ffn matrices."""
-        return self.swiglu or self.geglu
+        """A gated MLP (SwiGLU, GeGLU or quick-GeGLU): fc1 is [gate; up], three ffn matrices."""
+        return self.swiglu or self.geglu or self.quick_geglu
 
     @property
     def head_dim(self) -> int:

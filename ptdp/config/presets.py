@@ -42,6 +42,21 @@ _GEMMA3: dict[str, Any] = {
     "local_rotary_base": 10000.0, "norm_epsilon": 1e-6, "seq_length": 4096,
 }
 
+# What every GPT-OSS shares (HF config.json of openai/gpt-oss-*): GQA of 64 heads in 8 groups of width 64 with
+# biases and a learned sink per head, every other layer (the first) a window of 128, YaRN (factor 32 over
+# 4,096, the ramp unrounded), untied output, every layer a mixture of experts (_GPT_OSS_MOE) whose clamped
+# quick-GeGLU has a +1 on its linear half.
+_GPT_OSS: dict[str, Any] = {
+    **_LLAMA, "swiglu": False, "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+    "disable_bias_linear": False, "softmax_type": "learnable", "group_query_attention": True,
+    "num_attention_heads": 64, "num_query_groups": 8, "kv_channels": 64, "hidden_size": 2880,
+    "ffn_hidden_size": 2880, "window_size": 128, "window_attn_skip_freq": "2", "rotary_base": 150000.0,
+    "rope_type": "yarn", "rotary_scaling_factor": 32.0, "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0, "beta_slow": 1.0, "yarn_correction_range_round_to_int": False, "norm_epsilon": 1e-5,
+    "seq_length": 4096, "max_position_embeddings": 131072, "vocab_size": 201088,
+}
+_GPT_OSS_MOE: dict[str, Any] = {"moe_router_topk": 4, "moe_ffn_hidden_size": 2880, "moe_linear_bias": True}
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
                   "vocab_size": 51200},
@@ -85,6 +100,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gemma3-27b": {**_GEMMA3, "num_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
                    "num_query_groups": 16, "kv_channels": 128, "ffn_hidden_size": 21504, "window_size": 1024,
                    "softmax_scale": 168 ** -0.5, "max_position_embeddings": 131072, "vocab_size": 262208},
+    # GPT-OSS 20B and 120B (openai/gpt-oss-20b, -120b): 24 and 36 layers, 32 and 128 experts
+    "gpt-oss-20b": {**_GPT_OSS, "num_layers": 24},
+    "gpt-oss-120b": {**_GPT_OSS, "num_layers": 36},
     # test-sized models (the tokenizer decides the vocabulary)
     "tiny-gpt": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -131,6 +149,15 @@ MODEL_PRESETS["tiny-deepseek"] = {
     "seq_length": 16, "norm_epsilon": 1e-6, "multi_latent_attention": True, "q_lora_rank": 16,
     "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "mtp_num_layers": 1}
 MOE_PRESETS["tiny-deepseek"]["moe_router_bias_update_rate"] = 0.05
+# tiny-gpt-oss: the GPT-OSS architecture at test size (windows of 4 tokens at --seq-length 16 on every other
+# layer, YaRN over an original context of 8)
+MODEL_PRESETS["tiny-gpt-oss"] = {
+    **_GPT_OSS, "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 16, "ffn_hidden_size": 32, "seq_length": 16, "window_size": 4, "rotary_scaling_factor": 4.0,
+    "original_max_position_embeddings": 8, "max_position_embeddings": 64, "vocab_size": None}
+MOE_PRESETS["gpt-oss-20b"] = {**_GPT_OSS_MOE, "num_experts": 32}
+MOE_PRESETS["gpt-oss-120b"] = {**_GPT_OSS_MOE, "num_experts": 128}
+MOE_PRESETS["tiny-gpt-oss"] = {**_GPT_OSS_MOE, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 
 # Global batch sizes the planner assumes when --global-batch-size is not given (the papers' runs).
 PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "llama3-70b": 512,
@@ -142,6 +169,9 @@ def model_family(cfg: Any) -> str:
     if getattr(cfg, "geglu", False) and getattr(cfg, "sandwich_norm", False):
         window = f"window {cfg.window_size}" if getattr(cfg, "window_size", None) else "no window"
         return f"Gemma 3 (GQA {cfg.query_groups} groups, {window}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"
+    if getattr(cfg, "quick_geglu", False) and getattr(cfg, "softmax_type", "vanilla") == "learnable":
+        window = f"window {cfg.window_size}" if getattr(cfg, "window_size", None) else "no window"
+        return f"GPT-OSS (GQA {cfg.query_groups} groups, sinks, {window})"
     llama = (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu)
     if llama:
         attention = f"GQA {cfg.query_groups} groups" if cfg.query_groups < cfg.num_attention_heads else "MHA"

@@ -57,6 +57,8 @@ class MoEConfig:
     moe_router_num_groups: int | None = opt(None, "group-limited routing: the experts in this many equal groups")
     moe_router_group_topk: int | None = opt(None, "group-limited routing: the groups a token may use (top scores)")
     moe_router_topk_scaling_factor: float | None = opt(None, "the k routing weights times this (DeepSeek-V3: 2.5)")
+    moe_linear_bias: bool = opt(False, "a bias on the router logits and on every expert's fc1 and fc2 (GPT-OSS; "
+                                "the experts stay bias-free otherwise, whatever --disable-bias-linear)")
 
 
 @dataclass

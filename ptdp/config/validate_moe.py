@@ -120,8 +120,9 @@ def deepseek_errors(config: Config) -> list[str]:
             errors.append("--multi-latent-attention needs --position-embedding-type rope (for its decoupled RoPE "
                           "part), without --group-query-attention, --use-rope-scaling or --rotary-percent")
     if rope_type(m) == "yarn":
-        if not m.multi_latent_attention:
-            errors.append("--rope-type yarn is applied by multi-latent attention; add --multi-latent-attention")
+        if not m.multi_latent_attention and (m.position_embedding_type != "rope" or m.use_rope_scaling):
+            errors.append("--rope-type yarn scales the rotary embedding: it needs --position-embedding-type rope "
+                          "(or --multi-latent-attention), without --use-rope-scaling")
         if not (m.rotary_scaling_factor > 0 and m.original_max_position_embeddings > 0 and m.beta_fast > 0
                 and m.beta_slow > 0):
             errors.append("--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast and "

@@ -1,5 +1,5 @@
-"""Sliding-window attention and the other Gemma 3 flags (``ModelConfig``): which layers slide, and the
-combinations ptdp refuses (one line each) instead of computing something else.
+"""Sliding-window attention and the other Gemma 3 and GPT-OSS flags (``ModelConfig``): which layers slide, and
+the combinations ptdp refuses (one line each) instead of computing something else.
 
 ``window_layers`` is Megatron's ``is_layer_window_attention``: with ``--window-attn-skip-freq N`` the layers
 whose 1-based number is a multiple of N attend to the whole context, with a list the entry 1 marks a sliding
@@ -40,9 +40,9 @@ def window_layers(cfg: ModelConfig) -> list[int | None]:
 def window_errors(config: Config) -> list[str]:
     """The Gemma 3 flags against each other and against the parallelisms and packing."""
     m = config.model
-    errors = []
-    if m.swiglu and m.geglu:
-        errors.append("--swiglu and --geglu are two MLPs; give one")
+    errors = _gpt_oss_errors(config)
+    if sum((m.swiglu, m.geglu, m.quick_geglu)) > 1:
+        errors.append("--swiglu, --geglu and --quick-geglu are three MLPs; give one")
     if m.softmax_scale is not None and not m.softmax_scale > 0:
         errors.append(f"--softmax-scale must be > 0, got {m.softmax_scale}")
     if m.local_rotary_base is not None and not m.local_rotary_base > 0:
@@ -59,11 +59,34 @@ def window_errors(config: Config) -> list[str]:
         window_layers(m)
     except ValueError as e:
         errors.append(str(e))
-    if config.parallel.context_parallel_size > 1:
-        errors.append("--window-size with --context-parallel-size > 1 is not supported yet")
     if config.data.reset_attention_mask:
         errors.append("--window-size with --reset-attention-mask is not supported yet (the document kernels "
                       "attend to the whole document)")
     if m.multi_latent_attention:
         errors.append("--window-size with --multi-latent-attention is not supported")
+    return errors
+
+
+def _gpt_oss_errors(config: Config) -> list[str]:
+    """GPT-OSS's flags: the attention sinks, the clamped quick-GeGLU, the experts' biases."""
+    m, par = config.model, config.parallel
+    errors = []
+    if (m.glu_linear_offset or m.activation_func_clamp_value is not None) and not m.gated_mlp:
+        errors.append("--glu-linear-offset and --activation-func-clamp-value act on a gated MLP; add --swiglu, "
+                      "--geglu or --quick-geglu")
+    if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
+        errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
+    if m.softmax_type != "vanilla":
+        if config.data.reset_attention_mask:
+            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask is not supported yet (the "
+                          "document kernels have no sink)")
+        if m.multi_latent_attention:
+            errors.append(f"--softmax-type {m.softmax_type} with --multi-latent-attention is not supported")
+    if config.moe.moe_linear_bias:
+        if not config.moe.num_experts:
+            errors.append("--moe-linear-bias needs a mixture of experts (--num-experts)")
+        etp = par.expert_tensor_parallel_size
+        if (par.tensor_model_parallel_size if etp is None else etp) > 1:
+            errors.append("--moe-linear-bias with --expert-tensor-parallel-size > 1 is not supported (fc2's bias "
+                          "would be added once per expert-tensor rank); use --expert-tensor-parallel-size 1")
     return errors

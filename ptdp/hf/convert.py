@@ -208,7 +208,10 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
                 "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS,
                 "window_size", "window_attn_skip_freq", "local_rotary_base", "sandwich_norm", "apply_layernorm_1p",
-                "scale_embedding", "geglu", "softmax_scale")
+                "scale_embedding", "geglu", "softmax_scale", "softmax_type", "quick_geglu", "glu_linear_offset",
+                "activation_func_clamp_value", "yarn_correction_range_round_to_int")
+# Boolean fields whose default is True: their flag turns them off (``--no-...``).
+_NEGATED = {"yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
@@ -220,7 +223,9 @@ def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
     for name in _MODEL_FLAGS:
         value = given[name]
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if name in _NEGATED:
+            flags += [] if value else [_NEGATED[name]]
+        elif isinstance(value, bool):
             flags += [flag] if value else []
         elif value is not None and (name in _MODEL_FLAGS[:6] or value != defaults[name]):
             exact = isinstance(value, float) and float(f"{value:g}") != value  # e.g. Gemma's 20^-1/2: every digit

@@ -1,6 +1,7 @@
 """Causal self-attention of ``ptdp.models.gpt.GPTModel``'s layers: the QKV projection, the per-head core
 (rotary positions, grouped-query attention, the per-head q/k norms of ``--qk-layernorm``, a sliding window
-of ``--window-size`` through ``ptdp.models.layers.CausalAttention``) and the output projection. Multi-latent
+of ``--window-size`` through ``ptdp.models.layers.CausalAttention``, the attention sinks of ``--softmax-type``,
+YaRN's rotary tables) and the output projection. Multi-latent
 attention is ``ptdp.models.mla``."""
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ptdp.config.validate_moe import rope_type
 from ptdp.models.documents import DocumentLayout
 from ptdp.models.layers import CausalAttention, Linear, RngContext, SequencePositions, norm
-from ptdp.models.rotary import RotaryEmbedding
+from ptdp.models.rotary import RotaryEmbedding, yarn_inverse_frequencies, yarn_mscale
+from ptdp.models.sinks import AttentionSinks
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig
@@ -35,9 +38,14 @@ class Attention(nn.Module):
         self.dropout_rng: RngContext | None = None  # tensor parallelism: a mask per rank's heads
         base = cfg.local_rotary_base if window is not None and cfg.local_rotary_base else cfg.rotary_base
         self.softmax_scale = cfg.softmax_scale
-        self.rotary = (RotaryEmbedding(d, cfg.rotary_percent, base,
-                                       cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
-                       if cfg.position_embedding_type == "rope" else None)
+        self.rotary = rotary_embedding(cfg, base) if cfg.position_embedding_type == "rope" else None
+        if cfg.position_embedding_type == "rope" and rope_type(cfg) == "yarn":  # YaRN's softmax temperature
+            all_dim = yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim)
+            if all_dim != 1.0:
+                self.softmax_scale = (self.softmax_scale or d ** -0.5) * all_dim * all_dim
+        # --softmax-type learnable / off-by-one: one more logit per head in the softmax (ptdp.models.sinks)
+        self.sinks = (AttentionSinks(a, cfg.softmax_type == "learnable") if cfg.softmax_type != "vanilla"
+                      else None)
         bias = cfg.add_bias_linear
         qkv_bias = bias or cfg.add_qkv_bias
         if self.grouped:  # per group: its a/G query heads, its key head, its value head (Megatron's order)
@@ -80,5 +88,21 @@ class Attention(nn.Module):
         # into pieces (graph breaks).
         rng = self.dropout_rng if dropout > 0.0 and self.dropout_rng is not None else contextlib.nullcontext
         with rng():
-            y = self.core_attention(q, k, v, dropout, documents, scale=self.softmax_scale)
+            sinks = None if self.sinks is None else self.sinks(q)
+            y = self.core_attention(q, k, v, dropout, documents, scale=self.softmax_scale, sinks=sinks)
         return y.transpose(1, 2).reshape(b, s, -1)
+
+
+def rotary_embedding(cfg: ModelConfig, base: float) -> RotaryEmbedding:
+    """The rotary embedding of one layer at rotary base ``base``: plain, Llama 3.1's scaling
+    (``--use-rope-scaling``) or YaRN (``--rope-type yarn``: GPT-OSS; the tables times mscale(f, --mscale) /
+    mscale(f, --mscale-all-dim), the correction range unrounded with
+    ``--no-yarn-correction-range-round-to-int``)."""
+    d = cfg.head_dim
+    if rope_type(cfg) != "yarn":
+        return RotaryEmbedding(d, cfg.rotary_percent, base, cfg.rope_scaling_factor if cfg.use_rope_scaling else None)
+    factor, dim = cfg.rotary_scaling_factor, int(d * cfg.rotary_percent)
+    inv_freq = yarn_inverse_frequencies(dim, base, factor, cfg.original_max_position_embeddings, cfg.beta_fast,
+                                        cfg.beta_slow, round_to_int=cfg.yarn_correction_range_round_to_int)
+    temperature = yarn_mscale(factor, cfg.mscale) / yarn_mscale(factor, cfg.mscale_all_dim)
+    return RotaryEmbedding(d, cfg.rotary_percent, base, inv_freq=inv_freq, attention_factor=temperature)

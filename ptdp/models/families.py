@@ -9,6 +9,7 @@ from ptdp.models.deepseek_v3 import DEEPSEEK_V3
 from ptdp.models.family import ModelFamily
 from ptdp.models.gemma3 import GEMMA3
 from ptdp.models.gpt2 import GPT2
+from ptdp.models.gpt_oss import GPT_OSS
 from ptdp.models.llama import LLAMA
 from ptdp.models.mixtral import MIXTRAL, QWEN2_MOE
 from ptdp.models.qwen3 import QWEN3, QWEN3_MOE
@@ -16,7 +17,7 @@ from ptdp.models.qwen3 import QWEN3, QWEN3_MOE
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GEMMA3, QWEN3_MOE, QWEN3, MIXTRAL, QWEN2_MOE, LLAMA, GPT2)
+FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GEMMA3, GPT_OSS, QWEN3_MOE, QWEN3, MIXTRAL, QWEN2_MOE, LLAMA, GPT2)
 
 
 def family_for_hf(model_type: str | None) -> ModelFamily | None:

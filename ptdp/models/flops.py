@@ -15,6 +15,8 @@ the general formulas reduce *exactly* to eq. (3) when ``ffn = 4h``:
   computed inside each document only, so a sample's scores-and-values term ``4·s²·h`` becomes
   ``4·(sum of l_i²)·h`` over its documents' lengths l_i: ``attention_length`` is that sum divided by s
   (averaged over the samples; s itself for whole windows), and the term is ``4·B·s·attention_length·h``.
+* sliding-window layers (``--window-size``) attend to min(w, s) keys per query, not s:
+  :func:`windowed_attention_length` is the mean over the layers, passed as ``attention_length``.
 * a backward pass costs twice its forward; full activation recomputation runs the layers' forward once
   more (the logit layer is not recomputed), hence the factor 4 (= 96/24) or 3 (= 72/24) on layer terms
   and always 3 on the logit term.
@@ -198,9 +200,23 @@ def architecture(model: ModelShape) -> dict[str, Any]:
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups if model.group_query_attention else None,
         # a gated MLP (SwiGLU or Gemma's GeGLU): three ffn matrices
-        "kv_channels": model.kv_channels, "swiglu": model.swiglu or getattr(model, "geglu", False),
+        "kv_channels": model.kv_channels, "swiglu": getattr(model, "gated_mlp", model.swiglu),
         "mla": mla_shape(model),
     }
+
+
+def windowed_attention_length(model: Any, attended: float | None = None) -> float | None:
+    """The keys a query attends to, averaged over the layers, when some layers slide (``--window-size``): a
+    windowed layer's scores-and-values term is ``4·B·s·min(w, s)·q``, a full layer's ``4·B·s·s·q``, so the
+    mean over the layers of min(w_i, s) in place of s counts every layer's attention exactly. None when no
+    layer slides (``attended``: the key length otherwise, default s)."""
+    if not getattr(model, "window_size", None):
+        return None
+    from ptdp.config.validate_window import window_layers
+
+    keys = model.seq_length if attended is None else attended
+    windows = window_layers(model)
+    return sum(keys if w is None else min(w, keys) for w in windows) / len(windows)
 
 
 def mtp_layers(model: ModelShape) -> int:

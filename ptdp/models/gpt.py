@@ -39,6 +39,7 @@ from torch import nn
 from ptdp.config.validate_window import window_layers
 from ptdp.models.attention import Attention
 from ptdp.models.documents import DocumentLayout, position_ids
+from ptdp.models.glu import gated_activation
 from ptdp.models.gpt_sharding import gpt_sharding_rules
 from ptdp.models.layers import (
     DropoutAdd,
@@ -77,11 +78,11 @@ TIED_EMBEDDING = PIPELINE_PARTS.table_weight  # the input embedding, also the ou
 
 class MLP(nn.Module):
     """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]
-    (``--geglu``: the tanh GeLU for the SiLU)."""
+    (``--geglu``: the tanh GeLU for the SiLU; ``--quick-geglu``: GPT-OSS's; ``ptdp.models.glu``)."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps):
         super().__init__()
-        self.swiglu, self.geglu = cfg.swiglu, cfg.geglu
+        self.glu = gated_activation(cfg)  # SwiGLU, GeGLU or quick-GeGLU (ptdp.models.glu), None: GeLU
         # Eagerly, the bias is cheapest inside the GEMM (addmm); compiled, it fuses with the GeLU.
         self.fuse = ops.compiled and not cfg.gated_mlp and cfg.add_bias_linear
         self.fc1 = Linear(cfg.hidden_size, cfg.ffn_size, fused=2 if cfg.gated_mlp else 1, bias=cfg.add_bias_linear,
@@ -92,12 +93,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or (compiled ops) the output before its bias and the bias."""
         fc1, fc2 = self.fc1, self.fc2
-        if self.swiglu:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
-            gate, up = fc1(x).chunk(2, dim=-1)
-            return fc2(F.silu(gate) * up)
-        if self.geglu:
-            gate, up = fc1(x).chunk(2, dim=-1)
-            return fc2(F.gelu(gate, approximate="tanh") * up)
+        if self.glu is not None:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
+            return fc2(self.glu(fc1(x)))
         h = self.ops.bias_gelu(*fc1(x)) if self.fuse else F.gelu(fc1(x), approximate="tanh")
         return fc2(h)
 

@@ -5,7 +5,8 @@ Per transformer layer: QKV (or MLA's up projections) and fc1 column-parallel, th
 fc2 row-parallel; the layer norms (Gemma's sandwich norms after the attention and the MLP too) hold
 gradients partial over the tokens under sequence parallelism, and
 so do MLA's down projections and latent norms (whole on every rank, as Megatron-Core keeps them); a
-per-head q/k norm (``--qk-layernorm``) holds gradients partial over the heads. A mixture of experts is
+per-head q/k norm (``--qk-layernorm``) holds gradients partial over the heads; the attention sinks
+(``--softmax-type learnable``) are split by heads. A mixture of experts is
 split by its own layout (``ptdp.parallel.expert``), so its MLP has no rule here. The embedding tables and
 the output layer are split by vocabulary; multi-token prediction's modules as Megatron-Core splits them
 (``eh_proj`` column-parallel with its output gathered, then back to this rank's tokens).
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ptdp.models.sharding import (
     ColumnParallel,
+    HeadParallel,
     HeadSharedInput,
     PartialGradient,
     RowParallel,
@@ -43,7 +45,7 @@ def layer_rules(layer: str, cfg: ModelConfig) -> ShardingRules:
                   for name in ("q_down_proj", "kv_down_proj", "q_layernorm", "kv_layernorm")]
     else:
         split = [(f"{attention}.qkv", ColumnParallel()), (f"{attention}.q_layernorm", HEADS),
-                 (f"{attention}.k_layernorm", HEADS)]
+                 (f"{attention}.k_layernorm", HEADS), (f"{attention}.sinks", HeadParallel())]
     return rules([*split, (f"{attention}.proj", RowParallel()), (f"{layer}.mlp.fc1", ColumnParallel()),
                   (f"{layer}.mlp.fc2", RowParallel()), (f"{layer}.input_layernorm", TOKENS),
                   (f"{layer}.post_attention_layernorm", TOKENS), (f"{layer}.post_self_attn_layernorm", TOKENS),

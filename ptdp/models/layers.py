@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.models.documents import DocumentLayout, masks_attention
+from ptdp.models.sinks import sink_attention
+from ptdp.models.window import local_window_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -148,26 +150,28 @@ class CausalAttention(nn.Module):
     s, d]`` (k and v already repeated to the query heads). With a ``documents`` layout that masks attention
     (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
     start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
-    version of the same function. ``window`` (``--window-size``): a sliding window, through SDPA with an
-    explicit boolean mask (:func:`window_mask`); the configuration refuses it with context parallelism and
-    with document masks (``ptdp.config.validate_window``)."""
+    version of the same function. ``window`` (``--window-size``): a sliding window, computed in tiles of the
+    keys each query can see (``ptdp.models.window``: O(s·w), the keys :func:`window_mask` allows); the
+    configuration refuses it with document masks (``ptdp.config.validate_window``)."""
 
     def __init__(self, window: int | None = None):
         super().__init__()
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, scale: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature,
-        ``--softmax-scale``)."""
+        ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
+        ``ptdp.models.sinks``)."""
         if masks_attention(documents):
-            if self.window is not None:
-                raise ValueError("--window-size with --reset-attention-mask is not supported yet")
+            if self.window is not None or sinks is not None:
+                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
             return documents.attend(q, k, v, dropout_p, scale)
-        s = q.shape[-2]
-        if self.window is not None and self.window < s:
-            mask = window_mask(s, self.window, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        if self.window is not None and self.window < q.shape[-2]:  # O(s·w) tiles, not an s x s mask
+            return local_window_attention(q, k, v, self.window, scale=scale, sinks=sinks, dropout_p=dropout_p)
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, None, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
 
 

@@ -31,7 +31,8 @@ Expert weights are stacked, one tensor per layer whatever the layout: ``experts.
 (g = 2 for SwiGLU: the gate rows, then the up rows, as the dense ``mlp.fc1``; g = 1 for GeLU) and
 ``experts.fc2_weight [E, h, f]``. The checkpoint holds the global stacked tensor: expert parallelism slices
 dim 0, expert tensor parallelism dim 2 (f), and checkpoints reshard across e by logical name. Experts have
-no biases (whatever ``--disable-bias-linear``).
+no biases (whatever ``--disable-bias-linear``) unless ``--moe-linear-bias`` gives them one (GPT-OSS), the router's
+logits one too.
 
 Auxiliary losses (load balancing, z-loss) train the router without entering the reported LM loss: the
 layer's output carries them into the backward (``ptdp.models.layers.attach_aux_loss``, Megatron's
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ptdp.config.validate_moe import moe_layer_pattern
+from ptdp.models.glu import gated_activation
 from ptdp.models.layers import AuxiliaryLoss, attach_aux_loss, in_backward, set_aux_loss_scale
 from ptdp.models.pieces import Compute, Done, Exchange, Step, Transfer, exchanged, run_sequential
 from ptdp.models.router import TopKRouter, expert_capacity, update_expert_biases
@@ -67,33 +69,46 @@ __all__ = ["Dispatcher", "GroupedExperts", "Local", "LocalDispatcher", "MoELayer
 
 
 class GroupedExperts(nn.Module):
-    """The E experts' MLPs, weights stacked: ``fc1_weight [E, g, f, h]``, ``fc2_weight [E, h, f]``.
+    """The E experts' MLPs, weights stacked: ``fc1_weight [E, g, f, h]``, ``fc2_weight [E, h, f]``; with
+    ``--moe-linear-bias`` also ``fc1_bias [E, g, f]`` and ``fc2_bias [E, h]`` (GPT-OSS).
 
     ``forward(x [N, h] sorted by expert, tokens_per_expert [E_local])``: rows of expert e through
-    ``fc2_e(act(fc1_e(x)))``; E_local is read from the weight, so a slice of the experts runs unchanged.
+    ``fc2_e(act(fc1_e(x)))``; E_local is read from the weight, so a slice of the experts runs unchanged. The
+    gated activation (SwiGLU, GeGLU, GPT-OSS's clamped quick-GeGLU) is the dense MLP's (``ptdp.models.glu``).
     """
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig):
         super().__init__()
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_size
-        self.swiglu, self.grouped = cfg.swiglu, moe.moe_grouped_gemm
-        self.fc1_weight = nn.Parameter(torch.empty(moe.num_experts, 2 if cfg.swiglu else 1, ffn, cfg.hidden_size))
+        self.glu, self.grouped = gated_activation(cfg), moe.moe_grouped_gemm
+        g = 2 if cfg.gated_mlp else 1
+        self.fc1_weight = nn.Parameter(torch.empty(moe.num_experts, g, ffn, cfg.hidden_size))
         self.fc2_weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, ffn))
+        bias = moe.moe_linear_bias
+        self.fc1_bias = nn.Parameter(torch.zeros(moe.num_experts, g, ffn)) if bias else None
+        self.fc2_bias = nn.Parameter(torch.zeros(moe.num_experts, cfg.hidden_size)) if bias else None
         # LoRA adapters of the stacked experts (``ptdp.parallel.lora``), called like the weights: (x, counts)
         self.fc1_adapter: nn.Module | None = None
         self.fc2_adapter: nn.Module | None = None
 
     def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        h = grouped_linear(x, self.fc1_weight, tokens_per_expert, self.grouped)
+        h = _add_bias(grouped_linear(x, self.fc1_weight, tokens_per_expert, self.grouped), self.fc1_bias,
+                      tokens_per_expert)
         if self.fc1_adapter is not None:
             h = h + self.fc1_adapter(x, tokens_per_expert)
-        if self.swiglu:  # this rank's gate rows, then its up rows (as the dense MLP's fc1)
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        y = grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped)
+        # this rank's gate rows, then its up rows (as the dense MLP's fc1)
+        h = self.glu(h) if self.glu is not None else F.gelu(h, approximate="tanh")
+        y = _add_bias(grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped), self.fc2_bias,
+                      tokens_per_expert)
         return y if self.fc2_adapter is None else y + self.fc2_adapter(h, tokens_per_expert)
+
+
+def _add_bias(y: Tensor, bias: Tensor | None, tokens_per_expert: Tensor) -> Tensor:
+    """``y [N, ...]`` (rows sorted by expert) plus each row's expert's bias (``bias [E_local, ...]``)."""
+    if bias is None:
+        return y
+    rows = torch.repeat_interleave(bias.flatten(1), tokens_per_expert, dim=0, output_size=y.shape[0])
+    return y + rows.to(y.dtype)
 
 
 class Dispatcher:

@@ -57,11 +57,12 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_inverse_frequencies(rotary_dim: int, base: float, factor: float, original_context: int,
-                             beta_fast: float, beta_slow: float) -> torch.Tensor:
+                             beta_fast: float, beta_slow: float, round_to_int: bool = True) -> torch.Tensor:
     """YaRN (Peng et al. 2023), as Megatron-Core's ``YarnRotaryEmbedding`` and HF's ``rope_type: yarn``: the
     frequencies that turn fewer than ``beta_slow`` times over the original context are interpolated
     (divided by ``factor``), those turning more than ``beta_fast`` times kept, a linear ramp between (the
-    ramp's ends rounded outwards to whole dimensions)."""
+    ramp's ends rounded outwards to whole dimensions, unless ``round_to_int`` is False: GPT-OSS, HF's
+    ``truncate: false``)."""
     steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
     pos_freqs = base ** (steps / rotary_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
@@ -69,8 +70,10 @@ def yarn_inverse_frequencies(rotary_dim: int, base: float, factor: float, origin
     def dimension(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
         return rotary_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(dimension(beta_fast)), 0)
-    high = min(math.ceil(dimension(beta_slow)), rotary_dim - 1)
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low or 0.001)
     keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency), 0: interpolate
     return interpolation * (1 - keep) + extrapolation * keep

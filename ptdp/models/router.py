@@ -52,6 +52,8 @@ class TopKRouter(nn.Module):
         self.aux_coeff, self.z_coeff = moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff
         self.capacity_factor = moe.moe_expert_capacity_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, hidden_size))
+        # --moe-linear-bias: a learned bias on the logits (GPT-OSS), before the top-k and the softmax
+        self.bias = nn.Parameter(torch.zeros(self.num_experts)) if moe.moe_linear_bias else None
         self.bias_update_rate = moe.moe_router_bias_update_rate
         bias = moe.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32) if bias else None)
@@ -62,7 +64,7 @@ class TopKRouter(nn.Module):
         """``x [T, h]`` (``num_sequences`` sequences of T/num_sequences tokens, one after the other) →
         ``probs [T, k]`` (fp32), ``indices [T, k]`` (``E`` = dropped), the auxiliary losses (with their
         coefficients; only those enabled)."""
-        logits = linear(x, self.weight).float()
+        logits = linear(x, self.weight, self.bias).float()
         if self.sigmoid:
             scores = torch.sigmoid(logits)
             choice = scores if self.expert_bias is None else scores + self.expert_bias

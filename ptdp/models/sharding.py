@@ -15,6 +15,7 @@ The rules (Narayanan et al., SC'21, §2.3; Korthikanti et al., 2022, for sequenc
 - :class:`VocabParallelOutput`: the logits or the cross-entropy over a vocabulary-split table.
 - :class:`SequenceEntry`: the module's output enters the residual stream (the embedding): scattered along
   the sequence under sequence parallelism.
+- :class:`HeadParallel`: a per-head parameter (the attention sinks) split by heads.
 - :class:`HeadSharedInput`: an input every head of the layer reads (MLA's one RoPE key): its gradient is
   summed over the ranks' heads.
 - :class:`PartialGradient`: replicated, but each rank's gradient is a partial sum over ``"tokens"`` (the
@@ -68,6 +69,12 @@ class SequenceEntry:
 
 
 @dataclass(frozen=True)
+class HeadParallel:
+    """A module whose every parameter holds one value per attention head (``[heads]``: the attention
+    sinks): each rank keeps its heads' rows, as the column-parallel QKV keeps their columns."""
+
+
+@dataclass(frozen=True)
 class HeadSharedInput:
     """A module whose output every head reads (the identity in one process)."""
 
@@ -81,7 +88,7 @@ class PartialGradient:
 
 
 Rule = ColumnParallel | RowParallel | VocabParallel | VocabParallelOutput | SequenceEntry | HeadSharedInput \
-    | PartialGradient
+    | PartialGradient | HeadParallel
 
 
 @dataclass(frozen=True)

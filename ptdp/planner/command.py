@@ -12,7 +12,7 @@ from ptdp.config import ConfigError, ModelConfig, MoEConfig, add_field_arguments
 from ptdp.config.optimizers import canonical_name, optimizer_spec
 from ptdp.config.validate_moe import moe_errors
 from ptdp.config.validate_pipeline import layout_stage_count
-from ptdp.models.flops import moe_shape
+from ptdp.models.flops import moe_shape, windowed_attention_length
 from ptdp.planner.experts import DEFAULT_DISPATCHER, expert_column, expert_lines, expert_split_words
 from ptdp.planner.search import Estimate, Space, evaluate, invalid_reason, search
 from ptdp.planner.spec import (
@@ -127,8 +127,10 @@ def _model(args: argparse.Namespace) -> GPTSpec:
     if groups is not None and (groups < 1 or cfg.num_attention_heads % groups):
         raise _UsageError(f"--num-query-groups {groups} must divide --num-attention-heads {cfg.num_attention_heads}")
     moe = _experts(args, cfg)
-    return dataclasses.replace(GPTSpec.from_model_config(cfg), moe=moe_shape(cfg, moe),
-                               attention_length=_attention_length(args, cfg.seq_length))
+    spec = GPTSpec.from_model_config(cfg)  # its attention_length: the sliding windows' (None: none)
+    documents = _attention_length(args, cfg.seq_length)
+    return dataclasses.replace(spec, moe=moe_shape(cfg, moe), attention_length=(
+        spec.attention_length if documents is None else windowed_attention_length(cfg, documents) or documents))
 
 
 def _attention_length(args: argparse.Namespace, seq_length: int) -> float | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
-from ptdp.models.flops import MLAShape, MoEShape, mla_shape, model_parameter_count
+from ptdp.models.flops import MLAShape, MoEShape, mla_shape, model_parameter_count, windowed_attention_length
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -43,7 +43,8 @@ class GPTSpec:
     disable_bias_norm: bool = False  # LayerNorm without bias (no effect on RMSNorm, which has none)
     moe: MoEShape | None = None  # a mixture of experts: FLOPs count the active experts (ptdp.models.flops)
     # packed documents (--reset-attention-mask): sum of l_i^2 / s per sample, the keys a query's attention
-    # spans in FLOPs, time and score memory (ptdp.models.flops); None: whole windows (s)
+    # spans in FLOPs, time and score memory (ptdp.models.flops); sliding windows (--window-size): the mean
+    # over the layers of min(w, s); None: whole windows (s)
     attention_length: float | None = None
     multi_latent_attention: bool = False  # MLA with ModelConfig's sizes
     q_lora_rank: int | None = None
@@ -144,7 +145,7 @@ class GPTSpec:
             disable_bias_linear=m.disable_bias_linear, disable_bias_norm=m.disable_bias_norm,
             multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
             qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-            mtp_num_layers=m.mtp_num_layers or 0,
+            mtp_num_layers=m.mtp_num_layers or 0, attention_length=windowed_attention_length(m),
         )
 
     @classmethod

@@ -38,5 +38,9 @@ class IterationFlops:
         return total / (batch * s)
 
     def __call__(self, recompute: bool, attention_length: float | None = None) -> int:
-        return flops.flops_per_iteration(*self._args, recompute=recompute, attention_length=attention_length,
+        """``attention_length``: the packed documents' (None: whole windows); sliding-window layers count their
+        window (``flops.windowed_attention_length``)."""
+        windowed = flops.windowed_attention_length(self.config.model, attention_length)
+        return flops.flops_per_iteration(*self._args, recompute=recompute,
+                                         attention_length=attention_length if windowed is None else windowed,
                                          **self._kwargs)

@@ -81,7 +81,7 @@ def _rope(hf_config: dict) -> tuple[float, float]:
     return float(full), float(local)
 
 
-def _pattern(kinds: list[str]) -> str | None:
+def window_pattern(kinds: list[str]) -> str | None:
     """``--window-attn-skip-freq`` for HF's ``layer_types``: None (all slide), N, or a list (1: sliding)."""
     sliding = [int(kind == SLIDING) for kind in kinds]
     if all(sliding):
@@ -123,7 +123,7 @@ def _config(hf_config: dict) -> ModelConfig:
         cfg, swiglu=False, geglu=True, qk_layernorm=True, sandwich_norm=True, apply_layernorm_1p=True,
         scale_embedding=True, kv_channels=hf_config.get("head_dim") or cfg.head_dim,
         softmax_scale=float(hf_config.get("query_pre_attn_scalar", 256)) ** -0.5,
-        window_size=window, window_attn_skip_freq=_pattern(kinds) if sliding else None,
+        window_size=window, window_attn_skip_freq=window_pattern(kinds) if sliding else None,
         local_rotary_base=local if sliding else None,
         untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", True))
 

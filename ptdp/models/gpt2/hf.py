@@ -56,7 +56,9 @@ def is_gpt2(cfg: ModelConfig) -> bool:
             and not cfg.swiglu and not cfg.group_query_attention and cfg.tied_embeddings
             and not cfg.disable_bias_linear and not cfg.disable_bias_norm and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
             and not (cfg.window_size or cfg.sandwich_norm or cfg.apply_layernorm_1p or cfg.scale_embedding or cfg.geglu
-                     or cfg.softmax_scale is not None))  # none of Gemma 3's blocks
+                     or cfg.softmax_scale is not None)  # none of Gemma 3's blocks
+            and cfg.softmax_type == "vanilla" and not cfg.quick_geglu and not cfg.glu_linear_offset
+            and cfg.activation_func_clamp_value is None)  # nor GPT-OSS's
 
 
 

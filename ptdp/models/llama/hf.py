@@ -48,7 +48,14 @@ def is_llama(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` is a model HF's ``LlamaForCausalLM`` computes exactly."""
     return (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
             and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0
-            and not cfg.qk_layernorm and not cfg.multi_latent_attention and not gemma_options(cfg))
+            and not cfg.qk_layernorm and not cfg.multi_latent_attention and not gemma_options(cfg)
+            and not gpt_oss_options(cfg))
+
+
+def gpt_oss_options(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` uses any of the blocks GPT-OSS added (sinks, the clamped quick-GeGLU, YaRN without MLA)."""
+    return bool(cfg.softmax_type != "vanilla" or cfg.quick_geglu or cfg.glu_linear_offset
+                or cfg.activation_func_clamp_value is not None or cfg.rope_type == "yarn")
 
 
 def gemma_options(cfg: ModelConfig) -> bool:

@@ -4,7 +4,7 @@ A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.conte
 model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
 position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
-all-gather). Multi-token prediction reads tokens k places ahead, which may sit in another rank's
+all-gather), keeping its layer's sliding window (``ptdp.parallel.context.window``) and taking its sinks. Multi-token prediction reads tokens k places ahead, which may sit in another rank's
 chunk: its ``ShiftLabels`` becomes :class:`ContextParallelShift`, which gathers the labels of the CP group
 (integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. Multi-latent attention
 inside packed documents reaches the document kernels through ``ptdp.models.documents.equal_widths``. The
@@ -47,19 +47,22 @@ class ContextParallelAttention(CausalAttention):
     """Causal attention of this rank's queries over the whole sequence, through the CP group; inside each
     document when a packed microbatch's layout masks attention (``ptdp.parallel.context.documents``)."""
 
-    def __init__(self, cp_group, comm_type: str):
-        super().__init__()
+    def __init__(self, cp_group, comm_type: str, window: int | None = None):
+        super().__init__(window)
         self.cp_group, self.comm_type = cp_group, comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                documents: DocumentLayout | None = None, scale: float | None = None) -> torch.Tensor:
+                documents: DocumentLayout | None = None, scale: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if masks_attention(documents):
             if dropout_p > 0.0:
                 raise ValueError("--attention-dropout > 0 is not supported with --context-parallel-size > 1")
+            if self.window is not None or sinks is not None:
+                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
             return equal_widths(functools.partial(document_context_attention, documents=documents,
                                                   cp_group=self.cp_group, comm_type=self.comm_type), q, k, v, scale)
         return context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.comm_type,
-                                          dropout_p=dropout_p, softmax_scale=scale)
+                                          dropout_p=dropout_p, softmax_scale=scale, window=self.window, sinks=sinks)
 
 
 class ContextParallelShift(ShiftLabels):
@@ -103,6 +106,9 @@ def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p") -
     if group_size(cp_group) == 1:
         return model
     swap_modules(model, SequencePositions, LoadBalancedPositions(group_size(cp_group), group_rank(cp_group)))
-    swap_modules(model, CausalAttention, ContextParallelAttention(cp_group, comm_type))
+    for parent in list(model.modules()):  # one core per layer: each keeps its layer's sliding window
+        for name, child in list(parent.named_children()):
+            if type(child) is CausalAttention:
+                setattr(parent, name, ContextParallelAttention(cp_group, comm_type, child.window))
     swap_modules(model, ShiftLabels, ContextParallelShift(cp_group))
     return model

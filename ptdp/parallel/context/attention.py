@@ -23,75 +23,34 @@ Values may be narrower than q and k (MLA): K and V travel as one block; flash ke
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from ptdp.models.sinks import sink_attention
+from ptdp.models.window import local_window_attention
 from ptdp.observability import communication
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
+from ptdp.parallel.context.layout import (  # noqa: F401  (the layout's names, re-exported)
+    _allgather_mask,
+    load_balanced_chunks,
+    load_balanced_positions,
+    natural_order,
+    shard_sequence,
+)
 from ptdp.parallel.context.ring import ring_backward, ring_forward
+from ptdp.parallel.context.window import windowed_context_attention
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
-
-
-# ------------------------------------------------------------------------------------------- the layout
-
-
-def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two of 2c sequence chunks this rank holds: (cp_rank, 2*cp_size-1-cp_rank)."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is not in [0, {cp_size})")
-    return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def _chunk_length(seq_length: int, cp_size: int) -> int:
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"--seq-length {seq_length} does not split into 2 x --context-parallel-size "
-                         f"= {2 * cp_size} equal chunks")
-    return seq_length // (2 * cp_size)
-
-
-def load_balanced_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """LongTensor [seq_length // cp_size]: the real token positions this rank holds (its two chunks, in order)."""
-    n = _chunk_length(seq_length, cp_size)
-    first, second = load_balanced_chunks(cp_size, cp_rank)
-    return torch.cat([torch.arange(first * n, (first + 1) * n, device=device),
-                      torch.arange(second * n, (second + 1) * n, device=device)])
-
-
-def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's two chunks of a full-sequence tensor along `dim`, concatenated (contiguous copy)."""
-    n = _chunk_length(x.shape[dim], cp_size)
-    first, second = load_balanced_chunks(cp_size, cp_rank)
-    return torch.cat([x.narrow(dim, first * n, n), x.narrow(dim, second * n, n)], dim=dim)
-
-
-@functools.lru_cache(maxsize=32)
-def natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index into the rank-major concatenation of every rank's shard giving the natural token order, and
-    its inverse. Built once per (c, chunk, device) and kept on the device: no host-to-device copy per layer."""
-    held = torch.cat([load_balanced_positions(2 * cp_size * n, cp_size, r) for r in range(cp_size)])
-    order = torch.argsort(held)
-    return order.to(device), torch.argsort(order).to(device)
-
-
-@functools.lru_cache(maxsize=32)
-def _allgather_mask(seq_length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
-    """[s/c, s] bool, True = attend: this rank's queries against the rank-major gathered keys. Built once
-    per (s, c, rank, device) on the device."""
-    q_pos = load_balanced_positions(seq_length, cp_size, cp_rank)
-    k_pos = torch.cat([load_balanced_positions(seq_length, cp_size, i) for i in range(cp_size)])
-    return (q_pos[:, None] >= k_pos[None, :]).to(device)
 
 
 # ------------------------------------------------------------------------------------------- entry point
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
-                               comm_type: str, dropout_p: float = 0.0,
-                               softmax_scale: float | None = None) -> torch.Tensor:
+                               comm_type: str, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q: [b, heads, s/c, d];
     k, v: [b, kv_heads, s/c, d] (kv_heads == heads after the caller's GQA repeat); all in the
     load-balanced layout above (chunk i then chunk 2c-1-i). Returns [b, heads, s/c, d] in the same layout.
@@ -99,13 +58,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     kv_heads may also be any divisor of heads (grouped-query attention without the repeat: the ring then
     sends the unrepeated K/V); v may be narrower. With c = 1 (``cp_group`` None or of one rank) this is SDPA.
+    ``window``: a sliding window (p2p: ``ptdp.parallel.context.window``'s exchange of the chunks inside it
+    instead of the ring); ``sinks [heads]``: one more logit per head in the softmax (``ptdp.models.sinks``).
     """
     c = group_size(cp_group)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if window is not None and window >= q.shape[2] * c:  # the window holds the whole sequence
+        window = None
     if c == 1:
         k, v = _repeat_kv(k, v, heads // kv_heads)
+        if window is not None or sinks is not None:
+            return _local(q, k, v, softmax_scale, window, sinks, dropout_p)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
     if comm_type not in COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
@@ -119,10 +84,22 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if heads % c:
             raise ValueError(f"--cp-comm-type a2a needs the local attention heads ({heads}) divisible by "
                              f"--context-parallel-size {c}; use --cp-comm-type p2p")
-        return _ulysses(q, k, v, cp_group, scale)
+        return _ulysses(q, k, v, cp_group, scale, window, sinks)
     if comm_type == "allgather":
-        return _allgather_attention(q, k, v, cp_group, scale)
-    return _RingAttention.apply(q, k, v, cp_group, scale)
+        return _allgather_attention(q, k, v, cp_group, scale, window, sinks)
+    if window is not None:
+        return windowed_context_attention(q, k, v, cp_group, scale, window, sinks)
+    return _RingAttention.apply(q, k, v, cp_group, scale, sinks)
+
+
+def _local(q, k, v, scale, window: int | None, sinks: torch.Tensor | None, dropout_p: float = 0.0, *,
+           q_start: int = 0) -> torch.Tensor:
+    """Attention over whole keys from position 0 (queries from ``q_start``): windowed tiles, or the causal
+    softmax with the sinks."""
+    if window is not None:
+        return local_window_attention(q, k, v, window, q_start=q_start, scale=scale, sinks=sinks, dropout_p=dropout_p)
+    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(q_start)
+    return sink_attention(q, k, v, sinks, allowed, dropout_p, scale)
 
 
 def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,12 +111,22 @@ def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Ten
 # ------------------------------------------------------------------------------------------- allgather
 
 
-def _allgather_attention(q, k, v, group, scale: float) -> torch.Tensor:
+def _allgather_attention(q, k, v, group, scale: float, window: int | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
     k, v = _repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
                       gather_from_sequence_parallel_region(v, group, dim=2), q.shape[1] // k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_allgather_mask(s, c, r, q.device), scale=scale)
+    if window is not None:  # each query chunk over the natural-order keys, in tiles of its window
+        order, _ = natural_order(c, q.shape[2] // 2, q.device)
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        n = q.shape[2] // 2
+        return torch.cat([_local(q[:, :, i * n:(i + 1) * n], k, v, scale, window, sinks, q_start=chunk * n)
+                          for i, chunk in enumerate(load_balanced_chunks(c, r))], dim=2)
+    mask = _allgather_mask(s, c, r, q.device)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # ------------------------------------------------------------------------------------------- a2a (Ulysses)
@@ -169,7 +156,8 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, cat_dim, split_dim), None, None, None
 
 
-def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
+def _ulysses(q, k, v, group, scale: float, window: int | None = None,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
     c = group_size(group)
     heads = q.shape[1]
     if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
@@ -178,7 +166,11 @@ def _ulysses(q, k, v, group, scale: float) -> torch.Tensor:
     # [b, heads, s/c, d] sequence-sharded -> [b, heads/c, s, d] head-sharded, then natural token order
     q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if window is not None or sinks is not None:  # this rank's heads/c heads: their sinks
+        sinks = None if sinks is None else sinks.chunk(c)[group_rank(group)]
+        y = _local(q, k, v, scale, window, sinks)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     y = y.index_select(2, inverse)  # back to the rank-major load-balanced layout
     return _AllToAll.apply(y, group, 2, 1)
 
@@ -325,7 +317,8 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -341,14 +334,23 @@ class _RingAttention(torch.autograd.Function):
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
 
         ring_forward(torch.cat([k, v], dim=-1), group, visit)  # one block on the wire, whatever the head sizes
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # the sink joins the merged softmax as one more block: a logit z, a zero value
+            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+            out.mul_(torch.exp(lse - with_sink)[..., None])
+            lse = with_sink
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.group, ctx.scale = group, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
+        # with sinks: (out, lse) include the sink, so the blocks' backward below is the sink-softmax's; the
+        # sink's own gradient is -p_sink · rowsum(dO ∘ O) (its value is 0)
+        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
+                  .to(sinks[0].dtype) if sinks else None)
         r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -368,4 +370,4 @@ class _RingAttention(torch.autograd.Function):
             return dkv
 
         dk, dv = ring_backward(torch.cat([k, v], dim=-1), group, visit).split(sizes, dim=-1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks

@@ -41,7 +41,7 @@ def num_experts_of(layer: nn.Module) -> int:
 
 # Expert tensor parallelism splits each expert's FFN dimension f: dim 2 of ``fc1_weight [E, g, f, h]`` and of
 # ``fc2_weight [E, h, f]`` (``ptdp.models.moe.GroupedExperts``).
-EXPERT_TENSOR_DIM = {"fc1_weight": 2, "fc2_weight": 2}
+EXPERT_TENSOR_DIM = {"fc1_weight": 2, "fc2_weight": 2, "fc1_bias": 2}  # fc2_bias [E, h]: no split (refused)
 
 
 def _keep(param: nn.Parameter, dim: int, size: int, rank: int) -> nn.Parameter:

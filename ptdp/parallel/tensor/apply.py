@@ -43,6 +43,7 @@ from torch import nn
 from ptdp.models.layers import DropoutAdd, Linear
 from ptdp.models.sharding import (
     ColumnParallel,
+    HeadParallel,
     PartialGradient,
     RowParallel,
     SequenceEntry,
@@ -167,6 +168,22 @@ def _vocab_output(split: _Split, module: nn.Module, rule: VocabParallelOutput) -
     return VocabParallelLogits(module.vocab_size, tp_group=split.tp_group, sequence_parallel=split.sp)
 
 
+def _heads(split: _Split, module: nn.Module, rule: HeadParallel) -> None:
+    """In place, this rank's heads of a per-head module (``AttentionSinks``: ``heads`` and ``[heads]``
+    parameters): rows ``[r·a/t, (r+1)·a/t)``, the query heads the column-parallel QKV gives it."""
+    t, rank = group_size(split.tp_group), group_rank(split.tp_group)
+    module.heads //= t
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        rows = module.heads
+        piece = nn.Parameter(param.new_empty((rows, *param.shape[1:])) if param.is_meta
+                             else param.detach().narrow(0, rank * rows, rows).clone(), requires_grad=param.requires_grad)
+        split.placements.replace(param, piece)
+        split.placements.add_split(piece, Split("tp", 0, t, rank))
+        module._parameters[name] = piece
+
+
 def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:
     """Heads are split whenever t > 1; tokens only under sequence parallelism."""
     if (rule.over == "heads" and group_size(split.tp_group) > 1) or (rule.over == "tokens" and split.sp):
@@ -184,4 +201,5 @@ _HANDLERS: dict[type, Callable[[_Split, nn.Module, Any], nn.Module | None]] = {
     SequenceEntry: _sequence_entry,
     HeadSharedRule: lambda split, module, rule: HeadSharedInput(split.tp_group, split.sp),
     PartialGradient: _partial,
+    HeadParallel: _heads,
 }
