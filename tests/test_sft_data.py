@@ -287,8 +287,9 @@ def test_sft_flag_conflicts_are_one_line_each(flags, message):
 
 
 def test_sft_layouts_train_like_one_process(chat_data, tmp_path):
-    """Data and context parallelism under --sft (both normalisations) train like one process: the loss
-    weights and the conversations' boundaries reach every rank's share of the samples."""
+    """Data, context, tensor + sequence and pipeline parallelism and ZeRO-3 under --sft (both normalisations
+    for d = 2) train like one process: the loss weights and the conversations' boundaries reach every rank's
+    share of the samples (the sequence-parallel shards, the last pipeline stage, the sharded parameters)."""
     from helpers import assert_equivalent, run_layouts
 
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "152",
@@ -297,8 +298,15 @@ def test_sft_layouts_train_like_one_process(chat_data, tmp_path):
             "--split", "100,0,0", "--sft", "--data-path", chat_data]
     per_token = ["--calculate-per-token-loss"]
     runs = run_layouts(tmp_path, {"one": (1, []), "d2": (2, []), "c2": (2, ["--context-parallel-size", "2"]),
+                                  "t2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                  "p2": (2, ["--pipeline-model-parallel-size", "2"]),
+                                  "d2_zero3": (2, ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                                   "--use-distributed-optimizer"]),
                                   "one_per_token": (1, per_token), "d2_per_token": (2, per_token)}, base=base)
     assert_equivalent(runs["d2"], runs["one"])
     assert_equivalent(runs["c2"], runs["one"])
+    assert_equivalent(runs["t2_sp"], runs["one"])
+    assert_equivalent(runs["p2"], runs["one"])
+    assert_equivalent(runs["d2_zero3"], runs["one"])
     assert_equivalent(runs["d2_per_token"], runs["one_per_token"])
     assert all(abs(a - b) > 1e-6 for a, b in zip(runs["one"].losses, runs["one_per_token"].losses))
