@@ -121,6 +121,59 @@ def test_a_tokenizer_without_chat_template_is_one_line_exit_2(tmp_path, tokenize
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
 
 
+def _columnar(path, rows: list[dict]) -> str:
+    """``rows`` as a Parquet file or an Arrow IPC stream (by ``path``'s suffix)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    table = pa.Table.from_pylist(rows)
+    if str(path).endswith(".parquet"):
+        pyarrow.parquet.write_table(table, str(path), row_group_size=2)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pyarrow.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=2)
+    return str(path)
+
+
+def _files(prefix: str) -> dict[str, bytes]:
+    return {suffix: open(prefix + suffix, "rb").read()
+            for suffix in (".bin", ".idx", LOSS_MASK_SUFFIX + ".bin", LOSS_MASK_SUFFIX + ".idx")}
+
+
+@pytest.mark.parametrize("suffix, workers", [(".parquet", 1), (".arrow", 2)])
+def test_parquet_and_arrow_chats_give_the_jsonl_files_byte_for_byte(tmp_path, tokenizers, suffix, workers):
+    """A ``messages`` column of structs (role, content; a message without a field has it null, as a column of
+    structs stores it) renders exactly as the same rows in JSONL."""
+    conversations = [*CONVERSATIONS, [{"role": "user", "content": "hi", "name": "ann"},
+                                      {"role": "assistant", "content": "hello"}]] * 2
+    code, jsonl = _preprocess(tmp_path, tokenizers["marked"], "jsonl",
+                              chats=write_chats(tmp_path / "chats.jsonl", conversations))
+    assert code == 0
+    rows = _columnar(tmp_path / f"chats{suffix}", [{"id": k, "messages": c} for k, c in enumerate(conversations)])
+    code, columnar = _preprocess(tmp_path, tokenizers["marked"], "columnar", chats=rows,
+                                 extra=["--workers", str(workers)])
+    assert code == 0
+    assert _files(columnar) == _files(jsonl) and IndexedDataset(jsonl).num_documents == len(conversations)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_bad_columnar_row_names_file_and_row_and_a_missing_column_the_file(tmp_path, tokenizers, capsys, suffix):
+    rows = [{"messages": CONVERSATIONS[0]}, {"messages": CONVERSATIONS[1]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+            {"messages": CONVERSATIONS[2]}]
+    path = _columnar(tmp_path / f"bad{suffix}", rows)
+    capsys.readouterr()
+    code, _ = _preprocess(tmp_path, tokenizers["marked"], chats=path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"{path}: row 3: " in err[0] and "unknown role 'bot'" in err[0], err
+    assert os.listdir(tmp_path / "out") == []
+    other = _columnar(tmp_path / f"other{suffix}", [{"text": "hello"}])
+    code, _ = _preprocess(tmp_path, tokenizers["marked"], chats=other)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'messages' is not in" in err[0] and other in err[0], err
+
+
 # ---------------------------------------------------------------------------------------------- SFT samples
 
 
