@@ -8,6 +8,7 @@ Megatron's per-microbatch mean and with ``--calculate-per-token-loss``."""
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -123,3 +124,87 @@ def test_sft_training_equals_transformers_with_its_assistant_mask_and_adamw(setu
             assert norm == pytest.approx(want_norm, rel=1e-4), (name, got, track)
         assert track[0][0] != pytest.approx(track[-1][0], rel=1e-3)  # the model trained: the comparison bites
     assert runs["mean"].records[0]["loss"] != pytest.approx(runs["per_token"].records[0]["loss"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- generate --chat
+
+
+def _chat(capsys, monkeypatch, tmp, tok, *flags: str) -> tuple[int, str, str, list]:
+    """``ptdp generate --chat`` in this process; also the (prompt ids, new ids) of each decode it ran."""
+    import ptdp.cli.generate as gen
+
+    calls, real = [], gen.generate
+
+    def spy(model, tokenizer, prompt_ids, *args, **kwargs):
+        new = real(model, tokenizer, prompt_ids, *args, **kwargs)
+        calls.append((list(prompt_ids), new, kwargs.get("stop_ids")))
+        return new
+
+    monkeypatch.setattr(gen, "generate", spy)
+    capsys.readouterr()
+    code = main(["generate", "--load", str(tmp / "imported"), "--chat", "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", tok, *flags])
+    out, err = capsys.readouterr()
+    return code, out, err, calls
+
+
+def test_generate_chat_feeds_apply_chat_template_and_answers_as_hf_greedy(setup, capsys, monkeypatch):
+    tmp, tok, _, _ = setup
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "hf")).float().eval()  # untrained weights
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tok)
+    im_end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "1 + 2?"}]
+    code, out, err, calls = _chat(capsys, monkeypatch, tmp, tok, "--system", messages[0]["content"], "--prompt",
+                                  messages[1]["content"], "--greedy", "--max-new-tokens", "6")
+    assert code == 0, err
+    [(prompt_ids, new, stops)] = calls
+    want = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    assert prompt_ids == list(want["input_ids"]) and tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    assert stops == [im_end, eos]  # the template's end of turn, then eos
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
+                                eos_token_id=stops, pad_token_id=eos)[0, len(prompt_ids):].tolist()
+    assert new == reference and len(new) == 6
+    assert out == tokenizer.decode([i for i in new if i not in stops]) + "\n"
+    # --messages FILE (a row of the SFT data) renders the same prompt
+    row = tmp / "row.json"
+    row.write_text(json.dumps({"messages": messages}))
+    code, out2, _, calls = _chat(capsys, monkeypatch, tmp, tok, "--messages", str(row), "--greedy",
+                                 "--max-new-tokens", "6")
+    assert code == 0 and calls[0][0] == prompt_ids and out2 == out
+
+
+def test_generate_stops_at_the_end_of_turn_id():
+    """The first greedy token made a stop id: one token generated, then the loop ends."""
+    from ptdp.cli.generate import generate
+    from ptdp.config import ModelConfig
+    from ptdp.models import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16), 64, 64)
+    free = generate(model, None, [1, 2, 3], 5)
+    assert len(free) == 5
+    assert generate(model, None, [1, 2, 3], 5, stop_ids=[free[0]]) == free[:1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chat", "--prompt", "hi"], "--chat renders the model's chat template: give --tokenizer-type"),
+    (["--system", "x", "--prompt", "hi"], "--system applies only with --chat"),
+    (["--chat", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOK"],
+     "--chat needs --prompt TEXT"),
+    (["--chat", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOK", "--messages", "BAD"],
+     "--messages BAD: message 2 has the unknown role 'bot'"),
+    (["--chat", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NONE", "--prompt", "hi"],
+     "has no chat template"),
+])
+def test_generate_chat_bad_input_is_one_line_exit_2(setup, capsys, tmp_path, flags, message):
+    tmp, tok, _, _ = setup
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]))
+    none = chat_tokenizer(tmp_path / "none", None) if "NONE" in flags else ""
+    flags = [{"TOK": tok, "BAD": str(bad), "NONE": none}.get(f, f) for f in flags]
+    message = message.replace("BAD", str(bad))
+    capsys.readouterr()
+    code = main(["generate", "--load", str(tmp / "imported"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
