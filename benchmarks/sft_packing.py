@@ -13,8 +13,9 @@ the cost) are trained for one epoch, in the same process, alternating the two ar
 
 Both go through ptdp's batch assembly (``ptdp.train.batches.Microbatches``), the GPT model and
 ``stage_loss`` with the SFT loss weights, then ``torch.optim.AdamW``. Printed: the seconds per epoch
-(median), the *useful* tokens/s (conversation tokens, padding excluded; and the loss-carrying ones) of
-each arm, and the ratio packed / padded -- the only number that means something on a shared machine.
+(median, wall and CPU), the *useful* tokens/s (conversation tokens, padding excluded; and the loss-carrying
+ones) of each arm, and the ratios packed / padded, per wall second and per CPU second -- the only numbers that
+mean something on a shared machine (the CPU-time one is the less disturbed by other processes).
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ class Padded:
         return tokens, weights, (0, n, self.s) if n < self.s else (0, self.s)
 
 
-def epoch(model: GPTModel, dataset, fmt: BatchFormat, micro: int) -> float:
-    """Seconds to train one pass over ``dataset`` (the last, partial global batch dropped)."""
+def epoch(model: GPTModel, dataset, fmt: BatchFormat, micro: int) -> tuple[float, float]:
+    """(wall, CPU) seconds to train one pass over ``dataset`` (the last, partial global batch dropped)."""
     state = ParallelState(ParallelDims(1, 1, 1, 1), 0, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     m = fmt.global_batch_size // micro
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for index in range(len(dataset) // fmt.global_batch_size):
         batches = Microbatches(dataset, index, fmt, state, m)
         batches.begin()
@@ -90,7 +91,7 @@ def epoch(model: GPTModel, dataset, fmt: BatchFormat, micro: int) -> float:
             out = model(batches.inputs(j), **batches.extras(j))
             (stage_loss(out, batches.labels(j), batches.loss_weights(j)) / m).backward()
         optimizer.step()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def useful(dataset, fmt: BatchFormat) -> tuple[int, int]:
@@ -138,7 +139,7 @@ def main() -> None:
         cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
                           seq_length=s, hidden_dropout=0.0, attention_dropout=0.0)
         initial = GPTModel(cfg, VOCAB, VOCAB).state_dict()
-        seconds: dict[str, list[float]] = {name: [] for name in arms}
+        seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
         for _ in range(args.repeats):
             for name, (dataset, fmt) in arms.items():
                 model = GPTModel(cfg, VOCAB, VOCAB)
@@ -149,12 +150,14 @@ def main() -> None:
                   "threads": args.threads, "repeats": args.repeats}
         for name, (dataset, fmt) in arms.items():
             tokens, loss_tokens = useful(dataset, fmt)
-            t = statistics.median(seconds[name])
-            result[name] = {"samples": len(dataset), "epoch_s": round(t, 3), "tokens_per_s": round(tokens / t, 1),
+            t = statistics.median(w for w, _ in seconds[name])
+            cpu = statistics.median(c for _, c in seconds[name])
+            result[name] = {"samples": len(dataset), "epoch_s": round(t, 3), "epoch_cpu_s": round(cpu, 3),
+                            "tokens_per_s": round(tokens / t, 1), "tokens_per_cpu_s": round(tokens / cpu, 1),
                             "loss_tokens_per_s": round(loss_tokens / t, 1),
                             "fill": round(tokens / (len(dataset) // gb * gb * (s + 1)), 3)}
-        result["ratio_packed_over_padded"] = round(result["packed"]["tokens_per_s"] / result["padded"]["tokens_per_s"],
-                                                   3)
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):
+            result[f"ratio_packed_over_padded_{key}"] = round(result["packed"][key] / result["padded"][key], 3)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -1,6 +1,7 @@
 """Chat data for supervised fine-tuning (docs/sft.md): ``ptdp preprocess --sft`` against transformers'
-``apply_chat_template``, the by-role mask, bad input, the packed SFT samples and their loss weights, a packed
-sample against its conversations run alone, and a short ``ptdp train --sft``."""
+``apply_chat_template``, the by-role mask, bad input, Parquet/Arrow rows byte for byte as JSONL, the packed
+SFT samples and their loss weights, a packed sample against its conversations run alone, a short ``ptdp
+train --sft``, and its layouts (d, c, t + SP, p, ZeRO-3) against one process."""
 
 from __future__ import annotations
 

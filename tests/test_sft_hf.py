@@ -4,7 +4,9 @@ conversations trained in transformers -- rendered by ``apply_chat_template`` wit
 (labels -100 outside it), each conversation alone (a packed sample computes exactly what its conversations
 alone would: tests/test_sft_data.py), grouped into the microbatches and global batches of ptdp's packed
 samples -- under ``torch.optim.AdamW``: the loss and gradient norm of every iteration are equal, with
-Megatron's per-microbatch mean and with ``--calculate-per-token-loss``."""
+Megatron's per-microbatch mean and with ``--calculate-per-token-loss``. ``ptdp generate --chat`` on the
+imported model: the ids it feeds are ``apply_chat_template(add_generation_prompt=True)``'s, its greedy answer
+is transformers' greedy ``generate`` with the template's end-of-turn id, and bad input is one line."""
 
 from __future__ import annotations
 
