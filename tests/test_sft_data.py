@@ -1,6 +1,7 @@
 """Chat data for supervised fine-tuning (docs/sft.md): ``ptdp preprocess --sft`` against transformers'
-``apply_chat_template``, the by-role mask, bad input, the packed SFT samples and their loss weights, a packed
-sample against its conversations run alone, and a short ``ptdp train --sft``."""
+``apply_chat_template``, the by-role mask, bad input, Parquet/Arrow rows byte for byte as JSONL, the packed
+SFT samples and their loss weights, a packed sample against its conversations run alone, a short ``ptdp
+train --sft``, and its layouts (d, c, t + SP, p, ZeRO-3) against one process."""
 
 from __future__ import annotations
 
@@ -119,6 +120,59 @@ def test_a_tokenizer_without_chat_template_is_one_line_exit_2(tmp_path, tokenize
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no chat template" in err[0] and "--chat-template" in err[0], err
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def _columnar(path, rows: list[dict]) -> str:
+    """``rows`` as a Parquet file or an Arrow IPC stream (by ``path``'s suffix)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    table = pa.Table.from_pylist(rows)
+    if str(path).endswith(".parquet"):
+        pyarrow.parquet.write_table(table, str(path), row_group_size=2)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pyarrow.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=2)
+    return str(path)
+
+
+def _files(prefix: str) -> dict[str, bytes]:
+    return {suffix: open(prefix + suffix, "rb").read()
+            for suffix in (".bin", ".idx", LOSS_MASK_SUFFIX + ".bin", LOSS_MASK_SUFFIX + ".idx")}
+
+
+@pytest.mark.parametrize("suffix, workers", [(".parquet", 1), (".arrow", 2)])
+def test_parquet_and_arrow_chats_give_the_jsonl_files_byte_for_byte(tmp_path, tokenizers, suffix, workers):
+    """A ``messages`` column of structs (role, content; a message without a field has it null, as a column of
+    structs stores it) renders exactly as the same rows in JSONL."""
+    conversations = [*CONVERSATIONS, [{"role": "user", "content": "hi", "name": "ann"},
+                                      {"role": "assistant", "content": "hello"}]] * 2
+    code, jsonl = _preprocess(tmp_path, tokenizers["marked"], "jsonl",
+                              chats=write_chats(tmp_path / "chats.jsonl", conversations))
+    assert code == 0
+    rows = _columnar(tmp_path / f"chats{suffix}", [{"id": k, "messages": c} for k, c in enumerate(conversations)])
+    code, columnar = _preprocess(tmp_path, tokenizers["marked"], "columnar", chats=rows,
+                                 extra=["--workers", str(workers)])
+    assert code == 0
+    assert _files(columnar) == _files(jsonl) and IndexedDataset(jsonl).num_documents == len(conversations)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_bad_columnar_row_names_file_and_row_and_a_missing_column_the_file(tmp_path, tokenizers, capsys, suffix):
+    rows = [{"messages": CONVERSATIONS[0]}, {"messages": CONVERSATIONS[1]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+            {"messages": CONVERSATIONS[2]}]
+    path = _columnar(tmp_path / f"bad{suffix}", rows)
+    capsys.readouterr()
+    code, _ = _preprocess(tmp_path, tokenizers["marked"], chats=path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"{path}: row 3: " in err[0] and "unknown role 'bot'" in err[0], err
+    assert os.listdir(tmp_path / "out") == []
+    other = _columnar(tmp_path / f"other{suffix}", [{"text": "hello"}])
+    code, _ = _preprocess(tmp_path, tokenizers["marked"], chats=other)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'messages' is not in" in err[0] and other in err[0], err
 
 
 # ---------------------------------------------------------------------------------------------- SFT samples
@@ -287,8 +341,9 @@ def test_sft_flag_conflicts_are_one_line_each(flags, message):
 
 
 def test_sft_layouts_train_like_one_process(chat_data, tmp_path):
-    """Data and context parallelism under --sft (both normalisations) train like one process: the loss
-    weights and the conversations' boundaries reach every rank's share of the samples."""
+    """Data, context, tensor + sequence and pipeline parallelism and ZeRO-3 under --sft (both normalisations
+    for d = 2) train like one process: the loss weights and the conversations' boundaries reach every rank's
+    share of the samples (the sequence-parallel shards, the last pipeline stage, the sharded parameters)."""
     from helpers import assert_equivalent, run_layouts
 
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "152",
@@ -297,8 +352,15 @@ def test_sft_layouts_train_like_one_process(chat_data, tmp_path):
             "--split", "100,0,0", "--sft", "--data-path", chat_data]
     per_token = ["--calculate-per-token-loss"]
     runs = run_layouts(tmp_path, {"one": (1, []), "d2": (2, []), "c2": (2, ["--context-parallel-size", "2"]),
+                                  "t2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                  "p2": (2, ["--pipeline-model-parallel-size", "2"]),
+                                  "d2_zero3": (2, ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                                   "--use-distributed-optimizer"]),
                                   "one_per_token": (1, per_token), "d2_per_token": (2, per_token)}, base=base)
     assert_equivalent(runs["d2"], runs["one"])
     assert_equivalent(runs["c2"], runs["one"])
+    assert_equivalent(runs["t2_sp"], runs["one"])
+    assert_equivalent(runs["p2"], runs["one"])
+    assert_equivalent(runs["d2_zero3"], runs["one"])
     assert_equivalent(runs["d2_per_token"], runs["one_per_token"])
     assert all(abs(a - b) > 1e-6 for a, b in zip(runs["one"].losses, runs["one_per_token"].losses))

@@ -10,12 +10,16 @@ both modes are reproducible. There is no KV cache: the window slides once the co
 recomputing at most ``seq_length`` positions is cheap for the models this runs on; correctness first.
 
 The tokenizer is the one the run trained with: the first prefix of the saved ``--data-path`` (its
-``PREFIX.tokenizer.json`` for BPE), or the byte tokenizer of the default corpus.
+``PREFIX.tokenizer.json`` for BPE), or the byte tokenizer of the default corpus. With ``--chat`` it is the
+Hugging Face tokenizer of ``--tokenizer-model`` instead: the conversation is rendered by its chat template as
+``ptdp preprocess --sft`` renders training data (``ptdp.data.chat``), and the answer ends at the template's
+end-of-turn token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -38,7 +42,8 @@ class GenerateError(ConfigError):
 
 def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], max_new_tokens: int,
              greedy: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
+             generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None,
+             stop_ids: Sequence[int] | None = None) -> list[int]:
     """The ids that continue ``prompt_ids``: at most ``max_new_tokens`` of them, ending early with the
     tokenizer's ``eod_id`` (included, as Hugging Face's ``generate`` includes eos; ``tokenizer=None``
     never stops early).
@@ -48,6 +53,7 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
     logits are divided by ``temperature``, cut to the ``top_k`` largest (0 = all) and to the smallest
     set whose probability reaches ``top_p``, and the token is drawn with ``generator`` (same seed, same
     tokens). ``on_token`` is called with each new id as soon as it is chosen (``ptdp generate`` streams).
+    ``stop_ids`` (a chat template's end-of-turn ids) replace ``eod_id`` as the ids that end it.
     """
     import torch
 
@@ -56,7 +62,7 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
     model.eval()
     device = next(model.parameters()).device
     seq_length, vocab = model.cfg.max_position_embeddings or model.cfg.seq_length, model.vocab_size
-    eod = tokenizer.eod_id if tokenizer is not None else None
+    stops = set(stop_ids) if stop_ids is not None else {tokenizer.eod_id} if tokenizer is not None else set()
     tokens = [int(i) for i in prompt_ids]
     new: list[int] = []
     with torch.no_grad():
@@ -68,7 +74,7 @@ def generate(model: GPTModel, tokenizer: Tokenizer | None, prompt_ids: Sequence[
             new.append(next_id)
             if on_token is not None:
                 on_token(next_id)
-            if next_id == eod:
+            if next_id in stops:
                 break
     return new
 
@@ -111,12 +117,24 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         "tokenizer when there is none) instead of the checkpoint's --data-path")
     parser.add_argument("--tokenizer-file", default=None, help="use this tokenizer.json (e.g. a Llama "
                         "model's Hugging Face tokenizer; the prompt starts with its BOS token)")
+    chat = parser.add_argument_group("chat (docs/sft.md)")
+    chat.add_argument("--chat", action="store_true", help="answer a conversation: --prompt is the user's message "
+                      "(after --system's), or --messages FILE holds the conversation; rendered with the tokenizer's "
+                      "chat template, the answer streamed until the template's end of turn")
+    chat.add_argument("--system", default=None, help="with --chat: a system message before --prompt")
+    chat.add_argument("--messages", default=None, help="with --chat: a JSON file, a list of {role, content} "
+                      "messages or an object with a \"messages\" list (a row of the SFT data)")
+    chat.add_argument("--tokenizer-type", default=None, help="with --chat: HuggingFaceTokenizer")
+    chat.add_argument("--tokenizer-model", default=None, help="with --chat: the Hugging Face tokenizer DIR that "
+                      "holds the chat template")
+    chat.add_argument("--chat-template", default=None, help="with --chat: this Jinja template (or JSON with "
+                      "\"chat_template\") instead of the tokenizer's")
     return parser
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Print the prompt, then each token as it is produced (a reader sees text within a second, not
-    after the whole continuation), then a newline."""
+    """Print the prompt (with ``--chat``: only the answer), then each token as it is produced (a reader sees
+    text within a second, not after the whole continuation), then a newline."""
     try:
         generate_text(args, stream=write_stdout)
     except ConfigError as e:  # bad flags, a missing or unusable checkpoint or tokenizer
@@ -167,6 +185,10 @@ def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None
         raise GenerateError(f"--load {args.load}: the checkpoint holds no model weights; point --load at a "
                             "checkpoint saved by `ptdp train --save` or `ptdp import`")
     model = full_model_from_state(tensors, config)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    generator = torch.Generator().manual_seed(seed)
+    if args.chat:
+        return answer(args, model, generator, stream)
     tokenizer = checkpoint_tokenizer(config, args.tokenizer_prefix, args.tokenizer_file)
     if tokenizer.vocab_size > model.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint's model only "
@@ -174,23 +196,90 @@ def generate_text(args: argparse.Namespace, stream: Callable[[str], None] | None
     # argv may carry invalid UTF-8 (as lone surrogates): show and encode it as U+FFFD, like the output
     prompt = args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     prompt_ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    generator = torch.Generator().manual_seed(seed)
     streamer = TextStream(tokenizer, stream) if stream is not None else None
     if stream is not None:
         stream(prompt)
-    new_ids = generate(model, tokenizer, prompt_ids, args.max_new_tokens, greedy=args.greedy,
-                       temperature=1.0 if args.temperature is None else args.temperature,
-                       top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
-                       generator=generator, on_token=streamer)
+    new_ids = generate(model, tokenizer, prompt_ids, args.max_new_tokens, generator=generator, on_token=streamer,
+                       **_sampling(args))
     if streamer is not None:
         streamer.close()
     return prompt + tokenizer.decode(new_ids)  # eod is not text: both tokenizers skip it
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(greedy=args.greedy, temperature=1.0 if args.temperature is None else args.temperature,
+                top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p)
+
+
+def answer(args: argparse.Namespace, model: GPTModel, generator: torch.Generator,
+           stream: Callable[[str], None] | None = None) -> str:
+    """``--chat``: the answer to the conversation, its prompt rendered as ``ptdp preprocess --sft`` renders
+    (``ptdp.data.chat``: ``apply_chat_template(add_generation_prompt=True)``), ended by the template's
+    end-of-turn token (not written)."""
+    from ptdp.data import DataError
+    from ptdp.data.chat import BadRow, check_messages, end_of_turn_ids, generation_prompt, load_chat_tokenizer
+
+    try:
+        tok = load_chat_tokenizer(args.tokenizer_model, args.chat_template)
+    except DataError as e:
+        raise GenerateError(str(e)) from None
+    if len(tok) > model.vocab_size:
+        raise GenerateError(f"--tokenizer-model {args.tokenizer_model} has {len(tok)} tokens but the checkpoint's "
+                            f"model only {model.vocab_size}; give the model's own tokenizer")
+    source = f"--messages {args.messages}" if args.messages else "--prompt"
+    try:
+        prompt_ids = generation_prompt(tok, check_messages(chat_messages(args), need_answer=False))
+    except BadRow as e:
+        raise GenerateError(f"{source}: {e}") from None
+    stops = end_of_turn_ids(tok)
+    streamer = TextStream(tok, stream) if stream is not None else None
+    new_ids = generate(model, None, prompt_ids, args.max_new_tokens, generator=generator, stop_ids=stops,
+                       on_token=None if streamer is None else lambda i: None if i in stops else streamer(i),
+                       **_sampling(args))
+    if streamer is not None:
+        streamer.close()
+    return tok.decode([i for i in new_ids if i not in stops])
+
+
+def chat_messages(args: argparse.Namespace) -> dict:
+    """``--chat``'s row: ``{"messages": ...}`` of ``--messages FILE``, or --system's and --prompt's messages."""
+    if not args.messages:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        return {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    try:
+        with open(args.messages, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise GenerateError(f"--messages: cannot read {args.messages} ({e.strerror})") from None
+    except ValueError as e:
+        raise GenerateError(f"--messages {args.messages}: not JSON ({str(e).splitlines()[0]})") from None
+    return data if isinstance(data, dict) else {"messages": data}
+
+
+def _check_chat(args: argparse.Namespace) -> None:
+    chat_only = [flag for flag, value in (("--system", args.system), ("--messages", args.messages),
+                                          ("--tokenizer-type", args.tokenizer_type),
+                                          ("--tokenizer-model", args.tokenizer_model),
+                                          ("--chat-template", args.chat_template)) if value is not None]
+    if not args.chat:
+        if chat_only:
+            raise GenerateError(f"{chat_only[0]} applies only with --chat")
+        return
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise GenerateError("--chat renders the model's chat template: give --tokenizer-type HuggingFaceTokenizer "
+                            "--tokenizer-model DIR (and --chat-template FILE if DIR has none)")
+    if args.tokenizer_prefix or args.tokenizer_file:
+        raise GenerateError("--chat reads --tokenizer-model; drop --tokenizer-prefix / --tokenizer-file")
+    if args.messages and (args.prompt or args.system is not None):
+        raise GenerateError("--messages holds the whole conversation; drop --prompt and --system")
+    if not args.messages and not args.prompt:
+        raise GenerateError("--chat needs --prompt TEXT (the user's message) or --messages FILE")
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     if not args.load:
         raise GenerateError("--load is required: give the checkpoint DIR written by `ptdp train --save DIR`")
+    _check_chat(args)
     if args.tokenizer_prefix and args.tokenizer_file:
         raise GenerateError("--tokenizer-prefix and --tokenizer-file are exclusive; give one of them")
     if args.max_new_tokens < 0:

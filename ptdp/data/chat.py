@@ -13,6 +13,9 @@ tokens that carry the loss -- is:
   to stop); a token overlapping such a span carries the loss (transformers' overlap rule). A template that
   does not render a conversation as the concatenation of its turns (one that rewrites earlier turns) cannot
   be split this way: one line asking for generation markers.
+
+``ptdp generate --chat`` renders its prompt here too (:func:`generation_prompt`, the template's opening of
+the answer) and stops at the template's end-of-turn token (:func:`end_of_turn_ids`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def load_chat_tokenizer(model: str | None, chat_template: str | None):
     try:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
     except ImportError:
-        raise DataError("--sft: rendering chat templates needs transformers (pip install transformers)") from None
+        raise DataError("chat templates (--sft, --chat) are rendered by transformers (pip install transformers)") from None
     if not model:
         raise DataError("--sft needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (the model's "
                         "Hugging Face tokenizer)")
@@ -70,8 +73,9 @@ def has_generation_markers(template: str) -> bool:
     return GENERATION_MARKER.search(template) is not None
 
 
-def check_messages(record) -> list[dict]:
-    """The ``messages`` of one parsed row, checked (raises :class:`BadRow`)."""
+def check_messages(record, need_answer: bool = True) -> list[dict]:
+    """The ``messages`` of one parsed row, checked (raises :class:`BadRow`); ``need_answer``: it must hold an
+    assistant turn (training data; a prompt to answer need not)."""
     if not isinstance(record, dict):
         raise BadRow("not a JSON object")
     messages = record.get("messages")
@@ -84,7 +88,7 @@ def check_messages(record) -> list[dict]:
             raise BadRow(f"message {k} has the unknown role {message['role']!r} (known: {', '.join(ROLES)})")
         if not isinstance(message.get("content"), str):
             raise BadRow(f"message {k} ({message['role']}) has no string \"content\"")
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant turn (nothing to train on)")
     return messages
 
@@ -134,3 +138,36 @@ def _by_role(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
         if end > spans[j][0]:
             mask[t] = 1
     return ids, mask
+
+
+def generation_prompt(tok, messages: list[dict]) -> list[int]:
+    """The ids a model answers ``messages`` from: ``apply_chat_template(messages, add_generation_prompt=True)``
+    (the conversation, then the template's opening of an assistant turn)."""
+    try:
+        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - a template error on these messages
+        raise BadRow(f"the chat template fails on it ({str(err).splitlines()[0] if str(err) else type(err).__name__})") \
+            from None
+    return list(out["input_ids"])
+
+
+_PROBE = "\u2063ptdp-answer\u2063"  # a text no template writes itself
+
+
+def end_of_turn_ids(tok) -> list[int]:
+    """The ids that end an answer: the first special token the template writes after an assistant message's
+    content (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3, ``<end_of_turn>`` in Gemma), then the
+    tokenizer's end-of-sequence token, when it has them."""
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    stops = []
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
+                                       tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that wants another shape of conversation: eos only
+        text = ""
+    if _PROBE in text:
+        tail = tok(text[text.index(_PROBE) + len(_PROBE):], add_special_tokens=False)["input_ids"]
+        stops += [i for i in tail if i in special][:1]
+    if tok.eos_token_id is not None and tok.eos_token_id not in stops:
+        stops.append(int(tok.eos_token_id))
+    return stops

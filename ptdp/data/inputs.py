@@ -28,7 +28,7 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
 class Task(NamedTuple):
-    kind: str  # "jsonl" (payload: raw lines) or "texts" (payload: documents as str)
+    kind: str  # "jsonl" (payload: raw lines), "texts" (payload: documents as str) or "rows" (payload: dicts)
     path: str
     first: int  # line / row number of the first item, from 1
     payload: list
@@ -117,22 +117,23 @@ def _arrow_reader(path: str):
             raise DataError(f"--input: {path} is not an Arrow IPC file or stream") from None
 
 
-def _check_columns(path: str, names: list[str], keys: list[str]) -> None:
+def _check_columns(path: str, names: list[str], keys: list[str], flag: str) -> None:
     missing = [k for k in keys if k not in names]
     if missing:
-        raise DataError(f"--json-keys: column {missing[0]!r} is not in {path} (columns: {', '.join(names)})")
+        raise DataError(f"{flag}: column {missing[0]!r} is not in {path} (columns: {', '.join(names)})")
 
 
-def check_columns(files: list[str], keys: list[str]) -> None:
-    """Fail before writing anything when a Parquet/Arrow file lacks a ``--json-keys`` column."""
+def check_columns(files: list[str], keys: list[str], flag: str = "--json-keys") -> None:
+    """Fail before writing anything when a Parquet/Arrow file lacks a ``--json-keys`` column (``flag``: the
+    flag that asked for the columns)."""
     for path in files:
         kind = _kind(path)
         try:
             if kind == "parquet":
                 pa = _pyarrow()
-                _check_columns(path, pa.parquet.ParquetFile(path).schema_arrow.names, keys)
+                _check_columns(path, pa.parquet.ParquetFile(path).schema_arrow.names, keys, flag)
             elif kind == "arrow":
-                _check_columns(path, _arrow_reader(path).schema.names, keys)
+                _check_columns(path, _arrow_reader(path).schema.names, keys, flag)
         except DataError:
             raise
         except Exception as err:  # pyarrow's errors on corrupt files
@@ -158,17 +159,26 @@ def _jsonl_tasks(path: str) -> Iterator[Task]:
             yield Task("jsonl", path, first, lines, size)
 
 
-def _batch_tasks(path: str, batches, total_rows: int | None, keys: list[str]) -> Iterator[Task]:
+def _rows(batch, keys: list[str]) -> list[dict]:
+    """Each row as ``{key: value}`` (nested lists and structs as Python lists and dicts)."""
+    columns = [batch.column(batch.schema.get_field_index(k)).to_pylist() for k in keys]
+    return [dict(zip(keys, values)) for values in zip(*columns)]
+
+
+def _batch_tasks(path: str, batches, total_rows: int | None, keys: list[str], rows: bool) -> Iterator[Task]:
     file_size, row = os.path.getsize(path), 1
     for batch in batches:
         if batch.num_rows == 0:
             continue
         nbytes = file_size * batch.num_rows // total_rows if total_rows else batch.nbytes
-        yield Task("texts", path, row, _texts(batch, keys), nbytes)
+        yield (Task("rows", path, row, _rows(batch, keys), nbytes) if rows
+               else Task("texts", path, row, _texts(batch, keys), nbytes))
         row += batch.num_rows
 
 
-def read_tasks(files: list[str], keys: list[str]) -> Iterator[Task]:
+def read_tasks(files: list[str], keys: list[str], rows: bool = False) -> Iterator[Task]:
+    """The tasks of ``files`` in order; a Parquet/Arrow task holds the ``keys`` columns joined as text, or
+    with ``rows`` each row's ``{key: value}`` (structured columns such as chat ``messages``)."""
     for path in files:
         kind = _kind(path)
         if kind == "jsonl":
@@ -177,17 +187,17 @@ def read_tasks(files: list[str], keys: list[str]) -> Iterator[Task]:
             # Without pre-buffering and with a bounded read buffer: pyarrow's default pre-buffers column chunks
             # ahead and the process grows with the file (benchmarks/preprocess.py measured 1.4 GB for 1 GB).
             pf = _pyarrow().parquet.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
-            rows = pf.metadata.num_rows
-            per_row = max(1, os.path.getsize(path) // max(rows, 1))  # compressed bytes per row
+            total = pf.metadata.num_rows
+            per_row = max(1, os.path.getsize(path) // max(total, 1))  # compressed bytes per row
             batch_rows = max(1, min(65536, CHUNK_BYTES // per_row))
-            yield from _batch_tasks(path, pf.iter_batches(batch_size=batch_rows, columns=keys), rows, keys)
+            yield from _batch_tasks(path, pf.iter_batches(batch_size=batch_rows, columns=keys), total, keys, rows)
         else:
             reader = _arrow_reader(path)
             if isinstance(reader, _pyarrow().ipc.RecordBatchFileReader):  # IPC file format: batches by index
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             else:
                 batches = iter(reader)
-            yield from _batch_tasks(path, (b.select(keys) for b in batches), None, keys)
+            yield from _batch_tasks(path, (b.select(keys) for b in batches), None, keys, rows)
 
 
 def bounded_imap(pool, fn: Callable, tasks: Iterable, max_pending: int) -> Iterator:

@@ -1,4 +1,5 @@
-"""``ptdp preprocess --sft``: chat conversations (JSONL rows with ``messages``) -> token ids and loss mask.
+"""``ptdp preprocess --sft``: chat conversations (JSONL, Parquet or Arrow rows with ``messages``) -> token ids
+and loss mask.
 
 Each row ``{"messages": [{"role": ..., "content": ...}, ...]}`` is one document: the ids are the model's chat
 template rendered by transformers' ``apply_chat_template`` (``chat.py``: exactly its ids, no end-of-document
@@ -6,7 +7,7 @@ token added), written as ``PREFIX.bin/.idx``; beside them ``PREFIX_loss_mask.bin
 (uint8, the same sequence lengths), 1 on the tokens of the assistant turns (the template's generation
 markers, else by role: ``chat.py``). Rows are rendered in ``--workers`` processes in input order, so the
 output does not depend on the worker count. Every bad row (not JSON, no ``messages``, an unknown role, no
-assistant turn, a template error) is one line naming the file and the row (its 1-based line), exit 2, and
+assistant turn, a template error) is one line naming the file and the row (its 1-based line or row), exit 2, and
 nothing is written: the files are published by rename only at the end. ``PREFIX.tokenizer.json`` is saved
 too, so ``ptdp train --sft --data-path PREFIX`` finds the tokenizer without flags.
 """
@@ -30,7 +31,7 @@ from ptdp.data.chat import (
 )
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter
-from ptdp.data.inputs import Task, bounded_imap, expand_inputs, read_tasks
+from ptdp.data.inputs import Task, bounded_imap, check_columns, expand_inputs, read_tasks
 from ptdp.data.progress import Progress
 from ptdp.data.sft_dataset import LOSS_MASK_SUFFIX
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX
@@ -43,20 +44,30 @@ def _init_worker(tok, markers: bool, dtype: str) -> None:
     _worker.update(tok=tok, markers=markers, dtype=np.dtype(dtype))
 
 
+def _record(kind: str, item) -> dict:
+    """One row: a JSONL line parsed, or a Parquet/Arrow row with its messages' null fields dropped (a column
+    of structs gives every message every field; a null one is one the row does not have)."""
+    if kind != "jsonl":
+        messages = item.get("messages")
+        if isinstance(messages, list):
+            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+        return {**item, "messages": messages}
+    try:
+        return json.loads(item)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRow(f"invalid JSON ({err})") from None
+
+
 def _encode_chunk(task: Task) -> tuple[bytes, bytes, list[int], tuple[str, int, str] | None, int]:
     """(ids in the output dtype, mask as uint8, lengths, the first bad row (path, line, reason), input bytes)."""
     tok, markers, dtype = _worker["tok"], _worker["markers"], _worker["dtype"]
     ids_parts, mask_parts, lengths = [], [], []
     for offset, line in enumerate(task.payload):
-        if not line.strip():
+        if task.kind == "jsonl" and not line.strip():
             continue
         row = task.first + offset
         try:
-            try:
-                record = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as err:
-                raise BadRow(f"invalid JSON ({err})") from None
-            ids, mask = encode_conversation(tok, check_messages(record), markers)
+            ids, mask = encode_conversation(tok, check_messages(_record(task.kind, line)), markers)
         except BadRow as err:
             return b"", b"", [], (task.path, row, str(err)), task.nbytes
         ids_parts.append(np.asarray(ids, dtype=dtype))
@@ -84,9 +95,7 @@ def run_sft_preprocess(args: argparse.Namespace) -> tuple[int, str | dict]:
     try:
         _check(args)
         files = expand_inputs([p for p in args.input.split(",") if p])
-        bad = [f for f in files if f.endswith((".parquet", ".arrow"))]
-        if bad:
-            raise DataError(f"--sft reads JSONL rows with \"messages\"; {bad[0]} is not JSONL")
+        check_columns(files, ["messages"], "--sft")
         tok = load_chat_tokenizer(args.tokenizer_model, args.chat_template)
         tokenizer = build_tokenizer("HuggingFaceTokenizer", args.tokenizer_model)
     except DataError as err:
@@ -107,10 +116,10 @@ def run_sft_preprocess(args: argparse.Namespace) -> tuple[int, str | dict]:
     try:
         if args.workers > 1:  # fork: the tokenizer is inherited, never pickled
             pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
-            results = bounded_imap(pool, _encode_chunk, read_tasks(files, ["messages"]), 2 * args.workers)
+            results = bounded_imap(pool, _encode_chunk, read_tasks(files, ["messages"], rows=True), 2 * args.workers)
         else:
             _init_worker(*init)
-            results = map(_encode_chunk, read_tasks(files, ["messages"]))
+            results = map(_encode_chunk, read_tasks(files, ["messages"], rows=True))
         for data, mask, lengths, bad_row, nbytes in results:
             if bad_row is not None:
                 path, row, reason = bad_row
