@@ -70,7 +70,8 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
     procs = []
     try:
         for group in range(replicas):
-            env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
+            # torchft's servers log every quorum and commit at INFO: warnings only, unless RUST_LOG says
+            env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
             command = [sys.executable, "-m", "ptdp",
                        *group_argv(argv, nproc_per_node // replicas, group, save, metrics)]
             procs.append(subprocess.Popen(command, env=env))

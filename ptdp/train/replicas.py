@@ -66,7 +66,7 @@ class ReplicaSteps:
             replica_id=f"ptdp_replica_{self.group}", init_sync=False)  # every group initialises alike (seed)
         # the step count of a resumed run: iteration = committed steps + 1
         self.manager.load_state_dict({"step": resumed, "batches_committed": resumed * self.replicas})
-        self.healed = False
+        self.healed, self.quorum_s = False, 0.0
 
     def iterations(self, last: int) -> Iterator[int]:
         """The iterations to train, each after its quorum: the same one again after a step that was not
@@ -74,8 +74,9 @@ class ReplicaSteps:
         start = self.manager.current_step()
         deadline = time.monotonic() + self.timeout_s
         while self.manager.current_step() < last:
-            before = self.manager.current_step()
+            before, t0 = self.manager.current_step(), time.perf_counter()
             self.manager.start_quorum()  # synchronous: a group behind the quorum recovers here
+            self.quorum_s = time.perf_counter() - t0
             self.healed = self.manager.current_step() != before
             if (self.manager.current_step() == start and self.manager.num_participants() < self.replicas
                     and time.monotonic() < deadline):
@@ -115,12 +116,20 @@ class ReplicaSteps:
             grad_norm, _ = trainer.optimizer.step()
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
                   "skipped_iterations": trainer.optimizer.skipped_iterations, "quorum_size": participants,
-                  "replica_group": self.group, "replica_shares": shares, "healed": self.healed}
+                  "replica_group": self.group, "replica_shares": shares, "healed": self.healed,
+                  "quorum_s": self.quorum_s, "sample_ranges": [self._samples(iteration, s) for s in shares]}
         if stats is not None:
             record["schedule_stats"] = stats
         for hook in trainer.assembly.step_hooks:
             record |= hook.after_step()
         return record
+
+    def _samples(self, iteration: int, share: int) -> list[int]:
+        """``[start, end)``: the positions in the training order of ``share`` of global batch ``iteration``
+        (``ptdp samples --iteration`` lists the same global batch)."""
+        size = self.trainer.batch_format.global_batch_size
+        start = ((iteration - 1) * self.replicas + share) * size
+        return [start, start + size]
 
     def _average(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Sum ``grads`` and ``loss`` over the quorum in one all-reduce and divide by R (every share is
