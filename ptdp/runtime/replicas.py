@@ -60,6 +60,8 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
     The lighthouse forms a quorum of at least one group: when every group still sending heartbeats has
     joined, else ``join_timeout_s`` after the first (a slow starter is waited for; a dead group stops its
     heartbeats and is out after ``heartbeat_timeout_s``)."""
+    # torchft's servers log every quorum and commit at INFO: warnings only, unless RUST_LOG says otherwise
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
@@ -70,8 +72,7 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
     procs = []
     try:
         for group in range(replicas):
-            # torchft's servers log every quorum and commit at INFO: warnings only, unless RUST_LOG says
-            env = {"RUST_LOG": "warn", **os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
+            env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
             command = [sys.executable, "-m", "ptdp",
                        *group_argv(argv, nproc_per_node // replicas, group, save, metrics)]
             procs.append(subprocess.Popen(command, env=env))

@@ -67,6 +67,7 @@ class ReplicaSteps:
         # the step count of a resumed run: iteration = committed steps + 1
         self.manager.load_state_dict({"step": resumed, "batches_committed": resumed * self.replicas})
         self.healed, self.quorum_s = False, 0.0
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
     def iterations(self, last: int) -> Iterator[int]:
         """The iterations to train, each after its quorum: the same one again after a step that was not
@@ -78,12 +79,19 @@ class ReplicaSteps:
             self.manager.start_quorum()  # synchronous: a group behind the quorum recovers here
             self.quorum_s = time.perf_counter() - t0
             self.healed = self.manager.current_step() != before
-            if (self.manager.current_step() == start and self.manager.num_participants() < self.replicas
-                    and time.monotonic() < deadline):
+            first = self.manager.current_step() == start and self.manager.num_participants() < self.replicas
+            if first and time.monotonic() < deadline:
                 # the run's first step: every group is waited for (up to the timeout), so that a group still
                 # starting does not find the others done. Later, the quorum is whoever is alive.
                 time.sleep(0.5)
                 continue
+            if first and self.manager.num_participants() == 1 and self.restarted:
+                # restarted by torchrun and still alone: the others finished (or are all gone); training
+                # alone from the last checkpoint would repeat their steps
+                if self.trainer.plan.groups.rank == 0:
+                    print(f" replica group {self.group}: no live peer to recover from after "
+                          f"{self.timeout_s:g} s (the other groups finished or are gone); stopping", flush=True)
+                return
             deadline = 0.0
             if self.manager.current_step() >= last:
                 return
