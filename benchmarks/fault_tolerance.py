@@ -150,8 +150,9 @@ def main() -> None:
                         env=kill)
         marker = next(killed["run"].glob(".test-killed-*"))
         g0, g1 = records(killed["metrics"]), records(killed["run"] / "m-replica1.jsonl")
-        times = [r["iteration_time_s"] for r in g0]
-        around = [r["iteration_time_s"] for r in g0 if abs(r["iteration"] - args.kill_at) <= 2]
+        # wall time between commits: the failed attempt and the quorums around the failure included
+        times = [r["commit_interval_s"] for r in g0[1:]]
+        around = [r["commit_interval_s"] for r in g0 if abs(r["iteration"] - args.kill_at) <= 2]
         result = {
             "iters": args.iters, "kill_at": args.kill_at,
             "plain_iteration_s": median_iteration(records(plain["metrics"])),

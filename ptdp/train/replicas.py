@@ -67,6 +67,7 @@ class ReplicaSteps:
         # the step count of a resumed run: iteration = committed steps + 1
         self.manager.load_state_dict({"step": resumed, "batches_committed": resumed * self.replicas})
         self.healed, self.quorum_s = False, 0.0
+        self.attempts, self.last_commit = 0, time.perf_counter()  # tries of the current iteration; its start
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
     def iterations(self, last: int) -> Iterator[int]:
@@ -118,6 +119,7 @@ class ReplicaSteps:
         loss = trainer.assembly.reduce_loss(loss)  # this group's shares, summed over its pipeline
         with span(trainer.timeline, "replica_all_reduce"):
             loss = self._average(trainer.optimizer.main_grads(), loss)
+        self.attempts += 1
         if not manager.should_commit():
             return None
         with span(trainer.timeline, "optimizer_step", "compute"):
@@ -125,11 +127,13 @@ class ReplicaSteps:
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": trainer.optimizer.loss_scale,
                   "skipped_iterations": trainer.optimizer.skipped_iterations, "quorum_size": participants,
                   "replica_group": self.group, "replica_shares": shares, "healed": self.healed,
-                  "quorum_s": self.quorum_s, "sample_ranges": [self._samples(iteration, s) for s in shares]}
+                  "quorum_s": self.quorum_s, "attempts": self.attempts,
+                  "commit_interval_s": time.perf_counter() - self.last_commit, "sample_ranges": [self._samples(iteration, s) for s in shares]}
         if stats is not None:
             record["schedule_stats"] = stats
         for hook in trainer.assembly.step_hooks:
             record |= hook.after_step()
+        self.attempts, self.last_commit = 0, time.perf_counter()
         return record
 
     def _samples(self, iteration: int, share: int) -> list[int]:
