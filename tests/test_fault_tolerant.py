@@ -75,3 +75,27 @@ def test_nproc_not_divisible_by_replicas(tmp_path):
     assert proc.returncode == 2
     assert "--nproc-per-node 3 is not divisible by --fault-tolerant-replicas 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_cross_group_all_reduce_goes_through_the_door():
+    """torchft's managed all-reduce is recorded in the flight recorder before it is issued, as every
+    collective of ptdp (a hang in it is then in the hang report)."""
+    import torch
+
+    from ptdp.observability import communication, flight_recorder
+
+    seen = []
+
+    class Manager:  # the one method the door calls
+        def allreduce(self, tensor, reduce_op=None):
+            seen.append((flight_recorder.last_operations()[-1], reduce_op))
+            return "work"
+
+    flight_recorder.enable()
+    try:
+        assert communication.managed_all_reduce(Manager(), torch.zeros(4), action="replica_grads") == "work"
+    finally:
+        flight_recorder.enable(False)
+    record, op = seen[0]
+    assert record["kind"] == "managed_all_reduce" and record["action"] == "replica_grads" and record["bytes"] == 16
+    assert op == torch.distributed.ReduceOp.SUM  # summed, then divided by R: every share counted once
