@@ -20,6 +20,9 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 def torchft_problem() -> str | None:
     """One line when torchft cannot be imported (None when it can)."""
+    # torchft's servers (the lighthouse here, the managers in the workers, which inherit this) log every
+    # quorum and commit at INFO: warnings only, unless RUST_LOG says otherwise. Read at its first import.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except ImportError as e:
@@ -60,8 +63,6 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
     The lighthouse forms a quorum of at least one group: when every group still sending heartbeats has
     joined, else ``join_timeout_s`` after the first (a slow starter is waited for; a dead group stops its
     heartbeats and is out after ``heartbeat_timeout_s``)."""
-    # torchft's servers log every quorum and commit at INFO: warnings only, unless RUST_LOG says otherwise
-    os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),

@@ -58,7 +58,9 @@ class ReplicaSteps:
         cpu = trainer.plan.groups.device.type == "cpu"
         pg = ProcessGroupGloo(timeout=timeout) if cpu else ProcessGroupNCCL(timeout=timeout)
         self.trainer = trainer
+        host, port = self._own_store(trainer)
         self.manager = Manager(
+            store_addr=host, store_port=port,
             pg=pg, load_state_dict=self._load_state, state_dict=self._state, min_replica_size=1,
             use_async_quorum=False,  # the quorum (and a recovery) before the step: its shares depend on it
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -69,6 +71,20 @@ class ReplicaSteps:
         self.healed, self.quorum_s = False, 0.0
         self.attempts, self.last_commit = 0, time.perf_counter()  # tries of the current iteration; its start
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+    def _own_store(self, trainer: TrainState) -> tuple[str, int]:
+        """A store of this attempt for torchft's keys (its manager's address), hosted by rank 0 on a port
+        the OS picks, the port broadcast to the group. Not torchrun's store: that one outlives a restart,
+        and a restarted rank could read the dead manager's address from it before rank 0 replaces it."""
+        import torch.distributed as dist
+
+        host = os.environ.get("MASTER_ADDR", "localhost")
+        port = torch.zeros(1, dtype=torch.int64, device=trainer.plan.groups.device)
+        if trainer.plan.groups.rank == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port.fill_(self._store.port)
+        communication.broadcast(port, src=0, action="replica_store")
+        return host, int(port.item())
 
     def iterations(self, last: int) -> Iterator[int]:
         """The iterations to train, each after its quorum: the same one again after a step that was not
