@@ -176,9 +176,18 @@ def main() -> None:
     result["quorum_step_ratio"] = result["replicas_iteration_s"] / result["plain_iteration_s"]
     if args.json:
         print(json.dumps(result))
-        return
-    for key, value in result.items():
-        print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
+    else:
+        for key, value in result.items():
+            print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
+    # the contract, checked: the run went on, group 1 came back, every sample once, the same model
+    problems = [what for what, bad in (
+        ("group 1 did not rejoin", result["rejoined_at"] is None),
+        ("a global batch was not trained exactly once", not result["samples_once"]),
+        ("the groups' weights differ", result["group0_vs_group1_weights"] > 1e-6),
+        ("the weights differ from the failure-free run's", result["failure_vs_failure_free_weights"] > 1e-3),
+    ) if bad]
+    if problems:
+        raise SystemExit("; ".join(problems))
 
 
 if __name__ == "__main__":
