@@ -178,7 +178,7 @@ def main() -> None:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:32s} {value:.3f}" if isinstance(value, float) else f"{key:32s} {value}")
+            print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
     # the contract, checked: the run went on, group 1 came back, every sample once, the same model
     problems = [what for what, bad in (
         ("group 1 did not rejoin", result["rejoined_at"] is None),
