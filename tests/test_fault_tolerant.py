@@ -99,3 +99,16 @@ def test_the_cross_group_all_reduce_goes_through_the_door():
     record, op = seen[0]
     assert record["kind"] == "managed_all_reduce" and record["action"] == "replica_grads" and record["bytes"] == 16
     assert op == torch.distributed.ReduceOp.SUM  # summed, then divided by R: every share counted once
+
+
+def test_each_group_has_its_own_files():
+    """Group g > 0 writes its metrics and checkpoints beside the run's, and resumes its own directory when
+    --load continues --save (another run's --load, e.g. a pretrained model, is every group's)."""
+    from ptdp.runtime.replicas import group_argv
+
+    argv = ["train", "--save", "ck", "--load", "ck", "--metrics-file", "out/m.jsonl", "--nproc-per-node", "4"]
+    assert group_argv(argv, 2, 0, "ck", "out/m.jsonl", "ck")[-2:] == ["--nproc-per-node", "2"]
+    assert group_argv(argv, 2, 1, "ck", "out/m.jsonl", "ck")[-8:] == [
+        "--nproc-per-node", "2", "--save", "ck-replica1", "--load", "ck-replica1", "--metrics-file",
+        "out/m-replica1.jsonl"]
+    assert "--load" not in group_argv(["train", "--nproc-per-node=4"], 2, 1, "ck", None, "pretrained")

@@ -132,7 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
         from ptdp.runtime.replicas import launch_replica_groups
 
         return launch_replica_groups(sys.argv[1:], args.nproc_per_node, replicas, config.checkpoint.save,
-                                     config.training.metrics_file)
+                                     config.training.metrics_file, config.checkpoint.load)
     if launching:
         from ptdp.runtime.launch import launch_workers
 

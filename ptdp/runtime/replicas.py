@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 GROUP_ENV = "PTDP_REPLICA_GROUP"
@@ -37,8 +38,10 @@ def beside(path: str, group: int) -> str:
     return str(p.with_name(f"{p.stem}-replica{group}{p.suffix}")) if p.suffix else f"{path}-replica{group}"
 
 
-def group_argv(argv: list[str], nproc_per_group: int, group: int, save: str | None, metrics: str | None) -> list[str]:
-    """The command line of group ``group``: ours with ``--nproc-per-node`` the group's, and its own files."""
+def group_argv(argv: list[str], nproc_per_group: int, group: int, save: str | None, metrics: str | None,
+               load: str | None = None) -> list[str]:
+    """The command line of group ``group``: ours with ``--nproc-per-node`` the group's, and its own files
+    (``--load`` too when it continues ``--save``: each group resumes its own directory)."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -51,13 +54,16 @@ def group_argv(argv: list[str], nproc_per_group: int, group: int, save: str | No
     out += ["--nproc-per-node", str(nproc_per_group)]
     if group and save:
         out += ["--save", beside(save, group)]
+        if load is not None and Path(load).resolve() == Path(save).resolve():
+            out += ["--load", beside(save, group)]
     if group and metrics:
         out += ["--metrics-file", beside(metrics, group)]
     return out
 
 
 def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, save: str | None,
-                          metrics: str | None, heartbeat_timeout_s: float = 5.0, join_timeout_s: float = 60.0) -> int:
+                          metrics: str | None, load: str | None = None, heartbeat_timeout_s: float = 5.0,
+                          join_timeout_s: float = 60.0) -> int:
     """Start the lighthouse and the R groups; wait for all; the job's exit code (the first non-zero one).
 
     The lighthouse forms a quorum of at least one group: when every group still sending heartbeats has
@@ -75,9 +81,9 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
         for group in range(replicas):
             env = {**os.environ, GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
             command = [sys.executable, "-m", "ptdp",
-                       *group_argv(argv, nproc_per_node // replicas, group, save, metrics)]
+                       *group_argv(argv, nproc_per_node // replicas, group, save, metrics, load)]
             procs.append(subprocess.Popen(command, env=env))
-        codes = [proc.wait() for proc in procs]
+        codes = _wait(procs)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -85,3 +91,15 @@ def launch_replica_groups(argv: list[str], nproc_per_node: int, replicas: int, s
                 proc.wait()
         lighthouse.shutdown()
     return next((code for code in codes if code), 0)
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[int]:
+    """Every group's exit code. A group that exits 2 (bad input, said in its own line) ends the job: the
+    others would only wait for it at their first quorum. Any other failure leaves them training."""
+    while any(proc.poll() is None for proc in procs):
+        if any(proc.poll() == 2 for proc in procs):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+        time.sleep(0.2)
+    return [proc.returncode for proc in procs]
