@@ -72,6 +72,25 @@ def run_train(args: argparse.Namespace) -> int:
         par = config.parallel
         print(launch_line(args.nproc_per_node if launching else None, world_size, par.tensor_model_parallel_size,
                           par.context_parallel_size, par.pipeline_model_parallel_size), flush=True)
+    replicas = config.parallel.fault_tolerant_replicas
+    from ptdp.runtime.replicas import GROUP_ENV, LIGHTHOUSE_ENV
+
+    replica_launcher = launching and replicas > 1 and GROUP_ENV not in os.environ
+    if replica_launcher:  # validated as one group: the R groups are R jobs of N/R workers
+        if args.nproc_per_node % replicas:
+            return _fail(f"--nproc-per-node {args.nproc_per_node} is not divisible by --fault-tolerant-replicas "
+                         f"{replicas}", "train")
+        world_size, local_world_size = world_size // replicas, local_world_size // replicas
+    elif replicas > 1 and not launching and not {GROUP_ENV, LIGHTHOUSE_ENV} <= set(os.environ):
+        return _fail(f"--fault-tolerant-replicas {replicas} without ptdp's launcher needs {GROUP_ENV} (this "
+                     f"group's index) and {LIGHTHOUSE_ENV} (the lighthouse's address) set: docs/multinode.md",
+                     "train")
+    if replicas > 1:
+        from ptdp.runtime.replicas import torchft_problem
+
+        problem = torchft_problem()
+        if problem:
+            return _fail(problem, "train")
     from ptdp.runtime.elastic import parse_nnodes, world_size_error
 
     try:
@@ -109,6 +128,11 @@ def run_train(args: argparse.Namespace) -> int:
             for line in errors:
                 print_error("train", line)
         return 2
+    if replica_launcher:
+        from ptdp.runtime.replicas import launch_replica_groups
+
+        return launch_replica_groups(sys.argv[1:], args.nproc_per_node, replicas, config.checkpoint.save,
+                                     config.training.metrics_file, config.checkpoint.load)
     if launching:
         from ptdp.runtime.launch import launch_workers
 
@@ -116,7 +140,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.nnodes is not None or args.rdzv_endpoint:
             rendezvous = {"nnodes": args.nnodes or "1", "rdzv_endpoint": args.rdzv_endpoint, "rdzv_id": args.rdzv_id,
                           "rdzv_conf": args.rdzv_conf, "monitor_interval": args.monitor_interval}
-        restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
+        restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic or replicas > 1 else 0)
         worker_args = _worker_argv(sys.argv) + (["--elastic"] if elastic and not args.elastic else [])
         from ptdp.observability.flight_recorder import run_directory
 

@@ -56,5 +56,8 @@ def layout(config: Config, world_size: int) -> Layout:
     par, tr = config.parallel, config.training
     t, c, p = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
     d = world_size // (t * c * p)
-    return Layout(t, c, p, d, par.virtual_size, tr.global_batch_size // (tr.micro_batch_size * d), par.schedule,
-                  expert_tensor_size(par.expert_tensor_parallel_size, t), tuple(stages_of(config, p, par.virtual_size)))
+    # with --fault-tolerant-replicas R, world_size is one replica group's: it trains 1/R of the global batch
+    shares = max(par.fault_tolerant_replicas, 1)
+    return Layout(t, c, p, d, par.virtual_size, tr.global_batch_size // (tr.micro_batch_size * d * shares),
+                  par.schedule, expert_tensor_size(par.expert_tensor_parallel_size, t),
+                  tuple(stages_of(config, p, par.virtual_size)))

@@ -75,6 +75,11 @@ class ParallelConfig:
     hang_timeout_s: float = opt(300.0, "a rank without progress for this long is a hang: every rank's last "
                                 "communication operations are written to DIR.run beside --save DIR, the stopped "
                                 "rank(s) named, and the job exits so the launcher restarts it (0 disables)")
+    fault_tolerant_replicas: int = opt(1, "split the data-parallel ranks into R replica groups, each its own job, "
+                                       "averaging gradients through torchft's quorum: a failed group leaves it "
+                                       "while the others go on (docs/fault-tolerance.md)")
+    fault_tolerant_timeout_s: float = opt(60.0, "with --fault-tolerant-replicas: how long a cross-replica "
+                                          "all-reduce, commit or quorum may take before its group is dropped")
     sequence_parallel: bool = opt(False, "split LayerNorm and dropout along the sequence across the TP group "
                                   "(needs t > 1)")
     context_parallel_size: int = opt(1, "context-parallel size c: each sample's sequence split over c ranks "

@@ -78,12 +78,15 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
         errors += _shape_errors(config)
     microbatches = None
     if d is not None and not bad & {"--micro-batch-size", "--global-batch-size"}:
-        if tr.global_batch_size % (tr.micro_batch_size * d):
+        replicas = max(par.fault_tolerant_replicas, 1)  # world_size is one replica group's
+        shares = f" x --fault-tolerant-replicas {replicas}" if replicas > 1 else ""
+        if tr.global_batch_size % (tr.micro_batch_size * d * replicas):
             errors.append(
                 f"--global-batch-size {tr.global_batch_size} is not a multiple of --micro-batch-size x "
-                f"data-parallel size = {tr.micro_batch_size}x{d}; use a multiple of {tr.micro_batch_size * d}")
+                f"data-parallel size{shares} = {tr.micro_batch_size}x{d}{f'x{replicas}' if shares else ''}; "
+                f"use a multiple of {tr.micro_batch_size * d * replicas}")
         else:
-            microbatches = tr.global_batch_size // (tr.micro_batch_size * d)
+            microbatches = tr.global_batch_size // (tr.micro_batch_size * d * replicas)
     v, v_errors = virtual_size(config) if sizes_ok and shape_ok else (None, [])
     errors += v_errors
     if v is not None and v < 1:
@@ -126,6 +129,9 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     from ptdp.config.validate_lora import lora_errors  # LoRA fine-tuning (docs/lora.md)
 
     errors += lora_errors(config)
+    from ptdp.config.validate_replicas import replica_errors  # fault-tolerant replica groups
+
+    errors += replica_errors(config)
     # The checkpoint flags are checked by ptdp.checkpointing.validation.checkpoint_errors, which the
     # caller runs after this (``ptdp train`` does): importing it here would make config and
     # checkpointing import each other.

@@ -111,6 +111,16 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, action: str 
     dist.monitored_barrier(group=group, timeout=timeout)
 
 
+def managed_all_reduce(manager: Any, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                       action: str | None = None) -> Work:
+    """``tensor`` := its reduction over the replica groups of the current quorum, through torchft's
+    ``Manager.allreduce`` (``--fault-tolerant-replicas``; its process group is torchft's, reconfigured at each
+    quorum, so the record names no group). Never raises: an error (a lost group, a timeout) is kept by the
+    manager and fails the step's commit. Returns the work to wait on."""
+    flight_recorder.record("managed_all_reduce", tensor=tensor, action=action)
+    return manager.allreduce(tensor, reduce_op=op)
+
+
 # ---------------------------------------------------------------------------------------- point to point
 
 

@@ -77,6 +77,11 @@ class MegatronOptimizer:
         """The gradients the update reads (set as its tensors' ``.grad``) and whether each counts in the norm."""
         raise NotImplementedError
 
+    def main_grads(self) -> list[torch.Tensor]:
+        """The data-parallel-reduced gradients the next :meth:`step` reads (this rank's shards when sharded):
+        what a fault-tolerant replica group averages with the others (``ptdp.train.replicas``)."""
+        return self._main_grads()[0]
+
     def _counted(self, params: Iterable[nn.Parameter]) -> list[bool]:
         """Whether each of ``params`` (one per main grad) counts in the norm on this rank: read off the
         placements once (they are fixed after set-up), not per parameter per step."""

@@ -166,8 +166,11 @@ class _WorkerFailures(logging.Handler):
         if code in _REPORTED_BY_WORKERS or (code < 0 and reported):
             return
         who = f"worker rank {local_rank}" if self.single_node else f"local worker {local_rank}"
-        sys.stderr.write(f"ptdp train: {who} {exit_description(code)}; restarting every worker from the latest "
-                         f"checkpoint (restart {self.total - self.left} of {self.total})\n")
+        group = os.environ.get("PTDP_REPLICA_GROUP")  # --fault-tolerant-replicas (ptdp/runtime/replicas.py)
+        how = (f"restarting replica group {group}, which rejoins from a live peer" if group is not None
+               else "restarting every worker from the latest checkpoint")
+        sys.stderr.write(f"ptdp train: {who} {exit_description(code)}; {how} "
+                         f"(restart {self.total - self.left} of {self.total})\n")
         sys.stderr.flush()
 
     @staticmethod

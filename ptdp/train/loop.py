@@ -108,15 +108,21 @@ def train(config: Config) -> list[dict]:
         pending.clear()
         return trainer.metrics[-1]
 
+    # --fault-tolerant-replicas: each iteration after its quorum (a restarted group starts where its peers are)
+    steps = _replica_steps(trainer, resumed)
+    iterations = steps.iterations(tr.train_iters) if steps else range(first_iteration, tr.train_iters + 1)
+    step = steps.step if steps else train_step
     iteration = None
     # the records since the last progress line: its "lm loss" is their mean (Megatron-LM's)
     printed, skipped = len(trainer.metrics), trainer.optimizer.skipped_iterations
     try:
-        for iteration in range(first_iteration, tr.train_iters + 1):
+        for iteration in iterations:
             controller.before_iteration(iteration)
             observer.begin_iteration(iteration)
             t0 = clock.mark()
-            record = train_step(trainer, iteration)
+            record = step(trainer, iteration)
+            if record is None:  # the replicas' quorum did not commit it: redone after the next quorum
+                continue
             # checkpoint_stall_s: the loop's stall for the save after the previous iteration (None: no save)
             pending.append((t0, clock.mark(), {"iteration": iteration, **record,
                                                "checkpoint_stall_s": checkpoints.pop_stall()}))
@@ -156,9 +162,20 @@ def train(config: Config) -> list[dict]:
         controller.failed()  # a peer's hang report closed this rank's connections: exit 3 without a word
         raise
     finally:
+        if steps:
+            steps.close()
         observer.close()
         controller.close()
         checkpoints.close()
         if metrics_file:
             metrics_file.close()
     return trainer.metrics
+
+
+def _replica_steps(trainer, resumed: int):
+    """The fault-tolerant replica group's iterations and step (``ptdp.train.replicas``), or None."""
+    if trainer.config.parallel.fault_tolerant_replicas <= 1:
+        return None
+    from ptdp.train.replicas import ReplicaSteps
+
+    return ReplicaSteps(trainer, resumed)

@@ -118,6 +118,8 @@ def batch_format(config: Config, plan: ParallelPlan, eod: int) -> BatchFormat:
             line += context_parallel_document_line(plan.cp_comm_type)
         if plan.groups.rank == 0:
             print(f" {line}", flush=True)
-    return BatchFormat(tr.global_batch_size, tr.micro_batch_size, options if options.any else None, kernel,
+    # --fault-tolerant-replicas R: a group's batches are shares of B/R samples (ptdp.train.replicas)
+    shares = max(config.parallel.fault_tolerant_replicas, 1)
+    return BatchFormat(tr.global_batch_size // shares, tr.micro_batch_size, options if options.any else None, kernel,
                        tr.calculate_per_token_loss)
 

@@ -20,8 +20,13 @@ from ptdp.train.batches import Microbatches
 from ptdp.train.state import TrainState
 
 
-def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor, ScheduleStats]:
+def forward_backward(trainer: TrainState, iteration: int,
+                     batch: int | None = None) -> tuple[torch.Tensor, ScheduleStats]:
     """Forward and backward of all m microbatches by this rank's pipeline schedule.
+
+    ``batch``: which of the trainer's batches (``BatchFormat.global_batch_size`` samples each) to read,
+    by default ``iteration - 1``; a fault-tolerant replica group reads shares of the global batch
+    (``ptdp.train.replicas``).
 
     Returns the mean loss (non-zero on the last stage only) and what the executor measured. Each
     microbatch's loss is scaled by 1/m, so the accumulated gradients are those of the mean loss, and by
@@ -31,7 +36,8 @@ def forward_backward(trainer: TrainState, iteration: int) -> tuple[torch.Tensor,
     scale = trainer.optimizer.loss_scale
     for hook in run.step_hooks:
         hook.before_schedule(scale / m)
-    batches = Microbatches(trainer.data.train, iteration - 1, trainer.batch_format, trainer.plan.groups, m)
+    index = iteration - 1 if batch is None else batch
+    batches = Microbatches(trainer.data.train, index, trainer.batch_format, trainer.plan.groups, m)
     stage = run.make_stage(batches, loss_scale=scale)
     recorder = trainer.timeline.record if trainer.timeline else None
     # Saved activations are the same every iteration: count them (a hook per saved tensor) only once.

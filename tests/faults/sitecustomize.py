@@ -15,7 +15,8 @@ table is the one place to update.
   each transformer layer (slow compute, on purpose: a rank that computes, however slowly, is no hang).
 - ``PTDP_TEST_KILL_AT_ITERATION=N[:SIGNAL]``: one rank (``PTDP_TEST_KILL_RANK``, default the last) sends
   itself SIGKILL (or SIGTERM, SIGSTOP, ...) at the start of iteration N, once per run directory (a
-  ``.test-killed-<run dir>-N`` marker beside it keeps a restarted run from dying again).
+  ``.test-killed-<run dir>-N`` marker beside it keeps a restarted run from dying again). With
+  ``PTDP_TEST_KILL_REPLICA_GROUP=G`` only in replica group G (``--fault-tolerant-replicas``).
 - ``PTDP_TEST_LOOP_AT_ITERATION=N``: that rank loops in Python without progress at the start of iteration N
   (once per run directory, as above).
 - ``PTDP_TEST_COMPUTE_AT_ITERATION=N:SECONDS``: one rank (``PTDP_TEST_KILL_RANK``, default 0) computes for
@@ -95,6 +96,9 @@ def _marker(controller, what: str, iteration: int) -> Path:
 def kill_at_iteration(original, controller, iteration, *args, **kwargs):
     result = original(controller, iteration, *args, **kwargs)
     at, _, name = os.environ["PTDP_TEST_KILL_AT_ITERATION"].partition(":")
+    group = os.environ.get("PTDP_TEST_KILL_REPLICA_GROUP")
+    if group is not None and group != os.environ.get("PTDP_REPLICA_GROUP"):
+        return result
     if int(at) == iteration and _rank() == _victim(_world_size() - 1):
         if _once(_marker(controller, "killed", iteration)):
             os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
