@@ -81,15 +81,31 @@ def _moe(hf_config: dict, num_layers: int) -> MoEConfig:
                      moe_router_pre_softmax=not hf_config.get("norm_topk_prob", False))
 
 
+def _norm_recipes(cfg: ModelConfig) -> dict:
+    from ptdp.models.hf_recipe import Take
+
+    return {f"layers.{i}.{ours}": Take(f"{P}layers.{i}.{theirs}") for i in range(cfg.num_layers)
+            for ours, theirs in _NORMS.items()}
+
+
 def _norms_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for i in range(cfg.num_layers):
-        for ours, theirs in _NORMS.items():
-            name = f"{P}layers.{i}.{theirs}"
-            if name not in hf:
-                raise Qwen3ConversionError(f"--in: the checkpoint has no tensor {name}; is it a Qwen3 model?")
-            out[f"layers.{i}.{ours}"] = hf[name].float().contiguous()
-    return out
+    from ptdp.models.hf_recipe import RecipeError, materialize
+
+    try:
+        return materialize(_norm_recipes(cfg), hf)
+    except RecipeError as e:
+        raise Qwen3ConversionError(f"--in: {e}; is it a Qwen3 model?") from None
+
+
+def qwen3_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model flags of a Qwen3 ``config.json`` (dense)."""
+    return _config(hf_config), MoEConfig()
+
+
+def qwen3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``Qwen3ForCausalLM`` tensors (``ptdp.models.hf_recipe``): Llama's
+    and the q/k norms."""
+    return {**llama.hf_recipes(dataclasses.replace(cfg, qk_layernorm=False), padded_vocab), **_norm_recipes(cfg)}
 
 
 def _norms_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
