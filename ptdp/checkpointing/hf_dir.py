@@ -50,7 +50,7 @@ def _families():
 def is_hf_dir(path: str | Path) -> bool:
     """Whether ``--load PATH`` is a Hugging Face model directory rather than a ptdp checkpoint."""
     path = Path(path)
-    return ((path / HF_CONFIG).is_file() and not (path / LATEST).exists() and not (path / INFO).exists()
+    return (not (path / LATEST).exists() and not (path / INFO).exists()
             and ((path / HF_WEIGHTS).exists() or (path / HF_INDEX).exists()))
 
 
@@ -85,6 +85,9 @@ def open_hf_dir(path: str | Path) -> HFDirectory:
     path = Path(path)
     try:
         hf_config = json.loads((path / HF_CONFIG).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has safetensors weights but no {HF_CONFIG}; give the whole directory "
+                              "save_pretrained wrote") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path / HF_CONFIG} is not valid JSON ({e})") from None
     family = family_for_hf(hf_config.get("model_type"))

@@ -88,13 +88,18 @@ def _tokenizer(config_dict: dict, vocab: int) -> Tokenizer | None:
     return tokenizer if tokenizer.vocab_size == vocab else None
 
 
-def export_hf(load: str | Path, out: str | Path) -> Path:
-    """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``, in
-    the Hugging Face architecture of the model's family (``ptdp.models.families``)."""
-    from ptdp.checkpointing import read_full_model_state
+def export_hf(load: str | Path, out: str | Path, max_shard_size: str | int | None = None) -> Path:
+    """Write ``OUT/config.json`` and the weights (``model.safetensors``, or shards of at most
+    ``max_shard_size`` with ``model.safetensors.index.json``) from the newest checkpoint under ``load``, in
+    the Hugging Face architecture of the model's family (``ptdp.models.families``). A family with per-tensor
+    recipes is streamed one parameter at a time (``ptdp.hf.streamed``); the others convert in one piece."""
+    from ptdp.checkpointing.full_model import FullModelReader
+    from ptdp.hf import streamed
 
-    tensors, config_dict = read_full_model_state(load)
-    transformers, safetensors_torch = _require_hf()
+    max_bytes = streamed.parse_size(max_shard_size or streamed.DEFAULT_MAX_SHARD_SIZE)
+    model = FullModelReader(load)
+    config_dict = model.config
+    transformers, _ = _require_hf()
     cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
     family = family_of(cfg, moe)
     if family is None:
@@ -105,10 +110,16 @@ def export_hf(load: str | Path, out: str | Path) -> Path:
     if problem:
         raise HFError(f"--load {load}: {problem}")
     bos, eos = _special_ids(config_dict, cfg.vocab_size)
-    state = family.write(tensors, cfg, moe)
     hf_config = transformers.AutoConfig.for_model(family.hf_model_type, **family.hf_config(cfg, moe, bos, eos))
     (out := Path(out)).mkdir(parents=True, exist_ok=True)
-    safetensors_torch.save_file(state, str(out / HF_WEIGHTS), metadata={"format": "pt"})
+    if family.hf_recipes is not None:
+        streamed.write_streamed(model, family, cfg, moe, out, max_bytes)
+    else:
+        tensors = {name: model.tensor(name) for name in model.sources}
+        writer = streamed.ShardWriter(out, max_bytes)
+        for name, tensor in family.write(tensors, cfg, moe).items():
+            writer.add(name, tensor)
+        writer.close()
     hf_config.save_pretrained(str(out))
     return out
 
@@ -229,7 +240,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output format (Hugging Face, in the model's family: GPT-2, Llama, Mixtral, Qwen2-MoE, Qwen3, "
                              "Qwen3-MoE or DeepSeek-V3)")
     parser.add_argument("--out", required=True,
-                        help="directory to write config.json and model.safetensors to")
+                        help="directory to write config.json and model.safetensors (or its shards and "
+                             "model.safetensors.index.json) to")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file to write, as save_pretrained's max_shard_size (5GB, 500MB, "
+                             "2GiB); a larger model is written in shards with model.safetensors.index.json")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,12 +260,13 @@ def run_export(args: argparse.Namespace) -> int:
     from ptdp.checkpointing import CheckpointError
 
     try:
-        out = export_hf(args.load, args.out)
+        out = export_hf(args.load, args.out, getattr(args, "max_shard_size", None))
     except CheckpointError as e:
         return _fail("export", f"--load {args.load}: {e}")
     except ConfigError as e:
         return _fail("export", str(e))
-    print(f"wrote {out}/config.json and {out}/{HF_WEIGHTS}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    weights = HF_INDEX if (out / HF_INDEX).exists() else HF_WEIGHTS
+    print(f"wrote {out}/config.json and {out}/{weights}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
