@@ -39,8 +39,10 @@ def hf_model(directory, kind: str = "llama"):
     return model.eval()
 
 
-def test_load_hf_dir_at_t4_equals_import_then_load(tmp_path):
-    """Losses, gradient norms (every iteration) and the final weights: bit for bit, at t = 4 and at p = 2."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An HF Llama directory, its import, and four runs: --load of each, at t = 4 and at p = 2."""
+    tmp_path = tmp_path_factory.mktemp("hf_load")
     hf_model(tmp_path / "hf")
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     shape = [*train_flags(cfg, moe).split(), *RUN]
@@ -52,6 +54,12 @@ def test_load_hf_dir_at_t4_equals_import_then_load(tmp_path):
         "import_p2": (2, [*p2, "--load", str(tmp_path / "ckpt")]),
         "direct_p2": (2, [*p2, "--load", str(tmp_path / "hf")]),
     }, base=shape)
+    return tmp_path, runs
+
+
+def test_load_hf_dir_at_t4_equals_import_then_load(trained):
+    """Losses, gradient norms (every iteration) and the final weights: bit for bit, at t = 4 and at p = 2."""
+    _, runs = trained
     for layout in ("t4", "p2"):
         direct, imported = runs[f"direct_{layout}"], runs[f"import_{layout}"]
         assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
@@ -59,6 +67,38 @@ def test_load_hf_dir_at_t4_equals_import_then_load(tmp_path):
         assert direct.weights.keys() == imported.weights.keys()
         for name, value in imported.weights.items():
             assert torch.equal(direct.weights[name], value), (layout, name)
+
+
+def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers(trained, capsys):
+    """The t = 4 run's checkpoint exports tensor by tensor into 20 KB shards with an index; the tensors are
+    the whole-model conversion's, and transformers computes ptdp's logits from them."""
+    from ptdp.checkpointing import read_full_model_state
+    from ptdp.cli.main import main
+    from ptdp.hf.convert import full_model_from_state, model_config_from_dict, moe_config_from_dict
+    from ptdp.models.families import family_of
+
+    tmp_path, runs = trained
+    ckpt, out = runs["direct_t4"].ckpt, tmp_path / "exported"
+    assert main(["export", "--load", str(ckpt), "--format", "hf", "--out", str(out), "--max-shard-size", "20KB"]) == 0
+    assert "model.safetensors.index.json" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and not (out / "model.safetensors").exists()
+    streamed = {}
+    for name in files:
+        streamed.update(safetensors_torch.load_file(str(out / name)))
+    assert set(streamed) == set(index["weight_map"])
+    tensors, config = read_full_model_state(ckpt)  # the whole-model path: family.write on full tensors
+    cfg, moe = model_config_from_dict(config), moe_config_from_dict(config)
+    whole = family_of(cfg, moe).write(tensors, cfg, moe)
+    assert streamed.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(streamed[name], value), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, full_model_from_state(tensors, config)(tokens)[..., :VOCAB],
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
