@@ -15,7 +15,6 @@ ZeRO-3 boxes), the same planner; no rank builds a tensor larger than the part of
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -75,26 +74,23 @@ class HFStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from safetensors import safe_open
 
-        with contextlib.ExitStack() as stack:
-            handles: dict[Path, object] = {}
+        def fetch(name: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+            # Opened per slice: safetensors maps the file, and the pages a slice touches count as this
+            # process's resident memory while the map lives (a column slice touches the whole tensor).
+            with safe_open(str(self.source.files[name]), framework="pt") as handle:
+                value = handle.get_slice(name)[tuple(slice(a, b) for a, b in box)]
+            self.bytes_read += value.numel() * value.element_size()
+            self.reads.append((name, box))
+            return value
 
-            def fetch(name: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-                file = self.source.files[name]
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-                value = handles[file].get_slice(name)[tuple(slice(a, b) for a, b in box)]
-                self.bytes_read += value.numel() * value.element_size()
-                self.reads.append((name, box))
-                return value
-
-            for item in plan.items:
-                recipe = self.recipes[item.storage_index.fqn.removeprefix("model.")]
-                box = tuple((a, a + n) for a, n in zip(item.storage_offsets, item.lengths, strict=True))
-                value = read_box(recipe, box, self.source.shapes, fetch)
-                target = planner.resolve_tensor(item).detach()
-                target.copy_(value)
-                planner.commit_tensor(item, target)
-                del value
+        for item in plan.items:
+            recipe = self.recipes[item.storage_index.fqn.removeprefix("model.")]
+            box = tuple((a, a + n) for a, n in zip(item.storage_offsets, item.lengths, strict=True))
+            value = read_box(recipe, box, self.source.shapes, fetch)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(value)
+            planner.commit_tensor(item, target)
+            del value
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -1,0 +1,154 @@
+"""Peak memory of ``--load HF_DIR`` per rank, against the rank's shard and against the import path.
+
+    python benchmarks/hf_load_memory.py [--tp 2] [--json]
+
+Builds a random Hugging Face Llama of about 124M parameters (h 768, 12 layers, GQA 12/4 heads, ffn 2048,
+vocabulary 32000, untied; fp32, saved in 100 MB shards), then measures:
+
+- the import path's one process: ``ptdp import --format hf`` (its peak resident set, ``ru_maxrss``);
+- ``t`` CPU ranks (gloo) that build the run (``ptdp.train.state.setup``) and load, first the HF directory
+  directly, then the imported checkpoint: per load, each rank resets its peak (``echo 5 >
+  /proc/self/clear_refs``) and reports ``VmHWM - VmRSS before``, the memory the load added. The shard is the
+  rank's parameters (fp32 bytes); the ratio is ``(shard + added) / shard``: the peak over the shard plus
+  what the process held besides (torch, the gradient buffers). Goal: <= 1.3.
+- ``ptdp export`` of the imported checkpoint, streamed (one parameter at a time, 100 MB shards): its peak.
+
+Freed tensors go back to the system (``MALLOC_MMAP_THRESHOLD_`` at 128 KiB), so the peaks are real
+high-water marks, not malloc's reuse of old pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ptdp.runtime.exit import exit_now
+
+HF = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+          num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=None,
+          eos_token_id=None, pad_token_id=None)
+RUN = ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+       "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _measure(fn) -> tuple[int, int, float]:
+    """(VmRSS before, VmHWM - VmRSS before, seconds) of ``fn``, between barriers."""
+    dist.barrier()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return before, _status("VmHWM") - before, time.perf_counter() - start
+
+
+def _worker(rank: int, world: int, store: str, flags: list[str], hf_dir: str, ckpt: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from ptdp.checkpointing import load_checkpoint
+    from ptdp.cli.main import build_parser
+    from ptdp.config import config_from_args, derive
+    from ptdp.train.state import setup
+
+    config = derive(config_from_args(build_parser().parse_args(
+        ["train", *flags, "--tensor-model-parallel-size", str(world)])), world)
+    trainer = setup(config)
+    shard = sum(p.numel() * p.element_size() for p in trainer.params)
+    row = {"rank": rank, "shard_bytes": shard}
+    for name, path in (("hf_dir", hf_dir), ("imported", ckpt)):
+        before, added, seconds = _measure(lambda path=path: load_checkpoint(trainer, path))
+        row[name] = {"rss_before": before, "added": added, "seconds": round(seconds, 2),
+                     "ratio": round((shard + added) / shard, 3)}
+    rows: list = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_now(0)
+
+
+def _peak_of(command: list[str]) -> tuple[int, float]:
+    """Peak resident bytes (ru_maxrss of the child) and seconds of one command."""
+    start = time.perf_counter()
+    pid = subprocess.Popen(command, stdout=subprocess.DEVNULL).pid
+    _, status, usage = os.wait4(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, command
+    return usage.ru_maxrss * 1024, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import transformers
+
+    from ptdp.hf.convert import train_flags
+    from ptdp.models.families import family_for_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir, ckpt = Path(tmp) / "hf", Path(tmp) / "ckpt"
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF))
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(str(hf_dir), max_shard_size="100MB")
+        del model
+        cfg, moe = family_for_hf("llama").hf_model(json.loads((hf_dir / "config.json").read_text()))
+        flags = [*train_flags(cfg, moe).split(), *RUN, "--vocab-size", str(HF["vocab_size"])]
+        ptdp = [sys.executable, "-m", "ptdp"]
+        import_peak, import_s = _peak_of([*ptdp, "import", "--format", "hf", "--in", str(hf_dir), "--save", str(ckpt)])
+        export_peak, export_s = _peak_of([*ptdp, "export", "--load", str(ckpt), "--out", str(Path(tmp) / "out"),
+                                          "--max-shard-size", "100MB"])
+        baseline, _ = _peak_of([sys.executable, "-c", "import torch, safetensors.torch, transformers, ptdp.hf.convert"])
+        out = str(Path(tmp) / "rows.json")
+        mp.start_processes(_worker, args=(args.tp, str(Path(tmp) / "store"), flags, str(hf_dir), str(ckpt), out),
+                           nprocs=args.tp, start_method="spawn")
+        rows = json.loads(Path(out).read_text())
+    model_bytes = params * 4
+    result = {"parameters": params, "model_bytes": model_bytes, "tp": args.tp,
+              "import_process_peak": import_peak, "import_s": round(import_s, 1),
+              "export_process_peak": export_peak, "export_s": round(export_s, 1), "python_torch_baseline": baseline,
+              "per_rank": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    mb = 2**20
+    print(f"HF Llama {params / 1e6:.1f}M parameters, fp32 ({model_bytes / mb:.0f} MiB), t={args.tp}, CPU ranks")
+    print(f"a process that imports torch, safetensors, transformers: {baseline / mb:.0f} MiB peak")
+    print(f"ptdp import (one process, the whole model): {import_peak / mb:.0f} MiB peak = "
+          f"{(import_peak - baseline) / model_bytes:.2f}x the model above that baseline ({import_s:.0f} s)")
+    print(f"ptdp export, streamed, 100MB shards: {export_peak / mb:.0f} MiB peak = "
+          f"{(export_peak - baseline) / model_bytes:.2f}x the model above that baseline ({export_s:.0f} s)")
+    for r in rows:
+        print(f"  rank {r['rank']}: shard {r['shard_bytes'] / mb:.0f} MiB; load +added over what the rank held")
+        for name in ("hf_dir", "imported"):
+            m = r[name]
+            print(f"    --load {name:8s}: before {m['rss_before'] / mb:5.0f} MiB, +{m['added'] / mb:4.0f} MiB "
+                  f"-> (shard + added) / shard = {m['ratio']:.2f} ({m['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
