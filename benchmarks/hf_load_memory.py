@@ -5,13 +5,14 @@
 Builds a random Hugging Face Llama of about 124M parameters (h 768, 12 layers, GQA 12/4 heads, ffn 2048,
 vocabulary 32000, untied; fp32, saved in 100 MB shards), then measures:
 
-- the import path's one process: ``ptdp import --format hf`` (its peak resident set, ``ru_maxrss``);
+- the import path's one process: ``ptdp import --format hf`` (what it adds to the process's resident set);
 - ``t`` CPU ranks (gloo) that build the run (``ptdp.train.state.setup``) and load, first the HF directory
   directly, then the imported checkpoint: per load, each rank resets its peak (``echo 5 >
   /proc/self/clear_refs``) and reports ``VmHWM - VmRSS before``, the memory the load added. The shard is the
   rank's parameters (fp32 bytes); the ratio is ``(shard + added) / shard``: the peak over the shard plus
   what the process held besides (torch, the gradient buffers). Goal: <= 1.3.
-- ``ptdp export`` of the imported checkpoint, streamed (one parameter at a time, 100 MB shards): its peak.
+- ``ptdp export`` of the imported checkpoint, streamed (one parameter at a time, 100 MB shards), and the
+  whole-model conversion it replaced: what each adds to its process's resident set.
 
 Freed tensors go back to the system (``MALLOC_MMAP_THRESHOLD_`` at 128 KiB), so the peaks are real
 high-water marks, not malloc's reuse of old pages.
@@ -88,13 +89,39 @@ def _worker(rank: int, world: int, store: str, flags: list[str], hf_dir: str, ck
     exit_now(0)
 
 
-def _peak_of(command: list[str]) -> tuple[int, float]:
-    """Peak resident bytes (ru_maxrss of the child) and seconds of one command."""
-    start = time.perf_counter()
-    pid = subprocess.Popen(command, stdout=subprocess.DEVNULL).pid
-    _, status, usage = os.wait4(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, command
-    return usage.ru_maxrss * 1024, time.perf_counter() - start
+_CHILD = """
+import json, sys, time
+from ptdp.hf.convert import export_hf, import_hf_model
+import transformers  # export's config; imported before the measurement, like the ranks' torch
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+start = time.perf_counter()
+if sys.argv[1] == "import":
+    import_hf_model(sys.argv[2], sys.argv[3])
+elif sys.argv[1] == "export":
+    export_hf(sys.argv[2], sys.argv[3], "100MB")
+else:  # the export before streaming: the whole model read, converted, then written
+    from safetensors.torch import save_file
+    from ptdp.checkpointing import read_full_model_state
+    from ptdp.hf.convert import model_config_from_dict, moe_config_from_dict
+    from ptdp.models.families import family_of
+    tensors, config = read_full_model_state(sys.argv[2])
+    cfg, moe = model_config_from_dict(config), moe_config_from_dict(config)
+    save_file(family_of(cfg, moe).write(tensors, cfg, moe), sys.argv[3] + ".safetensors")
+print(json.dumps({"rss_before": before, "added": status("VmHWM") - before, "seconds": time.perf_counter() - start}))
+"""
+
+
+def _in_child(*args: str) -> dict:
+    """What ``ptdp import`` / ``export`` (their functions, in a fresh process) add to its resident set."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, *args], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -118,30 +145,25 @@ def main() -> None:
         del model
         cfg, moe = family_for_hf("llama").hf_model(json.loads((hf_dir / "config.json").read_text()))
         flags = [*train_flags(cfg, moe).split(), *RUN, "--vocab-size", str(HF["vocab_size"])]
-        ptdp = [sys.executable, "-m", "ptdp"]
-        import_peak, import_s = _peak_of([*ptdp, "import", "--format", "hf", "--in", str(hf_dir), "--save", str(ckpt)])
-        export_peak, export_s = _peak_of([*ptdp, "export", "--load", str(ckpt), "--out", str(Path(tmp) / "out"),
-                                          "--max-shard-size", "100MB"])
-        baseline, _ = _peak_of([sys.executable, "-c", "import torch, safetensors.torch, transformers, ptdp.hf.convert"])
+        imported = _in_child("import", str(hf_dir), str(ckpt))
+        exported = _in_child("export", str(ckpt), str(Path(tmp) / "out"))
+        whole = _in_child("export_whole", str(ckpt), str(Path(tmp) / "whole"))
         out = str(Path(tmp) / "rows.json")
         mp.start_processes(_worker, args=(args.tp, str(Path(tmp) / "store"), flags, str(hf_dir), str(ckpt), out),
                            nprocs=args.tp, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     model_bytes = params * 4
-    result = {"parameters": params, "model_bytes": model_bytes, "tp": args.tp,
-              "import_process_peak": import_peak, "import_s": round(import_s, 1),
-              "export_process_peak": export_peak, "export_s": round(export_s, 1), "python_torch_baseline": baseline,
-              "per_rank": rows}
+    result = {"parameters": params, "model_bytes": model_bytes, "tp": args.tp, "import": imported,
+              "export": exported, "export_whole_model": whole, "per_rank": rows}
     if args.json:
         print(json.dumps(result, indent=1))
         return
     mb = 2**20
     print(f"HF Llama {params / 1e6:.1f}M parameters, fp32 ({model_bytes / mb:.0f} MiB), t={args.tp}, CPU ranks")
-    print(f"a process that imports torch, safetensors, transformers: {baseline / mb:.0f} MiB peak")
-    print(f"ptdp import (one process, the whole model): {import_peak / mb:.0f} MiB peak = "
-          f"{(import_peak - baseline) / model_bytes:.2f}x the model above that baseline ({import_s:.0f} s)")
-    print(f"ptdp export, streamed, 100MB shards: {export_peak / mb:.0f} MiB peak = "
-          f"{(export_peak - baseline) / model_bytes:.2f}x the model above that baseline ({export_s:.0f} s)")
+    for name, m in (("ptdp import (one process)", imported), ("ptdp export, streamed, 100MB shards", exported),
+                    ("export of the whole model at once (before)", whole)):
+        print(f"{name}: before {m['rss_before'] / mb:.0f} MiB, +{m['added'] / mb:.0f} MiB = "
+              f"{m['added'] / model_bytes:.2f}x the model ({m['seconds']:.1f} s)")
     for r in rows:
         print(f"  rank {r['rank']}: shard {r['shard_bytes'] / mb:.0f} MiB; load +added over what the rank held")
         for name in ("hf_dir", "imported"):
