@@ -91,8 +91,10 @@ def _worker(rank: int, world: int, store: str, flags: list[str], hf_dir: str, ck
 
 _CHILD = """
 import json, sys, time
+import torch, safetensors.torch, torch.distributed.checkpoint, transformers
 from ptdp.hf.convert import export_hf, import_hf_model
-import transformers  # export's config; imported before the measurement, like the ranks' torch
+import ptdp.checkpointing.full_model, ptdp.models, ptdp.models.hf_recipe
+transformers.LlamaConfig, transformers.AutoConfig  # the libraries load before the measurement, as the ranks' do
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -96,6 +96,9 @@ def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers
     assert streamed.keys() == whole.keys()
     for name, value in whole.items():
         assert torch.equal(streamed[name], value), name
+    assert main(["export", "--load", str(ckpt), "--out", str(tmp_path / "bad"), "--max-shard-size", "lots"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ptdp export: error: --max-shard-size 'lots': give a positive size such as 5GB, 500MB or 2GiB"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -153,6 +156,39 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
                 (layer + "mlp.up_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h)))}
     assert sorted(reader.reads) == sorted(expected)
     assert reader.bytes_read == sum(t.numel() for t in targets.values()) * 4  # fp32 files: the boxes, no more
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
+    """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from ptdp.hf.convert import full_model_from_state
+
+    hf = hf_model(tmp_path / "hf", kind)
+    source = open_hf_dir(tmp_path / "hf")
+    reader = HFStorageReader(source, source.recipes(384))
+    targets, items = {}, []
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        targets[key] = torch.empty(meta.size)
+        zero = torch.Size([0] * len(meta.size))
+        items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(key), dest_offsets=zero,
+                              storage_index=MetadataIndex(key, zero), storage_offsets=zero, lengths=meta.size))
+
+    class Planner:
+        def resolve_tensor(self, item):
+            return targets[item.dest_index.fqn]
+
+        def commit_tensor(self, item, tensor):
+            pass
+
+    reader.read_data(LoadPlan(items), Planner()).wait()
+    config = {"model": {**vars(source.cfg)}, "moe": {}}
+    ours = full_model_from_state({k.removeprefix("model."): v for k, v in targets.items()}, config)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens)[..., :VOCAB], hf(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("damage,fragment", [
