@@ -158,17 +158,11 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     assert reader.bytes_read == sum(t.numel() for t in targets.values()) * 4  # fp32 files: the boxes, no more
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
-    """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
+def _read_whole(reader: HFStorageReader) -> dict[str, torch.Tensor]:
+    """Every parameter read through ``reader`` as one box, by ptdp name."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from ptdp.hf.convert import full_model_from_state
-
-    hf = hf_model(tmp_path / "hf", kind)
-    source = open_hf_dir(tmp_path / "hf")
-    reader = HFStorageReader(source, source.recipes(384))
     targets, items = {}, []
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         targets[key] = torch.empty(meta.size)
@@ -184,8 +178,36 @@ def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
             pass
 
     reader.read_data(LoadPlan(items), Planner()).wait()
-    config = {"model": {**vars(source.cfg)}, "moe": {}}
-    ours = full_model_from_state({k.removeprefix("model."): v for k, v in targets.items()}, config)
+    return {k.removeprefix("model."): v for k, v in targets.items()}
+
+
+def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
+    """bf16 files: the reader widens each slice to fp32 exactly as the import widens the whole tensor."""
+    from ptdp.hf.convert import read_hf_tensors
+    from ptdp.models.families import family_for_hf
+
+    model = hf_model(tmp_path / "fp32")
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"), safe_serialization=True, max_shard_size="20KB")
+    source = open_hf_dir(tmp_path / "hf")
+    assert set(source.dtypes.values()) == {"BF16"}
+    got = _read_whole(HFStorageReader(source, source.recipes(384)))
+    _, _, want = family_for_hf("llama").read(json.loads((tmp_path / "hf" / "config.json").read_text()),
+                                             read_hf_tensors(tmp_path / "hf"))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        rows = min(value.shape[0], got[name].shape[0])  # the import pads the embedding later, with zeros
+        assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
+    """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
+    from ptdp.hf.convert import full_model_from_state
+
+    hf = hf_model(tmp_path / "hf", kind)
+    source = open_hf_dir(tmp_path / "hf")
+    tensors = _read_whole(HFStorageReader(source, source.recipes(384)))
+    ours = full_model_from_state(tensors, {"model": {**vars(source.cfg)}, "moe": {}})
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens)[..., :VOCAB], hf(tokens).logits, rtol=1e-5, atol=1e-5)
