@@ -219,7 +219,9 @@ def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     ("unsupported_field", "hidden_act='gelu'"),
     ("wrong_flags", "--hidden-size 32 there, 64 here"),
 ])
-def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, damage, fragment):
+def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, capsys, damage, fragment):
+    """The launcher's start-up checks: one line naming the file (or flag), exit 2, no worker started (the
+    first case as a real ``ptdp train`` process, the others through the same ``main`` in this process)."""
     hf_model(tmp_path / "hf")
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     flags = [*train_flags(cfg, moe).split(), *RUN]
@@ -236,8 +238,17 @@ def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, damage, fragment):
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     else:
         flags[flags.index("--hidden-size") + 1] = "64"
-    proc = run_ptdp(["train", *flags, "--load", str(tmp_path / "hf"), "--nproc-per-node", "2"], check=False)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "--load" in lines[0], lines
-    assert "rank" not in proc.stdout.lower() or "iteration" not in proc.stdout, proc.stdout  # no worker trained
+    argv = ["train", *flags, "--load", str(tmp_path / "hf"), "--nproc-per-node", "2"]
+    if damage == "missing_shard":
+        proc = run_ptdp(argv, check=False)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    else:
+        from ptdp.cli.main import main
+
+        capsys.readouterr()
+        code = main(argv)
+        stdout, stderr = capsys.readouterr()
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ptdp train: error: --load ") and fragment in lines[0], lines
+    assert "iteration" not in stdout, stdout  # no worker trained
