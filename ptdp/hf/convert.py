@@ -6,7 +6,9 @@ reads and writes the files and picks the family: by config.json's ``model_type``
 flags on export.
 
 Checkpoints are read and written as full tensors in one process (``ptdp.checkpointing.full_model``), so
-an export works from any (t, p, d, v) layout and an imported model trains in any layout. ``transformers``
+an export works from any (t, p, d, v) layout and an imported model trains in any layout. Families with
+per-tensor recipes (``ptdp.models.hf_recipe``) export one parameter at a time (``ptdp.hf.streamed``) and
+load without an import (``ptdp train --load HF_DIR``, ``ptdp.checkpointing.hf_reader``). ``transformers``
 and ``safetensors`` are the optional extra ``pip install 'ptdp[hf]'``, imported only here.
 """
 
