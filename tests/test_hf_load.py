@@ -32,8 +32,11 @@ def hf_model(directory, kind: str = "llama"):
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:
+    elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
+    else:  # Qwen3-MoE: 4 experts, top 2, renormalised
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True))
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
@@ -199,7 +202,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
@@ -207,7 +210,7 @@ def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     hf = hf_model(tmp_path / "hf", kind)
     source = open_hf_dir(tmp_path / "hf")
     tensors = _read_whole(HFStorageReader(source, source.recipes(384)))
-    ours = full_model_from_state(tensors, {"model": {**vars(source.cfg)}, "moe": {}})
+    ours = full_model_from_state(tensors, {"model": {**vars(source.cfg)}, "moe": {**vars(source.moe)}})
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens)[..., :VOCAB], hf(tokens).logits, rtol=1e-5, atol=1e-5)

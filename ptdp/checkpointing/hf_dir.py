@@ -140,7 +140,7 @@ def check_recipes(source: HFDirectory, padded_vocab: int) -> None:
 
 def moe_mismatch(source: HFDirectory, moe: MoEConfig) -> str | None:
     """One line when the run's expert flags are not the directory's."""
-    keys = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
+    keys = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax")
     diffs = [f"--{k.replace('_', '-')} {getattr(source.moe, k)} there, {getattr(moe, k)} here"
              for k in keys if getattr(source.moe, k) != getattr(moe, k)]
     return "the directory holds another model: " + "; ".join(diffs) if diffs else None

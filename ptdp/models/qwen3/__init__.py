@@ -14,4 +14,5 @@ QWEN3 = ModelFamily(
 QWEN3_MOE = ModelFamily(
     name="Qwen3-MoE", hf_model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", matches=hf.is_qwen3_moe,
     read=hf.read_qwen3_moe, write=hf.write_qwen3_moe, hf_config=hf.qwen3_moe_config,
-    presets=("qwen3-30b-a3b", "qwen3-235b-a22b", "tiny-qwen3-moe"))
+    presets=("qwen3-30b-a3b", "qwen3-235b-a22b", "tiny-qwen3-moe"),
+    hf_model=hf.qwen3_moe_model, hf_recipes=hf.qwen3_moe_recipes)

@@ -102,6 +102,36 @@ def qwen3_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return _config(hf_config), MoEConfig()
 
 
+def qwen3_moe_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model and expert flags of a Qwen3-MoE ``config.json`` (what ``read_qwen3_moe`` reads)."""
+    if float(hf_config.get("router_jitter_noise") or 0.0):
+        raise Qwen3ConversionError("--in: config.json has router_jitter_noise > 0; ptdp's router adds no noise")
+    cfg = _config(hf_config)
+    return cfg, _moe(hf_config, cfg.num_layers)
+
+
+def qwen3_moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``Qwen3MoeForCausalLM`` tensors in the per-expert layout that
+    ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; a directory in the fused
+    layout goes through ``ptdp import``): experts stacked as ``fc1_weight [E, 2, f, h]`` and ``fc2_weight
+    [E, h, f]``, the router from ``mlp.gate``."""
+    from ptdp.models.hf_recipe import Stack, Take
+    from ptdp.models.moe import moe_layer_pattern
+
+    out = qwen3_recipes(cfg, moe, padded_vocab)
+    for i, sparse in enumerate(moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)):
+        if not sparse:
+            continue
+        ours, theirs = f"layers.{i}.mlp.", f"{P}layers.{i}.mlp."
+        del out[ours + "fc1.weight"], out[ours + "fc2.weight"]
+        experts = [f"{theirs}experts.{e}." for e in range(moe.num_experts)]
+        out[ours + "router.weight"] = Take(theirs + "gate.weight")
+        out[ours + "experts.fc1_weight"] = Stack(tuple(Stack((Take(x + "gate_proj.weight"), Take(x + "up_proj.weight")))
+                                                       for x in experts))
+        out[ours + "experts.fc2_weight"] = Stack(tuple(Take(x + "down_proj.weight") for x in experts))
+    return out
+
+
 def qwen3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
     """Per ptdp parameter, its recipe over ``Qwen3ForCausalLM`` tensors (``ptdp.models.hf_recipe``): Llama's
     and the q/k norms."""
