@@ -74,6 +74,21 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
             assert torch.equal(direct.weights[name], value), (layout, name)
 
 
+def test_qwen3_moe_hf_dir_at_e2_equals_import_then_load(tmp_path):
+    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2): bit for bit as the import."""
+    hf_model(tmp_path / "hf", "qwen3_moe")
+    _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
+    e2 = ["--expert-model-parallel-size", "2"]
+    runs = run_layouts(tmp_path / "runs", {"import": (2, [*e2, "--load", str(tmp_path / "ckpt")]),
+                                           "direct": (2, [*e2, "--load", str(tmp_path / "hf")])},
+                       base=[*train_flags(cfg, moe).split(), *RUN])
+    direct, imported = runs["direct"], runs["import"]
+    assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
+        [(r["loss"], r["grad_norm"]) for r in imported.records] != []
+    for name, value in imported.weights.items():
+        assert torch.equal(direct.weights[name], value), name
+
+
 def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers(trained, capsys):
     """The t = 4 run's checkpoint exports tensor by tensor into 20 KB shards with an index; the tensors are
     the whole-model conversion's, and transformers computes ptdp's logits from them."""
