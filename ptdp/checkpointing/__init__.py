@@ -6,6 +6,8 @@
 - ``interface``: :class:`Checkpointable`, what a save reads and a load restores (not the trainer)
 - ``manager``: the training loop's checkpoints (resume, interval/exit/final saves, async)
 - ``full_model``: full tensors in one process, no process group (generate, Hugging Face import/export)
+- ``hf_dir`` / ``hf_reader``: ``--load HF_DIR``, a Hugging Face directory checked from its headers (no torch)
+  and read through DCP as an imported checkpoint, each rank only its slices
 """
 
 import importlib

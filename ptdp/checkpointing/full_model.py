@@ -25,29 +25,54 @@ def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     the real vocabulary) of the checkpoint at ``path``: a ``--save`` directory (its ``latest``) or one
     ``iter_*`` directory. Checksums are verified first.
     """
-    if not Path(path).exists():
-        raise storage.CheckpointError(f"{path} does not exist")
-    if not Path(path).is_dir():
-        raise storage.CheckpointError(f"{path} is not a directory (give the --save directory of a run)")
-    directory = storage.resolve(path)
-    if directory is None:
-        raise storage.CheckpointError(f"{path} holds no checkpoint yet (no {storage.LATEST} file)")
-    storage.verify_checksums(directory)
-    info = storage.read_info(directory)
-    metadata = dcp.FileSystemReader(directory).read_metadata()
-    # The fp32 master weights of a 16-bit run are the truth; the model's 16-bit copy otherwise.
-    saved = metadata.state_dict_metadata
-    names = [key.removeprefix("model.") for key, meta in saved.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)]
-    sources = {name: f"optimizer.{name}.main_param" if f"optimizer.{name}.main_param" in saved else f"model.{name}"
-               for name in names}
-    tensors = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype) for key in sources.values()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        dcp.load(tensors, checkpoint_id=directory, no_dist=True)
-    config = info["config"]
-    config["model"]["vocab_size"] = info["model"]["vocab_size"]
-    return {name: tensors[key] for name, key in sources.items()}, config
+    model = FullModelReader(path)
+    tensors = {key: model.empty(key) for key in model.sources.values()}
+    model.load(tensors)
+    return {name: tensors[key] for name, key in model.sources.items()}, model.config
+
+
+class FullModelReader:
+    """A checkpoint's full tensors, read in one process whole or one at a time (a streamed export holds
+    one parameter at a time, never the model). ``sources``: logical name -> the saved key holding its
+    truth (the fp32 master weights of a 16-bit run, the model's own copy otherwise)."""
+
+    def __init__(self, path: str | Path) -> None:
+        if not Path(path).exists():
+            raise storage.CheckpointError(f"{path} does not exist")
+        if not Path(path).is_dir():
+            raise storage.CheckpointError(f"{path} is not a directory (give the --save directory of a run)")
+        directory = storage.resolve(path)
+        if directory is None:
+            raise storage.CheckpointError(f"{path} holds no checkpoint yet (no {storage.LATEST} file)")
+        storage.verify_checksums(directory)
+        info = storage.read_info(directory)
+        self.directory = directory
+        self.saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        names = [key.removeprefix("model.") for key, meta in self.saved.items()
+                 if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)]
+        self.sources = {name: f"optimizer.{name}.main_param" if f"optimizer.{name}.main_param" in self.saved
+                        else f"model.{name}" for name in names}
+        self.config = info["config"]
+        self.config["model"]["vocab_size"] = info["model"]["vocab_size"]
+
+    def shape(self, name: str) -> torch.Size:
+        return self.saved[self.sources[name]].size
+
+    def empty(self, key: str) -> torch.Tensor:
+        return torch.empty(self.saved[key].size, dtype=self.saved[key].properties.dtype)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill ``tensors`` (saved key -> tensor of its full shape) from the checkpoint."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+            dcp.load(tensors, checkpoint_id=self.directory, no_dist=True)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor of parameter ``name`` (only it is read)."""
+        key = self.sources[name]
+        out = {key: self.empty(key)}
+        self.load(out)
+        return out[key]
 
 
 def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict) -> Path:

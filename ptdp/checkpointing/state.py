@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ptdp.checkpointing import optimizer_shards, storage
+from ptdp.checkpointing.hf_dir import is_hf_dir
 from ptdp.checkpointing.interface import Checkpointable
 from ptdp.checkpointing.sharded import BoxLoadPlanner
 from ptdp.checkpointing.validation import model_mismatch, model_shape, optimizer_mismatch
@@ -187,19 +188,26 @@ def load_checkpoint(run: Checkpointable, path: str | Path, model_only: bool = Fa
     (iteration 0: no optimizer state, no RNG states); LoRA adapters the checkpoint lacks (a base model's)
     keep their fresh initial values.
     """
-    directory = storage.resolve(path)
-    if directory is None:
-        return None
-    storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
-    from ptdp.checkpointing.saver import verify_data_files
+    reader = None
+    if is_hf_dir(path):  # a Hugging Face directory: read as an imported checkpoint, each rank its slices
+        from ptdp.checkpointing.hf_reader import open_hf_source
 
-    verify_data_files(directory, run.plan.groups.rank, run.plan.world)  # each rank a share
-    info = storage.read_info(directory)
+        directory = Path(path)
+        info, reader = open_hf_source(path, run.config.model, run.chunks[0].vocab_size, _padded_vocab(run), run.plan.t)
+    else:
+        directory = storage.resolve(path)
+        if directory is None:
+            return None
+        storage.verify_checksums(directory, hash_data=False)  # a no-op when the start-up check already did it
+        from ptdp.checkpointing.saver import verify_data_files
+
+        verify_data_files(directory, run.plan.groups.rank, run.plan.world)  # each rank a share
+        info = storage.read_info(directory)
     problem = model_mismatch(info["model"], run.config.model, run.chunks[0].vocab_size,
                              run.plan.t) or (None if model_only else optimizer_mismatch(info, run.config))
     if problem:
         raise storage.CheckpointError(f"--load {directory}: {problem}")
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    metadata = (reader or dcp.FileSystemReader(directory)).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
     mesh_for = _mesh_for(run)
     request: dict[str, torch.Tensor] = {}
@@ -257,7 +265,7 @@ def load_checkpoint(run: Checkpointable, path: str | Path, model_only: bool = Fa
             f"--load {directory}: {resized[0]} is {tuple(metadata[resized[0]].size)} there, "
             f"{tuple(request[resized[0]].shape)} here ({len(resized)} tensors differ); it was saved by another "
             "model: pass its shape flags (--num-experts, --moe-ffn-hidden-size, ...)")
-    _dcp_load(request, directory)
+    _dcp_load(request, directory, reader)
     with torch.no_grad():
         for key, live in targets:
             loaded = request[key]
@@ -305,10 +313,12 @@ def _grad_scaler(run: Checkpointable):
     return run.optimizer.scaler
 
 
-def _dcp_load(state_dict: dict, directory: Path) -> None:
+def _dcp_load(state_dict: dict, directory: Path, reader=None) -> None:
+    """DCP's load of ``state_dict`` from the checkpoint ``directory`` (or through ``reader``: an HF one)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, checkpoint_id=directory, planner=BoxLoadPlanner())
+        dcp.load(state_dict, checkpoint_id=None if reader else directory, storage_reader=reader,
+                 planner=BoxLoadPlanner())
 
 
 

@@ -219,8 +219,34 @@ def _missing(config: Config, path: Path) -> list[str]:
     return []
 
 
+def hf_load_errors(config: Config, path: Path) -> list[str]:
+    """The start-up checks of ``--load HF_DIR`` (``hf_dir``): the files, the family, and the run's model flags
+    against config.json's (the flags ``ptdp import`` prints: nothing is inferred, so a run's flags say what
+    it trains)."""
+    from ptdp.checkpointing import hf_dir
+    from ptdp.data.training_data import model_vocab_size
+
+    tp = config.parallel.tensor_model_parallel_size
+    try:
+        source = hf_dir.open_hf_dir(path)
+        vocab = source.cfg.vocab_size
+        padded = config.model.padded_vocab_size(vocab, tp)
+        hf_dir.check_recipes(source, padded)
+    except CheckpointError as e:
+        return [f"--load {e}" if str(e).startswith(str(path)) else f"--load {path}: {e}"]
+    problem = (model_mismatch(model_shape(source.cfg, vocab, padded), config.model, model_vocab_size(config), tp)
+               or hf_dir.moe_mismatch(source, config.moe))
+    if problem:
+        return [f"--load {path}: {problem} (`ptdp import --format hf --in {path}` prints them)"]
+    return []
+
+
 def _load_errors(config: Config, path: Path, hash_data: bool = True) -> list[str]:
     ck = config.checkpoint
+    from ptdp.checkpointing.hf_dir import is_hf_dir
+
+    if is_hf_dir(path):
+        return hf_load_errors(config, path)
     if (path / MEGATRON_TRACKER).is_file() and not (path / "latest").exists():
         return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not read; "
                 "convert it to a Hugging Face GPT-2 model (transformers' "

@@ -6,7 +6,9 @@ reads and writes the files and picks the family: by config.json's ``model_type``
 flags on export.
 
 Checkpoints are read and written as full tensors in one process (``ptdp.checkpointing.full_model``), so
-an export works from any (t, p, d, v) layout and an imported model trains in any layout. ``transformers``
+an export works from any (t, p, d, v) layout and an imported model trains in any layout. Families with
+per-tensor recipes (``ptdp.models.hf_recipe``) export one parameter at a time (``ptdp.hf.streamed``) and
+load without an import (``ptdp train --load HF_DIR``, ``ptdp.checkpointing.hf_reader``). ``transformers``
 and ``safetensors`` are the optional extra ``pip install 'ptdp[hf]'``, imported only here.
 """
 
@@ -102,17 +104,23 @@ def _tokenizer(config_dict: dict, vocab: int) -> Tokenizer | None:
     return tokenizer if tokenizer.vocab_size == vocab else None
 
 
-def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: str = "hf") -> Path:
-    """Write ``OUT/config.json`` and ``OUT/model.safetensors`` from the newest checkpoint under ``load``, in
-    the Hugging Face architecture of the model's family (``ptdp.models.families``). A LoRA run's checkpoint:
-    ``merge_lora`` folds the adapters into the weights; ``fmt`` ``"peft"`` writes the adapters alone, as
-    PEFT's adapter directory (``ptdp.hf.lora``)."""
-    from ptdp.checkpointing import read_full_model_state
+def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: str = "hf",
+              max_shard_size: str | int | None = None) -> Path:
+    """Write ``OUT/config.json`` and the weights (``model.safetensors``, or shards of at most
+    ``max_shard_size`` with ``model.safetensors.index.json``) from the newest checkpoint under ``load``, in
+    the Hugging Face architecture of the model's family (``ptdp.models.families``). A family with per-tensor
+    recipes is streamed one parameter at a time (``ptdp.hf.streamed``); the others convert in one piece. A
+    LoRA run's checkpoint: ``merge_lora`` folds the adapters into the weights; ``fmt`` ``"peft"`` writes the
+    adapters alone, as PEFT's adapter directory (``ptdp.hf.lora``); both read the whole model."""
+    from ptdp.checkpointing.full_model import FullModelReader
     from ptdp.hf import lora as hf_lora
+    from ptdp.hf import streamed
 
-    tensors, config_dict = read_full_model_state(load)
+    max_bytes = streamed.parse_size(max_shard_size or streamed.DEFAULT_MAX_SHARD_SIZE)
+    model = FullModelReader(load)
+    config_dict = model.config
     rank, alpha, _ = hf_lora.lora_settings(config_dict)
-    adapters = any("adapter.lora_" in name for name in tensors)
+    adapters = any("adapter.lora_" in name for name in model.sources)
     if adapters and fmt == "hf" and not merge_lora:
         raise HFError(f"--load {load}: the checkpoint holds LoRA adapters; pass --merge-lora (the merged weights) "
                       "or --format peft (the adapters, for peft.PeftModel)")
@@ -120,11 +128,7 @@ def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: 
         raise HFError("--merge-lora writes merged weights (--format hf); --format peft writes the adapters alone")
     if merge_lora and not adapters:
         raise HFError(f"--merge-lora: the checkpoint {load} holds no LoRA adapters (trained without --lora-rank)")
-    if merge_lora:
-        from ptdp.parallel.lora import merge_lora as merged
-
-        tensors = merged(tensors, alpha / rank)
-    transformers, safetensors_torch = _require_hf()
+    transformers, _ = _require_hf()
     cfg, moe = model_config_from_dict(config_dict), moe_config_from_dict(config_dict)
     family = family_of(cfg, moe)
     if family is None:
@@ -134,13 +138,26 @@ def export_hf(load: str | Path, out: str | Path, merge_lora: bool = False, fmt: 
     problem = family.export_problem(cfg, moe)
     if problem:
         raise HFError(f"--load {load}: {problem}")
-    if fmt == "peft":
-        return hf_lora.write_peft(tensors, config_dict, family, cfg, moe, Path(out), str(load))
+    tensors = None
+    if fmt == "peft" or merge_lora:  # the adapters meet their base weights: the whole model
+        tensors = {name: model.tensor(name) for name in model.sources}
+        if fmt == "peft":
+            return hf_lora.write_peft(tensors, config_dict, family, cfg, moe, Path(out), str(load))
+        from ptdp.parallel.lora import merge_lora as merged
+
+        tensors = merged(tensors, alpha / rank)
     bos, eos = _special_ids(config_dict, cfg.vocab_size)
-    state = family.write(tensors, cfg, moe)
     hf_config = transformers.AutoConfig.for_model(family.hf_model_type, **family.hf_config(cfg, moe, bos, eos))
     (out := Path(out)).mkdir(parents=True, exist_ok=True)
-    safetensors_torch.save_file(state, str(out / HF_WEIGHTS), metadata={"format": "pt"})
+    if tensors is None and family.hf_recipes is not None:
+        streamed.write_streamed(model, family, cfg, moe, out, max_bytes)
+    else:
+        if tensors is None:
+            tensors = {name: model.tensor(name) for name in model.sources}
+        writer = streamed.ShardWriter(out, max_bytes)
+        for name, tensor in family.write(tensors, cfg, moe).items():
+            writer.add(name, tensor)
+        writer.close()
     hf_config.save_pretrained(str(out))
     return out
 
@@ -268,7 +285,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-lora", action="store_true",
                         help="--format hf of a LoRA run: the weights with the adapters merged in (W + alpha/r B A)")
     parser.add_argument("--out", required=True,
-                        help="directory to write config.json and model.safetensors to")
+                        help="directory to write config.json and model.safetensors (or its shards and "
+                             "model.safetensors.index.json) to")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file to write, as save_pretrained's max_shard_size (5GB, 500MB, "
+                             "2GiB); a larger model is written in shards with model.safetensors.index.json")
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,7 +305,7 @@ def run_export(args: argparse.Namespace) -> int:
     from ptdp.checkpointing import CheckpointError
 
     try:
-        out = export_hf(args.load, args.out, args.merge_lora, args.format)
+        out = export_hf(args.load, args.out, args.merge_lora, args.format, getattr(args, "max_shard_size", None))
     except CheckpointError as e:
         return _fail("export", f"--load {args.load}: {e}")
     except ConfigError as e:
@@ -293,7 +314,8 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors: "
               f"peft.PeftModel.from_pretrained(base, {str(out)!r})")
         return 0
-    print(f"wrote {out}/config.json and {out}/{HF_WEIGHTS}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    weights = HF_INDEX if (out / HF_INDEX).exists() else HF_WEIGHTS
+    print(f"wrote {out}/config.json and {out}/{weights}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -34,7 +34,11 @@ class ModelFamily:
       in one line naming the field, what the family cannot compute exactly;
     - ``write(tensors, cfg, moe)``: ptdp's full tensors as HF's; ``hf_config(cfg, moe, bos, eos)``: the
       config.json keyword arguments that make HF compute what ptdp computes;
-    - ``presets``: the ``--model`` names of ``ptdp.config.presets`` that are this family.
+    - ``presets``: the ``--model`` names of ``ptdp.config.presets`` that are this family;
+    - ``hf_model(config_json)`` and ``hf_recipes(cfg, moe, padded_vocab)``: the model flags of a config.json,
+      and per ptdp parameter the recipe over HF tensor names that builds it (``ptdp.models.hf_recipe``). A
+      family that declares them loads directly (``ptdp train --load HF_DIR``, each rank reading only its
+      slices) and exports tensor by tensor; ``read`` is then the same recipes evaluated whole.
     """
 
     name: str
@@ -46,3 +50,5 @@ class ModelFamily:
     hf_config: Callable[[ModelConfig, MoEConfig, int | None, int | None], dict[str, Any]]
     export_problem: Callable[[ModelConfig, MoEConfig], str | None] = lambda cfg, moe: None
     presets: tuple[str, ...] = ()
+    hf_model: Callable[[dict], tuple[ModelConfig, MoEConfig]] | None = None
+    hf_recipes: Callable[[ModelConfig, MoEConfig, int], dict] | None = None

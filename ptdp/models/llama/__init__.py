@@ -16,4 +16,6 @@ LLAMA = ModelFamily(
     matches=lambda cfg, moe: not moe.num_experts and hf.is_llama(cfg), read=_read,
     write=lambda tensors, cfg, moe: hf.to_hf_state(tensors, cfg),
     hf_config=lambda cfg, moe, bos, eos: hf.hf_config_kwargs(cfg, bos, eos),
-    presets=("llama2-7b", "llama3-8b", "llama3-70b", "tiny-llama"))
+    presets=("llama2-7b", "llama3-8b", "llama3-70b", "tiny-llama"),
+    hf_model=lambda hf_config: (hf.model_config_from_hf(hf_config), MoEConfig()),
+    hf_recipes=lambda cfg, moe, padded: hf.hf_recipes(cfg, padded))

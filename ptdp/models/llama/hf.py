@@ -28,6 +28,8 @@ from ptdp.config import ConfigError, ModelConfig
 if TYPE_CHECKING:
     import torch
 
+    from ptdp.models import hf_recipe
+
 EMBEDDING = "embedding.word_embeddings.weight"
 LM_HEAD = "lm_head.weight"
 HF_PREFIX = "model."
@@ -103,29 +105,48 @@ def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` tensors -> ptdp full tensors; the untied output layer padded like the embedding."""
-    import torch
+def hf_recipes(cfg: ModelConfig, padded_vocab: int) -> dict[str, hf_recipe.Recipe]:
+    """Per ptdp parameter, how it is built from ``LlamaForCausalLM`` tensors (``ptdp.models.hf_recipe``):
+    the vocabulary (and the untied output layer) padded with zero rows to ``padded_vocab``, the QKV fused,
+    gate and up stacked. Import, ``--load HF_DIR`` and export all run this one mapping."""
+    from ptdp.models.hf_recipe import Cat, Stack, Take, Zeros
 
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise LlamaConversionError(f"--in: the checkpoint has no tensor {name}; is it a LlamaForCausalLM?")
-        return hf[name]
-
-    out = {EMBEDDING: take(HF_PREFIX + "embed_tokens.weight"), "final_layernorm.weight": take(HF_PREFIX + "norm.weight")}
+    vocab, h = cfg.vocab_size, cfg.hidden_size
+    pad = (Zeros((padded_vocab - vocab, h)),) if padded_vocab > vocab else ()
+    out: dict[str, hf_recipe.Recipe] = {EMBEDDING: Cat((Take(HF_PREFIX + "embed_tokens.weight"), *pad)),
+                                        "final_layernorm.weight": Take(HF_PREFIX + "norm.weight")}
     if cfg.untie_embeddings_and_output_weights:
-        head = take(LM_HEAD)
-        padded = cfg.padded_vocab_size(head.shape[0], 1)
-        out[LM_HEAD] = torch.cat([head, head.new_zeros(padded - head.shape[0], head.shape[1])])
+        out[LM_HEAD] = Cat((Take(LM_HEAD), *pad))
+    a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"{HF_PREFIX}layers.{i}."
         for suffix, hf_suffix in _LAYER_MAP.items():
-            out[ours + suffix] = take(theirs + hf_suffix)
-        out[ours + "attention.qkv.weight"] = _fuse_qkv(*(take(f"{theirs}self_attn.{x}_proj.weight") for x in "qkv"),
-                                                       cfg)
-        out[ours + "mlp.fc1.weight"] = torch.stack([take(theirs + "mlp.gate_proj.weight"),
-                                                    take(theirs + "mlp.up_proj.weight")])
-    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+            out[ours + suffix] = Take(theirs + hf_suffix)
+        q, k, v = (f"{theirs}self_attn.{x}_proj.weight" for x in "qkv")
+        if cfg.group_query_attention:  # per group: its a/G query heads, its key head, its value head
+            per = a // g * d
+            out[ours + "attention.qkv.weight"] = Cat(tuple(
+                part for j in range(g) for part in (Take(q, (j * per, (j + 1) * per)), Take(k, (j * d, (j + 1) * d)),
+                                                    Take(v, (j * d, (j + 1) * d)))))
+        else:
+            out[ours + "attention.qkv.weight"] = Stack((Take(q), Take(k), Take(v)))
+        out[ours + "mlp.fc1.weight"] = Stack((Take(theirs + "mlp.gate_proj.weight"), Take(theirs + "mlp.up_proj.weight")))
+    return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` tensors -> ptdp full tensors (:func:`hf_recipes`, evaluated whole); the untied
+    output layer padded like the embedding."""
+    from ptdp.models.hf_recipe import RecipeError, materialize
+
+    head = hf.get(LM_HEAD)
+    padded = cfg.padded_vocab_size(head.shape[0] if head is not None else cfg.vocab_size, 1)
+    recipes = hf_recipes(cfg, padded)
+    recipes[EMBEDDING] = recipes[EMBEDDING].parts[0]  # unpadded: write_full_model_state pads it
+    try:
+        return materialize(recipes, hf)
+    except RecipeError as e:
+        raise LlamaConversionError(f"--in: {e}; is it a LlamaForCausalLM?") from None
 
 
 def _rope(hf_config: dict) -> tuple[float, dict | None]:

@@ -81,15 +81,61 @@ def _moe(hf_config: dict, num_layers: int) -> MoEConfig:
                      moe_router_pre_softmax=not hf_config.get("norm_topk_prob", False))
 
 
+def _norm_recipes(cfg: ModelConfig) -> dict:
+    from ptdp.models.hf_recipe import Take
+
+    return {f"layers.{i}.{ours}": Take(f"{P}layers.{i}.{theirs}") for i in range(cfg.num_layers)
+            for ours, theirs in _NORMS.items()}
+
+
 def _norms_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for i in range(cfg.num_layers):
-        for ours, theirs in _NORMS.items():
-            name = f"{P}layers.{i}.{theirs}"
-            if name not in hf:
-                raise Qwen3ConversionError(f"--in: the checkpoint has no tensor {name}; is it a Qwen3 model?")
-            out[f"layers.{i}.{ours}"] = hf[name].float().contiguous()
+    from ptdp.models.hf_recipe import RecipeError, materialize
+
+    try:
+        return materialize(_norm_recipes(cfg), hf)
+    except RecipeError as e:
+        raise Qwen3ConversionError(f"--in: {e}; is it a Qwen3 model?") from None
+
+
+def qwen3_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model flags of a Qwen3 ``config.json`` (dense)."""
+    return _config(hf_config), MoEConfig()
+
+
+def qwen3_moe_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model and expert flags of a Qwen3-MoE ``config.json`` (what ``read_qwen3_moe`` reads)."""
+    if float(hf_config.get("router_jitter_noise") or 0.0):
+        raise Qwen3ConversionError("--in: config.json has router_jitter_noise > 0; ptdp's router adds no noise")
+    cfg = _config(hf_config)
+    return cfg, _moe(hf_config, cfg.num_layers)
+
+
+def qwen3_moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``Qwen3MoeForCausalLM`` tensors in the per-expert layout that
+    ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; a directory in the fused
+    layout goes through ``ptdp import``): experts stacked as ``fc1_weight [E, 2, f, h]`` and ``fc2_weight
+    [E, h, f]``, the router from ``mlp.gate``."""
+    from ptdp.models.hf_recipe import Stack, Take
+    from ptdp.models.moe import moe_layer_pattern
+
+    out = qwen3_recipes(cfg, moe, padded_vocab)
+    for i, sparse in enumerate(moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)):
+        if not sparse:
+            continue
+        ours, theirs = f"layers.{i}.mlp.", f"{P}layers.{i}.mlp."
+        del out[ours + "fc1.weight"], out[ours + "fc2.weight"]
+        experts = [f"{theirs}experts.{e}." for e in range(moe.num_experts)]
+        out[ours + "router.weight"] = Take(theirs + "gate.weight")
+        out[ours + "experts.fc1_weight"] = Stack(tuple(Stack((Take(x + "gate_proj.weight"), Take(x + "up_proj.weight")))
+                                                       for x in experts))
+        out[ours + "experts.fc2_weight"] = Stack(tuple(Take(x + "down_proj.weight") for x in experts))
     return out
+
+
+def qwen3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``Qwen3ForCausalLM`` tensors (``ptdp.models.hf_recipe``): Llama's
+    and the q/k norms."""
+    return {**llama.hf_recipes(dataclasses.replace(cfg, qk_layernorm=False), padded_vocab), **_norm_recipes(cfg)}
 
 
 def _norms_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,191 @@
+"""Per-tensor recipes: how one of ptdp's full parameters is built from Hugging Face tensors.
+
+A family's adapter declares, for every ptdp parameter name, a :data:`Recipe` over HF tensor names: take a
+tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros. The recipe is data,
+not code over full tensors, so the same declaration serves three readers:
+
+- ``ptdp import`` evaluates it over the whole tensor (:func:`materialize`);
+- ``ptdp train --load HF_DIR`` evaluates it over one rank's box only (:func:`read_box`): every ``Take``
+  asks its file for just the rows and columns the box covers (``safe_open(...).get_slice(name)[...]``);
+- ``ptdp export`` runs it backwards (:func:`scatter`): one full ptdp tensor in, its HF pieces out.
+
+The three cannot drift apart: there is one mapping per family. Nothing here imports torch at module level
+(the launcher checks an HF directory against the recipes before any worker starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ptdp.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RecipeError(ConfigError):
+    """An HF checkpoint that lacks what a recipe takes, or holds it in another shape; one line."""
+
+
+@dataclass(frozen=True)
+class Take:
+    """HF tensor ``name`` (rows ``[lo, hi)`` of it when ``rows`` is given), cast to fp32."""
+
+    name: str
+    rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Cat:
+    """The parts concatenated along ``dim``."""
+
+    parts: tuple[Recipe, ...]
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The parts stacked along a new leading dimension (ptdp's ``[3, a·d, h]`` qkv, ``[2, ffn, h]`` fc1)."""
+
+    parts: tuple[Recipe, ...]
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """A block of zeros (the rows ptdp pads a vocabulary with)."""
+
+    shape: tuple[int, ...]
+
+
+Recipe = Take | Cat | Stack | Zeros
+Shapes = Mapping[str, tuple[int, ...]]
+# fetch(name, per-dimension (start, stop)) -> those elements of the HF tensor, in its own dtype
+Fetch = Callable[[str, tuple[tuple[int, int], ...]], "torch.Tensor"]
+
+
+def takes(recipe: Recipe) -> list[Take]:
+    """Every ``Take`` of ``recipe``, in order."""
+    if isinstance(recipe, Take):
+        return [recipe]
+    if isinstance(recipe, (Cat, Stack)):
+        return [t for part in recipe.parts for t in takes(part)]
+    return []
+
+
+def shape_of(recipe: Recipe, shapes: Shapes) -> tuple[int, ...]:
+    """The shape ``recipe`` builds, given the HF tensors' shapes; :class:`RecipeError` when a tensor is
+    missing or the parts do not fit together."""
+    if isinstance(recipe, Zeros):
+        return tuple(recipe.shape)
+    if isinstance(recipe, Take):
+        if recipe.name not in shapes:
+            raise RecipeError(f"the checkpoint has no tensor {recipe.name}")
+        shape = tuple(shapes[recipe.name])
+        if recipe.rows is None:
+            return shape
+        lo, hi = recipe.rows
+        if not shape or hi > shape[0]:
+            raise RecipeError(f"{recipe.name} has shape {shape}; rows {lo}:{hi} are needed")
+        return (hi - lo, *shape[1:])
+    parts = [shape_of(p, shapes) for p in recipe.parts]
+    if isinstance(recipe, Stack):
+        if len(set(parts)) != 1:
+            raise RecipeError(f"cannot stack {[t.name for t in takes(recipe)]}: shapes {parts} differ")
+        return (len(parts), *parts[0])
+    rest = {p[:recipe.dim] + p[recipe.dim + 1:] for p in parts}
+    if len(rest) != 1:
+        raise RecipeError(f"cannot concatenate {[t.name for t in takes(recipe)]}: shapes {parts}")
+    first = parts[0]
+    return (*first[:recipe.dim], sum(p[recipe.dim] for p in parts), *first[recipe.dim + 1:])
+
+
+def read_box(recipe: Recipe, box: tuple[tuple[int, int], ...], shapes: Shapes, fetch: Fetch) -> torch.Tensor:
+    """Elements ``box`` (per dimension ``(start, stop)``) of the tensor ``recipe`` builds, in fp32, reading
+    from each HF tensor only the part of it that lands in the box."""
+    import torch
+
+    if isinstance(recipe, Zeros):
+        return torch.zeros([b - a for a, b in box], dtype=torch.float32)
+    if isinstance(recipe, Take):
+        if recipe.rows is not None:
+            lo = recipe.rows[0]
+            box = ((box[0][0] + lo, box[0][1] + lo), *box[1:])
+        return fetch(recipe.name, box).to(torch.float32)
+    if isinstance(recipe, Stack):
+        (a, b), inner = box[0], box[1:]
+        return torch.stack([read_box(recipe.parts[i], inner, shapes, fetch) for i in range(a, b)])
+    dim, pieces, offset = recipe.dim, [], 0
+    a, b = box[dim]
+    for part in recipe.parts:
+        size = shape_of(part, shapes)[dim]
+        lo, hi = max(a, offset), min(b, offset + size)
+        if lo < hi:
+            sub = (*box[:dim], (lo - offset, hi - offset), *box[dim + 1:])
+            pieces.append(read_box(part, sub, shapes, fetch))
+        offset += size
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def materialize(recipes: Mapping[str, Recipe], hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every ptdp full tensor the recipes build from ``hf`` (HF's tensors, all in memory: ``ptdp import``)."""
+    shapes = {name: tuple(t.shape) for name, t in hf.items()}
+
+    def fetch(name: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        return hf[name][tuple(slice(a, b) for a, b in box)]
+
+    out = {}
+    for name, recipe in recipes.items():
+        full = tuple((0, n) for n in shape_of(recipe, shapes))
+        out[name] = read_box(recipe, full, shapes, fetch).contiguous()
+    return out
+
+
+def scatter(recipe: Recipe, tensor: torch.Tensor) -> list[tuple[str, tuple[int, int] | None, torch.Tensor]]:
+    """The inverse of a recipe: ``(HF name, its rows or None, values)`` for every ``Take`` in ``recipe``,
+    cut from ``tensor`` (the full ptdp tensor); zeros blocks (vocabulary padding) are dropped."""
+    if isinstance(recipe, Take):
+        return [(recipe.name, recipe.rows, tensor)]
+    if isinstance(recipe, Zeros):
+        return []
+    if isinstance(recipe, Stack):
+        return [piece for part, t in zip(recipe.parts, tensor.unbind(0), strict=True) for piece in scatter(part, t)]
+    known = [_extent(p, recipe.dim) for p in recipe.parts]
+    if known.count(None) > 1:
+        raise RecipeError(f"cannot split {[t.name for t in takes(recipe)]}: more than one part of unknown size")
+    free = tensor.shape[recipe.dim] - sum(k for k in known if k is not None)
+    sizes = [free if k is None else k for k in known]
+    out = []
+    for part, piece in zip(recipe.parts, tensor.split(sizes, dim=recipe.dim), strict=True):
+        out += scatter(part, piece)
+    return out
+
+
+def _extent(recipe: Recipe, dim: int) -> int | None:
+    """The size of ``recipe`` along ``dim`` when it follows from the recipe alone, else None."""
+    if isinstance(recipe, Zeros):
+        return recipe.shape[dim]
+    if isinstance(recipe, Take):
+        return recipe.rows[1] - recipe.rows[0] if recipe.rows is not None and dim == 0 else None
+    if isinstance(recipe, Stack):
+        return len(recipe.parts) if dim == 0 else _extent(recipe.parts[0], dim - 1)
+    sizes = [_extent(p, dim) for p in recipe.parts]
+    if recipe.dim == dim:
+        return None if None in sizes else sum(sizes)
+    return next((s for s in sizes if s is not None), None)
+
+
+def assemble(pieces: list[tuple[tuple[int, int] | None, torch.Tensor]], name: str) -> torch.Tensor:
+    """One HF tensor from the row ranges :func:`scatter` cut for it (a GQA ``q_proj``: one range per group)."""
+    import torch
+
+    if len(pieces) == 1 and pieces[0][0] is None:
+        return pieces[0][1]
+    ordered = sorted(pieces, key=lambda p: p[0][0])
+    end = 0
+    for rows, _ in ordered:
+        if rows is None or rows[0] != end:
+            raise RecipeError(f"{name}: the recipes do not cover its rows exactly once")
+        end = rows[1]
+    return torch.cat([t for _, t in ordered])
