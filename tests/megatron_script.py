@@ -55,9 +55,12 @@ def run_args(kind: str, t: int, p: int) -> argparse.Namespace:
                                   position_embedding_type="learned_absolute", add_bias_linear=True,
                                   bias_gelu_fusion=True, openai_gelu=False, group_query_attention=False,
                                   num_query_groups=None, untie_embeddings_and_output_weights=False)
-    return argparse.Namespace(**common, ffn_hidden_size=48, normalization="RMSNorm", swiglu=True,
-                              position_embedding_type="rope", add_bias_linear=False, group_query_attention=True,
-                              num_query_groups=2, untie_embeddings_and_output_weights=True)
+    llama = dict(common, ffn_hidden_size=48, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                 add_bias_linear=False, group_query_attention=True, num_query_groups=2,
+                 untie_embeddings_and_output_weights=True)
+    if kind == "moe":  # Llama-style with 4 SwiGLU experts, top-2 (the ptdp-side round trips only)
+        llama.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_grouped_gemm=False)
+    return argparse.Namespace(**llama)
 
 
 def build(kind: str, t: int, p: int):
@@ -121,7 +124,8 @@ def main() -> None:
     ps.initialize_model_parallel(t, p)
     tracker = tp_random.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: the CUDA RNG streams are never drawn
-    torch.manual_seed(7 + 10 * ps.get_pipeline_model_parallel_rank())  # replicated weights equal over t (as Megatron seeds)
+    # replicated weights equal over t (as Megatron seeds them); a load starts from other weights than the save's
+    torch.manual_seed((7 if mode == "save" else 99) + 10 * ps.get_pipeline_model_parallel_rank())
     model = build(kind, t, p)
     if mode == "save":
         save = os.path.join(directory, "iter_0000010")
@@ -136,7 +140,7 @@ def main() -> None:
     else:
         torch.serialization.add_safe_globals([argparse.Namespace])
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(directory, "release"))
-        model.load_state_dict(loaded["model"], strict=False)
+        model.load_state_dict(loaded["model"])
         out = sys.argv[4]
     result = logits(model, p)
     if result is not None and ps.get_tensor_model_parallel_rank() == 0:

@@ -29,6 +29,7 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
 
 # Megatron-LM args -> the MoEConfig field of the same meaning
 _MOE_SAME = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate",
              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_pre_softmax",
              "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
              "moe_router_num_groups", "moe_router_group_topk", "moe_grouped_gemm")
@@ -65,7 +66,7 @@ def model_from_args(args: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
             raise MegatronError(f"--in: the checkpoint's args lack {name}; is it a Megatron-LM GPT checkpoint?")
     for name, (allowed, why) in _MUST_BE.items():
         value = args.get(name, allowed)
-        if value is not None and value != allowed and not (value is False and allowed is None):
+        if value is not None and value != allowed and not (allowed is None and not value):
             raise _refusal(name, value, why)
     cfg = ModelConfig(**{k: args[k] for k in _SAME if args.get(k) is not None})
     cfg.normalization = args.get("normalization", "LayerNorm")

@@ -56,6 +56,10 @@ def import_megatron(directory: str | Path, save: str | Path, no_load_optim: bool
                             f"{ckpt.iteration} x global_batch_size {batch} (a rampup_batch_size run); ptdp continues "
                             "runs of one global batch size")
     tensors = to_ptdp(ckpt.tensors, cfg, moe)
+    padded = cfg.padded_vocab_size(cfg.vocab_size, 1)
+    for name in ("embedding.word_embeddings.weight", "lm_head.weight"):  # Megatron padded for its t: rows
+        if name in tensors and tensors[name].shape[0] > padded:  # past ptdp's padding are never a token
+            tensors[name] = tensors[name][:padded]
     sections: dict[str, dict] = {"model": dataclasses.asdict(cfg), "moe": dataclasses.asdict(moe)}
     for key, value in run.items():
         section, name = _RUN_ARGS[key]
@@ -72,8 +76,12 @@ def continue_flags(imported: Imported) -> str:
     """The ``ptdp train`` flags that continue the imported run: the model, the vocabulary, its batch sizes,
     iterations, seed and data (what fixes the sample order)."""
     flags = [convert.train_flags(imported.model, imported.moe), f"--vocab-size {imported.model.vocab_size}"]
-    if imported.model.seq_length != ModelConfig().seq_length and "--seq-length" not in flags[0]:
+    default = ModelConfig()
+    if imported.model.seq_length != default.seq_length and "--seq-length" not in flags[0]:
         flags.append(f"--seq-length {imported.model.seq_length}")
+    for name in ("hidden_dropout", "attention_dropout"):  # Megatron's run went on with these
+        if getattr(imported.model, name) != getattr(default, name):
+            flags.append(f"--{name.replace('_', '-')} {getattr(imported.model, name):g}")
     for key, value in imported.run.items():
         flag = "--" + key.replace("_", "-")
         flags.append(f"{flag} {' '.join(map(str, value))}" if isinstance(value, list) else f"{flag} {value}")

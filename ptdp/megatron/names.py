@@ -110,10 +110,11 @@ def to_ptdp(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) 
             rest = suffix.removeprefix("mlp.shared_experts.")
             if rest == "linear_fc1.weight" and cfg.swiglu:
                 value = value.reshape(2, value.shape[0] // 2, value.shape[1])
-            key = {"linear_fc1.weight": "fc1.weight", "linear_fc2.weight": "fc2.weight", "gate_weight": "gate.weight"}
+            key = {"linear_fc1.weight": "shared_expert.fc1.weight", "linear_fc2.weight": "shared_expert.fc2.weight",
+                   "gate_weight": "shared_expert_gate.weight"}
             if rest not in key:
                 raise MegatronError(f"--in: the checkpoint holds {name}, which ptdp's shared expert has no place for")
-            out[ours + "mlp.shared_expert." + key[rest]] = value
+            out[ours + "mlp." + key[rest]] = value
         elif (expert := _EXPERT.match(suffix)) is not None:
             e, fc = (int(expert.group(1)), expert.group(2)) if expert.group(1) else (int(expert.group(4)), expert.group(3))
             experts.setdefault((i, fc), {})[e] = value
@@ -148,10 +149,11 @@ def to_megatron(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConf
         elif suffix.startswith("mlp.fc1."):
             out[theirs + "mlp.linear_fc1." + suffix.rsplit(".", 1)[1]] = (
                 value.reshape(-1, *value.shape[2:]) if cfg.swiglu else value)
-        elif suffix.startswith("mlp.shared_expert."):
-            key = {"fc1.weight": "linear_fc1.weight", "fc2.weight": "linear_fc2.weight", "gate.weight": "gate_weight"}
-            rest = suffix.removeprefix("mlp.shared_expert.")
-            out[theirs + "mlp.shared_experts." + key[rest]] = value.reshape(-1, value.shape[-1]) if rest == "fc1.weight" else value
+        elif suffix.startswith(("mlp.shared_expert.", "mlp.shared_expert_gate.")):
+            key = {"mlp.shared_expert.fc1.weight": "linear_fc1.weight", "mlp.shared_expert.fc2.weight": "linear_fc2.weight",
+                   "mlp.shared_expert_gate.weight": "gate_weight"}
+            fused = suffix == "mlp.shared_expert.fc1.weight"
+            out[theirs + "mlp.shared_experts." + key[suffix]] = value.reshape(-1, value.shape[-1]) if fused else value
         elif suffix in ("mlp.experts.fc1_weight", "mlp.experts.fc2_weight"):
             fc = suffix.removeprefix("mlp.experts.")[:3]
             for e in range(value.shape[0]):

@@ -146,11 +146,13 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
             raise MegatronError(f"--in {directory}: {key} has {covered} of its {prod(meta.size)} values saved; "
                                 "the save is partial")
     tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in wanted.items()}
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(tensors, checkpoint_id=directory, no_dist=True)
-    except Exception as e:  # noqa: BLE001 - a missing or truncated __N_M.distcp
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a missing or truncated __N_M.distcp
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise MegatronError(f"--in {directory}: its tensors cannot be read ({reason[:200]}); a .distcp file is "
                             "missing or corrupt") from None

@@ -70,9 +70,9 @@ def export_megatron(load: str | Path, out: str | Path) -> Path:
             [torch.stack([per[(i, e)] for e in range(count)]) for i in range(cfg.num_layers)])
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     linears = [lin for lin in _LINEARS if f"decoder.layers.{lin}.weight" in state]
-    for lin in linears:  # the loader reads every linear's extra state (None: no FP8 metadata)
+    for lin in linears:  # the loader reads every linear's extra state: a list of the ranks' objects (None each)
         for i in range(cfg.num_layers):
-            state[f"decoder.layers.{lin}._extra_state/shard_{i}_{cfg.num_layers}"] = None
+            state[f"decoder.layers.{lin}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
     directory = out / "release"
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
