@@ -9,8 +9,8 @@ tanh GeLU, tied embedding; ``llama``: RoPE, RMSNorm, SwiGLU, GQA, no biases, unt
 
 Stand-ins, for a CPU-only torch without triton: the few megatron modules that import triton at module level
 (none on the GPT path in megatron-core 0.16; stubbed if they are reached) and the CUDA calls of the
-checkpoint writer (``torch.cuda.synchronize``, ``current_device``), the tied embedding's ``.cuda()`` and the
-RNG tracker's fork.
+checkpoint writer (``torch.cuda.synchronize``, ``current_device``), the tied embedding's ``.cuda()``, the
+RNG tracker's fork and the router's Transformer Engine GEMM.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def run_args(kind: str, t: int, p: int) -> argparse.Namespace:
     llama = dict(common, ffn_hidden_size=48, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                  add_bias_linear=False, group_query_attention=True, num_query_groups=2,
                  untie_embeddings_and_output_weights=True)
-    if kind == "moe":  # Llama-style with 4 SwiGLU experts, top-2 (the ptdp-side round trips only)
-        llama.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_grouped_gemm=False)
+    if kind == "moe":  # Llama-style with 4 SwiGLU experts, top-2
+        llama.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_grouped_gemm=False,
+                     moe_router_load_balancing_type="none")
     return argparse.Namespace(**llama)
 
 
@@ -79,9 +80,11 @@ def build(kind: str, t: int, p: int):
         cfg = TransformerConfig(**common, bias_activation_fusion=True)
         spec = get_gpt_layer_local_spec()
     else:
+        moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="allgather",
+                   moe_router_load_balancing_type="none") if kind == "moe" else {}
         cfg = TransformerConfig(**common, num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
-                                activation_func=F.silu, add_bias_linear=False)
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+                                activation_func=F.silu, add_bias_linear=False, **moe)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=moe.get("num_moe_experts"))
     return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), parallel_output=False,
                     position_embedding_type=a.position_embedding_type,
@@ -98,6 +101,7 @@ def logits(model, p: int):
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     rank, stage = dist.get_rank(), ps.get_pipeline_model_parallel_rank()
     step = dist.get_world_size() // p
+    model.eval()  # (MoE with t > 1 refuses to train without sequence parallelism; nothing here trains)
     with torch.no_grad():
         if stage > 0:
             hidden = torch.empty(s, TOKENS.shape[0], HIDDEN)
@@ -122,6 +126,10 @@ def main() -> None:
     mode, kind, directory = sys.argv[1], sys.argv[2], sys.argv[3]
     t, p = int(os.environ.get("MEGATRON_T", "2")), int(os.environ.get("MEGATRON_P", "2"))
     ps.initialize_model_parallel(t, p)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM names it without Transformer Engine
+        moe_utils.te_general_gemm = None
     tracker = tp_random.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: the CUDA RNG streams are never drawn
     # replicated weights equal over t (as Megatron seeds them); a load starts from other weights than the save's

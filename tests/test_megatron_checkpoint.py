@@ -1,7 +1,7 @@
 """Megatron-LM checkpoints: ``ptdp import --format megatron`` and ``ptdp export --format megatron``.
 
 With megatron-core installed (CI installs it; ``pip install --no-deps megatron-core``), tiny Megatron-Core
-GPT models (GPT-2 style and Llama style) are built and saved at (t, p) = (2, 2) by tests/megatron_script.py
+GPT models (GPT-2 style, Llama style, and Llama style with 4 SwiGLU experts, top-2) are built and saved at (t, p) = (2, 2) by tests/megatron_script.py
 under torchrun with gloo; ptdp imports them in one process and must give Megatron's logits, and ptdp's
 export must load back into Megatron-Core at another layout and give ptdp's logits. Without megatron-core
 those tests are skipped; the rest (the formats, round trips, the refusals) use files written here.
@@ -52,7 +52,7 @@ def _ptdp_logits(save: Path) -> torch.Tensor:
 
 
 @needs_megatron
-@pytest.mark.parametrize("kind, back", [("gpt", (2, 1)), ("llama", (1, 2))])
+@pytest.mark.parametrize("kind, back", [("gpt", (2, 1)), ("llama", (1, 2)), ("moe", (2, 1))])
 def test_megatron_save_imports_to_its_logits_and_exports_back(tmp_path, kind, back):
     megatron = tmp_path / "megatron"
     _torchrun(4, 2, 2, "save", kind, str(megatron))  # Megatron-Core at (t, p) = (2, 2)
@@ -219,18 +219,20 @@ def _refused_in_one_line(save: Path, out: Path, text: str) -> None:
 def test_partial_and_corrupt_saves_are_refused_in_one_line(tmp_path):
     save = _megatron_save(tmp_path, "llama")
     iteration = save / "iter_0000010"
-    (save / "latest_checkpointed_iteration.txt").write_text("12")
-    _refused_in_one_line(save, tmp_path / "out", "names iter_0000012, which is missing")
-    (save / "latest_checkpointed_iteration.txt").write_text("10")
     distcp = next(iteration.glob("*.distcp"))
     data = distcp.read_bytes()
     distcp.write_bytes(data[: len(data) // 2])
     _refused_in_one_line(save, tmp_path / "out", "a .distcp file is missing or corrupt")
-    (iteration / "common.pt").unlink()
-    with pytest.raises(MegatronError, match="common.pt is missing"):
-        import_megatron(save, tmp_path / "out")
-    shutil.rmtree(iteration)
-    _refused_in_one_line(save, tmp_path / "out", "iter_0000010, which is missing")
+    for broken, named in [(lambda: (save / "latest_checkpointed_iteration.txt").write_text("12"),
+                           "names iter_0000012, which is missing"),
+                          (lambda: (save / "latest_checkpointed_iteration.txt").write_text("10") and distcp.unlink(),
+                           "a .distcp file is missing or corrupt"),
+                          (lambda: (iteration / "common.pt").unlink(), "common.pt is missing"),
+                          (lambda: (iteration / "metadata.json").write_text("{"), "not valid JSON")]:
+        broken()
+        with pytest.raises(MegatronError, match=named):
+            import_megatron(save, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
 
 
 def test_optimizer_state_needs_no_load_optim(tmp_path):

@@ -73,6 +73,11 @@ def export_megatron(load: str | Path, out: str | Path) -> Path:
     for lin in linears:  # the loader reads every linear's extra state: a list of the ranks' objects (None each)
         for i in range(cfg.num_layers):
             state[f"decoder.layers.{lin}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
+    for suffix in experts:  # and every expert's, by (layer, expert)
+        lin, count = suffix.removesuffix(".weight"), moe.num_experts
+        for i in range(cfg.num_layers):
+            for e in range(count):
+                state[f"decoder.layers.mlp.experts.experts.{lin}._extra_state/shard_{i}.{e}_{cfg.num_layers}.{count}"] = [None]
     directory = out / "release"
     directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
