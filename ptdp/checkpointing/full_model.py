@@ -75,12 +75,16 @@ class FullModelReader:
         return out[key]
 
 
-def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict) -> Path:
+def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict,
+                           iteration: int = 0, consumed_samples: int = 0) -> Path:
     """Write ``tensors`` (full, logical names) as the iteration-0 checkpoint of ``path``, loadable by
     ``--load`` in any layout; it holds no optimizer state, so AdamW starts fresh. ``config_dict`` is a
     ``Config.to_dict()`` or just its ``model`` section; ``model.vocab_size`` defaults to the embedding's
     rows, and an unpadded embedding is padded with zero rows. A ``path`` that holds checkpoints already
     raises :class:`~.storage.CheckpointError` (``ptdp import``'s one line) and is left as it was.
+    ``iteration``/``consumed_samples``: where an imported run stood (a Megatron-LM save), so ``ptdp train
+    --load`` goes on from the next iteration and sample; no data state is recorded, so the builder's order
+    (Megatron's) is read from sample ``iteration * --global-batch-size`` on.
     """
     if storage.saved_iterations(path) or (Path(path) / storage.LATEST).exists():  # iteration 0 would replace `latest`
         raise storage.CheckpointError(f"--save {path} already holds a run's checkpoints; writing a model there would "
@@ -107,17 +111,17 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
                              f"the config says {tuple(shape)}")
     state = {f"model.{name}": tensors[name].detach().to("cpu", torch.float32).contiguous() for name in expected}
     root = Path(path)
-    tmp = storage.prepare_temporary(root, 0)
+    tmp = storage.prepare_temporary(root, iteration)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=tmp, no_dist=True)
     storage.write_info(tmp, {
-        "iteration": 0, "consumed_samples": 0, "model": model_shape(model_cfg, vocab, padded),
+        "iteration": iteration, "consumed_samples": consumed_samples, "model": model_shape(model_cfg, vocab, padded),
         "layout": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
                    "virtual_pipeline_model_parallel_size": 1, "pipeline_schedule": "1f1b"},
         "contents": ["model"], "config": config.to_dict(),
     })
-    return storage.commit(root, 0)
+    return storage.commit(root, iteration)
 
 
 def _config_from_dict(config_dict: dict) -> Config:

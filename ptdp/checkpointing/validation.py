@@ -248,10 +248,9 @@ def _load_errors(config: Config, path: Path, hash_data: bool = True) -> list[str
     if is_hf_dir(path):
         return hf_load_errors(config, path)
     if (path / MEGATRON_TRACKER).is_file() and not (path / "latest").exists():
-        return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not read; "
-                "convert it to a Hugging Face GPT-2 model (transformers' "
-                "models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py), then `ptdp import --in HF_DIR "
-                "--save DIR` and --load DIR"]
+        return [f"--load {path} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}), which ptdp does not train from "
+                f"directly; convert it with `ptdp import --format megatron --in {path} --save DIR` (it prints the "
+                "flags that continue the run) and --load DIR"]
     if not path.exists():
         if ck.save and Path(ck.save).resolve() == path.resolve():
             return _missing(config, path)  # `--save DIR --load DIR` before the first save: start fresh

@@ -203,7 +203,8 @@ def _other_parsers(sub) -> None:
     from ptdp.cli.generate import add_generate_arguments, run_generate
     from ptdp.cli.samples import add_samples_arguments, run_samples
     from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
-    from ptdp.hf.convert import add_export_arguments, add_import_arguments, run_export, run_import
+    from ptdp.hf.convert import add_export_arguments
+    from ptdp.megatron.command import add_import_arguments, run_export, run_import
     from ptdp.observability.timeline import add_timeline_arguments, run_timeline
     from ptdp.planner import add_plan_arguments, run_plan
     from ptdp.simulate.command import add_simulate_arguments, run_simulate
@@ -218,9 +219,11 @@ def _other_parsers(sub) -> None:
          "print the training samples in the order training reads them (the flags of `ptdp train`)"),
         ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
         ("export", add_export_arguments, run_export,
-         "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model"),
+         "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model, or as a "
+         "Megatron-LM torch_dist save (--format megatron)"),
         ("import", add_import_arguments, run_import,
-         "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) as a ptdp checkpoint"),
+         "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) or a Megatron-LM save "
+         "(--format megatron) as a ptdp checkpoint"),
         ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
     ):
         p = sub.add_parser(name, help=help_text)

@@ -279,9 +279,10 @@ def _require_hf(need_transformers: bool = True):
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", required=True,
                         help="checkpoint directory (the --save DIR of a run, any layout)")
-    parser.add_argument("--format", default="hf", choices=["hf", "peft"],
+    parser.add_argument("--format", default="hf", choices=["hf", "peft", "megatron"],
                         help="output format: hf (Hugging Face, in the model's family: GPT-2, Llama, Mixtral, Qwen2-MoE, "
-                             "Qwen3, Qwen3-MoE or DeepSeek-V3) or peft (a LoRA run's adapters, for peft.PeftModel)")
+                             "Qwen3, Qwen3-MoE, DeepSeek-V3, Gemma 3 or GPT-OSS), peft (a LoRA run's adapters, for "
+                             "peft.PeftModel) or megatron (a Megatron-LM torch_dist save)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="--format hf of a LoRA run: the weights with the adapters merged in (W + alpha/r B A)")
     parser.add_argument("--out", required=True,
@@ -293,9 +294,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", default="hf", choices=["hf"],
+    parser.add_argument("--format", default="hf", choices=["hf", "megatron"],
                         help="input format (Hugging Face: model_type gpt2, llama, mixtral, qwen2_moe, qwen3, qwen3_moe, "
-                             "gemma3_text or deepseek_v3)")
+                             "gemma3_text or deepseek_v3; megatron: a Megatron-LM --save directory, torch_dist or torch)")
     parser.add_argument("--in", dest="input", required=True,
                         help="directory with config.json and model.safetensors (save_pretrained)")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (load it with --load)")

@@ -215,7 +215,7 @@ def report_data_mix(trainer: TrainState) -> None:
 
     resumed = trainer.data.train.resumed
     if resumed is None:
-        print(" data: the checkpoint has no data state (an older ptdp); reading on by iteration", flush=True)
+        print(" data: the checkpoint has no data state (an imported Megatron-LM run, or an older ptdp); reading on by iteration", flush=True)
         return
     for line in summary_lines(resumed):
         print(line, flush=True)

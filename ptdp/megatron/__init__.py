@@ -1,0 +1,8 @@
+"""Megatron-LM checkpoints: ``ptdp import --format megatron`` and ``ptdp export --format megatron``.
+
+- ``args``: Megatron-LM's run arguments to and from ptdp's model flags, and what is refused (no torch)
+- ``names``: Megatron-Core's parameter names and layouts to and from ptdp's full tensors
+- ``read``: the ``torch_dist`` and the older ``torch`` formats, read whole in one process
+- ``write``: a ``torch_dist`` save that Megatron-Core loads in any layout
+- ``command``: the two commands, and their dispatch by ``--format``
+"""

@@ -1,0 +1,240 @@
+"""Reading Megatron-LM checkpoints, in either of the formats ``pretrain_gpt.py`` writes, into full tensors.
+
+A Megatron-LM ``--save`` directory holds ``latest_checkpointed_iteration.txt`` (an iteration number, or
+``release``) and one directory per save, ``iter_NNNNNNN/`` (``release/``), in one of two formats:
+
+- ``torch_dist`` (``megatron.core.dist_checkpointing``): ``metadata.json`` naming the backend, ``common.pt``
+  (what every rank shares: ``args``, ``iteration``) and a PyTorch distributed checkpoint (``.metadata`` and
+  ``__N_M.distcp``) whose tensors are stored by their global shape, layers stacked along a first axis
+  (``decoder.layers.self_attention.linear_qkv.weight`` is ``[L, ...]``) and each rank's piece at its global
+  offset. It is read here with ``torch.distributed.checkpoint`` in one process, whatever (t, p, e) wrote it;
+  megatron-core is not needed.
+- ``torch`` (the older format): one ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor/pipeline rank, each
+  holding that rank's slice of the model (``model``) with stage-local layer numbers and the run's ``args``.
+  The slices are joined along Megatron's split dimensions (column-parallel rows, row-parallel columns, the
+  SwiGLU halves each joined on their own).
+
+Both give :class:`MegatronCheckpoint`: full tensors under per-layer Megatron names (``ptdp.megatron.names``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ptdp.megatron.args import MegatronError
+from ptdp.megatron.names import LAYER, canonical
+
+if TYPE_CHECKING:
+    import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+METADATA = "metadata.json"
+LEGACY_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
+
+# Megatron's tensor-parallel split dimension of each parameter (by the end of its name); others are replicated
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "word_embeddings.weight",
+           "output_layer.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+@dataclass
+class MegatronCheckpoint:
+    """One Megatron-LM save, read whole: full tensors (per-layer names), the run's args, where it stood."""
+
+    directory: Path
+    format: str  # "torch_dist" or "torch"
+    tensors: dict[str, Any]
+    args: dict[str, Any]
+    iteration: int
+    has_optimizer: bool
+    skipped: list[str] = field(default_factory=list)  # non-tensor entries left out (rng, extra states)
+
+
+def iteration_directory(root: str | Path) -> Path:
+    """The save ``root``'s tracker names (``iter_NNNNNNN`` or ``release``), or ``root`` itself when it is
+    one save's directory."""
+    root = Path(root)
+    if not root.is_dir():
+        raise MegatronError(f"--in {root}: no such directory")
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        if (root / METADATA).is_file() or any(_RANK_DIR.match(p.name) for p in root.iterdir()):
+            return root
+        raise MegatronError(f"--in {root}: no {TRACKER} (nor one save's files); give Megatron-LM's --save directory")
+    text = tracker.read_text().strip()
+    if text == "release":
+        directory = root / "release"
+    elif text.isdigit():
+        directory = root / f"iter_{int(text):07d}"
+    else:
+        raise MegatronError(f"--in {tracker}: holds {text!r}, neither an iteration number nor 'release'")
+    if not directory.is_dir():
+        raise MegatronError(f"--in {root}: {TRACKER} names {directory.name}, which is missing")
+    return directory
+
+
+def read_checkpoint(root: str | Path) -> MegatronCheckpoint:
+    """The newest save under ``root`` (either format), checked whole before anything is written."""
+    directory = iteration_directory(root)
+    if (directory / METADATA).is_file():
+        return _read_torch_dist(directory)
+    if any(_RANK_DIR.match(p.name) for p in directory.iterdir()):
+        return _read_legacy(directory)
+    raise MegatronError(f"--in {directory}: neither {METADATA} (torch_dist) nor mp_rank_* directories (torch); "
+                        "the save is partial")
+
+
+def _load(path: Path) -> Any:
+    import torch
+
+    try:  # a Megatron checkpoint pickles its args (argparse.Namespace, enums): trusted like Megatron's own loader
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise MegatronError(f"--in {path.parent}: {path.name} is missing; the save is partial") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line
+        raise MegatronError(f"--in {path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                            "the file is corrupt or truncated") from None
+
+
+def _args_dict(args: Any, where: Path) -> dict[str, Any]:
+    if isinstance(args, argparse.Namespace):
+        return vars(args)
+    if isinstance(args, dict):
+        return dict(args)
+    raise MegatronError(f"--in {where}: holds no args (Megatron-LM's run arguments); it was not saved by "
+                        "pretrain_gpt.py")
+
+
+# ---------------------------------------------------------------------------------------------- torch_dist
+
+def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        backend = json.loads((directory / METADATA).read_text()).get("sharded_backend")
+    except json.JSONDecodeError as e:
+        raise MegatronError(f"--in {directory / METADATA}: not valid JSON ({e})") from None
+    if backend != "torch_dist":
+        raise MegatronError(f"--in {directory}: {METADATA} says sharded_backend {backend!r}; ptdp reads torch_dist "
+                            "(and the older torch format): convert it with Megatron-LM's --ckpt-convert-format torch_dist")
+    common = _load(directory / COMMON)
+    args = _args_dict(common.get("args") if isinstance(common, dict) else None, directory / COMMON)
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise MegatronError(f"--in {directory}: its .metadata cannot be read ({type(e).__name__}); the save is "
+                            "partial or corrupt") from None
+    entries = metadata.state_dict_metadata
+    has_optimizer = any(key.startswith("optimizer.") for key in entries)
+    wanted = {key: meta for key, meta in entries.items()
+              if isinstance(meta, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state"))
+              and "_extra_state" not in key}
+    for key, meta in wanted.items():
+        covered = sum(prod(chunk.sizes) for chunk in meta.chunks)
+        if covered != prod(meta.size):
+            raise MegatronError(f"--in {directory}: {key} has {covered} of its {prod(meta.size)} values saved; "
+                                "the save is partial")
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in wanted.items()}
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(tensors, checkpoint_id=directory, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a missing or truncated __N_M.distcp
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise MegatronError(f"--in {directory}: its tensors cannot be read ({reason[:200]}); a .distcp file is "
+                            "missing or corrupt") from None
+    full: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key.startswith("decoder.layers.") and not LAYER.match(key):
+            full.update(_unstack(key.removeprefix("decoder.layers."), value))
+        else:
+            full[key] = value
+    skipped = sorted(set(entries) - set(wanted))
+    return MegatronCheckpoint(directory, "torch_dist", full, args, int(common.get("iteration", 0)), has_optimizer,
+                              skipped)
+
+
+def _unstack(suffix: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer-stacked tensor (``[L, ...]``; experts ``[L, E, ...]``) as per-layer (per-expert) tensors."""
+    out = {}
+    expert = re.match(r"^mlp\.experts\.(?:local_experts|experts)\.(linear_fc[12]\.weight)$", suffix)
+    for i in range(value.shape[0]):
+        if expert:
+            for e in range(value.shape[1]):
+                out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{expert.group(1)}"] = value[i, e]
+        else:
+            out[f"decoder.layers.{i}.{suffix}"] = value[i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- torch (legacy)
+
+def _read_legacy(directory: Path) -> MegatronCheckpoint:
+    ranks = {}
+    for path in directory.iterdir():
+        match = _RANK_DIR.match(path.name)
+        if match:
+            if match.group(3) is not None:
+                raise MegatronError(f"--in {directory}: {path.name} is an expert-parallel rank; ptdp reads torch-format "
+                                    "checkpoints saved with expert_model_parallel_size 1 (save torch_dist instead)")
+            ranks[(int(match.group(1)), int(match.group(2) or 0))] = path / LEGACY_FILE
+    first = _load(ranks[min(ranks)])
+    args = _args_dict(first.get("args"), ranks[min(ranks)])
+    t, p = int(args.get("tensor_model_parallel_size", 1)), int(args.get("pipeline_model_parallel_size", 1))
+    for name in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"):
+        if args.get(name):
+            raise MegatronError(f"--in {directory}: the args set {name}={args[name]!r}; ptdp reads torch-format "
+                                "checkpoints with even pipeline stages of one model chunk (save torch_dist instead)")
+    for tp in range(t):
+        for pp in range(p):
+            name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if p > 1 else "")
+            if not (directory / name / LEGACY_FILE).is_file():
+                raise MegatronError(f"--in {directory}: {name}/{LEGACY_FILE} is missing (the args say t={t}, p={p}); "
+                                    "the save is partial")
+    per_stage = int(args["num_layers"]) // p
+    has_optimizer = (directory / "distrib_optim.pt").exists() or any(
+        (directory / f"mp_rank_{tp:02d}" / "distrib_optim.pt").exists() for tp in range(t))
+    tensors: dict[str, list] = {}
+    for pp in range(p):
+        for tp in range(t):
+            state = first if (tp, pp) == min(ranks) else _load(ranks[(tp, pp)])
+            has_optimizer = has_optimizer or bool(state.get("optimizer"))
+            if "model" not in state:
+                raise MegatronError(f"--in {ranks[(tp, pp)]}: holds no 'model' (a virtual-pipeline or foreign save)")
+            for name, value in state["model"].items():
+                if "_extra_state" in name or not hasattr(value, "shape"):
+                    continue
+                match = LAYER.match(name)
+                if match:
+                    name = f"decoder.layers.{int(match.group(1)) + pp * per_stage}.{match.group(2)}"
+                tensors.setdefault(canonical(name), [None] * t)[tp] = value
+    full = {name: _join(name, parts, bool(args.get("swiglu"))) for name, parts in tensors.items()}
+    return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer)
+
+
+def _join(name: str, parts: list, swiglu: bool) -> torch.Tensor:
+    """One parameter from its tensor-parallel slices (in rank order)."""
+    import torch
+
+    if len(parts) == 1 or name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
+        return parts[0]
+    if name.endswith(_ROW):
+        return torch.cat(parts, dim=1)
+    if swiglu and "linear_fc1" in name:  # each rank holds [gate_r; up_r]: gates first, then ups
+        halves = [part.chunk(2, dim=0) for part in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=0)
