@@ -111,7 +111,6 @@ def llama_style_tokenizer(path) -> str:
 def test_llama_tokenizer_file_in_preprocess_and_generate(tmp_path, capsys):
     """BOS/EOS come from the file: documents are <s> text </s>; `ptdp generate --tokenizer-file` encodes the
     prompt the same way and decodes what HF's greedy search picks."""
-    from argparse import Namespace
 
     from ptdp.cli.generate import generate_text
     from ptdp.data import IndexedDataset
@@ -132,8 +131,10 @@ def test_llama_tokenizer_file_in_preprocess_and_generate(tmp_path, capsys):
     hf, directory = hf_llama(tmp_path, "gqa_untied_llama3")  # vocabulary 300 = the tokenizer's
     import_hf(directory, tmp_path / "ckpt")
     capsys.readouterr()
-    args = Namespace(load=str(tmp_path / "ckpt"), prompt="def f", max_new_tokens=6, greedy=True, temperature=None,
-                     top_k=None, top_p=None, seed=None, tokenizer_prefix=None, tokenizer_file=tok_file)
+    from ptdp.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "def f",
+                                      "--max-new-tokens", "6", "--greedy", "--tokenizer-file", tok_file])
     text = generate_text(args)
     prompt_ids = [bos, *hf_tok.encode("def f", add_special_tokens=False).ids]
     with torch.no_grad():
