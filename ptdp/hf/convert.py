@@ -176,7 +176,9 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
                 "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS,
                 "window_size", "window_attn_skip_freq", "local_rotary_base", "sandwich_norm", "apply_layernorm_1p",
-                "scale_embedding", "geglu", "softmax_scale")
+                "scale_embedding", "geglu", "softmax_scale", "rotary_percent", "attention_output_gate",
+                "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:
