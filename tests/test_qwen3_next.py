@@ -30,7 +30,9 @@ TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
          "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 P2 = ["--pipeline-model-parallel-size", "2"]
-LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"])}
+T2 = ["--tensor-model-parallel-size", "2"]
+LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
+           "t2-sp": (2, [*T2, "--sequence-parallel"])}
 
 
 def hf_model(directory):

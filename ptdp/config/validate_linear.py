@@ -38,6 +38,14 @@ def linear_attention_layers(cfg: ModelConfig) -> list[bool]:
         raise ValueError(str(e).replace("--moe-layer-freq", FLAG)) from None
 
 
+def linear_layers_or_none(cfg: ModelConfig) -> list[bool]:
+    """:func:`linear_attention_layers`, or no linear layer where the pattern does not read (reported apart)."""
+    try:
+        return linear_attention_layers(cfg)
+    except ValueError:
+        return []
+
+
 def linear_errors(config: Config) -> list[str]:
     """The Gated DeltaNet flags against each other and against the parallelisms."""
     m = config.model
@@ -65,6 +73,8 @@ def linear_errors(config: Config) -> list[str]:
     if m.linear_num_key_heads >= 1 and m.linear_num_key_heads % t:
         errors.append(f"--linear-num-key-heads {m.linear_num_key_heads} must be divisible by "
                       f"--tensor-model-parallel-size {t} (each rank holds whole key-head groups)")
+    if config.parallel.context_parallel_size > 1 and any(linear_layers_or_none(m)):
+        errors.append("--context-parallel-size > 1 with Gated DeltaNet layers is not supported yet")
     if m.multi_latent_attention:
         errors.append("--experimental-attention-variant with --multi-latent-attention is not supported")
     if m.window_size is not None:

@@ -17,6 +17,8 @@ The rules (Narayanan et al., SC'21, §2.3; Korthikanti et al., 2022, for sequenc
   the sequence under sequence parallelism.
 - :class:`HeadSharedInput`: an input every head of the layer reads (MLA's one RoPE key): its gradient is
   summed over the ranks' heads.
+- :class:`HeadSplit`: a module's per-head parameters (a Gated DeltaNet's decay and convolution): each rank
+  keeps its heads' rows, no communication.
 - :class:`PartialGradient`: replicated, but each rank's gradient is a partial sum over ``"tokens"`` (the
   rank's tokens under sequence parallelism: the norms, the biases after a row-parallel sum) or over
   ``"heads"`` (the rank's heads, whatever the sequence layout: a per-head q/k norm). The placement records
@@ -73,6 +75,13 @@ class HeadSharedInput:
 
 
 @dataclass(frozen=True)
+class HeadSplit:
+    """The module's own parameters hold one row per head (or per channel of a head) along dim 0, in head
+    order: each rank keeps the rows of its heads, and nothing communicates (a Gated DeltaNet's per-head
+    decay parameters and its depthwise convolution over the heads' channels)."""
+
+
+@dataclass(frozen=True)
 class PartialGradient:
     """Replicated; each rank's gradient is a partial sum over the ``over`` it holds ("tokens" under
     sequence parallelism, "heads" always)."""
@@ -81,7 +90,7 @@ class PartialGradient:
 
 
 Rule = ColumnParallel | RowParallel | VocabParallel | VocabParallelOutput | SequenceEntry | HeadSharedInput \
-    | PartialGradient
+    | HeadSplit | PartialGradient
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from torch import nn
 from ptdp.models.layers import DropoutAdd, Linear
 from ptdp.models.sharding import (
     ColumnParallel,
+    HeadSplit,
     PartialGradient,
     RowParallel,
     SequenceEntry,
@@ -174,6 +175,18 @@ def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:
             split.placements.add_partial(param, "tp")
 
 
+def _head_split(split: _Split, module: nn.Module, rule: HeadSplit) -> None:
+    """Each of the module's own parameters keeps this rank's rows (dim 0, its heads in order)."""
+    t, rank = group_size(split.tp_group), group_rank(split.tp_group)
+    for name, param in list(module._parameters.items()):
+        rows = param.shape[0] // t
+        piece = nn.Parameter(torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                             requires_grad=param.requires_grad)
+        split.placements.replace(param, piece)
+        split.placements.add_split(piece, Split("tp", 0, t, rank))
+        module._parameters[name] = piece
+
+
 # One handler per rule kind (a new kind of rule is a handler here, not a branch): each returns the module
 # that takes the old one's place, or None to keep it (marked or hooked).
 _HANDLERS: dict[type, Callable[[_Split, nn.Module, Any], nn.Module | None]] = {
@@ -183,5 +196,6 @@ _HANDLERS: dict[type, Callable[[_Split, nn.Module, Any], nn.Module | None]] = {
     VocabParallelOutput: _vocab_output,
     SequenceEntry: _sequence_entry,
     HeadSharedRule: lambda split, module, rule: HeadSharedInput(split.tp_group, split.sp),
+    HeadSplit: _head_split,
     PartialGradient: _partial,
 }
