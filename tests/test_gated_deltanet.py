@@ -118,3 +118,36 @@ def test_value_heads_must_be_a_multiple_of_key_heads_and_the_pattern_reads_like_
     errors = validate(config, 1)
     assert any(e.startswith("--linear-num-value-heads 3 must be a multiple") for e in errors), errors
     assert any(e.startswith("--linear-attention-freq") for e in errors), errors
+
+
+def test_presets_count_their_parameters_and_gdn_flops_per_token_do_not_grow_with_s(capsys):
+    """The count of ``ptdp.models.flops`` is the built model's (less the norms it never counts: the final norm
+    and the full-attention layers' q/k norms); a model of Gated DeltaNet layers only costs the same FLOPs per
+    token at every s, one of softmax attention more at longer s; ``ptdp plan`` runs on the published preset."""
+    from ptdp.cli.main import main
+    from ptdp.config import MoEConfig
+    from ptdp.config.presets import MODEL_PRESETS, MOE_PRESETS
+    from ptdp.config.validate_linear import linear_attention_layers
+    from ptdp.models import GPTModel
+    from ptdp.models.flops import architecture, flops_per_iteration, model_parameter_count, moe_shape
+
+    for name in ("tiny-qwen3-next", "qwen3-next-80b-a3b"):
+        cfg, moe = ModelConfig(**MODEL_PRESETS[name]), MoEConfig(**MOE_PRESETS[name])
+        vocab = cfg.vocab_size or 128
+        with torch.device("meta"):
+            model = GPTModel(cfg, vocab, vocab, moe)
+        full = cfg.num_layers - sum(linear_attention_layers(cfg))
+        uncounted = cfg.hidden_size + full * 2 * cfg.head_dim
+        assert sum(p.numel() for p in model.parameters()) - uncounted == model_parameter_count(cfg, vocab,
+                                                                                               moe_shape(cfg, moe))
+
+    def per_token(cfg: ModelConfig, s: int) -> float:
+        return flops_per_iteration(cfg.num_layers, cfg.hidden_size, s, 1000, 1, False, cfg.ffn_size,
+                                   **architecture(cfg)) / s
+
+    linear = dataclasses.replace(ModelConfig(**MODEL_PRESETS["qwen3-next-80b-a3b"]), linear_attention_freq=None)
+    assert per_token(linear, 1024) == per_token(linear, 32768)
+    softmax = dataclasses.replace(linear, experimental_attention_variant=None)
+    assert per_token(softmax, 32768) > 2 * per_token(softmax, 1024)
+    assert main(["plan", "--model", "qwen3-next-80b-a3b", "--gpus", "64", "--global-batch-size", "64"]) == 0
+    assert "parameters" in capsys.readouterr().out
