@@ -32,7 +32,9 @@ TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
 P2 = ["--pipeline-model-parallel-size", "2"]
 T2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
-           "t2-sp": (2, [*T2, "--sequence-parallel"])}
+           "t2-sp": (2, [*T2, "--sequence-parallel"]),
+           "c2-state-passing": (2, ["--context-parallel-size", "2"]),
+           "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"])}
 
 
 def hf_model(directory):

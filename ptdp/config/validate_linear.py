@@ -73,10 +73,30 @@ def linear_errors(config: Config) -> list[str]:
     if m.linear_num_key_heads >= 1 and m.linear_num_key_heads % t:
         errors.append(f"--linear-num-key-heads {m.linear_num_key_heads} must be divisible by "
                       f"--tensor-model-parallel-size {t} (each rank holds whole key-head groups)")
-    if config.parallel.context_parallel_size > 1 and any(linear_layers_or_none(m)):
-        errors.append("--context-parallel-size > 1 with Gated DeltaNet layers is not supported yet")
+    c = config.parallel.context_parallel_size
+    if c > 1 and any(linear_layers_or_none(m)):
+        errors += _context_errors(config, c, t)
     if m.multi_latent_attention:
         errors.append("--experimental-attention-variant with --multi-latent-attention is not supported")
     if m.window_size is not None:
         errors.append("--experimental-attention-variant with --window-size is not supported")
+    return errors
+
+
+def _context_errors(config: Config, c: int, t: int) -> list[str]:
+    """Context parallelism of the Gated DeltaNet layers (``ptdp.parallel.context.linear``)."""
+    m, kind = config.model, config.parallel.linear_attention_cp_comm_type
+    if kind == "a2a":
+        if (m.linear_num_key_heads // max(t, 1)) % c:
+            return [f"--linear-attention-cp-comm-type a2a needs the key heads per tensor-parallel rank "
+                    f"({m.linear_num_key_heads}/{t}) divisible by --context-parallel-size {c}"]
+        return []
+    chunk = m.seq_length // (2 * c)
+    errors = []
+    if chunk < m.linear_conv_kernel_dim - 1:
+        errors.append(f"--linear-attention-cp-comm-type state_passing needs each of the 2c sequence chunks "
+                      f"({chunk} tokens) at least --linear-conv-kernel-dim - 1 = {m.linear_conv_kernel_dim - 1} long")
+    if config.data.reset_attention_mask:
+        errors.append("--reset-attention-mask with --linear-attention-cp-comm-type state_passing is not supported "
+                      "yet (use a2a)")
     return errors

@@ -40,20 +40,22 @@ if TYPE_CHECKING:
 class ShortConvolution(nn.Module):
     """Causal depthwise convolution ``[b, s, C] → [b, s, C]`` then SiLU: channel c at token t is
     Σ_i weight[c, i]·x[c, t - (taps - 1) + i]. ``context``: the ``taps - 1`` tokens before the first
-    (another rank's, under context parallelism); None: zeros."""
+    (another rank's, under context parallelism); None: zeros. ``rows``: the weight's rows of ``x``'s channels
+    when ``x`` holds only some (a head-parallel context-parallel rank's)."""
 
     def __init__(self, channels: int, taps: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, taps))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        taps = self.weight.shape[1]
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, rows: slice | None = None) -> torch.Tensor:
+        weight = self.weight if rows is None else self.weight[rows]
+        taps = weight.shape[1]
         s = x.shape[1]
         if context is None:
             x = F.pad(x, (0, 0, taps - 1, 0))
         else:
             x = torch.cat([context, x], 1)
-        y = F.conv1d(x.transpose(1, 2), self.weight[:, None, :].to(x.dtype), groups=x.shape[-1])
+        y = F.conv1d(x.transpose(1, 2), weight[:, None, :].to(x.dtype), groups=x.shape[-1])
         return F.silu(y[..., -s:]).transpose(1, 2)
 
 
@@ -109,7 +111,8 @@ class GatedDeltaNet(nn.Module):
         self.out_layernorm = GatedRMSNorm(self.value_dim, cfg.norm_epsilon)
         self.out_proj = Linear(nv * self.value_dim, h, bias=False, skip_bias_add=fuse_bias)
         self.rule: Rule = delta_rule.chunked
-        # Context parallelism swaps in its state passing here: ``(mix, conv_in, g, beta, documents) -> out``.
+        # Context parallelism puts its sequence mixing here: ``(layer, conv_in, g, beta, documents) -> out``
+        # on this rank's tokens (``ptdp.parallel.context.linear``).
         self.sequence_mixer: Callable | None = None
 
     def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
@@ -127,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         beta = gates[..., :r].reshape(b, s, -1).sigmoid()
         g = self.decay(gates[..., r:].reshape(b, s, -1))
         if self.sequence_mixer is not None:
-            out = self.sequence_mixer(self.mix, conv_in, g, beta, documents)
+            out = self.sequence_mixer(self, conv_in, g, beta, documents)
         elif masks_attention(documents):
             out = documents_apply(self.mix, documents, conv_in, g, beta)
         else:
@@ -135,19 +138,24 @@ class GatedDeltaNet(nn.Module):
         return self.out_layernorm(out, z).reshape(b, s, -1)
 
     def mix(self, conv_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, context: torch.Tensor | None = None,
-            state: torch.Tensor | None = None, with_state: bool = False):
-        """One stretch of tokens with no document boundary inside: convolution (after ``context``), q/k norm,
-        the rule from ``state`` → ``[b, s, value heads, V]`` (and the final state with ``with_state``)."""
+            rows: slice | None = None) -> torch.Tensor:
+        """One stretch of tokens with no document boundary inside, from a zero state: ``[b, s, value heads, V]``."""
+        out, _ = self.rule(*self.streams(conv_in, g, beta, context, rows), state=None)
+        return out.transpose(1, 2)
+
+    def streams(self, conv_in: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, context: torch.Tensor | None = None,
+                rows: slice | None = None) -> tuple[torch.Tensor, ...]:
+        """The rule's inputs (q, k, v, g, β), heads first ``[b, value heads, s, ·]``: the convolution (after
+        ``context``, the previous tokens' tail; ``rows``: :class:`ShortConvolution`'s), q and k L2-normalised, q
+        scaled, key heads repeated."""
         b, s, _ = conv_in.shape
         dk, dv, r = self.key_dim, self.value_dim, self.ratio
-        mixed = self.conv1d(conv_in, context).view(b, s, -1, 2 * dk + r * dv)
+        mixed = self.conv1d(conv_in, context, rows).view(b, s, -1, 2 * dk + r * dv)
         work = torch.promote_types(mixed.dtype, torch.float32)  # the norms in fp32 at least, as HF and FLA
         q, k = delta_rule.l2norm(mixed[..., :dk].to(work)), delta_rule.l2norm(mixed[..., dk:2 * dk].to(work))
         v = mixed[..., 2 * dk:].reshape(b, s, -1, dv)
         q, k = (x.repeat_interleave(r, 2) if r > 1 else x for x in (q * dk ** -0.5, k))
-        out, final = self.rule(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), state=state)
-        out = out.transpose(1, 2)
-        return (out, final) if with_state else out
+        return tuple(x.transpose(1, 2) for x in (q, k, v, g, beta))
 
 
 def documents_apply(fn: Callable[..., torch.Tensor], documents: DocumentLayout, *tensors: torch.Tensor
