@@ -38,7 +38,14 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "qk_layernorm": "--qk-layernorm", "window_size": "--window-size",
                       "window_attn_skip_freq": "--window-attn-skip-freq", "local_rotary_base": "--local-rotary-base",
                       "sandwich_norm": "--sandwich-norm", "apply_layernorm_1p": "--apply-layernorm-1p",
-                      "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale"}
+                      "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale",
+                      "attention_output_gate": "--attention-output-gate",
+                      "experimental_attention_variant": "--experimental-attention-variant",
+                      "linear_attention_freq": "--linear-attention-freq",
+                      "linear_conv_kernel_dim": "--linear-conv-kernel-dim", "linear_key_head_dim": "--linear-key-head-dim",
+                      "linear_value_head_dim": "--linear-value-head-dim",
+                      "linear_num_key_heads": "--linear-num-key-heads",
+                      "linear_num_value_heads": "--linear-num-value-heads"}
 
 
 def _fields(model: ModelConfig) -> dict:
