@@ -98,9 +98,13 @@ def _cp_rank(rank: int, c: int, store: str, mode: str, seqs: list[int], out: str
     for s in seqs:
         x = torch.randn(1, s // c, H, requires_grad=True)
         counter.sent = counter.buffer = 0
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel() * t.element_size()), t)[1],
-                                                      lambda t: t):
+        saved: list[int] = []
+
+        def keep(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             y = layer(x)
         y.sum().backward()
         rows.append({"mode": mode, "c": c, "seq_length": s, "bytes_sent": counter.sent,
