@@ -98,27 +98,33 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 def scan(c: Chunks, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs ``[b, H, s, V]`` and the final state from the incoming ``state`` (None: zero), chunk by
     chunk."""
-    b, heads, n, _, dk = c.w.shape
+    b, heads, _, _, dk = c.w.shape
     S = c.u.new_zeros(b, heads, dk, c.u.shape[-1]) if state is None else state.to(c.u.dtype)
     out = []
-    for i in range(n):
-        fresh = c.u[:, :, i] - c.w[:, :, i] @ S
-        out.append(c.qg[:, :, i] @ S + c.attn[:, :, i] @ fresh)
-        S = S * c.decay[:, :, i, None, None] + c.kd[:, :, i].transpose(-1, -2) @ fresh
+    for u, w, qg, attn, kd, decay in zip(*_per_chunk(c)):
+        fresh = u - w @ S
+        out.append(qg @ S + attn @ fresh)
+        S = S * decay[..., None, None] + kd.transpose(-1, -2) @ fresh
     return torch.cat(out, 2)[:, :, :c.length], S
+
+
+def _per_chunk(c: Chunks) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Each chunk's tensors, cut once (``unbind``): indexing chunk i out of the whole tensor in a loop would
+    make the backward write a full-size gradient per chunk, quadratic in s."""
+    return tuple(x.unbind(2) for x in (c.u, c.w, c.qg, c.attn, c.kd, c.decay))
 
 
 def summary(c: Chunks) -> tuple[torch.Tensor, torch.Tensor]:
     """(A ``[b, H, K, K]``, B ``[b, H, K, V]``): the whole sequence's final state is A·S + B for an incoming
     state S -- its size does not depend on the sequence length."""
-    b, heads, n, _, dk = c.w.shape
+    b, heads, _, _, dk = c.w.shape
     eye = torch.eye(dk, dtype=c.u.dtype, device=c.u.device)
     A = eye.expand(b, heads, dk, dk)
     B = c.u.new_zeros(b, heads, dk, c.u.shape[-1])
-    for i in range(n):
-        kt = c.kd[:, :, i].transpose(-1, -2)
-        a_i = c.decay[:, :, i, None, None] * eye - kt @ c.w[:, :, i]
-        A, B = a_i @ A, a_i @ B + kt @ c.u[:, :, i]
+    for u, w, _, _, kd, decay in zip(*_per_chunk(c)):
+        kt = kd.transpose(-1, -2)
+        a_i = decay[..., None, None] * eye - kt @ w
+        A, B = a_i @ A, a_i @ B + kt @ u
     return A, B
 
 
