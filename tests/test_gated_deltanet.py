@@ -151,3 +151,23 @@ def test_presets_count_their_parameters_and_gdn_flops_per_token_do_not_grow_with
     assert per_token(softmax, 32768) > 2 * per_token(softmax, 1024)
     assert main(["plan", "--model", "qwen3-next-80b-a3b", "--gpus", "64", "--global-batch-size", "64"]) == 0
     assert "parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ({"reset_attention_mask": True}, "--reset-attention-mask with --linear-attention-cp-comm-type state_passing"),
+    ({"seq_length": 8, "linear_conv_kernel_dim": 4}, "--linear-attention-cp-comm-type state_passing needs each"),
+    ({"linear_attention_cp_comm_type": "a2a", "linear_num_key_heads": 3, "linear_num_value_heads": 3},
+     "--linear-attention-cp-comm-type a2a needs the key heads"),
+])
+def test_context_parallel_gdn_refuses_what_it_does_not_compute_in_one_line(overrides, line):
+    from ptdp.config import Config, validate
+    from ptdp.config.presets import MODEL_PRESETS
+
+    config = Config()
+    for key, value in {**MODEL_PRESETS["tiny-qwen3-next"], "context_parallel_size": 4, **overrides}.items():
+        for section in config.sections().values():
+            if hasattr(section, key):
+                setattr(section, key, value)
+    errors = validate(config, 4)
+    assert any(e.startswith(line) for e in errors), errors
+    assert all("\n" not in e for e in errors)
