@@ -3,7 +3,7 @@
 ``layer``: one Gated DeltaNet layer (h = 64, 2 key / 4 value heads of 32) forward + backward in one CPU
 process at s = 1k ... 32k tokens: milliseconds, and per token (flat when the layer is linear in s).
 
-``cp``: the layer's sequence mixing at c = 2 and 4 real CPU processes (gloo), ``state_passing`` against
+``cp``: a layer of 4 key / 8 value heads of 16 at c = 2 and 4 real CPU processes (gloo), ``state_passing`` against
 ``a2a`` (``ptdp.parallel.context.linear``), per s: the bytes this rank hands to the collectives in one
 forward + backward (the wrappers below count every tensor it sends: an all-gather's input, an all-to-all's
 chunks for the other ranks, a reduce-scatter's input), the largest tensor a collective returns to it (the
@@ -24,22 +24,20 @@ import time
 
 import torch
 
-H, KEY_HEADS, VALUE_HEADS, WIDTH = 64, 2, 4, 32
+H = 64
+LAYER = (2, 4, 32)  # key heads, value heads, head width of the timed layer
+CP_LAYER = (4, 8, 16)  # the same widths over more heads, so that c = 4 divides the key heads (a2a)
 
 
-def _config():
+def _layer(key_heads: int, value_heads: int, width: int):
     from ptdp.config import ModelConfig
-
-    return ModelConfig(hidden_size=H, norm_epsilon=1e-6, experimental_attention_variant="gated_delta_net",
-                       linear_key_head_dim=WIDTH, linear_value_head_dim=WIDTH, linear_num_key_heads=KEY_HEADS,
-                       linear_num_value_heads=VALUE_HEADS)
-
-
-def _layer():
     from ptdp.models.gated_deltanet import GatedDeltaNet
 
     torch.manual_seed(0)
-    layer = GatedDeltaNet(_config())
+    layer = GatedDeltaNet(ModelConfig(
+        hidden_size=H, norm_epsilon=1e-6, experimental_attention_variant="gated_delta_net",
+        linear_key_head_dim=width, linear_value_head_dim=width, linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.1)
@@ -47,7 +45,7 @@ def _layer():
 
 
 def layer_times(seqs: list[int], repeats: int) -> list[dict]:
-    layer, rows = _layer(), []
+    layer, rows = _layer(*LAYER), []
     for s in seqs:
         x = torch.randn(1, s, H, requires_grad=True)
         best = float("inf")
@@ -92,7 +90,7 @@ def _cp_rank(rank: int, c: int, store: str, mode: str, seqs: list[int], out: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=c)
     counter = _Counter(c)
-    layer = _layer()
+    layer = _layer(*CP_LAYER)
     apply_linear_context_parallel(layer, dist.group.WORLD, mode)
     rows = []
     for s in seqs:
