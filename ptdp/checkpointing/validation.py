@@ -41,7 +41,14 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "--position-embedding-type", "n
                       "scale_embedding": "--scale-embedding", "geglu": "--geglu", "softmax_scale": "--softmax-scale",
                       "softmax_type": "--softmax-type", "quick_geglu": "--quick-geglu",
                       "glu_linear_offset": "--glu-linear-offset",
-                      "activation_func_clamp_value": "--activation-func-clamp-value"}
+                      "activation_func_clamp_value": "--activation-func-clamp-value",
+                      "attention_output_gate": "--attention-output-gate",
+                      "experimental_attention_variant": "--experimental-attention-variant",
+                      "linear_attention_freq": "--linear-attention-freq",
+                      "linear_conv_kernel_dim": "--linear-conv-kernel-dim", "linear_key_head_dim": "--linear-key-head-dim",
+                      "linear_value_head_dim": "--linear-value-head-dim",
+                      "linear_num_key_heads": "--linear-num-key-heads",
+                      "linear_num_value_heads": "--linear-num-value-heads"}
 
 
 def _fields(model: ModelConfig) -> dict:

@@ -76,6 +76,22 @@ class ModelConfig:
     glu_linear_offset: float = opt(0.0, "added to the linear half of a gated MLP before the product (GPT-OSS: 1)")
     activation_func_clamp_value: float | None = opt(
         None, "a gated MLP clamps its gate to <= v and its linear half to [-v, v] before the activation (GPT-OSS: 7)")
+    # Qwen3-Next's options: Gated DeltaNet layers among gated full-attention ones (``ptdp.models.gated_deltanet``)
+    attention_output_gate: bool = opt(False, "gate each attention head's output by sigmoid(x·W_g) before the output "
+                                      "projection (Qwen3-Next's full-attention layers)")
+    experimental_attention_variant: str | None = opt(
+        None, "gated_delta_net: the layers --linear-attention-freq picks are Gated DeltaNet (linear attention with "
+        "a gated delta-rule state) instead of softmax attention", choices=["gated_delta_net"])
+    linear_attention_freq: str | None = opt(
+        None, "with --experimental-attention-variant, which layers are linear: N ((N-1) linear layers, then one "
+        "full-attention layer, repeated: Qwen3-Next's 4) or a Python list per layer, 1 linear and 0 full "
+        "attention, e.g. \"([1]*3+[0])*2\"; unset: every layer is linear")
+    linear_conv_kernel_dim: int = opt(4, "Gated DeltaNet: taps of the causal depthwise convolution over q, k, v")
+    linear_key_head_dim: int = opt(128, "Gated DeltaNet: query/key head dimension K (the state is K x V per head)")
+    linear_value_head_dim: int = opt(128, "Gated DeltaNet: value head dimension V")
+    linear_num_key_heads: int = opt(16, "Gated DeltaNet: query/key heads")
+    linear_num_value_heads: int = opt(32, "Gated DeltaNet: value heads (a multiple of the key heads; each key "
+                                      "head serves value/key of them)")
     vocab_size: int | None = opt(None, "vocabulary size (default: the tokenizer's)")
     recompute_granularity: str | None = opt(
         None, "activation recomputation: full (whole layers) or selective (attention core only)",

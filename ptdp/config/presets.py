@@ -56,6 +56,13 @@ _GPT_OSS: dict[str, Any] = {
     "seq_length": 4096, "max_position_embeddings": 131072, "vocab_size": 201088,
 }
 _GPT_OSS_MOE: dict[str, Any] = {"moe_router_topk": 4, "moe_ffn_hidden_size": 2880, "moe_linear_bias": True}
+# What every Qwen3-Next shares (HF config.json of Qwen/Qwen3-Next-80B-A3B-*): three Gated DeltaNet layers to
+# one full-attention layer with an output gate, partial rotary (a quarter of each head), zero-centred norms.
+_QWEN3_NEXT: dict[str, Any] = {
+    **_LLAMA, "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True,
+    "group_query_attention": True, "rotary_percent": 0.25, "norm_epsilon": 1e-6, "seq_length": 4096,
+    "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": "4", "linear_conv_kernel_dim": 4,
+}
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96, "seq_length": 2048,
@@ -134,6 +141,20 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                       "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                       "moe_router_num_groups": 2, "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5},
 }
+MODEL_PRESETS["qwen3-next-80b-a3b"] = {
+    **_QWEN3_NEXT, "num_layers": 48, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 2,
+    "kv_channels": 256, "ffn_hidden_size": 5120, "max_position_embeddings": 262144, "vocab_size": 151936,
+    "rotary_base": 10000000.0, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+MOE_PRESETS["qwen3-next-80b-a3b"] = {"num_experts": 512, "moe_router_topk": 10, "moe_ffn_hidden_size": 512,
+                                     "moe_shared_expert_intermediate_size": 512, "moe_shared_expert_gate": True}
+# tiny-qwen3-next: 8 layers (two full-attention ones), key heads and query groups that t = 2 splits
+MODEL_PRESETS["tiny-qwen3-next"] = {
+    **_QWEN3_NEXT, "num_layers": 8, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 16, "ffn_hidden_size": 64, "seq_length": 16, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+MOE_PRESETS["tiny-qwen3-next"] = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+                                  "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True}
 MODEL_PRESETS["tiny-mixtral"] = dict(MODEL_PRESETS["tiny-llama"])
 MODEL_PRESETS["tiny-qwen3"] = {**MODEL_PRESETS["tiny-llama"], "qk_layernorm": True, "kv_channels": 16}
 MODEL_PRESETS["tiny-qwen3-moe"] = dict(MODEL_PRESETS["tiny-qwen3"])
@@ -166,6 +187,9 @@ PLAN_GLOBAL_BATCH = {"gpt3-175b": 1536, "llama2-7b": 1024, "llama3-8b": 512, "ll
 
 def model_family(cfg: Any) -> str:
     """A short name for the architecture a ``ModelConfig`` describes (for the start-up summary)."""
+    if getattr(cfg, "experimental_attention_variant", None) == "gated_delta_net":
+        return (f"Qwen3-Next (Gated DeltaNet, --linear-attention-freq {cfg.linear_attention_freq}, "
+                f"GQA {cfg.query_groups} groups)")
     if getattr(cfg, "geglu", False) and getattr(cfg, "sandwich_norm", False):
         window = f"window {cfg.window_size}" if getattr(cfg, "window_size", None) else "no window"
         return f"Gemma 3 (GQA {cfg.query_groups} groups, {window}, {'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} output)"

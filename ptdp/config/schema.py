@@ -87,6 +87,10 @@ class ParallelConfig:
     cp_comm_type: str = opt("p2p", "context-parallel attention: p2p (ring attention), a2a (Ulysses "
                             "all-to-all; local heads divisible by c) or allgather (all-gather K/V)",
                             choices=["p2p", "a2a", "allgather"])
+    linear_attention_cp_comm_type: str = opt(
+        "state_passing", "context parallelism of the Gated DeltaNet layers: state_passing (each rank sends its "
+        "chunks' (A, B) state summaries and conv tails: bytes and memory flat in s) or a2a (head-parallel "
+        "all-to-all; c divides the key heads)", choices=["state_passing", "a2a"])
     # Uneven pipeline layouts, Megatron-LM's flags and semantics (ptdp/schedule/layout.py, docs/pipeline-layout.md)
     decoder_first_pipeline_num_layers: int | None = opt(
         None, "transformer layers on the first pipeline rank (the rest split evenly over the middle ranks)")

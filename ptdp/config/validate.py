@@ -17,6 +17,7 @@ from typing import Any
 from ptdp.config.features import fp8_errors, recompute_errors, saved_activation_errors
 from ptdp.config.load import type_problems
 from ptdp.config.schema import Config, ConfigError, MixedPrecisionConfig, ModelConfig
+from ptdp.config.validate_linear import linear_errors
 from ptdp.config.validate_moe import deepseek_errors, expert_layout_errors, moe_errors
 from ptdp.config.validate_pipeline import (
     overlap_errors,
@@ -106,6 +107,7 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
     errors += _precision_errors(config.precision)
     errors += moe_errors(config)
     errors += window_errors(config)  # sliding windows (Gemma 3)
+    errors += linear_errors(config)  # Gated DeltaNet layers (Qwen3-Next)
     errors += deepseek_errors(config) if sizes_ok and shape_ok else []
     if sizes_ok and not bad & {"--micro-batch-size"}:  # expert parallelism and MoE Parallel Folding
         errors += expert_layout_errors(

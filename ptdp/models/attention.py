@@ -58,12 +58,19 @@ class Attention(nn.Module):
         self.q_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
         self.k_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
         self.core_attention = CausalAttention(window)
+        # --attention-output-gate (Qwen3-Next): each head's output times sigmoid(x·W_g), W_g [a·d, h] by heads
+        self.gate = Linear(h, a * d, bias=False) if cfg.attention_output_gate else None
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
 
     def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or with ``fuse_bias`` the output before its bias and the bias."""
-        return self.proj(self.core(self.qkv(x), documents))
+        return self.proj(self._gated(self.core(self.qkv(x), documents), self.gate, x))
+
+    @staticmethod
+    def _gated(y: torch.Tensor, gate, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs times sigmoid(``gate(x)``) (``--attention-output-gate``); as they are without."""
+        return y if gate is None else y * torch.sigmoid(gate(x))
 
     def core(self, qkv: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         """``[b, s, heads·3·d]`` → ``[b, s, heads·d]``: softmax(QKᵀ/√d) with dropout, times V, per head,

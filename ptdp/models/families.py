@@ -13,11 +13,13 @@ from ptdp.models.gpt_oss import GPT_OSS
 from ptdp.models.llama import LLAMA
 from ptdp.models.mixtral import MIXTRAL, QWEN2_MOE
 from ptdp.models.qwen3 import QWEN3, QWEN3_MOE
+from ptdp.models.qwen3_next import QWEN3_NEXT
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
-FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V3, GEMMA3, GPT_OSS, QWEN3_MOE, QWEN3, MIXTRAL, QWEN2_MOE, LLAMA, GPT2)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN3_NEXT, DEEPSEEK_V3, GEMMA3, GPT_OSS, QWEN3_MOE, QWEN3, MIXTRAL, QWEN2_MOE, LLAMA,
+                                     GPT2)
 
 
 def family_for_hf(model_type: str | None) -> ModelFamily | None:

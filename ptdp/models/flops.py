@@ -49,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ptdp.models.flops_linear import LinearShape, linear_shape, mixer_flops_delta, mixer_parameters_delta
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -201,7 +203,7 @@ def architecture(model: ModelShape) -> dict[str, Any]:
         "num_query_groups": model.num_query_groups if model.group_query_attention else None,
         # a gated MLP (SwiGLU or Gemma's GeGLU): three ffn matrices
         "kv_channels": model.kv_channels, "swiglu": getattr(model, "gated_mlp", model.swiglu),
-        "mla": mla_shape(model),
+        "mla": mla_shape(model), "linear": linear_shape(model),
     }
 
 
@@ -227,13 +229,15 @@ def mtp_layers(model: ModelShape) -> int:
 def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None = None, *,
                         num_attention_heads: int | None = None, num_query_groups: int | None = None,
                         kv_channels: int | None = None, swiglu: bool = False, moe: MoEShape | None = None,
-                        mla: MLAShape | None = None, attention_length: float | None = None) -> int:
+                        mla: MLAShape | None = None, attention_length: float | None = None,
+                        linear: LinearShape | None = None) -> int:
     """Forward FLOPs of one transformer layer for ``tokens`` = B·s tokens of sequence length s.
 
     ``(2h·(2q + 2k) + mlp·h·ffn + 4·s·q)·B·s`` with mlp = 4 (GeLU) or 6 (SwiGLU); for GPT-2 (q = k = h)
     ``(8·h² + 4·h·ffn + 4·s·h)·B·s``, the paper's ``24·B·s·h² + 4·B·s²·h`` when ffn = 4h. With ``mla`` the
     attention is ``2·(MLA projections) + 2·s·a·(d_k + d_r + d_v)`` per token. Packed documents:
-    ``attention_length`` (sum of l_i² / s, module docstring) replaces s in the attention term.
+    ``attention_length`` (sum of l_i² / s, module docstring) replaces s in the attention term. ``linear``:
+    Gated DeltaNet layers and gated attention, averaged over the layers (``ptdp.models.flops_linear``).
     """
     h, f = hidden_size, _ffn(hidden_size, ffn_hidden_size)
     q, k = _widths(h, num_attention_heads, num_query_groups, kv_channels)
@@ -243,7 +247,8 @@ def layer_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidd
         a = num_attention_heads
         scores = 2 * attended * a * (mla.qk_head_dim + mla.qk_pos_emb_head_dim + mla.v_head_dim)
         return int(tokens * (2 * mla.weights(h, a) + mlp) + round(tokens * scores))
-    return int(tokens * (2 * h * (2 * q + 2 * k) + mlp) + round(tokens * 4 * attended * q))
+    return (int(tokens * (2 * h * (2 * q + 2 * k) + mlp) + round(tokens * 4 * attended * q))
+            + mixer_flops_delta(linear, h, q, k, attended, tokens))
 
 
 def _mtp_forward_flops(hidden_size: int, seq_length: int, tokens: int, ffn_hidden_size: int | None,
@@ -305,7 +310,8 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
                           num_attention_heads: int | None = None, num_query_groups: int | None = None,
                           kv_channels: int | None = None, swiglu: bool = False, bias: bool = True,
                           normalization: str = "LayerNorm", moe: MoEShape | None = None, active: bool = False,
-                          norm_bias: bool = True, mla: MLAShape | None = None) -> int:
+                          norm_bias: bool = True, mla: MLAShape | None = None,
+                          linear: LinearShape | None = None) -> int:
     """Parameters of one layer: QKV + projection ``4h² + 4h``, MLP ``2·h·ffn + ffn + h``, 2 LayerNorms ``4h``.
 
     Equals the paper's ``12h² + 13h`` when ffn = 4h. Generally: attention ``h·(2q + 2k)`` weights (+ ``q +
@@ -320,7 +326,7 @@ def layer_parameter_count(hidden_size: int, ffn_hidden_size: int | None = None, 
         attention_biases = mla.biases(h, num_attention_heads) - h  # the output bias is counted below
     else:
         attention, attention_biases = h * (2 * q + 2 * k), q + 2 * k
-    norms = 2 * norm_parameters(h, normalization, norm_bias)
+    norms = 2 * norm_parameters(h, normalization, norm_bias) + mixer_parameters_delta(linear, h, q, k)
     if moe is not None:  # an MoE layer: router, E (or, ``active``, k) bias-free experts, shared expert, gate
         mlp = _moe_mlp(h, moe, swiglu, moe.topk if active else moe.num_experts)[1]
         shared_biases = ((2 if swiglu else 1) * moe.shared_ffn + h) if moe.shared_ffn else 0

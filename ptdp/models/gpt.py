@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.config.validate_linear import linear_attention_layers
 from ptdp.config.validate_window import window_layers
 from ptdp.models.attention import Attention
 from ptdp.models.documents import DocumentLayout, position_ids
+from ptdp.models.gated_deltanet import GatedDeltaNet
 from ptdp.models.glu import gated_activation
 from ptdp.models.gpt_sharding import gpt_sharding_rules
 from ptdp.models.layers import (
@@ -111,13 +113,16 @@ class TransformerLayer(nn.Module):
     """Pre-LayerNorm block: x + drop(attn(ln(x)) + bias), then x + drop(mlp(ln(x)) + bias); with ``moe``
     the MLP is a mixture of experts, with ``--multi-latent-attention`` the attention is MLA (``mla.py``).
     ``--sandwich-norm`` (Gemma) also normalises each half's output before its residual add
-    (``post_self_attn_layernorm``, ``post_mlp_layernorm``); ``window``: the attention's sliding window."""
+    (``post_self_attn_layernorm``, ``post_mlp_layernorm``); ``window``: the attention's sliding window;
+    ``linear``: a Gated DeltaNet (``gated_deltanet.py``) in place of the attention."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps, positions: SequencePositions, moe: MoEConfig | None = None,
-                 window: int | None = None):
+                 window: int | None = None, linear: bool = False):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        if cfg.multi_latent_attention:
+        if linear:
+            self.attention = GatedDeltaNet(cfg, fuse_bias=ops.compiled)
+        elif cfg.multi_latent_attention:
             self.attention = MultiLatentAttention(cfg, positions, fuse_bias=ops.compiled)
         else:
             self.attention = Attention(cfg, positions, fuse_bias=ops.compiled, window=window)
@@ -193,13 +198,14 @@ class GPTModel(nn.Module):
         sparse = (moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers) if moe is not None and moe.num_experts
                   else [False] * cfg.num_layers)
         windows = window_layers(cfg)  # --window-size: per layer its sliding window or None
+        linear = linear_attention_layers(cfg)  # --linear-attention-freq: the Gated DeltaNet layers
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ops, positions, moe if sparse[i] else None,
-                                                              windows[i]) for i in range(cfg.num_layers)})
+                                                              windows[i], linear[i]) for i in range(cfg.num_layers)})
         self.final_layernorm: nn.Module | None = norm(cfg)
         self.mtp: MultiTokenPrediction | None = None
         if cfg.mtp_num_layers:
             self.mtp = MultiTokenPrediction(cfg, [TransformerLayer(cfg, ops, positions, moe if sparse[-1] else None,
-                                                                   windows[-1])
+                                                                   windows[-1], linear[-1])
                                                   for _ in range(cfg.mtp_num_layers)])
         # Untied (Llama): its own [V, h] output weight, read by ``logits`` (never called as a module).
         self.lm_head: nn.Module | None = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size,

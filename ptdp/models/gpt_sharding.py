@@ -1,12 +1,15 @@
-"""The sharding rules of ``GPTModel`` (GPT-2, Llama, Mixtral/Qwen2-MoE, DeepSeek-V3, Qwen3, Qwen3-MoE, Gemma 3):
-Megatron's tensor-parallel plan, written as the data ``ptdp.models.sharding`` defines.
+"""The sharding rules of ``GPTModel`` (GPT-2, Llama, Mixtral/Qwen2-MoE, DeepSeek-V3, Qwen3, Qwen3-MoE, Gemma 3,
+Qwen3-Next): Megatron's tensor-parallel plan, written as the data ``ptdp.models.sharding`` defines.
 
 Per transformer layer: QKV (or MLA's up projections) and fc1 column-parallel, the output projection and
 fc2 row-parallel; the layer norms (Gemma's sandwich norms after the attention and the MLP too) hold
 gradients partial over the tokens under sequence parallelism, and
 so do MLA's down projections and latent norms (whole on every rank, as Megatron-Core keeps them); a
 per-head q/k norm (``--qk-layernorm``) holds gradients partial over the heads; the attention sinks
-(``--softmax-type learnable``) are split by heads. A mixture of experts is
+(``--softmax-type learnable``) are split by heads. Qwen3-Next: the attention's output gate column-parallel like
+the queries; a Gated DeltaNet layer split by key-head groups (its input projections column-parallel, its
+convolution and decay parameters by rows, ``HeadSplit``; its output norm, shared by the heads, partial over
+them; its output projection row-parallel). A mixture of experts is
 split by its own layout (``ptdp.parallel.expert``), so its MLP has no rule here. The embedding tables and
 the output layer are split by vocabulary; multi-token prediction's modules as Megatron-Core splits them
 (``eh_proj`` column-parallel with its output gathered, then back to this rank's tokens).
@@ -18,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from ptdp.models.sharding import (
     ColumnParallel,
-    HeadParallel,
     HeadSharedInput,
+    HeadSplit,
     PartialGradient,
     RowParallel,
     SequenceEntry,
@@ -45,7 +48,12 @@ def layer_rules(layer: str, cfg: ModelConfig) -> ShardingRules:
                   for name in ("q_down_proj", "kv_down_proj", "q_layernorm", "kv_layernorm")]
     else:
         split = [(f"{attention}.qkv", ColumnParallel()), (f"{attention}.q_layernorm", HEADS),
-                 (f"{attention}.k_layernorm", HEADS), (f"{attention}.sinks", HeadParallel())]
+                 (f"{attention}.k_layernorm", HEADS), (f"{attention}.sinks", HeadSplit()),
+                 (f"{attention}.gate", ColumnParallel())]
+    if cfg.experimental_attention_variant:  # Gated DeltaNet layers: split by key-head groups
+        split += [(f"{attention}.in_proj_qkvz", ColumnParallel()), (f"{attention}.in_proj_ba", ColumnParallel()),
+                  (f"{attention}.conv1d", HeadSplit()), (f"{attention}.decay", HeadSplit()),
+                  (f"{attention}.out_layernorm", HEADS), (f"{attention}.out_proj", RowParallel())]
     return rules([*split, (f"{attention}.proj", RowParallel()), (f"{layer}.mlp.fc1", ColumnParallel()),
                   (f"{layer}.mlp.fc2", RowParallel()), (f"{layer}.input_layernorm", TOKENS),
                   (f"{layer}.post_attention_layernorm", TOKENS), (f"{layer}.post_self_attn_layernorm", TOKENS),

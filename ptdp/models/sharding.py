@@ -15,9 +15,10 @@ The rules (Narayanan et al., SC'21, §2.3; Korthikanti et al., 2022, for sequenc
 - :class:`VocabParallelOutput`: the logits or the cross-entropy over a vocabulary-split table.
 - :class:`SequenceEntry`: the module's output enters the residual stream (the embedding): scattered along
   the sequence under sequence parallelism.
-- :class:`HeadParallel`: a per-head parameter (the attention sinks) split by heads.
 - :class:`HeadSharedInput`: an input every head of the layer reads (MLA's one RoPE key): its gradient is
   summed over the ranks' heads.
+- :class:`HeadSplit`: a module's per-head parameters (the attention sinks; a Gated DeltaNet's decay and
+  convolution): each rank keeps its heads' rows, no communication.
 - :class:`PartialGradient`: replicated, but each rank's gradient is a partial sum over ``"tokens"`` (the
   rank's tokens under sequence parallelism: the norms, the biases after a row-parallel sum) or over
   ``"heads"`` (the rank's heads, whatever the sequence layout: a per-head q/k norm). The placement records
@@ -69,14 +70,15 @@ class SequenceEntry:
 
 
 @dataclass(frozen=True)
-class HeadParallel:
-    """A module whose every parameter holds one value per attention head (``[heads]``: the attention
-    sinks): each rank keeps its heads' rows, as the column-parallel QKV keeps their columns."""
+class HeadSharedInput:
+    """A module whose output every head reads (the identity in one process)."""
 
 
 @dataclass(frozen=True)
-class HeadSharedInput:
-    """A module whose output every head reads (the identity in one process)."""
+class HeadSplit:
+    """The module's own parameters hold one row per head (or per channel of a head) along dim 0, in head
+    order: each rank keeps the rows of its heads, and nothing communicates (the attention sinks; a Gated
+    DeltaNet's per-head decay parameters and its depthwise convolution over the heads' channels)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class PartialGradient:
 
 
 Rule = ColumnParallel | RowParallel | VocabParallel | VocabParallelOutput | SequenceEntry | HeadSharedInput \
-    | PartialGradient | HeadParallel
+    | HeadSplit | PartialGradient
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ is ``softmax_attention(q, k, v) · sigmoid(lse - z)`` where lse is the log-sum-e
 rescaling by which context parallelism (``ptdp.parallel.context``) applies sinks after merging its blocks.
 
 On the CPU the core is the explicit masked softmax (exact); a tensor-parallel rank holds the sinks of its
-heads (the ``HeadParallel`` rule of ``ptdp.models.gpt_sharding``).
+heads (the ``HeadSplit`` rule of ``ptdp.models.gpt_sharding``).
 """
 
 from __future__ import annotations

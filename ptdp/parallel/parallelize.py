@@ -52,13 +52,13 @@ class ParallelModel:
 
 
 def parallelize(model: GPTModel, placements: Placements, *, tp_group=None, sequence_parallel: bool = False,
-                cp_group=None, cp_comm_type: str = "p2p") -> GPTModel:
+                cp_group=None, cp_comm_type: str = "p2p", linear_cp_comm_type: str = "state_passing") -> GPTModel:
     """Tensor (+ sequence) and context parallelism and ``model.cfg``'s recomputation, applied in place to
     a model or pipeline chunk (on the meta device, or a real one: then initialise it afterwards), recorded
     in ``placements`` with Megatron's weight-decay rule."""
     m = model.cfg
     apply_tensor_parallel(model, tp_group, placements, sequence_parallel=sequence_parallel)
-    apply_context_parallel(model, cp_group, cp_comm_type)
+    apply_context_parallel(model, cp_group, cp_comm_type, linear_cp_comm_type)
     apply_recompute(model, m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                     distribute_group=tp_group if m.distribute_saved_activations else None,
                     offload=m.checkpoint_in_cpu)
@@ -79,7 +79,8 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
     chunks = split_model(model, stages, p * v, placements, plan=plan.stages)  # even or Megatron's
     for chunk in chunks:
         parallelize(chunk, placements, tp_group=g.tp_group, sequence_parallel=plan.sequence_parallel,
-                    cp_group=g.cp_group, cp_comm_type=plan.cp_comm_type)
+                    cp_group=g.cp_group, cp_comm_type=plan.cp_comm_type,
+                    linear_cp_comm_type=plan.linear_cp_comm_type)
         if plan.moe.num_experts:  # this rank's experts and the token dispatcher
             apply_expert_parallel(chunk, g.expert, placements, plan.moe.moe_token_dispatcher_type,
                                   plan.sequence_parallel)

@@ -76,6 +76,7 @@ class ParallelPlan:
     overlap_moe_expert_parallel_comm: bool  # combined 1F1B's overlapped pairs (ptdp.schedule.dualpipe)
     delay_wgrad_compute: bool  # inside a pair, a piece's weight gradients after its exchange is issued
     cp_comm_type: str  # p2p, a2a or allgather
+    linear_cp_comm_type: str  # the Gated DeltaNet layers': state_passing or a2a
     scatter_gather: bool  # the pipeline sends 1/t of each boundary tensor (not under sequence parallelism)
     zero: ZeroPlan
     dtype: torch.dtype  # of the parameters and activations
@@ -138,6 +139,7 @@ def resolve_plan(config: Config, groups: ParallelState) -> ParallelPlan:
         stages=sizes.stages,
         vocab_barriers=par.vocab_barriers, overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=par.delay_wgrad_compute, cp_comm_type=par.cp_comm_type,
+        linear_cp_comm_type=par.linear_attention_cp_comm_type,
         scatter_gather=par.scatter_gather_tensors_in_pipeline and t > 1 and not sp,
         zero=ZeroPlan(sharding, opt.num_distributed_optimizer_instances if sharding != "no_shard" else 1,
                       tr.overlap_grad_reduce, opt.reshard_after_forward, int(tr.grad_bucket_size_mb * 2**20)),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ptdp.config import ModelConfig
 from ptdp.config.schema import effective_sharding
 from ptdp.models.flops import MLAShape, MoEShape, mla_shape, model_parameter_count, windowed_attention_length
+from ptdp.models.flops_linear import LinearShape, linear_shape
 from ptdp.runtime.hardware import Accelerator, accelerator
 from ptdp.schedule.registry import default_schedule
 
@@ -53,6 +54,8 @@ class GPTSpec:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     mtp_num_layers: int = 0  # multi-token prediction modules, on the last pipeline stage
+    # Gated DeltaNet layers and the attention output gate (Qwen3-Next): priced by their own FLOPs, linear in s
+    linear: LinearShape | None = None
 
     @property
     def attended(self) -> float:
@@ -146,6 +149,7 @@ class GPTSpec:
             multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
             qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
             mtp_num_layers=m.mtp_num_layers or 0, attention_length=windowed_attention_length(m),
+            linear=linear_shape(m),
         )
 
     @classmethod

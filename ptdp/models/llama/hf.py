@@ -51,7 +51,8 @@ def is_llama(cfg: ModelConfig) -> bool:
     return (cfg.position_embedding_type == "rope" and cfg.normalization == "RMSNorm" and cfg.swiglu
             and cfg.disable_bias_linear and not cfg.add_qkv_bias and cfg.rotary_percent == 1.0
             and not cfg.qk_layernorm and not cfg.multi_latent_attention and not gemma_options(cfg)
-            and not gpt_oss_options(cfg))
+            and not gpt_oss_options(cfg) and not cfg.attention_output_gate
+            and cfg.experimental_attention_variant is None)
 
 
 def gpt_oss_options(cfg: ModelConfig) -> bool:

@@ -4,7 +4,7 @@ A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.conte
 model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
 position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
-all-gather), keeping its layer's sliding window (``ptdp.parallel.context.window``) and taking its sinks. Multi-token prediction reads tokens k places ahead, which may sit in another rank's
+all-gather), keeping its layer's sliding window (``ptdp.parallel.context.window``) and taking its sinks; a Gated DeltaNet layer's sequence mixing becomes ``ptdp.parallel.context.linear``'s. Multi-token prediction reads tokens k places ahead, which may sit in another rank's
 chunk: its ``ShiftLabels`` becomes :class:`ContextParallelShift`, which gathers the labels of the CP group
 (integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. Multi-latent attention
 inside packed documents reaches the document kernels through ``ptdp.models.documents.equal_widths``. The
@@ -30,6 +30,7 @@ from ptdp.parallel.context.attention import (
     shard_sequence,
 )
 from ptdp.parallel.context.documents import document_context_attention
+from ptdp.parallel.context.linear import apply_linear_context_parallel
 
 
 class LoadBalancedPositions(SequencePositions):
@@ -101,8 +102,10 @@ def swap_modules(model: nn.Module, kind: type[nn.Module], new: nn.Module) -> Non
                 setattr(parent, name, new)
 
 
-def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p") -> nn.Module:
-    """Make ``model`` (or a chunk) run on this CP rank's tokens; nothing to do when c = 1. Returns it."""
+def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p",
+                           linear_comm_type: str = "state_passing") -> nn.Module:
+    """Make ``model`` (or a chunk) run on this CP rank's tokens; nothing to do when c = 1. Returns it. The
+    Gated DeltaNet layers mix their sequence the ``linear_comm_type`` way (``ptdp.parallel.context.linear``)."""
     if group_size(cp_group) == 1:
         return model
     swap_modules(model, SequencePositions, LoadBalancedPositions(group_size(cp_group), group_rank(cp_group)))
@@ -111,4 +114,5 @@ def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p") -
             if type(child) is CausalAttention:
                 setattr(parent, name, ContextParallelAttention(cp_group, comm_type, child.window))
     swap_modules(model, ShiftLabels, ContextParallelShift(cp_group))
+    apply_linear_context_parallel(model, cp_group, linear_comm_type)
     return model

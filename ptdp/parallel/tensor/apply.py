@@ -43,7 +43,7 @@ from torch import nn
 from ptdp.models.layers import DropoutAdd, Linear
 from ptdp.models.sharding import (
     ColumnParallel,
-    HeadParallel,
+    HeadSplit,
     PartialGradient,
     RowParallel,
     SequenceEntry,
@@ -168,27 +168,29 @@ def _vocab_output(split: _Split, module: nn.Module, rule: VocabParallelOutput) -
     return VocabParallelLogits(module.vocab_size, tp_group=split.tp_group, sequence_parallel=split.sp)
 
 
-def _heads(split: _Split, module: nn.Module, rule: HeadParallel) -> None:
-    """In place, this rank's heads of a per-head module (``AttentionSinks``: ``heads`` and ``[heads]``
-    parameters): rows ``[r·a/t, (r+1)·a/t)``, the query heads the column-parallel QKV gives it."""
-    t, rank = group_size(split.tp_group), group_rank(split.tp_group)
-    module.heads //= t
-    for name, param in list(module._parameters.items()):
-        if param is None:
-            continue
-        rows = module.heads
-        piece = nn.Parameter(param.new_empty((rows, *param.shape[1:])) if param.is_meta
-                             else param.detach().narrow(0, rank * rows, rows).clone(), requires_grad=param.requires_grad)
-        split.placements.replace(param, piece)
-        split.placements.add_split(piece, Split("tp", 0, t, rank))
-        module._parameters[name] = piece
-
-
 def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:
     """Heads are split whenever t > 1; tokens only under sequence parallelism."""
     if (rule.over == "heads" and group_size(split.tp_group) > 1) or (rule.over == "tokens" and split.sp):
         for param in module.parameters():
             split.placements.add_partial(param, "tp")
+
+
+def _head_split(split: _Split, module: nn.Module, rule: HeadSplit) -> None:
+    """In place, this rank's rows (dim 0, the heads in order) of each of the module's own parameters: rows
+    ``[r·n/t, (r+1)·n/t)``, the heads the column-parallel projections give it. A module that counts its heads
+    (``AttentionSinks.heads``) counts this rank's."""
+    t, rank = group_size(split.tp_group), group_rank(split.tp_group)
+    if isinstance(getattr(module, "heads", None), int):
+        module.heads //= t
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        rows = param.shape[0] // t
+        piece = nn.Parameter(param.new_empty((rows, *param.shape[1:])) if param.is_meta
+                             else param.detach().narrow(0, rank * rows, rows).clone(), requires_grad=param.requires_grad)
+        split.placements.replace(param, piece)
+        split.placements.add_split(piece, Split("tp", 0, t, rank))
+        module._parameters[name] = piece
 
 
 # One handler per rule kind (a new kind of rule is a handler here, not a branch): each returns the module
@@ -200,6 +202,6 @@ _HANDLERS: dict[type, Callable[[_Split, nn.Module, Any], nn.Module | None]] = {
     VocabParallelOutput: _vocab_output,
     SequenceEntry: _sequence_entry,
     HeadSharedRule: lambda split, module, rule: HeadSharedInput(split.tp_group, split.sp),
+    HeadSplit: _head_split,
     PartialGradient: _partial,
-    HeadParallel: _heads,
 }
