@@ -34,9 +34,20 @@ def hf_model(directory, kind: str = "llama"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
-    else:  # Qwen3-MoE: 4 experts, top 2, renormalised
+    elif kind == "qwen3_moe":  # 4 experts, top 2, renormalised
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True))
+    elif kind == "mixtral":  # 4 experts, top 2
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    else:  # Qwen2-MoE: 4 experts, top 2 without renormalising, a gated shared expert, QKV biases
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True))
+    with torch.no_grad():  # HF starts biases at zero: random ones, so that a misplaced bias shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_()
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
@@ -74,13 +85,15 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
             assert torch.equal(direct.weights[name], value), (layout, name)
 
 
-def test_qwen3_moe_hf_dir_at_e2_equals_import_then_load(tmp_path):
-    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2): bit for bit as the import."""
-    hf_model(tmp_path / "hf", "qwen3_moe")
+@pytest.mark.parametrize("kind,layout", [("qwen3_moe", ["--expert-model-parallel-size", "2"]),
+                                         ("qwen2_moe", ["--tensor-model-parallel-size", "2"])])
+def test_moe_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
+    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
+    shared expert and experts split by tensor rank): bit for bit as the import."""
+    hf_model(tmp_path / "hf", kind)
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
-    e2 = ["--expert-model-parallel-size", "2"]
-    runs = run_layouts(tmp_path / "runs", {"import": (2, [*e2, "--load", str(tmp_path / "ckpt")]),
-                                           "direct": (2, [*e2, "--load", str(tmp_path / "hf")])},
+    runs = run_layouts(tmp_path / "runs", {"import": (2, [*layout, "--load", str(tmp_path / "ckpt")]),
+                                           "direct": (2, [*layout, "--load", str(tmp_path / "hf")])},
                        base=[*train_flags(cfg, moe).split(), *RUN])
     direct, imported = runs["direct"], runs["import"]
     assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
@@ -124,11 +137,12 @@ def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe"])
 def test_a_rank_reads_only_its_slice(tmp_path, kind):
     """Tensor-parallel rank 1 of 4 asks the reader for its boxes of the fused QKV (rows by key/value group)
-    and of fc1 (``[2, f, h]``, split along f): the reader reads exactly those rows of q_proj, k_proj,
-    v_proj, gate_proj and up_proj, nothing else, and fills the boxes with the import's values."""
+    and of fc1 (``[2, f, h]``, split along f; Qwen2-MoE: its shared expert's, and its QKV bias): the reader
+    reads exactly those rows of q_proj, k_proj, v_proj (their biases), gate_proj and up_proj, nothing
+    else, and fills the boxes with the import's values."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -140,8 +154,11 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     reader = HFStorageReader(source, source.recipes(384))
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     _, _, full = family_for_hf(kind).read(hf_config, read_hf_tensors(tmp_path / "hf"))
-    t, rank, groups, d, f = 4, 1, 4, (8 if kind == "qwen3" else 4), 48
-    boxes = {"layers.1.attention.qkv.weight": 0, "layers.1.mlp.fc1.weight": 1}  # the dimension TP splits
+    t, rank, groups, d, f = 4, 1, 4, (8 if kind == "qwen3" else 4), (24 if kind == "qwen2_moe" else 48)
+    mlp = "mlp.shared_expert." if kind == "qwen2_moe" else "mlp."
+    boxes = {"layers.1.attention.qkv.weight": 0, f"layers.1.{mlp}fc1.weight": 1}  # the dimension TP splits
+    if kind == "qwen2_moe":
+        boxes["layers.1.attention.qkv.bias"] = 0
     targets, items = {}, []
     for name, dim in boxes.items():
         shape = full[name].shape
@@ -170,8 +187,12 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     expected = {(layer + "self_attn.q_proj.weight", ((rank * q_rows, (rank + 1) * q_rows), (0, h))),
                 (layer + "self_attn.k_proj.weight", ((rank * d, (rank + 1) * d), (0, h))),
                 (layer + "self_attn.v_proj.weight", ((rank * d, (rank + 1) * d), (0, h))),
-                (layer + "mlp.gate_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h))),
-                (layer + "mlp.up_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h)))}
+                (layer + mlp + "gate_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h))),
+                (layer + mlp + "up_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h)))}
+    if kind == "qwen2_moe":
+        expected |= {(layer + "self_attn.q_proj.bias", ((rank * q_rows, (rank + 1) * q_rows),)),
+                     (layer + "self_attn.k_proj.bias", ((rank * d, (rank + 1) * d),)),
+                     (layer + "self_attn.v_proj.bias", ((rank * d, (rank + 1) * d),))}
     assert sorted(reader.reads) == sorted(expected)
     assert reader.bytes_read == sum(t.numel() for t in targets.values()) * 4  # fp32 files: the boxes, no more
 
@@ -217,7 +238,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
