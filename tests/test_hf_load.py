@@ -40,14 +40,18 @@ def hf_model(directory, kind: str = "llama"):
     elif kind == "mixtral":  # 4 experts, top 2
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "gemma3":  # a sliding and a global layer, tied embeddings
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"]))
     else:  # Qwen2-MoE: 4 experts, top 2 without renormalising, a gated shared expert, QKV biases
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True))
-    with torch.no_grad():  # HF starts biases at zero: random ones, so that a misplaced bias shows
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_()
+    with torch.no_grad():  # HF starts biases and Gemma's (1 + w) norms at zero: random ones, so that a misplaced
+        for name, param in model.named_parameters():  # bias or norm shows
+            if name.endswith(".bias") or name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.5)
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
@@ -86,10 +90,12 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
 
 
 @pytest.mark.parametrize("kind,layout", [("qwen3_moe", ["--expert-model-parallel-size", "2"]),
-                                         ("qwen2_moe", ["--tensor-model-parallel-size", "2"])])
-def test_moe_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
+                                         ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
+                                         ("gemma3", ["--tensor-model-parallel-size", "2"])])
+def test_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
     """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
-    shared expert and experts split by tensor rank): bit for bit as the import."""
+    shared expert and experts split by tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
+    embedding): bit for bit as the import."""
     hf_model(tmp_path / "hf", kind)
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     runs = run_layouts(tmp_path / "runs", {"import": (2, [*layout, "--load", str(tmp_path / "ckpt")]),
@@ -137,7 +143,7 @@ def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe", "gemma3"])
 def test_a_rank_reads_only_its_slice(tmp_path, kind):
     """Tensor-parallel rank 1 of 4 asks the reader for its boxes of the fused QKV (rows by key/value group)
     and of fc1 (``[2, f, h]``, split along f; Qwen2-MoE: its shared expert's, and its QKV bias): the reader
@@ -153,8 +159,8 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     source = open_hf_dir(tmp_path / "hf")
     reader = HFStorageReader(source, source.recipes(384))
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    _, _, full = family_for_hf(kind).read(hf_config, read_hf_tensors(tmp_path / "hf"))
-    t, rank, groups, d, f = 4, 1, 4, (8 if kind == "qwen3" else 4), (24 if kind == "qwen2_moe" else 48)
+    _, _, full = family_for_hf(hf_config["model_type"]).read(hf_config, read_hf_tensors(tmp_path / "hf"))
+    t, rank, groups, d, f = 4, 1, 4, (8 if kind in ("qwen3", "gemma3") else 4), (24 if kind == "qwen2_moe" else 48)
     mlp = "mlp.shared_expert." if kind == "qwen2_moe" else "mlp."
     boxes = {"layers.1.attention.qkv.weight": 0, f"layers.1.{mlp}fc1.weight": 1}  # the dimension TP splits
     if kind == "qwen2_moe":
@@ -238,7 +244,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
