@@ -44,13 +44,17 @@ def hf_model(directory, kind: str = "llama"):
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
             layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "gpt2":  # learned positions, Conv1D weights, tied embedding
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64, initializer_range=0.1,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))
     else:  # Qwen2-MoE: 4 experts, top 2 without renormalising, a gated shared expert, QKV biases
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True))
     with torch.no_grad():  # HF starts biases and Gemma's (1 + w) norms at zero: random ones, so that a misplaced
         for name, param in model.named_parameters():  # bias or norm shows
-            if name.endswith(".bias") or name.endswith("norm.weight"):
+            if name.endswith(".bias") or name.endswith("norm.weight") or ".ln_" in name:
                 param.add_(torch.randn_like(param) * 0.5)
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
@@ -143,7 +147,7 @@ def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe", "gemma3", "gpt2"])
 def test_a_rank_reads_only_its_slice(tmp_path, kind):
     """Tensor-parallel rank 1 of 4 asks the reader for its boxes of the fused QKV (rows by key/value group)
     and of fc1 (``[2, f, h]``, split along f; Qwen2-MoE: its shared expert's, and its QKV bias): the reader
@@ -165,6 +169,8 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     boxes = {"layers.1.attention.qkv.weight": 0, f"layers.1.{mlp}fc1.weight": 1}  # the dimension TP splits
     if kind == "qwen2_moe":
         boxes["layers.1.attention.qkv.bias"] = 0
+    if kind == "gpt2":  # qkv [3, h, h] and its bias [3, h] split by head, fc1 [f, h] by row
+        boxes = {"layers.1.attention.qkv.weight": 1, "layers.1.attention.qkv.bias": 1, "layers.1.mlp.fc1.weight": 0}
     targets, items = {}, []
     for name, dim in boxes.items():
         shape = full[name].shape
@@ -199,6 +205,12 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
         expected |= {(layer + "self_attn.q_proj.bias", ((rank * q_rows, (rank + 1) * q_rows),)),
                      (layer + "self_attn.k_proj.bias", ((rank * d, (rank + 1) * d),)),
                      (layer + "self_attn.v_proj.bias", ((rank * d, (rank + 1) * d),))}
+    if kind == "gpt2":  # Conv1D [in, out]: a head's rows of q, k, v are columns of c_attn, fc1's rows c_fc's
+        layer, w = "transformer.h.1.", h // t
+        cols = [(j * h + rank * w, j * h + (rank + 1) * w) for j in range(3)]
+        expected = ({(layer + "attn.c_attn.weight", ((0, h), c)) for c in cols}
+                    | {(layer + "attn.c_attn.bias", (c,)) for c in cols}
+                    | {(layer + "mlp.c_fc.weight", ((0, h), (rank * f // t, (rank + 1) * f // t)))})
     assert sorted(reader.reads) == sorted(expected)
     assert reader.bytes_read == sum(t.numel() for t in targets.values()) * 4  # fp32 files: the boxes, no more
 
@@ -244,7 +256,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3", "gpt2"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
