@@ -83,11 +83,8 @@ def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) 
         if not sparse:
             continue
         del out[ours + "mlp.fc1.weight"], out[ours + "mlp.fc2.weight"]
-        experts = [f"{theirs}{block}.experts.{e}." for e in range(moe.num_experts)]
         out[ours + "mlp.router.weight"] = Take(f"{theirs}{block}.gate.weight")
-        out[ours + "mlp.experts.fc1_weight"] = Stack(tuple(
-            Stack((Take(f"{x}{gate}.weight"), Take(f"{x}{up}.weight"))) for x in experts))
-        out[ours + "mlp.experts.fc2_weight"] = Stack(tuple(Take(f"{x}{down}.weight") for x in experts))
+        out.update(expert_recipes(ours, theirs, moe.num_experts, kind))
         if kind == "qwen2_moe":
             shared = f"{theirs}mlp.shared_expert."
             out[ours + "mlp.shared_expert.fc1.weight"] = Stack((Take(shared + "gate_proj.weight"),
@@ -97,7 +94,24 @@ def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) 
     return out
 
 
-def per_expert_layout(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, kind: str) -> dict:
+def expert_recipes(ours: str, theirs: str, num_experts: int, kind: str) -> dict:
+    """The recipes of one layer's experts (ptdp layer ``ours``, HF layer ``theirs``) in the per-expert
+    layout: ``fc1_weight [E, 2, f, h]`` stacks each expert's (gate, up), ``fc2_weight [E, h, f]`` its down."""
+    from ptdp.models.hf_recipe import Stack, Take
+
+    block, (gate, up, down) = _layout(kind)
+    experts = [f"{theirs}{block}.experts.{e}." for e in range(num_experts)]
+    return {ours + "mlp.experts.fc1_weight": Stack(tuple(
+                Stack((Take(f"{x}{gate}.weight"), Take(f"{x}{up}.weight"))) for x in experts)),
+            ours + "mlp.experts.fc2_weight": Stack(tuple(Take(f"{x}{down}.weight") for x in experts))}
+
+
+def sparse_layers(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
+    """The HF prefixes (``model.layers.N.``) of the layers with experts."""
+    return [f"{P}layers.{i}." for i, sparse in enumerate(_pattern(moe, cfg.num_layers)) if sparse]
+
+
+def per_expert_layout(hf: dict[str, torch.Tensor], layers: list[str], kind: str) -> dict:
     """``hf`` with its experts in the layout the recipes take: transformers 5's fused modules
     (``experts.gate_up_proj [E, 2f, h]``, gate rows first; ``experts.down_proj [E, h, f]``) cut into views
     per expert, and a Mixtral's router and experts under ``mlp.`` renamed to ``block_sparse_moe.``. Only
@@ -105,10 +119,7 @@ def per_expert_layout(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoECon
     block, (gate, up, down) = _layout(kind)
     other = "mlp." if block == "block_sparse_moe" else "block_sparse_moe."
     out = dict(hf)
-    for i, sparse in enumerate(_pattern(moe, cfg.num_layers)):
-        if not sparse:
-            continue
-        layer = f"{P}layers.{i}."
+    for layer in layers:
         for name in [n for n in out if n.startswith(layer + other + "gate.") or n.startswith(layer + other + "experts.")]:
             out[layer + block + "." + name.removeprefix(layer + other)] = out.pop(name)
         fused = f"{layer}{block}.experts."
@@ -124,7 +135,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig,
     """HF Mixtral / Qwen2-MoE tensors (either expert layout) -> ptdp full tensors: :func:`moe_recipes`
     evaluated whole."""
     return hf_llama.import_state(lambda padded: moe_recipes(cfg, moe, padded, kind),
-                                 per_expert_layout(hf, cfg, moe, kind), cfg,
+                                 per_expert_layout(hf, sparse_layers(cfg, moe), kind), cfg,
                                  lambda e: MoEConversionError(f"--in: {e}; is it a {kind} model?"))
 
 

@@ -134,7 +134,7 @@ def read_qwen3(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfi
 def read_qwen3_moe(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
     """``ptdp import``: :func:`qwen3_moe_recipes` evaluated whole, over either expert layout."""
     cfg, moe = qwen3_moe_model(hf_config)
-    hf = mixtral.per_expert_layout(hf, cfg, moe, "qwen3_moe")
+    hf = mixtral.per_expert_layout(hf, mixtral.sparse_layers(cfg, moe), "qwen3_moe")
     return cfg, moe, _import(lambda padded: qwen3_moe_recipes(cfg, moe, padded), hf, cfg)
 
 
