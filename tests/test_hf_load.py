@@ -95,11 +95,12 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
 
 @pytest.mark.parametrize("kind,layout", [("qwen3_moe", ["--expert-model-parallel-size", "2"]),
                                          ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
-                                         ("gemma3", ["--tensor-model-parallel-size", "2"])])
+                                         ("gemma3", ["--tensor-model-parallel-size", "2"]),
+                                         ("gpt2", ["--tensor-model-parallel-size", "2"])])
 def test_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
     """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
     shared expert and experts split by tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
-    embedding): bit for bit as the import."""
+    embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights): bit for bit as the import."""
     hf_model(tmp_path / "hf", kind)
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     runs = run_layouts(tmp_path / "runs", {"import": (2, [*layout, "--load", str(tmp_path / "ckpt")]),
