@@ -310,3 +310,26 @@ def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, capsys, damage, fr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ptdp train: error: --load ") and fragment in lines[0], lines
     assert "iteration" not in stdout, stdout  # no worker trained
+
+
+def test_transpose_and_unflatten_read_any_box_and_scatter_back():
+    """GPT-2's recipe ops: a box of ``Unflatten(Transpose(c_attn))`` reads, per q/k/v block, just its columns
+    of the ``[in, out]`` tensor, and matches the whole tensor's slice; ``scatter`` gives the HF tensors back."""
+    from ptdp.models.hf_recipe import Take, Transpose, Unflatten, materialize, read_box, scatter
+
+    hf = {"w": torch.arange(24.0).view(4, 6), "b": torch.arange(6.0)}  # Conv1D [in 4, out 3·2]
+    recipes = {"qkv": Unflatten(Transpose(Take("w")), 3), "bias": Unflatten(Take("b"), 3)}
+    full = materialize(recipes, hf)
+    assert torch.equal(full["qkv"], hf["w"].t().reshape(3, 2, 4)) and torch.equal(full["bias"], hf["b"].view(3, 2))
+    reads = []
+
+    def fetch(name, box):
+        reads.append((name, box))
+        return hf[name][tuple(slice(a, b) for a, b in box)]
+
+    shapes = {name: tuple(t.shape) for name, t in hf.items()}
+    assert torch.equal(read_box(recipes["qkv"], ((0, 3), (1, 2), (1, 3)), shapes, fetch), full["qkv"][:, 1:2, 1:3])
+    assert reads == [("w", ((1, 3), (2 * j + 1, 2 * j + 2))) for j in range(3)]
+    for name, recipe in recipes.items():
+        (hf_name, rows, value), = scatter(recipe, full[name])
+        assert rows is None and torch.equal(value, hf[hf_name]), name
