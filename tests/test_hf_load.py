@@ -34,9 +34,28 @@ def hf_model(directory, kind: str = "llama"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8))
-    else:  # Qwen3-MoE: 4 experts, top 2, renormalised
+    elif kind == "qwen3_moe":  # 4 experts, top 2, renormalised
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True))
+    elif kind == "mixtral":  # 4 experts, top 2
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "gemma3":  # a sliding and a global layer, tied embeddings
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "gpt2":  # learned positions, Conv1D weights, tied embedding
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64, initializer_range=0.1,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))
+    else:  # Qwen2-MoE: 4 experts, top 2 without renormalising, a gated shared expert, QKV biases
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True))
+    with torch.no_grad():  # HF starts biases and Gemma's (1 + w) norms at zero: random ones, so that a misplaced
+        for name, param in model.named_parameters():  # bias or norm shows
+            if name.endswith(".bias") or name.endswith("norm.weight") or ".ln_" in name:
+                param.add_(torch.randn_like(param) * 0.5)
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
@@ -74,13 +93,18 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
             assert torch.equal(direct.weights[name], value), (layout, name)
 
 
-def test_qwen3_moe_hf_dir_at_e2_equals_import_then_load(tmp_path):
-    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2): bit for bit as the import."""
-    hf_model(tmp_path / "hf", "qwen3_moe")
+@pytest.mark.parametrize("kind,layout", [("qwen3_moe", ["--expert-model-parallel-size", "2"]),
+                                         ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
+                                         ("gemma3", ["--tensor-model-parallel-size", "2"]),
+                                         ("gpt2", ["--tensor-model-parallel-size", "2"])])
+def test_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
+    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
+    shared expert and experts split by tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
+    embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights): bit for bit as the import."""
+    hf_model(tmp_path / "hf", kind)
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
-    e2 = ["--expert-model-parallel-size", "2"]
-    runs = run_layouts(tmp_path / "runs", {"import": (2, [*e2, "--load", str(tmp_path / "ckpt")]),
-                                           "direct": (2, [*e2, "--load", str(tmp_path / "hf")])},
+    runs = run_layouts(tmp_path / "runs", {"import": (2, [*layout, "--load", str(tmp_path / "ckpt")]),
+                                           "direct": (2, [*layout, "--load", str(tmp_path / "hf")])},
                        base=[*train_flags(cfg, moe).split(), *RUN])
     direct, imported = runs["direct"], runs["import"]
     assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
@@ -124,11 +148,12 @@ def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe", "gemma3", "gpt2"])
 def test_a_rank_reads_only_its_slice(tmp_path, kind):
     """Tensor-parallel rank 1 of 4 asks the reader for its boxes of the fused QKV (rows by key/value group)
-    and of fc1 (``[2, f, h]``, split along f): the reader reads exactly those rows of q_proj, k_proj,
-    v_proj, gate_proj and up_proj, nothing else, and fills the boxes with the import's values."""
+    and of fc1 (``[2, f, h]``, split along f; Qwen2-MoE: its shared expert's, and its QKV bias): the reader
+    reads exactly those rows of q_proj, k_proj, v_proj (their biases), gate_proj and up_proj, nothing
+    else, and fills the boxes with the import's values."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -139,9 +164,14 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     source = open_hf_dir(tmp_path / "hf")
     reader = HFStorageReader(source, source.recipes(384))
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    _, _, full = family_for_hf(kind).read(hf_config, read_hf_tensors(tmp_path / "hf"))
-    t, rank, groups, d, f = 4, 1, 4, (8 if kind == "qwen3" else 4), 48
-    boxes = {"layers.1.attention.qkv.weight": 0, "layers.1.mlp.fc1.weight": 1}  # the dimension TP splits
+    _, _, full = family_for_hf(hf_config["model_type"]).read(hf_config, read_hf_tensors(tmp_path / "hf"))
+    t, rank, groups, d, f = 4, 1, 4, (8 if kind in ("qwen3", "gemma3") else 4), (24 if kind == "qwen2_moe" else 48)
+    mlp = "mlp.shared_expert." if kind == "qwen2_moe" else "mlp."
+    boxes = {"layers.1.attention.qkv.weight": 0, f"layers.1.{mlp}fc1.weight": 1}  # the dimension TP splits
+    if kind == "qwen2_moe":
+        boxes["layers.1.attention.qkv.bias"] = 0
+    if kind == "gpt2":  # qkv [3, h, h] and its bias [3, h] split by head, fc1 [f, h] by row
+        boxes = {"layers.1.attention.qkv.weight": 1, "layers.1.attention.qkv.bias": 1, "layers.1.mlp.fc1.weight": 0}
     targets, items = {}, []
     for name, dim in boxes.items():
         shape = full[name].shape
@@ -170,8 +200,18 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
     expected = {(layer + "self_attn.q_proj.weight", ((rank * q_rows, (rank + 1) * q_rows), (0, h))),
                 (layer + "self_attn.k_proj.weight", ((rank * d, (rank + 1) * d), (0, h))),
                 (layer + "self_attn.v_proj.weight", ((rank * d, (rank + 1) * d), (0, h))),
-                (layer + "mlp.gate_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h))),
-                (layer + "mlp.up_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h)))}
+                (layer + mlp + "gate_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h))),
+                (layer + mlp + "up_proj.weight", ((rank * f // t, (rank + 1) * f // t), (0, h)))}
+    if kind == "qwen2_moe":
+        expected |= {(layer + "self_attn.q_proj.bias", ((rank * q_rows, (rank + 1) * q_rows),)),
+                     (layer + "self_attn.k_proj.bias", ((rank * d, (rank + 1) * d),)),
+                     (layer + "self_attn.v_proj.bias", ((rank * d, (rank + 1) * d),))}
+    if kind == "gpt2":  # Conv1D [in, out]: a head's rows of q, k, v are columns of c_attn, fc1's rows c_fc's
+        layer, w = "transformer.h.1.", h // t
+        cols = [(j * h + rank * w, j * h + (rank + 1) * w) for j in range(3)]
+        expected = ({(layer + "attn.c_attn.weight", ((0, h), c)) for c in cols}
+                    | {(layer + "attn.c_attn.bias", (c,)) for c in cols}
+                    | {(layer + "mlp.c_fc.weight", ((0, h), (rank * f // t, (rank + 1) * f // t)))})
     assert sorted(reader.reads) == sorted(expected)
     assert reader.bytes_read == sum(t.numel() for t in targets.values()) * 4  # fp32 files: the boxes, no more
 
@@ -217,7 +257,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3", "gpt2"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
@@ -270,3 +310,26 @@ def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, capsys, damage, fr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ptdp train: error: --load ") and fragment in lines[0], lines
     assert "iteration" not in stdout, stdout  # no worker trained
+
+
+def test_transpose_and_unflatten_read_any_box_and_scatter_back():
+    """GPT-2's recipe ops: a box of ``Unflatten(Transpose(c_attn))`` reads, per q/k/v block, just its columns
+    of the ``[in, out]`` tensor, and matches the whole tensor's slice; ``scatter`` gives the HF tensors back."""
+    from ptdp.models.hf_recipe import Take, Transpose, Unflatten, materialize, read_box, scatter
+
+    hf = {"w": torch.arange(24.0).view(4, 6), "b": torch.arange(6.0)}  # Conv1D [in 4, out 3·2]
+    recipes = {"qkv": Unflatten(Transpose(Take("w")), 3), "bias": Unflatten(Take("b"), 3)}
+    full = materialize(recipes, hf)
+    assert torch.equal(full["qkv"], hf["w"].t().reshape(3, 2, 4)) and torch.equal(full["bias"], hf["b"].view(3, 2))
+    reads = []
+
+    def fetch(name, box):
+        reads.append((name, box))
+        return hf[name][tuple(slice(a, b) for a, b in box)]
+
+    shapes = {name: tuple(t.shape) for name, t in hf.items()}
+    assert torch.equal(read_box(recipes["qkv"], ((0, 3), (1, 2), (1, 3)), shapes, fetch), full["qkv"][:, 1:2, 1:3])
+    assert reads == [("w", ((1, 3), (2 * j + 1, 2 * j + 2))) for j in range(3)]
+    for name, recipe in recipes.items():
+        (hf_name, rows, value), = scatter(recipe, full[name])
+        assert rows is None and torch.equal(value, hf[hf_name]), name

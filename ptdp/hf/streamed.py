@@ -107,5 +107,6 @@ def write_streamed(model: FullModelReader, family: ModelFamily, cfg, moe, out: P
         for hf_name, rows, value in scatter(recipe, model.tensor(name)):
             pieces.setdefault(hf_name, []).append((rows, value))
         for hf_name, parts in pieces.items():
-            writer.add(hf_name, assemble(parts, hf_name).detach().to(torch.float32).clone())  # no shared storage
+            value = assemble(parts, hf_name).detach().to(torch.float32)  # own, packed storage (a transposed piece)
+            writer.add(hf_name, value.clone(memory_format=torch.contiguous_format))
     return writer.close()

@@ -1,7 +1,8 @@
 """Per-tensor recipes: how one of ptdp's full parameters is built from Hugging Face tensors.
 
 A family's adapter declares, for every ptdp parameter name, a :data:`Recipe` over HF tensor names: take a
-tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros. The recipe is data,
+tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros, transpose a matrix,
+view the first dimension as two. The recipe is data,
 not code over full tensors, so the same declaration serves three readers:
 
 - ``ptdp import`` evaluates it over the whole tensor (:func:`materialize`);
@@ -59,7 +60,22 @@ class Zeros:
     shape: tuple[int, ...]
 
 
-Recipe = Take | Cat | Stack | Zeros
+@dataclass(frozen=True)
+class Transpose:
+    """The 2-D part transposed (GPT-2's ``Conv1D`` weights are ``[in, out]``; ptdp's linears ``[out, in]``)."""
+
+    part: Recipe
+
+
+@dataclass(frozen=True)
+class Unflatten:
+    """The part's first dimension ``n·m`` viewed as ``[n, m]`` (GPT-2's ``[3h]`` q|k|v as ptdp's ``[3, h]``)."""
+
+    part: Recipe
+    n: int
+
+
+Recipe = Take | Cat | Stack | Zeros | Transpose | Unflatten
 Shapes = Mapping[str, tuple[int, ...]]
 # fetch(name, per-dimension (start, stop)) -> those elements of the HF tensor, in its own dtype
 Fetch = Callable[[str, tuple[tuple[int, int], ...]], "torch.Tensor"]
@@ -71,6 +87,8 @@ def takes(recipe: Recipe) -> list[Take]:
         return [recipe]
     if isinstance(recipe, (Cat, Stack)):
         return [t for part in recipe.parts for t in takes(part)]
+    if isinstance(recipe, (Transpose, Unflatten)):
+        return takes(recipe.part)
     return []
 
 
@@ -89,6 +107,17 @@ def shape_of(recipe: Recipe, shapes: Shapes) -> tuple[int, ...]:
         if not shape or hi > shape[0]:
             raise RecipeError(f"{recipe.name} has shape {shape}; rows {lo}:{hi} are needed")
         return (hi - lo, *shape[1:])
+    if isinstance(recipe, Transpose):
+        inner = shape_of(recipe.part, shapes)
+        if len(inner) != 2:
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; a 2-D tensor is needed")
+        return inner[::-1]
+    if isinstance(recipe, Unflatten):
+        inner = shape_of(recipe.part, shapes)
+        if not inner or inner[0] % recipe.n:
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; {recipe.n} equal row blocks "
+                              "are needed")
+        return (recipe.n, inner[0] // recipe.n, *inner[1:])
     parts = [shape_of(p, shapes) for p in recipe.parts]
     if isinstance(recipe, Stack):
         if len(set(parts)) != 1:
@@ -113,6 +142,12 @@ def read_box(recipe: Recipe, box: tuple[tuple[int, int], ...], shapes: Shapes, f
             lo = recipe.rows[0]
             box = ((box[0][0] + lo, box[0][1] + lo), *box[1:])
         return fetch(recipe.name, box).to(torch.float32)
+    if isinstance(recipe, Transpose):
+        return read_box(recipe.part, box[::-1], shapes, fetch).t()
+    if isinstance(recipe, Unflatten):  # block i's rows [c, d) are the part's rows [i·m + c, i·m + d)
+        m = shape_of(recipe.part, shapes)[0] // recipe.n
+        (a, b), (c, d), rest = box[0], box[1], box[2:]
+        return torch.stack([read_box(recipe.part, ((i * m + c, i * m + d), *rest), shapes, fetch) for i in range(a, b)])
     if isinstance(recipe, Stack):
         (a, b), inner = box[0], box[1:]
         return torch.stack([read_box(recipe.parts[i], inner, shapes, fetch) for i in range(a, b)])
@@ -149,6 +184,10 @@ def scatter(recipe: Recipe, tensor: torch.Tensor) -> list[tuple[str, tuple[int, 
         return [(recipe.name, recipe.rows, tensor)]
     if isinstance(recipe, Zeros):
         return []
+    if isinstance(recipe, Transpose):
+        return scatter(recipe.part, tensor.t())
+    if isinstance(recipe, Unflatten):
+        return scatter(recipe.part, tensor.flatten(0, 1))
     if isinstance(recipe, Stack):
         return [piece for part, t in zip(recipe.parts, tensor.unbind(0), strict=True) for piece in scatter(part, t)]
     known = [_extent(p, recipe.dim) for p in recipe.parts]
@@ -170,6 +209,13 @@ def _extent(recipe: Recipe, dim: int) -> int | None:
         return recipe.rows[1] - recipe.rows[0] if recipe.rows is not None and dim == 0 else None
     if isinstance(recipe, Stack):
         return len(recipe.parts) if dim == 0 else _extent(recipe.parts[0], dim - 1)
+    if isinstance(recipe, Transpose):
+        return _extent(recipe.part, 1 - dim)
+    if isinstance(recipe, Unflatten):
+        if dim == 0:
+            return recipe.n
+        inner = _extent(recipe.part, 0 if dim == 1 else dim - 1)
+        return inner // recipe.n if dim == 1 and inner is not None else inner
     sizes = [_extent(p, dim) for p in recipe.parts]
     if recipe.dim == dim:
         return None if None in sizes else sum(sizes)

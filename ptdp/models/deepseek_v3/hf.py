@@ -117,32 +117,39 @@ def _layers(cfg: ModelConfig, moe: MoEConfig) -> list[tuple[str, str, bool]]:
                   for k in range(cfg.mtp_num_layers or 0)]
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
-    """HF DeepSeek-V3 tensors (either expert layout) -> ptdp full tensors."""
-    import torch
+def deepseek_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``DeepseekV3ForCausalLM`` tensors in the per-expert layout
+    (``ptdp.models.hf_recipe``): the embedding and untied head padded with zero rows to ``padded_vocab``, the
+    MLA tensors and norms taken as they are, each fc1 stacking (gate, up), the experts stacked as Mixtral's,
+    the MTP modules' own tensors."""
+    from ptdp.models.hf_recipe import Cat, Stack, Take, Zeros
 
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise DeepSeekConversionError(f"--in: the checkpoint has no tensor {name}; is it a DeepSeek-V3 model?")
-        return hf[name]
-
-    out = {hf_llama.EMBEDDING: take(P + "embed_tokens.weight"), "final_layernorm.weight": take(P + "norm.weight")}
+    vocab, h = cfg.vocab_size, cfg.hidden_size
+    pad = (Zeros((padded_vocab - vocab, h)),) if padded_vocab > vocab else ()
+    out: dict = {hf_llama.EMBEDDING: Cat((Take(P + "embed_tokens.weight"), *pad)),
+                 "final_layernorm.weight": Take(P + "norm.weight")}
     if cfg.untie_embeddings_and_output_weights:
-        head = take(hf_llama.LM_HEAD)
-        padded = cfg.padded_vocab_size(head.shape[0], 1)
-        out[hf_llama.LM_HEAD] = torch.cat([head, head.new_zeros(padded - head.shape[0], head.shape[1])])
+        out[hf_llama.LM_HEAD] = Cat((Take(hf_llama.LM_HEAD), *pad))
     for ours, theirs, sparse in _layers(cfg, moe):
-        out.update({name: take(hf_name) for name, hf_name in _layer_names(cfg, ours, theirs, sparse).items()})
+        out.update({name: Take(hf_name) for name, hf_name in _layer_names(cfg, ours, theirs, sparse).items()})
         mlp = theirs + ("mlp.shared_experts." if sparse else "mlp.")
         fc1 = ours + ("mlp.shared_expert.fc1.weight" if sparse else "mlp.fc1.weight")
-        out[fc1] = torch.stack([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        out[fc1] = Stack((Take(mlp + "gate_proj.weight"), Take(mlp + "up_proj.weight")))
         if sparse:
-            out[ours + "mlp.experts.fc1_weight"], out[ours + "mlp.experts.fc2_weight"] = hf_moe._experts_from_hf(
-                hf, theirs, "deepseek_v3", take)
+            out.update(hf_moe.expert_recipes(ours, theirs, moe.num_experts, "deepseek_v3"))
     for k in range(cfg.mtp_num_layers or 0):
-        out.update({f"mtp.layers.{k}.{suffix}": take(f"{P}layers.{cfg.num_layers + k}.{hf_suffix}")
+        out.update({f"mtp.layers.{k}.{suffix}": Take(f"{P}layers.{cfg.num_layers + k}.{hf_suffix}")
                     for suffix, hf_suffix in _MTP.items()})
-    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+    return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
+    """HF DeepSeek-V3 tensors (either expert layout) -> ptdp full tensors: :func:`deepseek_recipes`
+    evaluated whole."""
+    hf = hf_moe.per_expert_layout(hf, [theirs for _, theirs, sparse in _layers(cfg, moe) if sparse], "deepseek_v3")
+    return hf_llama.import_state(
+        lambda padded: deepseek_recipes(cfg, moe, padded), hf, cfg,
+        lambda e: DeepSeekConversionError(f"--in: {e}; is it a DeepSeek-V3 model?"))
 
 
 def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:

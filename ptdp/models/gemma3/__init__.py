@@ -10,4 +10,4 @@ from ptdp.models.gemma3 import hf
 GEMMA3 = ModelFamily(
     name="Gemma 3", hf_model_type="gemma3_text", hf_architecture="Gemma3ForCausalLM", matches=hf.is_gemma3,
     read=hf.read_gemma3, write=hf.write_gemma3, hf_config=hf.gemma3_config, export_problem=hf.export_problem,
-    presets=("gemma3-1b", "gemma3-27b", "tiny-gemma3"))
+    presets=("gemma3-1b", "gemma3-27b", "tiny-gemma3"), hf_model=hf.gemma3_model, hf_recipes=hf.gemma3_recipes)

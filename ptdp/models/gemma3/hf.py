@@ -128,16 +128,28 @@ def _config(hf_config: dict) -> ModelConfig:
         untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", True))
 
 
+def gemma3_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model flags of a Gemma 3 ``config.json``."""
+    return _config(hf_config), MoEConfig()
+
+
+def gemma3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``Gemma3ForCausalLM`` tensors (``ptdp.models.hf_recipe``): Llama's
+    (the fused QKV, the [gate; up] fc1, the padded, tied embedding) and the four norms per layer and the q/k
+    norms renamed. The (1 + w) norms need no change of values: HF stores w, as ptdp's
+    ``--apply-layernorm-1p`` does. Import, ``--load HF_DIR`` and export all run this one mapping."""
+    from ptdp.models.hf_recipe import Take
+
+    return {**llama.hf_recipes(_plain(cfg), padded_vocab),
+            **{f"layers.{i}.{ours}": Take(f"{P}layers.{i}.{theirs}") for i in range(cfg.num_layers)
+               for ours, theirs in _LAYER.items()}}
+
+
 def read_gemma3(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    cfg = _config(hf_config)
-    out = llama.from_hf_state(hf, _plain(cfg))
-    for i in range(cfg.num_layers):
-        for ours, theirs in _LAYER.items():
-            name = f"{P}layers.{i}.{theirs}"
-            if name not in hf:
-                raise Gemma3ConversionError(f"--in: the checkpoint has no tensor {name}; is it a Gemma 3 model?")
-            out[f"layers.{i}.{ours}"] = hf[name].float().contiguous()
-    return cfg, MoEConfig(), out
+    """``ptdp import``: :func:`gemma3_recipes` evaluated whole."""
+    cfg, moe = gemma3_model(hf_config)
+    return cfg, moe, llama.import_state(lambda padded: gemma3_recipes(cfg, moe, padded), hf, cfg,
+                                        lambda e: Gemma3ConversionError(f"--in: {e}; is it a Gemma 3 model?"))
 
 
 def write_gemma3(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:

@@ -94,29 +94,37 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
 
 
 
-def from_hf_state(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF GPT-2 tensors (with or without the ``transformer.`` prefix) -> ptdp full tensors, unpadded."""
-    import torch
+def gpt2_recipes(cfg: ModelConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``GPT2LMHeadModel`` tensors (``ptdp.models.hf_recipe``): the
+    ``Conv1D`` weights transposed, ``c_attn`` (``[h, 3h]``) transposed and viewed as ptdp's ``[3, h, h]``
+    (its bias ``[3h]`` as ``[3, h]``), the embedding padded with zero rows to ``padded_vocab``. Import,
+    ``--load HF_DIR`` and export all run this one mapping."""
+    from ptdp.models.hf_recipe import Cat, Take, Transpose, Unflatten, Zeros
 
-    hf = {k.removeprefix(HF_PREFIX): v for k, v in hf_tensors.items()}
-    h = cfg.hidden_size
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise GPT2ConversionError(f"--in: the checkpoint has no tensor {HF_PREFIX}{name}; is it a GPT-2 model?")
-        return hf[name]
-
-    out = {EMBEDDING: take("wte.weight")}
-    for name, hf_name in _TOP_MAP.items():
-        out[name] = take(hf_name)
+    vocab, h = cfg.vocab_size, cfg.hidden_size
+    pad = (Zeros((padded_vocab - vocab, h)),) if padded_vocab > vocab else ()
+    out: dict = {EMBEDDING: Cat((Take(HF_PREFIX + "wte.weight"), *pad))}
+    out.update({name: Take(HF_PREFIX + hf_name) for name, hf_name in _TOP_MAP.items()})
     for i in range(cfg.num_layers):
         for suffix, (hf_suffix, transpose) in _LAYER_MAP.items():
-            value = take(f"h.{i}.{hf_suffix}")
-            value = value.t() if transpose else value
-            if suffix.startswith("attention.qkv"):
-                value = value.reshape(3, h, h) if transpose else value.reshape(3, h)
-            out[f"layers.{i}.{suffix}"] = value
-    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+            recipe = Take(f"{HF_PREFIX}h.{i}.{hf_suffix}")
+            recipe = Transpose(recipe) if transpose else recipe
+            out[f"layers.{i}.{suffix}"] = Unflatten(recipe, 3) if suffix.startswith("attention.qkv") else recipe
+    return out
+
+
+def from_hf_state(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors (with or without the ``transformer.`` prefix) -> ptdp full tensors, unpadded
+    (``write_full_model_state`` pads the embedding): :func:`gpt2_recipes` evaluated whole."""
+    from ptdp.models.hf_recipe import RecipeError, materialize
+
+    hf = {HF_PREFIX + k.removeprefix(HF_PREFIX): v for k, v in hf_tensors.items()}
+    recipes = gpt2_recipes(cfg, cfg.vocab_size)
+    recipes[EMBEDDING] = recipes[EMBEDDING].parts[0]
+    try:
+        return materialize(recipes, hf)
+    except RecipeError as e:
+        raise GPT2ConversionError(f"--in: {e}; is it a GPT-2 model?") from None
 
 
 def model_config_from_hf(hf_config: dict) -> ModelConfig:

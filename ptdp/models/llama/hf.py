@@ -21,6 +21,7 @@ activations other than SiLU — is refused with one line instead of converting i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ptdp.config import ConfigError, ModelConfig
@@ -118,36 +119,51 @@ def hf_recipes(cfg: ModelConfig, padded_vocab: int) -> dict[str, hf_recipe.Recip
                                         "final_layernorm.weight": Take(HF_PREFIX + "norm.weight")}
     if cfg.untie_embeddings_and_output_weights:
         out[LM_HEAD] = Cat((Take(LM_HEAD), *pad))
-    a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"{HF_PREFIX}layers.{i}."
         for suffix, hf_suffix in _LAYER_MAP.items():
             out[ours + suffix] = Take(theirs + hf_suffix)
-        q, k, v = (f"{theirs}self_attn.{x}_proj.weight" for x in "qkv")
-        if cfg.group_query_attention:  # per group: its a/G query heads, its key head, its value head
-            per = a // g * d
-            out[ours + "attention.qkv.weight"] = Cat(tuple(
-                part for j in range(g) for part in (Take(q, (j * per, (j + 1) * per)), Take(k, (j * d, (j + 1) * d)),
-                                                    Take(v, (j * d, (j + 1) * d)))))
-        else:
-            out[ours + "attention.qkv.weight"] = Stack((Take(q), Take(k), Take(v)))
+        out[ours + "attention.qkv.weight"] = qkv_recipe(cfg, theirs, "weight")
         out[ours + "mlp.fc1.weight"] = Stack((Take(theirs + "mlp.gate_proj.weight"), Take(theirs + "mlp.up_proj.weight")))
     return out
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` tensors -> ptdp full tensors (:func:`hf_recipes`, evaluated whole); the untied
-    output layer padded like the embedding."""
-    from ptdp.models.hf_recipe import RecipeError, materialize
+def qkv_recipe(cfg: ModelConfig, layer: str, suffix: str) -> hf_recipe.Recipe:
+    """ptdp's fused QKV ``suffix`` ("weight" or "bias") of HF layer ``layer`` (its ``model.layers.N.``):
+    with GQA per group its a/G query heads, its key head, its value head; else q, k, v stacked. A bias is
+    cut along the same rows as its weight."""
+    from ptdp.models.hf_recipe import Cat, Stack, Take
+
+    a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+    q, k, v = (f"{layer}self_attn.{x}_proj.{suffix}" for x in "qkv")
+    if not cfg.group_query_attention:
+        return Stack((Take(q), Take(k), Take(v)))
+    per = a // g * d
+    return Cat(tuple(part for j in range(g) for part in (
+        Take(q, (j * per, (j + 1) * per)), Take(k, (j * d, (j + 1) * d)), Take(v, (j * d, (j + 1) * d)))))
+
+
+def import_state(recipes_for: Callable[[int], dict], hf: dict[str, torch.Tensor], cfg: ModelConfig,
+                 error: Callable[[str], Exception]) -> dict[str, torch.Tensor]:
+    """``ptdp import`` of any family built on Llama's vocabulary layout: ``recipes_for(padded_vocab)``
+    evaluated over the whole of ``hf``, the untied output layer padded like the embedding (the embedding
+    left unpadded: ``write_full_model_state`` pads it); a missing tensor raises ``error(message)``."""
+    from ptdp.models.hf_recipe import Cat, RecipeError, materialize
 
     head = hf.get(LM_HEAD)
-    padded = cfg.padded_vocab_size(head.shape[0] if head is not None else cfg.vocab_size, 1)
-    recipes = hf_recipes(cfg, padded)
-    recipes[EMBEDDING] = recipes[EMBEDDING].parts[0]  # unpadded: write_full_model_state pads it
+    recipes = recipes_for(cfg.padded_vocab_size(head.shape[0] if head is not None else cfg.vocab_size, 1))
+    embedding = recipes[EMBEDDING]
+    recipes[EMBEDDING] = embedding.parts[0] if isinstance(embedding, Cat) else embedding
     try:
         return materialize(recipes, hf)
     except RecipeError as e:
-        raise LlamaConversionError(f"--in: {e}; is it a LlamaForCausalLM?") from None
+        raise error(str(e)) from None
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` tensors -> ptdp full tensors (:func:`hf_recipes`, evaluated whole)."""
+    return import_state(lambda padded: hf_recipes(cfg, padded), hf, cfg,
+                        lambda e: LlamaConversionError(f"--in: {e}; is it a LlamaForCausalLM?"))
 
 
 def _rope(hf_config: dict) -> tuple[float, dict | None]:

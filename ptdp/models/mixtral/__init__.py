@@ -17,7 +17,9 @@ def _family(name: str, kind: str, architecture: str, presets: tuple[str, ...]) -
         name=name, hf_model_type=kind, hf_architecture=architecture,
         matches=lambda cfg, moe: not cfg.qk_layernorm and hf.hf_kind(cfg, moe) == kind, read=partial(_read, kind),
         write=lambda tensors, cfg, moe: hf.to_hf_state(tensors, cfg, moe, kind),
-        hf_config=lambda cfg, moe, bos, eos: hf.hf_config_kwargs(cfg, moe, kind, bos, eos), presets=presets)
+        hf_config=lambda cfg, moe, bos, eos: hf.hf_config_kwargs(cfg, moe, kind, bos, eos), presets=presets,
+        hf_model=lambda hf_config: hf.model_config_from_hf(hf_config)[:2],
+        hf_recipes=lambda cfg, moe, padded: hf.moe_recipes(cfg, moe, padded, kind))
 
 
 MIXTRAL = _family("Mixtral", "mixtral", "MixtralForCausalLM", ("mixtral-8x7b", "tiny-mixtral"))

@@ -60,66 +60,83 @@ def hf_kind(cfg: ModelConfig, moe: MoEConfig) -> str | None:
     return None
 
 
-def _experts_from_hf(hf: dict, layer: str, kind: str, take) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fc1 [E, 2, f, h], fc2 [E, h, f]) from the fused (transformers 5) or per-expert layout."""
-    import torch
+def _layout(kind: str) -> tuple[str, tuple[str, str, str]]:
+    """(the block, the (gate, up, down) names) of the per-expert layout ``save_pretrained`` writes."""
+    if kind == "mixtral":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
 
-    block = f"{layer}block_sparse_moe." if f"{layer}block_sparse_moe.gate.weight" in hf else f"{layer}mlp."
-    if block + "experts.gate_up_proj" in hf:
-        gate_up = hf[block + "experts.gate_up_proj"]
-        return gate_up.view(gate_up.shape[0], 2, -1, gate_up.shape[-1]), take(block + "experts.down_proj")
-    names = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    fc1, fc2, i = [], [], 0
-    while f"{block}experts.{i}.{names[0]}.weight" in hf:
-        gate, up, down = (take(f"{block}experts.{i}.{n}.weight") for n in names)
-        fc1.append(torch.stack([gate, up]))
-        fc2.append(down)
-        i += 1
-    if not fc1:
-        raise MoEConversionError(f"--in: the checkpoint has no experts under {block}experts; is it a {kind} model?")
-    return torch.stack(fc1), torch.stack(fc2)
+
+def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) -> dict:
+    """Per ptdp parameter, its recipe (``ptdp.models.hf_recipe``) over HF tensors in the per-expert layout:
+    Llama's, the QKV bias cut like the QKV weight, and in each sparse layer the router, the experts stacked
+    as ``fc1_weight [E, 2, f, h]`` (gate, up) and ``fc2_weight [E, h, f]``, and Qwen2-MoE's gated shared
+    expert. Import, ``--load HF_DIR`` and export all run this one mapping."""
+    from ptdp.models.hf_recipe import Stack, Take
+
+    out = hf_llama.hf_recipes(cfg, padded_vocab)
+    block, (gate, up, down) = _layout(kind)
+    for i, sparse in enumerate(_pattern(moe, cfg.num_layers)):
+        ours, theirs = f"layers.{i}.", f"{P}layers.{i}."
+        if cfg.add_qkv_bias:
+            out[ours + "attention.qkv.bias"] = hf_llama.qkv_recipe(cfg, theirs, "bias")
+        if not sparse:
+            continue
+        del out[ours + "mlp.fc1.weight"], out[ours + "mlp.fc2.weight"]
+        out[ours + "mlp.router.weight"] = Take(f"{theirs}{block}.gate.weight")
+        out.update(expert_recipes(ours, theirs, moe.num_experts, kind))
+        if kind == "qwen2_moe":
+            shared = f"{theirs}mlp.shared_expert."
+            out[ours + "mlp.shared_expert.fc1.weight"] = Stack((Take(shared + "gate_proj.weight"),
+                                                                Take(shared + "up_proj.weight")))
+            out[ours + "mlp.shared_expert.fc2.weight"] = Take(shared + "down_proj.weight")
+            out[ours + "mlp.shared_expert_gate.weight"] = Take(f"{theirs}mlp.shared_expert_gate.weight")
+    return out
+
+
+def expert_recipes(ours: str, theirs: str, num_experts: int, kind: str) -> dict:
+    """The recipes of one layer's experts (ptdp layer ``ours``, HF layer ``theirs``) in the per-expert
+    layout: ``fc1_weight [E, 2, f, h]`` stacks each expert's (gate, up), ``fc2_weight [E, h, f]`` its down."""
+    from ptdp.models.hf_recipe import Stack, Take
+
+    block, (gate, up, down) = _layout(kind)
+    experts = [f"{theirs}{block}.experts.{e}." for e in range(num_experts)]
+    return {ours + "mlp.experts.fc1_weight": Stack(tuple(
+                Stack((Take(f"{x}{gate}.weight"), Take(f"{x}{up}.weight"))) for x in experts)),
+            ours + "mlp.experts.fc2_weight": Stack(tuple(Take(f"{x}{down}.weight") for x in experts))}
+
+
+def sparse_layers(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
+    """The HF prefixes (``model.layers.N.``) of the layers with experts."""
+    return [f"{P}layers.{i}." for i, sparse in enumerate(_pattern(moe, cfg.num_layers)) if sparse]
+
+
+def per_expert_layout(hf: dict[str, torch.Tensor], layers: list[str], kind: str) -> dict:
+    """``hf`` with its experts in the layout the recipes take: transformers 5's fused modules
+    (``experts.gate_up_proj [E, 2f, h]``, gate rows first; ``experts.down_proj [E, h, f]``) cut into views
+    per expert, and a Mixtral's router and experts under ``mlp.`` renamed to ``block_sparse_moe.``. Only
+    names and views change: the values are the recipes' to read."""
+    block, (gate, up, down) = _layout(kind)
+    other = "mlp." if block == "block_sparse_moe" else "block_sparse_moe."
+    out = dict(hf)
+    for layer in layers:
+        for name in [n for n in out if n.startswith(layer + other + "gate.") or n.startswith(layer + other + "experts.")]:
+            out[layer + block + "." + name.removeprefix(layer + other)] = out.pop(name)
+        fused = f"{layer}{block}.experts."
+        if fused + "gate_up_proj" in out and fused + "down_proj" in out:
+            gate_up, fc2 = out.pop(fused + "gate_up_proj"), out.pop(fused + "down_proj")
+            for e, (g, u) in enumerate(gate_up.view(gate_up.shape[0], 2, -1, gate_up.shape[-1])):
+                out.update({f"{fused}{e}.{gate}.weight": g, f"{fused}{e}.{up}.weight": u,
+                            f"{fused}{e}.{down}.weight": fc2[e]})
+    return out
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, kind: str) -> dict[str, torch.Tensor]:
-    """HF Mixtral / Qwen2-MoE tensors (either expert layout) -> ptdp full tensors."""
-    import torch
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise MoEConversionError(f"--in: the checkpoint has no tensor {name}; is it a {kind} model?")
-        return hf[name]
-
-    dense = {k: v for k, v in hf.items() if ".experts." not in k and ".block_sparse_moe." not in k
-             and ".mlp.gate.weight" not in k and ".mlp.shared_expert" not in k}
-    out = {}
-    pattern = _pattern(moe, cfg.num_layers)
-    for i, sparse in enumerate(pattern):
-        theirs, ours = f"{P}layers.{i}.", f"layers.{i}."
-        if not sparse:
-            continue
-        for x in ("gate", "up", "down"):  # absent here: dense tensors only for the Llama converter
-            dense[f"{theirs}mlp.{x}_proj.weight"] = torch.empty(0)
-        router = f"{theirs}block_sparse_moe.gate.weight" if f"{theirs}block_sparse_moe.gate.weight" in hf \
-            else f"{theirs}mlp.gate.weight"
-        out[ours + "mlp.router.weight"] = take(router)
-        out[ours + "mlp.experts.fc1_weight"], out[ours + "mlp.experts.fc2_weight"] = _experts_from_hf(
-            hf, theirs, kind, take)
-        if kind == "qwen2_moe":
-            shared = f"{theirs}mlp.shared_expert."
-            out[ours + "mlp.shared_expert.fc1.weight"] = torch.stack([take(shared + "gate_proj.weight"),
-                                                                      take(shared + "up_proj.weight")])
-            out[ours + "mlp.shared_expert.fc2.weight"] = take(shared + "down_proj.weight")
-            out[ours + "mlp.shared_expert_gate.weight"] = take(f"{theirs}mlp.shared_expert_gate.weight")
-    llama = hf_llama.from_hf_state(dense, cfg)
-    for i, sparse in enumerate(pattern):
-        if sparse:
-            del llama[f"layers.{i}.mlp.fc1.weight"], llama[f"layers.{i}.mlp.fc2.weight"]
-    if cfg.add_qkv_bias:
-        for i in range(cfg.num_layers):
-            biases = [take(f"{P}layers.{i}.self_attn.{x}_proj.bias") for x in "qkv"]
-            llama[f"layers.{i}.attention.qkv.bias"] = _fuse_qkv_bias(biases, cfg)
-    out = {**llama, **out}
-    return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+    """HF Mixtral / Qwen2-MoE tensors (either expert layout) -> ptdp full tensors: :func:`moe_recipes`
+    evaluated whole."""
+    return hf_llama.import_state(lambda padded: moe_recipes(cfg, moe, padded, kind),
+                                 per_expert_layout(hf, sparse_layers(cfg, moe), kind), cfg,
+                                 lambda e: MoEConversionError(f"--in: {e}; is it a {kind} model?"))
 
 
 def _bias_cfg(cfg: ModelConfig) -> ModelConfig:

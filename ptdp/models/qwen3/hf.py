@@ -88,15 +88,6 @@ def _norm_recipes(cfg: ModelConfig) -> dict:
             for ours, theirs in _NORMS.items()}
 
 
-def _norms_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    from ptdp.models.hf_recipe import RecipeError, materialize
-
-    try:
-        return materialize(_norm_recipes(cfg), hf)
-    except RecipeError as e:
-        raise Qwen3ConversionError(f"--in: {e}; is it a Qwen3 model?") from None
-
-
 def qwen3_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     """The model flags of a Qwen3 ``config.json`` (dense)."""
     return _config(hf_config), MoEConfig()
@@ -112,24 +103,10 @@ def qwen3_moe_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
 
 def qwen3_moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
     """Per ptdp parameter, its recipe over ``Qwen3MoeForCausalLM`` tensors in the per-expert layout that
-    ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; a directory in the fused
-    layout goes through ``ptdp import``): experts stacked as ``fc1_weight [E, 2, f, h]`` and ``fc2_weight
-    [E, h, f]``, the router from ``mlp.gate``."""
-    from ptdp.models.hf_recipe import Stack, Take
-    from ptdp.models.moe import moe_layer_pattern
-
-    out = qwen3_recipes(cfg, moe, padded_vocab)
-    for i, sparse in enumerate(moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)):
-        if not sparse:
-            continue
-        ours, theirs = f"layers.{i}.mlp.", f"{P}layers.{i}.mlp."
-        del out[ours + "fc1.weight"], out[ours + "fc2.weight"]
-        experts = [f"{theirs}experts.{e}." for e in range(moe.num_experts)]
-        out[ours + "router.weight"] = Take(theirs + "gate.weight")
-        out[ours + "experts.fc1_weight"] = Stack(tuple(Stack((Take(x + "gate_proj.weight"), Take(x + "up_proj.weight")))
-                                                       for x in experts))
-        out[ours + "experts.fc2_weight"] = Stack(tuple(Take(x + "down_proj.weight") for x in experts))
-    return out
+    ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; ``ptdp import`` also reads
+    the fused layout): Mixtral's (``ptdp.models.mixtral.hf``) and the q/k norms."""
+    plain = dataclasses.replace(cfg, qk_layernorm=False)
+    return {**mixtral.moe_recipes(plain, moe, padded_vocab, "qwen3_moe"), **_norm_recipes(cfg)}
 
 
 def qwen3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
@@ -143,17 +120,22 @@ def _norms_to_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             for i in range(cfg.num_layers) for ours, theirs in _NORMS.items()}
 
 
+def _import(recipes_for, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return llama.import_state(recipes_for, hf, cfg,
+                              lambda e: Qwen3ConversionError(f"--in: {e}; is it a Qwen3 model?"))
+
+
 def read_qwen3(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    cfg = _config(hf_config)
-    return cfg, MoEConfig(), {**llama.from_hf_state(hf, cfg), **_norms_from_hf(hf, cfg)}
+    """``ptdp import``: :func:`qwen3_recipes` evaluated whole."""
+    cfg, moe = qwen3_model(hf_config)
+    return cfg, moe, _import(lambda padded: qwen3_recipes(cfg, moe, padded), hf, cfg)
 
 
 def read_qwen3_moe(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    if float(hf_config.get("router_jitter_noise") or 0.0):
-        raise Qwen3ConversionError("--in: config.json has router_jitter_noise > 0; ptdp's router adds no noise")
-    cfg = _config(hf_config)
-    moe = _moe(hf_config, cfg.num_layers)
-    return cfg, moe, {**mixtral.from_hf_state(hf, cfg, moe, "qwen3_moe"), **_norms_from_hf(hf, cfg)}
+    """``ptdp import``: :func:`qwen3_moe_recipes` evaluated whole, over either expert layout."""
+    cfg, moe = qwen3_moe_model(hf_config)
+    hf = mixtral.per_expert_layout(hf, mixtral.sparse_layers(cfg, moe), "qwen3_moe")
+    return cfg, moe, _import(lambda padded: qwen3_moe_recipes(cfg, moe, padded), hf, cfg)
 
 
 def write_qwen3(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
