@@ -149,6 +149,8 @@ def read_qwen3_next(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[Model
 def _mlp_from_hf(hf: dict, cfg: ModelConfig, moe: MoEConfig, take) -> dict[str, torch.Tensor]:
     import torch
 
+    from ptdp.models.hf_recipe import materialize
+
     out = {}
     for i, sparse in enumerate(mixtral._pattern(moe, cfg.num_layers)):
         ours, theirs = f"layers.{i}.mlp.", f"{P}layers.{i}.mlp."
@@ -157,8 +159,16 @@ def _mlp_from_hf(hf: dict, cfg: ModelConfig, moe: MoEConfig, take) -> dict[str, 
             out[ours + "fc2.weight"] = take(theirs + "down_proj.weight")
             continue
         out[ours + "router.weight"] = take(theirs + "gate.weight")
-        out[ours + "experts.fc1_weight"], out[ours + "experts.fc2_weight"] = mixtral._experts_from_hf(
-            hf, f"{P}layers.{i}.", "qwen3_next", take)
+        layer = f"{P}layers.{i}."
+        experts = mixtral.per_expert_layout({n: v for n, v in hf.items() if n.startswith(theirs + "experts.")},
+                                            [layer], "qwen3_next")  # the fused (transformers 5) or per-expert layout
+        count = sum(1 for n in experts if n.endswith(".gate_proj.weight"))
+        if not count:
+            raise Qwen3NextConversionError(f"--in: the checkpoint has no experts under {theirs}experts")
+        recipes = mixtral.expert_recipes(f"layers.{i}.", layer, count, "qwen3_next")
+        stacked = materialize(recipes, experts)
+        out[ours + "experts.fc1_weight"] = stacked[ours + "experts.fc1_weight"]
+        out[ours + "experts.fc2_weight"] = stacked[ours + "experts.fc2_weight"]
         shared = theirs + "shared_expert."
         out[ours + "shared_expert.fc1.weight"] = torch.stack([take(shared + "gate_proj.weight"),
                                                               take(shared + "up_proj.weight")])
