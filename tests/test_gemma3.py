@@ -159,7 +159,8 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (1, {"reset_attention_mask": True}, "--window-size with --reset-attention-mask is not supported yet"),
+    (2, {"reset_attention_mask": True, "context_parallel_size": 2},
+     "--window-size with --reset-attention-mask under --context-parallel-size > 1 is not supported yet"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])
 def test_windows_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):

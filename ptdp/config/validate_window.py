@@ -59,9 +59,9 @@ def window_errors(config: Config) -> list[str]:
         window_layers(m)
     except ValueError as e:
         errors.append(str(e))
-    if config.data.reset_attention_mask:
-        errors.append("--window-size with --reset-attention-mask is not supported yet (the document kernels "
-                      "attend to the whole document)")
+    if config.data.reset_attention_mask and config.parallel.context_parallel_size > 1:
+        errors.append("--window-size with --reset-attention-mask under --context-parallel-size > 1 is not "
+                      "supported yet (one process runs the windows inside each document)")
     if m.multi_latent_attention:
         errors.append("--window-size with --multi-latent-attention is not supported")
     return errors
@@ -77,9 +77,9 @@ def _gpt_oss_errors(config: Config) -> list[str]:
     if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
         errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
     if m.softmax_type != "vanilla":
-        if config.data.reset_attention_mask:
-            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask is not supported yet (the "
-                          "document kernels have no sink)")
+        if config.data.reset_attention_mask and par.context_parallel_size > 1:
+            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask under "
+                          "--context-parallel-size > 1 is not supported yet (one process runs it per document)")
         if m.multi_latent_attention:
             errors.append(f"--softmax-type {m.softmax_type} with --multi-latent-attention is not supported")
     if config.moe.moe_linear_bias:

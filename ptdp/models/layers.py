@@ -22,7 +22,7 @@ from torch import nn
 
 from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.models.sinks import sink_attention
-from ptdp.models.window import local_window_attention
+from ptdp.models.window import document_window_attention, local_window_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -151,8 +151,9 @@ class CausalAttention(nn.Module):
     (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
     start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
     version of the same function. ``window`` (``--window-size``): a sliding window, computed in tiles of the
-    keys each query can see (``ptdp.models.window``: O(s·w), the keys :func:`window_mask` allows); the
-    configuration refuses it with document masks (``ptdp.config.validate_window``)."""
+    keys each query can see (``ptdp.models.window``: O(s·w), the keys :func:`window_mask` allows); with
+    document masks the window (or the sinks) runs inside each document
+    (``ptdp.models.window.document_window_attention``)."""
 
     def __init__(self, window: int | None = None):
         super().__init__()
@@ -165,8 +166,9 @@ class CausalAttention(nn.Module):
         ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
         ``ptdp.models.sinks``)."""
         if masks_attention(documents):
-            if self.window is not None or sinks is not None:
-                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
+            if self.window is not None or sinks is not None:  # the windows (sinks) inside each document
+                return document_window_attention(q, k, v, self.window, documents.bounds, scale=scale, sinks=sinks,
+                                                 dropout_p=dropout_p)
             return documents.attend(q, k, v, dropout_p, scale)
         if self.window is not None and self.window < q.shape[-2]:  # O(s·w) tiles, not an s x s mask
             return local_window_attention(q, k, v, self.window, scale=scale, sinks=sinks, dropout_p=dropout_p)

@@ -11,6 +11,8 @@ context parallelism's windowed layers (``ptdp.parallel.context.window``) both ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -52,3 +54,24 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
         probs = F.dropout(probs, dropout_p)
     out = torch.matmul(probs.to(vw.dtype), vw)  # [b, h, tiles, T, d_v]
     return out.reshape(b, h, tiles * tile, -1)[:, :, :lq]
+
+
+@torch.compiler.disable  # --compile: the loop runs over host boundaries, as the document kernels' do
+def document_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                              bounds: Sequence[Sequence[int]], *, scale: float | None = None,
+                              sinks: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Packed documents (``--reset-attention-mask``) with a sliding ``window`` or attention sinks: the window
+    mask intersected with the document mask. A document is a contiguous run of tokens and no key outside it
+    is seen, so each document of each sample runs :func:`local_window_attention` alone (``window`` None: the
+    whole document, i.e. causal inside it, which the sinks' softmax needs too). ``bounds``: per sample its
+    ``cu_seqlens (0, ..., s)``. Same shapes as :func:`local_window_attention`."""
+    rows = []
+    for i, cu in enumerate(bounds):
+        parts = []
+        for a, e in zip(cu[:-1], cu[1:]):
+            if e > a:
+                w = e - a if window is None else min(window, e - a)
+                parts.append(local_window_attention(q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e], w,
+                                                    scale=scale, sinks=sinks, dropout_p=dropout_p))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
