@@ -87,7 +87,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),
                                          ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
                                          ("use_bidirectional_attention", True)])
 def test_import_refuses_what_it_does_not_compute_in_one_line_naming_the_field(field, value):

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         # head); its gradient sums over the heads (the sharding rules say so: ``GPTModel.sharding_rules``)
         self.q_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
         self.k_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
-        self.core_attention = CausalAttention(window)
+        self.core_attention = CausalAttention(window, cfg.attn_logit_softcapping)
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)
 
     def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None

@@ -112,6 +112,12 @@ def mask_padding_(logits: torch.Tensor, vocab_size: int, first_id: int = 0) -> t
     return _MaskPadding.apply(logits, max(vocab_size - first_id, 0))
 
 
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``--final-logit-softcapping``: cap·tanh(logit/cap), elementwise (so a vocabulary shard caps its own
+    columns before the vocabulary-parallel softmax); the -inf of the padding columns stays -inf."""
+    return torch.where(torch.isinf(logits), logits, cap * torch.tanh(logits / cap))
+
+
 class Logits(nn.Module):
     """Logits over the padded vocabulary (an aligned GEMM: N = 50304, not 50257), padding masked in place.
 
@@ -155,9 +161,10 @@ class CausalAttention(nn.Module):
     document masks the window (or the sinks) runs inside each document
     (``ptdp.models.window.document_window_attention``)."""
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.window = window
+        self.softcap = softcap  # --attn-logit-softcapping: explicit scores (the tiles), never SDPA
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                 documents: DocumentLayout | None = None, scale: float | None = None,
@@ -165,13 +172,15 @@ class CausalAttention(nn.Module):
         """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature,
         ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
         ``ptdp.models.sinks``)."""
+        capped = self.softcap is not None
         if masks_attention(documents):
-            if self.window is not None or sinks is not None:  # the windows (sinks) inside each document
+            if self.window is not None or sinks is not None or capped:  # the windows (sinks) inside each document
                 return document_window_attention(q, k, v, self.window, documents.bounds, scale=scale, sinks=sinks,
-                                                 dropout_p=dropout_p)
+                                                 dropout_p=dropout_p, softcap=self.softcap)
             return documents.attend(q, k, v, dropout_p, scale)
-        if self.window is not None and self.window < q.shape[-2]:  # O(s·w) tiles, not an s x s mask
-            return local_window_attention(q, k, v, self.window, scale=scale, sinks=sinks, dropout_p=dropout_p)
+        if (self.window is not None and self.window < q.shape[-2]) or capped:  # O(s·w) tiles, not an s x s mask
+            return local_window_attention(q, k, v, min(self.window or q.shape[-2], q.shape[-2]), scale=scale,
+                                          sinks=sinks, dropout_p=dropout_p, softcap=self.softcap)
         if sinks is not None:
             return sink_attention(q, k, v, sinks, None, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
