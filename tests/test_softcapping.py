@@ -108,3 +108,20 @@ def test_softcapping_refuses_what_it_does_not_compute_in_one_line(world, overrid
     errors = validate(config, world)
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
+
+
+def test_capped_training_equals_one_process_under_tensor_and_pipeline_parallelism(tmp_path):
+    """``ptdp train`` with both caps and windows: t = 2 with sequence parallelism (each vocabulary shard caps
+    its own logits before the vocabulary-parallel cross-entropy) and p = 2 give one process's losses and
+    gradient norms per iteration and its final weights; without the caps the run differs (they bite)."""
+    from helpers import TINY, assert_equivalent, run_layouts
+
+    caps = ["--attn-logit-softcapping", "0.05", "--final-logit-softcapping", "0.05", "--window-size", "5",
+            "--window-attn-skip-freq", "2"]
+    runs = run_layouts(tmp_path, {"one": (1, caps), "plain": (1, caps[4:]),
+                                  "t2-sp": (2, [*caps, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                                  "p2": (2, [*caps, "--pipeline-model-parallel-size", "2"])}, base=TINY)
+    for name in ("t2-sp", "p2"):
+        assert_equivalent(runs[name], runs["one"])
+    one, plain = runs["one"].records, runs["plain"].records
+    assert abs(one[-1]["loss"] - plain[-1]["loss"]) > 1e-3, (one[-1], plain[-1])
