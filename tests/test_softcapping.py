@@ -64,7 +64,7 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
 
     from ptdp.checkpointing import read_full_model_state
     from ptdp.config import ConfigError, MoEConfig
-    from ptdp.hf.convert import full_model_from_state, import_hf_model
+    from ptdp.hf.convert import full_model_from_state, import_hf_model, train_flags
     from ptdp.models.gemma3.hf import gemma3_config
 
     torch.manual_seed(0)
@@ -77,8 +77,10 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     hf = transformers.Gemma3ForCausalLM(config).float().eval()
     hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
-    _, cfg, _ = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
+    _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (None, 2.0)
+    flags = train_flags(cfg, moe).split()
+    assert float(flags[flags.index("--final-logit-softcapping") + 1]) == 2.0  # ptdp train --load is given the cap
     ours = full_model_from_state(*read_full_model_state(tmp_path / "ckpt"))
     tokens = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -226,7 +226,8 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "disable_bias_linear", "kv_channels", "add_qkv_bias", *hf_deepseek.MODEL_FLAGS,
                 "window_size", "window_attn_skip_freq", "local_rotary_base", "sandwich_norm", "apply_layernorm_1p",
                 "scale_embedding", "geglu", "softmax_scale", "softmax_type", "quick_geglu", "glu_linear_offset",
-                "activation_func_clamp_value", "yarn_correction_range_round_to_int")
+                "activation_func_clamp_value", "yarn_correction_range_round_to_int", "attn_logit_softcapping",
+                "final_logit_softcapping")
 # Boolean fields whose default is True: their flag turns them off (``--no-...``).
 _NEGATED = {"yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
 
