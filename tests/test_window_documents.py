@@ -1,7 +1,8 @@
 """Packed documents (``--reset-attention-mask``) with sliding windows and attention sinks in one process: the
 window mask intersected with the document mask. The core against a naive masked softmax (values and
 gradients), a packed sample through an imported random Gemma 3 against HF on each document alone, and the
-gradients of a packed batch against the same documents run one by one."""
+gradients of a packed batch against the same documents run one by one, and ``ptdp train`` on packed
+documents with windows and sinks at t = 2 + SP and p = 2 against one process."""
 
 from __future__ import annotations
 
@@ -94,3 +95,30 @@ def test_one_process_accepts_windows_with_documents_and_context_parallelism_refu
     assert not [e for e in errors(1, 1) if "--window-size" in e]
     refused = [e for e in errors(2, 2) if e.startswith("--window-size with --reset-attention-mask")]
     assert len(refused) == 1 and "\n" not in refused[0]
+
+
+def test_packed_windowed_training_equals_one_process_in_tensor_and_pipeline_layouts(tmp_path):
+    """``ptdp train`` on a corpus of short documents with the three packing flags, windows of 3 on every other
+    layer and learned sinks: t = 2 with sequence parallelism and p = 2 give one process's losses and gradient
+    norms per iteration and its final weights; without the document mask the run differs."""
+    import numpy as np
+    from helpers import TINY, assert_equivalent, run_layouts
+
+    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
+
+    prefix = str(tmp_path / "docs")
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
+    for _ in range(300):  # documents of 1 to 12 tokens: a few per 16-token sample, some longer than the window
+        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 12))), ByteTokenizer.eod_id])
+    writer.finalize()
+    flags = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0", "--window-size", "3",
+             "--window-attn-skip-freq", "2", "--softmax-type", "learnable", "--reset-position-ids", "--eod-mask-loss"]
+    packed = [*flags, "--reset-attention-mask"]
+    runs = run_layouts(tmp_path / "runs", {
+        "one": (1, packed), "unmasked": (1, flags),
+        "t2-sp": (2, [*packed, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "p2": (2, [*packed, "--pipeline-model-parallel-size", "2"])}, base=TINY)
+    for name in ("t2-sp", "p2"):
+        assert_equivalent(runs[name], runs["one"])
+    assert abs(runs["one"].records[-1]["loss"] - runs["unmasked"].records[-1]["loss"]) > 1e-4
