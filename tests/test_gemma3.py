@@ -87,7 +87,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),
                                          ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
                                          ("use_bidirectional_attention", True)])
 def test_import_refuses_what_it_does_not_compute_in_one_line_naming_the_field(field, value):
@@ -159,7 +159,8 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (1, {"reset_attention_mask": True}, "--window-size with --reset-attention-mask is not supported yet"),
+    (2, {"reset_attention_mask": True, "context_parallel_size": 2},
+     "--window-size with --reset-attention-mask under --context-parallel-size > 1 is not supported yet"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])
 def test_windows_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):

@@ -56,6 +56,10 @@ class ModelConfig:
         None, "with --window-size, which layers attend to the whole context: N (every N-th layer, 1-based, is "
         "global: Gemma 3's 6) or a Python list per layer, 1 sliding and 0 global, e.g. \"([1]*5+[0])*2\"; "
         "unset: every layer slides")
+    attn_logit_softcapping: float | None = opt(None, "Gemma 2's soft-capping of the attention scores: "
+                                               "cap·tanh(score/cap) before the softmax; unset: none")
+    final_logit_softcapping: float | None = opt(None, "Gemma 2's soft-capping of the output logits: "
+                                                "cap·tanh(logit/cap) before the loss; unset: none")
     local_rotary_base: float | None = opt(None, "RoPE base of the sliding-window layers (Gemma 3: 10,000 with "
                                           "--rotary-base 1,000,000 for the global ones); default --rotary-base")
     sandwich_norm: bool = opt(False, "a norm after the attention and after the MLP, before each residual add "

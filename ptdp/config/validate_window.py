@@ -40,7 +40,7 @@ def window_layers(cfg: ModelConfig) -> list[int | None]:
 def window_errors(config: Config) -> list[str]:
     """The Gemma 3 flags against each other and against the parallelisms and packing."""
     m = config.model
-    errors = _gpt_oss_errors(config)
+    errors = _gpt_oss_errors(config) + _softcap_errors(config)
     if sum((m.swiglu, m.geglu, m.quick_geglu)) > 1:
         errors.append("--swiglu, --geglu and --quick-geglu are three MLPs; give one")
     if m.softmax_scale is not None and not m.softmax_scale > 0:
@@ -59,11 +59,32 @@ def window_errors(config: Config) -> list[str]:
         window_layers(m)
     except ValueError as e:
         errors.append(str(e))
-    if config.data.reset_attention_mask:
-        errors.append("--window-size with --reset-attention-mask is not supported yet (the document kernels "
-                      "attend to the whole document)")
+    if config.data.reset_attention_mask and config.parallel.context_parallel_size > 1:
+        errors.append("--window-size with --reset-attention-mask under --context-parallel-size > 1 is not "
+                      "supported yet (one process runs the windows inside each document)")
     if m.multi_latent_attention:
         errors.append("--window-size with --multi-latent-attention is not supported")
+    return errors
+
+
+def _softcap_errors(config: Config) -> list[str]:
+    """Gemma 2's soft-capping: the one-process attention core and the output logits compute it; the
+    context-parallel cores, multi-latent attention and the vocabulary-parallel output passes do not."""
+    m, par = config.model, config.parallel
+    errors = []
+    for flag, cap in (("--attn-logit-softcapping", m.attn_logit_softcapping),
+                      ("--final-logit-softcapping", m.final_logit_softcapping)):
+        if cap is not None and not cap > 0:
+            errors.append(f"{flag} must be > 0, got {cap}")
+    if m.attn_logit_softcapping is not None:
+        if par.context_parallel_size > 1:
+            errors.append("--attn-logit-softcapping with --context-parallel-size > 1 is not supported yet (the "
+                          "context-parallel attention has no capped scores)")
+        if m.multi_latent_attention:
+            errors.append("--attn-logit-softcapping with --multi-latent-attention is not supported")
+    if m.final_logit_softcapping is not None and par.enable_vocab_parallel:
+        errors.append("--final-logit-softcapping with --enable-vocab-parallel is not supported yet (the "
+                      "vocabulary passes compute the softmax from uncapped logits)")
     return errors
 
 
@@ -77,9 +98,9 @@ def _gpt_oss_errors(config: Config) -> list[str]:
     if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
         errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
     if m.softmax_type != "vanilla":
-        if config.data.reset_attention_mask:
-            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask is not supported yet (the "
-                          "document kernels have no sink)")
+        if config.data.reset_attention_mask and par.context_parallel_size > 1:
+            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask under "
+                          "--context-parallel-size > 1 is not supported yet (one process runs it per document)")
         if m.multi_latent_attention:
             errors.append(f"--softmax-type {m.softmax_type} with --multi-latent-attention is not supported")
     if config.moe.moe_linear_bias:

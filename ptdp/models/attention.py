@@ -57,7 +57,7 @@ class Attention(nn.Module):
         # head); its gradient sums over the heads (the sharding rules say so: ``GPTModel.sharding_rules``)
         self.q_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
         self.k_layernorm = norm(cfg, d) if cfg.qk_layernorm else None
-        self.core_attention = CausalAttention(window)
+        self.core_attention = CausalAttention(window, cfg.attn_logit_softcapping)
         # --attention-output-gate (Qwen3-Next): each head's output times sigmoid(x·W_g), W_g [a·d, h] by heads
         self.gate = Linear(h, a * d, bias=False) if cfg.attention_output_gate else None
         self.proj = Linear(a * d, h, bias=bias, skip_bias_add=fuse_bias)

@@ -221,6 +221,20 @@ def windowed_attention_length(model: Any, attended: float | None = None) -> floa
     return sum(keys if w is None else min(w, keys) for w in windows) / len(windows)
 
 
+def window_layer_costs(model: Any) -> list[float] | None:
+    """Per layer, its forward FLOPs over a whole-context layer's (1.0 for a global layer, below it for a
+    sliding one: min(w, s) keys per query in the attention term), so that ``ptdp simulate`` prices a windowed
+    stage by its windows; None when no layer slides. ``model``: a ``ModelConfig`` (its ``ffn_size``)."""
+    if not getattr(model, "window_size", None):
+        return None
+    from ptdp.config.validate_window import window_layers
+
+    h, s, arch = model.hidden_size, model.seq_length, architecture(model)
+    full = layer_forward_flops(h, s, s, model.ffn_size, **arch)
+    return [1.0 if w is None else layer_forward_flops(h, s, s, model.ffn_size, attention_length=min(w, s),
+                                                      **arch) / full for w in window_layers(model)]
+
+
 def mtp_layers(model: ModelShape) -> int:
     """The multi-token prediction modules D of a ``ModelConfig`` or ``GPTSpec`` (0: none)."""
     return model.mtp_num_layers or 0

@@ -22,7 +22,7 @@ from torch import nn
 
 from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.models.sinks import sink_attention
-from ptdp.models.window import local_window_attention
+from ptdp.models.window import document_window_attention, local_window_attention
 from ptdp.ops.fused import FusedOps
 from ptdp.ops.norms import LayerNorm, RMSNorm
 from ptdp.ops.weight_grad import linear
@@ -112,6 +112,12 @@ def mask_padding_(logits: torch.Tensor, vocab_size: int, first_id: int = 0) -> t
     return _MaskPadding.apply(logits, max(vocab_size - first_id, 0))
 
 
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``--final-logit-softcapping``: cap·tanh(logit/cap), elementwise (so a vocabulary shard caps its own
+    columns before the vocabulary-parallel softmax); the -inf of the padding columns stays -inf."""
+    return torch.where(torch.isinf(logits), logits, cap * torch.tanh(logits / cap))
+
+
 class Logits(nn.Module):
     """Logits over the padded vocabulary (an aligned GEMM: N = 50304, not 50257), padding masked in place.
 
@@ -151,12 +157,14 @@ class CausalAttention(nn.Module):
     (``--reset-attention-mask``) each token attends only inside its document, through the kernel chosen at
     start-up (``ptdp.ops.document_attention``). Context parallelism swaps in its ring/all-to-all/all-gather
     version of the same function. ``window`` (``--window-size``): a sliding window, computed in tiles of the
-    keys each query can see (``ptdp.models.window``: O(s·w), the keys :func:`window_mask` allows); the
-    configuration refuses it with document masks (``ptdp.config.validate_window``)."""
+    keys each query can see (``ptdp.models.window``: O(s·w), the keys :func:`window_mask` allows); with
+    document masks the window (or the sinks) runs inside each document
+    (``ptdp.models.window.document_window_attention``)."""
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.window = window
+        self.softcap = softcap  # --attn-logit-softcapping: explicit scores (the tiles), never SDPA
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                 documents: DocumentLayout | None = None, scale: float | None = None,
@@ -164,12 +172,15 @@ class CausalAttention(nn.Module):
         """``scale``: the softmax scale when it is not 1/√d (multi-latent attention's YaRN temperature,
         ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
         ``ptdp.models.sinks``)."""
+        capped = self.softcap is not None
         if masks_attention(documents):
-            if self.window is not None or sinks is not None:
-                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
+            if self.window is not None or sinks is not None or capped:  # the windows (sinks) inside each document
+                return document_window_attention(q, k, v, self.window, documents.bounds, scale=scale, sinks=sinks,
+                                                 dropout_p=dropout_p, softcap=self.softcap)
             return documents.attend(q, k, v, dropout_p, scale)
-        if self.window is not None and self.window < q.shape[-2]:  # O(s·w) tiles, not an s x s mask
-            return local_window_attention(q, k, v, self.window, scale=scale, sinks=sinks, dropout_p=dropout_p)
+        if (self.window is not None and self.window < q.shape[-2]) or capped:  # O(s·w) tiles, not an s x s mask
+            return local_window_attention(q, k, v, min(self.window or q.shape[-2], q.shape[-2]), scale=scale,
+                                          sinks=sinks, dropout_p=dropout_p, softcap=self.softcap)
         if sinks is not None:
             return sink_attention(q, k, v, sinks, None, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)

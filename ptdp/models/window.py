@@ -11,17 +11,20 @@ context parallelism's windowed layers (``ptdp.parallel.context.window``) both ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, q_start: int = 0,
                            k_start: int = 0, scale: float | None = None, sinks: torch.Tensor | None = None,
-                           dropout_p: float = 0.0) -> torch.Tensor:
+                           dropout_p: float = 0.0, softcap: float | None = None) -> torch.Tensor:
     """``q [b, h, Lq, d]``, ``k``/``v [b, h, Lk, d]`` (k, v repeated to the query heads) at positions
     ``q_start + i`` and ``k_start + j``; every query must see at least itself among the keys (``k_start <=
     q_start`` and the keys reaching up to the last query). ``sinks [h]``: one more logit per head
-    (``ptdp.models.sinks``). Returns ``[b, h, Lq, d_v]``."""
+    (``ptdp.models.sinks``); ``softcap``: scores become cap·tanh(score/cap) before the mask and softmax
+    (``--attn-logit-softcapping``). Returns ``[b, h, Lq, d_v]``."""
     b, h, lq, d = q.shape
     lk = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -37,6 +40,8 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     vw = vp[:, :, start:start + (tiles - 1) * tile + span].unfold(2, span, tile).transpose(-1, -2)
     qt = F.pad(q, (0, 0, 0, tiles * tile - lq)).view(b, h, tiles, tile, d)
     scores = torch.matmul(qt, kw.transpose(-1, -2)) * scale  # [b, h, tiles, T, T + w - 1]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     a = torch.arange(tile, device=q.device)[:, None]
     e = torch.arange(span, device=q.device)[None, :]
     in_window = (e >= a) & (e <= a + window - 1)
@@ -52,3 +57,25 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
         probs = F.dropout(probs, dropout_p)
     out = torch.matmul(probs.to(vw.dtype), vw)  # [b, h, tiles, T, d_v]
     return out.reshape(b, h, tiles * tile, -1)[:, :, :lq]
+
+
+@torch.compiler.disable  # --compile: the loop runs over host boundaries, as the document kernels' do
+def document_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                              bounds: Sequence[Sequence[int]], *, scale: float | None = None,
+                              sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                              softcap: float | None = None) -> torch.Tensor:
+    """Packed documents (``--reset-attention-mask``) with a sliding ``window`` or attention sinks: the window
+    mask intersected with the document mask. A document is a contiguous run of tokens and no key outside it
+    is seen, so each document of each sample runs :func:`local_window_attention` alone (``window`` None: the
+    whole document, i.e. causal inside it, which the sinks' softmax needs too). ``bounds``: per sample its
+    ``cu_seqlens (0, ..., s)``. Same shapes as :func:`local_window_attention`."""
+    rows = []
+    for i, cu in enumerate(bounds):
+        parts = []
+        for a, e in zip(cu[:-1], cu[1:]):
+            if e > a:
+                w = e - a if window is None else min(window, e - a)
+                parts.append(local_window_attention(q[i:i + 1, :, a:e], k[i:i + 1, :, a:e], v[i:i + 1, :, a:e], w,
+                                                    scale=scale, sinks=sinks, dropout_p=dropout_p, softcap=softcap))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)

@@ -159,11 +159,13 @@ def layout_string(stages: Sequence[Stage], mtp: int = 0) -> str:
 
 
 def stage_work(stages: Sequence[Stage], p: int, embedding_cost: float = 0.0, output_cost: float = 0.0,
-               vocab_parallel: bool = False) -> list[float]:
-    """Work of each virtual stage in units of one transformer layer: its layers, plus the embedding (output
-    layer with the loss) at ``embedding_cost`` (``output_cost``) layers on the stage holding E (L), or with
-    vocabulary parallelism 1/p of both on every rank, spread over the rank's chunks (``ptdp simulate``)."""
-    work = [float(len(s.layers)) for s in stages]
+               vocab_parallel: bool = False, layer_cost: Sequence[float] | None = None) -> list[float]:
+    """Work of each virtual stage in units of one transformer layer: its layers (layer i costing
+    ``layer_cost[i]``, default 1: sliding-window layers cost less), plus the embedding (output layer with the
+    loss) at ``embedding_cost`` (``output_cost``) layers on the stage holding E (L), or with vocabulary
+    parallelism 1/p of both on every rank, spread over the rank's chunks (``ptdp simulate``)."""
+    work = [float(len(s.layers)) if layer_cost is None else float(sum(layer_cost[i] for i in s.layers))
+            for s in stages]
     if vocab_parallel and p > 1:
         share = (embedding_cost + output_cost) / p / (len(stages) // p)
         return [w + share for w in work]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ptdp.config import ConfigError, ModelConfig, ParallelConfig, add_field_arguments
 from ptdp.config.validate_pipeline import layout_stage_count, layout_stages, schedule_problems
+from ptdp.models.flops import window_layer_costs
 from ptdp.planner.vocab import vocab_pass_times
 from ptdp.schedule.actions import Action
 from ptdp.schedule.layout import stage_work
@@ -59,6 +60,8 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
     if args.num_layers is None:
         if args.embedding_cost or args.output_layer_cost or args.pipeline_model_parallel_layout:
             raise ValueError("--embedding-cost, --output-layer-cost and the layout flags need --num-layers")
+        if getattr(args, "window_size", None) is not None:
+            raise ValueError("--window-size needs --num-layers (each layer is priced by its window)")
         return None
     p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     try:
@@ -68,8 +71,27 @@ def stage_scales(args: argparse.Namespace) -> list[float] | None:
                                args.pipeline_schedule)
     except ConfigError as e:
         raise ValueError(str(e)) from None
-    work = stage_work(stages, p, args.embedding_cost, args.output_layer_cost, args.enable_vocab_parallel)
+    work = stage_work(stages, p, args.embedding_cost, args.output_layer_cost, args.enable_vocab_parallel,
+                      window_costs(args))
     return [w / (args.num_layers / (p * v)) for w in work]
+
+
+WINDOW_SHAPE = ("window_size", "window_attn_skip_freq", "seq_length", "hidden_size", "num_attention_heads",
+                "ffn_hidden_size")
+
+
+def window_costs(args: argparse.Namespace) -> list[float] | None:
+    """Per layer its time over a whole-context layer's under ``--window-size`` (min(w, s) keys per query,
+    ``ptdp.models.flops.window_layer_costs``; the shape flags default to ``ptdp train``'s), None without
+    windows; ValueError naming the flag for a pattern it cannot read."""
+    if getattr(args, "window_size", None) is None:
+        if getattr(args, "window_attn_skip_freq", None) is not None:
+            raise ValueError("--window-attn-skip-freq needs --window-size")
+        return None
+    if args.window_size < 1:
+        raise ValueError(f"--window-size must be >= 1, got {args.window_size}")
+    shape = {name: getattr(args, name) for name in WINDOW_SHAPE if getattr(args, name) is not None}
+    return window_layer_costs(ModelConfig(num_layers=args.num_layers, **shape))
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -91,6 +113,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_arguments(parser, ModelConfig, ("num_layers",), overrides={"num_layers": {"help": "transformer "
                         "layers: with it, each stage costs its layers (an uneven layout is drawn uneven) and "
                         "--forward-time is an even stage's"}})  # train's flag, not given unless given
+    add_field_arguments(parser, ModelConfig, WINDOW_SHAPE)  # sliding windows: a layer costs its window's FLOPs
     parser.add_argument("--embedding-cost", type=float, default=0.0, help="the input embedding's time in "
                         "transformer layers (with --num-layers; default 0)")
     parser.add_argument("--output-layer-cost", type=float, default=0.0, help="the output layer's and the loss's "

@@ -15,8 +15,12 @@ The Llama parts (the fused QKV, the [gate; up] fc1, the padded vocabulary) conve
 - ``hidden_activation`` gelu_pytorch_tanh: ``--geglu``; ``query_pre_attn_scalar``: ``--softmax-scale``;
   the √h embedding scale: ``--scale-embedding``.
 
-Refused with one line naming the field: ``attn_logit_softcapping``/``final_logit_softcapping`` not null,
-rope scaling (``rope_scaling``, a ``rope_type`` other than default: the 4B-27B checkpoints' linear factor 8),
+``final_logit_softcapping`` (Gemma 2's soft-cap of the logits, null: none): ``--final-logit-softcapping``.
+``attn_logit_softcapping`` is read and dropped: HF's Gemma 3 keeps it in its config but its attention never
+applies it (Gemma 2's does), so the imported model computes HF's logits without it; export refuses a model
+with ``--attn-logit-softcapping`` (HF's Gemma 3 would silently compute another model).
+
+Refused with one line naming the field: a soft-cap not above 0, rope scaling (``rope_scaling``, a ``rope_type`` other than default: the 4B-27B checkpoints' linear factor 8),
 ``use_bidirectional_attention``, ``attention_bias``, another ``hidden_activation``, another layer kind.
 """
 
@@ -94,9 +98,8 @@ def window_pattern(kinds: list[str]) -> str | None:
 
 def _config(hf_config: dict) -> ModelConfig:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf_config.get(key) is not None:
-            raise Gemma3ConversionError(f"--in: config.json has {key}={hf_config[key]}; ptdp's Gemma 3 has no "
-                                        "softcapping (set it to null)")
+        if hf_config.get(key) is not None and not float(hf_config[key]) > 0:
+            raise Gemma3ConversionError(f"--in: config.json has {key}={hf_config[key]}; a soft-cap must be > 0")
     for key in ("use_bidirectional_attention", "attention_bias"):
         if hf_config.get(key):
             raise Gemma3ConversionError(f"--in: config.json has {key}=true; ptdp's Gemma 3 is causal, without biases")
@@ -113,7 +116,8 @@ def _config(hf_config: dict) -> ModelConfig:
                                     f"sliding_attention or full_attention per layer ({n} layers)")
     full, local = _rope(hf_config)
     skip = ("sliding_window", "use_sliding_window", "layer_types", "rope_parameters", "rope_scaling", "rope_theta",
-            "rope_local_base_freq", "hidden_activation", "hidden_act")
+            "rope_local_base_freq", "hidden_activation", "hidden_act", "attn_logit_softcapping",
+            "final_logit_softcapping")
     cfg = llama.model_config_from_hf({**{k: v for k, v in hf_config.items() if k not in skip}, "rope_theta": full})
     sliding = SLIDING in kinds
     window = hf_config.get("sliding_window") if sliding else None
@@ -125,6 +129,7 @@ def _config(hf_config: dict) -> ModelConfig:
         softmax_scale=float(hf_config.get("query_pre_attn_scalar", 256)) ** -0.5,
         window_size=window, window_attn_skip_freq=window_pattern(kinds) if sliding else None,
         local_rotary_base=local if sliding else None,
+        final_logit_softcapping=_cap(hf_config.get("final_logit_softcapping")),
         untie_embeddings_and_output_weights=not hf_config.get("tie_word_embeddings", True))
 
 
@@ -145,6 +150,11 @@ def gemma3_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
                for ours, theirs in _LAYER.items()}}
 
 
+def _cap(value: Any) -> float | None:
+    """A soft-cap of config.json (Gemma 2's ``attn_logit_softcapping`` / ``final_logit_softcapping``)."""
+    return None if value is None else float(value)
+
+
 def read_gemma3(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
     """``ptdp import``: :func:`gemma3_recipes` evaluated whole."""
     cfg, moe = gemma3_model(hf_config)
@@ -162,6 +172,9 @@ def write_gemma3(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoECon
 
 def gemma3_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:
     """``Gemma3TextConfig`` keyword arguments that make HF compute what ptdp computes."""
+    if cfg.attn_logit_softcapping is not None:
+        raise Gemma3ConversionError("--attn-logit-softcapping: HF's Gemma 3 does not apply attention soft-capping; "
+                                    "this model cannot be exported as Gemma3ForCausalLM")
     kwargs = llama.hf_config_kwargs(_plain(cfg), bos, eos)
     for key in ("hidden_act", "mlp_bias", "rope_theta", "rope_scaling"):
         kwargs.pop(key)
@@ -170,7 +183,8 @@ def gemma3_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | 
     local = cfg.local_rotary_base or cfg.rotary_base
     return {**kwargs, "hidden_activation": "gelu_pytorch_tanh", "layer_types": kinds,
             "sliding_window": cfg.window_size, "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar))
-            < 1e-6 else scalar, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            < 1e-6 else scalar, "attn_logit_softcapping": None,
+            "final_logit_softcapping": cfg.final_logit_softcapping,
             "use_bidirectional_attention": False, "pad_token_id": None,
             "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": cfg.rotary_base},
                                 SLIDING: {"rope_type": "default", "rope_theta": local}},
