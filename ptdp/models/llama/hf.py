@@ -65,7 +65,8 @@ def gpt_oss_options(cfg: ModelConfig) -> bool:
 def gemma_options(cfg: ModelConfig) -> bool:
     """Whether ``cfg`` uses any of the blocks Gemma 3 added (no Llama, Qwen3 or DeepSeek-V3 has them)."""
     return bool(cfg.window_size or cfg.sandwich_norm or cfg.apply_layernorm_1p or cfg.scale_embedding or cfg.geglu
-                or cfg.softmax_scale is not None or cfg.local_rotary_base is not None)
+                or cfg.softmax_scale is not None or cfg.local_rotary_base is not None
+                or cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None)
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
