@@ -11,7 +11,8 @@ preprocess``) in a scratch directory, once.
 Both sides run nanoGPT's README CPU recipe: 4 layers, h = 128, 4 heads, s = 64, b = 12, no biases, dropout 0,
 AdamW (lr 1e-3, beta2 0.99, weight decay 0.1), clip 1.0, warm-up 100 and cosine decay to 1e-4 over the run,
 ``--compile=False``, a log line every iteration. ptdp's vocabulary is 66 (NullTokenizer's 65 ids + its eod id)
-against nanoGPT's 65. Evaluation: nanoGPT's ``eval_interval`` and ptdp's ``--eval-interval`` are past the
+against nanoGPT's 65. The MLP activation differs: nanoGPT's exact GeLU, ptdp's GPT-2 tanh form (the slower
+kernel on a CPU; BENCHMARKS.md). Evaluation: nanoGPT's ``eval_interval`` and ptdp's ``--eval-interval`` are past the
 run, so neither evaluates inside the timed window (nanoGPT evaluates at iteration 0, ptdp after its last).
 
 The runs alternate (nanoGPT, ptdp, nanoGPT, ptdp, ...), ``--pairs`` pairs, each side under the same
