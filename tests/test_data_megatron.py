@@ -298,6 +298,11 @@ def test_gpt2_bpe_and_null_tokenizer_flags(tmp_path):
     run_ptdp(["preprocess", "--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "n"),
               "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
     assert reference_read(str(tmp_path / "n")) == [[1, 2, 3, 1000], [7, 1000]]
+    # --vocab-size N is the tokenizer's: the model holds its N ids and the end-of-document id N (Megatron's)
+    run_ptdp(["train", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--data-path", str(tmp_path / "n"),
+              "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "4",
+              "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+              "--split", "100,0,0"])
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log():

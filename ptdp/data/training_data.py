@@ -56,8 +56,8 @@ def train_valid_test_num_samples(config: Config) -> tuple[int, int | None, int]:
 def model_vocab_size(config: Config) -> int | None:
     """The vocabulary the model gets: ``--vocab-size``, else the tokenizer's (the flags', else the one saved
     beside the first training dataset); None where that tokenizer cannot be read here (the run reports why)."""
-    if config.model.vocab_size:
-        return config.model.vocab_size
+    if config.model.vocab_size:  # Megatron's NullTokenizer: N ids and the end of document after them
+        return config.model.vocab_size + (config.data.tokenizer_type == "NullTokenizer")
     from ptdp.data.builder import _strip_suffix
     from ptdp.data.default_corpus import default_corpus_prefix
 

@@ -19,7 +19,7 @@ from ptdp.config import Config
 from ptdp.data import DataSplits
 from ptdp.data.documents import DocumentOptions
 from ptdp.data.train_stream import TrainStream
-from ptdp.data.training_data import datasets_for_config
+from ptdp.data.training_data import datasets_for_config, model_vocab_size
 from ptdp.models import GPTModel
 from ptdp.observability.timeline import Timeline
 from ptdp.ops.document_attention import select_document_attention
@@ -91,7 +91,7 @@ def setup(config: Config) -> TrainState:
     with phase("reading the data: tokenizer, indexes and sample order"):
         # Megatron's sample order, sized by train_iters, going on from --load's data state (ptdp/data/training_data.py)
         data = datasets_for_config(config, *latest_info(config.checkpoint.load))
-    vocab_size = config.model.vocab_size or data.tokenizer.vocab_size
+    vocab_size = model_vocab_size(config) if config.model.vocab_size else data.tokenizer.vocab_size
     padded = config.model.padded_vocab_size(vocab_size, plan.vocab_divisor)
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         model = build_model_chunks(plan, vocab_size, padded)
