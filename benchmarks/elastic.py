@@ -48,7 +48,7 @@ def wait(condition, timeout: float = 300) -> float:
 
 def kill(agent: subprocess.Popen) -> None:
     """SIGKILL an agent and its workers (torchrun starts each worker in a session of its own); also used
-    by tests/test_elastic.py."""
+    by tests/resilience/test_elastic.py."""
     children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
     workers = [int(pid) for pid in children.read_text().split()] if children.exists() else []
     for group in (agent.pid, *workers):

@@ -6,7 +6,7 @@ compute capability >= 8.9 and torchao) and :class:`NotBuilt` when the feature do
 The training measurements are ``benchmarks/gpu.py``'s :func:`gpu.measure` (ptdp's step against a plain PyTorch
 loop of the same model), the grouped-GEMM one ``benchmarks/moe.py``'s ``bench_experts``; what is new here is
 the single-GPU correctness checks (:func:`zero3_layer_gather`, :func:`cp_flash_attention`), which the GPU tests
-(``tests/test_gpu_features.py``) assert on as well.
+(``tests/gpu/test_gpu_features.py``) assert on as well.
 """
 
 from __future__ import annotations

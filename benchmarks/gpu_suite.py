@@ -52,9 +52,9 @@ TOTAL_S = 350  # the whole run: 6 minutes with the server start-up, so that a re
 
 def gpu_test_files() -> list[str]:
     """The test modules that hold ``gpu``-marked tests (collecting only them is seconds, not the suite's minute),
-    the never-run-on-a-GPU ones first: tests/test_gpu.py's training subprocesses are the slowest, and ran
+    the never-run-on-a-GPU ones first: tests/gpu/test_gpu.py's training subprocesses are the slowest, and ran
     before (BENCHMARKS.md), so a budget that runs out stops there."""
-    found = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text()]
+    found = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text()]
     return sorted(found, key=lambda f: (f.endswith("test_gpu.py"), not f.endswith("test_gpu_features.py"), f))
 
 

@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # every test module imports ``helpers`` (one module: one pool)
+# A few test modules reuse another area's reference (``from test_moe_parallel import MOE``): every area
+# folder is importable by module name, whichever test pytest collects first.
+sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is_dir() and any(p.glob("test_*.py"))]
 
 
 @pytest.fixture(scope="session", autouse=True)

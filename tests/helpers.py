@@ -240,7 +240,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
                  before_stage: Callable[[int, str, str], None] | None = None) -> None:
     """Each stage on the first ``world`` ranks with a fresh gloo group, through the ``train()`` that
     ``ptdp train`` runs (the other ranks wait for the next stage). ``before_stage(rank, out, name)``, a
-    picklable hook, runs on every rank before each stage (to record or to inject a fault, tests/test_data_mix.py)."""
+    picklable hook, runs on every rank before each stage (to record or to inject a fault, tests/data/test_data_mix.py)."""
     import torch.distributed as dist
 
     from ptdp.cli.main import build_parser
@@ -280,7 +280,7 @@ def _run_layouts(rank: int, world_size: int, out: str, plan: list[tuple[str, int
 
 def _forget_earlier_runs() -> None:
     """What a run in a rank of the pool could find left by an earlier run of the same process, and a fresh
-    ``ptdp train`` process would not: ptdp's per-process caches and records (tests/test_pool_state.py lists
+    ``ptdp train`` process would not: ptdp's per-process caches and records (tests/codebase/test_pool_state.py lists
     every module-level one of ptdp and says why the others are safe). The RNGs are seeded by ``train()``."""
     from ptdp.checkpointing import storage
     from ptdp.data import mix_state

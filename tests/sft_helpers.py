@@ -1,4 +1,4 @@
-"""A tiny Hugging Face chat tokenizer and a few conversations for the SFT tests (tests/test_sft_data.py)."""
+"""A tiny Hugging Face chat tokenizer and a few conversations for the SFT tests (tests/finetune/test_sft_data.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Plain models: GPT-2 and the Llama family, one process, no parallelism (``docs/architecture.md``).
 
 Nothing here imports torch's distributed package or ptdp's parallelism modules (an import-linter
-contract in ``pyproject.toml``, and tests/test_architecture.py); ``ptdp.parallel.parallelize`` transforms these
+contract in ``pyproject.toml``, and tests/codebase/test_architecture.py); ``ptdp.parallel.parallelize`` transforms these
 modules from outside.
 
 The names below are imported on first use (PEP 562), so ``ptdp.models.flops`` (pure arithmetic, read by

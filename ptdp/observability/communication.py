@@ -4,7 +4,7 @@ makes goes through a function here, which records it in the flight recorder just
 A hang inside a call made here is therefore visible: the hang watchdog's report names the last recorded
 operation (kind, group, peer, shapes, ``action``: what the call is for), the communication counter moved
 when it was issued, and a main thread blocked in this module counts as waiting in communication
-(``ptdp.observability.liveness``). ``tests/test_architecture.py`` fails on a ``torch.distributed``
+(``ptdp.observability.liveness``). ``tests/codebase/test_architecture.py`` fails on a ``torch.distributed``
 collective or point-to-point call anywhere else in ptdp (process-group management -- ``new_group``,
 ``get_rank``, ``get_world_size``, ``init_process_group`` ... -- is not communication and stays direct).
 

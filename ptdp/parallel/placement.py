@@ -14,7 +14,7 @@ boxes with :meth:`Placement.offset`); clipping asks :meth:`Placement.counts_in_n
 buffers keep vocabulary slices and sequence-parallel parameters apart; the optimizers group by
 ``weight_decay``; the partial-gradient sync sums the ones ``partial_over`` the TP group. Nothing parallel is set
 on ``nn.Parameter`` any more: its ``__dict__`` holds only ``main_grad`` (Megatron's convention), and
-``tests/test_architecture.py`` checks it.
+``tests/codebase/test_architecture.py`` checks it.
 
 Why a registry of plain records rather than the alternatives:
 

@@ -5,7 +5,7 @@
   state, the forward of one microbatch on one chunk overlapped with the full backward of another on the
   other chunk (an ``OVERLAP`` action, "FB"), with the zero-bubble split (I then W) where the pipeline
   fills and drains. The order is torch.distributed.pipelining's ``ScheduleDualPipeV`` (the same actions per
-  rank in the same order; tests/test_dualpipe_schedule.py checks it), in ptdp's actions. Needs m >= 2p.
+  rank in the same order; tests/pipeline/test_dualpipe_schedule.py checks it), in ptdp's actions. Needs m >= 2p.
 * :func:`combined` -- Megatron-Core's ``--overlap-moe-expert-parallel-comm`` ("combined 1F1B"): the steady
   state of 1F1B or interleaved 1F1B with each (forward, backward) pair fused into one ``OVERLAP`` action.
   The last stage's pairs are one microbatch's forward and backward (not independent), so combined 1F1B

@@ -312,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
     receive. By induction on n: once every rank's exchange n-1 has completed, every rank's exchange n can
     start (the compute stream before it only waits on exchanges < n), every one of its sends finds its
     receive posted in the neighbour's exchange n and every receive its send, so all complete - even if a
-    send waits for its receive. ``tests/test_context_parallel_attention.py`` records the real calls and
+    send waits for its receive. ``tests/parallel/test_context_parallel_attention.py`` records the real calls and
     plays them through ``ptdp.simulate.nccl.model.check_trace``.
     """
 

@@ -33,7 +33,7 @@ program order on every rank, and the backward of a chain of layers is sequential
 gradient exists only after layer i's backward), so the hooks fire in the same order everywhere. A bucket
 is gathered at the first hook that needs it while it is not whole, which depends on that same sequence
 only. The decisions read nothing but the layer index, the grad mode and whether autograd is running a
-backward -- all rank-independent. ``tests/test_zero_layers.py`` records every rank's gathers, with
+backward -- all rank-independent. ``tests/zero/test_zero_layers.py`` records every rank's gathers, with
 different data per rank and every recomputation setting, and checks they are identical (the per-chunk
 gathers are modelled in ``ptdp.simulate.nccl.zero``; these are not in the action list, hence the check).
 """

@@ -16,7 +16,7 @@ and the residual. A block that is a program itself (a MoE layer: route, dispatch
 its own pieces between its norm and its residual.
 
 The pieces compute what the layer's ``forward`` computes, op for op, so the overlapped schedules train as
-the others do (tests/test_dualpipe_tensor.py compares the two piece by piece).
+the others do (tests/pipeline/test_dualpipe_tensor.py compares the two piece by piece).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ on the schedule's lists, p2p peers mapped to global ranks) followed by these col
 communicator of its process group, each waited for at once (the host blocks on them). ``check_trace`` plays
 it. Every member of a group issues the group's collectives in the same order because the sequence is a
 function of the layout alone -- each exchange is issued whether or not this rank has anything to send
-(tests/test_muon.py checks the real ``Exchange`` issues exactly :func:`step_collectives`' sequence).
+(tests/optim/test_muon.py checks the real ``Exchange`` issues exactly :func:`step_collectives`' sequence).
 """
 
 from __future__ import annotations

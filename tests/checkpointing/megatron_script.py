@@ -1,0 +1,161 @@
+"""Megatron-Core on the CPU (gloo) for tests/checkpointing/test_megatron_checkpoint.py, run under torchrun.
+
+``save KIND DIR``: build a tiny Megatron-Core GPTModel (KIND ``gpt``: learned positions, LayerNorm, biased
+tanh GeLU, tied embedding; ``llama``: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied) at the world's
+(t, p), save it as Megatron-LM does (``DIR/iter_0000010`` in torch_dist with the run's args in
+``common.pt``, ``DIR/latest_checkpointed_iteration.txt``) and write its logits on fixed tokens to
+``DIR/logits.pt``. ``load KIND DIR OUT``: build the same model, load ``DIR``'s save with Megatron-Core's
+``dist_checkpointing.load`` and write its logits to ``OUT``.
+
+Stand-ins, for a CPU-only torch without triton: the few megatron modules that import triton at module level
+(none on the GPT path in megatron-core 0.16; stubbed if they are reached) and the CUDA calls of the
+checkpoint writer (``torch.cuda.synchronize``, ``current_device``), the tied embedding's ``.cuda()``, the
+RNG tracker's fork and the router's Transformer Engine GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+
+TOKENS = torch.tensor([[3, 17, 42, 99, 5, 64, 127, 0, 8, 31, 77, 2, 90, 11, 50, 6],
+                       [120, 1, 9, 33, 71, 14, 58, 101, 23, 44, 87, 4, 66, 19, 112, 7]])
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 4, 32, 4, 128, 16
+TRITON_MODULES = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",
+                  "megatron.core.inference.contexts.fused_kv_append_kernel",
+                  "megatron.core.inference.contexts.attention_context.triton.tensor_ops")
+
+
+def stand_ins() -> None:
+    if importlib.util.find_spec("triton") is None:
+        for name in TRITON_MODULES:  # the modules, not triton itself (torch would believe triton exists)
+            sys.modules.setdefault(name, types.ModuleType(name))
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+        torch.Tensor.cuda = lambda self, *a, **k: self  # the tied embedding's first all-reduce moves it
+
+
+def run_args(kind: str, t: int, p: int) -> argparse.Namespace:
+    """The args pretrain_gpt.py would have saved for this model (Megatron-LM's names)."""
+    common = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+                  max_position_embeddings=SEQ, padded_vocab_size=VOCAB, norm_epsilon=1e-5, kv_channels=HIDDEN // HEADS,
+                  tensor_model_parallel_size=t, pipeline_model_parallel_size=p, global_batch_size=8,
+                  micro_batch_size=2, train_iters=20, seed=1234, iteration=10, consumed_train_samples=80,
+                  hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128,
+                  rotary_percent=1.0, rotary_base=10000, squared_relu=False, apply_layernorm_1p=False)
+    if kind == "gpt":
+        return argparse.Namespace(**common, ffn_hidden_size=64, normalization="LayerNorm", swiglu=False,
+                                  position_embedding_type="learned_absolute", add_bias_linear=True,
+                                  bias_gelu_fusion=True, openai_gelu=False, group_query_attention=False,
+                                  num_query_groups=None, untie_embeddings_and_output_weights=False)
+    llama = dict(common, ffn_hidden_size=48, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                 add_bias_linear=False, group_query_attention=True, num_query_groups=2,
+                 untie_embeddings_and_output_weights=True)
+    if kind == "moe":  # Llama-style with 4 SwiGLU experts, top-2
+        llama.update(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_grouped_gemm=False,
+                     moe_router_load_balancing_type="none")
+    return argparse.Namespace(**llama)
+
+
+def build(kind: str, t: int, p: int):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    a = run_args(kind, t, p)
+    common = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=a.ffn_hidden_size,
+                  tensor_model_parallel_size=t, pipeline_model_parallel_size=p, use_cpu_initialization=True,
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+                  init_method_std=0.2)
+    if kind == "gpt":
+        cfg = TransformerConfig(**common, bias_activation_fusion=True)
+        spec = get_gpt_layer_local_spec()
+    else:
+        moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_token_dispatcher_type="allgather",
+                   moe_router_load_balancing_type="none") if kind == "moe" else {}
+        cfg = TransformerConfig(**common, num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
+                                activation_func=F.silu, add_bias_linear=False, **moe)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=moe.get("num_moe_experts"))
+    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(), parallel_output=False,
+                    position_embedding_type=a.position_embedding_type,
+                    share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights)
+
+
+def logits(model, p: int):
+    """The full logits on TOKENS (last stage; None elsewhere), the hidden states passed stage to stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    s = TOKENS.shape[1]
+    positions = torch.arange(s).expand_as(TOKENS)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    rank, stage = dist.get_rank(), ps.get_pipeline_model_parallel_rank()
+    step = dist.get_world_size() // p
+    model.eval()  # (MoE with t > 1 refuses to train without sequence parallelism; nothing here trains)
+    with torch.no_grad():
+        if stage > 0:
+            hidden = torch.empty(s, TOKENS.shape[0], HIDDEN)
+            dist.recv(hidden, rank - step)
+            model.set_input_tensor(hidden)
+        out = model(TOKENS, positions, mask)
+        if stage < p - 1:
+            dist.send(out.contiguous(), rank + step)
+            return None
+    return out
+
+
+def main() -> None:
+    stand_ins()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as tp_random
+
+    mode, kind, directory = sys.argv[1], sys.argv[2], sys.argv[3]
+    t, p = int(os.environ.get("MEGATRON_T", "2")), int(os.environ.get("MEGATRON_P", "2"))
+    ps.initialize_model_parallel(t, p)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM names it without Transformer Engine
+        moe_utils.te_general_gemm = None
+    tracker = tp_random.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: the CUDA RNG streams are never drawn
+    # replicated weights equal over t (as Megatron seeds them); a load starts from other weights than the save's
+    torch.manual_seed((7 if mode == "save" else 99) + 10 * ps.get_pipeline_model_parallel_rank())
+    model = build(kind, t, p)
+    if mode == "save":
+        save = os.path.join(directory, "iter_0000010")
+        os.makedirs(save, exist_ok=True)
+        state = {"model": model.sharded_state_dict(), "args": run_args(kind, t, p), "iteration": 10,
+                 "checkpoint_version": 3.0}
+        dist_checkpointing.save(state, save)
+        if dist.get_rank() == 0:
+            with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("10")
+        out = os.path.join(directory, "logits.pt")
+    else:
+        torch.serialization.add_safe_globals([argparse.Namespace])
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(directory, "release"))
+        model.load_state_dict(loaded["model"])
+        out = sys.argv[4]
+    result = logits(model, p)
+    if result is not None and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the checkpoint writer starts a multiprocessing manager: spawned children re-import
+    main()

@@ -1,0 +1,262 @@
+"""Megatron-LM checkpoints: ``ptdp import --format megatron`` and ``ptdp export --format megatron``.
+
+With megatron-core installed (CI installs it; ``pip install --no-deps megatron-core``), tiny Megatron-Core
+GPT models (GPT-2 style, Llama style, and Llama style with 4 SwiGLU experts, top-2) are built and saved at (t, p) = (2, 2) by tests/checkpointing/megatron_script.py
+under torchrun with gloo; ptdp imports them in one process and must give Megatron's logits, and ptdp's
+export must load back into Megatron-Core at another layout and give ptdp's logits. Without megatron-core
+those tests are skipped; the rest (the formats, round trips, the refusals) use files written here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same_run, run_command, run_layouts, run_ptdp, worker_env
+
+from ptdp.checkpointing import read_full_model_state, write_full_model_state
+from ptdp.hf.convert import full_model_from_state
+from ptdp.megatron.args import MegatronError
+from ptdp.megatron.command import continue_flags, import_megatron
+from ptdp.megatron.read import read_checkpoint
+from ptdp.megatron.write import export_megatron
+
+SCRIPT = Path(__file__).resolve().parent / "megatron_script.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from megatron_script import TOKENS, VOCAB, run_args  # noqa: E402
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                    or importlib.util.find_spec("megatron.core") is None,
+                                    reason="megatron-core is not installed (pip install --no-deps megatron-core)")
+
+
+def _torchrun(nproc: int, t: int, p: int, *args: str) -> None:
+    env = {**worker_env(), "MEGATRON_T": str(t), "MEGATRON_P": str(p)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(SCRIPT), *args]
+    proc = run_command(command, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _ptdp_logits(save: Path) -> torch.Tensor:
+    tensors, config = read_full_model_state(save)
+    with torch.no_grad():
+        return full_model_from_state(tensors, config)(TOKENS)[..., :VOCAB]
+
+
+@needs_megatron
+@pytest.mark.parametrize("kind, back", [("gpt", (2, 1)), ("llama", (1, 2)), ("moe", (2, 1))])
+def test_megatron_save_imports_to_its_logits_and_exports_back(tmp_path, kind, back):
+    megatron = tmp_path / "megatron"
+    _torchrun(4, 2, 2, "save", kind, str(megatron))  # Megatron-Core at (t, p) = (2, 2)
+    expected = torch.load(megatron / "logits.pt")
+    result = run_ptdp(["import", "--format", "megatron", "--in", str(megatron), "--save", str(tmp_path / "ptdp")])
+    assert "iteration 10, 80 samples consumed" in result.stdout
+    assert "--global-batch-size 8" in result.stdout and "--train-iters 20" in result.stdout
+    ours = _ptdp_logits(tmp_path / "ptdp")  # one process: another layout than Megatron's
+    torch.testing.assert_close(ours, expected, rtol=0, atol=2e-5)
+
+    run_ptdp(["export", "--format", "megatron", "--load", str(tmp_path / "ptdp"), "--out", str(tmp_path / "back")])
+    t, p = back  # Megatron-Core loads the export at yet another layout, from other initial weights
+    _torchrun(t * p, t, p, "load", kind, str(tmp_path / "back"), str(tmp_path / "back.pt"))
+    torch.testing.assert_close(torch.load(tmp_path / "back.pt"), ours, rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------------------- without megatron-core
+
+def _ptdp_model(tmp_path: Path, kind: str) -> Path:
+    """A random ptdp checkpoint of the Megatron test model's shape (its args mapped by ptdp itself)."""
+    from ptdp.megatron.args import model_from_args
+
+    if (tmp_path / f"{kind}-ptdp").exists():
+        return tmp_path / f"{kind}-ptdp"
+
+    cfg, moe = model_from_args(vars(run_args(kind, 1, 1)))
+    from dataclasses import asdict
+
+    from ptdp.models import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(cfg, VOCAB, VOCAB, moe)
+    tensors = {k: torch.randn_like(v) * 0.2 for k, v in model.state_dict().items()}
+    return write_full_model_state(tmp_path / f"{kind}-ptdp", tensors, {"model": asdict(cfg), "moe": asdict(moe)}).parent
+
+
+def _megatron_save(tmp_path: Path, kind: str, iteration: int = 10) -> Path:
+    """A torch_dist save (ptdp's export) with the args and iteration a Megatron-LM run records."""
+    out = tmp_path / f"{kind}-megatron"
+    release = export_megatron(_ptdp_model(tmp_path, kind), out)
+    save = out / f"iter_{iteration:07d}"
+    release.rename(save)
+    common = torch.load(save / "common.pt", weights_only=False)
+    common.update(args=run_args(kind, 2, 2), iteration=iteration)
+    torch.save(common, save / "common.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "moe"])
+def test_export_then_import_is_exact_and_keeps_the_run_position(tmp_path, kind):
+    source = _ptdp_model(tmp_path, kind)
+    imported = import_megatron(_megatron_save(tmp_path, kind), tmp_path / "again")
+    assert (imported.iteration, imported.consumed_samples) == (10, 80)
+    before, _ = read_full_model_state(source)
+    after, config = read_full_model_state(tmp_path / "again")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    info = json.loads((imported.path / "ptdp.json").read_text())
+    assert (info["iteration"], info["consumed_samples"]) == (10, 80)
+    assert config["training"]["global_batch_size"] == 8
+
+
+def test_imported_run_continues_from_megatrons_next_sample_in_any_layout(tmp_path):
+    """The printed flags continue the run: iteration 11 reads samples 80..87 (consumed 88 after it), and the
+    imported model trains the same at (t, p) = (2, 2) as in one process."""
+    imported = import_megatron(_megatron_save(tmp_path, "llama"), tmp_path / "imported")
+    flags = continue_flags(imported).split() + ["--load", str(imported.path.parent), "--train-iters", "12",
+                                                "--log-interval", "1", "--lr", "1e-3"]
+    assert flags[flags.index("--global-batch-size") + 1] == "8"
+    runs = run_layouts(tmp_path / "runs", {"one": (1, []), "t2p2": (4, ["--tensor-model-parallel-size", "2",
+                                                                         "--pipeline-model-parallel-size", "2"])},
+                       base=flags, save=False)  # the later --train-iters 12 overrides the printed 20
+    assert [(r["iteration"], r["consumed_samples"]) for r in runs["one"].records] == [(11, 88), (12, 96)]
+    assert_same_run(runs["t2p2"], runs["one"])
+
+
+def _split_legacy(save: Path, t: int, p: int) -> None:
+    """Rewrite a torch_dist save as Megatron-LM's older torch format: per (t, p) rank its slice of each
+    parameter (column-parallel rows, row-parallel columns, SwiGLU's gate and up halves each), stage-local
+    layer numbers, local-layer norm names."""
+    ckpt = read_checkpoint(save)
+    args = ckpt.args | {"tensor_model_parallel_size": t, "pipeline_model_parallel_size": p}
+    per_stage = args["num_layers"] // p
+    directory = save / "iter_0000010"
+    shutil.rmtree(directory)
+    local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+    for pp in range(p):
+        for tp in range(t):
+            model = {}
+            for name, value in ckpt.tensors.items():
+                if name.startswith("decoder.layers."):
+                    i, rest = name.removeprefix("decoder.layers.").split(".", 1)
+                    if int(i) // per_stage != pp:
+                        continue
+                    name = f"decoder.layers.{int(i) - pp * per_stage}.{local.get(rest, rest)}"
+                    model[name.replace("weight", "_extra_state").rsplit(".", 1)[0] + "._extra_state"] = None
+                elif (name.startswith("embedding") and pp != 0) or (not name.startswith("embedding") and pp != p - 1):
+                    continue
+                if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                    value = value.chunk(t, dim=1)[tp]
+                elif name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and args["swiglu"]:
+                    gate, up = value.chunk(2, dim=0)
+                    value = torch.cat([gate.chunk(t)[tp], up.chunk(t)[tp]])
+                elif name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+                                    "word_embeddings.weight", "output_layer.weight")):
+                    value = value.chunk(t, dim=0)[tp]
+                model[name] = value.clone()
+            rank_dir = directory / (f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if p > 1 else ""))
+            rank_dir.mkdir(parents=True)
+            torch.save({"model": model, "args": argparse.Namespace(**args), "iteration": 10,
+                        "checkpoint_version": 3.0}, rank_dir / "model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "moe"])
+def test_torch_format_joins_the_ranks_slices(tmp_path, kind):
+    save = _megatron_save(tmp_path, kind)
+    expected = import_megatron(save, tmp_path / "from-dist")
+    _split_legacy(save, t=2, p=2)
+    assert read_checkpoint(save).format == "torch"
+    got = import_megatron(save, tmp_path / "from-torch")
+    assert (got.iteration, got.consumed_samples) == (10, 80)
+    a, _ = read_full_model_state(expected.path.parent)
+    b, _ = read_full_model_state(got.path.parent)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _edit_args(save: Path, **changes) -> None:
+    path = save / "iter_0000010" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["args"] = argparse.Namespace(**(vars(common["args"]) | changes))
+    torch.save(common, path)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"squared_relu": True}, "squared_relu"),
+    ({"normalization": "LayerNorm1P"}, "normalization"),
+    ({"position_embedding_type": "yarn"}, "position_embedding_type"),
+    ({"bias_gelu_fusion": False}, "bias_gelu_fusion"),
+    ({"rotary_interleaved": True}, "rotary_interleaved"),
+    ({"consumed_train_samples": 72}, "rampup_batch_size"),
+])
+def test_what_ptdp_cannot_compute_is_refused_by_name(tmp_path, change, named):
+    save = _megatron_save(tmp_path, "gpt")
+    _edit_args(save, **change)
+    with pytest.raises(MegatronError, match=named):
+        import_megatron(save, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _refused_in_one_line(save: Path, out: Path, text: str) -> None:
+    result = run_ptdp(["import", "--format", "megatron", "--in", str(save), "--save", str(out)], check=False)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ptdp import: error: --in") and text in lines[0], result.stderr
+    assert not out.exists()  # nothing written
+
+
+def test_partial_and_corrupt_saves_are_refused_in_one_line(tmp_path):
+    save = _megatron_save(tmp_path, "llama")
+    iteration = save / "iter_0000010"
+    distcp = next(iteration.glob("*.distcp"))
+    data = distcp.read_bytes()
+    distcp.write_bytes(data[: len(data) // 2])
+    _refused_in_one_line(save, tmp_path / "out", "a .distcp file is missing or corrupt")
+    for broken, named in [(lambda: (save / "latest_checkpointed_iteration.txt").write_text("12"),
+                           "names iter_0000012, which is missing"),
+                          (lambda: (save / "latest_checkpointed_iteration.txt").write_text("10") and distcp.unlink(),
+                           "a .distcp file is missing or corrupt"),
+                          (lambda: (iteration / "common.pt").unlink(), "common.pt is missing"),
+                          (lambda: (iteration / "metadata.json").write_text("{"), "not valid JSON")]:
+        broken()
+        with pytest.raises(MegatronError, match=named):
+            import_megatron(save, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+
+
+def test_optimizer_state_needs_no_load_optim(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    save = _megatron_save(tmp_path, "gpt")
+    iteration = save / "iter_0000010"
+    saved = dcp.FileSystemReader(iteration).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=iteration, no_dist=True)
+    for path in [*iteration.glob("*.distcp"), iteration / ".metadata"]:
+        path.unlink()
+    tensors["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(VOCAB, 32)
+    dcp.save(tensors, checkpoint_id=iteration, no_dist=True)  # as a save with the distributed optimizer's state
+    with pytest.raises(MegatronError, match="--no-load-optim"):
+        import_megatron(save, tmp_path / "out")
+    assert import_megatron(save, tmp_path / "out", no_load_optim=True).iteration == 10
+
+
+def test_export_needs_a_fresh_directory(tmp_path):
+    model = _ptdp_model(tmp_path, "gpt")
+    export_megatron(model, tmp_path / "m")
+    result = run_ptdp(["export", "--format", "megatron", "--load", str(model), "--out", str(tmp_path / "m")],
+                      check=False)
+    assert result.returncode == 2 and "already holds a Megatron-LM save" in result.stderr
+    assert sorted(os.listdir(tmp_path / "m")) == ["latest_checkpointed_iteration.txt", "release"]
