@@ -26,11 +26,7 @@ def read_records(trainer: TrainState, records: list[dict]) -> list[dict]:
     record since the last call, so ``--log-interval N`` means one sync per N iterations.
     """
     scalars = [r[k] for r in records for k in ("loss", "grad_norm")]
-    if all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in scalars):
-        # no sync to batch on the CPU: one ``item`` each (the same float as the float64 ``tolist``) instead of
-        # reshape, cast, stack and tolist, which were a quarter of a logged iteration's loop time here
-        values = [v.item() for v in scalars]
-    elif all(isinstance(v, torch.Tensor) for v in scalars):
+    if all(isinstance(v, torch.Tensor) for v in scalars):
         values = torch.stack([v.reshape(()).to(torch.float64) for v in scalars]).tolist()
     else:
         values = [float(v) for v in scalars]

@@ -186,7 +186,6 @@ def test_expert_bias_counts_each_training_forward_once():
     ({"moe": {"moe_router_pre_softmax": True, "moe_router_enable_expert_bias": False}}, "--moe-router-pre-softmax"),
     ({"model": {"qk_pos_emb_head_dim": 3}}, "--qk-pos-emb-head-dim"),
     ({"model": {"group_query_attention": True, "num_query_groups": 2}}, "--multi-latent-attention"),
-    ({"model": {"multi_latent_attention": False, "mtp_num_layers": 0, "rope_type": "yarn"}}, "--rope-type yarn"),
     ({"model": {"mtp_num_layers": 16}}, "--mtp-num-layers"),
     ({"parallel": {"context_parallel_size": 2, "pipeline_model_parallel_size": 2, "enable_vocab_parallel": True}},
      "--context-parallel-size 2 is not supported"),

@@ -35,7 +35,7 @@ def _recorded(rank: int, world: int) -> None:
         assert tp_max(torch.tensor([float(rank)]), group).tolist() == [1.0]
         # hybrid sharding: each reduced shard all-reduced over the replicas (the inner reducer stubbed)
         shard = torch.full((4,), float(rank + 1))
-        inner = SimpleNamespace(buckets=[SimpleNamespace(shard=shard, param_shard=None)], params=[],
+        inner = SimpleNamespace(buckets=[SimpleNamespace(shard=shard, param_shard=None)], frozen_buckets=[], params=[],
                                 finish_grad_sync=lambda: None)
         Hybrid(inner, group).finish_grad_sync()
         assert shard.tolist() == [3.0] * 4
