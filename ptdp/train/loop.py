@@ -1,6 +1,6 @@
-"""The training loop: the PTD-P algorithm, one iteration at a time (``step.train_step``), with logging,
-evaluation, checkpoints (``CheckpointManager``) and the run's lifecycle (``RunController``: signals, the
-NaN guard, the hang watchdog) around it."""
+"""The training loop: the PTD-P algorithm, one iteration at a time (a ``ptdp.train.steppers.Stepper``: by
+default ``step.train_step``), with logging, evaluation, checkpoints (``CheckpointManager``) and the run's
+lifecycle (``RunController``: signals, the NaN guard, the hang watchdog) around it."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ptdp.train.report import (
     validation_record,
 )
 from ptdp.train.state import setup
-from ptdp.train.step import train_step
+from ptdp.train.steppers import build_stepper
 from ptdp.train.throughput import IterationFlops
 
 
@@ -108,20 +108,17 @@ def train(config: Config) -> list[dict]:
         pending.clear()
         return trainer.metrics[-1]
 
-    # --fault-tolerant-replicas: each iteration after its quorum (a restarted group starts where its peers are)
-    steps = _replica_steps(trainer, resumed)
-    iterations = steps.iterations(tr.train_iters) if steps else range(first_iteration, tr.train_iters + 1)
-    step = steps.step if steps else train_step
+    stepper = build_stepper(trainer)  # which iterations, and how each is trained (ptdp.train.steppers)
     iteration = None
     # the records since the last progress line: its "lm loss" is their mean (Megatron-LM's)
     printed, skipped = len(trainer.metrics), trainer.optimizer.skipped_iterations
     try:
-        for iteration in iterations:
+        for iteration in stepper.iterations(first_iteration, tr.train_iters):
             controller.before_iteration(iteration)
             observer.begin_iteration(iteration)
             t0 = clock.mark()
-            record = step(trainer, iteration)
-            if record is None:  # the replicas' quorum did not commit it: redone after the next quorum
+            record = stepper.step(trainer, iteration)
+            if record is None:  # not taken: the stepper yields it again
                 continue
             # checkpoint_stall_s: the loop's stall for the save after the previous iteration (None: no save)
             pending.append((t0, clock.mark(), {"iteration": iteration, **record,
@@ -162,8 +159,7 @@ def train(config: Config) -> list[dict]:
         controller.failed()  # a peer's hang report closed this rank's connections: exit 3 without a word
         raise
     finally:
-        if steps:
-            steps.close()
+        stepper.close()
         observer.close()
         controller.close()
         checkpoints.close()
@@ -171,11 +167,3 @@ def train(config: Config) -> list[dict]:
             metrics_file.close()
     return trainer.metrics
 
-
-def _replica_steps(trainer, resumed: int):
-    """The fault-tolerant replica group's iterations and step (``ptdp.train.replicas``), or None."""
-    if trainer.config.parallel.fault_tolerant_replicas <= 1:
-        return None
-    from ptdp.train.replicas import ReplicaSteps
-
-    return ReplicaSteps(trainer, resumed)

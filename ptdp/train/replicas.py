@@ -44,10 +44,11 @@ def shares_of(rank: int | None, participants: int, replicas: int) -> list[int]:
 
 
 class ReplicaSteps:
-    """The iterations and the step of a replica group: :meth:`iterations` holds each step's quorum (and a
-    restarted group's recovery), :meth:`step` trains its shares and commits them with the quorum."""
+    """The iterations and the step of a replica group (a ``ptdp.train.steppers.Stepper``): :meth:`iterations`
+    holds each step's quorum (and a restarted group's recovery), :meth:`step` trains its shares and commits
+    them with the quorum."""
 
-    def __init__(self, trainer: TrainState, resumed: int) -> None:
+    def __init__(self, trainer: TrainState) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         par = trainer.config.parallel
@@ -66,8 +67,6 @@ class ReplicaSteps:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=trainer.plan.groups.rank, world_size=trainer.plan.world,
             replica_id=f"ptdp_replica_{self.group}", init_sync=False)  # every group initialises alike (seed)
-        # the step count of a resumed run: iteration = committed steps + 1
-        self.manager.load_state_dict({"step": resumed, "batches_committed": resumed * self.replicas})
         self.healed, self.quorum_s = False, 0.0
         self.attempts, self.last_commit = 0, time.perf_counter()  # tries of the current iteration; its start
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -86,9 +85,11 @@ class ReplicaSteps:
         communication.broadcast(port, src=0, action="replica_store")
         return host, int(port.item())
 
-    def iterations(self, last: int) -> Iterator[int]:
+    def iterations(self, first: int, last: int) -> Iterator[int]:
         """The iterations to train, each after its quorum: the same one again after a step that was not
         committed, a later one after this group recovered from a peer."""
+        # the step count of a resumed run: iteration = committed steps + 1
+        self.manager.load_state_dict({"step": first - 1, "batches_committed": (first - 1) * self.replicas})
         start = self.manager.current_step()
         deadline = time.monotonic() + self.timeout_s
         while self.manager.current_step() < last:

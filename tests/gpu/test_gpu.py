@@ -167,8 +167,9 @@ def steady_state_records(monkeypatch, tmp_path, extra: list[str]) -> list[dict]:
     from iteration 2 for the whole loop except the one read of the logged records (``read_records``) and
     the checkpoint manager's ``finish``: any other host-device sync raises. The records."""
     import ptdp.train.loop as training
+    import ptdp.train.steppers as steppers
 
-    original_step, original_read = training.train_step, training.read_records
+    original_step, original_read = steppers.train_step, training.read_records
 
     def train_step(trainer, iteration):
         if iteration >= 2:
@@ -188,7 +189,7 @@ def steady_state_records(monkeypatch, tmp_path, extra: list[str]) -> list[dict]:
         torch.cuda.set_sync_debug_mode("default")
         return original_finish(self, last_iteration)
 
-    monkeypatch.setattr(training, "train_step", train_step)
+    monkeypatch.setattr(steppers, "train_step", train_step)
     monkeypatch.setattr(training, "read_records", read_records)
     monkeypatch.setattr(training.CheckpointManager, "finish", finish)
     try:

@@ -206,10 +206,11 @@ def _run_counting(monkeypatch, tmp_path: Path, log_interval: int, iters: int = 6
     """Train TINY in this process, counting device reads in iterations 2..``iters``: (records, calls in
     ``train_step``, calls in the whole steady-state loop)."""
     import ptdp.train.loop as training
+    import ptdp.train.steppers as steppers
 
     counter = SyncCounter(monkeypatch)
     in_step: list[str] = []
-    original_step = training.train_step
+    original_step = steppers.train_step
 
     def train_step(trainer, iteration):
         counter.active = iteration >= 2
@@ -219,7 +220,7 @@ def _run_counting(monkeypatch, tmp_path: Path, log_interval: int, iters: int = 6
         finally:
             in_step.extend(counter.calls[before:])
 
-    monkeypatch.setattr(training, "train_step", train_step)
+    monkeypatch.setattr(steppers, "train_step", train_step)
     original_finish = training.CheckpointManager.finish
 
     def finish(self, last_iteration):  # the end-of-run save is outside the steady state
