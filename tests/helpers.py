@@ -460,3 +460,140 @@ def validated_config(args: list[str]):
     config = config_from_args(parser.parse_args(args))
     assert not validate(config, 1)
     return derive(config)
+
+
+# -- Hugging Face comparisons: import, export, and training against transformers + torch.optim -------------
+
+def hf_import(tmp_path: Path, directory: Path, name: str = "ckpt"):
+    """Import the HF model saved in ``directory`` into ``tmp_path / name``: (the full ptdp model, its tensors,
+    its config) as read back from the checkpoint."""
+    from ptdp.checkpointing import read_full_model_state
+    from ptdp.hf.convert import full_model_from_state, import_hf
+
+    import_hf(directory, tmp_path / name)
+    tensors, config = read_full_model_state(tmp_path / name)
+    return full_model_from_state(tensors, config), tensors, config
+
+
+def assert_export_equals_hf_files(ckpt: Path, out: Path, hf_directory: Path) -> dict:
+    """``ptdp export --format hf`` of ``ckpt`` into ``out`` writes the tensors of ``hf_directory`` bit for bit,
+    under the same names; the exported ``config.json`` is returned."""
+    import torch
+    from safetensors import torch as safetensors_torch
+
+    from ptdp.hf.convert import export_hf
+
+    export_hf(ckpt, out)
+    original = safetensors_torch.load_file(str(hf_directory / "model.safetensors"))
+    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    return json.loads((out / "config.json").read_text())
+
+
+def next_token_loss(logits, tokens, vocab: int):
+    """The mean cross-entropy of ``logits`` (cut to the ``vocab`` real ids: ptdp pads the vocabulary) against
+    ``tokens``, position by position."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[..., :vocab].flatten(0, 1).float(), tokens.flatten())
+
+
+def assert_one_adamw_step_alike(hf, ours, tokens, vocab: int) -> None:
+    """One ``torch.optim.AdamW`` step on each model over ``tokens``: the loss after it is HF's (AdamW is
+    elementwise, so the layouts' rearrangements of the tensors do not matter), and the step changed it."""
+    import torch
+
+    def loss(model):
+        logits = model(tokens).logits if model is hf else model(tokens)
+        return next_token_loss(logits[:, :-1], tokens[:, 1:], vocab)
+
+    with torch.no_grad():
+        before = loss(hf)
+    ours.train()
+    for model in (hf, ours):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        loss(model).backward()
+        optimizer.step()
+    ours.eval()
+    with torch.no_grad():
+        after_hf, after_ours = loss(hf), loss(ours)
+    assert not torch.isclose(after_hf, before)  # the step changed the model
+    torch.testing.assert_close(after_ours, after_hf, rtol=1e-5, atol=1e-5)
+
+
+def train_batches(args: list[str], iterations: int, global_batch: int) -> list:
+    """The global batches ``ptdp train`` reads with these flags: Megatron's sample order, ``seq + 1`` ids."""
+    import torch
+
+    from ptdp.data.training_data import datasets_for_config
+
+    stream = datasets_for_config(validated_config(args)).train
+    return [torch.stack([torch.from_numpy(stream[i].astype("int64"))
+                         for i in range(k * global_batch, (k + 1) * global_batch)]) for k in range(iterations)]
+
+
+def hf_adamw_track(hf, batches: list, lr: float, vocab: int) -> list[tuple[float, float]]:
+    """(loss, gradient norm) per iteration of HF's model under ``torch.optim.AdamW`` with the settings the
+    comparisons train ptdp with: ``lr`` constant, no weight decay, the global norm clipped to 1."""
+    import torch
+
+    hf.train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
+    out = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = next_token_loss(hf(batch[:, :-1]).logits, batch[:, 1:], vocab)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optimizer.step()
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+HF_ITERATIONS, HF_GLOBAL_BATCH = 3, 8  # what the HF comparisons' ``train`` flags ask for
+
+
+def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]], train: list[str], vocab: int,
+                       lr: float = 1e-2) -> tuple[dict[str, Run], list[tuple[float, float]], dict]:
+    """The HF comparison of a model family: the HF model ``hf`` (saved in ``tmp / "hf"``) imported, ``ptdp
+    train`` in one process ("one") and in every layout of ``layouts`` (``name: (world size, flags)``, one pool
+    of ranks) from that checkpoint with ``train``'s flags, and HF's own training on the same batches.
+
+    Returns (the runs by name, HF's (loss, gradient norm) per iteration, HF's weights before training)."""
+    import shlex
+
+    from ptdp.hf.convert import import_hf_model, train_flags
+
+    _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
+    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(vocab), *train]
+    plan = {"one": (1, ["--load", str(tmp / "imported")])}
+    plan.update({name: (world, ["--load", str(tmp / "imported"), *flags]) for name, (world, flags) in layouts.items()})
+    initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    runs = run_layouts(tmp, plan, base=base)
+    return runs, hf_adamw_track(hf, train_batches(base, HF_ITERATIONS, HF_GLOBAL_BATCH), lr, vocab), initial
+
+
+def assert_hf_track(run: Run, hf_track: list[tuple[float, float]]) -> None:
+    """``run``'s loss and gradient norm per iteration are HF's, and HF's model trained (the comparison bites)."""
+    import pytest
+
+    got = track(run.records)
+    assert len(got) == len(hf_track) == HF_ITERATIONS
+    for (loss, norm), (want_loss, want_norm) in zip(got, hf_track, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-4), (got, hf_track)
+        assert norm == pytest.approx(want_norm, rel=1e-3), (got, hf_track)
+    assert hf_track[0][0] != pytest.approx(hf_track[-1][0], rel=1e-3)
+
+
+def assert_weights_equal_hf(run: Run, hf, initial: dict, rel: float = 1e-3) -> None:
+    """``run``'s final weights are HF's after its training (``assert_same_training``, read through the
+    family's own HF reader; ptdp's padding rows of the vocabulary left out)."""
+    from ptdp.models.families import family_for_hf
+
+    family = family_for_hf(hf.config.model_type)
+    _, _, want = family.read(hf.config.to_dict(), {k: v.detach() for k, v in hf.state_dict().items()})
+    _, _, start = family.read(hf.config.to_dict(), initial)
+    got = {name: run.weights[name][:value.shape[0]] for name, value in want.items()}
+    assert_same_training(got, want, start, rel=rel)

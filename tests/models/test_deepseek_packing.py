@@ -53,12 +53,13 @@ transformers = pytest.importorskip("transformers")
 def test_a_packed_sample_equals_its_documents_run_one_by_one_through_hf_deepseek_v3(tmp_path):
     if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV3ForCausalLM")
-    from test_hf_deepseek import V, hf_model, ours
+    from helpers import hf_import
+    from test_hf_deepseek import V, hf_model
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 0.8, "mscale_all_dim": 0.9, "beta_fast": 8, "beta_slow": 2}
     hf = hf_model(tmp_path / "hf", rope_parameters=yarn)
-    model, _, _ = ours(tmp_path, tmp_path / "hf")
+    model, _, _ = hf_import(tmp_path, tmp_path / "hf")
     tokens = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(2))
     bounds = (0, 7, 8, 19, 24)  # documents of 7, 1, 11 and 5 tokens
     layout = DocumentLayout([bounds], torch.from_numpy(positions(np.asarray(bounds)))[None].long(), PerDocument())

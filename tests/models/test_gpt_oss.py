@@ -12,19 +12,22 @@ naive softmax, its rescaling form, and the refusals."""
 from __future__ import annotations
 
 import json
-import shlex
 
 import pytest
 import torch
-from helpers import assert_same_training, run_layouts
-from test_qwen3 import _assert_hf_track, _batches, hf_training
+from helpers import (
+    assert_export_equals_hf_files,
+    assert_hf_track,
+    assert_weights_equal_hf,
+    hf_layout_training,
+)
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ptdp.checkpointing import read_full_model_state  # noqa: E402
 from ptdp.config import Config, validate  # noqa: E402
-from ptdp.hf.convert import export_hf, full_model_from_state, import_hf_model, train_flags  # noqa: E402
+from ptdp.hf.convert import full_model_from_state, import_hf_model  # noqa: E402
 from ptdp.models.sinks import sink_attention, sink_rescale  # noqa: E402
 
 V, S, W = 300, 32, 8
@@ -99,13 +102,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
         other.load_state_dict(state)
         assert not torch.allclose(other(tokens).logits, expected, atol=1e-3)
 
-    export_hf(tmp_path / "ckpt", tmp_path / "out")
-    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == "gpt_oss" and saved["layer_types"] == KINDS and saved["sliding_window"] == W
     assert saved["rope_parameters"]["truncate"] is False and saved["swiglu_limit"] == 1.0
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
@@ -178,31 +175,20 @@ def trained(tmp_path_factory):
     """Every layout from one imported checkpoint, and HF's training on the same batches."""
     tmp = tmp_path_factory.mktemp("gpt_oss")
     hf = hf_model(tmp / "hf")
-    _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
-    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(V), *TRAIN]
-    plan = {"one": (1, ["--load", str(tmp / "imported")])}
-    plan.update({name: (world, ["--load", str(tmp / "imported"), *flags]) for name, (world, flags) in LAYOUTS.items()})
-    initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    runs = run_layouts(tmp, plan, base=base)
-    return runs, hf_training(hf, _batches(base, 3, 8)), hf, initial
+    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS, TRAIN, V)
+    return runs, track, hf, initial
 
 
 def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    from ptdp.models.families import family_for_hf
-
     runs, track, hf, initial = trained
-    _assert_hf_track(runs["one"], track)
-    family = family_for_hf(hf.config.model_type)
-    _, _, want = family.read(hf.config.to_dict(), {k: v.detach() for k, v in hf.state_dict().items()})
-    _, _, start = family.read(hf.config.to_dict(), initial)
-    got = {name: runs["one"].weights[name][:value.shape[0]] for name, value in want.items()}  # padding rows: ptdp's
-    assert_same_training(got, want, start)
+    assert_hf_track(runs["one"], track)
+    assert_weights_equal_hf(runs["one"], hf, initial)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
     runs, track, _, _ = trained
-    _assert_hf_track(runs[layout], track)
+    assert_hf_track(runs[layout], track)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 40])

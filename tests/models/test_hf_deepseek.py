@@ -11,16 +11,16 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import assert_export_equals_hf_files, assert_one_adamw_step_alike, hf_import
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
-from ptdp.checkpointing import read_full_model_state, write_full_model_state  # noqa: E402
+from ptdp.checkpointing import write_full_model_state  # noqa: E402
 from ptdp.cli.generate import generate  # noqa: E402
-from ptdp.hf.convert import export_hf, full_model_from_state, import_hf  # noqa: E402
+from ptdp.hf.convert import export_hf  # noqa: E402
 
 V = 300
 SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -42,19 +42,9 @@ def hf_model(directory, **overrides):
     return model
 
 
-def ours(tmp_path, directory, name="ckpt"):
-    import_hf(directory, tmp_path / name)
-    tensors, config = read_full_model_state(tmp_path / name)
-    return full_model_from_state(tensors, config), tensors, config
-
-
-def lm_loss(logits, tokens):
-    return F.cross_entropy(logits[:, :-1, :V].reshape(-1, V), tokens[:, 1:].reshape(-1))
-
-
 def test_deepseek_v3_logits_adamw_step_generation_and_export(tmp_path):
     hf = hf_model(tmp_path / "hf")
-    model, tensors, config = ours(tmp_path, tmp_path / "hf")
+    model, tensors, config = hf_import(tmp_path, tmp_path / "hf")
     assert config["model"]["multi_latent_attention"] and config["moe"]["moe_layer_freq"] == "([0]*1+[1]*1)"
     bias = tensors["layers.1.mlp.router.expert_bias"]
     assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias) and bias.abs().sum() > 0
@@ -66,13 +56,8 @@ def test_deepseek_v3_logits_adamw_step_generation_and_export(tmp_path):
         assert not torch.allclose(model(TOKENS)[..., :V], expected, atol=1e-3)
         model.layers["1"].mlp.router.expert_bias.copy_(bias)
 
-    export_hf(tmp_path / "ckpt", tmp_path / "out")
-    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
+    assert saved["model_type"] == "deepseek_v3"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert type(reloaded).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
@@ -83,17 +68,7 @@ def test_deepseek_v3_logits_adamw_step_generation_and_export(tmp_path):
     assert generate(model, None, prompt, 10, greedy=True) == hf_ids[0, len(prompt):].tolist()
 
     # one AdamW step on each side; the router weights train, the expert bias does not (a buffer)
-    model.train()
-    for m in (hf, model):
-        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
-        logits = m(TOKENS).logits if m is hf else m(TOKENS)
-        lm_loss(logits, TOKENS).backward()
-        optimizer.step()
-    model.eval()
-    with torch.no_grad():
-        after_hf, after_ours = lm_loss(hf(TOKENS).logits, TOKENS), lm_loss(model(TOKENS), TOKENS)
-    assert not torch.isclose(after_hf, lm_loss(expected, TOKENS))  # the step changed the model
-    torch.testing.assert_close(after_ours, after_hf, rtol=1e-5, atol=1e-5)
+    assert_one_adamw_step_alike(hf, model, TOKENS, V)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -105,7 +80,7 @@ def test_deepseek_v3_logits_adamw_step_generation_and_export(tmp_path):
 ], ids=["yarn-mscale", "yarn-default-mscale", "no-q-compression-no-groups-all-moe"])
 def test_deepseek_v3_variants_give_hf_logits_and_export(tmp_path, overrides):
     hf = hf_model(tmp_path / "hf", **overrides)
-    model, _, config = ours(tmp_path, tmp_path / "hf")
+    model, _, config = hf_import(tmp_path, tmp_path / "hf")
     with torch.no_grad():
         expected = hf(TOKENS).logits
         torch.testing.assert_close(model(TOKENS)[..., :V], expected, rtol=0, atol=1e-5)
@@ -119,7 +94,7 @@ def test_mtp_modules_round_trip_through_hf_files(tmp_path):
     """A ptdp model with two MTP modules exports them as DeepSeek's extra layers (transformers ignores them)
     and imports them back unchanged."""
     hf_model(tmp_path / "hf")
-    _, tensors, config = ours(tmp_path, tmp_path / "hf")
+    _, tensors, config = hf_import(tmp_path, tmp_path / "hf")
     config["model"]["mtp_num_layers"] = 2
     torch.manual_seed(3)
     from ptdp.hf.convert import model_config_from_dict, moe_config_from_dict
@@ -133,7 +108,7 @@ def test_mtp_modules_round_trip_through_hf_files(tmp_path):
     exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert "model.layers.3.eh_proj.weight" in exported and "model.layers.2.shared_head.head.weight" in exported
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 2
-    _, back, back_config = ours(tmp_path, tmp_path / "out", "back")
+    _, back, back_config = hf_import(tmp_path, tmp_path / "out", "back")
     assert back_config["model"]["mtp_num_layers"] == 2
     assert back.keys() == state.keys()
     for name, value in state.items():

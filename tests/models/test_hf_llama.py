@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
+from helpers import assert_export_equals_hf_files, hf_import
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from ptdp.checkpointing import read_full_model_state  # noqa: E402
 from ptdp.cli.generate import generate  # noqa: E402
 from ptdp.cli.main import main  # noqa: E402
-from ptdp.hf.convert import export_hf, full_model_from_state, import_hf  # noqa: E402
+from ptdp.hf.convert import import_hf  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -44,9 +44,7 @@ def hf_llama(tmp_path, variant: str):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_llama_import_logits_export_and_greedy_generation(tmp_path, variant):
     hf, directory = hf_llama(tmp_path, variant)
-    import_hf(directory, tmp_path / "ckpt")
-    tensors, config = read_full_model_state(tmp_path / "ckpt")
-    ours = full_model_from_state(tensors, config)
+    ours, _, _ = hf_import(tmp_path, directory)
     m = ours.cfg
     assert m.untie_embeddings_and_output_weights == (variant == "gqa_untied_llama3")
     assert m.use_rope_scaling == (variant == "gqa_untied_llama3")
@@ -57,13 +55,7 @@ def test_llama_import_logits_export_and_greedy_generation(tmp_path, variant):
         got = ours(tokens)[..., :300]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
-    export_hf(tmp_path / "ckpt", tmp_path / "out")
-    original = safetensors_torch.load_file(str(directory / "model.safetensors"))
-    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", directory)
     assert saved["model_type"] == "llama" and saved["num_key_value_heads"] == hf.config.num_key_value_heads
     reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():

@@ -15,15 +15,21 @@ import shlex
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import assert_same_training, pooled_spawn, run_layouts, run_ptdp, validated_config
+from helpers import (
+    assert_export_equals_hf_files,
+    assert_hf_track,
+    assert_weights_equal_hf,
+    hf_layout_training,
+    pooled_spawn,
+    run_ptdp,
+)
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ptdp.checkpointing import read_full_model_state  # noqa: E402
 from ptdp.cli.main import main  # noqa: E402
-from ptdp.hf.convert import export_hf, full_model_from_state, import_hf_model, train_flags  # noqa: E402
+from ptdp.hf.convert import full_model_from_state, import_hf_model  # noqa: E402
 
 V, S = 300, 32
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -73,10 +79,6 @@ def hf_model(directory, kind: str):
     return model
 
 
-def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[..., :V].flatten(0, 1).float(), tokens.flatten())
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path, kind):
     hf = hf_model(tmp_path / "hf", kind)
@@ -90,44 +92,12 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path, kind
         expected = hf(tokens).logits
         torch.testing.assert_close(ours(tokens)[..., :V], expected, rtol=0, atol=1e-5)
 
-    export_hf(tmp_path / "ckpt", tmp_path / "out")
-    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == ("qwen3" if kind == "dense" else "qwen3_moe")
     assert saved["head_dim"] == 24 and saved["max_position_embeddings"] == 4096
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
-
-
-def _batches(args: list[str], iterations: int, global_batch: int) -> list[torch.Tensor]:
-    """The global batches ``ptdp train`` reads with these flags: Megatron's sample order, ``seq + 1`` ids."""
-    from ptdp.data.training_data import datasets_for_config
-
-    stream = datasets_for_config(validated_config(args)).train
-    return [torch.stack([torch.from_numpy(stream[i].astype("int64")) for i in range(k * global_batch,
-                                                                                   (k + 1) * global_batch)])
-            for k in range(iterations)]
-
-
-def hf_training(hf, batches: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """(loss, gradient norm) per iteration of HF's model under ``torch.optim.AdamW`` with ptdp's settings:
-    lr 1e-2 constant, no weight decay, the global norm clipped to 1."""
-    hf.train()
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0)
-    track = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = _lm_loss(hf(batch[:, :-1]).logits, batch[:, 1:])
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        optimizer.step()
-        track.append((loss.item(), norm.item()))
-    return track
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "llama"])
@@ -136,35 +106,14 @@ def trained(request, tmp_path_factory):
     kind = request.param
     tmp = tmp_path_factory.mktemp(f"qwen3-{kind}")
     hf = hf_model(tmp / "hf", kind)
-    _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
-    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(V), *TRAIN]
-    plan = {"one": (1, ["--load", str(tmp / "imported")])}
-    plan.update({name: (world, ["--load", str(tmp / "imported"), *flags])
-                 for name, (world, flags) in LAYOUTS.get(kind, {}).items()})
-    initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    runs = run_layouts(tmp, plan, base=base)
-    return kind, runs, hf_training(hf, _batches(base, 3, 8)), hf, initial
-
-
-def _assert_hf_track(run, track: list[tuple[float, float]]) -> None:
-    got = [(r["loss"], r["grad_norm"]) for r in run.records]
-    assert len(got) == len(track) == 3
-    for (loss, norm), (want_loss, want_norm) in zip(got, track):
-        assert loss == pytest.approx(want_loss, rel=1e-4), (got, track)
-        assert norm == pytest.approx(want_norm, rel=1e-3), (got, track)
-    assert track[0][0] != pytest.approx(track[-1][0], rel=1e-3)  # the model trained: the comparison bites
+    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS.get(kind, {}), TRAIN, V)
+    return kind, runs, track, hf, initial
 
 
 def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    from ptdp.models.families import family_for_hf
-
     kind, runs, track, hf, initial = trained
-    _assert_hf_track(runs["one"], track)
-    family = family_for_hf(hf.config.model_type)
-    _, _, want = family.read(hf.config.to_dict(), {k: v.detach() for k, v in hf.state_dict().items()})
-    _, _, start = family.read(hf.config.to_dict(), initial)
-    got = {name: runs["one"].weights[name][:value.shape[0]] for name, value in want.items()}  # padding rows: ptdp's
-    assert_same_training(got, want, start)
+    assert_hf_track(runs["one"], track)
+    assert_weights_equal_hf(runs["one"], hf, initial)
 
 
 @pytest.mark.parametrize("layout", sorted({name for layouts in LAYOUTS.values() for name in layouts}))
@@ -172,7 +121,7 @@ def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
     kind, runs, track, _, _ = trained
     if layout not in runs:
         pytest.skip(f"{layout} is not among this family's layouts")
-    _assert_hf_track(runs[layout], track)
+    assert_hf_track(runs[layout], track)
 
 
 def test_the_import_command_prints_a_train_command_that_runs_as_printed(tmp_path, capsys):
