@@ -48,7 +48,7 @@ def layer_rules(layer: str, cfg: ModelConfig) -> ShardingRules:
                   for name in ("q_down_proj", "kv_down_proj", "q_layernorm", "kv_layernorm")]
     else:
         split = [(f"{attention}.qkv", ColumnParallel()), (f"{attention}.q_layernorm", HEADS),
-                 (f"{attention}.k_layernorm", HEADS), (f"{attention}.sinks", HeadSplit()),
+                 (f"{attention}.k_layernorm", HEADS), (f"{attention}.sinks", HeadSplit(("heads",))),
                  (f"{attention}.gate", ColumnParallel())]
     if cfg.experimental_attention_variant:  # Gated DeltaNet layers: split by key-head groups
         split += [(f"{attention}.in_proj_qkvz", ColumnParallel()), (f"{attention}.in_proj_ba", ColumnParallel()),

@@ -78,7 +78,13 @@ class HeadSharedInput:
 class HeadSplit:
     """The module's own parameters hold one row per head (or per channel of a head) along dim 0, in head
     order: each rank keeps the rows of its heads, and nothing communicates (the attention sinks; a Gated
-    DeltaNet's per-head decay parameters and its depthwise convolution over the heads' channels)."""
+    DeltaNet's per-head decay parameters and its depthwise convolution over the heads' channels).
+
+    ``head_counts``: the module's integer attributes that count its heads (``AttentionSinks.heads``, which
+    sizes the fixed sinks that have no parameter): each becomes this rank's count. The rule names them so
+    that the parallelism applying it names no attribute of a model."""
+
+    head_counts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

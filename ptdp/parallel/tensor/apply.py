@@ -177,11 +177,11 @@ def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:
 
 def _head_split(split: _Split, module: nn.Module, rule: HeadSplit) -> None:
     """In place, this rank's rows (dim 0, the heads in order) of each of the module's own parameters: rows
-    ``[r·n/t, (r+1)·n/t)``, the heads the column-parallel projections give it. A module that counts its heads
-    (``AttentionSinks.heads``) counts this rank's."""
+    ``[r·n/t, (r+1)·n/t)``, the heads the column-parallel projections give it. The counts of heads the rule
+    names (``HeadSplit.head_counts``) become this rank's."""
     t, rank = group_size(split.tp_group), group_rank(split.tp_group)
-    if isinstance(getattr(module, "heads", None), int):
-        module.heads //= t
+    for count in rule.head_counts:
+        setattr(module, count, getattr(module, count) // t)
     for name, param in list(module._parameters.items()):
         if param is None:
             continue
