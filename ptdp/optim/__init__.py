@@ -2,8 +2,9 @@
 
 (The gradient buffers and their data-parallel reducers live in ``ptdp.parallel.data``.)
 ``optimizer``: fp32 / mixed-precision / distributed (ZeRO-1) AdamW; ``grad_scaler``: fp16 loss scaling;
-``clip_grads``: the global norm; ``lr_schedule``: Megatron's learning rate; ``setup``: building it all
-from a :class:`~ptdp.config.Config`; ``memory``: model-state bytes per rank, counted and by formula.
+``clip_grads``: the global norm; ``lr_schedule``: Megatron's learning rate; ``setup``: the optimizer over
+the data-parallel gradients the parallel side built (``ptdp.parallel.gradients``); ``memory``: model-state
+bytes per rank, counted and by formula.
 """
 
 from ptdp.optim.clip_grads import clip_grads, global_grad_norm, global_grad_norm_tensor

@@ -36,7 +36,7 @@ from ptdp.optim.kinds import Stepped
 from ptdp.optim.muon import MuonLayout
 from ptdp.parallel.collectives import all_gather_single
 from ptdp.parallel.data.buffer import Bucket
-from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.data.protocol import ShardedGrads
 from ptdp.parallel.placement import Placements
 
 
@@ -239,7 +239,7 @@ class DistributedOptimizer(MegatronOptimizer):
     :meth:`load_state_per_param` (collectives over DP when sharded), so checkpoints do not depend on d.
     """
 
-    def __init__(self, grads: GradReducer, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
+    def __init__(self, grads: ShardedGrads, cfg: OptimizerConfig, tp_rank: int, norm_groups: list,
                  scaler: ConstantGradScaler | DynamicGradScaler | None, placements: Placements | None = None,
                  layout: MuonLayout | None = None):
         if any(b.param_data is None for b in grads.buckets):

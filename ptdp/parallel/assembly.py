@@ -12,8 +12,9 @@ naming any of them:
 * one stage factory for training and evaluation (``make_stage``): ``ModuleStage``, or the plug-in that
   wraps it (``ptdp.parallel.vocab.stage.VocabParallel``), running its chunks in pieces when the list holds
   overlapped pairs;
-* the post-backward gradient synchronisations, in order (``grad_syncs``): the data-parallel finish (dense
-  and expert buffers), the tied embedding's two copies, the sums of gradients partial over TP;
+* the data-parallel gradients' start of an iteration (``start_iteration``) and the post-backward gradient
+  synchronisations, in order (``grad_syncs``): the data-parallel finish (dense and expert buffers), the tied
+  embedding's two copies, the sums of gradients partial over TP;
 * the model's step hooks (``step_hooks``): MoE's auxiliary-loss scale before the schedule, its
   statistics and expert-bias update after the step; multi-token prediction's loss scale and losses;
 * the loss's reduction over the ranks (``reduce_loss``), shared by the step and evaluation;
@@ -127,6 +128,13 @@ class Assembly:
     step_hooks: list[StepHook] = field(default_factory=list)
     overlap: bool = False  # the training list holds overlapped pairs: its stage runs in pieces
     delay_weight_grads: bool = False  # --delay-wgrad-compute
+    grads: GradReducer | None = None  # the data-parallel reducer (ptdp.parallel.gradients) this assembly drives
+
+    def start_iteration(self, backwards: int) -> None:
+        """Before an iteration's schedule: the data-parallel gradients zeroed, and a bucket reduced once each
+        of its parameters had ``backwards`` backwards (the microbatches, under ``--overlap-grad-reduce``)."""
+        if self.grads is not None:
+            self.grads.start_iteration(backwards)
 
     def actions(self, forward_only: bool = False) -> list[Action]:
         """This rank's action list for one iteration (``forward_only``: evaluation's)."""
@@ -144,8 +152,9 @@ class Assembly:
 
 def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer, placements: Placements) -> Assembly:
     """The :class:`Assembly` of this rank's ``chunks`` and their ``placements`` (``build_model_chunks``) and
-    ``grads`` (the data-parallel reducer, ``ptdp.optim.setup``: its ZeRO-3 ``param_sync`` places and runs the
-    gather actions, its ``finish_grad_sync`` is the first gradient sync), as ``plan`` resolves them."""
+    ``grads`` (the data-parallel reducer, ``ptdp.parallel.gradients``: zeroed by :meth:`Assembly.start_iteration`,
+    its ZeRO-3 ``param_sync`` places and runs the gather actions, its ``finish_grad_sync`` is the first gradient
+    sync), as ``plan`` resolves them."""
     g, p = plan.groups, plan.p
     layout = StageLayout(g.pp_rank, p, len(chunks), plan.placement,
                          labels_to_last=bool(plan.model.mtp_num_layers))  # MTP reads the labels
@@ -178,7 +187,8 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
     handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),
                     stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
-                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute)
+                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute,
+                    grads)
 
 
 def step_hooks(plan: ParallelPlan, chunks: Sequence[nn.Module]) -> list[StepHook]:

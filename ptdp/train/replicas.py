@@ -124,7 +124,7 @@ class ReplicaSteps:
         lr = learning_rate(iteration - trainer.optimizer.skipped_iterations, cfg.optimizer, cfg.training.train_iters)
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
-        trainer.grads.start_iteration(trainer.plan.m * max(len(shares), 1))
+        trainer.assembly.start_iteration(trainer.plan.m * max(len(shares), 1))
         loss = torch.zeros((), dtype=torch.float32, device=trainer.plan.groups.device)
         stats = None
         for share in shares:

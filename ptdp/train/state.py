@@ -1,7 +1,8 @@
 """What one rank trains with, as one typed object, and how it is set up.
 
 ``setup(config)``: process groups → the plan (``ptdp.parallel.plan``: every size and decision, resolved once)
-→ seeds → data → model chunks (``ptdp.parallel.parallelize``) → gradient buffers and optimizer → what the step
+→ seeds → data → model chunks (``ptdp.parallel.parallelize``) → the data-parallel gradients
+(``ptdp.parallel.gradients``) → the optimizer over their shards → what the step
 runs (``ptdp.parallel.assembly``: the action list, handlers, stage factory, gradient syncs, step hooks) →
 point-to-point transport. Each of those takes the plan, not the configuration. Everything the step, the
 loop, evaluation and checkpointing read is a field of :class:`TrainState`.
@@ -29,6 +30,7 @@ from ptdp.parallel import init_distributed
 from ptdp.parallel.assembly import Assembly, assemble, build_p2p
 from ptdp.parallel.context.documents import context_parallel_document_line
 from ptdp.parallel.data.protocol import GradReducer
+from ptdp.parallel.gradients import build_gradients
 from ptdp.parallel.parallelize import build_model_chunks
 from ptdp.parallel.pipeline.p2p import P2PComm
 from ptdp.parallel.pipeline.stage import tied_embedding_weights
@@ -49,7 +51,7 @@ class TrainState:
     chunks: list[GPTModel]  # this rank's model chunks, in the order of its virtual stages
     placements: Placements  # where each of their parameters lives in the full model (ptdp.parallel.placement)
     data: DataSplits
-    grads: GradReducer  # the data-parallel gradient synchronisation (ptdp.parallel.data)
+    grads: GradReducer  # the data-parallel gradients (ptdp.parallel.gradients): the assembly drives them
     optimizer: MegatronOptimizer
     schedule: list[Action]  # this rank's action list for one iteration
     comm: P2PComm | None  # None when p = 1
@@ -96,8 +98,9 @@ def setup(config: Config) -> TrainState:
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         model = build_model_chunks(plan, vocab_size, padded)
     with phase("setting up the gradient buffers, the optimizer and the pipeline"):
-        grads, optimizer = setup_optimizer(model, plan, config.optimizer, config.precision,
-                                           tied_embedding_weights(model.chunks, plan.p))
+        gradients = build_gradients(model, plan, tied_embedding_weights(model.chunks, plan.p))
+        grads = gradients.reducer
+        optimizer = setup_optimizer(model, plan, gradients, config.optimizer, config.precision)
         assembly = assemble(plan, model.chunks, grads, model.placements)
         comm = build_p2p(plan)
     return TrainState(config, plan, model.chunks, model.placements, data, grads, optimizer, assembly.actions(),

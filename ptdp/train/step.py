@@ -69,7 +69,7 @@ def train_step(trainer: TrainState, iteration: int) -> dict:
     lr = learning_rate(iteration - trainer.optimizer.skipped_iterations, cfg.optimizer, cfg.training.train_iters)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    trainer.grads.start_iteration(trainer.plan.m)  # zero; --overlap-grad-reduce counts backwards
+    trainer.assembly.start_iteration(trainer.plan.m)  # zero; --overlap-grad-reduce counts backwards
     loss, stats = forward_backward(trainer, iteration)
     for sync in trainer.assembly.grad_syncs:
         with span(trainer.timeline, sync.name):

@@ -61,6 +61,7 @@ def _start(rank: int, world: int, argv: list[str]):
     from ptdp.cli.main import build_parser
     from ptdp.config import config_from_args, derive, validate
     from ptdp.optim import setup_optimizer
+    from ptdp.parallel.gradients import build_gradients
     from ptdp.parallel.parallelize import build_model_chunks
     from ptdp.parallel.pipeline.stage import tied_embedding_weights
     from ptdp.parallel.plan import process_groups, resolve_plan
@@ -71,9 +72,9 @@ def _start(rank: int, world: int, argv: list[str]):
     plan = resolve_plan(config, process_groups(config, rank, world, torch.device("cpu")))
     padded = config.model.padded_vocab_size(256, plan.vocab_divisor)
     model = build_model_chunks(plan, 256, padded)
-    grads, optimizer = setup_optimizer(model, plan, config.optimizer, config.precision,
-                                       tied_embedding_weights(model.chunks, plan.p))
-    return model, grads, optimizer
+    gradients = build_gradients(model, plan, tied_embedding_weights(model.chunks, plan.p))
+    optimizer = setup_optimizer(model, plan, gradients, config.optimizer, config.precision)
+    return model, gradients.reducer, optimizer
 
 
 def _eager_init(chunk, device, dtype, placements, deferred, seed, std, num_layers):

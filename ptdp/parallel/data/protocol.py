@@ -1,5 +1,6 @@
 """What every gradient reducer offers: the one interface the step's assembly (``ptdp.parallel.assembly``),
-the optimizers, ZeRO-3's gatherer, the vocabulary passes, checkpoints and memory accounting use, whatever
+ZeRO-3's gatherer, the vocabulary passes, checkpoints and memory accounting use (the optimizers: its narrow
+part :class:`ShardedGrads`), whatever
 the strategy (``--data-parallel-sharding-strategy``), with or without hybrid sharding, and for a MoE
 model's dense and expert parameters reduced over different groups.
 
@@ -49,11 +50,28 @@ class ParamSync(Protocol):
         """The executor's handlers of the four actions (``ptdp.parallel.data.zero.param_sync_handlers``)."""
 
 
-class GradReducer(Protocol):
-    """The data-parallel gradient synchronisation of a set of parameters (see the module docstring)."""
+class ShardedGrads(Protocol):
+    """What the optimizer (``ptdp.optim``) reads of the data-parallel gradients: the buckets and this rank's
+    shard of each (``Bucket.shard_start:shard_end``, over :meth:`group_of`), the two calls around its step,
+    and nothing of an iteration (the step's assembly drives those: ``ptdp.parallel.assembly``)."""
 
     buckets: list[Bucket]
     frozen_buckets: list[Bucket]  # ZeRO-3's shards of weights that do not train (LoRA's base): gathered only
+
+    def keep_grad_shards(self) -> None:
+        """ZeRO-2/3: keep only this rank's reduced shards (every later sync of the step is done)."""
+
+    def all_gather_params(self) -> None:
+        """After the optimizer step: every rank's updated shard to every rank (parameters not sharded
+        between steps; ZeRO-3's are gathered per chunk by ``GradReducer.param_sync``)."""
+
+    def group_of(self, bucket: Bucket) -> dist.ProcessGroup | None:
+        """The group ``bucket`` is reduced and sharded over."""
+
+
+class GradReducer(ShardedGrads, Protocol):
+    """The data-parallel gradient synchronisation of a set of parameters (see the module docstring)."""
+
     params: list[nn.Parameter]
     param_sync: ParamSync | None  # ZeRO-3 with sharded parameters: the per-chunk gatherer; else None
 
@@ -74,18 +92,8 @@ class GradReducer(Protocol):
         """Launch every bucket not launched yet and wait for all: ``main_grad`` (this rank's shard of it,
         when sharded) holds the data-parallel average."""
 
-    def keep_grad_shards(self) -> None:
-        """ZeRO-2/3: keep only this rank's reduced shards (every later sync of the step is done)."""
-
-    def all_gather_params(self) -> None:
-        """After the optimizer step: every rank's updated shard to every rank (parameters not sharded
-        between steps; ZeRO-3's are gathered per chunk by :attr:`param_sync`)."""
-
     def gather_bucket(self, bucket: Bucket) -> list[dist.Work]:
         """Start the all-gather of ``bucket``'s parameters from its shards; the works to wait for."""
-
-    def group_of(self, bucket: Bucket) -> dist.ProcessGroup | None:
-        """The group ``bucket`` is reduced and sharded over."""
 
     def launched(self) -> list[bool]:
         """Per bucket, whether its reduction is in flight or done (tests check the overlap with it)."""
