@@ -115,8 +115,10 @@ def validate(config: Config, world_size: int, local_world_size: int | None = Non
             etp=par.expert_tensor_parallel_size, num_experts=config.moe.num_experts,
             sequence_parallel=par.sequence_parallel, tokens_per_rank=tr.micro_batch_size * m.seq_length // c)
     errors += fp8_errors(config)
-    if (tr.eval_interval is not None and tr.eval_interval <= 0) or tr.eval_iters <= 0:
-        errors.append(f"--eval-interval {tr.eval_interval} and --eval-iters {tr.eval_iters} must be positive")
+    if tr.eval_interval is not None and tr.eval_interval <= 0:
+        errors.append(f"--eval-interval must be positive, got {tr.eval_interval}")
+    if tr.eval_iters < 0:  # 0, as in Megatron-LM: no validation and no test evaluation
+        errors.append(f"--eval-iters must be >= 0 (0 turns evaluation off), got {tr.eval_iters}")
     if d is not None and local_world_size and local_world_size % t:  # TP groups: adjacent ranks, on NVLink
         errors.append(f"--tensor-model-parallel-size {t} does not divide the {local_world_size} processes "
                       "per node (--nproc-per-node / LOCAL_WORLD_SIZE); tensor parallelism must stay inside "

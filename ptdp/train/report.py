@@ -143,6 +143,8 @@ def validation_record(trainer: TrainState, iteration: int, is_logger: bool, spli
     if dataset is None:
         return {}
     iters = evaluation_iters(trainer.config, dataset) if split == "valid" else trainer.config.training.eval_iters
+    if iters == 0:  # --eval-iters 0: evaluation is off, as in Megatron-LM
+        return {}
     loss = evaluate(trainer, dataset, iters, interrupted)
     if loss is None:
         return {}

@@ -87,6 +87,16 @@ def test_megatron_defaults_and_a_bad_lr_names_lr():
     one_error(run_ptdp(["train", "--lr", "-1"], check=False), "ptdp train: error: --lr must be >= 0, got -1.0")
 
 
+def test_each_evaluation_flag_is_named_alone_and_eval_iters_zero_is_valid():
+    config = Config()
+    config.training.eval_iters = 0  # Megatron-LM's way to turn evaluation off
+    assert validate(config, 1) == []
+    config.training.eval_iters = -1
+    assert validate(config, 1) == ["--eval-iters must be >= 0 (0 turns evaluation off), got -1"]
+    config.training.eval_iters, config.training.eval_interval = 1, 0
+    assert validate(config, 1) == ["--eval-interval must be positive, got 0"]
+
+
 def test_the_defaults_table_is_in_the_docs():
     text = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     assert "| flag | Megatron-LM | ptdp | why |" in text

@@ -44,7 +44,8 @@ def runs(tmp_path_factory) -> dict:
     """One process and every layout, in one ``run_layouts`` (the session's ranks, no process start)."""
     root = tmp_path_factory.mktemp("eval")
     plan = {"serial": (1, ["--save", str(root / "ckpt")]),
-            **{_name(layout): (layout[0] * layout[1] * layout[2], flags) for layout, flags in LAYOUTS.items()}}
+            **{_name(layout): (layout[0] * layout[1] * layout[2], flags) for layout, flags in LAYOUTS.items()},
+            "eval-off": (1, ["--eval-iters", "0"])}
     return run_layouts(root, plan, base=EVAL)
 
 
@@ -82,3 +83,10 @@ def test_every_layout_reports_the_single_process_validation_loss(runs, serial, l
     assert sorted(losses) == [2, 4]
     for iteration, expected in serial[0].items():
         assert losses[iteration] == pytest.approx(expected, rel=RTOL), iteration
+
+
+def test_eval_iters_zero_turns_evaluation_off_and_trains_the_same(runs, serial):
+    """Megatron-LM's ``--eval-iters 0``: no validation (nor test) loss, and the training itself unchanged."""
+    off = runs["eval-off"].records
+    assert serial[0] and not validation(off)
+    assert [r["loss"] for r in off if "loss" in r] == [r["loss"] for r in runs["serial"].records if "loss" in r]
