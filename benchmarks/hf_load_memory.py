@@ -107,7 +107,7 @@ start = time.perf_counter()
 if sys.argv[1] == "import":
     import_hf_model(sys.argv[2], sys.argv[3])
 elif sys.argv[1] == "export":
-    export_hf(sys.argv[2], sys.argv[3], "100MB")
+    export_hf(sys.argv[2], sys.argv[3], max_shard_size="100MB")
 else:  # the export before streaming: the whole model read, converted, then written
     from safetensors.torch import save_file
     from ptdp.checkpointing import read_full_model_state
