@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, store: str, flags: list[str], hf_dir: str, ck
     from ptdp.train.state import setup
 
     config = derive(config_from_args(build_parser().parse_args(
-        ["train", *flags, "--tensor-model-parallel-size", str(world)])), world)
+        ["train", *flags, "--tensor-model-parallel-size", str(world)])))
     trainer = setup(config)
     shard = sum(p.numel() * p.element_size() for p in trainer.params)
     row = {"rank": rank, "shard_bytes": shard}
