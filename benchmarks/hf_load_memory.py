@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, store: str, flags: list[str], hf_dir: str, ck
     from ptdp.train.state import setup
 
     config = derive(config_from_args(build_parser().parse_args(
-        ["train", *flags, "--tensor-model-parallel-size", str(world)])), world)
+        ["train", *flags, "--tensor-model-parallel-size", str(world)])))
     trainer = setup(config)
     shard = sum(p.numel() * p.element_size() for p in trainer.params)
     row = {"rank": rank, "shard_bytes": shard}
@@ -107,7 +107,7 @@ start = time.perf_counter()
 if sys.argv[1] == "import":
     import_hf_model(sys.argv[2], sys.argv[3])
 elif sys.argv[1] == "export":
-    export_hf(sys.argv[2], sys.argv[3], "100MB")
+    export_hf(sys.argv[2], sys.argv[3], max_shard_size="100MB")
 else:  # the export before streaming: the whole model read, converted, then written
     from safetensors.torch import save_file
     from ptdp.checkpointing import read_full_model_state

@@ -123,6 +123,11 @@ def open_hf_dir(path: str | Path) -> HFDirectory:
     for tensor, name in (weight_map or {}).items():
         if files.get(tensor) != path / name:
             raise CheckpointError(f"{path / name} has no tensor {tensor} ({HF_INDEX} names it there)")
+    if family.hf_refine is not None:
+        try:
+            cfg = family.hf_refine(cfg, moe, hf_config, shapes)
+        except ConfigError as e:
+            raise CheckpointError(f"{path}: {str(e).removeprefix('--in: ')}") from None
     return HFDirectory(path, family.name, cfg, moe, files, shapes, dtypes)
 
 

@@ -14,7 +14,7 @@ Adding a family: docs/architecture.md, §"Add a model family".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,9 @@ class ModelFamily:
     - ``hf_model(config_json)`` and ``hf_recipes(cfg, moe, padded_vocab)``: the model flags of a config.json,
       and per ptdp parameter the recipe over HF tensor names that builds it (``ptdp.models.hf_recipe``). A
       family that declares them loads directly (``ptdp train --load HF_DIR``, each rank reading only its
-      slices) and exports tensor by tensor; ``read`` is then the same recipes evaluated whole.
+      slices) and exports tensor by tensor; ``read`` is then the same recipes evaluated whole;
+    - ``hf_refine(cfg, moe, config_json, tensor_names)``: the model flags the files decide beyond config.json
+      (DeepSeek-V3: its MTP modules, counted only when their tensors are there), for ``--load HF_DIR``.
     """
 
     name: str
@@ -52,3 +54,4 @@ class ModelFamily:
     presets: tuple[str, ...] = ()
     hf_model: Callable[[dict], tuple[ModelConfig, MoEConfig]] | None = None
     hf_recipes: Callable[[ModelConfig, MoEConfig, int], dict] | None = None
+    hf_refine: Callable[[ModelConfig, MoEConfig, dict, Collection[str]], ModelConfig] | None = None

@@ -1,8 +1,9 @@
 """Per-tensor recipes: how one of ptdp's full parameters is built from Hugging Face tensors.
 
 A family's adapter declares, for every ptdp parameter name, a :data:`Recipe` over HF tensor names: take a
-tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros, transpose a matrix,
-view the first dimension as two. The recipe is data,
+tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros, swap two dimensions,
+view one dimension as two (blocks or interleaved), dequantize MXFP4 blocks, take the first of several
+layouts the checkpoint holds, write a tensor's copies on export. The recipe is data,
 not code over full tensors, so the same declaration serves three readers:
 
 - ``ptdp import`` evaluates it over the whole tensor (:func:`materialize`);
@@ -62,9 +63,12 @@ class Zeros:
 
 @dataclass(frozen=True)
 class Transpose:
-    """The 2-D part transposed (GPT-2's ``Conv1D`` weights are ``[in, out]``; ptdp's linears ``[out, in]``)."""
+    """The part with dimensions ``dims`` swapped: by default a 2-D part transposed (GPT-2's ``Conv1D``
+    weights are ``[in, out]``; ptdp's linears ``[out, in]``), ``(1, 2)`` each expert's matrix of an
+    ``[E, in, out]`` stack (GPT-OSS)."""
 
     part: Recipe
+    dims: tuple[int, int] = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,46 @@ class Unflatten:
     n: int
 
 
-Recipe = Take | Cat | Stack | Zeros | Transpose | Unflatten
+@dataclass(frozen=True)
+class Interleaved:
+    """The part's dimension ``dim`` (size ``m·n``), its element ``j·n + k`` at ``[k, j]``: viewed as two
+    dimensions ``[n, m]`` (GPT-OSS's ``gate_up_proj`` alternates gate and up: ptdp's ``[2, f]``). A box reads
+    the part's elements ``[a·n, b·n)`` for its ``j`` range ``[a, b)``, never the whole dimension."""
+
+    part: Recipe
+    n: int
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class MXFP4:
+    """An MXFP4 tensor dequantized to fp32: ``blocks [..., rows, G, 16]`` (two 4-bit values a byte) and
+    ``scales [..., rows, G]`` (a power of two per 32 values) are ``[..., rows, G·32]``. A box reads and
+    decodes only its rows and the 32-value blocks its columns touch (``ptdp.models.mxfp4``). Export never
+    writes it: it sits behind an unquantized layout in a :class:`OneOf`."""
+
+    blocks: str
+    scales: str
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The first of ``parts`` whose tensors the checkpoint holds (GPT-OSS's experts: unquantized, else their
+    MXFP4 blocks and scales); export writes the first."""
+
+    parts: tuple[Recipe, ...]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """``part``, which the checkpoint also holds whole under the names ``copies`` (DeepSeek-V3's MTP modules
+    repeat the embedding and the output layer): read from ``part`` alone; export writes every copy."""
+
+    part: Recipe
+    copies: tuple[str, ...]
+
+
+Recipe = Take | Cat | Stack | Zeros | Transpose | Unflatten | Interleaved | MXFP4 | OneOf | Copies
 Shapes = Mapping[str, tuple[int, ...]]
 # fetch(name, per-dimension (start, stop)) -> those elements of the HF tensor, in its own dtype
 Fetch = Callable[[str, tuple[tuple[int, int], ...]], "torch.Tensor"]
@@ -87,9 +130,19 @@ def takes(recipe: Recipe) -> list[Take]:
         return [recipe]
     if isinstance(recipe, (Cat, Stack)):
         return [t for part in recipe.parts for t in takes(part)]
-    if isinstance(recipe, (Transpose, Unflatten)):
+    if isinstance(recipe, (Transpose, Unflatten, Interleaved, Copies)):
         return takes(recipe.part)
+    if isinstance(recipe, MXFP4):
+        return [Take(recipe.blocks), Take(recipe.scales)]
+    if isinstance(recipe, OneOf):
+        return takes(recipe.parts[0])
     return []
+
+
+def _chosen(recipe: OneOf, shapes: Shapes) -> Recipe:
+    """The first part of ``recipe`` whose tensors are all in ``shapes`` (else the first, to name what lacks)."""
+    return next((p for p in recipe.parts if all(t.name in shapes for t in takes(p))),
+                recipe.parts[0])
 
 
 def shape_of(recipe: Recipe, shapes: Shapes) -> tuple[int, ...]:
@@ -108,10 +161,31 @@ def shape_of(recipe: Recipe, shapes: Shapes) -> tuple[int, ...]:
             raise RecipeError(f"{recipe.name} has shape {shape}; rows {lo}:{hi} are needed")
         return (hi - lo, *shape[1:])
     if isinstance(recipe, Transpose):
-        inner = shape_of(recipe.part, shapes)
-        if len(inner) != 2:
-            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; a 2-D tensor is needed")
-        return inner[::-1]
+        inner, (i, j) = list(shape_of(recipe.part, shapes)), recipe.dims
+        if len(inner) != (2 if recipe.dims == (0, 1) else max(i, j) + 1):
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {tuple(inner)}; "
+                              f"a {2 if recipe.dims == (0, 1) else max(i, j) + 1}-D tensor is needed")
+        inner[i], inner[j] = inner[j], inner[i]
+        return tuple(inner)
+    if isinstance(recipe, Interleaved):
+        inner, dim = shape_of(recipe.part, shapes), recipe.dim
+        if len(inner) <= dim or inner[dim] % recipe.n:
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; dimension {dim} must hold "
+                              f"{recipe.n} interleaved parts")
+        return (*inner[:dim], recipe.n, inner[dim] // recipe.n, *inner[dim + 1:])
+    if isinstance(recipe, MXFP4):
+        for name in (recipe.blocks, recipe.scales):
+            if name not in shapes:
+                raise RecipeError(f"the checkpoint has no tensor {name}")
+        blocks, scales = tuple(shapes[recipe.blocks]), tuple(shapes[recipe.scales])
+        if len(blocks) < 3 or blocks[:-1] != scales or blocks[-1] != 16:
+            raise RecipeError(f"MXFP4 {recipe.blocks} {blocks} and {recipe.scales} {scales} do not pair (one "
+                              "scale per block of 16 bytes)")
+        return (*blocks[:-2], blocks[-2] * 32)
+    if isinstance(recipe, OneOf):
+        return shape_of(_chosen(recipe, shapes), shapes)
+    if isinstance(recipe, Copies):
+        return shape_of(recipe.part, shapes)
     if isinstance(recipe, Unflatten):
         inner = shape_of(recipe.part, shapes)
         if not inner or inner[0] % recipe.n:
@@ -143,7 +217,27 @@ def read_box(recipe: Recipe, box: tuple[tuple[int, int], ...], shapes: Shapes, f
             box = ((box[0][0] + lo, box[0][1] + lo), *box[1:])
         return fetch(recipe.name, box).to(torch.float32)
     if isinstance(recipe, Transpose):
-        return read_box(recipe.part, box[::-1], shapes, fetch).t()
+        (i, j), inner = recipe.dims, list(box)
+        inner[i], inner[j] = inner[j], inner[i]
+        return read_box(recipe.part, tuple(inner), shapes, fetch).transpose(i, j)
+    if isinstance(recipe, Interleaved):  # [k, j] is the part's j·n + k: read rows [a·n, b·n), keep k's
+        n, dim = recipe.n, recipe.dim
+        (k0, k1), (a, b) = box[dim], box[dim + 1]
+        value = read_box(recipe.part, (*box[:dim], (a * n, b * n), *box[dim + 2:]), shapes, fetch)
+        value = value.unflatten(dim, (b - a, n)).narrow(dim + 1, k0, k1 - k0)
+        return value.transpose(dim, dim + 1)
+    if isinstance(recipe, MXFP4):  # the box's rows, and its columns' 32-value blocks
+        from ptdp.models.mxfp4 import dequantize_rows
+
+        (c0, c1), lead = box[-1], box[:-1]
+        g0, g1 = c0 // 32, -(-c1 // 32)
+        blocks = fetch(recipe.blocks, (*lead, (g0, g1), (0, 16)))
+        values = dequantize_rows(blocks, fetch(recipe.scales, (*lead, (g0, g1))))
+        return values.narrow(-1, c0 - 32 * g0, c1 - c0)
+    if isinstance(recipe, OneOf):
+        return read_box(_chosen(recipe, shapes), box, shapes, fetch)
+    if isinstance(recipe, Copies):
+        return read_box(recipe.part, box, shapes, fetch)
     if isinstance(recipe, Unflatten):  # block i's rows [c, d) are the part's rows [i·m + c, i·m + d)
         m = shape_of(recipe.part, shapes)[0] // recipe.n
         (a, b), (c, d), rest = box[0], box[1], box[2:]
@@ -185,7 +279,15 @@ def scatter(recipe: Recipe, tensor: torch.Tensor) -> list[tuple[str, tuple[int, 
     if isinstance(recipe, Zeros):
         return []
     if isinstance(recipe, Transpose):
-        return scatter(recipe.part, tensor.t())
+        return scatter(recipe.part, tensor.transpose(*recipe.dims))
+    if isinstance(recipe, Interleaved):
+        return scatter(recipe.part, tensor.transpose(recipe.dim, recipe.dim + 1).flatten(recipe.dim, recipe.dim + 1))
+    if isinstance(recipe, MXFP4):
+        raise RecipeError(f"{recipe.blocks}: export writes unquantized tensors, not MXFP4 blocks")
+    if isinstance(recipe, OneOf):
+        return scatter(recipe.parts[0], tensor)
+    if isinstance(recipe, Copies):
+        return [*scatter(recipe.part, tensor), *((name, None, tensor) for name in recipe.copies)]
     if isinstance(recipe, Unflatten):
         return scatter(recipe.part, tensor.flatten(0, 1))
     if isinstance(recipe, Stack):
@@ -210,7 +312,19 @@ def _extent(recipe: Recipe, dim: int) -> int | None:
     if isinstance(recipe, Stack):
         return len(recipe.parts) if dim == 0 else _extent(recipe.parts[0], dim - 1)
     if isinstance(recipe, Transpose):
-        return _extent(recipe.part, 1 - dim)
+        i, j = recipe.dims
+        return _extent(recipe.part, j if dim == i else i if dim == j else dim)
+    if isinstance(recipe, Interleaved):
+        if dim == recipe.dim:
+            return recipe.n
+        inner = _extent(recipe.part, dim if dim < recipe.dim else recipe.dim if dim == recipe.dim + 1 else dim - 1)
+        return inner // recipe.n if dim == recipe.dim + 1 and inner is not None else inner
+    if isinstance(recipe, MXFP4):
+        return None
+    if isinstance(recipe, OneOf):
+        return _extent(recipe.parts[0], dim)
+    if isinstance(recipe, Copies):
+        return _extent(recipe.part, dim)
     if isinstance(recipe, Unflatten):
         if dim == 0:
             return recipe.n
@@ -235,3 +349,13 @@ def assemble(pieces: list[tuple[tuple[int, int] | None, torch.Tensor]], name: st
             raise RecipeError(f"{name}: the recipes do not cover its rows exactly once")
         end = rows[1]
     return torch.cat([t for _, t in ordered])
+
+
+def unmaterialize(recipes: Mapping[str, Recipe], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`materialize`: every HF tensor the recipes cut from ptdp's full ``tensors`` (the
+    whole-model export; ``ptdp.hf.streamed`` does the same one parameter at a time)."""
+    pieces: dict[str, list] = {}
+    for name, recipe in recipes.items():
+        for hf_name, rows, value in scatter(recipe, tensors[name]):
+            pieces.setdefault(hf_name, []).append((rows, value))
+    return {hf_name: assemble(parts, hf_name) for hf_name, parts in pieces.items()}

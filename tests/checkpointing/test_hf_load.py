@@ -6,6 +6,7 @@ into HF's sharded layout, which transformers loads."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -48,36 +49,137 @@ def hf_model(directory, kind: str = "llama"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64, initializer_range=0.1,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))
+    elif kind == "gpt_oss":  # sinks, biases everywhere, 4 experts with interleaved gate/up columns, h = f = 32
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **{**common, "intermediate_size": 32}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    elif kind == "deepseek_v3":  # MLA, a dense layer then 4 sigmoid-routed experts in 2 groups, a shared expert
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **{**common, "num_attention_heads": 4, "num_key_value_heads": 4}, moe_intermediate_size=16,
+            n_shared_experts=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=8,
+            qk_nope_head_dim=8, rms_norm_eps=1e-6))
     else:  # Qwen2-MoE: 4 experts, top 2 without renormalising, a gated shared expert, QKV biases
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True))
-    with torch.no_grad():  # HF starts biases and Gemma's (1 + w) norms at zero: random ones, so that a misplaced
-        for name, param in model.named_parameters():  # bias or norm shows
-            if name.endswith(".bias") or name.endswith("norm.weight") or ".ln_" in name:
+    with torch.no_grad():  # HF starts biases, sinks, DeepSeek's expert bias and Gemma's (1 + w) norms at zero:
+        for name, param in model.named_parameters():  # random ones, so that a misplaced one shows
+            if name.endswith((".bias", "_bias", "norm.weight", "sinks")) or ".ln_" in name:
                 param.add_(torch.randn_like(param) * 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
     model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
 
 
+def _rewrite_shards(directory, change) -> None:
+    """Every shard's tensors through ``change(tensors) -> tensors``, the index following the new names."""
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = change(safetensors_torch.load_file(str(directory / file)))
+        safetensors_torch.save_file(tensors, str(directory / "rewritten.tmp"), metadata={"format": "pt"})
+        (directory / "rewritten.tmp").replace(directory / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    index_file.write_text(json.dumps({**index, "weight_map": weight_map}))
+
+
+def quantize_experts(directory) -> None:
+    """A GPT-OSS directory with its experts as the published checkpoints hold them: MXFP4 blocks and scales
+    (random codes, scales around 2^-4) in place of ``gate_up_proj``/``down_proj``."""
+    def change(tensors):
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            e, rows_in, cols = tensors.pop(name).shape  # [E, in, out]: the blocks hold [E, out, in / 32, 16]
+            g = torch.Generator().manual_seed(len(name) + cols)
+            tensors[name + "_blocks"] = torch.randint(0, 256, (e, cols, rows_in // 32, 16), generator=g,
+                                                      dtype=torch.uint8)
+            tensors[name + "_scales"] = torch.randint(121, 126, (e, cols, rows_in // 32), generator=g,
+                                                      dtype=torch.uint8)
+        return tensors
+
+    _rewrite_shards(directory, change)
+
+
+def add_mtp_module(directory, layers: int = 2) -> None:
+    """DeepSeek-V3's files with one MTP module at layer ``layers`` (``num_nextn_predict_layers`` 1): its
+    transformer layer (the last layer's tensors, moved a little), its norms and projection, and the copies
+    of the embedding and head DeepSeek's files repeat in it; in one more shard."""
+    tensors = {}
+    for file in directory.glob("model-*.safetensors"):
+        tensors.update(safetensors_torch.load_file(str(file)))
+    g = torch.Generator().manual_seed(5)
+    last, mtp, h = f"model.layers.{layers - 1}.", f"model.layers.{layers}.", tensors["model.norm.weight"].shape[0]
+    module = {mtp + n.removeprefix(last): v + 0.1 * torch.randn(v.shape, generator=g)
+              for n, v in tensors.items() if n.startswith(last)}
+    module.update({mtp + "enorm.weight": 1 + torch.randn(h, generator=g) * 0.3,
+                   mtp + "hnorm.weight": 1 + torch.randn(h, generator=g) * 0.3,
+                   mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 0.1,
+                   mtp + "shared_head.norm.weight": 1 + torch.randn(h, generator=g) * 0.3,
+                   mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                   mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    safetensors_torch.save_file(module, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update(dict.fromkeys(module, "model-mtp.safetensors"))
+    index_file.write_text(json.dumps(index))
+    config = json.loads((directory / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+
+
+# (HF kind, MXFP4 experts / an MTP module, layout) of the two-rank pairs: import + --load against --load HF_DIR
+PAIRS = {"qwen3_moe-e2": ("qwen3_moe", ["--expert-model-parallel-size", "2"]),
+         "qwen2_moe-t2": ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
+         "gemma3-t2": ("gemma3", ["--tensor-model-parallel-size", "2"]),
+         "gpt2-t2": ("gpt2", ["--tensor-model-parallel-size", "2"]),
+         "gpt_oss-t2-e2": ("gpt_oss", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                       "--expert-tensor-parallel-size", "1"]),  # its expert biases need etp = 1
+         "gpt_oss-zero3": ("gpt_oss", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
+         "deepseek_v3-t2": ("deepseek_v3", ["--tensor-model-parallel-size", "2"])}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """An HF Llama directory, its import, and four runs: --load of each, at t = 4, and at p = 2 with d = 2
-    under ZeRO-3 (the weights loaded as flat pieces, ``checkpointing/sharded.py``'s boxes)."""
+    under ZeRO-3 (the weights loaded as flat pieces, ``checkpointing/sharded.py``'s boxes); and for each of
+    :data:`PAIRS` the same two runs on two ranks. GPT-OSS's directory holds its experts as MXFP4 blocks and
+    scales, DeepSeek-V3's an MTP module. All in one pool of ranks."""
     tmp_path = tmp_path_factory.mktemp("hf_load")
     hf_model(tmp_path / "hf")
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
-    shape = [*train_flags(cfg, moe).split(), *RUN]
+    shape = [*shlex.split(train_flags(cfg, moe)), *RUN]
     t4 = ["--tensor-model-parallel-size", "4"]  # pads 257 to 384 rows, as the import did
     z3 = ["--pipeline-model-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"]
-    runs = run_layouts(tmp_path / "runs", {
-        "import_t4": (4, [*t4, "--load", str(tmp_path / "ckpt")]),
-        "direct_t4": (4, [*t4, "--load", str(tmp_path / "hf")]),
-        "import_z3": (4, [*z3, "--load", str(tmp_path / "ckpt")]),
-        "direct_z3": (4, [*z3, "--load", str(tmp_path / "hf")]),
-    }, base=shape)
-    return tmp_path, runs
+    plan = {"import_t4": (4, [*shape, *t4, "--load", str(tmp_path / "ckpt")]),
+            "direct_t4": (4, [*shape, *t4, "--load", str(tmp_path / "hf")]),
+            "import_z3": (4, [*shape, *z3, "--load", str(tmp_path / "ckpt")]),
+            "direct_z3": (4, [*shape, *z3, "--load", str(tmp_path / "hf")])}
+    for kind in dict.fromkeys(k for k, _ in PAIRS.values()):
+        hf_model(tmp_path / kind, kind)
+        if kind == "gpt_oss":
+            quantize_experts(tmp_path / kind)
+        if kind == "deepseek_v3":
+            add_mtp_module(tmp_path / kind)
+        _, cfg, moe = import_hf_model(tmp_path / kind, tmp_path / f"{kind}-ckpt")
+        assert kind != "deepseek_v3" or cfg.mtp_num_layers == 1
+        flags = [*shlex.split(train_flags(cfg, moe)), *RUN]
+        for name, (of, layout) in PAIRS.items():
+            if of == kind:
+                plan[f"import_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / f"{kind}-ckpt")])
+                plan[f"direct_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / kind)])
+    return tmp_path, run_layouts(tmp_path / "runs", plan, base=[])
+
+
+def _assert_same_run(direct, imported, what) -> None:
+    assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
+        [(r["loss"], r["grad_norm"]) for r in imported.records] != [], what
+    assert direct.weights.keys() == imported.weights.keys(), what
+    for name, value in imported.weights.items():
+        assert torch.equal(direct.weights[name], value), (what, name)
 
 
 def test_load_hf_dir_at_t4_equals_import_then_load(trained):
@@ -85,32 +187,19 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
     d = 2 with ZeRO-3."""
     _, runs = trained
     for layout in ("t4", "z3"):
-        direct, imported = runs[f"direct_{layout}"], runs[f"import_{layout}"]
-        assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
-            [(r["loss"], r["grad_norm"]) for r in imported.records] != []
-        assert direct.weights.keys() == imported.weights.keys()
-        for name, value in imported.weights.items():
-            assert torch.equal(direct.weights[name], value), (layout, name)
+        _assert_same_run(runs[f"direct_{layout}"], runs[f"import_{layout}"], layout)
 
 
-@pytest.mark.parametrize("kind,layout", [("qwen3_moe", ["--expert-model-parallel-size", "2"]),
-                                         ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
-                                         ("gemma3", ["--tensor-model-parallel-size", "2"]),
-                                         ("gpt2", ["--tensor-model-parallel-size", "2"])])
-def test_hf_dir_on_two_ranks_equals_import_then_load(tmp_path, kind, layout):
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_hf_dir_on_two_ranks_equals_import_then_load(trained, name):
     """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
     shared expert and experts split by tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
-    embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights): bit for bit as the import."""
-    hf_model(tmp_path / "hf", kind)
-    _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
-    runs = run_layouts(tmp_path / "runs", {"import": (2, [*layout, "--load", str(tmp_path / "ckpt")]),
-                                           "direct": (2, [*layout, "--load", str(tmp_path / "hf")])},
-                       base=[*train_flags(cfg, moe).split(), *RUN])
-    direct, imported = runs["direct"], runs["import"]
-    assert [(r["loss"], r["grad_norm"]) for r in direct.records] == \
-        [(r["loss"], r["grad_norm"]) for r in imported.records] != []
-    for name, value in imported.weights.items():
-        assert torch.equal(direct.weights[name], value), name
+    embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights); GPT-OSS from MXFP4 blocks at t = 2
+    with e = 2 folded (its heads' sinks and QKV biases, two whole experts a rank) and under ZeRO-3 over d = 2
+    (flat pieces cut through the interleaved gate/up rows); DeepSeek-V3 at t = 2 with its MTP module: bit for
+    bit as the import."""
+    _, runs = trained
+    _assert_same_run(runs[f"direct_{name}"], runs[f"import_{name}"], name)
 
 
 def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers(trained, capsys):
@@ -257,7 +346,8 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
         assert torch.equal(got[name][:rows], value[:rows]) and not got[name][rows:].any(), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3", "gpt2", "gpt_oss",
+                                  "deepseek_v3"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
@@ -282,7 +372,7 @@ def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, capsys, damage, fr
     first case as a real ``ptdp train`` process, the others through the same ``main`` in this process)."""
     hf_model(tmp_path / "hf")
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
-    flags = [*train_flags(cfg, moe).split(), *RUN]
+    flags = [*shlex.split(train_flags(cfg, moe)), *RUN]
     index_file = tmp_path / "hf" / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
     if damage == "missing_shard":
@@ -333,3 +423,52 @@ def test_transpose_and_unflatten_read_any_box_and_scatter_back():
     for name, recipe in recipes.items():
         (hf_name, rows, value), = scatter(recipe, full[name])
         assert rows is None and torch.equal(value, hf[hf_name]), name
+
+
+def test_an_mxfp4_box_decodes_only_its_rows_and_blocks():
+    """GPT-OSS's expert recipe over MXFP4 files: tensor rank 1 of 2's box of ``fc1_weight [E, 2, f, h]``
+    (rows f/2..f of gate and of up) reads blocks and scales rows ``[f, 2f)`` of the interleaved ``2f`` only,
+    and a box of columns only the 32-value blocks it touches; both equal the whole tensor's slice, which is
+    the unquantized layout's (``transformers``' dequantization: ``test_gpt_oss.py``). Export (``scatter``)
+    writes the unquantized tensor."""
+    from ptdp.models.gpt_oss.hf import gpt_oss_recipes
+    from ptdp.models.hf_recipe import materialize, read_box, scatter
+    from ptdp.models.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    e, f, h = 2, 8, 64  # two 32-value blocks per row of gate_up
+    layer = "model.layers.0.mlp.experts.gate_up_proj"
+    hf = {layer + "_blocks": torch.randint(0, 256, (e, 2 * f, h // 32, 16), generator=g, dtype=torch.uint8),
+          layer + "_scales": torch.randint(120, 130, (e, 2 * f, h // 32), generator=g, dtype=torch.uint8)}
+    cfg = transformers_free_config(h, f, e)
+    recipe = gpt_oss_recipes(*cfg, 8)["layers.0.mlp.experts.fc1_weight"]
+    shapes = {name: tuple(t.shape) for name, t in hf.items()}
+    reads = []
+
+    def fetch(name, box):
+        reads.append((name, box))
+        return hf[name][tuple(slice(a, b) for a, b in box)]
+
+    whole = materialize({"fc1": recipe}, hf)["fc1"]
+    unquantized = dequantize_mxfp4(hf[layer + "_blocks"], hf[layer + "_scales"])  # HF's [E, h, 2f]
+    assert torch.equal(whole, torch.stack([unquantized[..., 0::2], unquantized[..., 1::2]], 1).transpose(2, 3))
+    box = ((0, e), (0, 2), (f // 2, f), (0, h))
+    assert torch.equal(read_box(recipe, box, shapes, fetch), whole[:, :, f // 2:])
+    assert reads == [(layer + "_blocks", ((0, e), (f, 2 * f), (0, 2), (0, 16))),
+                     (layer + "_scales", ((0, e), (f, 2 * f), (0, 2)))]
+    reads.clear()
+    assert torch.equal(read_box(recipe, ((1, 2), (1, 2), (0, f), (40, 50)), shapes, fetch), whole[1:, 1:, :, 40:50])
+    assert [box[-2:] if "blocks" in name else box[-1:] for name, box in reads] == [((1, 2), (0, 16)), ((1, 2),)]
+    (name, rows, value), = scatter(recipe, whole)
+    assert name == layer and rows is None and torch.equal(value, unquantized)
+
+
+def transformers_free_config(h: int, f: int, e: int):
+    """The GPT-OSS flags of a one-layer model with ``e`` experts of width ``f`` (for its recipes alone)."""
+    from ptdp.models.gpt_oss.hf import gpt_oss_model
+
+    return gpt_oss_model({"vocab_size": 8, "hidden_size": h, "intermediate_size": f, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": e,
+                          "num_experts_per_tok": 1, "sliding_window": 4, "layer_types": ["full_attention"],
+                          "max_position_embeddings": 64, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 1e4}})

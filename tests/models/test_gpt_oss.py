@@ -83,6 +83,7 @@ def _tokens() -> torch.Tensor:
 
 def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
     hf = hf_model(tmp_path / "hf")
+    _assert_import_equals_the_layout_formulas(hf)
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
     assert (cfg.window_size, cfg.window_attn_skip_freq, cfg.softmax_type, cfg.quick_geglu) == (W, "2", "learnable", True)
     assert (cfg.glu_linear_offset, cfg.activation_func_clamp_value, cfg.add_bias_linear) == (1.0, 1.0, True)
@@ -119,7 +120,7 @@ def _mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 def test_mxfp4_dequantizes_as_transformers_does():
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
-    from ptdp.models.gpt_oss.mxfp4 import dequantize_mxfp4
+    from ptdp.models.mxfp4 import dequantize_mxfp4
 
     blocks, scales = _mxfp4((3, 10, 2), 0)
     want = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
@@ -155,6 +156,26 @@ def test_an_mxfp4_checkpoint_imports_its_dequantized_experts(tmp_path):
     assert from_blocks.keys() == from_dense.keys()
     for name, value in from_dense.items():
         assert torch.equal(from_blocks[name], value), name
+
+
+def _assert_import_equals_the_layout_formulas(hf) -> None:
+    """The recipe import, bit for bit as the formulas of HF's layout: the QKV bias fused per key/value
+    group, ``gate_up_proj``'s even columns the gate and odd the up, each expert's matrices transposed."""
+    from ptdp.models.gpt_oss.hf import read_gpt_oss
+
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    _, _, got = read_gpt_oss(hf.config.to_dict(), state)
+    for i in range(len(KINDS)):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}.self_attn."
+        q, k, v = (state[f"{theirs}{x}_proj.bias"].view(2, -1) for x in "qkv")  # 2 groups of 2 query heads
+        gate_up, bias = state[f"model.layers.{i}.mlp.experts.gate_up_proj"], state[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"]
+        want = {"attention.qkv.bias": torch.cat([q, k, v], 1).flatten(),
+                "mlp.experts.fc1_weight": torch.stack([gate_up[..., 0::2], gate_up[..., 1::2]], 1).transpose(2, 3),
+                "mlp.experts.fc1_bias": torch.stack([bias[..., 0::2], bias[..., 1::2]], 1),
+                "mlp.experts.fc2_weight": state[f"model.layers.{i}.mlp.experts.down_proj"].transpose(1, 2),
+                "attention.sinks.weight": state[theirs + "sinks"]}
+        for name, value in want.items():
+            assert torch.equal(got[ours + name], value), (i, name)
 
 
 @pytest.mark.parametrize("field,value", [("swiglu_alpha", 1.5),

@@ -38,6 +38,8 @@ MODEL_FLAGS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head
                "original_max_position_embeddings", "beta_fast", "beta_slow", "mtp_num_layers")
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import torch
 
 P = hf_llama.HF_PREFIX
@@ -121,17 +123,26 @@ def deepseek_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dic
     """Per ptdp parameter, its recipe over ``DeepseekV3ForCausalLM`` tensors in the per-expert layout
     (``ptdp.models.hf_recipe``): the embedding and untied head padded with zero rows to ``padded_vocab``, the
     MLA tensors and norms taken as they are, each fc1 stacking (gate, up), the experts stacked as Mixtral's,
-    the MTP modules' own tensors."""
-    from ptdp.models.hf_recipe import Cat, Stack, Take, Zeros
+    the MTP modules' own tensors. The MTP modules' copies of the embedding and head (DeepSeek's files hold
+    them again in each module's layer) are ``Copies``: never read, written on export. A router without an
+    expert bias has no recipe for it (HF starts a missing ``e_score_correction_bias`` at zero)."""
+    from ptdp.models.hf_recipe import Cat, Copies, Stack, Take, Zeros
 
     vocab, h = cfg.vocab_size, cfg.hidden_size
     pad = (Zeros((padded_vocab - vocab, h)),) if padded_vocab > vocab else ()
-    out: dict = {hf_llama.EMBEDDING: Cat((Take(P + "embed_tokens.weight"), *pad)),
+    mtp = [f"{P}layers.{cfg.num_layers + k}." for k in range(cfg.mtp_num_layers or 0)]
+    embeds, heads = tuple(m + "embed_tokens.weight" for m in mtp), tuple(m + "shared_head.head.weight" for m in mtp)
+    untied = cfg.untie_embeddings_and_output_weights
+    out: dict = {hf_llama.EMBEDDING: Cat((Copies(Take(P + "embed_tokens.weight"), embeds + (() if untied else heads)),
+                                          *pad)),
                  "final_layernorm.weight": Take(P + "norm.weight")}
-    if cfg.untie_embeddings_and_output_weights:
-        out[hf_llama.LM_HEAD] = Cat((Take(hf_llama.LM_HEAD), *pad))
+    if untied:
+        out[hf_llama.LM_HEAD] = Cat((Copies(Take(hf_llama.LM_HEAD), heads), *pad))
     for ours, theirs, sparse in _layers(cfg, moe):
-        out.update({name: Take(hf_name) for name, hf_name in _layer_names(cfg, ours, theirs, sparse).items()})
+        names = _layer_names(cfg, ours, theirs, sparse)
+        if not moe.moe_router_enable_expert_bias:
+            names.pop(ours + "mlp.router.expert_bias", None)
+        out.update({name: Take(hf_name) for name, hf_name in names.items()})
         mlp = theirs + ("mlp.shared_experts." if sparse else "mlp.")
         fc1 = ours + ("mlp.shared_expert.fc1.weight" if sparse else "mlp.fc1.weight")
         out[fc1] = Stack((Take(mlp + "gate_proj.weight"), Take(mlp + "up_proj.weight")))
@@ -251,7 +262,7 @@ def model_config_from_hf(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return cfg, moe
 
 
-def with_mtp(cfg: ModelConfig, moe: MoEConfig, hf_config: dict, tensors: dict) -> ModelConfig:
+def with_mtp(cfg: ModelConfig, moe: MoEConfig, hf_config: dict, tensors: Collection[str]) -> ModelConfig:
     """``cfg`` with the MTP modules the checkpoint holds (``num_nextn_predict_layers`` of them, when their
     tensors are there: HF's random models have none)."""
     import dataclasses

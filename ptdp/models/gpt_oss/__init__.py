@@ -10,4 +10,5 @@ from ptdp.models.gpt_oss import hf
 GPT_OSS = ModelFamily(
     name="GPT-OSS", hf_model_type="gpt_oss", hf_architecture="GptOssForCausalLM", matches=hf.is_gpt_oss,
     read=hf.read_gpt_oss, write=hf.write_gpt_oss, hf_config=hf.gpt_oss_config,
-    presets=("gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"))
+    presets=("gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"), hf_model=hf.gpt_oss_model,
+    hf_recipes=hf.gpt_oss_recipes)

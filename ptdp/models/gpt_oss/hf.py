@@ -1,7 +1,9 @@
 """Hugging Face ``GptOssForCausalLM`` (``model_type`` gpt_oss) import and export.
 
-The Llama parts (embedding, untied head, RMSNorms, the fused QKV) convert through ``ptdp.models.llama.hf``,
-the q/k/v biases as Qwen2-MoE's (``ptdp.models.mixtral.hf``). GPT-OSS adds, by ptdp's flags:
+Per ptdp parameter a recipe over HF tensor names (``ptdp.models.hf_recipe``: :func:`gpt_oss_recipes`) that
+import evaluates whole, ``ptdp train --load HF_DIR`` over each rank's box and export backwards. The Llama
+parts (embedding, untied head, RMSNorms, the fused QKV and its bias, cut along the same rows) are
+``ptdp.models.llama.hf``'s recipes. GPT-OSS adds, by ptdp's flags:
 
 - ``self_attn.sinks [a]`` → ``attention.sinks.weight`` (``--softmax-type learnable``); ``attention_bias``: biases
   on q, k, v and o (Megatron's default biases: no ``--disable-bias-linear``);
@@ -13,9 +15,11 @@ the q/k/v biases as Qwen2-MoE's (``ptdp.models.mixtral.hf``). GPT-OSS adds, by p
 - every layer a mixture of experts with biases (``--moe-linear-bias``): ``mlp.router.weight``/``bias``,
   top-k of the logits then a softmax over the k (ptdp's default router); ``experts.gate_up_proj [E, h, 2f]``
   with the gate and up columns *interleaved* (gate = even columns) and its bias ``[E, 2f]`` likewise →
-  ``experts.fc1_weight [E, 2, f, h]`` / ``fc1_bias [E, 2, f]``; ``down_proj [E, f, h]`` and its bias →
-  ``fc2_weight [E, h, f]`` / ``fc2_bias``; the published checkpoints' MXFP4 ``*_blocks``/``*_scales`` are
-  dequantized (``ptdp.models.gpt_oss.mxfp4``); export writes the unquantized fp32 tensors;
+  ``experts.fc1_weight [E, 2, f, h]`` / ``fc1_bias [E, 2, f]`` (the recipe ops ``Transpose`` of each expert's
+  matrix and ``Interleaved``: a rank's rows f read only their columns); ``down_proj [E, f, h]`` and its bias
+  → ``fc2_weight [E, h, f]`` / ``fc2_bias``; the published checkpoints' MXFP4 ``*_blocks``/``*_scales``
+  are dequantized where the unquantized tensor is absent (``OneOf`` … ``MXFP4``: only the rows a rank
+  reads, ``ptdp.models.mxfp4``); export writes the unquantized fp32 tensors;
 - the experts' activation: ``(up + 1) · g·sigmoid(α·g)`` after clamping g to ≤ limit and up to ±limit:
   ``--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value limit`` (α = 1.702 only).
 
@@ -32,7 +36,6 @@ from ptdp.config import ConfigError, ModelConfig, MoEConfig
 from ptdp.config.validate_window import window_layers
 from ptdp.models.gemma3.hf import FULL, SLIDING, window_pattern
 from ptdp.models.llama import hf as llama
-from ptdp.models.mixtral.hf import _bias_cfg, _fuse_qkv_bias
 
 if TYPE_CHECKING:
     import torch
@@ -121,80 +124,54 @@ def _config(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return cfg, moe
 
 
-def _experts(hf: dict, layer: str, name: str, take) -> torch.Tensor:
-    """HF's ``experts.<name>`` [E, in, out], from the unquantized tensor or its MXFP4 blocks and scales."""
-    from ptdp.models.gpt_oss.mxfp4 import dequantize_mxfp4
+def gpt_oss_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
+    """Per ptdp parameter, its recipe over ``GptOssForCausalLM`` tensors: Llama's (without the MLP) and the
+    QKV bias cut like the QKV weight; the sinks, router and expert biases taken as they are; each expert's
+    ``gate_up_proj [h, 2f]`` transposed and its interleaved gate/up columns viewed as ``[2, f]``, from the
+    unquantized tensor or else from its MXFP4 blocks and scales (rows ``2f`` already, no transpose)."""
+    from ptdp.models.hf_recipe import MXFP4, Interleaved, OneOf, Take, Transpose
 
-    full = f"{layer}mlp.experts.{name}"
-    if full in hf:
-        return hf[full]
-    blocks = take(full + "_blocks")
-    try:
-        return dequantize_mxfp4(blocks, take(full + "_scales"))
-    except ValueError as e:
-        raise GptOssConversionError(f"--in: {full}: {e}") from None
-
-
-def read_gpt_oss(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    import torch
-
-    cfg, moe = _config(hf_config)
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise GptOssConversionError(f"--in: the checkpoint has no tensor {name}; is it a GPT-OSS model?")
-        return hf[name]
-
-    dense = {k: v for k, v in hf.items() if ".mlp." not in k}
-    for i in range(cfg.num_layers):  # placeholders for the Llama converter's MLP (dropped below)
-        for x in ("gate", "up", "down"):
-            dense[f"{P}layers.{i}.mlp.{x}_proj.weight"] = torch.empty(0)
-    out = llama.from_hf_state(dense, _plain(cfg))
+    out = llama.hf_recipes(_plain(cfg), padded_vocab)
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"{P}layers.{i}."
         del out[ours + "mlp.fc1.weight"], out[ours + "mlp.fc2.weight"]
         if cfg.add_bias_linear:
-            out[ours + "attention.qkv.bias"] = _fuse_qkv_bias(
-                [take(f"{theirs}self_attn.{x}_proj.bias") for x in "qkv"], cfg)
-            out[ours + "attention.proj.bias"] = take(theirs + "self_attn.o_proj.bias")
-        out[ours + "attention.sinks.weight"] = take(theirs + "self_attn.sinks")
-        out[ours + "mlp.router.weight"] = take(theirs + "mlp.router.weight")
-        out[ours + "mlp.router.bias"] = take(theirs + "mlp.router.bias")
-        gate_up = _experts(hf, theirs, "gate_up_proj", take).float()  # [E, h, 2f], gate/up interleaved
-        bias = take(theirs + "mlp.experts.gate_up_proj_bias").float()
-        out[ours + "mlp.experts.fc1_weight"] = torch.stack([gate_up[..., 0::2], gate_up[..., 1::2]], 1).transpose(2, 3)
-        out[ours + "mlp.experts.fc1_bias"] = torch.stack([bias[..., 0::2], bias[..., 1::2]], 1)
-        out[ours + "mlp.experts.fc2_weight"] = _experts(hf, theirs, "down_proj", take).float().transpose(1, 2)
-        out[ours + "mlp.experts.fc2_bias"] = take(theirs + "mlp.experts.down_proj_bias")
-    return cfg, moe, {k: v.to(torch.float32).contiguous() for k, v in out.items()}
+            out[ours + "attention.qkv.bias"] = llama.qkv_recipe(cfg, theirs, "bias")
+            out[ours + "attention.proj.bias"] = Take(theirs + "self_attn.o_proj.bias")
+        out[ours + "attention.sinks.weight"] = Take(theirs + "self_attn.sinks")
+        out[ours + "mlp.router.weight"] = Take(theirs + "mlp.router.weight")
+        out[ours + "mlp.router.bias"] = Take(theirs + "mlp.router.bias")
+        gate_up, down = (f"{theirs}mlp.experts.{x}" for x in _EXPERTS)
+        out[ours + "mlp.experts.fc1_weight"] = Interleaved(OneOf((
+            Transpose(Take(gate_up), (1, 2)), MXFP4(gate_up + "_blocks", gate_up + "_scales"))), 2, dim=1)
+        out[ours + "mlp.experts.fc1_bias"] = Interleaved(Take(gate_up + "_bias"), 2, dim=1)
+        out[ours + "mlp.experts.fc2_weight"] = OneOf((Transpose(Take(down), (1, 2)),
+                                                      MXFP4(down + "_blocks", down + "_scales")))
+        out[ours + "mlp.experts.fc2_bias"] = Take(down + "_bias")
+    return out
+
+
+def gpt_oss_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """ptdp's model and MoE flags for a GPT-OSS ``config.json`` (``ptdp train --load HF_DIR``)."""
+    return _config(hf_config)
+
+
+def read_gpt_oss(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
+    """The flags and ptdp tensors of a GPT-OSS checkpoint: :func:`gpt_oss_recipes` evaluated whole."""
+    cfg, moe = _config(hf_config)
+    tensors = llama.import_state(lambda padded: gpt_oss_recipes(cfg, moe, padded), hf, cfg,
+                                 lambda e: GptOssConversionError(f"--in: {e}; is it a GPT-OSS model?"))
+    return cfg, moe, tensors
 
 
 def write_gpt_oss(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
+    """ptdp's full tensors as HF's (unquantized): the recipes run backwards."""
     import torch
 
-    dense = dict(tensors)
-    h = cfg.hidden_size
-    for i in range(cfg.num_layers):  # placeholders for the Llama converter's MLP (dropped below)
-        dense[f"layers.{i}.mlp.fc1.weight"] = torch.zeros(2, 1, h)
-        dense[f"layers.{i}.mlp.fc2.weight"] = torch.zeros(h, 1)
-    out = llama.to_hf_state(dense, _plain(cfg))
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}.", f"{P}layers.{i}."
-        for x in ("gate", "up", "down"):
-            del out[f"{theirs}mlp.{x}_proj.weight"]
-        if cfg.add_bias_linear:
-            q, k, v = llama._split_qkv(tensors[ours + "attention.qkv.bias"].unsqueeze(-1), _bias_cfg(cfg))
-            out.update({f"{theirs}self_attn.{x}_proj.bias": b.reshape(-1) for x, b in zip("qkv", (q, k, v))})
-            out[theirs + "self_attn.o_proj.bias"] = tensors[ours + "attention.proj.bias"]
-        out[theirs + "self_attn.sinks"] = tensors[ours + "attention.sinks.weight"]
-        out[theirs + "mlp.router.weight"] = tensors[ours + "mlp.router.weight"]
-        out[theirs + "mlp.router.bias"] = tensors[ours + "mlp.router.bias"]
-        fc1, b1 = tensors[ours + "mlp.experts.fc1_weight"], tensors[ours + "mlp.experts.fc1_bias"]
-        out[theirs + "mlp.experts.gate_up_proj"] = fc1.transpose(2, 3).permute(0, 2, 3, 1).flatten(2)
-        out[theirs + "mlp.experts.gate_up_proj_bias"] = b1.transpose(1, 2).flatten(1)
-        out[theirs + "mlp.experts.down_proj"] = tensors[ours + "mlp.experts.fc2_weight"].transpose(1, 2)
-        out[theirs + "mlp.experts.down_proj_bias"] = tensors[ours + "mlp.experts.fc2_bias"]
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    from ptdp.models.hf_recipe import unmaterialize
+
+    recipes = gpt_oss_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
 
 
 def gpt_oss_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:

@@ -143,10 +143,6 @@ def _bias_cfg(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, hidden_size=1, kv_channels=cfg.head_dim)  # a bias is a weight with h = 1
 
 
-def _fuse_qkv_bias(biases: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    return hf_llama._fuse_qkv(*(b.unsqueeze(-1) for b in biases), _bias_cfg(cfg)).squeeze(-1)
-
-
 def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, kind: str) -> dict[str, torch.Tensor]:
     """ptdp full tensors -> HF tensors in the per-expert layout (Mixtral's ``block_sparse_moe`` names)."""
     import torch
