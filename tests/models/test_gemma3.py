@@ -159,12 +159,11 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (2, {"reset_attention_mask": True, "context_parallel_size": 2},
-     "--window-size with --reset-attention-mask under --context-parallel-size > 1 is not supported yet"),
+    (1, {"window_size": 0}, "--window-size must be a positive integer"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])
 def test_windows_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):
-    errors = _errors(world, window_size=4, **overrides)
+    errors = _errors(world, **{"window_size": 4, **overrides})
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 
