@@ -59,17 +59,14 @@ def window_errors(config: Config) -> list[str]:
         window_layers(m)
     except ValueError as e:
         errors.append(str(e))
-    if config.data.reset_attention_mask and config.parallel.context_parallel_size > 1:
-        errors.append("--window-size with --reset-attention-mask under --context-parallel-size > 1 is not "
-                      "supported yet (one process runs the windows inside each document)")
     if m.multi_latent_attention:
         errors.append("--window-size with --multi-latent-attention is not supported")
     return errors
 
 
 def _softcap_errors(config: Config) -> list[str]:
-    """Gemma 2's soft-capping: the one-process attention core and the output logits compute it; the
-    context-parallel cores, multi-latent attention and the vocabulary-parallel output passes do not."""
+    """Gemma 2's soft-capping: the attention cores (one process and context-parallel) and the output logits
+    compute it; multi-latent attention and the vocabulary-parallel output passes do not."""
     m, par = config.model, config.parallel
     errors = []
     for flag, cap in (("--attn-logit-softcapping", m.attn_logit_softcapping),
@@ -77,9 +74,6 @@ def _softcap_errors(config: Config) -> list[str]:
         if cap is not None and not cap > 0:
             errors.append(f"{flag} must be > 0, got {cap}")
     if m.attn_logit_softcapping is not None:
-        if par.context_parallel_size > 1:
-            errors.append("--attn-logit-softcapping with --context-parallel-size > 1 is not supported yet (the "
-                          "context-parallel attention has no capped scores)")
         if m.multi_latent_attention:
             errors.append("--attn-logit-softcapping with --multi-latent-attention is not supported")
     if m.final_logit_softcapping is not None and par.enable_vocab_parallel:
@@ -98,9 +92,6 @@ def _gpt_oss_errors(config: Config) -> list[str]:
     if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
         errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
     if m.softmax_type != "vanilla":
-        if config.data.reset_attention_mask and par.context_parallel_size > 1:
-            errors.append(f"--softmax-type {m.softmax_type} with --reset-attention-mask under "
-                          "--context-parallel-size > 1 is not supported yet (one process runs it per document)")
         if m.multi_latent_attention:
             errors.append(f"--softmax-type {m.softmax_type} with --multi-latent-attention is not supported")
     if config.moe.moe_linear_bias:

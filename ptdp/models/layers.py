@@ -29,6 +29,7 @@ from ptdp.ops.weight_grad import linear
 
 if TYPE_CHECKING:
     from ptdp.config import ModelConfig
+    from ptdp.ops.flex_window import FlexWindow
 
 RngContext = Callable[[], contextlib.AbstractContextManager]  # e.g. the tensor-parallel RNG tracker's fork
 
@@ -165,6 +166,9 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.window = window
         self.softcap = softcap  # --attn-logit-softcapping: explicit scores (the tiles), never SDPA
+        # the kernel of windowed / sink / capped attention chosen at start-up (ptdp.ops.flex_window); None: the
+        # exact tiles below, the CPU's path and the reference
+        self.kernel: FlexWindow | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                 documents: DocumentLayout | None = None, scale: float | None = None,
@@ -173,6 +177,11 @@ class CausalAttention(nn.Module):
         ``--softmax-scale``); ``sinks [heads]``: one more logit per head in the softmax (``--softmax-type``,
         ``ptdp.models.sinks``)."""
         capped = self.softcap is not None
+        if (self.kernel is not None and (self.window is not None or sinks is not None or capped)
+                and self.kernel.applies(q, k, v, dropout_p)):
+            inside = masks_attention(documents)
+            return self.kernel(q, k, v, self.window, documents.bounds if inside else None,
+                               documents.cache if inside else None, scale=scale, sinks=sinks, softcap=self.softcap)
         if masks_attention(documents):
             if self.window is not None or sinks is not None or capped:  # the windows (sinks) inside each document
                 return document_window_attention(q, k, v, self.window, documents.bounds, scale=scale, sinks=sinks,
@@ -184,6 +193,15 @@ class CausalAttention(nn.Module):
         if sinks is not None:
             return sink_attention(q, k, v, sinks, None, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+
+
+def use_window_kernel(modules: list[nn.Module], kernel: FlexWindow | None) -> None:
+    """Every one-process attention core of ``modules`` (model chunks) runs its windowed / sink / capped
+    attention through ``kernel`` (None: the exact tiles). Context parallelism's cores keep their own paths."""
+    for chunk in modules:
+        for module in chunk.modules():
+            if type(module) is CausalAttention:
+                module.kernel = kernel
 
 
 class CrossEntropy(nn.Module):

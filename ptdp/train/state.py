@@ -22,8 +22,10 @@ from ptdp.data.documents import DocumentOptions
 from ptdp.data.train_stream import TrainStream
 from ptdp.data.training_data import datasets_for_config, model_vocab_size
 from ptdp.models import GPTModel
+from ptdp.models.layers import use_window_kernel
 from ptdp.observability.timeline import Timeline
 from ptdp.ops.document_attention import select_document_attention
+from ptdp.ops.flex_window import select_window_attention
 from ptdp.optim import MegatronOptimizer, setup_optimizer
 from ptdp.optim.memory import HeldStates
 from ptdp.parallel import init_distributed
@@ -97,6 +99,7 @@ def setup(config: Config) -> TrainState:
     padded = config.model.padded_vocab_size(vocab_size, plan.vocab_divisor)
     with phase("building the model"):  # rank 0 says so when it takes more than 2 s
         model = build_model_chunks(plan, vocab_size, padded)
+        window_kernel(config, plan, model.chunks)
     with phase("setting up the gradient buffers, the optimizer and the pipeline"):
         gradients = build_gradients(model, plan, tied_embedding_weights(model.chunks, plan.p))
         grads = gradients.reducer
@@ -105,6 +108,18 @@ def setup(config: Config) -> TrainState:
         comm = build_p2p(plan)
     return TrainState(config, plan, model.chunks, model.placements, data, grads, optimizer, assembly.actions(),
                       comm, assembly, batch_format(config, plan, data.tokenizer.eod_id))
+
+
+def window_kernel(config: Config, plan: ParallelPlan, chunks: list[nn.Module]) -> None:
+    """A model with sliding windows, sinks or capped scores: the kernel of that attention, chosen here, once
+    (``ptdp.ops.flex_window``), and rank 0's one line saying which."""
+    m = config.model
+    if not (m.window_size or m.softmax_type != "vanilla" or m.attn_logit_softcapping):
+        return
+    kernel, line = select_window_attention(plan.groups.device, plan.dtype, m.attention_dropout, m.head_dim)
+    use_window_kernel(chunks, kernel)
+    if plan.groups.rank == 0:
+        print(f" {line}", flush=True)
 
 
 def batch_format(config: Config, plan: ParallelPlan, eod: int) -> BatchFormat:

@@ -1,7 +1,8 @@
 """Gemma 3 text (``Gemma3ForCausalLM``), imported from a random Hugging Face model built here (no hub): 4 layers,
 three of them sliding windows of 8 tokens and one global, at a sequence of 32 -- so the windows bite. Import
 gives HF's logits, export loads back in ``transformers`` bit for bit, ``ptdp train`` in one process and at
-t = 2 with sequence parallelism and p = 2, and at c = 2 (p2p and all-to-all), equals ``transformers`` +
+t = 2 with sequence parallelism and p = 2, at c = 2 (p2p and all-to-all), under the interleaved, zero-bubble
+(ZB-H1, with ZeRO-3 at d = 2) and V (v-min) schedules, equals ``transformers`` +
 ``torch.optim.AdamW`` per iteration (loss and gradient norm) on the same batches, and the one-process run's final
 weights equal HF's. Also: the windowed attention core against a naive masked softmax, and the combinations the
 configuration refuses."""
@@ -34,7 +35,13 @@ LAYOUTS = {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-par
                             "--pipeline-model-parallel-size", "2"]),
            # the windows cross the CP chunks (8 tokens each): the windowed exchange, and Ulysses
            "c2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
-           "c2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])}
+           "c2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+           # the schedules beyond 1F1B (a window per virtual stage: one layer each) and ZeRO-3's gathered weights
+           "p2-interleaved": (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+                                  "2", "--pipeline-schedule", "interleaved"]),
+           "p2-zbh1-d2-zero3": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                    "--data-parallel-sharding-strategy", "optim_grads_params"]),
+           "p2-vmin": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "v-min"])}
 
 
 def hf_model(directory):
@@ -143,12 +150,11 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (2, {"reset_attention_mask": True, "context_parallel_size": 2},
-     "--window-size with --reset-attention-mask under --context-parallel-size > 1 is not supported yet"),
+    (1, {"window_size": 0}, "--window-size must be a positive integer"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])
 def test_windows_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):
-    errors = _errors(world, window_size=4, **overrides)
+    errors = _errors(world, **{"window_size": 4, **overrides})
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 

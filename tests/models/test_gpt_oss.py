@@ -240,8 +240,8 @@ def _errors(world: int, **overrides) -> list[str]:
 
 
 @pytest.mark.parametrize("world,overrides,line", [
-    (2, {"softmax_type": "learnable", "reset_attention_mask": True, "context_parallel_size": 2},
-     "--softmax-type learnable with --reset-attention"),
+    (1, {"softmax_type": "learnable", "multi_latent_attention": True},
+     "--softmax-type learnable with --multi-latent-attention"),
     (1, {"glu_linear_offset": 1.0}, "--glu-linear-offset and --activation-func-clamp-value act on a gated MLP"),
     (1, {"quick_geglu": True, "swiglu": True}, "--swiglu, --geglu and --quick-geglu are three MLPs"),
     (1, {"moe_linear_bias": True}, "--moe-linear-bias needs a mixture of experts"),

@@ -95,7 +95,7 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
 
 @pytest.mark.parametrize("world, overrides, line", [
     (1, {"attn_logit_softcapping": 0.0}, "--attn-logit-softcapping must be > 0"),
-    (2, {"attn_logit_softcapping": 5.0, "context_parallel_size": 2}, "--attn-logit-softcapping with --context-"),
+    (1, {"attn_logit_softcapping": 5.0, "multi_latent_attention": True}, "--attn-logit-softcapping with --multi-"),
     (2, {"final_logit_softcapping": 5.0, "pipeline_model_parallel_size": 2, "enable_vocab_parallel": True},
      "--final-logit-softcapping with --enable-vocab-parallel"),
 ])

@@ -2,7 +2,8 @@
 window mask intersected with the document mask. The core against a naive masked softmax (values and
 gradients), a packed sample through an imported random Gemma 3 against HF on each document alone, and the
 gradients of a packed batch against the same documents run one by one, and ``ptdp train`` on packed
-documents with windows and sinks at t = 2 + SP and p = 2 against one process."""
+documents with windows and sinks at t = 2 + SP, p = 2 and c = 2 (each ``--cp-comm-type``) against one process,
+and a Gemma-like model with capped scores at c = 2."""
 
 from __future__ import annotations
 
@@ -83,24 +84,21 @@ def test_a_packed_gemma3_sample_equals_its_documents_alone(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)  # fp32: sums in another order
 
 
-def test_one_process_accepts_windows_with_documents_and_context_parallelism_refuses_in_one_line():
+def test_windows_sinks_and_caps_with_documents_validate_under_context_parallelism():
     from ptdp.config import Config, validate
 
-    def errors(world: int, c: int) -> list[str]:
-        config = Config()
-        config.model.window_size, config.data.reset_attention_mask = 4, True
-        config.parallel.context_parallel_size = c
-        return validate(config, world)
-
-    assert not [e for e in errors(1, 1) if "--window-size" in e]
-    refused = [e for e in errors(2, 2) if e.startswith("--window-size with --reset-attention-mask")]
-    assert len(refused) == 1 and "\n" not in refused[0]
+    config = Config()
+    config.model.window_size, config.model.softmax_type, config.data.reset_attention_mask = 4, "learnable", True
+    config.model.attn_logit_softcapping, config.parallel.context_parallel_size = 5.0, 2
+    assert not [e for e in validate(config, 2) if "--window-size" in e or "--softmax-type" in e or "capping" in e]
 
 
-def test_packed_windowed_training_equals_one_process_in_tensor_and_pipeline_layouts(tmp_path):
-    """``ptdp train`` on a corpus of short documents with the three packing flags, windows of 3 on every other
-    layer and learned sinks: t = 2 with sequence parallelism and p = 2 give one process's losses and gradient
-    norms per iteration and its final weights; without the document mask the run differs."""
+def test_packed_windowed_training_equals_one_process_in_tensor_pipeline_and_context_layouts(tmp_path):
+    """``ptdp train`` on a corpus of short documents with the three packing flags. GPT-OSS-like: windows of 3 on
+    every other layer and learned sinks; t = 2 with sequence parallelism, p = 2 and c = 2 under each
+    ``--cp-comm-type`` give one process's losses and gradient norms per iteration and its final weights.
+    Gemma-like (windows, q/k norms, GeGLU, capped scores): c = 2 under p2p and all-gather equals its one
+    process. Without the document mask the run differs."""
     import numpy as np
     from helpers import TINY, assert_equivalent, run_layouts
 
@@ -112,13 +110,25 @@ def test_packed_windowed_training_equals_one_process_in_tensor_and_pipeline_layo
     for _ in range(300):  # documents of 1 to 12 tokens: a few per 16-token sample, some longer than the window
         writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 12))), ByteTokenizer.eod_id])
     writer.finalize()
-    flags = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0", "--window-size", "3",
-             "--window-attn-skip-freq", "2", "--softmax-type", "learnable", "--reset-position-ids", "--eod-mask-loss"]
+    data = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0", "--reset-position-ids",
+            "--eod-mask-loss", "--window-size", "3", "--window-attn-skip-freq", "2"]
+    flags = [*data, "--softmax-type", "learnable"]
     packed = [*flags, "--reset-attention-mask"]
+    gemma = [*data, "--reset-attention-mask", "--qk-layernorm", "--geglu", "--attn-logit-softcapping", "2.0",
+             "--position-embedding-type", "rope", "--local-rotary-base", "100"]
+
+    def cp(comm: str) -> list[str]:
+        return ["--context-parallel-size", "2", "--cp-comm-type", comm]
+
     runs = run_layouts(tmp_path / "runs", {
         "one": (1, packed), "unmasked": (1, flags),
         "t2-sp": (2, [*packed, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        "p2": (2, [*packed, "--pipeline-model-parallel-size", "2"])}, base=TINY)
-    for name in ("t2-sp", "p2"):
+        "p2": (2, [*packed, "--pipeline-model-parallel-size", "2"]),
+        **{f"c2-{comm}": (2, [*packed, *cp(comm)]) for comm in ("p2p", "a2a", "allgather")},
+        "gemma-one": (1, gemma), **{f"gemma-c2-{comm}": (2, [*gemma, *cp(comm)]) for comm in ("p2p", "allgather")},
+    }, base=TINY)
+    for name in ("t2-sp", "p2", "c2-p2p", "c2-a2a", "c2-allgather"):
         assert_equivalent(runs[name], runs["one"])
+    for name in ("gemma-c2-p2p", "gemma-c2-allgather"):
+        assert_equivalent(runs[name], runs["gemma-one"])
     assert abs(runs["one"].records[-1]["loss"] - runs["unmasked"].records[-1]["loss"]) > 1e-4

@@ -4,7 +4,8 @@ A CP rank holds two load-balanced chunks of each sequence (``ptdp.parallel.conte
 model but attention is per token, so two swaps suffice: the model's ``SequencePositions`` (read by learned
 position embeddings and rotary tables) becomes the real positions of this rank's tokens, and every
 ``CausalAttention`` core becomes the context-parallel one (``--cp-comm-type``: ring, Ulysses all-to-all or
-all-gather), keeping its layer's sliding window (``ptdp.parallel.context.window``) and taking its sinks; a Gated DeltaNet layer's sequence mixing becomes ``ptdp.parallel.context.linear``'s. Multi-token prediction reads tokens k places ahead, which may sit in another rank's
+all-gather), keeping its layer's sliding window (``ptdp.parallel.context.window``) and soft-cap and taking its
+sinks (inside packed documents: ``ptdp.parallel.context.document_window``); a Gated DeltaNet layer's sequence mixing becomes ``ptdp.parallel.context.linear``'s. Multi-token prediction reads tokens k places ahead, which may sit in another rank's
 chunk: its ``ShiftLabels`` becomes :class:`ContextParallelShift`, which gathers the labels of the CP group
 (integers: b·s of them), shifts them in sequence order and keeps this rank's chunks. Multi-latent attention
 inside packed documents reaches the document kernels through ``ptdp.models.documents.equal_widths``. The
@@ -29,6 +30,7 @@ from ptdp.parallel.context.attention import (
     natural_order,
     shard_sequence,
 )
+from ptdp.parallel.context.document_window import document_window_context_attention
 from ptdp.parallel.context.documents import document_context_attention
 from ptdp.parallel.context.linear import apply_linear_context_parallel
 
@@ -48,8 +50,8 @@ class ContextParallelAttention(CausalAttention):
     """Causal attention of this rank's queries over the whole sequence, through the CP group; inside each
     document when a packed microbatch's layout masks attention (``ptdp.parallel.context.documents``)."""
 
-    def __init__(self, cp_group, comm_type: str, window: int | None = None):
-        super().__init__(window)
+    def __init__(self, cp_group, comm_type: str, window: int | None = None, softcap: float | None = None):
+        super().__init__(window, softcap)
         self.cp_group, self.comm_type = cp_group, comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -58,12 +60,15 @@ class ContextParallelAttention(CausalAttention):
         if masks_attention(documents):
             if dropout_p > 0.0:
                 raise ValueError("--attention-dropout > 0 is not supported with --context-parallel-size > 1")
-            if self.window is not None or sinks is not None:
-                raise ValueError("--window-size or --softmax-type with --reset-attention-mask is not supported yet")
+            if self.window is not None or sinks is not None or self.softcap is not None:
+                return document_window_context_attention(q, k, v, documents, cp_group=self.cp_group,
+                                                         comm_type=self.comm_type, scale=scale, window=self.window,
+                                                         sinks=sinks, softcap=self.softcap)
             return equal_widths(functools.partial(document_context_attention, documents=documents,
                                                   cp_group=self.cp_group, comm_type=self.comm_type), q, k, v, scale)
         return context_parallel_attention(q, k, v, cp_group=self.cp_group, comm_type=self.comm_type,
-                                          dropout_p=dropout_p, softmax_scale=scale, window=self.window, sinks=sinks)
+                                          dropout_p=dropout_p, softmax_scale=scale, window=self.window, sinks=sinks,
+                                          softcap=self.softcap)
 
 
 class ContextParallelShift(ShiftLabels):
@@ -112,7 +117,7 @@ def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p",
     for parent in list(model.modules()):  # one core per layer: each keeps its layer's sliding window
         for name, child in list(parent.named_children()):
             if type(child) is CausalAttention:
-                setattr(parent, name, ContextParallelAttention(cp_group, comm_type, child.window))
+                setattr(parent, name, ContextParallelAttention(cp_group, comm_type, child.window, child.softcap))
     swap_modules(model, ShiftLabels, ContextParallelShift(cp_group))
     apply_linear_context_parallel(model, cp_group, linear_comm_type)
     return model

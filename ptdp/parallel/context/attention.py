@@ -50,7 +50,8 @@ COMM_TYPES = ("p2p", "a2a", "allgather")
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
                                comm_type: str, dropout_p: float = 0.0, softmax_scale: float | None = None,
-                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               window: int | None = None, sinks: torch.Tensor | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q: [b, heads, s/c, d];
     k, v: [b, kv_heads, s/c, d] (kv_heads == heads after the caller's GQA repeat); all in the
     load-balanced layout above (chunk i then chunk 2c-1-i). Returns [b, heads, s/c, d] in the same layout.
@@ -60,6 +61,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sends the unrepeated K/V); v may be narrower. With c = 1 (``cp_group`` None or of one rank) this is SDPA.
     ``window``: a sliding window (p2p: ``ptdp.parallel.context.window``'s exchange of the chunks inside it
     instead of the ring); ``sinks [heads]``: one more logit per head in the softmax (``ptdp.models.sinks``).
+    ``softcap`` (``--attn-logit-softcapping``): the scores capped before the softmax; the flash blocks cannot
+    cap, so a capped layer takes the windowed paths with a window of the whole sequence (exact; the keys it
+    holds at once are O(s), as all-gather's).
     """
     c = group_size(cp_group)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -67,10 +71,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
     if window is not None and window >= q.shape[2] * c:  # the window holds the whole sequence
         window = None
+    if softcap is not None and window is None:  # explicit scores: the tiles of a whole-sequence window
+        window = q.shape[2] * c
     if c == 1:
         k, v = _repeat_kv(k, v, heads // kv_heads)
         if window is not None or sinks is not None:
-            return _local(q, k, v, softmax_scale, window, sinks, dropout_p)
+            return _local(q, k, v, softmax_scale, window, sinks, dropout_p, softcap=softcap)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
     if comm_type not in COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
@@ -84,20 +90,21 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if heads % c:
             raise ValueError(f"--cp-comm-type a2a needs the local attention heads ({heads}) divisible by "
                              f"--context-parallel-size {c}; use --cp-comm-type p2p")
-        return _ulysses(q, k, v, cp_group, scale, window, sinks)
+        return _ulysses(q, k, v, cp_group, scale, window, sinks, softcap)
     if comm_type == "allgather":
-        return _allgather_attention(q, k, v, cp_group, scale, window, sinks)
+        return _allgather_attention(q, k, v, cp_group, scale, window, sinks, softcap)
     if window is not None:
-        return windowed_context_attention(q, k, v, cp_group, scale, window, sinks)
+        return windowed_context_attention(q, k, v, cp_group, scale, window, sinks, softcap)
     return _RingAttention.apply(q, k, v, cp_group, scale, sinks)
 
 
 def _local(q, k, v, scale, window: int | None, sinks: torch.Tensor | None, dropout_p: float = 0.0, *,
-           q_start: int = 0) -> torch.Tensor:
-    """Attention over whole keys from position 0 (queries from ``q_start``): windowed tiles, or the causal
-    softmax with the sinks."""
+           q_start: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """Attention over whole keys from position 0 (queries from ``q_start``): windowed tiles (capped with
+    ``softcap``: the caller gives a window then), or the causal softmax with the sinks."""
     if window is not None:
-        return local_window_attention(q, k, v, window, q_start=q_start, scale=scale, sinks=sinks, dropout_p=dropout_p)
+        return local_window_attention(q, k, v, window, q_start=q_start, scale=scale, sinks=sinks, dropout_p=dropout_p,
+                                      softcap=softcap)
     allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(q_start)
     return sink_attention(q, k, v, sinks, allowed, dropout_p, scale)
 
@@ -112,7 +119,7 @@ def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Ten
 
 
 def _allgather_attention(q, k, v, group, scale: float, window: int | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
     k, v = _repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
@@ -121,7 +128,8 @@ def _allgather_attention(q, k, v, group, scale: float, window: int | None = None
         order, _ = natural_order(c, q.shape[2] // 2, q.device)
         k, v = k.index_select(2, order), v.index_select(2, order)
         n = q.shape[2] // 2
-        return torch.cat([_local(q[:, :, i * n:(i + 1) * n], k, v, scale, window, sinks, q_start=chunk * n)
+        return torch.cat([_local(q[:, :, i * n:(i + 1) * n], k, v, scale, window, sinks, q_start=chunk * n,
+                                 softcap=softcap)
                           for i, chunk in enumerate(load_balanced_chunks(c, r))], dim=2)
     mask = _allgather_mask(s, c, r, q.device)
     if sinks is not None:
@@ -157,7 +165,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _ulysses(q, k, v, group, scale: float, window: int | None = None,
-             sinks: torch.Tensor | None = None) -> torch.Tensor:
+             sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     c = group_size(group)
     heads = q.shape[1]
     if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
@@ -168,7 +176,7 @@ def _ulysses(q, k, v, group, scale: float, window: int | None = None,
     k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
     if window is not None or sinks is not None:  # this rank's heads/c heads: their sinks
         sinks = None if sinks is None else sinks.chunk(c)[group_rank(group)]
-        y = _local(q, k, v, scale, window, sinks)
+        y = _local(q, k, v, scale, window, sinks, softcap=softcap)
     else:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     y = y.index_select(2, inverse)  # back to the rank-major load-balanced layout

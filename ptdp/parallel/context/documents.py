@@ -103,7 +103,7 @@ def document_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _ulysses(q, k, v, documents, cp_group)
     if comm_type == "allgather":
         return _allgather(q, k, v, documents.bounds, cp_group, scale)
-    return _DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale)
+    return _DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
 
 
 def _ulysses(q, k, v, documents: DocumentLayout, group) -> torch.Tensor:
@@ -146,10 +146,12 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
 
 class _DocumentRing(torch.autograd.Function):
     """``_RingAttention`` (``ptdp.parallel.context.attention``) computing only each block's pieces: the same
-    exchanges in the same order (forward: c-1 K/V hops; backward: c-1 K/V and c dK/dV hops)."""
+    exchanges in the same order (forward: c-1 K/V hops; backward: c-1 K/V and c dK/dV hops). ``sinks
+    [heads]``: one more logit per head, merged into the log-sum-exp after the ring as ``_RingAttention``
+    merges it (``ptdp.parallel.context.document_window``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds, group, scale: float):
+    def forward(ctx, q, k, v, bounds, group, scale: float, sinks: torch.Tensor | None = None):
         c, r = group_size(group), group_rank(group)
         s, groups = q.shape[2] * c, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -166,14 +168,22 @@ class _DocumentRing(torch.autograd.Function):
                     merge_block(out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], blk_out, blk_lse)
 
         ring_forward(torch.stack([k, v]), group, visit)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # the sink as one more block: a logit z per head, a zero value
+            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+            out.mul_(torch.exp(lse - with_sink)[..., None])
+            lse = with_sink
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.bounds, ctx.group, ctx.scale = bounds, group, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         bounds, group, scale = ctx.bounds, ctx.group, ctx.scale
+        # with sinks (out, lse) hold the sink, so the pieces' backward is the sink-softmax's; the sink's own
+        # gradient is -p_sink · rowsum(dO ∘ O)
+        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
+                  .to(sinks[0].dtype) if sinks else None)
         c, r = group_size(group), group_rank(group)
         s, groups = q.shape[2] * c, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -194,4 +204,4 @@ class _DocumentRing(torch.autograd.Function):
             return dkv
 
         dk, dv = ring_backward(torch.stack([k, v]), group, visit).unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks

@@ -22,7 +22,9 @@ the same way, reversed. Each query chunk then attends to its run of key chunks i
 
 from __future__ import annotations
 
+import bisect
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,9 +140,13 @@ class _WindowExchange(torch.autograd.Function):
 
 
 def windowed_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float,
-                               window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               window: int, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                               bounds: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """This rank's queries ``[b, heads, 2n, d]`` (chunks r and 2c-1-r) through a sliding window over the
-    whole sequence; k, v ``[b, kv_heads, 2n, ·]`` (kv_heads divides heads: they travel unrepeated)."""
+    whole sequence; k, v ``[b, kv_heads, 2n, ·]`` (kv_heads divides heads: they travel unrepeated).
+    ``softcap``: the capped scores of ``--attn-logit-softcapping``. ``bounds``: per sample its packed
+    documents' ``cu_seqlens`` over the whole sequence; each piece of a query chunk inside one document then
+    attends only to that document's keys of its run (the window intersected with the document mask)."""
     c, r = group_size(group), group_rank(group)
     n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
     sizes = [k.shape[-1], v.shape[-1]]
@@ -162,6 +168,37 @@ def windowed_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if groups > 1:
             keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         first = key_chunks(query_chunk, n, window)[0] * n + chunks[0][0]
-        outs.append(local_window_attention(q[:, :, slot * n:(slot + 1) * n], keys, values, window,
-                                           q_start=query_chunk * n, k_start=first, scale=scale, sinks=sinks))
+        queries = q[:, :, slot * n:(slot + 1) * n]
+        if bounds is None:
+            outs.append(local_window_attention(queries, keys, values, window, q_start=query_chunk * n,
+                                               k_start=first, scale=scale, sinks=sinks, softcap=softcap))
+        else:
+            outs.append(_inside_documents(queries, keys, values, query_chunk * n, first, window, bounds,
+                                          scale=scale, sinks=sinks, softcap=softcap))
     return torch.cat(outs, dim=2)
+
+
+def _inside_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int,
+                      bounds: Sequence[Sequence[int]], **kwargs) -> torch.Tensor:
+    """Queries at global positions ``q_start ..`` against the keys at ``k_start ..`` (reaching up to the last
+    query), sample by sample and document by document: each document's queries see only its own keys,
+    through the window (``ptdp.models.window.local_window_attention`` on that piece)."""
+    lq = q.shape[2]
+    rows = []
+    for i, cu in enumerate(bounds):
+        parts = []
+        for j in range(bisect.bisect_right(cu, q_start) - 1, len(cu) - 1):
+            da, db = cu[j], cu[j + 1]
+            if da >= q_start + lq:
+                break
+            lo, hi = max(q_start, da), min(q_start + lq, db)
+            if lo >= hi:
+                continue
+            w = min(window, hi - da)
+            ka = max(k_start, da, lo - w + 1)  # the first key any query of the piece sees
+            parts.append(local_window_attention(q[i:i + 1, :, lo - q_start:hi - q_start],
+                                                k[i:i + 1, :, ka - k_start:hi - k_start],
+                                                v[i:i + 1, :, ka - k_start:hi - k_start], w, q_start=lo,
+                                                k_start=ka, **kwargs))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
