@@ -3,7 +3,10 @@ Gated DeltaNet layers and one gated full-attention layer, a mixture of experts w
 second layer dense). Import gives HF's logits (HF's own PyTorch chunked rule) over several chunks of the
 rule; export loads back in ``transformers`` bit for bit; ``ptdp train`` in one process and in parallel layouts
 equals ``transformers`` + ``torch.optim.AdamW`` per iteration (loss and gradient norm) on the same batches,
-and the one-process run's final weights equal HF's."""
+and the one-process run's final weights equal HF's. The layouts: t = 2 with and without sequence parallelism;
+c = 2 in both modes of the linear layers; p = 2 with e = 2; GPipe with ZeRO-1 and ZB-H1 with ZeRO-2 (d = 2);
+ZeRO-3 with selective recomputation; interleaved p = 2 with full recomputation; ZBV with vocabulary
+parallelism."""
 
 from __future__ import annotations
 
@@ -34,7 +37,18 @@ T2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
            "t2-sp": (2, [*T2, "--sequence-parallel"]),
            "c2-state-passing": (2, ["--context-parallel-size", "2"]),
-           "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"])}
+           "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"]),
+           # ZeRO 1-3, both recomputations, vocabulary parallelism and the schedules past 1F1B, each composed
+           # with another so the pool stays small (4 layers: one per virtual stage of interleaved p = 2)
+           "p2-gpipe-d2-zero1": (4, [*P2, "--pipeline-schedule", "gpipe", "--use-distributed-optimizer"]),
+           "p2-zbh1-d2-zero2": (4, [*P2, "--pipeline-schedule", "zb-h1",
+                                    "--data-parallel-sharding-strategy", "optim_grads"]),
+           "d2-zero3-selective": (2, ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                      "--recompute-granularity", "selective"]),
+           "p2-interleaved-recompute": (2, [*P2, "--virtual-pipeline-model-parallel-size", "2",
+                                            "--pipeline-schedule", "interleaved", "--recompute-granularity", "full",
+                                            "--recompute-method", "uniform"]),
+           "p2-zbv-vocab": (2, [*P2, "--pipeline-schedule", "zbv", "--enable-vocab-parallel"])}
 
 
 def hf_model(directory):
