@@ -4,7 +4,7 @@ that no chunk divides, an incoming state, grouped heads); a shard's (A, B) summa
 any incoming state; with packed documents the layer's state and convolution restart at every document, so a
 packed sample equals its documents run one by one (and differs from the unpacked run: the reset bites); the
 convolution's ``context`` is the previous tokens' tail; context parallelism's state passing on packed documents
-equals one process."""
+equals one process, layer by layer (fp64) and in ``ptdp train``."""
 
 from __future__ import annotations
 
@@ -221,3 +221,30 @@ def test_state_passing_with_packed_documents_equals_one_process_and_the_recurren
 
     pooled_spawn(_state_passing_documents, 2, tmp_path, str(tmp_path / "ok"))
     assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
+
+
+def test_packed_training_with_state_passing_equals_one_process(tmp_path):
+    """``ptdp train`` on a corpus of short documents (several per 16-token sample, chunks of 4 tokens at c = 2)
+    with the packing flags: c = 2 ``state_passing`` gives one process's losses and gradient norms per
+    iteration and its final weights; without the document mask the run differs."""
+    import numpy as np
+    from helpers import assert_equivalent, run_layouts
+
+    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
+
+    prefix = str(tmp_path / "docs")
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
+    for _ in range(200):
+        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 9))), ByteTokenizer.eod_id])
+    writer.finalize()
+    flags = ["--model", "tiny-qwen3-next", "--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "3", "--lr", "1e-2", "--lr-warmup-iters", "0", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--log-interval", "1", "--data-path", prefix, "--tokenizer-type",
+             "ByteTokenizer", "--split", "1,0,0", "--reset-position-ids", "--eod-mask-loss"]
+    packed = [*flags, "--reset-attention-mask"]
+    runs = run_layouts(tmp_path / "runs", {
+        "one": (1, packed), "unmasked": (1, flags),
+        "c2": (2, [*packed, "--context-parallel-size", "2"])}, base=[])
+    assert_equivalent(runs["c2"], runs["one"])
+    assert abs(runs["one"].records[-1]["loss"] - runs["unmasked"].records[-1]["loss"]) > 1e-4
