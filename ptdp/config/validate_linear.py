@@ -96,7 +96,4 @@ def _context_errors(config: Config, c: int, t: int) -> list[str]:
     if chunk < m.linear_conv_kernel_dim - 1:
         errors.append(f"--linear-attention-cp-comm-type state_passing needs each of the 2c sequence chunks "
                       f"({chunk} tokens) at least --linear-conv-kernel-dim - 1 = {m.linear_conv_kernel_dim - 1} long")
-    if config.data.reset_attention_mask:
-        errors.append("--reset-attention-mask with --linear-attention-cp-comm-type state_passing is not supported "
-                      "yet (use a2a)")
     return errors

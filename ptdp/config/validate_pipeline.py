@@ -78,12 +78,6 @@ def overlap_errors(config: Config) -> list[str]:
     if pairs and config.model.mtp_num_layers:  # MTP with pairs: the MTP modules' expert exchanges are not pieces yet
         errors.append("--mtp-num-layers with overlapped forward-backward pairs (--overlap-moe-expert-parallel-comm "
                       "or dualpipev) is not supported yet: drop one of them")
-    if pairs and (config.model.experimental_attention_variant or config.model.attention_output_gate):
-        # the pairs cut a layer at its attention's QKV and output projections; a Gated DeltaNet layer or an
-        # output gate (a third linear beside them) is not cut yet
-        errors.append("--experimental-attention-variant / --attention-output-gate with overlapped forward-backward "
-                      "pairs (--overlap-moe-expert-parallel-comm or dualpipev) is not supported yet: use another "
-                      "--pipeline-schedule")
     if par.delay_wgrad_compute and not pairs:
         overlapping = ", ".join(n for n, s in REGISTRY.items() if s.overlaps)
         errors.append("--delay-wgrad-compute delays weight gradients inside overlapped forward-backward pairs: "

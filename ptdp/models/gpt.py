@@ -54,7 +54,7 @@ from ptdp.models.layers import (
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
 from ptdp.models.mtp import MultiTokenPrediction
-from ptdp.models.parts import Half, LayerCuts, PipelineParts
+from ptdp.models.parts import Cut, Half, LayerCuts, PipelineParts
 from ptdp.models.sharding import ShardingRules
 from ptdp.ops.fused import EAGER, FusedOps, fused_ops
 
@@ -62,13 +62,15 @@ if TYPE_CHECKING:
     from ptdp.config import ModelConfig, MoEConfig
 
 # Where a TransformerLayer may be cut (``ptdp.models.parts.LayerCuts``): its attention half, cut at the QKV
-# projection's input and the output projection's output, then its MLP half, cut at fc1's input and fc2's
-# output; a MoE layer's MLP is a program of pieces itself (``MoELayer.steps``).
+# projection's input (and the output gate's: it reads the same normed input) and the output projection's
+# output -- a Gated DeltaNet's at its two input projections' input and out_proj's output -- then its MLP
+# half, cut at fc1's input and fc2's output; a MoE layer's MLP is a program of pieces itself (``MoELayer.steps``).
 LAYER_CUTS = LayerCuts(
     halves=(Half("attention", norm="input_layernorm", block="attention", residual="attention_residual",
-                 first="qkv", last="proj", documents=True),
-            Half("mlp", norm="post_attention_layernorm", block="mlp", residual="mlp_residual", first="fc1",
-                 last="fc2")),
+                 cuts=(Cut(first=("qkv", "gate"), last="proj"),
+                       Cut(first=("in_proj_qkvz", "in_proj_ba"), last="out_proj")), documents=True),
+            Half("mlp", norm="post_attention_layernorm", block="mlp", residual="mlp_residual",
+                 cuts=(Cut(first=("fc1",), last="fc2"),))),
     pieces="steps", selective="attention.core")
 # How the pipeline cuts a GPTModel (``ptdp.models.parts``): the attribute names of ``GPTModel.__init__``.
 PIPELINE_PARTS = PipelineParts(

@@ -9,7 +9,8 @@ last stage. ``ptdp.parallel.pipeline.stage`` (the split, the tied copies) and ``
 parallelism reads the sharding rules (``ptdp.models.sharding``).
 
 It also says where a transformer layer may be cut (:class:`LayerCuts`): its residual halves in order, and in
-each the two linears where a parallelism that splits them communicates. The overlapped schedules run a
+each the linears where a parallelism that splits them communicates (:class:`Cut`: those that read the half's
+input, the one that writes its output). The overlapped schedules run a
 chunk's forward as pieces cut there (``ptdp.parallel.pipeline.program``), so that one microbatch's
 communication runs while another's piece computes; the model itself keeps no such machinery. Recomputation
 (``ptdp.parallel.recompute``) reads the same record for the layers it checkpoints.
@@ -23,23 +24,33 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Cut:
+    """Where one kind of block is cut: ``first``, the block's attributes of the linears that read the normed
+    input (nothing else reads it; all of them enter through the first one's exchange, so they must be split
+    alike; an optional one, such as an attention output gate, may be None on the block); ``last``, the
+    linear whose output the block returns (nothing follows it)."""
+
+    first: tuple[str, ...]
+    last: str
+
+
+@dataclass(frozen=True)
 class Half:
     """One residual half of a transformer layer, ``residual(block(norm(x)), x)``, and its cut points.
 
     ``name``: what its pieces are called ("attention", "mlp"). ``norm``, ``block``: the layer's attributes
     of the norm before the block and of the block; ``residual``: the layer's method ``(block output, x) ->
     output`` (the bias, a norm after the block, dropout, the residual add). ``documents``: whether the block
-    takes the microbatch's document layout as its second argument. ``first``, ``last``: the block's
-    attributes of the linear that reads the normed input (nothing else does) and of the linear whose output
-    the block returns (nothing follows it): the cut points. A block without them (multi-latent attention)
-    is one piece; a block that is a program of pieces itself (``LayerCuts.pieces``) brings its own cuts."""
+    takes the microbatch's document layout as its second argument. ``cuts``: the cut points of each kind of
+    block the half may hold (softmax attention or a Gated DeltaNet); the first whose ``last`` the block has
+    applies. A block of none of them (multi-latent attention) is one piece; a block that is a program of
+    pieces itself (``LayerCuts.pieces``) brings its own cuts."""
 
     name: str
     norm: str
     block: str
     residual: str
-    first: str
-    last: str
+    cuts: tuple[Cut, ...]
     documents: bool = False
 
 

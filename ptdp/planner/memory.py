@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ptdp.config.optimizers import optimizer_spec
 from ptdp.models.flops import architecture, layer_parameter_count, norm_parameters
 from ptdp.planner import experts
+from ptdp.planner.memory_linear import mixer_bytes_per_token
 from ptdp.planner.spec import GPTSpec, ParallelConfig
 from ptdp.planner.stages import (
     end_ranks,
@@ -164,6 +165,8 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     ways under sequence parallelism) -- ``stashed=False`` gives the full working set one layer rebuilds.
     Context parallelism (c > 1) holds s/c tokens per rank: every per-token term shrinks c-fold, and the
     attention core keeps (s/c)·s scores per head (docs/context-parallel.md), also 1/c of the s² term.
+    Gated DeltaNet layers (and the attention output gate) count their own mixer, linear in s
+    (``ptdp.planner.memory_linear``), averaged over the model's layers like their FLOPs.
     """
     c = cfg.context_parallel_size
     s, b, h, a, t = model.seq_length // c, cfg.micro_batch_size, model.hidden_size, model.num_attention_heads, (
@@ -173,9 +176,12 @@ def activation_bytes_per_layer(model: GPTSpec, cfg: ParallelConfig, stashed: boo
     if stashed and cfg.recompute_granularity == "full":
         return 2 * s * b * h / (t if sp else 1)
     replicated = 10 * s * b * h + (2 * s * b * model.mla.latent_width() if model.mla is not None else 0)
-    split = s * b * (4 * model.q_width + 4 * model.kv_width + (8 if model.swiglu else 4) * model.active_ffn)
-    attention_core = 5 * a * s * model.attended * b if (cfg.recompute_granularity != "selective" or not stashed) else 0
-    return (replicated / (t if sp else 1)) + (split + attention_core) / t
+    selective = cfg.recompute_granularity == "selective" and stashed
+    attention_core = 0 if selective else 5 * a * model.attended
+    attention = mixer_bytes_per_token(model.linear, 4 * model.q_width + 4 * model.kv_width + attention_core,
+                                      model.q_width, selective)
+    split = s * b * (attention + (8 if model.swiglu else 4) * model.active_ffn)
+    return (replicated / (t if sp else 1)) + split / t
 
 
 def cut_layer_extra_bytes(model: GPTSpec, cfg: ParallelConfig) -> float:

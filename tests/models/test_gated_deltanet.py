@@ -3,7 +3,8 @@ in fp64 on random inputs: the chunked form equals the token-by-token recurrence 
 that no chunk divides, an incoming state, grouped heads); a shard's (A, B) summary gives its final state for
 any incoming state; with packed documents the layer's state and convolution restart at every document, so a
 packed sample equals its documents run one by one (and differs from the unpacked run: the reset bites); the
-convolution's ``context`` is the previous tokens' tail."""
+convolution's ``context`` is the previous tokens' tail; context parallelism's state passing on packed documents
+equals one process, layer by layer (fp64) and in ``ptdp train``."""
 
 from __future__ import annotations
 
@@ -154,7 +155,6 @@ def test_presets_count_their_parameters_and_gdn_flops_per_token_do_not_grow_with
 
 
 @pytest.mark.parametrize("overrides,line", [
-    ({"reset_attention_mask": True}, "--reset-attention-mask with --linear-attention-cp-comm-type state_passing"),
     ({"seq_length": 8, "linear_conv_kernel_dim": 4}, "--linear-attention-cp-comm-type state_passing needs each"),
     ({"linear_attention_cp_comm_type": "a2a", "linear_num_key_heads": 3, "linear_num_value_heads": 3},
      "--linear-attention-cp-comm-type a2a needs the key heads"),
@@ -171,3 +171,80 @@ def test_context_parallel_gdn_refuses_what_it_does_not_compute_in_one_line(overr
     errors = validate(config, 4)
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
+
+
+# Two packed samples of 32 tokens, chunks of 8 at c = 2 (rank 0: chunks 0 and 3, rank 1: 1 and 2): boundaries
+# inside chunks, one exactly at a chunk's start (8), one a token before a chunk (15: the next chunk's
+# convolution tail holds two tokens of the earlier document), a chunk with none (sample 1's [16, 24): its
+# (A, B) carries the state through), two in one chunk.
+CP_BOUNDS = [[0, 3, 9, 10, 15, 26, 32], [0, 8, 30, 32]]
+
+
+def _state_passing_documents(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from ptdp.parallel.collectives import all_reduce
+    from ptdp.parallel.context.linear import StatePassing
+
+    s, n = 32, 8
+    x = torch.randn(2, s, CFG.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(2, s, CFG.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    documents = DocumentLayout(bounds=CP_BOUNDS, attention=_Masks())
+    mine = torch.cat([torch.arange(rank * n, (rank + 1) * n), torch.arange((3 - rank) * n, (4 - rank) * n)])
+
+    one, whole = _layer(), x.clone().requires_grad_(True)
+    want = one(whole, documents)
+    (want * weights).sum().backward()
+    recurrent = _layer(lambda *a, state=None: delta_rule.recurrent(*a, state))(x, documents)
+    torch.testing.assert_close(want, recurrent, rtol=1e-10, atol=1e-12)
+
+    cp, local = _layer(), x[:, mine].clone().requires_grad_(True)
+    cp.sequence_mixer = StatePassing(dist.group.WORLD)
+    got = cp(local, documents)
+    torch.testing.assert_close(got, want[:, mine], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, recurrent[:, mine], rtol=1e-10, atol=1e-12)
+    (got * weights[:, mine]).sum().backward()
+    torch.testing.assert_close(local.grad, whole.grad[:, mine], rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(cp.named_parameters(), one.parameters()):
+        torch.testing.assert_close(all_reduce(p.grad, dist.group.WORLD), q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    # the documents bite: the same shards unpacked give another output
+    cp.sequence_mixer = StatePassing(dist.group.WORLD)
+    assert not torch.allclose(cp(local.detach(), None), got, atol=1e-6)
+    torch.save(True, f"{out}.{rank}")
+
+
+def test_state_passing_with_packed_documents_equals_one_process_and_the_recurrence(tmp_path):
+    """c = 2 ``state_passing`` on packed documents (fp64, two gloo ranks): each rank's output, its input's
+    gradient and the parameters' gradients summed over the ranks equal one process's document by document run
+    (and the token-by-token recurrence's output), boundaries placed at every kind of spot (``CP_BOUNDS``)."""
+    from helpers import pooled_spawn
+
+    pooled_spawn(_state_passing_documents, 2, tmp_path, str(tmp_path / "ok"))
+    assert all((tmp_path / f"ok.{r}").exists() for r in range(2))
+
+
+def test_packed_training_with_state_passing_equals_one_process(tmp_path):
+    """``ptdp train`` on a corpus of short documents (several per 16-token sample, chunks of 4 tokens at c = 2)
+    with the packing flags: c = 2 ``state_passing`` gives one process's losses and gradient norms per
+    iteration and its final weights; without the document mask the run differs."""
+    import numpy as np
+    from helpers import assert_equivalent, run_layouts
+
+    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
+
+    prefix = str(tmp_path / "docs")
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
+    for _ in range(200):
+        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 9))), ByteTokenizer.eod_id])
+    writer.finalize()
+    flags = ["--model", "tiny-qwen3-next", "--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "3", "--lr", "1e-2", "--lr-warmup-iters", "0", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--log-interval", "1", "--data-path", prefix, "--tokenizer-type",
+             "ByteTokenizer", "--split", "1,0,0", "--reset-position-ids", "--eod-mask-loss"]
+    packed = [*flags, "--reset-attention-mask"]
+    runs = run_layouts(tmp_path / "runs", {
+        "one": (1, packed), "unmasked": (1, flags),
+        "c2": (2, [*packed, "--context-parallel-size", "2"])}, base=[])
+    assert_equivalent(runs["c2"], runs["one"])
+    assert abs(runs["one"].records[-1]["loss"] - runs["unmasked"].records[-1]["loss"]) > 1e-4

@@ -3,7 +3,11 @@ Gated DeltaNet layers and one gated full-attention layer, a mixture of experts w
 second layer dense). Import gives HF's logits (HF's own PyTorch chunked rule) over several chunks of the
 rule; export loads back in ``transformers`` bit for bit; ``ptdp train`` in one process and in parallel layouts
 equals ``transformers`` + ``torch.optim.AdamW`` per iteration (loss and gradient norm) on the same batches,
-and the one-process run's final weights equal HF's."""
+and the one-process run's final weights equal HF's. The layouts: t = 2 with and without sequence parallelism;
+c = 2 in both modes of the linear layers; p = 2 with e = 2; GPipe with ZeRO-1 and ZB-H1 with ZeRO-2 (d = 2);
+ZeRO-3 with selective recomputation; interleaved p = 2 with full recomputation; ZBV with vocabulary
+parallelism; DualPipeV with t = 2 and sequence parallelism (its pairs cut both kinds of layer at their
+exchanges: every linear of a Gated DeltaNet and of a gated attention is a declared cut point)."""
 
 from __future__ import annotations
 
@@ -35,7 +39,21 @@ T2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
            "t2-sp": (2, [*T2, "--sequence-parallel"]),
            "c2-state-passing": (2, ["--context-parallel-size", "2"]),
-           "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"])}
+           "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"]),
+           # ZeRO 1-3, both recomputations, vocabulary parallelism and the schedules past 1F1B, each composed
+           # with another so the pool stays small (4 layers: one per virtual stage of interleaved p = 2)
+           "p2-gpipe-d2-zero1": (4, [*P2, "--pipeline-schedule", "gpipe", "--use-distributed-optimizer"]),
+           "p2-zbh1-d2-zero2": (4, [*P2, "--pipeline-schedule", "zb-h1",
+                                    "--data-parallel-sharding-strategy", "optim_grads"]),
+           "d2-zero3-selective": (2, ["--data-parallel-sharding-strategy", "optim_grads_params",
+                                      "--recompute-granularity", "selective"]),
+           "p2-interleaved-recompute": (2, [*P2, "--virtual-pipeline-model-parallel-size", "2",
+                                            "--pipeline-schedule", "interleaved", "--recompute-granularity", "full",
+                                            "--recompute-method", "uniform"]),
+           "p2-zbv-vocab": (2, [*P2, "--pipeline-schedule", "zbv", "--enable-vocab-parallel"]),
+           # the overlapped pairs cut both mixer kinds at their tensor-parallel exchanges (the gathered input
+           # of the output gate and of the two input projections: under SP a miscut fails on its shapes)
+           "p2-dualpipev-t2-sp": (4, [*P2, "--pipeline-schedule", "dualpipev", *T2, "--sequence-parallel"])}
 
 
 def hf_model(directory):
@@ -103,3 +121,27 @@ def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(traine
 def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
     runs, track, _, _ = trained
     assert_hf_track(runs[layout], track)
+
+
+def test_the_overlapped_pairs_cut_every_linear_of_a_gated_deltanet_and_of_a_gated_attention():
+    """The pair cutter runs a half's block locally between one entry and one exit exchange: a linear it does
+    not know of (the output gate, a Gated DeltaNet's second input projection) would communicate inside the
+    piece, a second time. Each mixer's linears are exactly the declared cut points."""
+    from ptdp.config import ModelConfig
+    from ptdp.config.presets import MODEL_PRESETS
+    from ptdp.models import GPTModel
+    from ptdp.models.gated_deltanet import GatedDeltaNet
+    from ptdp.models.layers import Linear
+    from ptdp.parallel.pipeline.program import _cut_linears
+
+    cfg = ModelConfig(**{**MODEL_PRESETS["tiny-qwen3-next"], "num_layers": 4})
+    with torch.device("meta"):
+        model = GPTModel(cfg, 64, 64)
+    half = model.pipeline_parts().cuts.halves[0]
+    kinds = set()
+    for layer in model.layers.values():
+        firsts, last = _cut_linears(layer.attention, half)
+        linears = [m for m in layer.attention.children() if isinstance(m, Linear)]
+        assert {id(m) for m in [*firsts, last]} == {id(m) for m in linears} and len(linears) == 3
+        kinds.add(type(layer.attention))
+    assert GatedDeltaNet in kinds and len(kinds) == 2

@@ -7,7 +7,8 @@ pipeline parts (``PipelineParts.cuts``, ``ptdp.models.parts.LayerCuts``), the re
 order and in each the two linears where a parallelism that splits them communicates. :func:`chunk_program`
 cuts there: the embedding, each layer's pieces (:func:`layer_pieces`), the head -- the parts the chunk holds.
 
-A half is cut only where both its linears offer the :class:`Seam` and communicate: tensor parallelism's
+A half is cut only where its linears (:class:`ptdp.models.parts.Cut`: those that read the normed input, one
+entry exchange for them all, and the one that writes the block's output) offer the :class:`Seam` and communicate: tensor parallelism's
 column- and row-parallel linears do (the input region ``f`` or the sequence all-gather on the way in, the
 reduction ``g`` or the reduce-scatter on the way out: ``ptdp.parallel.tensor.transfers``); the plain linear does
 not, so one process runs each half as one piece. A cut half is: the norm | the entry exchange | the block
@@ -108,14 +109,15 @@ def _half(layer: nn.Module, half: Half, own: str, inp: str, out: str, documents:
         return [Compute(lambda x: (norm(x),), (inp,), (n("norm"),), f"{half.name}_norm"),
                 *program(n("norm"), n("block")),
                 Compute(lambda y, x: (residual(y, x),), (n("block"), inp), (out,), f"{half.name}_residual")]
-    first, last = getattr(block, half.first, None), getattr(block, half.last, None)
-    entry = first.entry() if isinstance(first, Seam) else None
+    firsts, last = _cut_linears(block, half)
+    entries = [f.entry() if isinstance(f, Seam) else None for f in firsts]
+    entry = entries[0] if entries and all(e is not None for e in entries) else None
     exit = last.exit() if isinstance(last, Seam) else None
     if entry is None or exit is None:  # nothing to overlap: one piece
         return [Compute(lambda x: (residual(block(norm(x), *args), x),), (inp,), (out,), half.name)]
 
     def local(t: tuple) -> tuple:
-        with running_locally(first, last):
+        with running_locally(*firsts, last):
             return (block(t[0], *args),)
 
     return [Compute(lambda x: ((norm(x),),), (inp,), (n("norm"),), f"{half.name}_norm"),
@@ -124,6 +126,16 @@ def _half(layer: nn.Module, half: Half, own: str, inp: str, out: str, documents:
             Exchange(lambda _: exit, n("local"), n("out"), f"{half.name}_out"),
             Compute(lambda t, x: (residual(last.after(t[0]), x),), (n("out"), inp), (out,),
                     f"{half.name}_residual")]
+
+
+def _cut_linears(block: nn.Module, half: Half) -> tuple[list, Any]:
+    """The linears ``block`` is cut at: those of the first of ``half.cuts`` whose last linear it has that
+    read its input (an optional one absent: None), and that last one; ([], None) if none applies."""
+    for cut in half.cuts:
+        last = getattr(block, cut.last, None)
+        if last is not None:
+            return [f for f in (getattr(block, name, None) for name in cut.first) if f is not None], last
+    return [], None
 
 
 @contextlib.contextmanager
