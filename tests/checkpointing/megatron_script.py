@@ -5,12 +5,18 @@ tanh GeLU, tied embedding; ``llama``: RoPE, RMSNorm, SwiGLU, GQA, no biases, unt
 (t, p), save it as Megatron-LM does (``DIR/iter_0000010`` in torch_dist with the run's args in
 ``common.pt``, ``DIR/latest_checkpointed_iteration.txt``) and write its logits on fixed tokens to
 ``DIR/logits.pt``. ``load KIND DIR OUT``: build the same model, load ``DIR``'s save with Megatron-Core's
-``dist_checkpointing.load`` and write its logits to ``OUT``.
+``dist_checkpointing.load`` and write its logits to ``OUT``. ``train gpt DIR BATCHES``: the GPT-2 style model
+at (t, p) with d = world / (t p), wrapped in Megatron-Core's DistributedDataParallel and DistributedOptimizer
+(Adam), two steps on ptdp's first two global batches (``BATCHES``), a save of model and optimizer at
+iteration 2 (``fully_reshardable``, and in ``DIR/dp_reshardable`` Megatron-LM's default format), then the
+third step; its loss, gradient norm and weights go to ``DIR/next.pt``.
 
 Stand-ins, for a CPU-only torch without triton: the few megatron modules that import triton at module level
 (none on the GPT path in megatron-core 0.16; stubbed if they are reached) and the CUDA calls of the
 checkpoint writer (``torch.cuda.synchronize``, ``current_device``), the tied embedding's ``.cuda()``, the
-RNG tracker's fork and the router's Transformer Engine GEMM.
+RNG tracker's fork and the router's Transformer Engine GEMM; for the distributed optimizer, ``Tensor.type()``
+naming CUDA types (it accepts ``torch.cuda.FloatTensor`` parameters only) and its ``device='cuda'`` flags
+and buffers made on the CPU.
 """
 
 from __future__ import annotations
@@ -191,12 +197,20 @@ def train(model, t: int, p: int, directory: str, batches: str) -> None:
                          lr_decay_style="constant", lr_warmup_iters=0)
     state = {"model": model_state, "args": args, "iteration": 2, "checkpoint_version": 3.0,
              "optimizer": optimizer.sharded_state_dict(model_state, metadata={
-                 "distrib_optim_sharding_type": os.environ.get("MEGATRON_OPTIM_FORMAT", "fully_reshardable")}),
+                 "distrib_optim_sharding_type": "fully_reshardable"}),
              "opt_param_scheduler": scheduler.state_dict()}
     dist_checkpointing.save(state, save)
+    # the same state in Megatron-LM's default format, laid out by the gradient buffers (ptdp refuses it)
+    other = os.path.join(directory, "dp_reshardable", "iter_0000002")
+    os.makedirs(other, exist_ok=True)
+    state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata={
+        "distrib_optim_sharding_type": "dp_reshardable"})
+    state["model"] = model.sharded_state_dict()
+    dist_checkpointing.save(state, other)
     if dist.get_rank() == 0:
-        with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("2")
+        for where in (directory, os.path.dirname(other)):
+            with open(os.path.join(where, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("2")
     loss, norm = step(2)
     weights = {}
     for name, value in model.state_dict().items():
