@@ -1,6 +1,6 @@
 """Megatron-Core on the CPU (gloo) for tests/checkpointing/test_megatron_checkpoint.py, run under torchrun.
 
-``save KIND DIR``: build a tiny Megatron-Core GPTModel (KIND ``gpt``: learned positions, LayerNorm, biased
+Jobs (a JSON list, run in one process start): ``save KIND DIR``: build a tiny Megatron-Core GPTModel (KIND ``gpt``: learned positions, LayerNorm, biased
 tanh GeLU, tied embedding; ``llama``: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied) at the world's
 (t, p), save it as Megatron-LM does (``DIR/iter_0000010`` in torch_dist with the run's args in
 ``common.pt``, ``DIR/latest_checkpointed_iteration.txt``) and write its logits on fixed tokens to
@@ -223,31 +223,22 @@ def train(model, t: int, p: int, directory: str, batches: str) -> None:
         torch.save({"loss": loss, "grad_norm": float(norm), "weights": weights}, os.path.join(directory, "next.pt"))
 
 
-def main() -> None:
-    stand_ins()
+def run_job(job: dict) -> None:
+    """One job: ``mode`` (save, load, train), ``kind``, the layout ``t``, ``p`` (d = world / (t p)), ``dir`` and
+    ``out`` (load: the logits file; train: the batches file)."""
     import torch.distributed as dist
-
-    dist.init_process_group("gloo")
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as tp_random
 
-    mode, kind, directory = sys.argv[1], sys.argv[2], sys.argv[3]
-    t, p = int(os.environ.get("MEGATRON_T", "2")), int(os.environ.get("MEGATRON_P", "2"))
+    mode, kind, directory, t, p = job["mode"], job["kind"], job["dir"], job["t"], job["p"]
+    ps.destroy_model_parallel()
     ps.initialize_model_parallel(t, p)
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM names it without Transformer Engine
-        moe_utils.te_general_gemm = None
-    tracker = tp_random.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: the CUDA RNG streams are never drawn
     # replicated weights equal over t (as Megatron seeds them); a load starts from other weights than the save's
-    torch.manual_seed((7 if mode == "save" else 99) + 10 * ps.get_pipeline_model_parallel_rank())
+    torch.manual_seed((99 if mode == "load" else 7) + 10 * ps.get_pipeline_model_parallel_rank())
     model = build(kind, t, p, parallel_output=mode == "train")
     if mode == "train":
-        train(model, t, p, directory, sys.argv[4])
+        train(model, t, p, directory, job["out"])
         dist.barrier()
-        dist.destroy_process_group()
         return
     if mode == "save":
         save = os.path.join(directory, "iter_0000010")
@@ -263,11 +254,31 @@ def main() -> None:
         torch.serialization.add_safe_globals([argparse.Namespace])
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(directory, "release"))
         model.load_state_dict(loaded["model"])
-        out = sys.argv[4]
+        out = job["out"]
     result = logits(model, p)
     if result is not None and ps.get_tensor_model_parallel_rank() == 0:
         torch.save(result, out)
     dist.barrier()
+
+
+def main() -> None:
+    """``megatron_script.py JOBS.json``: the jobs in order, in one start of Python, torch and megatron."""
+    import json
+
+    stand_ins()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's GEMM names it without Transformer Engine
+        moe_utils.te_general_gemm = None
+    tracker = tp_random.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # no dropout: the CUDA RNG streams are never drawn
+    with open(sys.argv[1]) as f:
+        for job in json.load(f):
+            run_job(job)
     dist.destroy_process_group()
 
 

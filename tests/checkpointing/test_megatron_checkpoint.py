@@ -1,10 +1,12 @@
 """Megatron-LM checkpoints: ``ptdp import --format megatron`` and ``ptdp export --format megatron``.
 
-With megatron-core installed (CI installs it; ``pip install --no-deps megatron-core``), tiny Megatron-Core
-GPT models (GPT-2 style, Llama style, and Llama style with 4 SwiGLU experts, top-2) are built and saved at (t, p) = (2, 2) by tests/checkpointing/megatron_script.py
-under torchrun with gloo; ptdp imports them in one process and must give Megatron's logits, and ptdp's
-export must load back into Megatron-Core at another layout and give ptdp's logits. Without megatron-core
-those tests are skipped; the rest (the formats, round trips, the refusals) use files written here.
+With megatron-core installed (CI installs it; ``pip install --no-deps megatron-core``), one module fixture
+runs Megatron-Core's side in two process starts (tests/checkpointing/megatron_script.py under torchrun with
+gloo): tiny GPT-2-style, Llama-style and MoE (4 SwiGLU experts, top-2) models saved at (t, p) = (2, 2),
+which ptdp imports in one process and must give Megatron's logits, ptdp's export loaded back into
+Megatron-Core at another layout with ptdp's logits, and a run of Megatron's DistributedOptimizer whose Adam
+state ptdp must continue exactly. Without megatron-core those tests are skipped; the rest (the formats,
+round trips, the refusals) use files written here.
 """
 
 from __future__ import annotations
@@ -37,12 +39,55 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     reason="megatron-core is not installed (pip install --no-deps megatron-core)")
 
 
-def _torchrun(nproc: int, t: int, p: int, *args: str) -> None:
-    env = {**worker_env(), "MEGATRON_T": str(t), "MEGATRON_P": str(p)}
+def _megatron_jobs(root: Path, name: str, nproc: int, jobs: list[dict]) -> None:
+    """Run ``jobs`` (megatron_script.py's) in one torchrun of ``nproc`` processes."""
+    (root / f"{name}.json").write_text(json.dumps(jobs))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(SCRIPT), *args]
-    proc = run_command(command, timeout=400, env=env)
+               str(SCRIPT), str(root / f"{name}.json")]
+    proc = run_command(command, timeout=600, env=worker_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+KINDS = {"gpt": (2, 1), "llama": (1, 2), "moe": (2, 1)}  # kind -> the (t, p) Megatron loads ptdp's export at
+ADAM_RUN = ["--lr", "1e-3", "--train-iters", "20", "--seed", "1234", "--global-batch-size", "8",
+            "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory) -> Path:
+    """Megatron-Core's side of every test here, in two process starts: the three models saved at
+    (t, p) = (2, 2) (``saves/KIND``, with their logits); ptdp's import of each (``ptdp/KIND``, the command's
+    output in ``ptdp/KIND.txt``) and export (``back/KIND``); then on two processes each export loaded at
+    its ``KINDS`` layout (``back/KIND.pt``, the logits) and one run with Megatron's DistributedOptimizer at
+    (t, p, d) = (2, 1, 1) on ptdp's first three global batches of the continued run's data: saved at
+    iteration 2 (``adam/``, and in Megatron-LM's default optimizer format ``adam/dp_reshardable``), its
+    third step in ``adam/next.pt``."""
+    import numpy as np
+    from helpers import validated_config
+
+    from ptdp.data.training_data import datasets_for_config
+
+    root = tmp_path_factory.mktemp("megatron")
+    _megatron_jobs(root, "saves", 4, [{"mode": "save", "kind": kind, "t": 2, "p": 2, "dir": str(root / "saves" / kind)}
+                                      for kind in KINDS])
+    for kind in KINDS:
+        result = run_ptdp(["import", "--format", "megatron", "--in", str(root / "saves" / kind),
+                           "--save", str(root / "ptdp" / kind)])
+        (root / "ptdp" / f"{kind}.txt").write_text(result.stdout)
+        export_megatron(root / "ptdp" / kind, root / "back" / kind)
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--vocab-size", str(VOCAB), *ADAM_RUN]
+    train = datasets_for_config(validated_config(flags)).train
+    samples = np.stack([train[i] for i in range(3 * 8)]).astype(np.int64)
+    torch.save(torch.from_numpy(samples).reshape(3, 8, -1), root / "batches.pt")
+    # d = 1 for the optimizer: at d = 2 on gloo Megatron's third step's gradient norm is not one process's
+    # (15% off; its data-parallel reduction on the CPU is unexplained), so the reference would be wrong
+    jobs = [{"mode": "load", "kind": kind, "t": t, "p": p, "dir": str(root / "back" / kind),
+             "out": str(root / "back" / f"{kind}.pt")} for kind, (t, p) in KINDS.items()]
+    jobs.append({"mode": "train", "kind": "gpt", "t": 2, "p": 1, "dir": str(root / "adam"),
+                 "out": str(root / "batches.pt")})
+    _megatron_jobs(root, "loads", 2, jobs)
+    return root
 
 
 def _ptdp_logits(save: Path) -> torch.Tensor:
@@ -52,21 +97,18 @@ def _ptdp_logits(save: Path) -> torch.Tensor:
 
 
 @needs_megatron
-@pytest.mark.parametrize("kind, back", [("gpt", (2, 1)), ("llama", (1, 2)), ("moe", (2, 1))])
-def test_megatron_save_imports_to_its_logits_and_exports_back(tmp_path, kind, back):
-    megatron = tmp_path / "megatron"
-    _torchrun(4, 2, 2, "save", kind, str(megatron))  # Megatron-Core at (t, p) = (2, 2)
-    expected = torch.load(megatron / "logits.pt")
-    result = run_ptdp(["import", "--format", "megatron", "--in", str(megatron), "--save", str(tmp_path / "ptdp")])
-    assert "iteration 10, 80 samples consumed" in result.stdout
-    assert "--global-batch-size 8" in result.stdout and "--train-iters 20" in result.stdout
-    ours = _ptdp_logits(tmp_path / "ptdp")  # one process: another layout than Megatron's
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_megatron_save_imports_to_its_logits_and_exports_back(megatron, kind):
+    """Megatron-Core's save at (t, p) = (2, 2) imports into one process (another layout) with Megatron's
+    logits; ptdp's export loads back into Megatron-Core at yet another layout, from other initial weights,
+    with ptdp's logits."""
+    expected = torch.load(megatron / "saves" / kind / "logits.pt")
+    stdout = (megatron / "ptdp" / f"{kind}.txt").read_text()
+    assert "iteration 10, 80 samples consumed" in stdout
+    assert "--global-batch-size 8" in stdout and "--train-iters 20" in stdout
+    ours = _ptdp_logits(megatron / "ptdp" / kind)
     torch.testing.assert_close(ours, expected, rtol=0, atol=2e-5)
-
-    run_ptdp(["export", "--format", "megatron", "--load", str(tmp_path / "ptdp"), "--out", str(tmp_path / "back")])
-    t, p = back  # Megatron-Core loads the export at yet another layout, from other initial weights
-    _torchrun(t * p, t, p, "load", kind, str(tmp_path / "back"), str(tmp_path / "back.pt"))
-    torch.testing.assert_close(torch.load(tmp_path / "back.pt"), ours, rtol=0, atol=2e-5)
+    torch.testing.assert_close(torch.load(megatron / "back" / f"{kind}.pt"), ours, rtol=0, atol=2e-5)
 
 
 # ------------------------------------------------------------------------- without megatron-core
@@ -264,32 +306,6 @@ def test_export_needs_a_fresh_directory(tmp_path):
 
 # ------------------------------------------------------------------------- the distributed optimizer
 
-ADAM_RUN = ["--lr", "1e-3", "--train-iters", "20", "--seed", "1234", "--global-batch-size", "8",
-            "--micro-batch-size", "2"]
-
-
-@pytest.fixture(scope="module")
-def megatron_adam(tmp_path_factory) -> Path:
-    """One Megatron-Core run with its DistributedOptimizer at (t, p, d) = (2, 1, 1) on ptdp's first three
-    global batches of the continued run's data: saved at iteration 2 (``megatron/``, and in Megatron-LM's
-    default optimizer format ``megatron/dp_reshardable``), its third step in ``megatron/next.pt``."""
-    import numpy as np
-    from helpers import validated_config
-
-    from ptdp.data.training_data import datasets_for_config
-
-    root = tmp_path_factory.mktemp("megatron-adam")
-    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-             "--vocab-size", str(VOCAB), *ADAM_RUN]
-    train = datasets_for_config(validated_config(flags)).train
-    samples = np.stack([train[i] for i in range(3 * 8)]).astype(np.int64)
-    torch.save(torch.from_numpy(samples).reshape(3, 8, -1), root / "batches.pt")
-    # d = 1: at d = 2 on gloo Megatron's third step's gradient norm is not one process's (15% off; its
-    # data-parallel reduction on the CPU is unexplained), so the reference would be wrong, not ptdp
-    _torchrun(2, 2, 1, "train", "gpt", str(root / "megatron"), str(root / "batches.pt"))
-    return root
-
-
 def _megatron_weights(next_step: dict, config: dict) -> dict[str, torch.Tensor]:
     """Megatron's weights after its third step (per tensor-parallel rank) as ptdp's full tensors."""
     from ptdp.hf.convert import model_config_from_dict, moe_config_from_dict
@@ -301,12 +317,12 @@ def _megatron_weights(next_step: dict, config: dict) -> dict[str, torch.Tensor]:
 
 
 @needs_megatron
-def test_megatron_adam_state_continues_as_megatrons_next_step(megatron_adam, tmp_path):
+def test_megatron_adam_state_continues_as_megatrons_next_step(megatron, tmp_path):
     """ptdp imports Megatron's model and Adam state (moments, step count) at iteration 2 and trains
     iteration 3 in one process and at (p, d) = (2, 2) with ptdp's distributed optimizer: the loss, the
     gradient norm and every weight are Megatron's own third step's (the moments matter: a fresh Adam's
     first step moves each weight by about the learning rate, far from Adam's continued step)."""
-    result = run_ptdp(["import", "--format", "megatron", "--in", str(megatron_adam / "megatron"),
+    result = run_ptdp(["import", "--format", "megatron", "--in", str(megatron / "adam"),
                        "--save", str(tmp_path / "ptdp")])
     assert "iteration 2, 16 samples consumed" in result.stdout
     flags = result.stdout.split("ptdp train ", 1)[1].split()
@@ -315,7 +331,7 @@ def test_megatron_adam_state_continues_as_megatrons_next_step(megatron_adam, tmp
         "one": (1, []),
         "p2d2": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"])},
         base=flags + ["--train-iters", "3", "--log-interval", "1"])
-    expected = torch.load(megatron_adam / "megatron" / "next.pt")
+    expected = torch.load(megatron / "adam" / "next.pt")
     start, config = read_full_model_state(tmp_path / "ptdp")
     megatron = _megatron_weights(expected, config)
     for name, run in runs.items():
@@ -334,7 +350,7 @@ def _without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 @needs_megatron
-def test_megatron_optimizer_in_buffer_order_is_refused_in_one_line(megatron_adam, tmp_path):
-    _refused_in_one_line(megatron_adam / "megatron" / "dp_reshardable", tmp_path / "out", "'dp_reshardable' format")
-    assert import_megatron(megatron_adam / "megatron" / "dp_reshardable", tmp_path / "model",
+def test_megatron_optimizer_in_buffer_order_is_refused_in_one_line(megatron, tmp_path):
+    _refused_in_one_line(megatron / "adam" / "dp_reshardable", tmp_path / "out", "'dp_reshardable' format")
+    assert import_megatron(megatron / "adam" / "dp_reshardable", tmp_path / "model",
                            no_load_optim=True).iteration == 2
