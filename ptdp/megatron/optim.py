@@ -23,7 +23,7 @@ iteration, so the import checks that they agree and prints the scheduler's flags
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ptdp.megatron.args import MegatronError
 
@@ -31,7 +31,15 @@ if TYPE_CHECKING:
     import torch
 
     from ptdp.config import ModelConfig, MoEConfig
-    from ptdp.megatron.read import MegatronCheckpoint
+
+
+class MegatronCheckpoint(Protocol):
+    """What is read here of a save (``ptdp.megatron.read.MegatronCheckpoint``, which imports this module)."""
+
+    directory: Path
+    args: dict[str, Any]
+    optimizer: dict[str, dict[str, Any]]
+    common: dict[str, Any]
 
 STATE_PREFIX = "optimizer.state."
 SUPPORTED = ("fully_reshardable",)
