@@ -354,3 +354,67 @@ def test_megatron_optimizer_in_buffer_order_is_refused_in_one_line(megatron, tmp
     _refused_in_one_line(megatron / "adam" / "dp_reshardable", tmp_path / "out", "'dp_reshardable' format")
     assert import_megatron(megatron / "adam" / "dp_reshardable", tmp_path / "model",
                            no_load_optim=True).iteration == 2
+
+
+def _with_adam_state(save: Path, **common_changes) -> None:
+    """Add a fully_reshardable optimizer state to a torch_dist save: moments 2x and 3x the weights (so
+    each maps through the model's own layout), the fp32 weights, Adam at step 10, the scheduler at 80 samples."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    iteration = save / "iter_0000010"
+    saved = dcp.FileSystemReader(iteration).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, checkpoint_id=iteration, no_dist=True)
+    for path in [*iteration.glob("*.distcp"), iteration / ".metadata"]:
+        path.unlink()
+    for key, value in list(tensors.items()):
+        tensors[f"optimizer.state.exp_avg.{key}"] = 2 * value
+        tensors[f"optimizer.state.exp_avg_sq.{key}"] = 3 * value
+        tensors[f"optimizer.state.param.{key}"] = value.clone()
+    dcp.save(tensors, checkpoint_id=iteration, no_dist=True)
+    common = torch.load(iteration / "common.pt", weights_only=False)
+    common["optimizer"] = {"param_state_sharding_type": "fully_reshardable",
+                           "optimizer": {"param_groups": [{"step": 10.0}, {"step": 10.0}]}}
+    common["opt_param_scheduler"] = {"max_lr": 3e-4, "min_lr": 3e-5, "lr_decay_style": "cosine",
+                                     "lr_warmup_steps": 16, "lr_decay_steps": 160, "num_steps": 80,
+                                     "start_wd": 0.1, "end_wd": 0.1}
+    common.update(common_changes)
+    torch.save(common, iteration / "common.pt")
+
+
+def test_adam_state_maps_like_the_weights_it_belongs_to(tmp_path):
+    """Without megatron-core: each moment goes through its parameter's own name and layout mapping (QKV,
+    SwiGLU halves, the untied head), the step count is the param groups', the schedule's flags printed."""
+    import torch.distributed.checkpoint as dcp
+
+    save = _megatron_save(tmp_path, "llama")
+    _with_adam_state(save)
+    imported = import_megatron(save, tmp_path / "out")
+    weights, _ = read_full_model_state(tmp_path / "out")
+    state = {f"optimizer.{name}.{field}": torch.empty(() if field == "step" else value.shape)
+             for name, value in weights.items() for field in ("exp_avg", "exp_avg_sq", "step")}
+    dcp.load(state, checkpoint_id=imported.path, no_dist=True)
+    for name, value in weights.items():
+        assert torch.equal(state[f"optimizer.{name}.exp_avg"], 2 * value), name
+        assert torch.equal(state[f"optimizer.{name}.exp_avg_sq"], 3 * value), name
+        assert float(state[f"optimizer.{name}.step"]) == 10.0
+    flags = continue_flags(imported)
+    for flag in ("--lr 0.0003", "--min-lr 3e-05", "--lr-decay-style cosine", "--lr-warmup-iters 2",
+                 "--lr-decay-iters 20"):
+        assert flag in flags, flags
+
+
+@pytest.mark.parametrize("common, args, named", [
+    ({}, {"optimizer": "sgd"}, "optimizer='sgd'"),
+    ({}, {"fp16": True}, "fp16=True"),
+    ({"opt_param_scheduler": {"num_steps": 72}}, {}, "num_steps 72"),
+    ({"optimizer": {"param_state_sharding_type": "dp_zero_gather_scatter"}}, {}, "'dp_zero_gather_scatter'"),
+])
+def test_adam_state_ptdp_would_not_continue_exactly_is_refused(tmp_path, common, args, named):
+    save = _megatron_save(tmp_path, "gpt")
+    _with_adam_state(save, **common)
+    _edit_args(save, **args)
+    with pytest.raises(MegatronError, match=named):
+        import_megatron(save, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
