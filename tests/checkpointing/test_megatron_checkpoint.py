@@ -418,3 +418,15 @@ def test_adam_state_ptdp_would_not_continue_exactly_is_refused(tmp_path, common,
     with pytest.raises(MegatronError, match=named):
         import_megatron(save, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_torch_format_optimizer_state_is_refused_by_name(tmp_path):
+    """The torch format's distrib_optim.pt is ordered by Megatron's gradient buffers: refused by name unless
+    --no-load-optim imports the model alone."""
+    save = _megatron_save(tmp_path, "gpt")
+    _split_legacy(save, t=2, p=1)
+    torch.save({"per_bucket_numel": []}, save / "iter_0000010" / "mp_rank_00" / "distrib_optim.pt")
+    with pytest.raises(MegatronError, match="distrib_optim.pt"):
+        import_megatron(save, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert import_megatron(save, tmp_path / "model", no_load_optim=True).iteration == 10
