@@ -76,7 +76,8 @@ class FullModelReader:
 
 
 def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], config_dict: dict,
-                           iteration: int = 0, consumed_samples: int = 0) -> Path:
+                           iteration: int = 0, consumed_samples: int = 0,
+                           optimizer: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write ``tensors`` (full, logical names) as the iteration-0 checkpoint of ``path``, loadable by
     ``--load`` in any layout; it holds no optimizer state, so AdamW starts fresh. ``config_dict`` is a
     ``Config.to_dict()`` or just its ``model`` section; ``model.vocab_size`` defaults to the embedding's
@@ -84,7 +85,9 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
     raises :class:`~.storage.CheckpointError` (``ptdp import``'s one line) and is left as it was.
     ``iteration``/``consumed_samples``: where an imported run stood (a Megatron-LM save), so ``ptdp train
     --load`` goes on from the next iteration and sample; no data state is recorded, so the builder's order
-    (Megatron's) is read from sample ``iteration * --global-batch-size`` on.
+    (Megatron's) is read from sample ``iteration * --global-batch-size`` on. ``optimizer``: per parameter
+    its full optimizer state (``{exp_avg, exp_avg_sq, step[, main_param]}``, ``state.py``'s keys), every
+    trained parameter's, so that ``--load`` resumes AdamW in any layout.
     """
     if storage.saved_iterations(path) or (Path(path) / storage.LATEST).exists():  # iteration 0 would replace `latest`
         raise storage.CheckpointError(f"--save {path} already holds a run's checkpoints; writing a model there would "
@@ -110,6 +113,8 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
             raise ValueError(f"write_full_model_state: {name} has shape {tuple(tensors[name].shape)}, "
                              f"the config says {tuple(shape)}")
     state = {f"model.{name}": tensors[name].detach().to("cpu", torch.float32).contiguous() for name in expected}
+    if optimizer is not None:
+        state.update(_optimizer_entries(optimizer, model_cfg, vocab, padded, config))
     root = Path(path)
     tmp = storage.prepare_temporary(root, iteration)
     with warnings.catch_warnings():
@@ -119,9 +124,29 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
         "iteration": iteration, "consumed_samples": consumed_samples, "model": model_shape(model_cfg, vocab, padded),
         "layout": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
                    "virtual_pipeline_model_parallel_size": 1, "pipeline_schedule": "1f1b"},
-        "contents": ["model"], "config": config.to_dict(),
+        "contents": ["model"] + (["optimizer"] if optimizer is not None else []), "config": config.to_dict(),
     })
     return storage.commit(root, iteration)
+
+
+def _optimizer_entries(optimizer: dict, model_cfg, vocab: int, padded: int, config: Config) -> dict[str, torch.Tensor]:
+    """``optimizer.<name>.<field>`` entries, checked: every trained parameter's state, each shaped like it."""
+    with torch.device("meta"):
+        params = {name: p.shape for name, p in GPTModel(model_cfg, vocab, padded, config.moe).named_parameters()}
+    missing, unexpected = sorted(params.keys() - optimizer.keys()), sorted(optimizer.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"write_full_model_state: optimizer state missing {missing[:3]}, unexpected {unexpected[:3]}")
+    out = {}
+    for name, fields in optimizer.items():
+        for field, value in fields.items():
+            value = value.detach().to("cpu", torch.float32).clone() if field == "step" else value.detach().to("cpu", torch.float32)
+            if field != "step" and value.shape[0] < params[name][0] and name == TIED_EMBEDDING:  # padding rows
+                value = torch.cat([value, value.new_zeros(params[name][0] - value.shape[0], *value.shape[1:])])
+            if field == "step" and value.dim() != 0 or field != "step" and tuple(value.shape) != tuple(params[name]):
+                raise ValueError(f"write_full_model_state: the optimizer's {field} of {name} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(params[name])}")
+            out[f"optimizer.{name}.{field}"] = value.contiguous()
+    return out
 
 
 def _config_from_dict(config_dict: dict) -> Config:

@@ -4,8 +4,9 @@
 Import reads the newest Megatron-LM save whole and checks it (the args ptdp computes, every tensor present
 and placed) before writing anything; the ptdp checkpoint it writes stands at the Megatron run's iteration
 and consumed samples, so ``ptdp train --load`` with the printed flags continues Megatron's sample order from
-the next sample. The Megatron optimizer's state is not carried: a save that holds it is refused unless
-``--no-load-optim`` says to start the optimizer afresh.
+the next sample. The distributed optimizer's state (Adam's moments and step count, ``ptdp.megatron.optim``)
+is carried when the save holds it in a per-parameter format, with the LR schedule's flags; ``--no-load-optim``
+leaves it out (and imports a save whose optimizer state ptdp cannot read).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from ptdp.megatron.args import MegatronError, model_from_args
 _RUN_ARGS = {"global_batch_size": ("training", "global_batch_size"), "micro_batch_size": ("training", "micro_batch_size"),
              "train_iters": ("training", "train_iters"), "seed": ("training", "seed"),
              "eval_interval": ("training", "eval_interval"), "eval_iters": ("training", "eval_iters"),
-             "data_path": ("data", "data_path"), "split": ("data", "split")}
+             "data_path": ("data", "data_path"), "split": ("data", "split"),
+             # with the optimizer's state: the AdamW and LR-schedule flags it goes on with (ptdp.megatron.optim)
+             **{name: ("optimizer", name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
+                                                       "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2",
+                                                       "adam_eps", "clip_grad")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +48,22 @@ def import_megatron(directory: str | Path, save: str | Path, no_load_optim: bool
     from ptdp.megatron.names import to_ptdp
     from ptdp.megatron.read import read_checkpoint
 
-    ckpt = read_checkpoint(directory)
-    if ckpt.has_optimizer and not no_load_optim:
-        raise MegatronError(f"--in {ckpt.directory}: holds the optimizer's state, which ptdp does not import; pass "
-                            "--no-load-optim to import the model and start the optimizer afresh")
+    ckpt = read_checkpoint(directory, read_optimizer=not no_load_optim)
     cfg, moe = model_from_args(ckpt.args)
-    run = {key: ckpt.args[key] for key in _RUN_ARGS if ckpt.args.get(key) is not None}
+    run = {key: ckpt.args[key] for key, (section, _) in _RUN_ARGS.items()
+           if ckpt.args.get(key) is not None and section != "optimizer"}
     batch = run.get("global_batch_size")
     consumed = int(ckpt.args.get("consumed_train_samples") or 0)
     if batch and consumed != ckpt.iteration * batch:
         raise MegatronError(f"--in {ckpt.directory}: consumed_train_samples {consumed} is not iteration "
                             f"{ckpt.iteration} x global_batch_size {batch} (a rampup_batch_size run); ptdp continues "
                             "runs of one global batch size")
+    optimizer = None
+    if ckpt.has_optimizer and not no_load_optim:
+        from ptdp.megatron.optim import check_optimizer_args, optimizer_to_ptdp
+
+        run.update(check_optimizer_args(ckpt, consumed))
+        optimizer = optimizer_to_ptdp(ckpt, cfg, moe, cfg.padded_vocab_size(cfg.vocab_size, 1))
     tensors = to_ptdp(ckpt.tensors, cfg, moe)
     padded = cfg.padded_vocab_size(cfg.vocab_size, 1)
     for name in ("embedding.word_embeddings.weight", "lm_head.weight"):  # Megatron padded for its t: rows
@@ -65,7 +74,8 @@ def import_megatron(directory: str | Path, save: str | Path, no_load_optim: bool
         section, name = _RUN_ARGS[key]
         sections.setdefault(section, {})[name] = value
     try:
-        path = write_full_model_state(save, tensors, sections, iteration=ckpt.iteration, consumed_samples=consumed)
+        path = write_full_model_state(save, tensors, sections, iteration=ckpt.iteration, consumed_samples=consumed,
+                                      optimizer=optimizer)
     except ValueError as e:  # a tensor the args do not account for, or a shape that contradicts them
         raise MegatronError(f"--in {ckpt.directory}: {str(e).removeprefix('write_full_model_state: ')} "
                             "(the tensors contradict the checkpoint's args)") from None
@@ -93,8 +103,8 @@ def continue_flags(imported: Imported) -> str:
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     convert.add_import_arguments(parser)
     parser.add_argument("--no-load-optim", action="store_true",
-                        help="--format megatron: import a save that holds the optimizer's state without it (ptdp "
-                             "does not carry Megatron's optimizer state; the optimizer starts afresh)")
+                        help="--format megatron: leave the distributed optimizer's state out (the optimizer starts "
+                             "afresh); needed for a save whose optimizer state ptdp cannot read")
 
 
 def run_import(args: argparse.Namespace) -> int:

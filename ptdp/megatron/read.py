@@ -57,6 +57,10 @@ class MegatronCheckpoint:
     iteration: int
     has_optimizer: bool
     skipped: list[str] = field(default_factory=list)  # non-tensor entries left out (rng, extra states)
+    # the distributed optimizer's per-parameter state (``ptdp.megatron.optim``): field -> full tensors under
+    # per-layer names, as ``tensors``; and what every rank shared (``common.pt``: param groups, scheduler)
+    optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)
+    common: dict[str, Any] = field(default_factory=dict)
 
 
 def iteration_directory(root: str | Path) -> Path:
@@ -82,13 +86,15 @@ def iteration_directory(root: str | Path) -> Path:
     return directory
 
 
-def read_checkpoint(root: str | Path) -> MegatronCheckpoint:
-    """The newest save under ``root`` (either format), checked whole before anything is written."""
+def read_checkpoint(root: str | Path, read_optimizer: bool = False) -> MegatronCheckpoint:
+    """The newest save under ``root`` (either format), checked whole before anything is written.
+    ``read_optimizer``: the distributed optimizer's state too, where the save has it (``torch_dist`` in a
+    per-parameter format; anything else is refused by name)."""
     directory = iteration_directory(root)
     if (directory / METADATA).is_file():
-        return _read_torch_dist(directory)
+        return _read_torch_dist(directory, read_optimizer)
     if any(_RANK_DIR.match(p.name) for p in directory.iterdir()):
-        return _read_legacy(directory)
+        return _read_legacy(directory, read_optimizer)
     raise MegatronError(f"--in {directory}: neither {METADATA} (torch_dist) nor mp_rank_* directories (torch); "
                         "the save is partial")
 
@@ -116,7 +122,7 @@ def _args_dict(args: Any, where: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- torch_dist
 
-def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
+def _read_torch_dist(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -137,9 +143,13 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
                             "partial or corrupt") from None
     entries = metadata.state_dict_metadata
     has_optimizer = any(key.startswith("optimizer.") for key in entries)
+    from ptdp.megatron.optim import STATE_PREFIX, check_optimizer_format
+
+    if has_optimizer and read_optimizer:  # a format ptdp cannot map to parameters is refused here, by name
+        check_optimizer_format(directory, common, entries)
     wanted = {key: meta for key, meta in entries.items()
-              if isinstance(meta, TensorStorageMetadata) and not key.startswith(("optimizer.", "rng_state"))
-              and "_extra_state" not in key}
+              if isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key
+              and (not key.startswith(("optimizer.", "rng_state")) or (read_optimizer and key.startswith(STATE_PREFIX)))}
     for key, meta in wanted.items():
         covered = sum(prod(chunk.sizes) for chunk in meta.chunks)
         if covered != prod(meta.size):
@@ -157,14 +167,19 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
         raise MegatronError(f"--in {directory}: its tensors cannot be read ({reason[:200]}); a .distcp file is "
                             "missing or corrupt") from None
     full: dict[str, torch.Tensor] = {}
+    optimizer: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
+        into = full
+        if key.startswith(STATE_PREFIX):  # optimizer.state.<field>.<the model's key>
+            state_field, key = key.removeprefix(STATE_PREFIX).split(".", 1)
+            into = optimizer.setdefault(state_field, {})
         if key.startswith("decoder.layers.") and not LAYER.match(key):
-            full.update(_unstack(key.removeprefix("decoder.layers."), value))
+            into.update(_unstack(key.removeprefix("decoder.layers."), value))
         else:
-            full[key] = value
+            into[key] = value
     skipped = sorted(set(entries) - set(wanted))
     return MegatronCheckpoint(directory, "torch_dist", full, args, int(common.get("iteration", 0)), has_optimizer,
-                              skipped)
+                              skipped, optimizer, common)
 
 
 def _unstack(suffix: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -182,7 +197,7 @@ def _unstack(suffix: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------- torch (legacy)
 
-def _read_legacy(directory: Path) -> MegatronCheckpoint:
+def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
     ranks = {}
     for path in directory.iterdir():
         match = _RANK_DIR.match(path.name)
@@ -222,6 +237,11 @@ def _read_legacy(directory: Path) -> MegatronCheckpoint:
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + pp * per_stage}.{match.group(2)}"
                 tensors.setdefault(canonical(name), [None] * t)[tp] = value
+    if has_optimizer and read_optimizer:
+        raise MegatronError(f"--in {directory}: holds the optimizer's state in the torch format (distrib_optim.pt, or "
+                            "'optimizer' in model_optim_rng.pt), ordered by Megatron's gradient buffers, which ptdp "
+                            "does not import; save torch_dist with --dist-ckpt-optim-fully-reshardable, or pass "
+                            "--no-load-optim to start the optimizer afresh")
     full = {name: _join(name, parts, bool(args.get("swiglu"))) for name, parts in tensors.items()}
     return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer)
 
