@@ -4,7 +4,7 @@ second layer dense). Import gives HF's logits (HF's own PyTorch chunked rule) ov
 rule; export loads back in ``transformers`` bit for bit; ``ptdp train`` in one process and in parallel layouts
 equals ``transformers`` + ``torch.optim.AdamW`` per iteration (loss and gradient norm) on the same batches,
 and the one-process run's final weights equal HF's. The layouts: t = 2 with and without sequence parallelism;
-c = 2 in both modes of the linear layers; p = 2 with e = 2; GPipe with ZeRO-1 and ZB-H1 with ZeRO-2 (d = 2);
+c = 2 in both modes of the linear layers; p = 2 with e = 2; (t, e) = (2, 2) folded; GPipe with ZeRO-1 and ZB-H1 with ZeRO-2 (d = 2);
 ZeRO-3 with selective recomputation; interleaved p = 2 with full recomputation; ZBV with vocabulary
 parallelism; DualPipeV with t = 2 and sequence parallelism (its pairs cut both kinds of layer at their
 exchanges: every linear of a Gated DeltaNet and of a gated attention is a declared cut point)."""
@@ -38,6 +38,9 @@ P2 = ["--pipeline-model-parallel-size", "2"]
 T2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
            "t2-sp": (2, [*T2, "--sequence-parallel"]),
+           # MoE Parallel Folding: the experts split over the tensor-parallel ranks, whole within each
+           "t2-e2-folded": (2, [*T2, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                "--sequence-parallel"]),
            "c2-state-passing": (2, ["--context-parallel-size", "2"]),
            "c2-a2a": (2, ["--context-parallel-size", "2", "--linear-attention-cp-comm-type", "a2a"]),
            # ZeRO 1-3, both recomputations, vocabulary parallelism and the schedules past 1F1B, each composed
