@@ -66,8 +66,8 @@ def window_errors(config: Config) -> list[str]:
 
 def _softcap_errors(config: Config) -> list[str]:
     """Gemma 2's soft-capping: the attention cores (one process and context-parallel) and the output logits
-    compute it; multi-latent attention and the vocabulary-parallel output passes do not."""
-    m, par = config.model, config.parallel
+    compute it, as do the vocabulary-parallel output passes; multi-latent attention does not."""
+    m = config.model
     errors = []
     for flag, cap in (("--attn-logit-softcapping", m.attn_logit_softcapping),
                       ("--final-logit-softcapping", m.final_logit_softcapping)):
@@ -76,9 +76,6 @@ def _softcap_errors(config: Config) -> list[str]:
     if m.attn_logit_softcapping is not None:
         if m.multi_latent_attention:
             errors.append("--attn-logit-softcapping with --multi-latent-attention is not supported")
-    if m.final_logit_softcapping is not None and par.enable_vocab_parallel:
-        errors.append("--final-logit-softcapping with --enable-vocab-parallel is not supported yet (the "
-                      "vocabulary passes compute the softmax from uncapped logits)")
     return errors
 
 

@@ -49,7 +49,6 @@ from ptdp.models.layers import (
     Logits,
     SequencePositions,
     norm,
-    softcap_logits,
 )
 from ptdp.models.mla import MultiLatentAttention
 from ptdp.models.moe import MoELayer, moe_layer_pattern
@@ -217,7 +216,7 @@ class GPTModel(nn.Module):
         self.output_layer: nn.Module | None = None
         # Multi-token prediction's copy of the embedding, on a chunk without it (the same place).
         self.embedding_copy: Embedding | None = None
-        self.logits = Logits(vocab_size)
+        self.logits = Logits(vocab_size, cfg.final_logit_softcapping)
 
     def sharding_rules(self) -> ShardingRules:
         """How the parallelisms may split this model (``ptdp.models.gpt_sharding``)."""
@@ -263,11 +262,5 @@ class GPTModel(nn.Module):
         shared = self.lm_head is None and embedding is not None  # the output weight also embeds here
         x = self.final_layernorm(x)
         if self.mtp is not None and labels is not None and self.training:
-            x = self.mtp(x, labels, embedding, lambda h: self.capped_logits(h, shared))
-        return self.capped_logits(x, shared)
-
-    def capped_logits(self, x: torch.Tensor, shared: bool) -> torch.Tensor:
-        """The logits, soft-capped under ``--final-logit-softcapping`` (after the tensor-parallel shard's GEMM)."""
-        logits = self.logits(x, self.output_weight(), shared)
-        cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else softcap_logits(logits, cap)
+            x = self.mtp(x, labels, embedding, lambda h: self.logits(h, self.output_weight(), shared))
+        return self.logits(x, self.output_weight(), shared)

@@ -124,16 +124,19 @@ class Logits(nn.Module):
 
     The weight is the model's output weight (``GPTModel.output_weight``). Its gradient is deferrable to a
     zero-bubble W pass unless ``shared``: the weight is also this model's input embedding (tied), whose
-    grad hooks a deferred half would fire twice per microbatch (``ptdp.ops.weight_grad``).
+    grad hooks a deferred half would fire twice per microbatch (``ptdp.ops.weight_grad``). ``softcap``
+    (``--final-logit-softcapping``) caps them: part of this module, so that whoever replaces it (tensor or
+    vocabulary parallelism) carries the cap with the GEMM.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, softcap: float | None = None):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.softcap = vocab_size, softcap
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
         gemm = F.linear if shared else linear
-        return mask_padding_(gemm(x, weight), self.vocab_size)
+        logits = mask_padding_(gemm(x, weight), self.vocab_size)
+        return logits if self.softcap is None else softcap_logits(logits, self.softcap)
 
 
 class SequencePositions(nn.Module):

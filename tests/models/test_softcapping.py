@@ -87,7 +87,7 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
         expected = hf(tokens).logits
         torch.testing.assert_close(ours(tokens)[..., :V], expected, rtol=0, atol=1e-5)
         assert expected.abs().max() < 2.0  # the final cap bites: without it, other logits
-        ours.cfg.final_logit_softcapping = None
+        ours.logits.softcap = None
         assert not torch.allclose(ours(tokens)[..., :V], expected, atol=1e-3)
     with pytest.raises(ConfigError, match="--attn-logit-softcapping"):  # HF's Gemma 3 would not apply it
         gemma3_config(dataclasses.replace(cfg, attn_logit_softcapping=1.5), MoEConfig(), None, None)
@@ -96,8 +96,6 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
 @pytest.mark.parametrize("world, overrides, line", [
     (1, {"attn_logit_softcapping": 0.0}, "--attn-logit-softcapping must be > 0"),
     (1, {"attn_logit_softcapping": 5.0, "multi_latent_attention": True}, "--attn-logit-softcapping with --multi-"),
-    (2, {"final_logit_softcapping": 5.0, "pipeline_model_parallel_size": 2, "enable_vocab_parallel": True},
-     "--final-logit-softcapping with --enable-vocab-parallel"),
 ])
 def test_softcapping_refuses_what_it_does_not_compute_in_one_line(world, overrides, line):
     from ptdp.config import Config, validate
@@ -112,18 +110,27 @@ def test_softcapping_refuses_what_it_does_not_compute_in_one_line(world, overrid
     assert all("\n" not in e for e in errors)
 
 
+P2_VOCAB = ["--pipeline-model-parallel-size", "2", "--enable-vocab-parallel"]
+
+
 def test_capped_training_equals_one_process_under_tensor_and_pipeline_parallelism(tmp_path):
     """``ptdp train`` with both caps and windows: t = 2 with sequence parallelism (each vocabulary shard caps
-    its own logits before the vocabulary-parallel cross-entropy) and p = 2 give one process's losses and
-    gradient norms per iteration and its final weights; without the caps the run differs (they bite)."""
+    its own logits before the vocabulary-parallel cross-entropy), p = 2, and vocabulary parallelism (one
+    barrier, and two with t = 2) give one process's losses and gradient norms per iteration and its final
+    weights; without the caps the run differs (they bite)."""
     from helpers import TINY, assert_equivalent, run_layouts
 
     caps = ["--attn-logit-softcapping", "0.05", "--final-logit-softcapping", "0.05", "--window-size", "5",
             "--window-attn-skip-freq", "2"]
     runs = run_layouts(tmp_path, {"one": (1, caps), "plain": (1, caps[4:]),
                                   "t2-sp": (2, [*caps, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                                  "p2": (2, [*caps, "--pipeline-model-parallel-size", "2"])}, base=TINY)
-    for name in ("t2-sp", "p2"):
+                                  "p2": (2, [*caps, "--pipeline-model-parallel-size", "2"]),
+                                  # the vocabulary passes cap each slice's logits, their gradients through the
+                                  # cap's slope: with one barrier (the input terms from S) and with two
+                                  "p2-vocab": (2, [*caps, *P2_VOCAB]),
+                                  "p2-t2-vocab-2b": (4, [*caps, *P2_VOCAB, "--tensor-model-parallel-size", "2",
+                                                          "--disable-fb-fusion"])}, base=TINY)
+    for name in ("t2-sp", "p2", "p2-vocab", "p2-t2-vocab-2b"):
         assert_equivalent(runs[name], runs["one"])
     one, plain = runs["one"].records, runs["plain"].records
     assert abs(one[-1]["loss"] - plain[-1]["loss"]) > 1e-3, (one[-1], plain[-1])

@@ -165,7 +165,8 @@ def _sequence_entry(split: _Split, module: nn.Module, rule: SequenceEntry) -> No
 def _vocab_output(split: _Split, module: nn.Module, rule: VocabParallelOutput) -> nn.Module:
     if rule.kind == "cross_entropy":
         return VocabParallelCrossEntropy(split.tp_group)
-    return VocabParallelLogits(module.vocab_size, tp_group=split.tp_group, sequence_parallel=split.sp)
+    return VocabParallelLogits(module.vocab_size, tp_group=split.tp_group, sequence_parallel=split.sp,
+                               softcap=module.softcap)
 
 
 def _partial(split: _Split, module: nn.Module, rule: PartialGradient) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.models.layers import adapted, mask_padding_
+from ptdp.models.layers import adapted, mask_padding_, softcap_logits
 from ptdp.models.pieces import Transfer
 from ptdp.ops.weight_grad import add_bias, linear
 from ptdp.parallel.collectives import (
@@ -218,10 +218,11 @@ class VocabParallelLogits(nn.Module):
     tensor-parallel region (``f``, or the sequence-parallel all-gather), GEMM, mask this slice's padding.
     The loss (``vocab_parallel_cross_entropy``) never gathers the full logits."""
 
-    def __init__(self, vocab_size: int, *, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, vocab_size: int, *, tp_group=None, sequence_parallel: bool = False,
+                 softcap: float | None = None):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, tp_group
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.softcap = sequence_parallel, softcap
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, shared: bool) -> torch.Tensor:
         if self.sequence_parallel:
@@ -229,4 +230,5 @@ class VocabParallelLogits(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         gemm = F.linear if shared else linear  # see ``ptdp.models.layers.Logits``
-        return mask_padding_(gemm(x, weight), self.vocab_size, group_rank(self.tp_group) * weight.shape[0])
+        logits = mask_padding_(gemm(x, weight), self.vocab_size, group_rank(self.tp_group) * weight.shape[0])
+        return logits if self.softcap is None else softcap_logits(logits, self.softcap)  # elementwise: per shard

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ptdp.models.layers import mask_padding_
+from ptdp.models.layers import mask_padding_, softcap_logits
 from ptdp.observability import communication
 from ptdp.parallel.collectives import all_gather, group_size
 
@@ -49,6 +49,7 @@ class Saved:
     local: Tensor  # [heads, b, s]: the target's row in this slice (0 outside)
     outside: Tensor  # [heads, b, s]: the target is not in this slice (or does not exist)
     valid: Tensor  # [heads, b, s]: the target exists
+    slope: Tensor | None = None  # [heads, b, s, rows]: d capped / d logit under --final-logit-softcapping
 
 
 def rows_of(ids: Tensor, start: int, rows: int) -> tuple[Tensor, Tensor]:
@@ -57,13 +58,23 @@ def rows_of(ids: Tensor, start: int, rows: int) -> tuple[Tensor, Tensor]:
     return (ids - start).masked_fill(outside, 0), outside
 
 
+def capped(z: Tensor, cap: float | None) -> tuple[Tensor, Tensor | None]:
+    """``--final-logit-softcapping``: the logits cap·tanh(z/cap), elementwise (a slice caps its own rows), and
+    their slope 1 - (capped/cap)², which scales each logit's gradient (0 on the masked padding)."""
+    if cap is None:
+        return z, None
+    z = softcap_logits(z, cap)
+    return z, torch.where(torch.isinf(z), 0.0, 1.0 - (z / cap).square())
+
+
 def s_pass(x: Tensor, targets: Tensor, w: Tensor, start: int, vocab_size: int, tp_group,
-           with_input_terms: bool) -> tuple[Tensor, Saved]:
+           with_input_terms: bool, cap: float | None = None) -> tuple[Tensor, Saved]:
     """S of ``heads`` heads: ``x [heads, b, s, h]`` (the whole sequence), ``targets [heads, b, s]``, this
-    slice ``w`` of the output weight starting at row ``start``. Returns the statistics C0 gathers
-    (``[heads, b, s, 3]``: local max, sum of exponentials, target logit; with ``with_input_terms`` (one
-    barrier) also ``exp(z - max) W`` and the target rows, ``[.., 3 + 2h]``) and what T needs."""
-    z = mask_padding_(F.linear(x, w).float(), vocab_size, start)
+    slice ``w`` of the output weight starting at row ``start``, soft-capped under ``cap``. Returns the
+    statistics C0 gathers (``[heads, b, s, 3]``: local max, sum of exponentials, target logit; with
+    ``with_input_terms`` (one barrier) also ``exp(z - max) W`` and the target rows, each row scaled by its
+    logit's slope under a cap, ``[.., 3 + 2h]``) and what T needs."""
+    z, slope = capped(mask_padding_(F.linear(x, w).float(), vocab_size, start), cap)
     lmax = tp_max(z.max(dim=-1).values, tp_group).clamp_(min=-1e30)
     z.sub_(lmax.unsqueeze(-1))
     local, outside = rows_of(targets, start, w.shape[0])
@@ -71,10 +82,12 @@ def s_pass(x: Tensor, targets: Tensor, w: Tensor, start: int, vocab_size: int, t
     e = z.exp_()
     packed = torch.stack([lmax, tp_sum(e.sum(dim=-1), tp_group), tp_sum(target, tp_group)], dim=-1)
     if with_input_terms:
-        a = tp_sum(e @ w.float(), tp_group)
-        b = tp_sum(F.embedding(local, w).float().masked_fill_(outside.unsqueeze(-1), 0.0), tp_group)
-        packed = torch.cat([packed, a, b], dim=-1)
-    return packed, Saved(x, e, local, outside, targets >= 0)
+        rows = F.embedding(local, w).float().masked_fill_(outside.unsqueeze(-1), 0.0)
+        if slope is not None:
+            rows.mul_(slope.gather(-1, local.unsqueeze(-1)))
+        a = tp_sum((e if slope is None else e * slope) @ w.float(), tp_group)
+        packed = torch.cat([packed, a, tp_sum(rows, tp_group)], dim=-1)
+    return packed, Saved(x, e, local, outside, targets >= 0, slope)
 
 
 @dataclass
@@ -115,6 +128,8 @@ def t_pass(gathered: Tensor, saved: Saved, w: Tensor, rank: int, weights: Tensor
     factor = c / gsum  # [p, heads, b, s]
     grad = e.mul_((factor[rank] * gscale).unsqueeze(-1))  # softmax of this slice, scaled
     grad.scatter_add_(-1, local.unsqueeze(-1), (-gscale * (~outside).float()).unsqueeze(-1))
+    if saved.slope is not None:  # through the cap (the one-barrier input terms carry it from S)
+        grad.mul_(saved.slope)
     result = TResult(losses, grad.flatten(0, -2).t() @ x.flatten(0, -2).float())
     if barriers == 2:
         result.partial = tp_sum((grad @ w.float()).to(dtype), tp_group)

@@ -203,6 +203,7 @@ class VocabStage(ModuleStage):
         self.slices = vocab_slices(chunks)
         cfg = chunks[0].cfg
         self.vocab_size, self.mtp_depth = chunks[0].vocab_size, cfg.mtp_num_layers or 0  # the MTP heads
+        self.final_cap = cfg.final_logit_softcapping
         self.heads = 1 + (0 if forward_only else self.mtp_depth)  # the modules run in training only
         mtp_weight = cfg.mtp_loss_scaling_factor / max(self.mtp_depth, 1)
         self.weights = torch.tensor([self.scale] + [self.scale * mtp_weight] * (self.heads - 1), dtype=torch.float64)
@@ -348,7 +349,8 @@ class VocabStage(ModuleStage):
     def _s(self, mb: int) -> None:
         x = gather_sequence(self._buf.pop(("H", mb)), self.tp_group, self.sp)
         packed, saved = s_pass(x, self._targets(mb), self.slices.output_weight(), self.slices.start,
-                               self.vocab_size, self.tp_group, self.barriers == 1 and not self.forward_only)
+                               self.vocab_size, self.tp_group, self.barriers == 1 and not self.forward_only,
+                               self.final_cap)
         self._buf["S", mb] = packed
         self._saved[mb] = saved
 
