@@ -23,7 +23,7 @@ PLAN = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_layouts(tmp_path_factory.mktemp("precision"), PLAN)
+    return run_layouts(tmp_path_factory.mktemp("precision"), PLAN, save=False)  # losses only: no final save
 
 
 def check_tracks(got, fp32) -> None:
