@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -380,12 +380,16 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
 
 
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
-                save: bool = True) -> dict[str, Run]:
+                save: bool | Collection[str] = True) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
     training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
-    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A failure
-    in one fails them all."""
+    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights; ``save``
+    as a collection of names: only those runs do (a save is about a third of a tiny stage's CPU, so modules
+    that compare weights for some runs only list those). A failure in one fails them all."""
+    if not isinstance(save, bool):
+        unknown = set(save) - set(plan)
+        assert not unknown, f"save names runs the plan does not have: {sorted(unknown)}"
     tmp_path.mkdir(parents=True, exist_ok=True)
     stages, runs = [], {}
     for name, (world, flags) in plan.items():
@@ -394,7 +398,7 @@ def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: li
         ckpt = None
         if "--save" in flags:
             ckpt = Path(flags[flags.index("--save") + 1])
-        elif save:
+        elif save if isinstance(save, bool) else name in save:
             ckpt = tmp_path / f"{name}-ckpt"
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))

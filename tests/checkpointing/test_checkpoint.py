@@ -99,7 +99,7 @@ def runs(tmp_path_factory) -> dict:
                      "2", "--load", pipe_ckpt]),
         "p2d2-distopt": (4, [*EIGHT_LAYERS, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                              "--load", pipe_ckpt]),  # d=2 shards Adam
-    }, base=[])
+    }, base=[], save={"reference", "t1-resumed", "pipe-reference", "p4v2", "p2d2-distopt"})  # weights compared
     return {**runs, "t2-ckpt": t2_ckpt, "imported": imported, "full": full}
 
 

@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
         "t2p2-load-z3": (4, [*T2P2, "--load", z3]),
         "z3-p2d4-load": (8, [*Z3, "--load", plain]),
         "z2-d4": (4, ["--data-parallel-sharding-strategy", "optim_grads", "--train-iters", "2"]),
-    }, base=SIX)
+    }, base=SIX, save={"reference", "t2p2-load", "p2d4-load", "t2p2-load-z3", "z3-p2d4-load"})  # weights compared
 
 
 @pytest.mark.parametrize("save, load", [("p2d4-save", "t2p2-load"), ("t2p2-save", "p2d4-load"),
