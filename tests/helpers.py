@@ -72,6 +72,18 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     return proc
 
 
+def refused_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``ptdp ARGS`` in the test's own process, for a command refused before any training or worker
+    starts: its exit code and output as :func:`run_ptdp` gives them, without starting Python and torch
+    again (~4 s of CPU). An exception, a traceback in a real process, fails the test."""
+    from ptdp.cli.main import main as ptdp_main
+
+    capsys.readouterr()
+    code = ptdp_main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 # Flags that need a process of their own: the launcher's (acted on by ``ptdp train`` before ``train()``),
 # and torch.compile (dynamo's caches and recompile limit outlive a run: a later compile in the same process
 # could fall back to eager unseen).

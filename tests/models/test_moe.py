@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY, run_ptdp
+from helpers import TINY, refused_in_process, run_ptdp
 
 from ptdp.config import ModelConfig, MoEConfig
 from ptdp.models import GPTModel, MoELayer
@@ -174,8 +174,8 @@ def test_recompute_counts_statistics_once():
         torch.testing.assert_close(a, b)
 
 
-def test_topk_above_num_experts_is_one_line_exit_2():
-    proc = run_ptdp(["train", *TINY, "--num-experts", "2", "--moe-router-topk", "3"], check=False, timeout=60)
+def test_topk_above_num_experts_is_one_line_exit_2(capsys):
+    proc = refused_in_process(["train", *TINY, "--num-experts", "2", "--moe-router-topk", "3"], capsys)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "moe" in line]
     assert lines == ["ptdp train: error: --moe-router-topk 3 must be between 1 and --num-experts 2"]
