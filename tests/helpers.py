@@ -79,7 +79,10 @@ def refused_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
     from ptdp.cli.main import main as ptdp_main
 
     capsys.readouterr()
-    code = ptdp_main(args)
+    try:
+        code = ptdp_main(args)
+    except SystemExit as e:  # the argument parser's refusal: the exit status a process would have
+        code = e.code
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
