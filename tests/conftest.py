@@ -18,6 +18,21 @@ def _shared_corpus_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. A variable that a library or an in-process command
+    sets for good (inductor's cache directory, tokenizers' parallelism, a launcher's markers) would
+    otherwise make the next ``helpers.pooled_spawn`` see a changed environment and start the session's
+    pool of ranks again (8 processes importing torch)."""
+    saved = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    yield
+    for key in [k for k in os.environ if k not in saved and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """One process training the TINY model (losses, gradient norms, final weights): what every parallel

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +70,21 @@ def run_ptdp(args: list[str], timeout: float = 240, check: bool = True,
     if check and proc.returncode != 0:
         raise AssertionError(f"ptdp {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def refused_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``ptdp ARGS`` in the test's own process, for a command refused before any training or worker
+    starts: its exit code and output as :func:`run_ptdp` gives them, without starting Python and torch
+    again (~4 s of CPU). An exception, a traceback in a real process, fails the test."""
+    from ptdp.cli.main import main as ptdp_main
+
+    capsys.readouterr()
+    try:
+        code = ptdp_main(args)
+    except SystemExit as e:  # the argument parser's refusal: the exit status a process would have
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 # Flags that need a process of their own: the launcher's (acted on by ``ptdp train`` before ``train()``),
@@ -380,12 +395,16 @@ def pooled_spawn(fn, world_size: int, tmp_path: Path, *args, timeout: float = 30
 
 
 def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: list[str] = TINY,
-                save: bool = True) -> dict[str, Run]:
+                save: bool | Collection[str] = True) -> dict[str, Run]:
     """Train every ``name: (world size, flags)`` of ``plan``, in order, inside ONE spawn of as many processes
     as the largest needs: on two cores, starting Python and torch in 8 processes costs several times what
     training the tiny model does, so a module's layouts share one start (the session's pool of ranks). With
-    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights. A failure
-    in one fails them all."""
+    ``save`` each run saves its final checkpoint (unless its flags save elsewhere) for its weights; ``save``
+    as a collection of names: only those runs do (a save is about a third of a tiny stage's CPU, so modules
+    that compare weights for some runs only list those). A failure in one fails them all."""
+    if not isinstance(save, bool):
+        unknown = set(save) - set(plan)
+        assert not unknown, f"save names runs the plan does not have: {sorted(unknown)}"
     tmp_path.mkdir(parents=True, exist_ok=True)
     stages, runs = [], {}
     for name, (world, flags) in plan.items():
@@ -394,7 +413,7 @@ def run_layouts(tmp_path: Path, plan: dict[str, tuple[int, list[str]]], base: li
         ckpt = None
         if "--save" in flags:
             ckpt = Path(flags[flags.index("--save") + 1])
-        elif save:
+        elif save if isinstance(save, bool) else name in save:
             ckpt = tmp_path / f"{name}-ckpt"
             argv += ["--save", str(ckpt)]
         stages.append((name, world, argv))

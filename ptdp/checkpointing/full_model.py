@@ -18,6 +18,7 @@ from ptdp.checkpointing import storage
 from ptdp.checkpointing.validation import model_shape
 from ptdp.config import Config
 from ptdp.models import TIED_EMBEDDING, GPTModel
+from ptdp.models.gpt import on_meta
 
 
 def read_full_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -100,7 +101,7 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
     vocab = model_cfg.vocab_size or embedding.shape[0]
     padded = model_cfg.padded_vocab_size(vocab, 1)
     model_cfg.vocab_size = vocab
-    with torch.device("meta"):  # the parameters and the persistent buffers (a router's expert bias)
+    with on_meta():  # the parameters and the persistent buffers (a router's expert bias)
         expected = {name: p.shape for name, p in GPTModel(model_cfg, vocab, padded, config.moe).state_dict().items()}
     tensors = dict(tensors)
     if embedding.shape[0] == vocab < padded:

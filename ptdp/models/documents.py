@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.ops.document_attention import DocumentAttention
+from ptdp.ops.fused import outside_compile
 
 
 @dataclass(eq=False)
@@ -39,7 +40,7 @@ class DocumentLayout:
     attention: DocumentAttention | None = None
     cache: dict = field(default_factory=dict)
 
-    @torch.compiler.disable  # --compile: the kernels loop over host boundaries; a compiled layer calls out here
+    @outside_compile  # --compile: the kernels loop over host boundaries; a compiled layer calls out here
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                scale: float | None = None) -> torch.Tensor:
         """Document-causal attention of q, k, v ``[b, heads, s, d]`` over whole samples (``scale`` and a

@@ -29,12 +29,15 @@ another microbatch's backward) is declared with the pipeline parts (``PIPELINE_P
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ptdp.config.validate_linear import linear_attention_layers
 from ptdp.config.validate_window import window_layers
@@ -79,6 +82,25 @@ PIPELINE_PARTS = PipelineParts(
     mtp_layer="transformer_layer", run_layers="run_layers", head="head", cuts=LAYER_CUTS)
 TIED_EMBEDDING = PIPELINE_PARTS.table_weight  # the input embedding, also the output weight when tied
 
+
+class _SkipMetaInit(TorchFunctionMode):
+    """``torch.nn.init`` on a meta tensor does nothing but cost: its ``normal_`` is a Python decomposition
+    whose first call imports ``torch._dynamo`` (about 1.2 s of CPU in every process that builds a model)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")
+        if getattr(func, "__module__", None) == "torch.nn.init" and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device: their shapes, no memory and no initial values (ptdp draws every
+    parameter itself, from the seed and its logical name: ``ptdp.parallel.init``)."""
+    with torch.device("meta"), _SkipMetaInit():
+        yield
 
 class MLP(nn.Module):
     """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ptdp.models.documents import DocumentLayout, position_ids
+from ptdp.ops.fused import outside_compile
 
 # Llama 3.1's frequency scaling, as published (HF ``rope_type: llama3``; Megatron ``--use-rope-scaling``).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -113,7 +114,7 @@ class RotaryEmbedding:
                 self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
-    @torch.compiler.disable  # --compile: built once per microbatch, outside the compiled layers
+    @outside_compile  # --compile: built once per microbatch, outside the compiled layers
     def document_tables(self, documents: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables ``[b, 1, s, rotary_dim]`` at a packed microbatch's own position ids (restarting in every
         document), built once per microbatch and kept in its layout's cache for the other layers."""

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ptdp.ops.fused import outside_compile
+
 
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *, q_start: int = 0,
                            k_start: int = 0, scale: float | None = None, sinks: torch.Tensor | None = None,
@@ -59,7 +61,7 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     return out.reshape(b, h, tiles * tile, -1)[:, :, :lq]
 
 
-@torch.compiler.disable  # --compile: the loop runs over host boundaries, as the document kernels' do
+@outside_compile  # --compile: the loop runs over host boundaries, as the document kernels' do
 def document_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                               bounds: Sequence[Sequence[int]], *, scale: float | None = None,
                               sinks: torch.Tensor | None = None, dropout_p: float = 0.0,

@@ -12,12 +12,33 @@ used after a one-line warning: ``--compile`` is an optimisation, never a reason 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def outside_compile(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, applied when first called under ``torch.compile``.
+
+    The decorator itself imports ``torch._dynamo`` (about 1.4 s of CPU), which every process importing the
+    models would pay at import time though only ``--compile`` on a GPU traces them. Traced, the wrapper
+    calls the disabled function: the compiled graph breaks there and ``fn`` runs eagerly, as with the
+    decorator; untraced, it calls ``fn``."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

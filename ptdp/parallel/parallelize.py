@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ptdp.models import GPTModel
+from ptdp.models.gpt import on_meta
 from ptdp.ops.fused import compile_layers, fused_ops
 from ptdp.parallel.context.apply import apply_context_parallel
 from ptdp.parallel.expert.apply import apply_expert_parallel
@@ -72,7 +73,7 @@ def build_model_chunks(plan: ParallelPlan, vocab_size: int, padded_vocab_size: i
     m, g, p, v = plan.model, plan.groups, plan.p, plan.v
     with torch.device(g.device):  # --compile: the fused ops are built (and probed) here, once per process
         fused_ops(m.compile)
-    with torch.device("meta"):  # no memory: only this rank's pieces are ever allocated
+    with on_meta():  # no memory: only this rank's pieces are ever allocated
         model = GPTModel(m, vocab_size, padded_vocab_size, plan.moe)
     stages = [virtual_stage(g.pp_rank, c, p, plan.placement) for c in range(v)]
     placements, deferred = Placements(), DeferredInit()

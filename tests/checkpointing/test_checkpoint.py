@@ -19,6 +19,7 @@ from helpers import (
     assert_same_training,
     initial_full_state,
     losses,
+    refused_in_process,
     run_layouts,
     run_ptdp,
     track,
@@ -99,7 +100,7 @@ def runs(tmp_path_factory) -> dict:
                      "2", "--load", pipe_ckpt]),
         "p2d2-distopt": (4, [*EIGHT_LAYERS, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                              "--load", pipe_ckpt]),  # d=2 shards Adam
-    }, base=[])
+    }, base=[], save={"reference", "t1-resumed", "pipe-reference", "p4v2", "p2d2-distopt"})  # weights compared
     return {**runs, "t2-ckpt": t2_ckpt, "imported": imported, "full": full}
 
 
@@ -257,11 +258,11 @@ def _config(*flags: str) -> Config:
     ["--load", "MISSING", "--nproc-per-node", "2"],  # rejected by the launcher, before any worker starts
     ["--load", "CKPT", "--hidden-size", "64"],  # rejected by the worker itself
 ])
-def test_bad_checkpoint_input_is_one_line_without_traceback(crashed, tmp_path, flags):
+def test_bad_checkpoint_input_is_one_line_without_traceback(crashed, tmp_path, flags, capsys):
     ckpt = crashed["ckpt"]
     before = tree_digest(ckpt)
     flags = [{"MISSING": str(tmp_path / "missing"), "CKPT": str(ckpt)}.get(f, f) for f in flags]
-    proc = run(["train", *SIX, *flags], timeout=60)
+    proc = refused_in_process(["train", *SIX, *flags], capsys)
     line = assert_one_line_error(proc, "--load")
     assert proc.returncode == 2 and ("does not exist" in line or "--hidden-size 32 there, 64 here" in line)
     assert tree_digest(ckpt) == before  # a rejected load touches nothing

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import finish_command, worker_env
+from helpers import _OWN_PROCESS_FLAGS, _run_layouts, finish_command, pooled_spawn, worker_env
 
 from ptdp.cli.main import build_parser, main
 from ptdp.cli.parser import parse
@@ -221,9 +221,30 @@ def _after_preprocess(root: Path) -> None:
                 shutil.copy(root / "data" / f"corpus{suffix}", root / "data" / f"{name}{suffix}")
 
 
+def _train_in(rank: int, world_size: int, root: str, plan: list) -> None:
+    """``helpers._run_layouts`` with the sandbox as the working directory (the docs' paths are relative)."""
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        _run_layouts(rank, world_size, root, plan)
+    finally:
+        os.chdir(cwd)
+
+
 def _run(command: DocCommand, root: Path) -> None:
-    """``python -m ptdp ARGV`` in the sandbox, shrunk, to completion (a timeout kills its process group)."""
+    """``python -m ptdp ARGV`` in the sandbox, shrunk, to completion (a timeout kills its process group).
+
+    A single-node ``ptdp train --nproc-per-node N`` trains in N ranks of the session's pool instead: the
+    same ``train()`` each launched worker runs, without starting Python and torch in N + 1 processes (most
+    of this test's time); the launcher is tested by the tests of the command line."""
     argv = shrink(list(command.argv))
+    flags = {a.split("=")[0] for a in argv}
+    if argv[:1] == ["train"] and "--nproc-per-node" in argv and flags & _OWN_PROCESS_FLAGS == {"--nproc-per-node"}:
+        i = argv.index("--nproc-per-node")
+        world, rest = int(argv[i + 1]), argv[1:i] + argv[i + 2:]
+        pooled_spawn(_train_in, world, root, str(root), [(f"docs-{os.urandom(4).hex()}", world, rest)],
+                     timeout=600)
+        return
     proc = subprocess.Popen([sys.executable, "-m", "ptdp", *argv], cwd=root, env=worker_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     result = finish_command(proc, timeout=600)

@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-from helpers import TINY, run_ptdp, train_metrics
+from helpers import TINY, refused_in_process, run_ptdp, train_metrics
 
 from ptdp.data import IndexedDataset, build_datasets
 
@@ -220,7 +220,7 @@ def test_parquet_arrow_and_datasets_dir_inputs(tmp_path):
         assert reference_read(str(tmp_path / name)) == want
 
 
-def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path):
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -234,7 +234,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path):
           str(tmp_path / "empty_tok")], "no tokenizer at"),
     ]
     for args, fragment in cases:
-        proc = run_ptdp(["preprocess", *args, "--output-prefix", str(tmp_path / "out")], check=False)
+        proc = refused_in_process(["preprocess", *args, "--output-prefix", str(tmp_path / "out")], capsys)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
         assert not list(tmp_path.glob("out*"))
 
@@ -250,7 +250,7 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(tmp_path):
         with pytest.raises(Exception, match=messages[name]) as err:
             IndexedDataset(prefix)
         assert prefix in str(err.value) and "\n" not in str(err.value)
-    proc = run_ptdp(["train", *TINY, "--data-path", str(tmp_path / "trunc")], check=False, timeout=120)
+    proc = refused_in_process(["train", *TINY, "--data-path", str(tmp_path / "trunc")], capsys)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "trunc.bin" in proc.stderr
 
 

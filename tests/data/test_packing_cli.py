@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import run_ptdp
+from helpers import refused_in_process, run_ptdp
 from test_cli_messages import one_error
 
 from ptdp.models import flops
@@ -33,8 +33,9 @@ def corpora(tmp_path_factory):
     return root
 
 
-def test_the_flags_on_a_dataset_without_end_of_document_tokens_are_one_line(corpora):
-    proc = run_ptdp(["train", *SMALL, "--data-path", str(corpora / "noeod"), "--reset-attention-mask"], check=False)
+def test_the_flags_on_a_dataset_without_end_of_document_tokens_are_one_line(corpora, capsys):
+    proc = refused_in_process(["train", *SMALL, "--data-path", str(corpora / "noeod"), "--reset-attention-mask"],
+                              capsys)
     line = one_error(proc, "ptdp")
     assert "--reset-attention-mask" in line and "no end-of-document token (id 256)" in line
 

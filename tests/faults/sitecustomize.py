@@ -27,7 +27,8 @@ table is the one place to update.
   ``before-latest``, which only rank 0 reaches) once per save directory (``.test-crashed-N-POINT``):
   ``written`` after its data files are written (its own file truncated first, as a write cut short leaves
   it), ``hashed`` after the files are fsynced and hashed, ``before-latest`` after the rename into place but
-  before ``latest`` moves.
+  before ``latest`` moves. Several comma-separated entries (``4:hashed,6:before-latest``) crash one job
+  at each in turn (with ``--max-restarts`` enough for all).
 - ``PTDP_TEST_WORKER_MARKER=DIR``: every worker process (``LOCAL_RANK`` set) touches ``DIR/worker-<rank>``
   as it starts, so a test can tell that a launcher refused before any worker existed.
 - ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
@@ -128,21 +129,27 @@ def compute_at_iteration(original, controller, iteration, *args, **kwargs):
 
 # -- PTDP_TEST_CRASH_IN_SAVE -----------------------------------------------------------------------------
 
+def _crash_points() -> list[tuple[int, str]]:
+    """``N[:POINT]`` entries of ``PTDP_TEST_CRASH_IN_SAVE``, comma-separated: one job, several crashes."""
+    return [(int(at), which) for at, _, which in
+            (entry.partition(":") for entry in os.environ["PTDP_TEST_CRASH_IN_SAVE"].split(","))]
+
+
 def _crash_in_save(iteration: int, point: str, tmp: Path, rank: int) -> None:
-    at, _, which = os.environ["PTDP_TEST_CRASH_IN_SAVE"].partition(":")
-    if int(at) != iteration:
-        return
-    if not which:
+    for at, which in _crash_points():
+        if at != iteration:
+            continue
+        if not which:
+            if point == "written":
+                os._exit(17)
+            continue
+        victim = 0 if which == "before-latest" else _victim(_world_size() - 1)
+        if which != point or rank != victim or not _once(tmp.parent / f".test-crashed-{iteration}-{which}"):
+            continue
         if point == "written":
-            os._exit(17)
-        return
-    victim = 0 if which == "before-latest" else _victim(_world_size() - 1)
-    if which != point or rank != victim or not _once(tmp.parent / f".test-crashed-{iteration}-{which}"):
-        return
-    if point == "written":
-        for own in tmp.glob(f"__{rank}_*.distcp"):
-            os.truncate(own, own.stat().st_size // 2)
-    os.kill(os.getpid(), signal.SIGKILL)
+            for own in tmp.glob(f"__{rank}_*.distcp"):
+                os.truncate(own, own.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _iteration_of(tmp: Path) -> int | None:
@@ -171,11 +178,12 @@ def crash_before_latest(original, path, *args, **kwargs):
     """Wraps the fsync of the checkpoint root after the rename into place: the first one for an iteration
     whose directory exists while ``latest`` does not name it yet is the moment before ``latest`` moves."""
     result = original(path, *args, **kwargs)
-    at = int(os.environ["PTDP_TEST_CRASH_IN_SAVE"].partition(":")[0])
     root = Path(path)
     latest = root / "latest"
-    if (root / f"iter_{at:07d}").is_dir() and not (latest.exists() and latest.read_text().strip() == str(at)):
-        _crash_in_save(at, "before-latest", root / f".tmp-iter_{at:07d}", _rank())
+    for at, which in _crash_points():
+        if which == "before-latest" and (root / f"iter_{at:07d}").is_dir() and not (
+                latest.exists() and latest.read_text().strip() == str(at)):
+            _crash_in_save(at, "before-latest", root / f".tmp-iter_{at:07d}", _rank())
     return result
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import run_ptdp  # noqa: E402
+from helpers import refused_in_process, run_ptdp  # noqa: E402
 from sft_helpers import CONVERSATIONS, MARKED, PLAIN, chat_tokenizer, write_chats  # noqa: E402
 
 from ptdp.cli.main import main  # noqa: E402
@@ -312,7 +312,7 @@ def test_samples_decode_brackets_the_loss_bearing_text(chat_data, capsys):
         assert record["loss_positions"] and record["cu_seqlens"][-1] == 150
 
 
-def test_a_short_sft_training_run(chat_data, tmp_path):
+def test_a_short_sft_training_run(chat_data, tmp_path, capsys):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "150",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
             "--log-interval", "1", "--split", "100,0,0"]
@@ -323,7 +323,7 @@ def test_a_short_sft_training_run(chat_data, tmp_path):
     assert len(loss) == 3 and all(math.isfinite(x) for x in loss)
     # a conversation longer than the sample: one line, exit 2, unless --sft-truncate
     short = [*base[:base.index("--seq-length")], "--seq-length", "32", *base[base.index("--seq-length") + 2:]]
-    proc = run_ptdp(["train", *short, "--sft", "--data-path", chat_data], check=False)
+    proc = refused_in_process(["train", *short, "--sft", "--data-path", chat_data], capsys)
     assert proc.returncode == 2 and "more than --seq-length + 1 = 33" in proc.stderr.strip().splitlines()[-1]
 
 

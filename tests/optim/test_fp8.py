@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, run_ptdp
+from helpers import TINY, refused_in_process
 
 from ptdp.config import ModelConfig
 
@@ -75,16 +75,16 @@ def test_e4m3_and_hybrid_differ_in_the_gradient_dtype():
     (["--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--bf16"], "--fp8-recipe rowwise needs --fp8-format e4m3"),
     (["--fp8-format", "e5m2", "--bf16"], "--fp8-format"),
 ])
-def test_bad_fp8_flags_are_one_line(flags, message):
-    proc = run_ptdp(["train", *TINY, *flags], check=False, timeout=120)
+def test_bad_fp8_flags_are_one_line(flags, message, capsys):
+    proc = refused_in_process(["train", *TINY, *flags], capsys)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")
-def test_fp8_without_an_fp8_gpu_names_the_requirement():
-    proc = run_ptdp(["train", *TINY, "--fp8-format", "hybrid", "--bf16"], check=False, timeout=120)
+def test_fp8_without_an_fp8_gpu_names_the_requirement(capsys):
+    proc = refused_in_process(["train", *TINY, "--fp8-format", "hybrid", "--bf16"], capsys)
     assert proc.returncode == 2 and "compute capability >= 8.9" in proc.stderr and "Traceback" not in proc.stderr
 
 

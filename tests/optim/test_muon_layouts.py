@@ -15,7 +15,15 @@ momentum resharded) as if never stopped; an AdamW checkpoint refuses to load int
 from __future__ import annotations
 
 import pytest
-from helpers import LAYOUT_2222, TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp, train_run
+from helpers import (
+    LAYOUT_2222,
+    TINY,
+    assert_equivalent,
+    assert_same_run,
+    refused_in_process,
+    run_layouts,
+    train_run,
+)
 from test_moe_parallel import MOE
 
 # fp32 Newton-Schulz: with the default bf16 iteration a last-bit difference of an input (another layout sums
@@ -81,14 +89,14 @@ def test_checkpoint_saved_under_zero1_at_t2(runs):
     assert_same_run(runs["t2d2-zero1-save"], runs["one"])
 
 
-def test_another_optimizers_checkpoint_is_one_line_unless_no_load_optim(tmp_path, runs):
+def test_another_optimizers_checkpoint_is_one_line_unless_no_load_optim(tmp_path, runs, capsys):
     adam = train_run(tmp_path, 1, ["--train-iters", "1"])
-    proc = run_ptdp(["train", *TINY, *MUON, "--load", str(adam.ckpt)], check=False)
+    proc = refused_in_process(["train", *TINY, *MUON, "--load", str(adam.ckpt)], capsys)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--optimizer adam's state" in lines[0] and "--no-load-optim" in lines[0], proc.stderr
     # the Muon checkpoint into AdamW, the other way round
-    proc = run_ptdp(["train", *TINY, "--load", str(runs["t2d2-zero1-save"].ckpt)], check=False)
+    proc = refused_in_process(["train", *TINY, "--load", str(runs["t2d2-zero1-save"].ckpt)], capsys)
     assert proc.returncode == 2 and "--optimizer muon's state" in proc.stderr
     loaded = train_run(tmp_path / "no-load-optim", 1, [*MUON, "--load", str(adam.ckpt), "--no-load-optim",
                                                        "--train-iters", "2"])

@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from helpers import TINY, assert_equivalent, assert_same_run, run_layouts, run_ptdp, validated_config
+from helpers import (
+    TINY,
+    assert_equivalent,
+    assert_same_run,
+    refused_in_process,
+    run_layouts,
+    validated_config,
+)
 
 from ptdp.config import add_config_arguments, config_from_args, validate
 
@@ -94,9 +101,9 @@ def test_bad_context_parallel_input_names_the_flag(world, flags, message):
     assert len(errors) == 1 and message in errors[0], errors
 
 
-def test_bad_input_is_one_line_before_any_process_group():
-    proc = run_ptdp(["train", *TINY, *cp(2, "a2a"), "--num-attention-heads", "2", "--hidden-size", "32",
-                     "--tensor-model-parallel-size", "2", "--nproc-per-node", "4"], check=False, timeout=60)
+def test_bad_input_is_one_line_before_any_process_group(capsys):
+    proc = refused_in_process(["train", *TINY, *cp(2, "a2a"), "--num-attention-heads", "2", "--hidden-size",
+                               "32", "--tensor-model-parallel-size", "2", "--nproc-per-node", "4"], capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]

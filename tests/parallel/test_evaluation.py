@@ -46,7 +46,7 @@ def runs(tmp_path_factory) -> dict:
     plan = {"serial": (1, ["--save", str(root / "ckpt")]),
             **{_name(layout): (layout[0] * layout[1] * layout[2], flags) for layout, flags in LAYOUTS.items()},
             "eval-off": (1, ["--eval-iters", "0"])}
-    return run_layouts(root, plan, base=EVAL)
+    return run_layouts(root, plan, base=EVAL, save=False)  # weights: the serial run's own --save only
 
 
 @pytest.fixture(scope="module")

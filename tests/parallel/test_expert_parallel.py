@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import pooled_spawn
+from helpers import pooled_spawn, refused_in_process
 from torch import nn
 
 from ptdp.parallel.expert.apply import apply_expert_parallel
@@ -153,13 +153,11 @@ def test_good_layouts_have_no_errors():
                                         sequence_parallel=sp, tokens_per_rank=8) == [], (e, t, etp, sp)
 
 
-def test_bad_expert_flags_exit_2_with_every_problem_one_line_each():
-    from helpers import run_ptdp
-
-    proc = run_ptdp(["train", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-                     "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters",
-                     "1", "--num-experts", "3", "--moe-router-topk", "1", "--expert-model-parallel-size", "2"],
-                    check=False)
+def test_bad_expert_flags_exit_2_with_every_problem_one_line_each(capsys):
+    proc = refused_in_process(["train", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
+                               "2", "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size",
+                               "1", "--train-iters", "1", "--num-experts", "3", "--moe-router-topk", "1",
+                               "--expert-model-parallel-size", "2"], capsys)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 2, lines

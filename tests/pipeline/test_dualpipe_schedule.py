@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import pooled_spawn
+from helpers import pooled_spawn, refused_in_process
 
 from ptdp.schedule.actions import OVERLAP, peak_stashed, plain, virtual_stage
 from ptdp.schedule.registry import REGISTRY, bubble_fraction_formula, build_schedule
@@ -226,9 +226,9 @@ def test_bad_flags_are_one_line_each(flags, message):
     assert any(message in line for line in errors), errors
 
 
-def test_a_bad_flag_exits_2_without_a_traceback():
-    from helpers import TINY, run_ptdp
+def test_a_bad_flag_exits_2_without_a_traceback(capsys):
+    from helpers import TINY
 
-    proc = run_ptdp(["train", *TINY, "--micro-batch-size", "1", "--pipeline-model-parallel-size", "4", *BAD[0][0],
-                     "--nproc-per-node", "4"], check=False, timeout=120)
+    proc = refused_in_process(["train", *TINY, "--micro-batch-size", "1", "--pipeline-model-parallel-size",
+                               "4", *BAD[0][0], "--nproc-per-node", "4"], capsys)
     assert proc.returncode == 2 and BAD[0][1] in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -6,22 +6,18 @@ parametrised tests compare them with the dense reference. p == 1 runs in-process
 
 from __future__ import annotations
 
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.parallel.pipeline.executor import run_schedule
 from ptdp.parallel.pipeline.handlers import Handler
 from ptdp.parallel.pipeline.module_stage import ModuleStage, PlainBatches, StageLayout
 from ptdp.parallel.pipeline.p2p import P2PComm
-from ptdp.runtime.exit import exit_now
 from ptdp.schedule.actions import Action, peak_in_flight
 from ptdp.schedule.registry import build_schedule
 
@@ -106,49 +102,37 @@ def run_rank(rank: int, p: int, schedule: str, v: int, m: int, comm: P2PComm | N
     return actions, stats, grads
 
 
-def _worker(rank: int, p: int, store: str, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=p,
-                            timeout=timedelta(seconds=30))
-    try:
-        # one communicator per direction (what training uses) for the cases without hooks; one for the rest
-        directions = {kind: dist.new_group(list(range(p))) for kind in ("F", "B")}
-        for name, schedule, v, m, hooks in CONFIGS[p]:
-            calls = {"pack": 0, "unpack": 0}
+def _worker(rank: int, p: int, out_dir: str) -> None:
+    """Every case of ``CONFIGS[p]`` on this rank, in a rank of the session's pool (``helpers.pooled_spawn``:
+    the gloo group is up, one thread)."""
+    # one communicator per direction (what training uses) for the cases without hooks; one for the rest
+    directions = {kind: dist.new_group(list(range(p))) for kind in ("F", "B")}
+    for name, schedule, v, m, hooks in CONFIGS[p]:
+        calls = {"pack": 0, "unpack": 0}
 
-            def pack(t, calls=calls):
-                calls["pack"] += 1
-                return torch.stack([2 * t, -t])  # a different shape and both halves needed to undo it
+        def pack(t, calls=calls):
+            calls["pack"] += 1
+            return torch.stack([2 * t, -t])  # a different shape and both halves needed to undo it
 
-            def unpack(u, calls=calls):
-                calls["unpack"] += 1
-                return (u[0] / 2 - u[1]) / 2
+        def unpack(u, calls=calls):
+            calls["unpack"] += 1
+            return (u[0] / 2 - u[1]) / 2
 
-            comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN), pack=pack if hooks else None,
-                           unpack=unpack if hooks else None,
-                           packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None,
-                           groups=None if hooks else directions, ahead=0 if hooks else None)
-            actions, stats, grads = run_rank(rank, p, schedule, v, m, comm)
-            n_send = sum(a.op.startswith("SEND") for a in actions)
-            n_recv = sum(a.op.startswith("RECV") for a in actions)
-            torch.save({"stats": stats, "grads": grads, "expected_peak": peak_in_flight(actions),
-                        "calls": calls, "n_send": n_send, "n_recv": n_recv, "ahead": comm.received_ahead},
-                       Path(out_dir) / f"{name}.rank{rank}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
+        comm = P2PComm(list(range(p)), (MICRO_BATCH, HIDDEN), pack=pack if hooks else None,
+                       unpack=unpack if hooks else None,
+                       packed_shape=(2, MICRO_BATCH, HIDDEN) if hooks else None,
+                       groups=None if hooks else directions, ahead=0 if hooks else None)
+        actions, stats, grads = run_rank(rank, p, schedule, v, m, comm)
+        n_send = sum(a.op.startswith("SEND") for a in actions)
+        n_recv = sum(a.op.startswith("RECV") for a in actions)
+        torch.save({"stats": stats, "grads": grads, "expected_peak": peak_in_flight(actions),
+                    "calls": calls, "n_send": n_send, "n_recv": n_recv, "ahead": comm.received_ahead},
+                   Path(out_dir) / f"{name}.rank{rank}.pt")
+        dist.barrier()
 
 
 def _spawn(p: int, tmp: Path) -> Path:
-    ctx = mp.spawn(_worker, args=(p, str(tmp / "store"), str(tmp)), nprocs=p, join=False)
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"pipeline workers (p={p}) did not finish in time")
+    pooled_spawn(_worker, p, tmp, str(tmp), timeout=120)
     return tmp
 
 

@@ -5,7 +5,7 @@ catches collectives posted in a bad order, the passes sit where they must, and b
 from __future__ import annotations
 
 import pytest
-from helpers import run_ptdp
+from helpers import refused_in_process
 
 from ptdp.schedule.registry import REGISTRY, build_schedule
 from ptdp.schedule.vocab import end_ranks
@@ -82,8 +82,8 @@ def test_every_rank_runs_every_pass_once_and_the_last_backward_follows_its_barri
                                   "pipeline ranks: it needs --pipeline-model-parallel-size > 1"),
     (["--disable-fb-fusion"], "ptdp train: error: --disable-fb-fusion needs --enable-vocab-parallel"),
 ])
-def test_bad_vocab_parallel_flags_are_one_line_exit_2(flags, first_words):
-    proc = run_ptdp(["train", *ONE, *flags], check=False)
+def test_bad_vocab_parallel_flags_are_one_line_exit_2(flags, first_words, capsys):
+    proc = refused_in_process(["train", *ONE, *flags], capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr and len(lines) == 1 and lines[0].startswith(first_words), proc.stderr

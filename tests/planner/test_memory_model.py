@@ -23,7 +23,7 @@ def runs(tmp_path_factory) -> dict:
         plan[_name((schedule, p, v, d))] = (p * d, [
             "--num-layers", str(layers), "--pipeline-model-parallel-size", str(p),
             "--virtual-pipeline-model-parallel-size", str(v), "--pipeline-schedule", schedule, "--train-iters", "1"])
-    return run_layouts(tmp_path_factory.mktemp("in-flight"), plan)
+    return run_layouts(tmp_path_factory.mktemp("in-flight"), plan, save=False)  # records only: no final save
 
 
 @pytest.mark.parametrize("schedule,p,v,d", CASES)

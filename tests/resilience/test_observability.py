@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 
 import pytest
-from helpers import TINY, run_ptdp
+from helpers import TINY, _run_layouts, pooled_spawn
 
 from ptdp.cli.main import main as ptdp_main
 from ptdp.observability.timeline import MERGED
@@ -15,16 +16,24 @@ P, D, V, ITERS, TIMELINE_ITERS = 2, 2, 2, 3, 2
 M = 16 // (2 * D)  # microbatches per pipeline: B / (b * d)
 
 
+def _train_printing_to(rank: int, world_size: int, root: str, plan: list) -> None:
+    """``helpers._run_layouts`` with each rank's standard output in ``root/stdout-rank{rank}.txt``."""
+    with open(f"{root}/stdout-rank{rank}.txt", "w") as out, contextlib.redirect_stdout(out):
+        _run_layouts(rank, world_size, root, plan)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """The run, as ``ptdp train --nproc-per-node 4`` would make it, in 4 ranks of the session's pool (the
+    same ``train()``, without starting Python and torch in a launcher and 4 workers)."""
     root = tmp_path_factory.mktemp("observed")
-    proc = run_ptdp(["train", *TINY, "--pipeline-model-parallel-size", str(P),
-                     "--virtual-pipeline-model-parallel-size", str(V), "--train-iters", str(ITERS),
-                     "--timeline", str(root / "tl"), "--timeline-iters", str(TIMELINE_ITERS),
-                     "--tensorboard-dir", str(root / "tb"), "--metrics-file", str(root / "metrics.jsonl"),
-                     "--save", str(root / "ckpt"), "--eval-interval", "3", "--nproc-per-node", str(P * D)])
+    argv = [*TINY, "--pipeline-model-parallel-size", str(P), "--virtual-pipeline-model-parallel-size", str(V),
+            "--train-iters", str(ITERS), "--timeline", str(root / "tl"), "--timeline-iters", str(TIMELINE_ITERS),
+            "--tensorboard-dir", str(root / "tb"), "--metrics-file", str(root / "metrics.jsonl"),
+            "--save", str(root / "ckpt"), "--eval-interval", "3"]
+    pooled_spawn(_train_printing_to, P * D, root, str(root), [("observed", P * D, argv)])
     records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    return root, proc.stdout, records
+    return root, (root / "stdout-rank0.txt").read_text(), records
 
 
 def complete_events(path):

@@ -6,14 +6,16 @@ gradients accumulated over every microbatch. Two gloo processes, a stack of tiny
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import pooled_spawn
 from torch import nn
 
 from ptdp.parallel.data.buffer import BucketLayout
 from ptdp.parallel.data.strategy import DataParallelGroup, build_reducer
-from ptdp.runtime.exit import exit_now
 
 LAYERS, WIDTH, MICRO = 6, 8, 2
 
@@ -27,9 +29,9 @@ def _batch(rank: int, mb: int) -> torch.Tensor:
     return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(100 * rank + mb))
 
 
-def _worker(rank: int, init: str, out: dict) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, out: str) -> None:
+    """One rank, in the session's pool (``helpers.pooled_spawn``: the gloo group is up, one thread); what
+    it saw goes to ``out/rank{rank}.json``."""
     model = _model()
     grads = build_reducer("optim_grads", model.parameters(), BucketLayout(1), DataParallelGroup(dist.group.WORLD))
     assert len(grads.buckets) == 2 * LAYERS and all(b.transient for b in grads.buckets)
@@ -60,17 +62,15 @@ def _worker(rank: int, init: str, out: dict) -> None:
     ok = all(torch.allclose(b.own_grad, torch.nn.functional.pad(f, (0, b.grad_data.numel() - f.numel()))
                             [b.shard_start:b.shard_end], rtol=1e-5, atol=1e-6)
              for b, f in zip(grads.buckets, flat_ref, strict=True))
-    out[rank] = {"allocated_at_start": allocated, "last_backward": last_backward, "shards_ok": ok,
-                 "after_step": sum(b.grad_data.untyped_storage().nbytes() > 0 for b in grads.buckets)}
-    dist.destroy_process_group()
-    exit_now(0)  # not through the interpreter's teardown, which gloo's threads can abort (ptdp/runtime/exit.py)
+    seen = {"allocated_at_start": allocated, "last_backward": last_backward, "shards_ok": ok,
+            "after_step": sum(b.grad_data.untyped_storage().nbytes() > 0 for b in grads.buckets)}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
 def test_full_gradients_live_per_bucket_and_shards_stay_exact(tmp_path):
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
+    pooled_spawn(_worker, 2, tmp_path, str(tmp_path))
     for rank in range(2):
-        r = out[rank]
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["shards_ok"], r
         assert r["allocated_at_start"] == [0, 0] and r["after_step"] == 0, r
         single, accumulated = r["last_backward"]

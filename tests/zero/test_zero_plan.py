@@ -6,7 +6,7 @@ each, exit 2."""
 from __future__ import annotations
 
 import pytest
-from helpers import TINY, run_ptdp
+from helpers import TINY, refused_in_process
 
 from ptdp.config import add_config_arguments, config_from_args, validate
 from ptdp.schedule.actions import COMM_OPS, COMPUTE_OPS, plain
@@ -145,8 +145,8 @@ def test_bad_sharding_flags_are_each_one_line():
     assert len(both) == 2  # every problem at once
 
 
-def test_cli_strategy_with_one_data_parallel_rank_exits_2_with_one_line():
-    proc = run_ptdp(["train", *TINY, "--data-parallel-sharding-strategy", "optim_grads"], check=False, timeout=120)
+def test_cli_strategy_with_one_data_parallel_rank_exits_2_with_one_line(capsys):
+    proc = refused_in_process(["train", *TINY, "--data-parallel-sharding-strategy", "optim_grads"], capsys)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--data-parallel-sharding-strategy" in lines[0] and "Traceback" not in proc.stderr
