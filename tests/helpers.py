@@ -94,6 +94,19 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
                       "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
+def config_errors(world: int, **overrides) -> list[str]:
+    """``validate`` of the default configuration with ``overrides`` (field name: value) set in whichever
+    sections hold those fields, for ``world`` processes: the one-line errors a flag combination gets."""
+    from ptdp.config import Config, validate
+
+    config = Config()
+    for section in config.sections().values():
+        for key, value in overrides.items():
+            if hasattr(section, key):
+                setattr(section, key, value)
+    return validate(config, world)
+
+
 def _in_pool(nproc: int, extra: list[str], base: list[str], env: dict[str, str] | None) -> bool:
     return (nproc <= _RankPool.SIZE and env is None
             and not _OWN_PROCESS_FLAGS.intersection(a.split("=")[0] for a in [*base, *extra]))

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from helpers import TINY, run_ptdp
+from helpers import TINY, config_errors, run_ptdp
 
-from ptdp.config import Config, ModelConfig, validate
-
-
-def _errors(world: int, **overrides) -> list[str]:
-    config = Config()
-    for section in config.sections().values():
-        for key, value in overrides.items():
-            if hasattr(section, key):
-                setattr(section, key, value)
-    return validate(config, world)
+from ptdp.config import ModelConfig
 
 
 def test_default_config_is_valid():
-    assert _errors(1) == []
+    assert config_errors(1) == []
 
 
 @pytest.mark.parametrize("world,overrides,flag", [
@@ -31,7 +22,7 @@ def test_default_config_is_valid():
     (1, {"hidden_dropout": 1.5}, "--hidden-dropout"),
 ])
 def test_each_problem_names_its_flag(world, overrides, flag):
-    errors = _errors(world, **overrides)
+    errors = config_errors(world, **overrides)
     assert len(errors) == 1 and flag in errors[0], errors
 
 

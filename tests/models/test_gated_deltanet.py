@@ -160,15 +160,11 @@ def test_presets_count_their_parameters_and_gdn_flops_per_token_do_not_grow_with
      "--linear-attention-cp-comm-type a2a needs the key heads"),
 ])
 def test_context_parallel_gdn_refuses_what_it_does_not_compute_in_one_line(overrides, line):
-    from ptdp.config import Config, validate
+    from helpers import config_errors
+
     from ptdp.config.presets import MODEL_PRESETS
 
-    config = Config()
-    for key, value in {**MODEL_PRESETS["tiny-qwen3-next"], "context_parallel_size": 4, **overrides}.items():
-        for section in config.sections().values():
-            if hasattr(section, key):
-                setattr(section, key, value)
-    errors = validate(config, 4)
+    errors = config_errors(4, **{**MODEL_PRESETS["tiny-qwen3-next"], "context_parallel_size": 4, **overrides})
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 

@@ -15,6 +15,7 @@ from helpers import (
     assert_export_equals_hf_files,
     assert_hf_track,
     assert_weights_equal_hf,
+    config_errors,
     hf_layout_training,
 )
 
@@ -140,21 +141,12 @@ def test_windowed_attention_equals_a_naive_masked_softmax(window):
     assert int(allowed[20].sum()) == min(window, 21)  # the window counts the token itself
 
 
-def _errors(world: int, **overrides) -> list[str]:
-    config = Config()
-    for section in config.sections().values():
-        for key, value in overrides.items():
-            if hasattr(section, key):
-                setattr(section, key, value)
-    return validate(config, world)
-
-
 @pytest.mark.parametrize("world,overrides,line", [
     (1, {"window_size": 0}, "--window-size must be a positive integer"),
     (1, {"window_attn_skip_freq": "[1,0]"}, "--window-attn-skip-freq"),
 ])
 def test_windows_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):
-    errors = _errors(world, **{"window_size": 4, **overrides})
+    errors = config_errors(world, **{"window_size": 4, **overrides})
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 

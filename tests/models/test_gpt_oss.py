@@ -19,6 +19,7 @@ from helpers import (
     assert_export_equals_hf_files,
     assert_hf_track,
     assert_weights_equal_hf,
+    config_errors,
     hf_layout_training,
 )
 
@@ -230,15 +231,6 @@ def test_sink_attention_equals_a_naive_softmax_with_one_more_logit(window):
     torch.testing.assert_close(sink_rescale(scores.softmax(-1) @ v, lse, sinks), want, rtol=1e-6, atol=1e-7)
 
 
-def _errors(world: int, **overrides) -> list[str]:
-    config = Config()
-    for section in config.sections().values():
-        for key, value in overrides.items():
-            if hasattr(section, key):
-                setattr(section, key, value)
-    return validate(config, world)
-
-
 @pytest.mark.parametrize("world,overrides,line", [
     (1, {"softmax_type": "learnable", "multi_latent_attention": True},
      "--softmax-type learnable with --multi-latent-attention"),
@@ -250,7 +242,7 @@ def _errors(world: int, **overrides) -> list[str]:
     (1, {"rope_type": "yarn"}, "--rope-type yarn scales the rotary embedding"),
 ])
 def test_gpt_oss_flags_refuse_what_they_do_not_compute_in_one_line(world, overrides, line):
-    errors = _errors(world, **overrides)
+    errors = config_errors(world, **overrides)
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 

@@ -98,14 +98,9 @@ def test_imported_gemma3_with_both_caps_gives_hf_logits(tmp_path):
     (1, {"attn_logit_softcapping": 5.0, "multi_latent_attention": True}, "--attn-logit-softcapping with --multi-"),
 ])
 def test_softcapping_refuses_what_it_does_not_compute_in_one_line(world, overrides, line):
-    from ptdp.config import Config, validate
+    from helpers import config_errors
 
-    config = Config()
-    for section in config.sections().values():
-        for key, value in overrides.items():
-            if hasattr(section, key):
-                setattr(section, key, value)
-    errors = validate(config, world)
+    errors = config_errors(world, **overrides)
     assert any(e.startswith(line) for e in errors), errors
     assert all("\n" not in e for e in errors)
 
