@@ -94,6 +94,20 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
                       "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
+def save_with_norms_off_init(model, directory: Path):
+    """Move a random HF model's norm weights off their initial value (so that a norm read wrongly, or HF's
+    1 + w against w, shows in the logits), then save it in fp32 as safetensors; the model, in eval mode."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    model.float().eval()
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return model
+
+
 def config_errors(world: int, **overrides) -> list[str]:
     """``validate`` of the default configuration with ``overrides`` (field name: value) set in whichever
     sections hold those fields, for ``world`` processes: the one-line errors a flag combination gets."""

@@ -17,6 +17,7 @@ from helpers import (
     assert_weights_equal_hf,
     config_errors,
     hf_layout_training,
+    save_with_norms_off_init,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -54,14 +55,7 @@ def hf_model(directory):
         bos_token_id=None, eos_token_id=None, pad_token_id=None, sliding_window=W, query_pre_attn_scalar=20,
         layer_types=KINDS, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    model = transformers.Gemma3ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-    model.float().eval()
-    model.save_pretrained(str(directory), safe_serialization=True)
-    return model
+    return save_with_norms_off_init(transformers.Gemma3ForCausalLM(config), directory)
 
 
 def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):

@@ -18,6 +18,7 @@ from helpers import (
     assert_hf_track,
     assert_weights_equal_hf,
     hf_layout_training,
+    save_with_norms_off_init,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -69,14 +70,7 @@ def hf_model(directory):
         linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
         norm_topk_prob=True, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.Qwen3NextForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-    model.float().eval()
-    model.save_pretrained(str(directory), safe_serialization=True)
-    return model
+    return save_with_norms_off_init(transformers.Qwen3NextForCausalLM(config), directory)
 
 
 def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
