@@ -4,7 +4,9 @@ sharded safetensors layout, never the whole model in one process.
 For a family that declares per-tensor recipes (``ModelFamily.hf_recipes``, ``ptdp.models.hf_recipe``),
 each full ptdp parameter is read alone (``FullModelReader.tensor``: DCP reads just that key), cut into its
 HF tensors by running its recipe backwards (``scatter``: the fused QKV into q/k/v, fc1 into gate/up, the
-vocabulary padding dropped), and appended to the current output shard. A shard is written once it would
+vocabulary padding dropped), and appended to the current output shard (an HF tensor that several
+parameters fill, such as Qwen3-Next's ``q_proj`` of queries and output gates, once the last of them is
+read). A shard is written once it would
 pass ``--max-shard-size`` (HF's ``save_pretrained`` default: 5GB), named as HF names them
 (``model-00001-of-00003.safetensors``), with ``model.safetensors.index.json``; a model that fits in one
 shard is written as ``model.safetensors``, as ``save_pretrained`` does. Peak memory: one parameter (and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,7 +97,7 @@ def write_streamed(model: FullModelReader, family: ModelFamily, cfg, moe, out: P
     the files written."""
     import torch
 
-    from ptdp.models.hf_recipe import assemble, scatter
+    from ptdp.models.hf_recipe import assemble, scatter, takes
 
     padded = model.shape("embedding.word_embeddings.weight")[0]
     recipes = family.hf_recipes(cfg, moe, padded)
@@ -102,11 +105,13 @@ def write_streamed(model: FullModelReader, family: ModelFamily, cfg, moe, out: P
         odd = sorted(recipes.keys() ^ model.sources.keys())
         raise ConfigError(f"--load: the checkpoint's parameters are not the {family.name} family's ({odd[:3]})")
     writer = ShardWriter(out, max_bytes)
+    left = Counter(hf_name for recipe in recipes.values() for hf_name in {t.name for t in takes(recipe)})
+    pieces: dict[str, list] = {}
     for name, recipe in recipes.items():
-        pieces: dict[str, list] = {}
         for hf_name, rows, value in scatter(recipe, model.tensor(name)):
             pieces.setdefault(hf_name, []).append((rows, value))
-        for hf_name, parts in pieces.items():
-            value = assemble(parts, hf_name).detach().to(torch.float32)  # own, packed storage (a transposed piece)
-            writer.add(hf_name, value.clone(memory_format=torch.contiguous_format))
+        left.subtract({t.name for t in takes(recipe)})
+        for hf_name in [n for n in pieces if left[n] <= 0]:  # complete (a copy's count is 0 from the start)
+            value = assemble(pieces.pop(hf_name), hf_name).detach().to(torch.float32)
+            writer.add(hf_name, value.clone(memory_format=torch.contiguous_format))  # own, packed storage
     return writer.close()

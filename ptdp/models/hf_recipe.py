@@ -2,8 +2,8 @@
 
 A family's adapter declares, for every ptdp parameter name, a :data:`Recipe` over HF tensor names: take a
 tensor (or a range of its rows), concatenate along a dimension, stack, pad with zeros, swap two dimensions,
-view one dimension as two (blocks or interleaved), dequantize MXFP4 blocks, take the first of several
-layouts the checkpoint holds, write a tensor's copies on export. The recipe is data,
+view one dimension as two (blocks or interleaved), drop a dimension of size 1, dequantize MXFP4 blocks, take
+the first of several layouts the checkpoint holds, write a tensor's copies on export. The recipe is data,
 not code over full tensors, so the same declaration serves three readers:
 
 - ``ptdp import`` evaluates it over the whole tensor (:func:`materialize`);
@@ -73,10 +73,22 @@ class Transpose:
 
 @dataclass(frozen=True)
 class Unflatten:
-    """The part's first dimension ``n·m`` viewed as ``[n, m]`` (GPT-2's ``[3h]`` q|k|v as ptdp's ``[3, h]``)."""
+    """The part's dimension ``dim`` (size ``n·m``) viewed as ``[n, m]`` blocks (GPT-2's ``[3h]`` q|k|v as
+    ptdp's ``[3, h]``; transformers 5's fused experts ``gate_up_proj [E, 2f, h]``, gate rows first, as ptdp's
+    ``[E, 2, f, h]`` with ``dim`` 1). A box reads, per block it covers, only its rows of that block."""
 
     part: Recipe
     n: int
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Squeeze:
+    """The part without its dimension ``dim``, of size 1 (Qwen3-Next's depthwise ``conv1d.weight [C, 1, k]``
+    as ptdp's ``[C, k]``)."""
+
+    part: Recipe
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,7 @@ class Copies:
     copies: tuple[str, ...]
 
 
-Recipe = Take | Cat | Stack | Zeros | Transpose | Unflatten | Interleaved | MXFP4 | OneOf | Copies
+Recipe = Take | Cat | Stack | Zeros | Transpose | Unflatten | Squeeze | Interleaved | MXFP4 | OneOf | Copies
 Shapes = Mapping[str, tuple[int, ...]]
 # fetch(name, per-dimension (start, stop)) -> those elements of the HF tensor, in its own dtype
 Fetch = Callable[[str, tuple[tuple[int, int], ...]], "torch.Tensor"]
@@ -130,7 +142,7 @@ def takes(recipe: Recipe) -> list[Take]:
         return [recipe]
     if isinstance(recipe, (Cat, Stack)):
         return [t for part in recipe.parts for t in takes(part)]
-    if isinstance(recipe, (Transpose, Unflatten, Interleaved, Copies)):
+    if isinstance(recipe, (Transpose, Unflatten, Squeeze, Interleaved, Copies)):
         return takes(recipe.part)
     if isinstance(recipe, MXFP4):
         return [Take(recipe.blocks), Take(recipe.scales)]
@@ -187,11 +199,16 @@ def shape_of(recipe: Recipe, shapes: Shapes) -> tuple[int, ...]:
     if isinstance(recipe, Copies):
         return shape_of(recipe.part, shapes)
     if isinstance(recipe, Unflatten):
-        inner = shape_of(recipe.part, shapes)
-        if not inner or inner[0] % recipe.n:
-            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; {recipe.n} equal row blocks "
-                              "are needed")
-        return (recipe.n, inner[0] // recipe.n, *inner[1:])
+        inner, dim = shape_of(recipe.part, shapes), recipe.dim
+        if len(inner) <= dim or inner[dim] % recipe.n:
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; {recipe.n} equal blocks "
+                              f"along dimension {dim} are needed")
+        return (*inner[:dim], recipe.n, inner[dim] // recipe.n, *inner[dim + 1:])
+    if isinstance(recipe, Squeeze):
+        inner, dim = shape_of(recipe.part, shapes), recipe.dim
+        if len(inner) <= dim or inner[dim] != 1:
+            raise RecipeError(f"{[t.name for t in takes(recipe)]} has shape {inner}; dimension {dim} must be 1")
+        return (*inner[:dim], *inner[dim + 1:])
     parts = [shape_of(p, shapes) for p in recipe.parts]
     if isinstance(recipe, Stack):
         if len(set(parts)) != 1:
@@ -239,9 +256,14 @@ def read_box(recipe: Recipe, box: tuple[tuple[int, int], ...], shapes: Shapes, f
     if isinstance(recipe, Copies):
         return read_box(recipe.part, box, shapes, fetch)
     if isinstance(recipe, Unflatten):  # block i's rows [c, d) are the part's rows [i·m + c, i·m + d)
-        m = shape_of(recipe.part, shapes)[0] // recipe.n
-        (a, b), (c, d), rest = box[0], box[1], box[2:]
-        return torch.stack([read_box(recipe.part, ((i * m + c, i * m + d), *rest), shapes, fetch) for i in range(a, b)])
+        dim = recipe.dim
+        m = shape_of(recipe.part, shapes)[dim] // recipe.n
+        (a, b), (c, d), lead, rest = box[dim], box[dim + 1], box[:dim], box[dim + 2:]
+        return torch.stack([read_box(recipe.part, (*lead, (i * m + c, i * m + d), *rest), shapes, fetch)
+                            for i in range(a, b)], dim=dim)
+    if isinstance(recipe, Squeeze):
+        inner = (*box[:recipe.dim], (0, 1), *box[recipe.dim:])
+        return read_box(recipe.part, inner, shapes, fetch).squeeze(recipe.dim)
     if isinstance(recipe, Stack):
         (a, b), inner = box[0], box[1:]
         return torch.stack([read_box(recipe.parts[i], inner, shapes, fetch) for i in range(a, b)])
@@ -289,7 +311,9 @@ def scatter(recipe: Recipe, tensor: torch.Tensor) -> list[tuple[str, tuple[int, 
     if isinstance(recipe, Copies):
         return [*scatter(recipe.part, tensor), *((name, None, tensor) for name in recipe.copies)]
     if isinstance(recipe, Unflatten):
-        return scatter(recipe.part, tensor.flatten(0, 1))
+        return scatter(recipe.part, tensor.flatten(recipe.dim, recipe.dim + 1))
+    if isinstance(recipe, Squeeze):
+        return scatter(recipe.part, tensor.unsqueeze(recipe.dim))
     if isinstance(recipe, Stack):
         return [piece for part, t in zip(recipe.parts, tensor.unbind(0), strict=True) for piece in scatter(part, t)]
     known = [_extent(p, recipe.dim) for p in recipe.parts]
@@ -326,10 +350,12 @@ def _extent(recipe: Recipe, dim: int) -> int | None:
     if isinstance(recipe, Copies):
         return _extent(recipe.part, dim)
     if isinstance(recipe, Unflatten):
-        if dim == 0:
+        if dim == recipe.dim:
             return recipe.n
-        inner = _extent(recipe.part, 0 if dim == 1 else dim - 1)
-        return inner // recipe.n if dim == 1 and inner is not None else inner
+        inner = _extent(recipe.part, dim if dim < recipe.dim else dim - 1)
+        return inner // recipe.n if dim == recipe.dim + 1 and inner is not None else inner
+    if isinstance(recipe, Squeeze):
+        return _extent(recipe.part, dim if dim < recipe.dim else dim + 1)
     sizes = [_extent(p, dim) for p in recipe.parts]
     if recipe.dim == dim:
         return None if None in sizes else sum(sizes)

@@ -8,8 +8,8 @@ expert, and multi-token prediction (``ptdp.models.mtp``). Conversion is renaming
 - attention: ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``,
   ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` are ptdp's ``q_down_proj``/``q_layernorm``/``q_up_proj``
   (``q_proj``), ``kv_down_proj``, ``kv_layernorm``, ``kv_up_proj``, ``proj``, same shapes and row orders.
-- experts: per expert on disk (``mlp.experts.{i}.gate_proj/up_proj/down_proj``) or fused in memory
-  (transformers 5's ``gate_up_proj``), stacked ``experts.fc1_weight [E, 2, f, h]`` as for Qwen2-MoE
+- experts: per expert on disk (``mlp.experts.{i}.gate_proj/up_proj/down_proj``) or fused (transformers 5's
+  ``gate_up_proj``/``down_proj``, in memory or saved so), stacked ``experts.fc1_weight [E, 2, f, h]`` as for Qwen2-MoE
   (``ptdp.models.mixtral.hf``); the router ``mlp.gate.weight`` and its ``e_score_correction_bias`` are ``mlp.router.weight``
   and ``mlp.router.expert_bias``; ``mlp.shared_experts`` is ``mlp.shared_expert``.
 - MTP module k lives at layer index ``num_hidden_layers + k`` of the checkpoint (``enorm``, ``hnorm``,
@@ -120,7 +120,7 @@ def _layers(cfg: ModelConfig, moe: MoEConfig) -> list[tuple[str, str, bool]]:
 
 
 def deepseek_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
-    """Per ptdp parameter, its recipe over ``DeepseekV3ForCausalLM`` tensors in the per-expert layout
+    """Per ptdp parameter, its recipe over ``DeepseekV3ForCausalLM`` tensors, the experts in either layout
     (``ptdp.models.hf_recipe``): the embedding and untied head padded with zero rows to ``padded_vocab``, the
     MLA tensors and norms taken as they are, each fc1 stacking (gate, up), the experts stacked as Mixtral's,
     the MTP modules' own tensors. The MTP modules' copies of the embedding and head (DeepSeek's files hold
@@ -157,7 +157,6 @@ def deepseek_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dic
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
     """HF DeepSeek-V3 tensors (either expert layout) -> ptdp full tensors: :func:`deepseek_recipes`
     evaluated whole."""
-    hf = hf_moe.per_expert_layout(hf, [theirs for _, theirs, sparse in _layers(cfg, moe) if sparse], "deepseek_v3")
     return hf_llama.import_state(
         lambda padded: deepseek_recipes(cfg, moe, padded), hf, cfg,
         lambda e: DeepSeekConversionError(f"--in: {e}; is it a DeepSeek-V3 model?"))

@@ -8,12 +8,14 @@ experts in place of the MLP (``ptdp.models.moe``):
 - router: HF's ``mlp.gate.weight`` (``block_sparse_moe.gate`` in Mixtral's files) ``[E, h]`` is
   ``mlp.router.weight``. Mixtral takes softmax, top-k, renormalise = ptdp's default router; Qwen2-MoE
   renormalises only with ``norm_topk_prob``, else it is ``--moe-router-pre-softmax``.
-- experts, two layouts on the HF side, both read: per expert (the files of the published checkpoints and
-  of transformers 4: Mixtral ``experts.{i}.w1`` gate, ``w3`` up, ``w2`` down; Qwen2-MoE
-  ``experts.{i}.gate_proj/up_proj/down_proj``) or fused (transformers 5's modules: ``experts.gate_up_proj
-  [E, 2f, h]``, gate rows first, and ``experts.down_proj [E, h, f]``). ptdp stacks them as
-  ``experts.fc1_weight [E, 2, f, h]`` (gate, up) and ``experts.fc2_weight [E, h, f]``. Export writes the
-  per-expert layout, which transformers 4 and 5 both load.
+- experts, two layouts on the HF side, both read (by import and by ``--load HF_DIR``, a rank reading only
+  its experts' rows): per expert (the files of the published checkpoints, and what transformers 4 and 5's
+  ``save_pretrained`` write: Mixtral ``block_sparse_moe.experts.{i}.w1`` gate, ``w3`` up, ``w2`` down;
+  Qwen2-MoE ``mlp.experts.{i}.gate_proj/up_proj/down_proj``) or fused (transformers 5's modules, which
+  ``save_pretrained(..., save_original_format=False)`` writes: ``mlp.experts.gate_up_proj [E, 2f, h]``, gate
+  rows first, and ``mlp.experts.down_proj [E, h, f]``; a Mixtral's router then under ``mlp.gate``). ptdp
+  stacks them as ``experts.fc1_weight [E, 2, f, h]`` (gate, up) and ``experts.fc2_weight [E, h, f]``.
+  Export writes the per-expert layout, which transformers 4 and 5 both load.
 - Qwen2-MoE only: a shared expert (``mlp.shared_expert.{gate,up,down}_proj``, hidden size
   ``shared_expert_intermediate_size``) with a sigmoid gate ``mlp.shared_expert_gate [1, h]``
   (``--moe-shared-expert-intermediate-size``, ``--moe-shared-expert-gate``); a QKV bias
@@ -72,7 +74,7 @@ def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) 
     Llama's, the QKV bias cut like the QKV weight, and in each sparse layer the router, the experts stacked
     as ``fc1_weight [E, 2, f, h]`` (gate, up) and ``fc2_weight [E, h, f]``, and Qwen2-MoE's gated shared
     expert. Import, ``--load HF_DIR`` and export all run this one mapping."""
-    from ptdp.models.hf_recipe import Stack, Take
+    from ptdp.models.hf_recipe import OneOf, Stack, Take
 
     out = hf_llama.hf_recipes(cfg, padded_vocab)
     block, (gate, up, down) = _layout(kind)
@@ -83,7 +85,8 @@ def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) 
         if not sparse:
             continue
         del out[ours + "mlp.fc1.weight"], out[ours + "mlp.fc2.weight"]
-        out[ours + "mlp.router.weight"] = Take(f"{theirs}{block}.gate.weight")
+        router = Take(f"{theirs}{block}.gate.weight")  # a fused Mixtral's is under mlp., as its experts
+        out[ours + "mlp.router.weight"] = router if block == "mlp" else OneOf((router, Take(f"{theirs}mlp.gate.weight")))
         out.update(expert_recipes(ours, theirs, moe.num_experts, kind))
         if kind == "qwen2_moe":
             shared = f"{theirs}mlp.shared_expert."
@@ -95,47 +98,27 @@ def moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int, kind: str) 
 
 
 def expert_recipes(ours: str, theirs: str, num_experts: int, kind: str) -> dict:
-    """The recipes of one layer's experts (ptdp layer ``ours``, HF layer ``theirs``) in the per-expert
-    layout: ``fc1_weight [E, 2, f, h]`` stacks each expert's (gate, up), ``fc2_weight [E, h, f]`` its down."""
-    from ptdp.models.hf_recipe import Stack, Take
+    """The recipes of one layer's experts (ptdp layer ``ours``, HF layer ``theirs``), from whichever layout
+    the checkpoint holds (per expert first, which export writes): ``fc1_weight [E, 2, f, h]`` stacks each
+    expert's (gate, up) or views the fused ``gate_up_proj [E, 2f, h]`` as its two row blocks;
+    ``fc2_weight [E, h, f]`` stacks each expert's down or is the fused ``down_proj``. Either way a box of
+    experts ``[a, b)`` and rows ``[c, d)`` reads those experts' rows alone."""
+    from ptdp.models.hf_recipe import OneOf, Stack, Take, Unflatten
 
     block, (gate, up, down) = _layout(kind)
     experts = [f"{theirs}{block}.experts.{e}." for e in range(num_experts)]
-    return {ours + "mlp.experts.fc1_weight": Stack(tuple(
-                Stack((Take(f"{x}{gate}.weight"), Take(f"{x}{up}.weight"))) for x in experts)),
-            ours + "mlp.experts.fc2_weight": Stack(tuple(Take(f"{x}{down}.weight") for x in experts))}
-
-
-def sparse_layers(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
-    """The HF prefixes (``model.layers.N.``) of the layers with experts."""
-    return [f"{P}layers.{i}." for i, sparse in enumerate(_pattern(moe, cfg.num_layers)) if sparse]
-
-
-def per_expert_layout(hf: dict[str, torch.Tensor], layers: list[str], kind: str) -> dict:
-    """``hf`` with its experts in the layout the recipes take: transformers 5's fused modules
-    (``experts.gate_up_proj [E, 2f, h]``, gate rows first; ``experts.down_proj [E, h, f]``) cut into views
-    per expert, and a Mixtral's router and experts under ``mlp.`` renamed to ``block_sparse_moe.``. Only
-    names and views change: the values are the recipes' to read."""
-    block, (gate, up, down) = _layout(kind)
-    other = "mlp." if block == "block_sparse_moe" else "block_sparse_moe."
-    out = dict(hf)
-    for layer in layers:
-        for name in [n for n in out if n.startswith(layer + other + "gate.") or n.startswith(layer + other + "experts.")]:
-            out[layer + block + "." + name.removeprefix(layer + other)] = out.pop(name)
-        fused = f"{layer}{block}.experts."
-        if fused + "gate_up_proj" in out and fused + "down_proj" in out:
-            gate_up, fc2 = out.pop(fused + "gate_up_proj"), out.pop(fused + "down_proj")
-            for e, (g, u) in enumerate(gate_up.view(gate_up.shape[0], 2, -1, gate_up.shape[-1])):
-                out.update({f"{fused}{e}.{gate}.weight": g, f"{fused}{e}.{up}.weight": u,
-                            f"{fused}{e}.{down}.weight": fc2[e]})
-    return out
+    fused = f"{theirs}mlp.experts."
+    return {ours + "mlp.experts.fc1_weight": OneOf((
+                Stack(tuple(Stack((Take(f"{x}{gate}.weight"), Take(f"{x}{up}.weight"))) for x in experts)),
+                Unflatten(Take(fused + "gate_up_proj"), 2, dim=1))),
+            ours + "mlp.experts.fc2_weight": OneOf((Stack(tuple(Take(f"{x}{down}.weight") for x in experts)),
+                                                    Take(fused + "down_proj")))}
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig, kind: str) -> dict[str, torch.Tensor]:
     """HF Mixtral / Qwen2-MoE tensors (either expert layout) -> ptdp full tensors: :func:`moe_recipes`
     evaluated whole."""
-    return hf_llama.import_state(lambda padded: moe_recipes(cfg, moe, padded, kind),
-                                 per_expert_layout(hf, sparse_layers(cfg, moe), kind), cfg,
+    return hf_llama.import_state(lambda padded: moe_recipes(cfg, moe, padded, kind), hf, cfg,
                                  lambda e: MoEConversionError(f"--in: {e}; is it a {kind} model?"))
 
 

@@ -102,9 +102,9 @@ def qwen3_moe_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
 
 
 def qwen3_moe_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict:
-    """Per ptdp parameter, its recipe over ``Qwen3MoeForCausalLM`` tensors in the per-expert layout that
-    ``save_pretrained`` writes (``mlp.experts.{e}.gate_proj/up_proj/down_proj``; ``ptdp import`` also reads
-    the fused layout): Mixtral's (``ptdp.models.mixtral.hf``) and the q/k norms."""
+    """Per ptdp parameter, its recipe over ``Qwen3MoeForCausalLM`` tensors, the experts per expert (what
+    ``save_pretrained`` writes: ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) or fused (transformers 5's
+    ``mlp.experts.gate_up_proj``/``down_proj``): Mixtral's (``ptdp.models.mixtral.hf``) and the q/k norms."""
     plain = dataclasses.replace(cfg, qk_layernorm=False)
     return {**mixtral.moe_recipes(plain, moe, padded_vocab, "qwen3_moe"), **_norm_recipes(cfg)}
 
@@ -134,7 +134,6 @@ def read_qwen3(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfi
 def read_qwen3_moe(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
     """``ptdp import``: :func:`qwen3_moe_recipes` evaluated whole, over either expert layout."""
     cfg, moe = qwen3_moe_model(hf_config)
-    hf = mixtral.per_expert_layout(hf, mixtral.sparse_layers(cfg, moe), "qwen3_moe")
     return cfg, moe, _import(lambda padded: qwen3_moe_recipes(cfg, moe, padded), hf, cfg)
 
 

@@ -9,12 +9,15 @@ Gated DeltaNet's own output norm, which starts at 1), an untied output layer, an
 of experts with a sigmoid-gated shared expert (``--moe-shared-expert-gate``), dense MLPs where
 ``mlp_only_layers``/``decoder_sparse_step`` say.
 
-Tensors. Full attention: HF's ``q_proj`` holds per head its query rows then its gate rows ``[a, 2, d, h]``;
-ptdp keeps the queries in the fused QKV (Llama's layout) and the gates in ``attention.gate``. Gated DeltaNet:
-``in_proj_qkvz``/``in_proj_ba``, ``A_log``, ``dt_bias``, ``norm`` and ``out_proj`` as they are (renamed:
-``attention.decay.A_log``, ``attention.out_layernorm``); ``conv1d.weight [C, 1, taps]`` lists all q channels,
-then all k, then all v, which ptdp regroups per key head (q, k, v of head 0, then of head 1, ...: the layout a
-tensor-parallel split cuts in one slice, ``ptdp.models.gated_deltanet``). Experts: either HF layout is read
+Tensors, as per-tensor recipes (``ptdp.models.hf_recipe``: ``ptdp import``, ``ptdp train --load HF_DIR``,
+where each rank reads only its slices, and export run the one mapping). Full attention: HF's ``q_proj`` holds
+per head its query rows then its gate rows ``[a, 2, d, h]``; ptdp keeps the queries in the fused QKV (Llama's
+layout) and the gates in ``attention.gate``, so each takes its heads' rows of ``q_proj``. Gated DeltaNet:
+``in_proj_qkvz``/``in_proj_ba`` (already grouped per key head), ``A_log``, ``dt_bias``, ``norm`` and
+``out_proj`` as they are (renamed: ``attention.decay.A_log``, ``attention.out_layernorm``);
+``conv1d.weight [C, 1, taps]`` lists all q channels, then all k, then all v, which ptdp regroups per key
+head (q, k, v of head 0, then of head 1, ...: the layout a tensor-parallel split cuts in one slice,
+``ptdp.models.gated_deltanet``), its middle dimension dropped. Experts: either HF layout is read
 (``ptdp.models.mixtral.hf``), the per-expert one written (what ``save_pretrained`` writes).
 """
 
@@ -30,6 +33,8 @@ from ptdp.models.mixtral import hf as mixtral
 
 if TYPE_CHECKING:
     import torch
+
+    from ptdp.models import hf_recipe
 
 P = llama.HF_PREFIX
 _LINEAR = {"attention.in_proj_qkvz.weight": "linear_attn.in_proj_qkvz.weight",
@@ -103,115 +108,100 @@ def _config(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return cfg, moe
 
 
-def _conv_permutation(cfg: ModelConfig) -> torch.Tensor:
-    """ptdp's convolution channel c is HF's channel ``perm[c]`` (per key head: its q, k, v channels)."""
-    import torch
+def _conv_recipe(cfg: ModelConfig, name: str) -> hf_recipe.Recipe:
+    """ptdp's ``[C, taps]`` convolution from HF's ``[C, 1, taps]`` (all q channels, all k, all v): per key
+    head its q, k and v rows."""
+    from ptdp.models.hf_recipe import Cat, Squeeze, Take
 
     nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-    vs = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim
-    key = nk * dk
-    return torch.cat([torch.cat([torch.arange(j * dk, (j + 1) * dk), key + torch.arange(j * dk, (j + 1) * dk),
-                                 2 * key + torch.arange(j * vs, (j + 1) * vs)]) for j in range(nk)])
+    vs, key = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim, nk * dk
+    rows = [r for j in range(nk) for r in ((j * dk, (j + 1) * dk), (key + j * dk, key + (j + 1) * dk),
+                                           (2 * key + j * vs, 2 * key + (j + 1) * vs))]
+    return Squeeze(Cat(tuple(Take(name, r) for r in rows)), 1)
 
 
-def read_qwen3_next(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    import torch
+def _attention_recipes(cfg: ModelConfig, ours: str, theirs: str) -> dict[str, hf_recipe.Recipe]:
+    """The gated full attention's QKV (Llama's layout) and gate, each from its heads' rows of ``q_proj``."""
+    from ptdp.models.hf_recipe import Cat, Stack, Take
 
-    cfg, moe = _config(hf_config)
+    a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+    q, k, v = (f"{theirs}self_attn.{x}_proj.weight" for x in "qkv")
 
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise Qwen3NextConversionError(f"--in: the checkpoint has no tensor {name}; is it a Qwen3-Next model?")
-        return hf[name]
+    def heads(lo: int, hi: int, offset: int) -> tuple:  # heads [lo, hi): their query (0) or gate (d) rows
+        return tuple(Take(q, (2 * j * d + offset, 2 * j * d + offset + d)) for j in range(lo, hi))
 
-    head = take("lm_head.weight")
-    padded = cfg.padded_vocab_size(head.shape[0], 1)
-    out = {llama.EMBEDDING: take(P + "embed_tokens.weight"), "final_layernorm.weight": take(P + "norm.weight"),
-           llama.LM_HEAD: torch.cat([head, head.new_zeros(padded - head.shape[0], head.shape[1])])}
-    a, d, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    if cfg.group_query_attention:
+        per = a // g
+        qkv = Cat(tuple(part for j in range(g) for part in (
+            *heads(j * per, (j + 1) * per, 0), Take(k, (j * d, (j + 1) * d)), Take(v, (j * d, (j + 1) * d)))))
+    else:
+        qkv = Stack((Cat(heads(0, a, 0)), Take(k), Take(v)))
+    return {ours + "attention.qkv.weight": qkv, ours + "attention.gate.weight": Cat(heads(0, a, d))}
+
+
+def _mlp_recipes(moe: MoEConfig, ours: str, theirs: str, sparse: bool) -> dict[str, hf_recipe.Recipe]:
+    """A dense MLP, or the router, experts (either layout) and gated shared expert of a sparse layer."""
+    from ptdp.models.hf_recipe import Stack, Take
+
+    mlp = f"{theirs}mlp."
+
+    def fc1(prefix: str) -> hf_recipe.Recipe:
+        return Stack((Take(prefix + "gate_proj.weight"), Take(prefix + "up_proj.weight")))
+
+    if not sparse:
+        return {ours + "mlp.fc1.weight": fc1(mlp), ours + "mlp.fc2.weight": Take(mlp + "down_proj.weight")}
+    return {ours + "mlp.router.weight": Take(mlp + "gate.weight"),
+            **mixtral.expert_recipes(ours, theirs, moe.num_experts, "qwen3_next"),
+            ours + "mlp.shared_expert.fc1.weight": fc1(mlp + "shared_expert."),
+            ours + "mlp.shared_expert.fc2.weight": Take(mlp + "shared_expert.down_proj.weight"),
+            ours + "mlp.shared_expert_gate.weight": Take(mlp + "shared_expert_gate.weight")}
+
+
+def qwen3_next_recipes(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict[str, hf_recipe.Recipe]:
+    """Per ptdp parameter, its recipe over ``Qwen3NextForCausalLM`` tensors: the vocabulary and the untied
+    output layer padded with zero rows to ``padded_vocab``, each layer's Gated DeltaNet or gated attention,
+    its norms, and its dense MLP or experts."""
+    from ptdp.models.hf_recipe import Cat, Take, Zeros
+
+    vocab, h = cfg.vocab_size, cfg.hidden_size
+    pad = (Zeros((padded_vocab - vocab, h)),) if padded_vocab > vocab else ()
+    out: dict[str, hf_recipe.Recipe] = {llama.EMBEDDING: Cat((Take(P + "embed_tokens.weight"), *pad)),
+                                        "final_layernorm.weight": Take(P + "norm.weight")}
+    if cfg.untie_embeddings_and_output_weights:
+        out[llama.LM_HEAD] = Cat((Take(llama.LM_HEAD), *pad))
+    pattern = mixtral._pattern(moe, cfg.num_layers)
     for i, linear in enumerate(linear_attention_layers(cfg)):
         ours, theirs = f"layers.{i}.", f"{P}layers.{i}."
-        names = {**_NORMS, **(_LINEAR if linear else _FULL)}
-        out.update({ours + k: take(theirs + v) for k, v in names.items()})
+        out.update({ours + k: Take(theirs + v) for k, v in {**_NORMS, **(_LINEAR if linear else _FULL)}.items()})
         if linear:
-            conv = take(theirs + "linear_attn.conv1d.weight")
-            out[ours + "attention.conv1d.weight"] = conv[:, 0][_conv_permutation(cfg)]
+            out[ours + "attention.conv1d.weight"] = _conv_recipe(cfg, theirs + "linear_attn.conv1d.weight")
         else:
-            q_gate = take(theirs + "self_attn.q_proj.weight").view(a, 2, d, h)
-            out[ours + "attention.qkv.weight"] = llama._fuse_qkv(
-                q_gate[:, 0].reshape(a * d, h), take(theirs + "self_attn.k_proj.weight"),
-                take(theirs + "self_attn.v_proj.weight"), cfg)
-            out[ours + "attention.gate.weight"] = q_gate[:, 1].reshape(a * d, h)
-    out.update(_mlp_from_hf(hf, cfg, moe, take))
-    return cfg, moe, {k: v.to(torch.float32).contiguous() for k, v in out.items()}
-
-
-def _mlp_from_hf(hf: dict, cfg: ModelConfig, moe: MoEConfig, take) -> dict[str, torch.Tensor]:
-    import torch
-
-    from ptdp.models.hf_recipe import materialize
-
-    out = {}
-    for i, sparse in enumerate(mixtral._pattern(moe, cfg.num_layers)):
-        ours, theirs = f"layers.{i}.mlp.", f"{P}layers.{i}.mlp."
-        if not sparse:
-            out[ours + "fc1.weight"] = torch.stack([take(theirs + "gate_proj.weight"), take(theirs + "up_proj.weight")])
-            out[ours + "fc2.weight"] = take(theirs + "down_proj.weight")
-            continue
-        out[ours + "router.weight"] = take(theirs + "gate.weight")
-        layer = f"{P}layers.{i}."
-        experts = mixtral.per_expert_layout({n: v for n, v in hf.items() if n.startswith(theirs + "experts.")},
-                                            [layer], "qwen3_next")  # the fused (transformers 5) or per-expert layout
-        count = sum(1 for n in experts if n.endswith(".gate_proj.weight"))
-        if not count:
-            raise Qwen3NextConversionError(f"--in: the checkpoint has no experts under {theirs}experts")
-        recipes = mixtral.expert_recipes(f"layers.{i}.", layer, count, "qwen3_next")
-        stacked = materialize(recipes, experts)
-        out[ours + "experts.fc1_weight"] = stacked[ours + "experts.fc1_weight"]
-        out[ours + "experts.fc2_weight"] = stacked[ours + "experts.fc2_weight"]
-        shared = theirs + "shared_expert."
-        out[ours + "shared_expert.fc1.weight"] = torch.stack([take(shared + "gate_proj.weight"),
-                                                              take(shared + "up_proj.weight")])
-        out[ours + "shared_expert.fc2.weight"] = take(shared + "down_proj.weight")
-        out[ours + "shared_expert_gate.weight"] = take(theirs + "shared_expert_gate.weight")
+            out.update(_attention_recipes(cfg, ours, theirs))
+        out.update(_mlp_recipes(moe, ours, theirs, pattern[i]))
     return out
 
 
+def qwen3_next_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """The model and expert flags of a Qwen3-Next ``config.json``."""
+    return _config(hf_config)
+
+
+def read_qwen3_next(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
+    """``ptdp import``: :func:`qwen3_next_recipes` evaluated whole, over either expert layout."""
+    cfg, moe = _config(hf_config)
+    tensors = llama.import_state(lambda padded: qwen3_next_recipes(cfg, moe, padded), hf, cfg,
+                                 lambda e: Qwen3NextConversionError(f"--in: {e}; is it a Qwen3-Next model?"))
+    return cfg, moe, tensors
+
+
 def write_qwen3_next(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
+    """ptdp's full tensors as HF's, the experts per expert: the recipes run backwards."""
     import torch
 
-    vocab = cfg.vocab_size
-    out = {P + "embed_tokens.weight": tensors[llama.EMBEDDING][:vocab], P + "norm.weight": tensors["final_layernorm.weight"],
-           "lm_head.weight": tensors[llama.LM_HEAD][:vocab]}
-    a, d, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    for i, linear in enumerate(linear_attention_layers(cfg)):
-        ours, theirs = f"layers.{i}.", f"{P}layers.{i}."
-        names = {**_NORMS, **(_LINEAR if linear else _FULL)}
-        out.update({theirs + v: tensors[ours + k] for k, v in names.items()})
-        if linear:
-            conv = tensors[ours + "attention.conv1d.weight"]
-            out[theirs + "linear_attn.conv1d.weight"] = conv[torch.argsort(_conv_permutation(cfg))][:, None]
-        else:
-            q, k, v = llama._split_qkv(tensors[ours + "attention.qkv.weight"], cfg)
-            gate = tensors[ours + "attention.gate.weight"]
-            out[theirs + "self_attn.q_proj.weight"] = torch.stack([q.view(a, d, h), gate.view(a, d, h)], 1).reshape(-1, h)
-            out.update({theirs + "self_attn.k_proj.weight": k, theirs + "self_attn.v_proj.weight": v})
-        mlp = f"{theirs}mlp."
-        if f"{ours}mlp.fc1.weight" in tensors:
-            gate_w, up = tensors[f"{ours}mlp.fc1.weight"]
-            out.update({mlp + "gate_proj.weight": gate_w, mlp + "up_proj.weight": up,
-                        mlp + "down_proj.weight": tensors[f"{ours}mlp.fc2.weight"]})
-            continue
-        out[mlp + "gate.weight"] = tensors[f"{ours}mlp.router.weight"]
-        fc1, fc2 = tensors[f"{ours}mlp.experts.fc1_weight"], tensors[f"{ours}mlp.experts.fc2_weight"]
-        for e in range(fc1.shape[0]):
-            out.update({f"{mlp}experts.{e}.gate_proj.weight": fc1[e, 0], f"{mlp}experts.{e}.up_proj.weight": fc1[e, 1],
-                        f"{mlp}experts.{e}.down_proj.weight": fc2[e]})
-        gate_w, up = tensors[f"{ours}mlp.shared_expert.fc1.weight"]
-        out.update({mlp + "shared_expert.gate_proj.weight": gate_w, mlp + "shared_expert.up_proj.weight": up,
-                    mlp + "shared_expert.down_proj.weight": tensors[f"{ours}mlp.shared_expert.fc2.weight"],
-                    mlp + "shared_expert_gate.weight": tensors[f"{ours}mlp.shared_expert_gate.weight"]})
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    from ptdp.models.hf_recipe import unmaterialize
+
+    recipes = qwen3_next_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
 
 
 def qwen3_next_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:
