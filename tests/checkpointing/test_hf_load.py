@@ -25,8 +25,10 @@ RUN = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "
        "--log-interval", "1", "--vocab-size", str(VOCAB)]
 
 
-def hf_model(directory, kind: str = "llama"):
-    """A random HF model saved in three or more shards (and its index); GQA with 8 query heads in 4 groups."""
+def hf_model(directory, kind: str = "llama", fused: bool = False):
+    """A random HF model saved in three or more shards (and its index); GQA with 8 query heads in 4 groups.
+    Experts as ``save_pretrained`` writes them (per expert), or with ``fused`` as transformers 5 holds them
+    (``save_original_format=False``: ``mlp.experts.gate_up_proj [E, 2f, h]``, ``mlp.experts.down_proj``)."""
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False,
@@ -54,6 +56,12 @@ def hf_model(directory, kind: str = "llama"):
             **{**common, "intermediate_size": 32}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
             sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    elif kind == "qwen3_next":  # a Gated DeltaNet layer (2 key heads), a gated attention layer, experts in the second
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            **common, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            mlp_only_layers=[0], norm_topk_prob=True))
     elif kind == "deepseek_v3":  # MLA, a dense layer then 4 sigmoid-routed experts in 2 groups, a shared expert
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             **{**common, "num_attention_heads": 4, "num_key_value_heads": 4}, moe_intermediate_size=16,
@@ -71,7 +79,8 @@ def hf_model(directory, kind: str = "llama"):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.3, 0.3)
-    model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB")
+    model.save_pretrained(str(directory), safe_serialization=True, max_shard_size="20KB",
+                          save_original_format=not fused)
     assert len(list(directory.glob("model-*.safetensors"))) >= 3
     return model.eval()
 
@@ -131,23 +140,28 @@ def add_mtp_module(directory, layers: int = 2) -> None:
     assert config["num_nextn_predict_layers"] == 1
 
 
-# (HF kind, MXFP4 experts / an MTP module, layout) of the two-rank pairs: import + --load against --load HF_DIR
-PAIRS = {"qwen3_moe-e2": ("qwen3_moe", ["--expert-model-parallel-size", "2"]),
-         "qwen2_moe-t2": ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
+T2_E2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]  # on 4 ranks: etp = 2, d = 2
+# (HF kind, layout) of the pairs (two ranks unless named): import + --load against --load HF_DIR
+PAIRS = {"qwen2_moe-t2": ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
          "gemma3-t2": ("gemma3", ["--tensor-model-parallel-size", "2"]),
          "gpt2-t2": ("gpt2", ["--tensor-model-parallel-size", "2"]),
          "gpt_oss-t2-e2": ("gpt_oss", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                                        "--expert-tensor-parallel-size", "1"]),  # its expert biases need etp = 1
          "gpt_oss-zero3": ("gpt_oss", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
-         "deepseek_v3-t2": ("deepseek_v3", ["--tensor-model-parallel-size", "2"])}
+         "deepseek_v3-t2": ("deepseek_v3", ["--tensor-model-parallel-size", "2"]),
+         "qwen3_next-t2-e2": ("qwen3_next", T2_E2),
+         "qwen3_next-zero3": ("qwen3_next", ["--data-parallel-sharding-strategy", "optim_grads_params"])}
+FOUR_RANKS = {"qwen3_next-t2-e2"}
+FUSED = {"qwen3_next-t2-e2"}  # also --load from the fused directory: equal to the per-expert one
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """An HF Llama directory, its import, and four runs: --load of each, at t = 4, and at p = 2 with d = 2
     under ZeRO-3 (the weights loaded as flat pieces, ``checkpointing/sharded.py``'s boxes); and for each of
-    :data:`PAIRS` the same two runs on two ranks. GPT-OSS's directory holds its experts as MXFP4 blocks and
-    scales, DeepSeek-V3's an MTP module. All in one pool of ranks."""
+    :data:`PAIRS` the same two runs (and for :data:`FUSED` a third, from the fused directory). GPT-OSS's
+    directory holds its experts as MXFP4 blocks and scales, DeepSeek-V3's an MTP module. All in one pool of
+    ranks."""
     tmp_path = tmp_path_factory.mktemp("hf_load")
     hf_model(tmp_path / "hf")
     _, cfg, moe = import_hf_model(tmp_path / "hf", tmp_path / "ckpt")
@@ -169,8 +183,12 @@ def trained(tmp_path_factory):
         flags = [*shlex.split(train_flags(cfg, moe)), *RUN]
         for name, (of, layout) in PAIRS.items():
             if of == kind:
-                plan[f"import_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / f"{kind}-ckpt")])
-                plan[f"direct_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / kind)])
+                world = 4 if name in FOUR_RANKS else 2
+                plan[f"import_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / f"{kind}-ckpt")])
+                plan[f"direct_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / kind)])
+                if name in FUSED:
+                    hf_model(tmp_path / f"{kind}-fused", kind, fused=True)
+                    plan[f"fused_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / f"{kind}-fused")])
     return tmp_path, run_layouts(tmp_path / "runs", plan, base=[])
 
 
@@ -192,14 +210,18 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_hf_dir_on_two_ranks_equals_import_then_load(trained, name):
-    """Qwen3-MoE with its experts split over two ranks (e = 2, d = 2); Qwen2-MoE at t = 2 (its QKV biases,
-    shared expert and experts split by tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
+    """Two ranks each unless named: Qwen2-MoE at t = 2 (its QKV biases, shared expert and experts split by
+    tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
     embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights); GPT-OSS from MXFP4 blocks at t = 2
     with e = 2 folded (its heads' sinks and QKV biases, two whole experts a rank) and under ZeRO-3 over d = 2
-    (flat pieces cut through the interleaved gate/up rows); DeepSeek-V3 at t = 2 with its MTP module: bit for
-    bit as the import."""
+    (flat pieces cut through the interleaved gate/up rows); DeepSeek-V3 at t = 2 with its MTP module;
+    Qwen3-Next at t = 2, e = 2 on four ranks (etp = 2: a rank holds half of two experts' rows) and under
+    ZeRO-3 over d = 2:
+    bit for bit as the import. For :data:`FUSED`, the fused directory loads bit for bit as the per-expert."""
     _, runs = trained
     _assert_same_run(runs[f"direct_{name}"], runs[f"import_{name}"], name)
+    if name in FUSED:
+        _assert_same_run(runs[f"fused_{name}"], runs[f"direct_{name}"], f"{name} fused")
 
 
 def test_streamed_export_of_a_t4_checkpoint_is_sharded_and_loads_in_transformers(trained, capsys):
@@ -307,15 +329,22 @@ def test_a_rank_reads_only_its_slice(tmp_path, kind):
 
 def _read_whole(reader: HFStorageReader) -> dict[str, torch.Tensor]:
     """Every parameter read through ``reader`` as one box, by ptdp name."""
+    return _read_boxes(reader, {key.removeprefix("model."): tuple((0, n) for n in meta.size)
+                                for key, meta in reader.read_metadata().state_dict_metadata.items()})
+
+
+def _read_boxes(reader: HFStorageReader, boxes: dict) -> dict[str, torch.Tensor]:
+    """``boxes`` (ptdp name -> per dimension ``(start, stop)``) read through ``reader`` as DCP asks a rank."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     targets, items = {}, []
-    for key, meta in reader.read_metadata().state_dict_metadata.items():
-        targets[key] = torch.empty(meta.size)
-        zero = torch.Size([0] * len(meta.size))
+    for name, box in boxes.items():
+        key, offsets, lengths = f"model.{name}", torch.Size([a for a, _ in box]), torch.Size([b - a for a, b in box])
+        targets[key] = torch.empty(lengths)
+        zero = torch.Size([0] * len(box))
         items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(key), dest_offsets=zero,
-                              storage_index=MetadataIndex(key, zero), storage_offsets=zero, lengths=meta.size))
+                              storage_index=MetadataIndex(key, zero), storage_offsets=offsets, lengths=lengths))
 
     class Planner:
         def resolve_tensor(self, item):
@@ -347,7 +376,7 @@ def test_a_bf16_directory_reads_as_the_import_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gemma3", "gpt2", "gpt_oss",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "qwen3_next"])
 def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     """Every parameter read whole through the reader (one box each) makes a ptdp model with HF's logits."""
     from ptdp.hf.convert import full_model_from_state
@@ -359,6 +388,67 @@ def test_the_reader_builds_the_model_hf_computes(tmp_path, kind):
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens)[..., :VOCAB], hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next"])
+def test_fused_experts_read_as_the_per_expert_files(tmp_path, kind):
+    """transformers 5's fused layout (``save_pretrained(..., save_original_format=False)``: one
+    ``gate_up_proj``/``down_proj`` per layer, a Mixtral's router under ``mlp.``) reads bit for bit as the
+    per-expert files ``save_pretrained`` writes by default, every parameter whole; and the box of expert rank 1
+    of 2 and tensor rank 1 of 2 reads, of the fused tensors, only its two experts' rows of its half of gate,
+    of up and of down's columns."""
+    hf_model(tmp_path / "per-expert", kind)
+    hf_model(tmp_path / "fused", kind, fused=True)
+    per_expert, fused = open_hf_dir(tmp_path / "per-expert"), open_hf_dir(tmp_path / "fused")
+    layer = "model.layers.1.mlp.experts."
+    assert layer + "gate_up_proj" in fused.shapes and not any(".experts.0." in n for n in fused.shapes)
+    assert layer + "gate_up_proj" not in per_expert.shapes
+    want = _read_whole(HFStorageReader(per_expert, per_expert.recipes(384)))
+    got = _read_whole(HFStorageReader(fused, fused.recipes(384)))
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    reader = HFStorageReader(fused, fused.recipes(384))
+    _, h, f = fused.shapes[layer + "down_proj"]
+    boxes = {"layers.1.mlp.experts.fc1_weight": ((2, 4), (0, 2), (f // 2, f), (0, h)),  # [E, 2, f, h] by f
+             "layers.1.mlp.experts.fc2_weight": ((2, 4), (0, h), (f // 2, f))}  # [E, h, f] by f
+    got = _read_boxes(reader, boxes)
+    for name, box in boxes.items():
+        assert torch.equal(got[name], want[name][tuple(slice(a, b) for a, b in box)]), name
+    assert sorted(reader.reads) == sorted([(layer + "gate_up_proj", ((2, 4), (f // 2, f), (0, h))),
+                                           (layer + "gate_up_proj", ((2, 4), (f + f // 2, 2 * f), (0, h))),
+                                           (layer + "down_proj", ((2, 4), (0, h), (f // 2, f)))])
+    assert reader.bytes_read == sum(v.numel() for v in got.values()) * 4
+
+
+def test_a_qwen3_next_rank_reads_only_its_heads(tmp_path):
+    """Tensor rank 1 of 2 of Qwen3-Next: the gated attention's QKV and output gate read their heads' query and
+    gate rows of ``q_proj`` (interleaved per head) and their groups' k/v rows; the Gated DeltaNet's depthwise
+    convolution reads key head 1's q, k and v channels of ``conv1d [C, 1, taps]``; all equal to the import's
+    slices."""
+    from ptdp.hf.convert import read_hf_tensors
+    from ptdp.models.qwen3_next.hf import read_qwen3_next
+
+    hf_model(tmp_path / "hf", "qwen3_next")
+    source = open_hf_dir(tmp_path / "hf")
+    _, _, full = read_qwen3_next(json.loads((tmp_path / "hf" / "config.json").read_text()),
+                                 read_hf_tensors(tmp_path / "hf"))
+    reader = HFStorageReader(source, source.recipes(384))
+    d, h, taps = 8, 32, 4  # 8 heads in 4 groups; rank 1: heads 4-7, groups 2-3
+    boxes = {"layers.1.attention.gate.weight": ((4 * d, 8 * d), (0, h)),
+             "layers.1.attention.qkv.weight": ((2 * 4 * d, 4 * 4 * d), (0, h)),  # a group: 2 q, 1 k, 1 v heads
+             "layers.0.attention.conv1d.weight": ((32, 64), (0, taps))}  # a key head: 8 q, 8 k, 16 v channels
+    got = _read_boxes(reader, boxes)
+    for name, box in boxes.items():
+        assert torch.equal(got[name], full[name][tuple(slice(a, b) for a, b in box)]), name
+    q, attn, conv = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.", \
+        "model.layers.0.linear_attn.conv1d.weight"
+    expected = [(q, ((2 * j * d + d, 2 * j * d + 2 * d), (0, h))) for j in range(4, 8)]  # the gates
+    for group in (2, 3):
+        expected += [(q, ((2 * j * d, 2 * j * d + d), (0, h))) for j in (2 * group, 2 * group + 1)]  # the queries
+        expected += [(attn + f"{x}_proj.weight", ((group * d, (group + 1) * d), (0, h))) for x in "kv"]
+    expected += [(conv, (rows, (0, 1), (0, taps))) for rows in ((8, 16), (24, 32), (48, 64))]
+    assert sorted(reader.reads) == sorted(expected)
 
 
 @pytest.mark.parametrize("damage,fragment", [
