@@ -144,8 +144,12 @@ def check_recipes(source: HFDirectory, padded_vocab: int) -> None:
 
 
 def moe_mismatch(source: HFDirectory, moe: MoEConfig) -> str | None:
-    """One line when the run's expert flags are not the directory's."""
-    keys = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax")
+    """One line when the run's expert flags are not the directory's: the experts, the router and the shared
+    expert (without its flags a run would build no shared expert and silently leave the directory's unread)."""
+    keys = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax",
+            "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_score_function",
+            "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_topk_scaling_factor")
     diffs = [f"--{k.replace('_', '-')} {getattr(source.moe, k)} there, {getattr(moe, k)} here"
              for k in keys if getattr(source.moe, k) != getattr(moe, k)]
     return "the directory holds another model: " + "; ".join(diffs) if diffs else None

@@ -451,6 +451,26 @@ def test_a_qwen3_next_rank_reads_only_its_heads(tmp_path):
     assert sorted(reader.reads) == sorted(expected)
 
 
+@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3", "qwen3_next"])
+def test_the_printed_expert_flags_load_and_a_run_without_the_shared_expert_is_refused(tmp_path, kind):
+    """The launcher's check of ``--load HF_DIR`` passes the MoE flags ``ptdp import`` prints for the directory
+    (the shared expert and router flags compared too), and refuses a run that drops the shared expert's
+    size: its model would have no shared expert, and the directory's would go unread."""
+    from ptdp.checkpointing.validation import hf_load_errors
+    from ptdp.cli.main import build_parser
+    from ptdp.config.load import config_from_args
+
+    hf_model(tmp_path / "hf", kind)
+    source = open_hf_dir(tmp_path / "hf")
+    flags = ["train", *shlex.split(train_flags(source.cfg, source.moe)), *RUN, "--load", str(tmp_path / "hf")]
+    assert hf_load_errors(config_from_args(build_parser().parse_args(flags)), tmp_path / "hf") == []
+    at = flags.index("--moe-shared-expert-intermediate-size")
+    shared = flags.pop(at + 1)
+    flags.pop(at)
+    errors = hf_load_errors(config_from_args(build_parser().parse_args(flags)), tmp_path / "hf")
+    assert len(errors) == 1 and f"--moe-shared-expert-intermediate-size {shared} there, None here" in errors[0], errors
+
+
 @pytest.mark.parametrize("damage,fragment", [
     ("missing_shard", "is missing (named by model.safetensors.index.json)"),
     ("index_names_missing_tensor", "has no tensor model.layers.0.mlp.bogus.weight"),
