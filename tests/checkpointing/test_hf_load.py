@@ -140,8 +140,7 @@ def add_mtp_module(directory, layers: int = 2) -> None:
     assert config["num_nextn_predict_layers"] == 1
 
 
-T2_E2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]  # on 4 ranks: etp = 2, d = 2
-# (HF kind, layout) of the pairs (two ranks unless named): import + --load against --load HF_DIR
+# (HF kind, layout) of the two-rank pairs: import + --load against --load HF_DIR
 PAIRS = {"qwen2_moe-t2": ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
          "gemma3-t2": ("gemma3", ["--tensor-model-parallel-size", "2"]),
          "gpt2-t2": ("gpt2", ["--tensor-model-parallel-size", "2"]),
@@ -149,9 +148,9 @@ PAIRS = {"qwen2_moe-t2": ("qwen2_moe", ["--tensor-model-parallel-size", "2"]),
                                        "--expert-tensor-parallel-size", "1"]),  # its expert biases need etp = 1
          "gpt_oss-zero3": ("gpt_oss", ["--data-parallel-sharding-strategy", "optim_grads_params"]),
          "deepseek_v3-t2": ("deepseek_v3", ["--tensor-model-parallel-size", "2"]),
-         "qwen3_next-t2-e2": ("qwen3_next", T2_E2),
+         "qwen3_next-t2-e2": ("qwen3_next", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                             "--expert-tensor-parallel-size", "1"]),
          "qwen3_next-zero3": ("qwen3_next", ["--data-parallel-sharding-strategy", "optim_grads_params"])}
-FOUR_RANKS = {"qwen3_next-t2-e2"}
 FUSED = {"qwen3_next-t2-e2"}  # also --load from the fused directory: equal to the per-expert one
 
 
@@ -183,12 +182,11 @@ def trained(tmp_path_factory):
         flags = [*shlex.split(train_flags(cfg, moe)), *RUN]
         for name, (of, layout) in PAIRS.items():
             if of == kind:
-                world = 4 if name in FOUR_RANKS else 2
-                plan[f"import_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / f"{kind}-ckpt")])
-                plan[f"direct_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / kind)])
+                plan[f"import_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / f"{kind}-ckpt")])
+                plan[f"direct_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / kind)])
                 if name in FUSED:
                     hf_model(tmp_path / f"{kind}-fused", kind, fused=True)
-                    plan[f"fused_{name}"] = (world, [*flags, *layout, "--load", str(tmp_path / f"{kind}-fused")])
+                    plan[f"fused_{name}"] = (2, [*flags, *layout, "--load", str(tmp_path / f"{kind}-fused")])
     return tmp_path, run_layouts(tmp_path / "runs", plan, base=[])
 
 
@@ -210,14 +208,13 @@ def test_load_hf_dir_at_t4_equals_import_then_load(trained):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_hf_dir_on_two_ranks_equals_import_then_load(trained, name):
-    """Two ranks each unless named: Qwen2-MoE at t = 2 (its QKV biases, shared expert and experts split by
-    tensor rank); Gemma 3 at t = 2 (its q/k and sandwich norms, the tied
-    embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights); GPT-OSS from MXFP4 blocks at t = 2
+    """Qwen2-MoE at t = 2 (its QKV biases, shared expert and experts split by tensor rank); Gemma 3 at t = 2
+    (its q/k and sandwich norms, the tied embedding); GPT-2 at t = 2 (columns of its transposed Conv1D weights); GPT-OSS from MXFP4 blocks at t = 2
     with e = 2 folded (its heads' sinks and QKV biases, two whole experts a rank) and under ZeRO-3 over d = 2
     (flat pieces cut through the interleaved gate/up rows); DeepSeek-V3 at t = 2 with its MTP module;
-    Qwen3-Next at t = 2, e = 2 on four ranks (etp = 2: a rank holds half of two experts' rows) and under
-    ZeRO-3 over d = 2:
-    bit for bit as the import. For :data:`FUSED`, the fused directory loads bit for bit as the per-expert."""
+    Qwen3-Next at t = 2 with e = 2 folded (its heads' rows of ``q_proj``, its key heads' channels of
+    ``conv1d``, two whole experts a rank) and under ZeRO-3 over d = 2: bit for bit as the import. For
+    :data:`FUSED`, the fused directory loads bit for bit as the per-expert one."""
     _, runs = trained
     _assert_same_run(runs[f"direct_{name}"], runs[f"import_{name}"], name)
     if name in FUSED:
