@@ -32,10 +32,8 @@ import torch.nn.functional as F
 from ptdp.models.documents import DocumentLayout
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.attention import (
-    _AllToAll,
     _expand,
     _fold,
-    _repeat_kv,
     block_backward,
     block_dtype,
     block_forward,
@@ -44,6 +42,7 @@ from ptdp.parallel.context.attention import (
     natural_order,
 )
 from ptdp.parallel.context.ring import ring_backward, ring_forward
+from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
 
 Piece = tuple[int, int, int, int, bool]  # local query rows [a, b), local key columns [c, d), causal square
 
@@ -96,25 +95,14 @@ def document_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``context_parallel_attention`` inside the documents of ``documents`` (same shapes and layout)."""
     c = group_size(cp_group)
     if c == 1:
-        k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         return documents.attend(q, k, v, 0.0)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if comm_type == "a2a":
-        return _ulysses(q, k, v, documents, cp_group)
+        return head_sharded(q, k, v, cp_group, lambda q, k, v: documents.attend(q, k, v, 0.0))
     if comm_type == "allgather":
         return _allgather(q, k, v, documents.bounds, cp_group, scale)
     return _DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
-
-
-def _ulysses(q, k, v, documents: DocumentLayout, group) -> torch.Tensor:
-    c = group_size(group)
-    if k.shape[1] % c:
-        k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
-    q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    y = documents.attend(q, k, v, 0.0).index_select(2, inverse)
-    return _AllToAll.apply(y, group, 2, 1)
 
 
 def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
@@ -124,7 +112,7 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
     s = q.shape[2] * c
     order = natural_order(c, q.shape[2] // 2, q.device)[0]
     k, v = (gather_from_sequence_parallel_region(x, group, dim=2).index_select(2, order) for x in (k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
+    k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
     rows = []
     for i, cu in enumerate(bounds):
         parts, off = [], 0
