@@ -243,12 +243,13 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk
     lse.copy_(new_lse)
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """One block's K or V heads repeated ``groups`` times (a ring block carries the unrepeated heads)."""
     return x if groups == 1 else x.repeat_interleave(groups, 1)
 
 
-def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of ``_expand``: sum each group's copies."""
+def fold_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``expand_heads``: sum each group's copies."""
     if groups == 1:
         return x
     b, h, s, d = x.shape
@@ -288,7 +289,7 @@ class _RingAttention(torch.autograd.Function):
 
         def visit(src: int, kv: torch.Tensor) -> None:
             rows, cols, causal = _block(r, src, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
+            kb, vb = (expand_heads(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
 
@@ -319,13 +320,13 @@ class _RingAttention(torch.autograd.Function):
 
         def visit(src: int, kv: torch.Tensor) -> torch.Tensor:
             rows, cols, causal = _block(r, src, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
+            kb, vb = (expand_heads(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
                                                lse[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_b
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[:, :, cols, :sizes[0]] = _fold(dk_b.float(), groups)
-            dkv[:, :, cols, sizes[0]:] = _fold(dv_b.float(), groups)
+            dkv[:, :, cols, :sizes[0]] = fold_heads(dk_b.float(), groups)
+            dkv[:, :, cols, sizes[0]:] = fold_heads(dv_b.float(), groups)
             return dkv
 
         dk, dv = ring_backward(torch.cat([k, v], dim=-1), group, visit).split(sizes, dim=-1)

@@ -27,9 +27,9 @@ from ptdp.models.documents import DocumentLayout
 from ptdp.models.window import document_window_attention
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.attention import load_balanced_chunks, natural_order
-from ptdp.parallel.context.documents import _DocumentRing
+from ptdp.parallel.context.documents import DocumentRing
 from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
-from ptdp.parallel.context.window import _inside_documents, windowed_context_attention
+from ptdp.parallel.context.window import inside_documents, windowed_context_attention
 
 
 def document_window_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,7 +53,7 @@ def document_window_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch
     if comm_type == "allgather":
         return _allgather(q, k, v, bounds, cp_group, scale, window, sinks, softcap)
     if window is None and softcap is None:  # sinks over whole documents: the document ring, the sink merged
-        return _DocumentRing.apply(q, k, v, bounds, cp_group, scale, sinks)
+        return DocumentRing.apply(q, k, v, bounds, cp_group, scale, sinks)
     return windowed_context_attention(q, k, v, cp_group, scale, window or s, sinks, softcap, bounds)
 
 
@@ -63,7 +63,7 @@ def _allgather(q, k, v, bounds, group, scale: float, window, sinks, softcap) -> 
     order = natural_order(c, n, q.device)[0]
     k, v = (gather_from_sequence_parallel_region(x, group, dim=2).index_select(2, order) for x in (k, v))
     k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
-    return torch.cat([_inside_documents(q[:, :, i * n:(i + 1) * n], k[:, :, :(chunk + 1) * n],
+    return torch.cat([inside_documents(q[:, :, i * n:(i + 1) * n], k[:, :, :(chunk + 1) * n],
                                         v[:, :, :(chunk + 1) * n], chunk * n, 0, window or s, bounds,
                                         scale=scale, sinks=sinks, softcap=softcap)
                       for i, chunk in enumerate(load_balanced_chunks(c, r))], dim=2)

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from ptdp.models.documents import DocumentLayout
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.attention import (
-    _expand,
-    _fold,
     block_backward,
     block_dtype,
     block_forward,
+    expand_heads,
+    fold_heads,
     load_balanced_chunks,
     merge_block,
     natural_order,
@@ -102,7 +102,7 @@ def document_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return head_sharded(q, k, v, cp_group, lambda q, k, v: documents.attend(q, k, v, 0.0))
     if comm_type == "allgather":
         return _allgather(q, k, v, documents.bounds, cp_group, scale)
-    return _DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
+    return DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
 
 
 def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
@@ -132,8 +132,11 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
     return torch.cat(rows, dim=0)
 
 
-class _DocumentRing(torch.autograd.Function):
-    """``_RingAttention`` (``ptdp.parallel.context.attention``) computing only each block's pieces: the same
+class DocumentRing(torch.autograd.Function):
+    """``DocumentRing.apply(q, k, v, bounds, group, scale, sinks)``: ring attention over the load-balanced
+    layout inside the documents of ``bounds`` (per sample its ``cu_seqlens``, as tuples).
+
+    ``_RingAttention`` (``ptdp.parallel.context.attention``) computing only each block's pieces: the same
     exchanges in the same order (forward: c-1 K/V hops; backward: c-1 K/V and c dK/dV hops). ``sinks
     [heads]``: one more logit per head, merged into the log-sum-exp after the ring as ``_RingAttention``
     merges it (``ptdp.parallel.context.document_window``)."""
@@ -151,7 +154,7 @@ class _DocumentRing(torch.autograd.Function):
         def visit(src: int, kv: torch.Tensor) -> None:
             for i, cu in enumerate(bounds):
                 for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
-                    kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
+                    kb_, vb_ = (expand_heads(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     blk_out, blk_lse = block_forward(qf[i:i + 1, :, qa:qb], kb_, vb_, scale, causal)
                     merge_block(out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], blk_out, blk_lse)
 
@@ -183,12 +186,12 @@ class _DocumentRing(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for i, cu in enumerate(bounds):
                 for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
-                    kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
+                    kb_, vb_ = (expand_heads(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     dq_b, dk_b, dv_b = block_backward(do[i:i + 1, :, qa:qb], qf[i:i + 1, :, qa:qb], kb_, vb_,
                                                       out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], scale, causal)
                     dq[i:i + 1, :, qa:qb] += dq_b
-                    dkv[0][i:i + 1, :, ka:kb] += _fold(dk_b.float(), groups)
-                    dkv[1][i:i + 1, :, ka:kb] += _fold(dv_b.float(), groups)
+                    dkv[0][i:i + 1, :, ka:kb] += fold_heads(dk_b.float(), groups)
+                    dkv[1][i:i + 1, :, ka:kb] += fold_heads(dv_b.float(), groups)
             return dkv
 
         dk, dv = ring_backward(torch.stack([k, v]), group, visit).unbind(0)
