@@ -598,14 +598,23 @@ def hf_adamw_track(hf, batches: list, lr: float, vocab: int) -> list[tuple[float
     return out
 
 
-HF_ITERATIONS, HF_GLOBAL_BATCH = 3, 8  # what the HF comparisons' ``train`` flags ask for
+HF_ITERATIONS, HF_GLOBAL_BATCH = 3, 8  # what the HF comparisons' training flags ask for
 
 
-def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]], train: list[str], vocab: int,
+def hf_train_flags(seq_length: int, lr: float) -> list[str]:
+    """The training of the HF comparisons (the flags ``hf_adamw_track`` mirrors): ``HF_ITERATIONS`` iterations
+    of ``HF_GLOBAL_BATCH`` samples in micro-batches of 2, ``lr`` constant, no weight decay, dropout off."""
+    return ["--micro-batch-size", "2", "--global-batch-size", str(HF_GLOBAL_BATCH), "--train-iters",
+            str(HF_ITERATIONS), "--lr", str(lr), "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
+            "--weight-decay", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length",
+            str(seq_length), "--log-interval", "1"]
+
+
+def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]], vocab: int, seq_length: int,
                        lr: float = 1e-2) -> tuple[dict[str, Run], list[tuple[float, float]], dict]:
     """The HF comparison of a model family: the HF model ``hf`` (saved in ``tmp / "hf"``) imported, ``ptdp
     train`` in one process ("one") and in every layout of ``layouts`` (``name: (world size, flags)``, one pool
-    of ranks) from that checkpoint with ``train``'s flags, and HF's own training on the same batches.
+    of ranks) from that checkpoint with ``hf_train_flags``, and HF's own training on the same batches.
 
     Returns (the runs by name, HF's (loss, gradient norm) per iteration, HF's weights before training)."""
     import shlex
@@ -613,7 +622,7 @@ def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]],
     from ptdp.hf.convert import import_hf_model, train_flags
 
     _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
-    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(vocab), *train]
+    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(vocab), *hf_train_flags(seq_length, lr)]
     plan = {"one": (1, ["--load", str(tmp / "imported")])}
     plan.update({name: (world, ["--load", str(tmp / "imported"), *flags]) for name, (world, flags) in layouts.items()})
     initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -643,3 +652,43 @@ def assert_weights_equal_hf(run: Run, hf, initial: dict, rel: float = 1e-3) -> N
     _, _, start = family.read(hf.config.to_dict(), initial)
     got = {name: run.weights[name][:value.shape[0]] for name, value in want.items()}
     assert_same_training(got, want, start, rel=rel)
+
+
+def hf_family_tests(name: str, hf_model: Callable, layouts: dict, vocab: int, seq_length: int, *,
+                    kinds: list[str] | None = None, lr: float = 1e-2, rel: float = 1e-3) -> tuple:
+    """The training comparison every model family's test module makes, as (its module-scoped ``trained``
+    fixture, its one-process test, its per-layout test), for the module to bind under those names::
+
+        (trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+         test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("gemma3", hf_model, LAYOUTS, V, S)
+
+    ``hf_model(directory)`` saves a random HF model there and returns it; ``layouts``: ``name: (world size,
+    flags)``, trained in one pool with one process (``hf_layout_training``). With ``kinds`` the module holds
+    several models: ``hf_model(directory, kind)``, ``layouts`` per kind (a kind may have none), and each test
+    runs per kind (a layout a kind lacks is skipped). The one-process run also ends in HF's weights (``rel``:
+    ``assert_weights_equal_hf``)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="trained", params=kinds)
+    def trained(request, tmp_path_factory):
+        """One process and every layout from one imported checkpoint, and HF's training on the same batches."""
+        kind = getattr(request, "param", None)
+        tmp = tmp_path_factory.mktemp(name if kind is None else f"{name}-{kind}")
+        hf = hf_model(tmp / "hf") if kind is None else hf_model(tmp / "hf", kind)
+        runs, track, initial = hf_layout_training(tmp, hf, layouts if kind is None else layouts.get(kind, {}),
+                                                  vocab, seq_length, lr=lr)
+        return runs, track, hf, initial
+
+    def test_one_process(trained):
+        runs, track, hf, initial = trained
+        assert_hf_track(runs["one"], track)
+        assert_weights_equal_hf(runs["one"], hf, initial, rel=rel)
+
+    @pytest.mark.parametrize("layout", sorted({n for ls in (layouts.values() if kinds else [layouts]) for n in ls}))
+    def test_layout(trained, layout):
+        runs, track, _, _ = trained
+        if layout not in runs:
+            pytest.skip(f"{layout} is not among this family's layouts")
+        assert_hf_track(runs[layout], track)
+
+    return trained, test_one_process, test_layout
