@@ -538,6 +538,30 @@ def assert_export_equals_hf_files(ckpt: Path, out: Path, hf_directory: Path) -> 
     return json.loads((out / "config.json").read_text())
 
 
+GREEDY_PROMPT = [5, 17, 42, 99, 7]  # the prompt the generation checks decode from
+
+
+def assert_reload_equals_hf(out: Path, tokens, expected, atol: float = 0.0, ours=None, new_tokens: int = 10):
+    """The export in ``out`` loads back in ``transformers`` (``AutoModelForCausalLM``) and gives ``expected``
+    logits for ``tokens`` (within ``atol``); with ``ours`` (the imported ptdp model) greedy decoding of
+    ``GREEDY_PROMPT`` gives the same ``new_tokens`` tokens in ``ptdp generate`` as in HF's ``generate``.
+    Returns the reloaded model."""
+    import torch
+    import transformers
+
+    from ptdp.cli.generate import generate
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=atol)
+        if ours is not None:
+            hf_ids = reloaded.generate(torch.tensor([GREEDY_PROMPT]), max_new_tokens=new_tokens, do_sample=False,
+                                       min_new_tokens=new_tokens)
+    if ours is not None:
+        assert generate(ours, None, GREEDY_PROMPT, new_tokens, greedy=True) == hf_ids[0, len(GREEDY_PROMPT):].tolist()
+    return reloaded
+
+
 def next_token_loss(logits, tokens, vocab: int):
     """The mean cross-entropy of ``logits`` (cut to the ``vocab`` real ids: ptdp pads the vocabulary) against
     ``tokens``, position by position."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
+    assert_reload_equals_hf,
     config_errors,
     hf_family_tests,
     save_with_norms_off_init,
@@ -74,9 +75,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == "gemma3_text" and saved["layer_types"] == KINDS and saved["sliding_window"] == W
     assert saved["query_pre_attn_scalar"] == 20
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
 @pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),

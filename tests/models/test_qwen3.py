@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
+    assert_reload_equals_hf,
     hf_family_tests,
     pooled_spawn,
     run_ptdp,
@@ -90,9 +91,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path, kind
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == ("qwen3" if kind == "dense" else "qwen3_moe")
     assert saved["head_dim"] == 24 and saved["max_position_embeddings"] == 4096
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
 (trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
