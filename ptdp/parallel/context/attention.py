@@ -243,6 +243,22 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk
     lse.copy_(new_lse)
 
 
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Fold the sinks ``[heads]`` into the merged fp32 (``out``, ``lse``) as one more block, a logit per head
+    with a zero value: ``out`` rescaled in place; returns the LSE that holds the sink."""
+    with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - with_sink)[..., None])
+    return with_sink
+
+
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, given (``out``, ``lse``) that hold them (``merge_sinks``): the sink's value is 0,
+    so it is -p_sink · rowsum(dO ∘ O), summed over the batch and the queries. With the sink in (out, lse) the
+    blocks' own backward is already the sink-softmax's."""
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return (-(p_sink * (dout.float() * out).sum(-1)).sum((0, 2))).to(sinks.dtype)
+
+
 def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """One block's K or V heads repeated ``groups`` times (a ring block carries the unrepeated heads)."""
     return x if groups == 1 else x.repeat_interleave(groups, 1)
@@ -294,10 +310,8 @@ class _RingAttention(torch.autograd.Function):
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
 
         ring_forward(torch.cat([k, v], dim=-1), group, visit)  # one block on the wire, whatever the head sizes
-        if sinks is not None:  # the sink joins the merged softmax as one more block: a logit z, a zero value
-            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
-            out.mul_(torch.exp(lse - with_sink)[..., None])
-            lse = with_sink
+        if sinks is not None:  # the sink joins the merged softmax as one more block
+            lse = merge_sinks(out, lse, sinks)
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.group, ctx.scale = group, scale
@@ -307,10 +321,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        # with sinks: (out, lse) include the sink, so the blocks' backward below is the sink-softmax's; the
-        # sink's own gradient is -p_sink · rowsum(dO ∘ O) (its value is 0)
-        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
-                  .to(sinks[0].dtype) if sinks else None)
+        dsinks = sinks_grad(sinks[0], out, lse, dout) if sinks else None
         r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)

@@ -39,7 +39,9 @@ from ptdp.parallel.context.attention import (
     fold_heads,
     load_balanced_chunks,
     merge_block,
+    merge_sinks,
     natural_order,
+    sinks_grad,
 )
 from ptdp.parallel.context.ring import ring_backward, ring_forward
 from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
@@ -159,10 +161,8 @@ class DocumentRing(torch.autograd.Function):
                     merge_block(out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], blk_out, blk_lse)
 
         ring_forward(torch.stack([k, v]), group, visit)
-        if sinks is not None:  # the sink as one more block: a logit z per head, a zero value
-            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
-            out.mul_(torch.exp(lse - with_sink)[..., None])
-            lse = with_sink
+        if sinks is not None:  # the sink as one more block
+            lse = merge_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.bounds, ctx.group, ctx.scale = bounds, group, scale
         return out.to(q.dtype)
@@ -171,10 +171,7 @@ class DocumentRing(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         bounds, group, scale = ctx.bounds, ctx.group, ctx.scale
-        # with sinks (out, lse) hold the sink, so the pieces' backward is the sink-softmax's; the sink's own
-        # gradient is -p_sink · rowsum(dO ∘ O)
-        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
-                  .to(sinks[0].dtype) if sinks else None)
+        dsinks = sinks_grad(sinks[0], out, lse, dout) if sinks else None
         c, r = group_size(group), group_rank(group)
         s, groups = q.shape[2] * c, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
