@@ -94,6 +94,23 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
                       "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
+def short_documents(directory: Path, count: int, longest: int = 12) -> list[str]:
+    """A byte-level corpus in ``directory`` of ``count`` random lowercase documents of 1 to ``longest`` tokens
+    (each ending with its EOD; seed 0): a few documents per short sample, for the packing comparisons.
+    Returns its data flags (the byte tokenizer, all of it for training)."""
+    import numpy as np
+
+    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
+
+    prefix = str(directory / "docs")
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
+    for _ in range(count):
+        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, longest))), ByteTokenizer.eod_id])
+    writer.finalize()
+    return ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0"]
+
+
 def save_with_norms_off_init(model, directory: Path):
     """Move a random HF model's norm weights off their initial value (so that a norm read wrongly, or HF's
     1 + w against w, shows in the logits), then save it in fp32 as safetensors; the model, in eval mode."""
