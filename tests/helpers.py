@@ -94,6 +94,31 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
                       "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
+def tiny_hf_llama_and_ours(vocab: int, max_positions: int) -> tuple:
+    """A random 2-layer HF Llama (seed 0, GQA, untied) and ptdp's GPTModel holding its weights, with the
+    model-parallel RNG the model needs set up: (hf, ours, ours' ModelConfig)."""
+    import torch
+    import transformers
+
+    from ptdp.models import GPTModel
+    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
+    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, rms_norm_eps=1e-6, initializer_range=0.1,
+        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = transformers.LlamaForCausalLM(config).float()
+    cfg = model_config_from_hf(hf.config.to_dict())
+    tracker = get_rng_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.states:
+        tracker.add(MODEL_PARALLEL_RNG, 1234)
+    ours = GPTModel(cfg, vocab, vocab)
+    ours.load_state_dict(from_hf_state(hf.state_dict(), cfg))
+    return hf, ours, cfg
+
+
 def short_documents(directory: Path, count: int, longest: int = 12) -> list[str]:
     """A byte-level corpus in ``directory`` of ``count`` random lowercase documents of 1 to ``longest`` tokens
     (each ending with its EOD; seed 0): a few documents per short sample, for the packing comparisons.
