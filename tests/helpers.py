@@ -94,6 +94,48 @@ _OWN_PROCESS_FLAGS = {"--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-
                       "--rdzv-conf", "--monitor-interval", "--cpu-mmap-threshold", "--elastic", "--compile"}
 
 
+def tiny_hf_llama_and_ours(vocab: int, max_positions: int) -> tuple:
+    """A random 2-layer HF Llama (seed 0, GQA, untied) and ptdp's GPTModel holding its weights, with the
+    model-parallel RNG the model needs set up: (hf, ours, ours' ModelConfig)."""
+    import torch
+    import transformers
+
+    from ptdp.models import GPTModel
+    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
+    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, rms_norm_eps=1e-6, initializer_range=0.1,
+        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = transformers.LlamaForCausalLM(config).float()
+    cfg = model_config_from_hf(hf.config.to_dict())
+    tracker = get_rng_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.states:
+        tracker.add(MODEL_PARALLEL_RNG, 1234)
+    ours = GPTModel(cfg, vocab, vocab)
+    ours.load_state_dict(from_hf_state(hf.state_dict(), cfg))
+    return hf, ours, cfg
+
+
+def short_documents(directory: Path, count: int, longest: int = 12) -> list[str]:
+    """A byte-level corpus in ``directory`` of ``count`` random lowercase documents of 1 to ``longest`` tokens
+    (each ending with its EOD; seed 0): a few documents per short sample, for the packing comparisons.
+    Returns its data flags (the byte tokenizer, all of it for training)."""
+    import numpy as np
+
+    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
+
+    prefix = str(directory / "docs")
+    rng = np.random.default_rng(0)
+    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
+    for _ in range(count):
+        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, longest))), ByteTokenizer.eod_id])
+    writer.finalize()
+    return ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0"]
+
+
 def save_with_norms_off_init(model, directory: Path):
     """Move a random HF model's norm weights off their initial value (so that a norm read wrongly, or HF's
     1 + w against w, shows in the logits), then save it in fp32 as safetensors; the model, in eval mode."""
@@ -538,6 +580,30 @@ def assert_export_equals_hf_files(ckpt: Path, out: Path, hf_directory: Path) -> 
     return json.loads((out / "config.json").read_text())
 
 
+GREEDY_PROMPT = [5, 17, 42, 99, 7]  # the prompt the generation checks decode from
+
+
+def assert_reload_equals_hf(out: Path, tokens, expected, atol: float = 0.0, ours=None, new_tokens: int = 10):
+    """The export in ``out`` loads back in ``transformers`` (``AutoModelForCausalLM``) and gives ``expected``
+    logits for ``tokens`` (within ``atol``); with ``ours`` (the imported ptdp model) greedy decoding of
+    ``GREEDY_PROMPT`` gives the same ``new_tokens`` tokens in ``ptdp generate`` as in HF's ``generate``.
+    Returns the reloaded model."""
+    import torch
+    import transformers
+
+    from ptdp.cli.generate import generate
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=atol)
+        if ours is not None:
+            hf_ids = reloaded.generate(torch.tensor([GREEDY_PROMPT]), max_new_tokens=new_tokens, do_sample=False,
+                                       min_new_tokens=new_tokens)
+    if ours is not None:
+        assert generate(ours, None, GREEDY_PROMPT, new_tokens, greedy=True) == hf_ids[0, len(GREEDY_PROMPT):].tolist()
+    return reloaded
+
+
 def next_token_loss(logits, tokens, vocab: int):
     """The mean cross-entropy of ``logits`` (cut to the ``vocab`` real ids: ptdp pads the vocabulary) against
     ``tokens``, position by position."""
@@ -598,14 +664,23 @@ def hf_adamw_track(hf, batches: list, lr: float, vocab: int) -> list[tuple[float
     return out
 
 
-HF_ITERATIONS, HF_GLOBAL_BATCH = 3, 8  # what the HF comparisons' ``train`` flags ask for
+HF_ITERATIONS, HF_GLOBAL_BATCH = 3, 8  # what the HF comparisons' training flags ask for
 
 
-def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]], train: list[str], vocab: int,
+def hf_train_flags(seq_length: int, lr: float) -> list[str]:
+    """The training of the HF comparisons (the flags ``hf_adamw_track`` mirrors): ``HF_ITERATIONS`` iterations
+    of ``HF_GLOBAL_BATCH`` samples in micro-batches of 2, ``lr`` constant, no weight decay, dropout off."""
+    return ["--micro-batch-size", "2", "--global-batch-size", str(HF_GLOBAL_BATCH), "--train-iters",
+            str(HF_ITERATIONS), "--lr", str(lr), "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
+            "--weight-decay", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length",
+            str(seq_length), "--log-interval", "1"]
+
+
+def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]], vocab: int, seq_length: int,
                        lr: float = 1e-2) -> tuple[dict[str, Run], list[tuple[float, float]], dict]:
     """The HF comparison of a model family: the HF model ``hf`` (saved in ``tmp / "hf"``) imported, ``ptdp
     train`` in one process ("one") and in every layout of ``layouts`` (``name: (world size, flags)``, one pool
-    of ranks) from that checkpoint with ``train``'s flags, and HF's own training on the same batches.
+    of ranks) from that checkpoint with ``hf_train_flags``, and HF's own training on the same batches.
 
     Returns (the runs by name, HF's (loss, gradient norm) per iteration, HF's weights before training)."""
     import shlex
@@ -613,7 +688,7 @@ def hf_layout_training(tmp: Path, hf, layouts: dict[str, tuple[int, list[str]]],
     from ptdp.hf.convert import import_hf_model, train_flags
 
     _, cfg, moe = import_hf_model(tmp / "hf", tmp / "imported")
-    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(vocab), *train]
+    base = [*shlex.split(train_flags(cfg, moe)), "--vocab-size", str(vocab), *hf_train_flags(seq_length, lr)]
     plan = {"one": (1, ["--load", str(tmp / "imported")])}
     plan.update({name: (world, ["--load", str(tmp / "imported"), *flags]) for name, (world, flags) in layouts.items()})
     initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -643,3 +718,43 @@ def assert_weights_equal_hf(run: Run, hf, initial: dict, rel: float = 1e-3) -> N
     _, _, start = family.read(hf.config.to_dict(), initial)
     got = {name: run.weights[name][:value.shape[0]] for name, value in want.items()}
     assert_same_training(got, want, start, rel=rel)
+
+
+def hf_family_tests(name: str, hf_model: Callable, layouts: dict, vocab: int, seq_length: int, *,
+                    kinds: list[str] | None = None, lr: float = 1e-2, rel: float = 1e-3) -> tuple:
+    """The training comparison every model family's test module makes, as (its module-scoped ``trained``
+    fixture, its one-process test, its per-layout test), for the module to bind under those names::
+
+        (trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+         test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("gemma3", hf_model, LAYOUTS, V, S)
+
+    ``hf_model(directory)`` saves a random HF model there and returns it; ``layouts``: ``name: (world size,
+    flags)``, trained in one pool with one process (``hf_layout_training``). With ``kinds`` the module holds
+    several models: ``hf_model(directory, kind)``, ``layouts`` per kind (a kind may have none), and each test
+    runs per kind (a layout a kind lacks is skipped). The one-process run also ends in HF's weights (``rel``:
+    ``assert_weights_equal_hf``)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="trained", params=kinds)
+    def trained(request, tmp_path_factory):
+        """One process and every layout from one imported checkpoint, and HF's training on the same batches."""
+        kind = getattr(request, "param", None)
+        tmp = tmp_path_factory.mktemp(name if kind is None else f"{name}-{kind}")
+        hf = hf_model(tmp / "hf") if kind is None else hf_model(tmp / "hf", kind)
+        runs, track, initial = hf_layout_training(tmp, hf, layouts if kind is None else layouts.get(kind, {}),
+                                                  vocab, seq_length, lr=lr)
+        return runs, track, hf, initial
+
+    def test_one_process(trained):
+        runs, track, hf, initial = trained
+        assert_hf_track(runs["one"], track)
+        assert_weights_equal_hf(runs["one"], hf, initial, rel=rel)
+
+    @pytest.mark.parametrize("layout", sorted({n for ls in (layouts.values() if kinds else [layouts]) for n in ls}))
+    def test_layout(trained, layout):
+        runs, track, _, _ = trained
+        if layout not in runs:
+            pytest.skip(f"{layout} is not among this family's layouts")
+        assert_hf_track(runs[layout], track)
+
+    return trained, test_one_process, test_layout

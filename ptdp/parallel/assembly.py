@@ -123,18 +123,17 @@ class Assembly:
     stage_factory: StageFactory
     schedule: Callable[[bool], list[Action]]  # forward_only -> this rank's action list
     reduce_loss: LossReduction
+    grads: GradReducer  # the data-parallel reducer (ptdp.parallel.gradients) this assembly drives
     handlers: Mapping[str, ActionHandler] = field(default_factory=dict)
     grad_syncs: list[GradSync] = field(default_factory=list)
     step_hooks: list[StepHook] = field(default_factory=list)
     overlap: bool = False  # the training list holds overlapped pairs: its stage runs in pieces
     delay_weight_grads: bool = False  # --delay-wgrad-compute
-    grads: GradReducer | None = None  # the data-parallel reducer (ptdp.parallel.gradients) this assembly drives
 
     def start_iteration(self, backwards: int) -> None:
         """Before an iteration's schedule: the data-parallel gradients zeroed, and a bucket reduced once each
         of its parameters had ``backwards`` backwards (the microbatches, under ``--overlap-grad-reduce``)."""
-        if self.grads is not None:
-            self.grads.start_iteration(backwards)
+        self.grads.start_iteration(backwards)
 
     def actions(self, forward_only: bool = False) -> list[Action]:
         """This rank's action list for one iteration (``forward_only``: evaluation's)."""
@@ -186,9 +185,8 @@ def assemble(plan: ParallelPlan, chunks: Sequence[nn.Module], grads: GradReducer
                                                      placements)))
     handlers = merge_handlers(overlap_handlers(), sync.handlers() if sync is not None else {})
     return Assembly(list(chunks), layout, functools.partial(stage_loss, tp_group=g.tp_group),
-                    stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group),
-                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute,
-                    grads)
+                    stage_factory, schedule, LossReduction(g.pp_group, g.dp_cp_group), grads,
+                    handlers, grad_syncs, step_hooks(plan, chunks), has_pairs(training), plan.delay_wgrad_compute)
 
 
 def step_hooks(plan: ParallelPlan, chunks: Sequence[nn.Module]) -> list[StepHook]:

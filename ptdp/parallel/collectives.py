@@ -122,58 +122,21 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _Split(torch.autograd.Function):
-    """Keep this rank's slice along ``dim``; all-gather the gradient back (the input was the same on every
-    rank of the group, so each rank's slice of the gradient completes it)."""
+class _Conjugate(torch.autograd.Function):
+    """``_Conjugate.apply(x, group, dim, forward, backward)``: the collective ``forward`` along ``dim``, whose
+    gradient is its adjoint ``backward``: a split's is the all-gather of the slices (the input was the same on
+    every rank, so each rank's slice of the gradient completes it); an all-gather's, when its output is used
+    alike on every rank, this rank's split, and when each rank used other rows of it (sequence-parallel
+    ``f``), the reduce-scatter; a reduce-scatter's (sequence-parallel ``g``), the all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather along ``dim`` into a tensor used alike on every rank; split the gradient back."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
+    def forward(ctx, x, group, dim, forward, backward):
+        ctx.group, ctx.dim, ctx.adjoint = group, dim, backward
+        return forward(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return split(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    """Sequence-parallel ``f``: all-gather along ``dim`` forward; each rank used different rows of the
-    gather, so the gradient is reduce-scattered back."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterGather(torch.autograd.Function):
-    """Sequence-parallel ``g``: reduce-scatter along ``dim`` forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+        return ctx.adjoint(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def _apply(fn, x: torch.Tensor, group, *args) -> torch.Tensor:
@@ -194,20 +157,20 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    return _apply(_Split, x, group, dim)
+    return _apply(_Conjugate, x, group, dim, split, all_gather)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    return _apply(_Gather, x, group, dim)
+    return _apply(_Conjugate, x, group, dim, all_gather, split)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _apply(_Split, x, group, dim)
+    return _apply(_Conjugate, x, group, dim, split, all_gather)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _apply(_GatherReduceScatter, x, group, dim)
+    return _apply(_Conjugate, x, group, dim, all_gather, reduce_scatter)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _apply(_ReduceScatterGather, x, group, dim)
+    return _apply(_Conjugate, x, group, dim, reduce_scatter, all_gather)

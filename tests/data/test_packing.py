@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_hf_llama_and_ours
 
 from ptdp.data.documents import attention_pairs, cu_seqlens, loss_mask, positions, squared_lengths
 from ptdp.models.documents import DocumentLayout
@@ -99,26 +100,6 @@ def test_the_cpu_chooses_per_document_sdpa_and_says_why(monkeypatch):
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_llama_and_ours():
-    from ptdp.models import GPTModel
-    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
-    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.1,
-        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = transformers.LlamaForCausalLM(config).float()
-    cfg = model_config_from_hf(hf.config.to_dict())
-    tracker = get_rng_tracker()
-    if MODEL_PARALLEL_RNG not in tracker.states:
-        tracker.add(MODEL_PARALLEL_RNG, 1234)
-    ours = GPTModel(cfg, 256, 256)
-    ours.load_state_dict(from_hf_state(hf.state_dict(), cfg))
-    return hf, ours, cfg
-
-
 class _Samples:
     """A dataset of fixed samples (``get_microbatch`` reads ``dataset[i]``)."""
 
@@ -151,7 +132,7 @@ def test_a_packed_batch_equals_its_documents_run_one_by_one_through_hf_llama(per
     from ptdp.parallel.assembly import stage_loss
     from ptdp.train.batches import BatchFormat, Microbatches
 
-    hf, ours, cfg = _hf_llama_and_ours()
+    hf, ours, cfg = tiny_hf_llama_and_ours(256, 64)
     s, m = 32, 2
     rows = _packed_rows(4, s, seed=5)
     fmt = BatchFormat(4, 2, DocumentOptions(EOD, True, True, True), PerDocument(), per_token)
@@ -195,7 +176,7 @@ def test_a_packed_batch_equals_its_documents_run_one_by_one_through_hf_llama(per
 def test_without_the_flags_the_packed_sample_is_one_causal_window():
     """The control: the same model without a layout sees across documents (its losses differ from HF's
     per-document ones), so the comparison above can fail."""
-    hf, ours, _ = _hf_llama_and_ours()
+    hf, ours, _ = tiny_hf_llama_and_ours(256, 64)
     row = _packed_rows(1, 32, seed=5)[0]
     bounds = cu_seqlens(row[:-1], EOD)
     a, e = bounds[1], bounds[2]  # the second document: it follows another one

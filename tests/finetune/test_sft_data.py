@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import refused_in_process, run_ptdp  # noqa: E402
+from helpers import refused_in_process, run_ptdp, tiny_hf_llama_and_ours  # noqa: E402
 from sft_helpers import CONVERSATIONS, MARKED, PLAIN, chat_tokenizer, write_chats  # noqa: E402
 
 from ptdp.cli.main import main  # noqa: E402
@@ -235,26 +235,6 @@ def test_a_conversation_longer_than_the_sample_is_refused_or_truncated_with_the_
     assert longest > 33
 
 
-def _llama(vocab: int = 384):
-    from ptdp.models import GPTModel
-    from ptdp.models.llama.hf import from_hf_state, model_config_from_hf
-    from ptdp.parallel.tensor.random import MODEL_PARALLEL_RNG, get_rng_tracker
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
-        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = transformers.LlamaForCausalLM(config).float()
-    cfg = model_config_from_hf(hf.config.to_dict())
-    tracker = get_rng_tracker()
-    if MODEL_PARALLEL_RNG not in tracker.states:
-        tracker.add(MODEL_PARALLEL_RNG, 1234)
-    ours = GPTModel(cfg, vocab, vocab)
-    ours.load_state_dict(from_hf_state(hf.state_dict(), cfg))
-    return hf, ours
-
-
 @pytest.mark.parametrize("per_token", [False, True], ids=["megatron-default", "calculate-per-token-loss"])
 def test_a_packed_sft_batch_equals_its_conversations_run_alone(chat_data, per_token):
     """Packed samples through ptdp's Llama with --sft's layout: every position's logits equal HF's on that
@@ -266,7 +246,7 @@ def test_a_packed_sft_batch_equals_its_conversations_run_alone(chat_data, per_to
     from ptdp.parallel.assembly import stage_loss
     from ptdp.train.batches import BatchFormat, Microbatches
 
-    hf, ours = _llama()
+    hf, ours, _ = tiny_hf_llama_and_ours(384, 256)
     indexed = IndexedDataset(chat_data)
     masks = IndexedDataset(chat_data + LOSS_MASK_SUFFIX)
     s, m = 150, 2

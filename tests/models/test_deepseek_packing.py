@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_equivalent, run_layouts
+from helpers import assert_equivalent, run_layouts, short_documents
 
 from ptdp.data.documents import positions
 from ptdp.models.documents import DocumentLayout, equal_widths
@@ -73,16 +73,8 @@ def test_a_packed_sample_equals_its_documents_run_one_by_one_through_hf_deepseek
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
-
     root = tmp_path_factory.mktemp("deepseek-packing")
-    prefix = str(root / "docs")
-    rng = np.random.default_rng(0)
-    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
-    for _ in range(300):  # documents of 1 to 12 tokens (with their EOD): a few per 16-token sample
-        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 12))), ByteTokenizer.eod_id])
-    writer.finalize()
-    data = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0"]
+    data = short_documents(root, 300)  # documents of 1 to 12 tokens: a few per 16-token sample
     return run_layouts(root / "runs", {name: (world, [*data, *flags]) for name, (world, flags) in PLAN.items()},
                        base=BASE)
 

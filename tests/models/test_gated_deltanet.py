@@ -223,21 +223,12 @@ def test_packed_training_with_state_passing_equals_one_process(tmp_path):
     """``ptdp train`` on a corpus of short documents (several per 16-token sample, chunks of 4 tokens at c = 2)
     with the packing flags: c = 2 ``state_passing`` gives one process's losses and gradient norms per
     iteration and its final weights; without the document mask the run differs."""
-    import numpy as np
-    from helpers import assert_equivalent, run_layouts
+    from helpers import assert_equivalent, run_layouts, short_documents
 
-    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
-
-    prefix = str(tmp_path / "docs")
-    rng = np.random.default_rng(0)
-    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
-    for _ in range(200):
-        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 9))), ByteTokenizer.eod_id])
-    writer.finalize()
     flags = ["--model", "tiny-qwen3-next", "--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size",
              "4", "--train-iters", "3", "--lr", "1e-2", "--lr-warmup-iters", "0", "--hidden-dropout", "0",
-             "--attention-dropout", "0", "--log-interval", "1", "--data-path", prefix, "--tokenizer-type",
-             "ByteTokenizer", "--split", "1,0,0", "--reset-position-ids", "--eod-mask-loss"]
+             "--attention-dropout", "0", "--log-interval", "1", *short_documents(tmp_path, 200, longest=9),
+             "--reset-position-ids", "--eod-mask-loss"]
     packed = [*flags, "--reset-attention-mask"]
     runs = run_layouts(tmp_path / "runs", {
         "one": (1, packed), "unmasked": (1, flags),

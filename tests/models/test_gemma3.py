@@ -13,10 +13,9 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
-    assert_hf_track,
-    assert_weights_equal_hf,
+    assert_reload_equals_hf,
     config_errors,
-    hf_layout_training,
+    hf_family_tests,
     save_with_norms_off_init,
 )
 
@@ -30,9 +29,6 @@ from ptdp.models.layers import CausalAttention, window_mask  # noqa: E402
 
 V, S, W = 300, 32, 8
 KINDS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
-         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 LAYOUTS = {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                             "--pipeline-model-parallel-size", "2"]),
            # the windows cross the CP chunks (8 tokens each): the windowed exchange, and Ulysses
@@ -79,9 +75,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == "gemma3_text" and saved["layer_types"] == KINDS and saved["sliding_window"] == W
     assert saved["query_pre_attn_scalar"] == 20
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
 @pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 0.0), ("final_logit_softcapping", -30.0),
@@ -98,25 +92,8 @@ def test_import_refuses_what_it_does_not_compute_in_one_line_naming_the_field(fi
     assert "\n" not in str(info.value)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One process and t = 2 + SP with p = 2 from one imported checkpoint, and HF's training on the same batches."""
-    tmp = tmp_path_factory.mktemp("gemma3")
-    hf = hf_model(tmp / "hf")
-    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS, TRAIN, V)
-    return runs, track, hf, initial
-
-
-def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    runs, track, hf, initial = trained
-    assert_hf_track(runs["one"], track)
-    assert_weights_equal_hf(runs["one"], hf, initial)
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
-    runs, track, _, _ = trained
-    assert_hf_track(runs[layout], track)
+(trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+ test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("gemma3", hf_model, LAYOUTS, V, S)
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 40])

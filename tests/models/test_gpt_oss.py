@@ -17,10 +17,9 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
-    assert_hf_track,
-    assert_weights_equal_hf,
+    assert_reload_equals_hf,
     config_errors,
-    hf_layout_training,
+    hf_family_tests,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -35,9 +34,6 @@ V, S, W = 300, 32, 8
 KINDS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
-         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 LAYOUTS = {"t2-sp-p2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",  # experts whole per rank
                             "--pipeline-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
            "t2-e2-folded": (2, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
@@ -107,9 +103,7 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == "gpt_oss" and saved["layer_types"] == KINDS and saved["sliding_window"] == W
     assert saved["rope_parameters"]["truncate"] is False and saved["swiglu_limit"] == 1.0
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
 def _mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,25 +186,8 @@ def test_import_refuses_what_it_does_not_compute_in_one_line_naming_the_field(fi
     assert "\n" not in str(info.value)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Every layout from one imported checkpoint, and HF's training on the same batches."""
-    tmp = tmp_path_factory.mktemp("gpt_oss")
-    hf = hf_model(tmp / "hf")
-    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS, TRAIN, V)
-    return runs, track, hf, initial
-
-
-def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    runs, track, hf, initial = trained
-    assert_hf_track(runs["one"], track)
-    assert_weights_equal_hf(runs["one"], hf, initial)
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
-    runs, track, _, _ = trained
-    assert_hf_track(runs[layout], track)
+(trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+ test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("gpt_oss", hf_model, LAYOUTS, V, S)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 40])

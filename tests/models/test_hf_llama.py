@@ -9,12 +9,11 @@ import json
 
 import pytest
 import torch
-from helpers import assert_export_equals_hf_files, hf_import
+from helpers import assert_export_equals_hf_files, assert_reload_equals_hf, hf_import
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from ptdp.cli.generate import generate  # noqa: E402
 from ptdp.cli.main import main  # noqa: E402
 from ptdp.hf.convert import import_hf  # noqa: E402
 
@@ -57,14 +56,7 @@ def test_llama_import_logits_export_and_greedy_generation(tmp_path, variant):
 
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", directory)
     assert saved["model_type"] == "llama" and saved["num_key_value_heads"] == hf.config.num_key_value_heads
-    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=1e-6)
-
-    prompt = [5, 17, 42, 99, 7]
-    with torch.no_grad():
-        hf_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    assert generate(ours, None, prompt, 12, greedy=True) == hf_ids[0, len(prompt):].tolist()
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected, atol=1e-6, ours=ours, new_tokens=12)
 
 
 @pytest.mark.parametrize("change,fragment", [

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_export_equals_hf_files, assert_one_adamw_step_alike, hf_import
+from helpers import (
+    assert_export_equals_hf_files,
+    assert_one_adamw_step_alike,
+    assert_reload_equals_hf,
+    hf_import,
+)
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from ptdp.cli.generate import generate  # noqa: E402
 
 V = 300
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -57,13 +61,7 @@ def test_mixtral_logits_both_layouts_one_adamw_step_export_and_generation(tmp_pa
 
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", directory)
     assert saved["model_type"] == "mixtral"
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(TOKENS).logits, expected, rtol=0, atol=1e-6)
-    prompt = [5, 17, 42, 99, 7]
-    with torch.no_grad():
-        hf_ids = reloaded.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
-    assert generate(ours, None, prompt, 10, greedy=True) == hf_ids[0, len(prompt):].tolist()
+    assert_reload_equals_hf(tmp_path / "out", TOKENS, expected, atol=1e-6, ours=ours)
 
     assert_one_adamw_step_alike(hf, ours, TOKENS, V)
 
@@ -81,7 +79,5 @@ def test_qwen2_moe_shared_expert_logits_and_export(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(fused(TOKENS)[..., :V], expected, rtol=0, atol=1e-5)
     assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", directory)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    reloaded = assert_reload_equals_hf(tmp_path / "out", TOKENS, expected, atol=1e-6)
     assert type(reloaded).__name__ == "Qwen2MoeForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(TOKENS).logits, expected, rtol=0, atol=1e-6)

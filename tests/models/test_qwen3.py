@@ -17,9 +17,8 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
-    assert_hf_track,
-    assert_weights_equal_hf,
-    hf_layout_training,
+    assert_reload_equals_hf,
+    hf_family_tests,
     pooled_spawn,
     run_ptdp,
 )
@@ -35,9 +34,6 @@ V, S = 300, 32
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=24, max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
-         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 P2 = ["--pipeline-model-parallel-size", "2"]
 T2_SP_P2 = (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *P2])
 C2_ZERO3 = (4, ["--context-parallel-size", "2", "--data-parallel-sharding-strategy", "optim_grads_params"])
@@ -95,33 +91,12 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path, kind
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == ("qwen3" if kind == "dense" else "qwen3_moe")
     assert saved["head_dim"] == 24 and saved["max_position_embeddings"] == 4096
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
-@pytest.fixture(scope="module", params=["dense", "moe", "llama"])
-def trained(request, tmp_path_factory):
-    """Every layout of one family from one imported checkpoint, and HF's training on the same batches."""
-    kind = request.param
-    tmp = tmp_path_factory.mktemp(f"qwen3-{kind}")
-    hf = hf_model(tmp / "hf", kind)
-    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS.get(kind, {}), TRAIN, V)
-    return kind, runs, track, hf, initial
-
-
-def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    kind, runs, track, hf, initial = trained
-    assert_hf_track(runs["one"], track)
-    assert_weights_equal_hf(runs["one"], hf, initial)
-
-
-@pytest.mark.parametrize("layout", sorted({name for layouts in LAYOUTS.values() for name in layouts}))
-def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
-    kind, runs, track, _, _ = trained
-    if layout not in runs:
-        pytest.skip(f"{layout} is not among this family's layouts")
-    assert_hf_track(runs[layout], track)
+(trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+ test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("qwen3", hf_model, LAYOUTS, V, S,
+                                                                  kinds=["dense", "moe", "llama"])
 
 
 def test_the_import_command_prints_a_train_command_that_runs_as_printed(tmp_path, capsys):

@@ -15,9 +15,8 @@ import pytest
 import torch
 from helpers import (
     assert_export_equals_hf_files,
-    assert_hf_track,
-    assert_weights_equal_hf,
-    hf_layout_training,
+    assert_reload_equals_hf,
+    hf_family_tests,
     save_with_norms_off_init,
 )
 
@@ -32,9 +31,6 @@ KINDS = ["linear_attention", "linear_attention", "linear_attention", "full_atten
 # lr 1e-3, not test_qwen3's 1e-2: at 1e-2 this model is chaotic by the third step (HF in fp32 and in fp64 part
 # by 0.4% in gradient norm), at 1e-3 they agree to 1e-4, so the comparison below means something.
 LR = 1e-3
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", str(LR),
-         "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--seq-length", str(S), "--log-interval", "1"]
 P2 = ["--pipeline-model-parallel-size", "2"]
 T2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {"p2-e2": (4, [*P2, "--expert-model-parallel-size", "2"]), "t2": (2, T2),
@@ -92,32 +88,14 @@ def test_import_gives_hf_logits_and_export_loads_back_bit_for_bit(tmp_path):
     saved = assert_export_equals_hf_files(tmp_path / "ckpt", tmp_path / "out", tmp_path / "hf")
     assert saved["model_type"] == "qwen3_next" and saved["layer_types"] == KINDS
     assert saved["rope_parameters"]["partial_rotary_factor"] == 0.25
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+    assert_reload_equals_hf(tmp_path / "out", tokens, expected)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One process and the layouts from one imported checkpoint, and HF's training on the same batches."""
-    tmp = tmp_path_factory.mktemp("qwen3-next")
-    hf = hf_model(tmp / "hf")
-    runs, track, initial = hf_layout_training(tmp, hf, LAYOUTS, TRAIN, V, lr=LR)
-    return runs, track, hf, initial
-
-
-def test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights(trained):
-    runs, track, hf, initial = trained
-    assert_hf_track(runs["one"], track)
-    # 5e-3 of the update, not 1e-3: HF's own fp32 and fp64 runs part by 2.9e-3 on layer 0's in_proj_ba (the
-    # decay's input, through exp and softplus): the rounding of the rule, not a layout, moves it.
-    assert_weights_equal_hf(runs["one"], hf, initial, rel=5e-3)
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_equals_hf_and_adamw_per_iteration(trained, layout):
-    runs, track, _, _ = trained
-    assert_hf_track(runs[layout], track)
+# the final weights to 5e-3 of the update, not 1e-3: HF's own fp32 and fp64 runs part by 2.9e-3 on layer 0's
+# in_proj_ba (the decay's input, through exp and softplus): the rounding of the rule, not a layout, moves it.
+(trained, test_one_process_equals_hf_and_adamw_per_iteration_and_in_its_weights,
+ test_layout_equals_hf_and_adamw_per_iteration) = hf_family_tests("qwen3-next", hf_model, LAYOUTS, V, S, lr=LR,
+                                                                  rel=5e-3)
 
 
 def test_the_overlapped_pairs_cut_every_linear_of_a_gated_deltanet_and_of_a_gated_attention():

@@ -99,19 +99,11 @@ def test_packed_windowed_training_equals_one_process_in_tensor_pipeline_and_cont
     ``--cp-comm-type`` give one process's losses and gradient norms per iteration and its final weights.
     Gemma-like (windows, q/k norms, GeGLU, capped scores): c = 2 under p2p and all-gather equals its one
     process. Without the document mask the run differs."""
-    import numpy as np
-    from helpers import TINY, assert_equivalent, run_layouts
+    from helpers import TINY, assert_equivalent, run_layouts, short_documents
 
-    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
-
-    prefix = str(tmp_path / "docs")
-    rng = np.random.default_rng(0)
-    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
-    for _ in range(300):  # documents of 1 to 12 tokens: a few per 16-token sample, some longer than the window
-        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 12))), ByteTokenizer.eod_id])
-    writer.finalize()
-    data = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0", "--reset-position-ids",
-            "--eod-mask-loss", "--window-size", "3", "--window-attn-skip-freq", "2"]
+    # documents of 1 to 12 tokens: a few per 16-token sample, some longer than the window
+    data = [*short_documents(tmp_path, 300), "--reset-position-ids", "--eod-mask-loss", "--window-size", "3",
+            "--window-attn-skip-freq", "2"]
     flags = [*data, "--softmax-type", "learnable"]
     packed = [*flags, "--reset-attention-mask"]
     gemma = [*data, "--reset-attention-mask", "--qk-layernorm", "--geglu", "--attn-logit-softcapping", "2.0",

@@ -6,9 +6,8 @@ and under ``--calculate-per-token-loss``. One ``run_layouts`` call (one start of
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import TINY, assert_equivalent, run_layouts
+from helpers import TINY, assert_equivalent, run_layouts, short_documents
 
 PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 PER_TOKEN = ["--calculate-per-token-loss"]
@@ -43,16 +42,8 @@ REFERENCE = {"t2_sp": "one", "p2_zbv": "one", "c2_ring": "one", "c2_allgather": 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from ptdp.data import ByteTokenizer, IndexedDatasetWriter
-
     root = tmp_path_factory.mktemp("packing")
-    prefix = str(root / "docs")
-    rng = np.random.default_rng(0)
-    writer = IndexedDatasetWriter(prefix, ByteTokenizer.vocab_size)
-    for _ in range(600):  # documents of 1 to 12 tokens (with their EOD): a few per 16-token sample
-        writer.add_document([*rng.integers(97, 123, int(rng.integers(0, 12))), ByteTokenizer.eod_id])
-    writer.finalize()
-    data = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0"]
+    data = short_documents(root, 600)  # documents of 1 to 12 tokens: a few per 16-token sample
     return run_layouts(root / "runs", {name: (world, [*data, *flags]) for name, (world, flags) in PLAN.items()},
                        base=TINY)
 

@@ -23,6 +23,7 @@ Values may be narrower than q and k (MLA): K and V travel as one block; flash ke
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,7 +31,6 @@ import torch.nn.functional as F
 
 from ptdp.models.sinks import sink_attention
 from ptdp.models.window import local_window_attention
-from ptdp.observability import communication
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.layout import (  # noqa: F401  (the layout's names, re-exported)
     _allgather_mask,
@@ -40,6 +40,7 @@ from ptdp.parallel.context.layout import (  # noqa: F401  (the layout's names, r
     shard_sequence,
 )
 from ptdp.parallel.context.ring import ring_backward, ring_forward
+from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
 from ptdp.parallel.context.window import windowed_context_attention
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -74,7 +75,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if softcap is not None and window is None:  # explicit scores: the tiles of a whole-sequence window
         window = q.shape[2] * c
     if c == 1:
-        k, v = _repeat_kv(k, v, heads // kv_heads)
+        k, v = repeat_kv(k, v, heads // kv_heads)
         if window is not None or sinks is not None:
             return _local(q, k, v, softmax_scale, window, sinks, dropout_p, softcap=softcap)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale)
@@ -86,11 +87,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"the local sequence {q.shape[2]} is not two equal chunks: --seq-length must be a "
                          f"multiple of 2 x --context-parallel-size = {2 * c}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if comm_type == "a2a":
-        if heads % c:
-            raise ValueError(f"--cp-comm-type a2a needs the local attention heads ({heads}) divisible by "
-                             f"--context-parallel-size {c}; use --cp-comm-type p2p")
-        return _ulysses(q, k, v, cp_group, scale, window, sinks, softcap)
+    if comm_type == "a2a":  # this rank's heads/c heads: their sinks
+        if window is None and sinks is None:
+            return head_sharded(q, k, v, cp_group, functools.partial(F.scaled_dot_product_attention, is_causal=True,
+                                                                     scale=scale))
+        sinks = None if sinks is None else sinks.chunk(c)[group_rank(cp_group)]
+        return head_sharded(q, k, v, cp_group, functools.partial(_local, scale=scale, window=window, sinks=sinks,
+                                                                 softcap=softcap))
     if comm_type == "allgather":
         return _allgather_attention(q, k, v, cp_group, scale, window, sinks, softcap)
     if window is not None:
@@ -109,12 +112,6 @@ def _local(q, k, v, scale, window: int | None, sinks: torch.Tensor | None, dropo
     return sink_attention(q, k, v, sinks, allowed, dropout_p, scale)
 
 
-def _repeat_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-
-
 # ------------------------------------------------------------------------------------------- allgather
 
 
@@ -122,7 +119,7 @@ def _allgather_attention(q, k, v, group, scale: float, window: int | None = None
                          sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     c, r = group_size(group), group_rank(group)
     s = q.shape[2] * c
-    k, v = _repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
+    k, v = repeat_kv(gather_from_sequence_parallel_region(k, group, dim=2),
                       gather_from_sequence_parallel_region(v, group, dim=2), q.shape[1] // k.shape[1])
     if window is not None:  # each query chunk over the natural-order keys, in tiles of its window
         order, _ = natural_order(c, q.shape[2] // 2, q.device)
@@ -135,52 +132,6 @@ def _allgather_attention(q, k, v, group, scale: float, window: int | None = None
     if sinks is not None:
         return sink_attention(q, k, v, sinks, mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-# ------------------------------------------------------------------------------------------- a2a (Ulysses)
-
-
-def _all_to_all(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
-    """Rank j gets chunk j of ``x`` along ``split_dim``; what arrives from rank i is concatenated along
-    ``cat_dim`` in rank order. One ``all_to_all_single`` (gloo supports it on CPU since torch 2.x)."""
-    c = group_size(group)
-    send = torch.stack(x.chunk(c, dim=split_dim)).contiguous()
-    recv = torch.empty_like(send)
-    communication.all_to_all_single(recv, send, group=group, action="cp_a2a")
-    return torch.cat(recv.unbind(0), dim=cat_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    """The all-to-all between sequence and head sharding; its backward is the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
-        ctx.group, ctx.dims = group, (split_dim, cat_dim)
-        return _all_to_all(x, group, split_dim, cat_dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        split_dim, cat_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, cat_dim, split_dim), None, None, None
-
-
-def _ulysses(q, k, v, group, scale: float, window: int | None = None,
-             sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
-    c = group_size(group)
-    heads = q.shape[1]
-    if k.shape[1] % c:  # grouped K/V that cannot be split c ways: repeat first
-        k, v = _repeat_kv(k, v, heads // k.shape[1])
-    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
-    # [b, heads, s/c, d] sequence-sharded -> [b, heads/c, s, d] head-sharded, then natural token order
-    q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    if window is not None or sinks is not None:  # this rank's heads/c heads: their sinks
-        sinks = None if sinks is None else sinks.chunk(c)[group_rank(group)]
-        y = _local(q, k, v, scale, window, sinks, softcap=softcap)
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    y = y.index_select(2, inverse)  # back to the rank-major load-balanced layout
-    return _AllToAll.apply(y, group, 2, 1)
 
 
 # ------------------------------------------------------------------------------------------- p2p (ring)
@@ -292,12 +243,29 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk
     lse.copy_(new_lse)
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Fold the sinks ``[heads]`` into the merged fp32 (``out``, ``lse``) as one more block, a logit per head
+    with a zero value: ``out`` rescaled in place; returns the LSE that holds the sink."""
+    with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - with_sink)[..., None])
+    return with_sink
+
+
+def sinks_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, given (``out``, ``lse``) that hold them (``merge_sinks``): the sink's value is 0,
+    so it is -p_sink · rowsum(dO ∘ O), summed over the batch and the queries. With the sink in (out, lse) the
+    blocks' own backward is already the sink-softmax's."""
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return (-(p_sink * (dout.float() * out).sum(-1)).sum((0, 2))).to(sinks.dtype)
+
+
+def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """One block's K or V heads repeated ``groups`` times (a ring block carries the unrepeated heads)."""
     return x if groups == 1 else x.repeat_interleave(groups, 1)
 
 
-def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of ``_expand``: sum each group's copies."""
+def fold_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``expand_heads``: sum each group's copies."""
     if groups == 1:
         return x
     b, h, s, d = x.shape
@@ -337,15 +305,13 @@ class _RingAttention(torch.autograd.Function):
 
         def visit(src: int, kv: torch.Tensor) -> None:
             rows, cols, causal = _block(r, src, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
+            kb, vb = (expand_heads(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             blk_out, blk_lse = block_forward(qf[:, :, rows], kb, vb, scale, causal)
             merge_block(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
 
         ring_forward(torch.cat([k, v], dim=-1), group, visit)  # one block on the wire, whatever the head sizes
-        if sinks is not None:  # the sink joins the merged softmax as one more block: a logit z, a zero value
-            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
-            out.mul_(torch.exp(lse - with_sink)[..., None])
-            lse = with_sink
+        if sinks is not None:  # the sink joins the merged softmax as one more block
+            lse = merge_sinks(out, lse, sinks)
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.group, ctx.scale = group, scale
@@ -355,10 +321,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        # with sinks: (out, lse) include the sink, so the blocks' backward below is the sink-softmax's; the
-        # sink's own gradient is -p_sink · rowsum(dO ∘ O) (its value is 0)
-        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
-                  .to(sinks[0].dtype) if sinks else None)
+        dsinks = sinks_grad(sinks[0], out, lse, dout) if sinks else None
         r = group_rank(group)
         n, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -368,13 +331,13 @@ class _RingAttention(torch.autograd.Function):
 
         def visit(src: int, kv: torch.Tensor) -> torch.Tensor:
             rows, cols, causal = _block(r, src, n)
-            kb, vb = (_expand(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
+            kb, vb = (expand_heads(x[:, :, cols].to(dtype), groups) for x in kv.split(sizes, dim=-1))
             dq_b, dk_b, dv_b = block_backward(do[:, :, rows], qf[:, :, rows], kb, vb, out[:, :, rows],
                                                lse[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_b
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[:, :, cols, :sizes[0]] = _fold(dk_b.float(), groups)
-            dkv[:, :, cols, sizes[0]:] = _fold(dv_b.float(), groups)
+            dkv[:, :, cols, :sizes[0]] = fold_heads(dk_b.float(), groups)
+            dkv[:, :, cols, sizes[0]:] = fold_heads(dv_b.float(), groups)
             return dkv
 
         dk, dv = ring_backward(torch.cat([k, v], dim=-1), group, visit).split(sizes, dim=-1)

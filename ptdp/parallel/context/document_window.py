@@ -19,14 +19,17 @@ travels:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ptdp.models.documents import DocumentLayout
 from ptdp.models.window import document_window_attention
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
-from ptdp.parallel.context.attention import _AllToAll, _repeat_kv, load_balanced_chunks, natural_order
-from ptdp.parallel.context.documents import _DocumentRing
-from ptdp.parallel.context.window import _inside_documents, windowed_context_attention
+from ptdp.parallel.context.attention import load_balanced_chunks, natural_order
+from ptdp.parallel.context.documents import DocumentRing
+from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
+from ptdp.parallel.context.window import inside_documents, windowed_context_attention
 
 
 def document_window_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -43,27 +46,15 @@ def document_window_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch
         window = None
     bounds = tuple(tuple(int(x) for x in cu) for cu in documents.bounds)
     if comm_type == "a2a":
-        return _ulysses(q, k, v, bounds, cp_group, scale, window, sinks, softcap)
+        sinks = None if sinks is None else sinks.chunk(c)[group_rank(cp_group)]  # this rank's heads' sinks
+        return head_sharded(q, k, v, cp_group, functools.partial(document_window_attention, window=window,
+                                                                 bounds=bounds, scale=scale, sinks=sinks,
+                                                                 softcap=softcap))
     if comm_type == "allgather":
         return _allgather(q, k, v, bounds, cp_group, scale, window, sinks, softcap)
     if window is None and softcap is None:  # sinks over whole documents: the document ring, the sink merged
-        return _DocumentRing.apply(q, k, v, bounds, cp_group, scale, sinks)
+        return DocumentRing.apply(q, k, v, bounds, cp_group, scale, sinks)
     return windowed_context_attention(q, k, v, cp_group, scale, window or s, sinks, softcap, bounds)
-
-
-def _ulysses(q, k, v, bounds, group, scale: float, window, sinks, softcap) -> torch.Tensor:
-    c = group_size(group)
-    if q.shape[1] % c:
-        raise ValueError(f"--cp-comm-type a2a needs the local attention heads ({q.shape[1]}) divisible by "
-                         f"--context-parallel-size {c}; use --cp-comm-type p2p")
-    if k.shape[1] % c:
-        k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
-    q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    sinks = None if sinks is None else sinks.chunk(c)[group_rank(group)]  # this rank's heads' sinks
-    y = document_window_attention(q, k, v, window, bounds, scale=scale, sinks=sinks, softcap=softcap)
-    return _AllToAll.apply(y.index_select(2, inverse), group, 2, 1)
 
 
 def _allgather(q, k, v, bounds, group, scale: float, window, sinks, softcap) -> torch.Tensor:
@@ -71,8 +62,8 @@ def _allgather(q, k, v, bounds, group, scale: float, window, sinks, softcap) -> 
     n, s = q.shape[2] // 2, q.shape[2] * c
     order = natural_order(c, n, q.device)[0]
     k, v = (gather_from_sequence_parallel_region(x, group, dim=2).index_select(2, order) for x in (k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    return torch.cat([_inside_documents(q[:, :, i * n:(i + 1) * n], k[:, :, :(chunk + 1) * n],
+    k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
+    return torch.cat([inside_documents(q[:, :, i * n:(i + 1) * n], k[:, :, :(chunk + 1) * n],
                                         v[:, :, :(chunk + 1) * n], chunk * n, 0, window or s, bounds,
                                         scale=scale, sinks=sinks, softcap=softcap)
                       for i, chunk in enumerate(load_balanced_chunks(c, r))], dim=2)

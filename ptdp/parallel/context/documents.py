@@ -32,18 +32,19 @@ import torch.nn.functional as F
 from ptdp.models.documents import DocumentLayout
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.attention import (
-    _AllToAll,
-    _expand,
-    _fold,
-    _repeat_kv,
     block_backward,
     block_dtype,
     block_forward,
+    expand_heads,
+    fold_heads,
     load_balanced_chunks,
     merge_block,
+    merge_sinks,
     natural_order,
+    sinks_grad,
 )
 from ptdp.parallel.context.ring import ring_backward, ring_forward
+from ptdp.parallel.context.ulysses import head_sharded, repeat_kv
 
 Piece = tuple[int, int, int, int, bool]  # local query rows [a, b), local key columns [c, d), causal square
 
@@ -96,25 +97,14 @@ def document_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``context_parallel_attention`` inside the documents of ``documents`` (same shapes and layout)."""
     c = group_size(cp_group)
     if c == 1:
-        k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
         return documents.attend(q, k, v, 0.0)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if comm_type == "a2a":
-        return _ulysses(q, k, v, documents, cp_group)
+        return head_sharded(q, k, v, cp_group, lambda q, k, v: documents.attend(q, k, v, 0.0))
     if comm_type == "allgather":
         return _allgather(q, k, v, documents.bounds, cp_group, scale)
-    return _DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
-
-
-def _ulysses(q, k, v, documents: DocumentLayout, group) -> torch.Tensor:
-    c = group_size(group)
-    if k.shape[1] % c:
-        k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    order, inverse = natural_order(c, q.shape[2] // 2, q.device)
-    q, k, v = (_AllToAll.apply(x, group, 1, 2).index_select(2, order) for x in (q, k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
-    y = documents.attend(q, k, v, 0.0).index_select(2, inverse)
-    return _AllToAll.apply(y, group, 2, 1)
+    return DocumentRing.apply(q, k, v, tuple(tuple(b) for b in documents.bounds), cp_group, scale, None)
 
 
 def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
@@ -124,7 +114,7 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
     s = q.shape[2] * c
     order = natural_order(c, q.shape[2] // 2, q.device)[0]
     k, v = (gather_from_sequence_parallel_region(x, group, dim=2).index_select(2, order) for x in (k, v))
-    k, v = _repeat_kv(k, v, q.shape[1] // k.shape[1])
+    k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])
     rows = []
     for i, cu in enumerate(bounds):
         parts, off = [], 0
@@ -144,8 +134,11 @@ def _allgather(q, k, v, bounds, group, scale: float) -> torch.Tensor:
     return torch.cat(rows, dim=0)
 
 
-class _DocumentRing(torch.autograd.Function):
-    """``_RingAttention`` (``ptdp.parallel.context.attention``) computing only each block's pieces: the same
+class DocumentRing(torch.autograd.Function):
+    """``DocumentRing.apply(q, k, v, bounds, group, scale, sinks)``: ring attention over the load-balanced
+    layout inside the documents of ``bounds`` (per sample its ``cu_seqlens``, as tuples).
+
+    ``_RingAttention`` (``ptdp.parallel.context.attention``) computing only each block's pieces: the same
     exchanges in the same order (forward: c-1 K/V hops; backward: c-1 K/V and c dK/dV hops). ``sinks
     [heads]``: one more logit per head, merged into the log-sum-exp after the ring as ``_RingAttention``
     merges it (``ptdp.parallel.context.document_window``)."""
@@ -163,15 +156,13 @@ class _DocumentRing(torch.autograd.Function):
         def visit(src: int, kv: torch.Tensor) -> None:
             for i, cu in enumerate(bounds):
                 for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
-                    kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
+                    kb_, vb_ = (expand_heads(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     blk_out, blk_lse = block_forward(qf[i:i + 1, :, qa:qb], kb_, vb_, scale, causal)
                     merge_block(out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], blk_out, blk_lse)
 
         ring_forward(torch.stack([k, v]), group, visit)
-        if sinks is not None:  # the sink as one more block: a logit z per head, a zero value
-            with_sink = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
-            out.mul_(torch.exp(lse - with_sink)[..., None])
-            lse = with_sink
+        if sinks is not None:  # the sink as one more block
+            lse = merge_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.bounds, ctx.group, ctx.scale = bounds, group, scale
         return out.to(q.dtype)
@@ -180,10 +171,7 @@ class _DocumentRing(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *sinks = ctx.saved_tensors
         bounds, group, scale = ctx.bounds, ctx.group, ctx.scale
-        # with sinks (out, lse) hold the sink, so the pieces' backward is the sink-softmax's; the sink's own
-        # gradient is -p_sink · rowsum(dO ∘ O)
-        dsinks = (-(torch.exp(sinks[0].float().view(1, -1, 1) - lse) * (dout.float() * out).sum(-1)).sum((0, 2))
-                  .to(sinks[0].dtype) if sinks else None)
+        dsinks = sinks_grad(sinks[0], out, lse, dout) if sinks else None
         c, r = group_size(group), group_rank(group)
         s, groups = q.shape[2] * c, q.shape[1] // k.shape[1]
         dtype = block_dtype(q)
@@ -195,12 +183,12 @@ class _DocumentRing(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for i, cu in enumerate(bounds):
                 for qa, qb, ka, kb, causal in pieces(cu, mine, chunk_segments(s, c, src)):
-                    kb_, vb_ = (_expand(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
+                    kb_, vb_ = (expand_heads(x[i:i + 1, :, ka:kb].to(dtype), groups) for x in kv.unbind(0))
                     dq_b, dk_b, dv_b = block_backward(do[i:i + 1, :, qa:qb], qf[i:i + 1, :, qa:qb], kb_, vb_,
                                                       out[i:i + 1, :, qa:qb], lse[i:i + 1, :, qa:qb], scale, causal)
                     dq[i:i + 1, :, qa:qb] += dq_b
-                    dkv[0][i:i + 1, :, ka:kb] += _fold(dk_b.float(), groups)
-                    dkv[1][i:i + 1, :, ka:kb] += _fold(dv_b.float(), groups)
+                    dkv[0][i:i + 1, :, ka:kb] += fold_heads(dk_b.float(), groups)
+                    dkv[1][i:i + 1, :, ka:kb] += fold_heads(dv_b.float(), groups)
             return dkv
 
         dk, dv = ring_backward(torch.stack([k, v]), group, visit).unbind(0)

@@ -33,7 +33,8 @@ from ptdp.models import delta_rule
 from ptdp.models.documents import DocumentLayout, masks_attention
 from ptdp.models.gated_deltanet import GatedDeltaNet, documents_apply
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
-from ptdp.parallel.context.attention import _AllToAll, natural_order
+from ptdp.parallel.context.attention import natural_order
+from ptdp.parallel.context.ulysses import AllToAll
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -148,11 +149,11 @@ class HeadParallel:
                  documents: DocumentLayout | None) -> torch.Tensor:
         order, inverse = natural_order(self.c, conv_in.shape[1] // 2, conv_in.device)
         # [b, s/c, heads] sequence-sharded -> [b, s, heads/c] head-sharded (key-head groups), natural order
-        whole = [_AllToAll.apply(x, self.group, 2, 1).index_select(1, order) for x in (conv_in, g, beta)]
+        whole = [AllToAll.apply(x, self.group, 2, 1).index_select(1, order) for x in (conv_in, g, beta)]
         width = whole[0].shape[-1]  # this rank's convolution channels: its key-head groups' rows
         mix = functools.partial(layer.mix, rows=slice(self.rank * width, (self.rank + 1) * width))
         out = documents_apply(mix, documents, *whole) if masks_attention(documents) else mix(*whole)
-        return _AllToAll.apply(out.index_select(1, inverse).contiguous(), self.group, 1, 2)
+        return AllToAll.apply(out.index_select(1, inverse).contiguous(), self.group, 1, 2)
 
 
 def apply_linear_context_parallel(model: torch.nn.Module, cp_group, comm_type: str) -> None:

@@ -173,16 +173,18 @@ def windowed_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             outs.append(local_window_attention(queries, keys, values, window, q_start=query_chunk * n,
                                                k_start=first, scale=scale, sinks=sinks, softcap=softcap))
         else:
-            outs.append(_inside_documents(queries, keys, values, query_chunk * n, first, window, bounds,
+            outs.append(inside_documents(queries, keys, values, query_chunk * n, first, window, bounds,
                                           scale=scale, sinks=sinks, softcap=softcap))
     return torch.cat(outs, dim=2)
 
 
-def _inside_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int,
-                      bounds: Sequence[Sequence[int]], **kwargs) -> torch.Tensor:
+def inside_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int,
+                     bounds: Sequence[Sequence[int]], **kwargs) -> torch.Tensor:
     """Queries at global positions ``q_start ..`` against the keys at ``k_start ..`` (reaching up to the last
     query), sample by sample and document by document: each document's queries see only its own keys,
-    through the window (``ptdp.models.window.local_window_attention`` on that piece)."""
+    through the window (``ptdp.models.window.local_window_attention`` on that piece, given ``kwargs``:
+    scale, sinks, softcap). ``bounds``: per sample its ``cu_seqlens``. One query chunk's attention, shared
+    by the windowed exchange above and the all-gather path of ``ptdp.parallel.context.document_window``."""
     lq = q.shape[2]
     rows = []
     for i, cu in enumerate(bounds):
