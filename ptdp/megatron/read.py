@@ -143,10 +143,11 @@ def _read_torch_dist(directory: Path, read_optimizer: bool) -> MegatronCheckpoin
                             "partial or corrupt") from None
     entries = metadata.state_dict_metadata
     has_optimizer = any(key.startswith("optimizer.") for key in entries)
-    from ptdp.megatron.optim import STATE_PREFIX, check_optimizer_format
+    from ptdp.megatron.optim import STATE_PREFIX, check_optimizer_format, read_dp_reshardable
 
+    kind = None
     if has_optimizer and read_optimizer:  # a format ptdp cannot map to parameters is refused here, by name
-        check_optimizer_format(directory, common, entries)
+        kind = check_optimizer_format(directory, common, entries)
     wanted = {key: meta for key, meta in entries.items()
               if isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key
               and (not key.startswith(("optimizer.", "rng_state")) or (read_optimizer and key.startswith(STATE_PREFIX)))}
@@ -177,6 +178,9 @@ def _read_torch_dist(directory: Path, read_optimizer: bool) -> MegatronCheckpoin
             into.update(_unstack(key.removeprefix("decoder.layers."), value))
         else:
             into[key] = value
+    if kind == "dp_reshardable":  # laid out by Megatron's gradient buckets: rebuilt from the model's shapes
+        optimizer, groups = read_dp_reshardable(directory, entries, args, {k: tuple(v.shape) for k, v in full.items()})
+        common = dict(common, optimizer={"param_state_sharding_type": kind, "optimizer": {"param_groups": groups}})
     skipped = sorted(set(entries) - set(wanted))
     return MegatronCheckpoint(directory, "torch_dist", full, args, int(common.get("iteration", 0)), has_optimizer,
                               skipped, optimizer, common)
@@ -246,13 +250,20 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
     return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer)
 
 
+def split_dim(name: str) -> int | None:
+    """The dimension Megatron's tensor parallelism splits parameter ``name`` along (None: replicated)."""
+    if name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
+        return None
+    return 1 if name.endswith(_ROW) else 0
+
+
 def _join(name: str, parts: list, swiglu: bool) -> torch.Tensor:
     """One parameter from its tensor-parallel slices (in rank order)."""
     import torch
 
-    if len(parts) == 1 or name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
+    if len(parts) == 1 or split_dim(name) is None:
         return parts[0]
-    if name.endswith(_ROW):
+    if split_dim(name) == 1:
         return torch.cat(parts, dim=1)
     if swiglu and "linear_fc1" in name:  # each rank holds [gate_r; up_r]: gates first, then ups
         halves = [part.chunk(2, dim=0) for part in parts]
