@@ -153,3 +153,20 @@ def layout_args(args: dict[str, Any]) -> tuple[int, int | None, bool]:
         size = args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * d)
     dp = d * int(args.get("context_parallel_size") or 1)  # the buffers shard over data and context ranks
     return dp, size, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw"))
+
+
+def shifted_by_padding(shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) -> bool:
+    """Whether a ``fully_reshardable`` save of this run holds shifted values: megatron-core (0.16.1) gathers
+    each buffer with its buckets' end padding dropped, then slices each parameter at its offset in the
+    padded buffer, so every parameter after a padded bucket end is read from the wrong place. One bucket
+    per buffer (no ``overlap_grad_reduce``, no tied embedding split over pipeline stages) is never shifted."""
+    t, p = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+    if not args.get("overlap_grad_reduce") and (p == 1 or args.get("untie_embeddings_and_output_weights")):
+        return False
+    dp, size, high_busbw = layout_args(args)
+    for pp in range(p):
+        for tp in range(t):
+            buckets = bucket_layout(rank_params(shapes, args, tp, pp), dp, size if pp == 0 else None, high_busbw)
+            if any(b.numel != b.numel_unpadded for b in buckets[:-1]):
+                return True
+    return False

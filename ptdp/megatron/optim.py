@@ -126,8 +126,21 @@ def optimizer_to_ptdp(ckpt: MegatronCheckpoint, cfg: ModelConfig, moe: MoEConfig
     state; ``rows``: the vocabulary rows ptdp keeps (Megatron padded for its t)."""
     import torch
 
+    from ptdp.megatron.buckets import shifted_by_padding
     from ptdp.megatron.names import to_ptdp
 
+    kind = _sharding_type(ckpt.common)
+    try:
+        shifted = kind == "fully_reshardable" and shifted_by_padding({k: tuple(v.shape) for k, v in ckpt.tensors.items()},
+                                                                     ckpt.args)
+    except MegatronError as e:
+        raise MegatronError(f"--in {ckpt.directory}: whether its fully_reshardable optimizer state is intact depends "
+                            f"on Megatron's gradient-bucket layout, which ptdp cannot rebuild: {str(e).split(': ', 1)[-1]}") from None
+    if shifted:
+        raise MegatronError(f"--in {ckpt.directory}: its fully_reshardable optimizer state comes from several gradient "
+                            "buckets, which megatron-core gathers without their end padding and then slices at padded "
+                            "offsets: the values are shifted; save in Megatron-LM's default format (dp_reshardable), "
+                            "or pass --no-load-optim to start the optimizer afresh")
     steps = torch.tensor(float(adam_steps(ckpt)))
     fields = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
     if ckpt.args.get("bf16"):  # 16-bit weights: the fp32 master copy is the truth ptdp resumes from
@@ -163,7 +176,6 @@ def read_dp_reshardable(directory: Path, entries: dict, args: dict[str, Any],
     import torch.distributed.checkpoint as dcp
 
     from ptdp.megatron.buckets import bucket_layout, layout_args, rank_params
-    from ptdp.megatron.read import _join, split_dim
 
     where = f"--in {directory}"
     dp, size, high_busbw = layout_args(args)
@@ -218,11 +230,56 @@ def read_dp_reshardable(directory: Path, entries: dict, args: dict[str, Any],
                     if not {start, end} <= cuts or any(start < c < end and c % shard for c in cuts):
                         raise MegatronError(f"{where}: rank {g}'s bucket {b} has no piece at [{start}, {end}) for "
                                             f"{name}; the rebuilt gradient-buffer layout does not match the save")
-                    local = list(shapes[name] if name in shapes else shapes["embedding.word_embeddings.weight"])
-                    if (dim := split_dim(name)) is not None:
-                        local[dim] //= t
                     for field, key in fields.items():
-                        parts = out.setdefault(field, {}).setdefault(name, [None] * t)
-                        parts[tp] = tensors[key][start:end].reshape(local)
+                        _place(out, field, name, tp, tensors[key][start:end], shapes, t)
+    return _joined(out, args), groups
+
+
+def _place(out: dict, field: str, name: str, tp: int, flat: torch.Tensor, shapes: dict, t: int) -> None:
+    """Rank ``tp``'s slice of parameter ``name`` (flat, from a bucket) into ``out[field][name][tp]``."""
+    from ptdp.megatron.names import EMBEDDING
+    from ptdp.megatron.read import split_dim
+
+    local = list(shapes[name] if name in shapes else shapes[EMBEDDING])  # a tied output layer: the embedding's
+    if (dim := split_dim(name)) is not None:
+        local[dim] //= t
+    out.setdefault(field, {}).setdefault(name, [None] * t)[tp] = flat.reshape(local)
+
+
+def _joined(out: dict, args: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    from ptdp.megatron.read import _join
+
     swiglu = bool(args.get("swiglu"))
-    return {field: {name: _join(name, parts, swiglu) for name, parts in per.items()} for field, per in out.items()}, groups
+    return {field: {name: _join(name, parts, swiglu) for name, parts in per.items()} for field, per in out.items()}
+
+
+def read_distrib_optim(directory: Path, args: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+                       states: dict[tuple[int, int], Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{field: {Megatron per-layer name: full tensor}}`` from the ``torch`` format's
+    ``mp_rank_*/distrib_optim.pt``: per (``tp``, ``pp``) rank the buffer gathered on data-parallel rank 0,
+    its buckets one after the other without their end padding (``states``: each rank's file, loaded). Only
+    the buffer's total length is recorded, so that is what the rebuilt layout is checked against."""
+    from ptdp.megatron.buckets import bucket_layout, layout_args, rank_params
+
+    dp, size, high_busbw = layout_args(args)
+    t = int(args.get("tensor_model_parallel_size") or 1)
+    out: dict[str, dict[str, list]] = {}
+    for (tp, pp), state in sorted(states.items()):
+        where = f"--in {directory}: mp_rank_{tp:02d}_{pp:03d}'s distrib_optim.pt"
+        buffers = {k: v for k, v in state.items() if isinstance(k, int)} if isinstance(state, dict) else {}
+        if not state.get("buckets_coalesced") or list(buffers) != [0] or len(buffers[0]) != 1:
+            raise MegatronError(f"{where} holds {sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__}; "
+                                "ptdp reads one coalesced buffer of one dtype per rank")
+        (world,) = buffers[0].values()
+        layout = bucket_layout(rank_params(shapes, args, tp, pp), dp, size if pp == 0 else None, high_busbw)
+        total = sum(b.numel_unpadded for b in layout)
+        if world.get("numel_unpadded") != total or any(world[f].numel() != total for f in ("param", "exp_avg", "exp_avg_sq")):
+            raise MegatronError(f"{where} holds a buffer of {world.get('numel_unpadded')} elements, ptdp's rebuilt layout "
+                                f"{total}; an arg that changes Megatron's buffer layout is not understood")
+        offset = 0
+        for bucket in layout:
+            for name, (start, end) in bucket.places.items():
+                for field in ("param", "exp_avg", "exp_avg_sq"):
+                    _place(out, field, name, tp, world[field][offset + start:offset + end], shapes, t)
+            offset += bucket.numel_unpadded
+    return _joined(out, args)

@@ -225,12 +225,15 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
                 raise MegatronError(f"--in {directory}: {name}/{LEGACY_FILE} is missing (the args say t={t}, p={p}); "
                                     "the save is partial")
     per_stage = int(args["num_layers"]) // p
-    has_optimizer = (directory / "distrib_optim.pt").exists() or any(
-        (directory / f"mp_rank_{tp:02d}" / "distrib_optim.pt").exists() for tp in range(t))
+    distrib = {key: path.parent / "distrib_optim.pt" for key, path in ranks.items()
+               if (path.parent / "distrib_optim.pt").exists()}
+    has_optimizer = (directory / "distrib_optim.pt").exists() or bool(distrib)
     tensors: dict[str, list] = {}
+    states = {}
     for pp in range(p):
         for tp in range(t):
             state = first if (tp, pp) == min(ranks) else _load(ranks[(tp, pp)])
+            states[(tp, pp)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
             has_optimizer = has_optimizer or bool(state.get("optimizer"))
             if "model" not in state:
                 raise MegatronError(f"--in {ranks[(tp, pp)]}: holds no 'model' (a virtual-pipeline or foreign save)")
@@ -241,13 +244,22 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + pp * per_stage}.{match.group(2)}"
                 tensors.setdefault(canonical(name), [None] * t)[tp] = value
-    if has_optimizer and read_optimizer:
-        raise MegatronError(f"--in {directory}: holds the optimizer's state in the torch format (distrib_optim.pt, or "
-                            "'optimizer' in model_optim_rng.pt), ordered by Megatron's gradient buffers, which ptdp "
-                            "does not import; save torch_dist with --dist-ckpt-optim-fully-reshardable, or pass "
-                            "--no-load-optim to start the optimizer afresh")
     full = {name: _join(name, parts, bool(args.get("swiglu"))) for name, parts in tensors.items()}
-    return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer)
+    optimizer, common = {}, {}
+    if has_optimizer and read_optimizer:
+        if len(distrib) != len(ranks) or not args.get("use_distributed_optimizer"):
+            raise MegatronError(f"--in {directory}: holds the optimizer's state in the torch format without a "
+                                "distrib_optim.pt per mp_rank directory (another optimizer, or a partial save); ptdp "
+                                "imports the distributed optimizer's, or pass --no-load-optim to start it afresh")
+        from ptdp.megatron.optim import read_distrib_optim
+
+        optimizer = read_distrib_optim(directory, args, {k: tuple(v.shape) for k, v in full.items()},
+                                       {key: _load(path) for key, path in distrib.items()})
+        groups = [g for s in states.values() for g in ((s["optimizer"] or {}).get("optimizer") or {}).get("param_groups", [])]
+        common = {"optimizer": {"param_state_sharding_type": "dp_zero", "optimizer": {"param_groups": groups}},
+                  "opt_param_scheduler": states[min(states)]["opt_param_scheduler"]}
+    return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer,
+                              optimizer=optimizer, common=common)
 
 
 def split_dim(name: str) -> int | None:
