@@ -98,8 +98,7 @@ def bucket_layout(params: Sequence[Param], dp: int, bucket_size: int | None, hig
 def rank_params(shapes: dict[str, tuple[int, ...]], args: dict[str, Any], tp: int, pp: int) -> list[Param]:
     """The parameters of model-parallel rank (``tp``, ``pp``) in registration order: ``shapes`` are the full
     per-layer tensors' (Megatron names), each split as Megatron's tensor parallelism splits it."""
-    from ptdp.megatron.names import EMBEDDING, OUTPUT, POSITIONS
-    from ptdp.megatron.read import split_dim
+    from ptdp.megatron.names import EMBEDDING, OUTPUT, POSITIONS, split_dim
 
     t, p = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
     impl = args.get("transformer_impl")

@@ -1,4 +1,4 @@
-"""The Megatron distributed optimizer's state, read from a ``torch_dist`` save into ptdp's per-parameter form.
+"""The Megatron distributed optimizer's state, read from a save into ptdp's per-parameter form.
 
 Megatron-Core (``DistributedOptimizer.sharded_state_dict``) saves the Adam state in one of several formats,
 named in ``common.pt`` (``optimizer.param_state_sharding_type``):
@@ -14,7 +14,12 @@ named in ``common.pt`` (``optimizer.param_state_sharding_type``):
   joined as the model's tensors are) becomes the per-parameter state ``fully_reshardable`` would have held.
   The param groups (Adam's step) are a pickled object per rank there, not ``common.pt``'s.
 - ``dp_zero_gather_scatter``: the same buffers gathered on data-parallel rank 0 into one pickled object per
-  rank; refused by name.
+  rank; refused by name. The torch format's ``mp_rank_*/distrib_optim.pt`` is that gather too, a file per
+  rank, and is read (:func:`read_distrib_optim`).
+
+``fully_reshardable`` is built by megatron-core (0.16.1) from that gather, which drops each bucket's end
+padding, but cut at the parameters' offsets in the padded buffer: from several buckets its values are
+shifted, and ptdp refuses it there (``ptdp.megatron.buckets.shifted_by_padding``).
 - ``fully_sharded_model_space`` (megatron-core's own default when no format is asked for): flattened
   pieces of each parameter. megatron-core 0.16.1 cannot save it (``flattened_range is not supported``);
   an older version's is refused by name, unverified.
@@ -237,8 +242,7 @@ def read_dp_reshardable(directory: Path, entries: dict, args: dict[str, Any],
 
 def _place(out: dict, field: str, name: str, tp: int, flat: torch.Tensor, shapes: dict, t: int) -> None:
     """Rank ``tp``'s slice of parameter ``name`` (flat, from a bucket) into ``out[field][name][tp]``."""
-    from ptdp.megatron.names import EMBEDDING
-    from ptdp.megatron.read import split_dim
+    from ptdp.megatron.names import EMBEDDING, split_dim
 
     local = list(shapes[name] if name in shapes else shapes[EMBEDDING])  # a tied output layer: the embedding's
     if (dim := split_dim(name)) is not None:
@@ -247,7 +251,7 @@ def _place(out: dict, field: str, name: str, tp: int, flat: torch.Tensor, shapes
 
 
 def _joined(out: dict, args: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    from ptdp.megatron.read import _join
+    from ptdp.megatron.names import join_slices as _join
 
     swiglu = bool(args.get("swiglu"))
     return {field: {name: _join(name, parts, swiglu) for name, parts in per.items()} for field, per in out.items()}

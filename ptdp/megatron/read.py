@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ptdp.megatron.args import MegatronError
 from ptdp.megatron.names import LAYER, canonical
+from ptdp.megatron.names import join_slices as _join
 
 if TYPE_CHECKING:
     import torch
@@ -39,12 +40,6 @@ COMMON = "common.pt"
 METADATA = "metadata.json"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
-
-# Megatron's tensor-parallel split dimension of each parameter (by the end of its name); others are replicated
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "word_embeddings.weight",
-           "output_layer.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-
 
 @dataclass
 class MegatronCheckpoint:
@@ -260,24 +255,3 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
                   "opt_param_scheduler": states[min(states)]["opt_param_scheduler"]}
     return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer,
                               optimizer=optimizer, common=common)
-
-
-def split_dim(name: str) -> int | None:
-    """The dimension Megatron's tensor parallelism splits parameter ``name`` along (None: replicated)."""
-    if name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
-        return None
-    return 1 if name.endswith(_ROW) else 0
-
-
-def _join(name: str, parts: list, swiglu: bool) -> torch.Tensor:
-    """One parameter from its tensor-parallel slices (in rank order)."""
-    import torch
-
-    if len(parts) == 1 or split_dim(name) is None:
-        return parts[0]
-    if split_dim(name) == 1:
-        return torch.cat(parts, dim=1)
-    if swiglu and "linear_fc1" in name:  # each rank holds [gate_r; up_r]: gates first, then ups
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=0)
