@@ -139,7 +139,7 @@ def layout_args(args: dict[str, Any]) -> tuple[int, int | None, bool]:
                         ("decoder_first_pipeline_num_layers", None), ("decoder_last_pipeline_num_layers", None),
                         ("pipeline_model_parallel_layout", None), ("num_experts", None), ("fp8_param_gather", False),
                         ("use_megatron_fsdp", False)):
-        if args.get(name) not in (plain, None, False) and not (plain == 1 and args.get(name) == 1):
+        if args.get(name) not in (plain, None, False):
             raise MegatronError(f"--in: the checkpoint's args set {name}={args[name]!r}; ptdp rebuilds Megatron's "
                                 "gradient buffers (dp_reshardable) without it (save with --dist-ckpt-optim-fully-reshardable)")
     for name in ("data_parallel_size", "use_distributed_optimizer"):
