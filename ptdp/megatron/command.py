@@ -5,7 +5,8 @@ Import reads the newest Megatron-LM save whole and checks it (the args ptdp comp
 and placed) before writing anything; the ptdp checkpoint it writes stands at the Megatron run's iteration
 and consumed samples, so ``ptdp train --load`` with the printed flags continues Megatron's sample order from
 the next sample. The distributed optimizer's state (Adam's moments and step count, ``ptdp.megatron.optim``)
-is carried when the save holds it in a per-parameter format, with the LR schedule's flags; ``--no-load-optim``
+is carried, with the LR schedule's flags, from the formats ptdp maps onto parameters (per parameter, or
+laid out by Megatron's gradient buckets, ``ptdp.megatron.buckets``); ``--no-load-optim``
 leaves it out (and imports a save whose optimizer state ptdp cannot read).
 """
 

@@ -54,6 +54,10 @@ _PLAIN = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight
           "mlp.router.expert_bias": "mlp.router.expert_bias"}
 _GLOBAL = {EMBEDDING: EMBEDDING, POSITIONS: POSITIONS, "decoder.final_layernorm.weight": "final_layernorm.weight",
            "decoder.final_layernorm.bias": "final_layernorm.bias"}
+# Megatron's tensor-parallel split dimension of each parameter (by the end of its name); others are replicated
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "word_embeddings.weight",
+           "output_layer.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))$")
 
 
@@ -164,3 +168,24 @@ def to_megatron(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConf
     if OUTPUT not in out and cfg.untie_embeddings_and_output_weights is False:
         out[OUTPUT] = out[EMBEDDING]  # the last pipeline stage's copy of the tied embedding
     return out
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension Megatron's tensor parallelism splits parameter ``name`` along (None: replicated)."""
+    if name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
+        return None
+    return 1 if name.endswith(_ROW) else 0
+
+
+def join_slices(name: str, parts: list, swiglu: bool) -> torch.Tensor:
+    """One parameter from its tensor-parallel slices (in rank order)."""
+    import torch
+
+    if len(parts) == 1 or split_dim(name) is None:
+        return parts[0]
+    if split_dim(name) == 1:
+        return torch.cat(parts, dim=1)
+    if swiglu and "linear_fc1" in name:  # each rank holds [gate_r; up_r]: gates first, then ups
+        halves = [part.chunk(2, dim=0) for part in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=0)

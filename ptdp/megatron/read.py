@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ptdp.megatron.args import MegatronError
 from ptdp.megatron.names import LAYER, canonical
+from ptdp.megatron.names import join_slices as _join
 
 if TYPE_CHECKING:
     import torch
@@ -39,12 +40,6 @@ COMMON = "common.pt"
 METADATA = "metadata.json"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
-
-# Megatron's tensor-parallel split dimension of each parameter (by the end of its name); others are replicated
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "word_embeddings.weight",
-           "output_layer.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-
 
 @dataclass
 class MegatronCheckpoint:
@@ -143,10 +138,11 @@ def _read_torch_dist(directory: Path, read_optimizer: bool) -> MegatronCheckpoin
                             "partial or corrupt") from None
     entries = metadata.state_dict_metadata
     has_optimizer = any(key.startswith("optimizer.") for key in entries)
-    from ptdp.megatron.optim import STATE_PREFIX, check_optimizer_format
+    from ptdp.megatron.optim import STATE_PREFIX, check_optimizer_format, read_dp_reshardable
 
+    kind = None
     if has_optimizer and read_optimizer:  # a format ptdp cannot map to parameters is refused here, by name
-        check_optimizer_format(directory, common, entries)
+        kind = check_optimizer_format(directory, common, entries)
     wanted = {key: meta for key, meta in entries.items()
               if isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key
               and (not key.startswith(("optimizer.", "rng_state")) or (read_optimizer and key.startswith(STATE_PREFIX)))}
@@ -177,6 +173,9 @@ def _read_torch_dist(directory: Path, read_optimizer: bool) -> MegatronCheckpoin
             into.update(_unstack(key.removeprefix("decoder.layers."), value))
         else:
             into[key] = value
+    if kind == "dp_reshardable":  # laid out by Megatron's gradient buckets: rebuilt from the model's shapes
+        optimizer, groups = read_dp_reshardable(directory, entries, args, {k: tuple(v.shape) for k, v in full.items()})
+        common = dict(common, optimizer={"param_state_sharding_type": kind, "optimizer": {"param_groups": groups}})
     skipped = sorted(set(entries) - set(wanted))
     return MegatronCheckpoint(directory, "torch_dist", full, args, int(common.get("iteration", 0)), has_optimizer,
                               skipped, optimizer, common)
@@ -221,12 +220,15 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
                 raise MegatronError(f"--in {directory}: {name}/{LEGACY_FILE} is missing (the args say t={t}, p={p}); "
                                     "the save is partial")
     per_stage = int(args["num_layers"]) // p
-    has_optimizer = (directory / "distrib_optim.pt").exists() or any(
-        (directory / f"mp_rank_{tp:02d}" / "distrib_optim.pt").exists() for tp in range(t))
+    distrib = {key: path.parent / "distrib_optim.pt" for key, path in ranks.items()
+               if (path.parent / "distrib_optim.pt").exists()}
+    has_optimizer = (directory / "distrib_optim.pt").exists() or bool(distrib)
     tensors: dict[str, list] = {}
+    states = {}
     for pp in range(p):
         for tp in range(t):
             state = first if (tp, pp) == min(ranks) else _load(ranks[(tp, pp)])
+            states[(tp, pp)] = {k: state.get(k) for k in ("optimizer", "opt_param_scheduler")}
             has_optimizer = has_optimizer or bool(state.get("optimizer"))
             if "model" not in state:
                 raise MegatronError(f"--in {ranks[(tp, pp)]}: holds no 'model' (a virtual-pipeline or foreign save)")
@@ -237,24 +239,19 @@ def _read_legacy(directory: Path, read_optimizer: bool) -> MegatronCheckpoint:
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + pp * per_stage}.{match.group(2)}"
                 tensors.setdefault(canonical(name), [None] * t)[tp] = value
-    if has_optimizer and read_optimizer:
-        raise MegatronError(f"--in {directory}: holds the optimizer's state in the torch format (distrib_optim.pt, or "
-                            "'optimizer' in model_optim_rng.pt), ordered by Megatron's gradient buffers, which ptdp "
-                            "does not import; save torch_dist with --dist-ckpt-optim-fully-reshardable, or pass "
-                            "--no-load-optim to start the optimizer afresh")
     full = {name: _join(name, parts, bool(args.get("swiglu"))) for name, parts in tensors.items()}
-    return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer)
+    optimizer, common = {}, {}
+    if has_optimizer and read_optimizer:
+        if len(distrib) != len(ranks) or not args.get("use_distributed_optimizer"):
+            raise MegatronError(f"--in {directory}: holds the optimizer's state in the torch format without a "
+                                "distrib_optim.pt per mp_rank directory (another optimizer, or a partial save); ptdp "
+                                "imports the distributed optimizer's, or pass --no-load-optim to start it afresh")
+        from ptdp.megatron.optim import read_distrib_optim
 
-
-def _join(name: str, parts: list, swiglu: bool) -> torch.Tensor:
-    """One parameter from its tensor-parallel slices (in rank order)."""
-    import torch
-
-    if len(parts) == 1 or name.endswith(("norm_weight", "norm_bias")) or not name.endswith(_COLUMN + _ROW):
-        return parts[0]
-    if name.endswith(_ROW):
-        return torch.cat(parts, dim=1)
-    if swiglu and "linear_fc1" in name:  # each rank holds [gate_r; up_r]: gates first, then ups
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=0)
+        optimizer = read_distrib_optim(directory, args, {k: tuple(v.shape) for k, v in full.items()},
+                                       {key: _load(path) for key, path in distrib.items()})
+        groups = [g for s in states.values() for g in ((s["optimizer"] or {}).get("optimizer") or {}).get("param_groups", [])]
+        common = {"optimizer": {"param_state_sharding_type": "dp_zero", "optimizer": {"param_groups": groups}},
+                  "opt_param_scheduler": states[min(states)]["opt_param_scheduler"]}
+    return MegatronCheckpoint(directory, "torch", full, args, int(first.get("iteration", 0)), has_optimizer,
+                              optimizer=optimizer, common=common)

@@ -6,10 +6,10 @@ tanh GeLU, tied embedding; ``llama``: RoPE, RMSNorm, SwiGLU, GQA, no biases, unt
 ``common.pt``, ``DIR/latest_checkpointed_iteration.txt``) and write its logits on fixed tokens to
 ``DIR/logits.pt``. ``load KIND DIR OUT``: build the same model, load ``DIR``'s save with Megatron-Core's
 ``dist_checkpointing.load`` and write its logits to ``OUT``. ``train gpt DIR BATCHES``: the GPT-2 style model
-at (t, p) with d = world / (t p), wrapped in Megatron-Core's DistributedDataParallel and DistributedOptimizer
-(Adam), two steps on ptdp's first two global batches (``BATCHES``), a save of model and optimizer at
-iteration 2 (``fully_reshardable``, and in ``DIR/dp_reshardable`` Megatron-LM's default format), then the
-third step; its loss, gradient norm and weights go to ``DIR/next.pt``.
+at (t, p) with d = world / (t p), wrapped in Megatron-Core's DistributedDataParallel (gradients reduced
+while the backward runs, in buckets of ``BUCKET`` elements) and DistributedOptimizer (Adam), two steps on ptdp's first two global batches (``BATCHES``), a save of model and optimizer at
+iteration 2 (``fully_reshardable``, in ``DIR/dp_reshardable`` Megatron-LM's default format and in
+``DIR/torch`` the torch format's ``distrib_optim.pt``), then the third step; its loss, gradient norm and weights go to ``DIR/next.pt``.
 
 Stand-ins, for a CPU-only torch without triton: the few megatron modules that import triton at module level
 (none on the GPT path in megatron-core 0.16; stubbed if they are reached) and the CUDA calls of the
@@ -139,6 +139,7 @@ def logits(model, p: int):
 
 
 OPTIM = dict(lr=1e-3, min_lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+BUCKET = 6000  # elements: the gradient buffer of a rank's 21,120 parameters falls into several buckets
 
 
 def train(model, t: int, p: int, directory: str, batches: str) -> None:
@@ -148,14 +149,21 @@ def train(model, t: int, p: int, directory: str, batches: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = torch.load(batches)  # [iterations, global batch, seq + 1]: ptdp's samples
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                  model)
+    # what Megatron-LM's training loop sets: without it the schedule never reduces the gradients over the
+    # data-parallel ranks (each rank would step on its own micro-batches' gradient)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET), model)
     a = OPTIM
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True,
                                                        **{k: a[k] for k in a if k != "min_lr"}), [ddp])
@@ -194,21 +202,32 @@ def train(model, t: int, p: int, directory: str, batches: str) -> None:
     model_state = model.sharded_state_dict()
     args = run_args("gpt", t, p)
     args.__dict__.update(OPTIM, use_distributed_optimizer=True, iteration=2, consumed_train_samples=2 * data.shape[1],
-                         lr_decay_style="constant", lr_warmup_iters=0)
+                         lr_decay_style="constant", lr_warmup_iters=0, data_parallel_size=dp, transformer_impl="local",
+                         overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
     state = {"model": model_state, "args": args, "iteration": 2, "checkpoint_version": 3.0,
              "optimizer": optimizer.sharded_state_dict(model_state, metadata={
                  "distrib_optim_sharding_type": "fully_reshardable"}),
              "opt_param_scheduler": scheduler.state_dict()}
     dist_checkpointing.save(state, save)
-    # the same state in Megatron-LM's default format, laid out by the gradient buffers (ptdp refuses it)
+    # the same state in Megatron-LM's default format, laid out by the gradient buckets
     other = os.path.join(directory, "dp_reshardable", "iter_0000002")
     os.makedirs(other, exist_ok=True)
     state["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), metadata={
         "distrib_optim_sharding_type": "dp_reshardable"})
     state["model"] = model.sharded_state_dict()
     dist_checkpointing.save(state, other)
+    # and in the torch format: per model-parallel rank its model, args and param groups, and the buffers
+    # gathered on data-parallel rank 0 (distrib_optim.pt)
+    legacy = os.path.join(directory, "torch", "iter_0000002", f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+                          + (f"_{ps.get_pipeline_model_parallel_rank():03d}" if p > 1 else ""))
+    os.makedirs(legacy, exist_ok=True)
+    optimizer.save_parameter_state(os.path.join(legacy, "distrib_optim.pt"))
+    if dp_rank == 0:
+        torch.save({"model": model.state_dict(), "args": args, "iteration": 2, "checkpoint_version": 3.0,
+                    "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict()},
+                   os.path.join(legacy, "model_optim_rng.pt"))
     if dist.get_rank() == 0:
-        for where in (directory, os.path.dirname(other)):
+        for where in (directory, os.path.dirname(other), os.path.join(directory, "torch")):
             with open(os.path.join(where, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("2")
     loss, norm = step(2)

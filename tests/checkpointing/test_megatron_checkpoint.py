@@ -58,35 +58,32 @@ def megatron(tmp_path_factory) -> Path:
     """Megatron-Core's side of every test here, in two process starts: the three models saved at
     (t, p) = (2, 2) (``saves/KIND``, with their logits); ptdp's import of each (``ptdp/KIND``, the command's
     output in ``ptdp/KIND.txt``) and export (``back/KIND``); then on two processes each export loaded at
-    its ``KINDS`` layout (``back/KIND.pt``, the logits) and one run with Megatron's DistributedOptimizer at
-    (t, p, d) = (2, 1, 1) on ptdp's first three global batches of the continued run's data: saved at
-    iteration 2 (``adam/``, and in Megatron-LM's default optimizer format ``adam/dp_reshardable``), its
-    third step in ``adam/next.pt``."""
+    its ``KINDS`` layout (``back/KIND.pt``, the logits). With the saves, on four processes, one run with
+    Megatron's DistributedOptimizer at (t, p, d) = (2, 1, 2) on ptdp's first three global batches of the
+    continued run's data: saved at iteration 2 (``adam/``, and in Megatron-LM's default optimizer format
+    ``adam/dp_reshardable``), its third step in ``adam/next.pt``."""
     import numpy as np
     from helpers import validated_config
 
     from ptdp.data.training_data import datasets_for_config
 
     root = tmp_path_factory.mktemp("megatron")
-    _megatron_jobs(root, "saves", 4, [{"mode": "save", "kind": kind, "t": 2, "p": 2, "dir": str(root / "saves" / kind)}
-                                      for kind in KINDS])
-    for kind in KINDS:
-        result = run_ptdp(["import", "--format", "megatron", "--in", str(root / "saves" / kind),
-                           "--save", str(root / "ptdp" / kind)])
-        (root / "ptdp" / f"{kind}.txt").write_text(result.stdout)
-        export_megatron(root / "ptdp" / kind, root / "back" / kind)
     flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--vocab-size", str(VOCAB), *ADAM_RUN]
     train = datasets_for_config(validated_config(flags)).train
     samples = np.stack([train[i] for i in range(3 * 8)]).astype(np.int64)
     torch.save(torch.from_numpy(samples).reshape(3, 8, -1), root / "batches.pt")
-    # d = 1 for the optimizer: at d = 2 on gloo Megatron's third step's gradient norm is not one process's
-    # (15% off; its data-parallel reduction on the CPU is unexplained), so the reference would be wrong
-    jobs = [{"mode": "load", "kind": kind, "t": t, "p": p, "dir": str(root / "back" / kind),
-             "out": str(root / "back" / f"{kind}.pt")} for kind, (t, p) in KINDS.items()]
+    jobs = [{"mode": "save", "kind": kind, "t": 2, "p": 2, "dir": str(root / "saves" / kind)} for kind in KINDS]
     jobs.append({"mode": "train", "kind": "gpt", "t": 2, "p": 1, "dir": str(root / "adam"),
                  "out": str(root / "batches.pt")})
-    _megatron_jobs(root, "loads", 2, jobs)
+    _megatron_jobs(root, "saves", 4, jobs)
+    for kind in KINDS:
+        result = run_ptdp(["import", "--format", "megatron", "--in", str(root / "saves" / kind),
+                           "--save", str(root / "ptdp" / kind)])
+        (root / "ptdp" / f"{kind}.txt").write_text(result.stdout)
+        export_megatron(root / "ptdp" / kind, root / "back" / kind)
+    _megatron_jobs(root, "loads", 2, [{"mode": "load", "kind": kind, "t": t, "p": p, "dir": str(root / "back" / kind),
+                                       "out": str(root / "back" / f"{kind}.pt")} for kind, (t, p) in KINDS.items()])
     return root
 
 
@@ -316,23 +313,43 @@ def _megatron_weights(next_step: dict, config: dict) -> dict[str, torch.Tensor]:
     return to_ptdp(full, model_config_from_dict(config), moe_config_from_dict(config))
 
 
+def _optimizer_state(save: Path) -> dict[str, torch.Tensor]:
+    """A ptdp checkpoint's Adam state per parameter (``optimizer.<name>.<field>``)."""
+    import torch.distributed.checkpoint as dcp
+
+    weights, _ = read_full_model_state(save)
+    state = {f"optimizer.{name}.{field}": torch.empty(() if field == "step" else value.shape)
+             for name, value in weights.items() for field in ("exp_avg", "exp_avg_sq", "step")}
+    dcp.load(state, checkpoint_id=next(save.glob("iter_*")), no_dist=True)
+    return state
+
+
 @needs_megatron
 def test_megatron_adam_state_continues_as_megatrons_next_step(megatron, tmp_path):
-    """ptdp imports Megatron's model and Adam state (moments, step count) at iteration 2 and trains
-    iteration 3 in one process and at (p, d) = (2, 2) with ptdp's distributed optimizer: the loss, the
-    gradient norm and every weight are Megatron's own third step's (the moments matter: a fresh Adam's
-    first step moves each weight by about the learning rate, far from Adam's continued step)."""
-    result = run_ptdp(["import", "--format", "megatron", "--in", str(megatron / "adam"),
-                       "--save", str(tmp_path / "ptdp")])
-    assert "iteration 2, 16 samples consumed" in result.stdout
-    flags = result.stdout.split("ptdp train ", 1)[1].split()
+    """ptdp imports Megatron's model and Adam state (moments, step count) at iteration 2, saved at
+    (t, d) = (2, 2) from several gradient buckets per rank, in Megatron-LM's default ``dp_reshardable``
+    format and in the torch format's ``distrib_optim.pt``: both rebuild the buckets' layout, and give the
+    same state. Iteration 3 from the one in one process and from the other at (p, d) = (2, 2) with ptdp's
+    distributed optimizer: the loss, the gradient norm and every weight are Megatron's own third step's (the
+    moments matter: a fresh Adam's first step moves each weight by about the learning rate, far from Adam's
+    continued step)."""
+    stdout = {}
+    for name in ("dp_reshardable", "torch"):
+        stdout[name] = run_ptdp(["import", "--format", "megatron", "--in", str(megatron / "adam" / name),
+                                 "--save", str(tmp_path / name)]).stdout
+        assert "iteration 2, 16 samples consumed" in stdout[name]
+    flags = stdout["torch"].split("ptdp train ", 1)[1].split()
+    assert stdout["dp_reshardable"].split("ptdp train ", 1)[1].split()[2:] == flags[2:]  # all but --load
     assert "--adam-beta2" in flags and flags[flags.index("--lr-decay-style") + 1] == "constant"
+    buckets, legacy = _optimizer_state(tmp_path / "dp_reshardable"), _optimizer_state(tmp_path / "torch")
+    for key in buckets:
+        assert torch.equal(legacy[key], buckets[key]), key
     runs = run_layouts(tmp_path / "runs", {
-        "one": (1, []),
+        "one": (1, ["--load", str(tmp_path / "dp_reshardable")]),
         "p2d2": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"])},
         base=flags + ["--train-iters", "3", "--log-interval", "1"])
     expected = torch.load(megatron / "adam" / "next.pt")
-    start, config = read_full_model_state(tmp_path / "ptdp")
+    start, config = read_full_model_state(tmp_path / "torch")
     megatron = _megatron_weights(expected, config)
     for name, run in runs.items():
         (record,) = run.records
@@ -343,6 +360,22 @@ def test_megatron_adam_state_continues_as_megatrons_next_step(megatron, tmp_path
         assert_same_training(*(_without_key_bias(w) for w in (weights, megatron, start)))
 
 
+@needs_megatron
+def test_megatron_fully_reshardable_from_several_buckets_is_refused(megatron, tmp_path):
+    """megatron-core 0.16.1 gathers the buffer without its buckets' end padding, then cuts each parameter at
+    its padded offset: from several buckets the ``fully_reshardable`` values are shifted (the fp32 copy of a
+    weight is not the weight), so ptdp refuses them rather than resume from other numbers."""
+    from ptdp.megatron.read import read_checkpoint
+
+    ckpt = read_checkpoint(megatron / "adam", read_optimizer=True)
+    name = "decoder.layers.0.mlp.linear_fc2.bias"
+    assert not torch.equal(ckpt.optimizer["param"][name], ckpt.tensors[name])  # Megatron's own save is off
+    with pytest.raises(MegatronError, match="several gradient buckets"):
+        import_megatron(megatron / "adam", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert import_megatron(megatron / "adam", tmp_path / "model", no_load_optim=True).iteration == 2
+
+
 def _without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The key bias's gradient is zero up to rounding (softmax ignores a shift shared by every key), and
     Adam scales that rounding noise up to a step: it is the one weight two exact runs may move apart."""
@@ -350,10 +383,42 @@ def _without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 @needs_megatron
-def test_megatron_optimizer_in_buffer_order_is_refused_in_one_line(megatron, tmp_path):
-    _refused_in_one_line(megatron / "adam" / "dp_reshardable", tmp_path / "out", "'dp_reshardable' format")
-    assert import_megatron(megatron / "adam" / "dp_reshardable", tmp_path / "model",
-                           no_load_optim=True).iteration == 2
+@pytest.mark.parametrize("change, named", [
+    ({"transformer_impl": "transformer_engine"}, "does not match the save"),  # the input norm's place moves
+    ({"ddp_bucket_size": 8000}, "gradient buckets hold"),
+    ({"data_parallel_size": None}, "lack data_parallel_size"),
+    ({"transformer_impl": None}, "transformer_impl=None"),
+    ({"num_distributed_optimizer_instances": 2}, "num_distributed_optimizer_instances=2"),
+])
+def test_megatron_bucket_layout_ptdp_cannot_rebuild_is_refused(megatron, tmp_path, change, named):
+    """A dp_reshardable save whose args would give another gradient-bucket layout than the one it was saved
+    with is refused, nothing written: the rebuilt layout is checked against the recorded bucket sizes and
+    the pieces' boundaries before a value is read."""
+    save = tmp_path / "save"
+    shutil.copytree(megatron / "adam" / "dp_reshardable", save)
+    path = save / "iter_0000002" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["args"] = argparse.Namespace(**(vars(common["args"]) | change))
+    torch.save(common, path)
+    with pytest.raises(MegatronError, match=named):
+        import_megatron(save, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert import_megatron(save, tmp_path / "model", no_load_optim=True).iteration == 2
+
+
+def test_bucket_layout_follows_megatrons_rules():
+    """Backward order, 64-element starts, a bucket closed at its size, the tied embedding's pipeline copy in
+    a bucket of its own, each end padded to lcm(dp, 128) (which moves the next bucket's start)."""
+    from ptdp.megatron.buckets import Bucket, Param, bucket_layout
+
+    params = [Param("embedding", 100, shared_embedding=True), Param("a", 10), Param("b", 70)]
+    assert bucket_layout(params, dp=2, bucket_size=None) == [
+        Bucket(256, 192, {"b": (0, 70), "a": (128, 138)}), Bucket(128, 100, {"embedding": (0, 100)})]
+    assert bucket_layout(params, dp=2, bucket_size=100) == [
+        Bucket(256, 138, {"b": (0, 70), "a": (128, 138)}), Bucket(128, 100, {"embedding": (0, 100)})]
+    assert bucket_layout(params[1:], dp=3, bucket_size=None) == [Bucket(384, 138, {"b": (0, 70), "a": (128, 138)})]
+    assert bucket_layout(params[1:], dp=2, bucket_size=50) == [Bucket(128, 70, {"b": (0, 70)}),
+                                                               Bucket(128, 10, {"a": (0, 10)})]
 
 
 def _with_adam_state(save: Path, **common_changes) -> None:
@@ -420,13 +485,14 @@ def test_adam_state_ptdp_would_not_continue_exactly_is_refused(tmp_path, common,
     assert not (tmp_path / "out").exists()
 
 
-def test_torch_format_optimizer_state_is_refused_by_name(tmp_path):
-    """The torch format's distrib_optim.pt is ordered by Megatron's gradient buffers: refused by name unless
-    --no-load-optim imports the model alone."""
+def test_torch_format_optimizer_state_without_a_file_per_rank_is_refused(tmp_path):
+    """The torch format's distrib_optim.pt holds one model-parallel rank's buffers: one missing (or an
+    optimizer other than the distributed one) is refused by name unless --no-load-optim imports the model
+    alone."""
     save = _megatron_save(tmp_path, "gpt")
     _split_legacy(save, t=2, p=1)
     torch.save({"per_bucket_numel": []}, save / "iter_0000010" / "mp_rank_00" / "distrib_optim.pt")
-    with pytest.raises(MegatronError, match="distrib_optim.pt"):
+    with pytest.raises(MegatronError, match="without a distrib_optim.pt per mp_rank"):
         import_megatron(save, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert import_megatron(save, tmp_path / "model", no_load_optim=True).iteration == 10
