@@ -34,10 +34,11 @@ _TRAIN = ["train", "--num-layers", "2", "--hidden-size", "32", "--num-attention-
 # What the process names: the deferred modules it imported.
 _PROBE = f"import sys\nprint('IMPORTED', *(m for m in {DEFERRED!r} if m in sys.modules))\n"
 
-# One process as a worker: the command line's ``main`` trains (parser, checks, model, optimizer, steps), then
+# One process as a worker (and an importer of ``ptdp.checkpointing.full_model``): the command line's ``main`` trains (parser, checks, model, optimizer, steps), then
 # each optimizer a worker may build (AdamW, SGD, Muon, and their host-offloaded forms) is built and stepped.
 _WORKER = f"""
 import sys
+import ptdp.checkpointing.full_model  # generate's and the conversions' reader: imported, not yet used
 from ptdp.cli.main import main
 assert main({_TRAIN!r}) == 0
 import torch
