@@ -7,6 +7,7 @@ import os
 import sys
 
 from ptdp.config import Config, ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.runtime import collector
 from ptdp.runtime.errors import print_error
 from ptdp.runtime.exit import exit_now
 
@@ -128,6 +129,8 @@ def run_train(args: argparse.Namespace) -> int:
             for line in errors:
                 print_error("train", line)
         return 2
+    if replica_launcher or launching:  # this process launches and waits; its imports are done
+        collector.resume()
     if replica_launcher:
         from ptdp.runtime.replicas import launch_replica_groups
 
@@ -320,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from ptdp.runtime.interrupt import install_for_command
 
     if argv is None:  # the `ptdp` console script (not a call from Python): Ctrl-C as ptdp/runtime/interrupt.py says
+        collector.pause()  # until the imports are done: ptdp/runtime/collector.py
         install_for_command(sys.argv[1:])
         # torch's OpenMP threads (libgomp) spin 300,000 times while they wait for each other: on a machine busy
         # with other work a one-process run then went 5x slower; spinning 10,000 times, then sleeping, holds up
@@ -329,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
     args = parse(build_parser(_command_of(sys.argv[1:] if argv is None else argv)), argv)
+    if args.command != "train":  # train resumes once its imports are done (as launcher or as worker)
+        collector.resume()
     code = args.run(args)
     if argv is None and args.command == "train":
         exit_now(code)  # a process of its own: skip the interpreter's teardown (ptdp.runtime.exit)

@@ -34,13 +34,18 @@ _TRAIN = ["train", "--num-layers", "2", "--hidden-size", "32", "--num-attention-
 # What the process names: the deferred modules it imported.
 _PROBE = f"import sys\nprint('IMPORTED', *(m for m in {DEFERRED!r} if m in sys.modules))\n"
 
-# One process as a worker (and an importer of ``ptdp.checkpointing.full_model``): the command line's ``main`` trains (parser, checks, model, optimizer, steps), then
+# One process as a worker (and an importer of ``ptdp.checkpointing.full_model``), its garbage collector paused
+# as the ``ptdp`` command pauses it: the command line's ``main`` trains (parser, checks, model, optimizer, steps), then
 # each optimizer a worker may build (AdamW, SGD, Muon, and their host-offloaded forms) is built and stepped.
 _WORKER = f"""
 import sys
 import ptdp.checkpointing.full_model  # generate's and the conversions' reader: imported, not yet used
 from ptdp.cli.main import main
+from ptdp.runtime import collector
+collector.pause()  # as the ``ptdp`` command does first (ptdp/runtime/collector.py)
 assert main({_TRAIN!r}) == 0
+import gc
+print("COLLECTING", gc.isenabled() and gc.get_freeze_count() > 0)  # resumed once the imports were done
 import torch
 from ptdp.config import OptimizerConfig
 from ptdp.optim.optimizer import build_optimizer
@@ -54,21 +59,26 @@ for kind in ("adam", "sgd", "muon"):
 """ + _PROBE
 
 
-def _imported(code: str) -> list[str]:
+def _run(code: str) -> list[str]:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(s for s in proc.stdout.splitlines() if s.startswith("IMPORTED"))
-    return line.split()[1:]
+    return proc.stdout.splitlines()
+
+
+def _imported(lines: list[str]) -> list[str]:
+    return next(s for s in lines if s.startswith("IMPORTED")).split()[1:]
 
 
 def test_a_training_process_imports_none_of_the_deferred_modules():
-    assert _imported(_WORKER) == []
+    lines = _run(_WORKER)
+    assert _imported(lines) == []
+    assert "COLLECTING True" in lines  # the worker resumed the garbage collector after its imports
 
 
 def test_the_check_sees_a_deferred_import():
     """The control: the same probe names the deferred modules a process did import."""
-    assert _imported("import torch.distributed.checkpoint\n" + _PROBE) == [
+    assert _imported(_run("import torch.distributed.checkpoint\n" + _PROBE)) == [
         "torch.distributed.checkpoint", "torch.distributed.tensor", "sympy"]
 
 
