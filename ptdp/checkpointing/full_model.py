@@ -2,6 +2,9 @@
 Hugging Face export/import. Names and shapes are the logical ones (``GPTModel`` built with t = 1), e.g.
 ``layers.0.attention.qkv.weight`` is ``[3, h, h]`` (the q, k and v blocks) and
 ``embedding.word_embeddings.weight`` is ``[padded_vocab, h]`` (rows past ``model.vocab_size`` are padding).
+
+``torch.distributed.checkpoint`` (with DTensor and sympy, about a second of CPU) is imported where a checkpoint
+is read or written, not with the module.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ptdp.checkpointing import storage
 from ptdp.checkpointing.validation import model_shape
@@ -38,6 +39,9 @@ class FullModelReader:
     truth (the fp32 master weights of a 16-bit run, the model's own copy otherwise)."""
 
     def __init__(self, path: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         if not Path(path).exists():
             raise storage.CheckpointError(f"{path} does not exist")
         if not Path(path).is_dir():
@@ -64,6 +68,8 @@ class FullModelReader:
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill ``tensors`` (saved key -> tensor of its full shape) from the checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
             dcp.load(tensors, checkpoint_id=self.directory, no_dist=True)
@@ -116,6 +122,8 @@ def write_full_model_state(path: str | Path, tensors: dict[str, torch.Tensor], c
     state = {f"model.{name}": tensors[name].detach().to("cpu", torch.float32).contiguous() for name in expected}
     if optimizer is not None:
         state.update(_optimizer_entries(optimizer, model_cfg, vocab, padded, config))
+    import torch.distributed.checkpoint as dcp
+
     root = Path(path)
     tmp = storage.prepare_temporary(root, iteration)
     with warnings.catch_warnings():

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from ptdp.checkpointing import storage
 from ptdp.checkpointing.interface import Checkpointable
-from ptdp.checkpointing.state import _layout, load_checkpoint, save_checkpoint
+
+# ``ptdp.checkpointing.state`` (and with it ``torch.distributed.checkpoint``, DTensor and sympy: about a second
+# of CPU in every process) is imported by the methods that save or load, so a run that does neither never
+# pays for it (``tests/codebase/test_startup_imports.py``).
 
 
 class CheckpointManager:
@@ -51,6 +54,10 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Load ``--load`` if it holds a checkpoint; the iteration it holds (0 to start fresh)."""
+        if not (self.ck.load or self.ck.pretrained_checkpoint):
+            return 0
+        from ptdp.checkpointing.state import load_checkpoint
+
         iteration = load_checkpoint(self.run, self.ck.load) if self.ck.load else None
         if iteration is None and self.ck.pretrained_checkpoint:  # a new fine-tuning run from a base model
             load_checkpoint(self.run, self.ck.pretrained_checkpoint, model_only=True)
@@ -73,6 +80,7 @@ class CheckpointManager:
 
     def _report_layout_change(self) -> None:
         """Say so when the checkpoint was resharded (an elastic restart at another world size, ptdp/runtime/elastic.py)."""
+        from ptdp.checkpointing.state import _layout
         from ptdp.runtime.elastic import layout_change
 
         run = self.run
@@ -104,6 +112,8 @@ class CheckpointManager:
 
     def save(self, iteration: int) -> None:
         """Save ``iteration``; the loop stalls only for staging the copy with ``--async-save``."""
+        from ptdp.checkpointing.state import save_checkpoint
+
         start = time.perf_counter()
         self.owned.add(iteration)
         save_checkpoint(self.run, iteration, self.writer, self._committed, frozenset(self.owned))

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ptdp.config import Config, ConfigError, add_config_arguments, config_from_args, derive, validate
+from ptdp.runtime import collector
 from ptdp.runtime.errors import print_error
 from ptdp.runtime.exit import exit_now
 
@@ -128,6 +129,8 @@ def run_train(args: argparse.Namespace) -> int:
             for line in errors:
                 print_error("train", line)
         return 2
+    if replica_launcher or launching:  # this process launches and waits; its imports are done
+        collector.resume()
     if replica_launcher:
         from ptdp.runtime.replicas import launch_replica_groups
 
@@ -198,40 +201,97 @@ def _fail(message: str, command: str | None = None) -> int:
     return 2
 
 
-def _other_parsers(sub) -> None:
-    """The sub-commands besides train: each module declares its flags and runs its command."""
-    from ptdp.cli.generate import add_generate_arguments, run_generate
-    from ptdp.cli.samples import add_samples_arguments, run_samples
-    from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
-    from ptdp.hf.convert import add_export_arguments
-    from ptdp.megatron.command import add_import_arguments, run_export, run_import
-    from ptdp.observability.timeline import add_timeline_arguments, run_timeline
+def _plan(p: argparse.ArgumentParser) -> None:
     from ptdp.planner import add_plan_arguments, run_plan
+
+    add_plan_arguments(p)
+    p.set_defaults(run=run_plan)
+
+
+def _simulate(p: argparse.ArgumentParser) -> None:
     from ptdp.simulate.command import add_simulate_arguments, run_simulate
 
-    for name, add_arguments, run, help_text in (
-        ("plan", add_plan_arguments, run_plan,
-         "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
-        ("simulate", add_simulate_arguments, run_simulate, "simulate a pipeline schedule and draw its timeline"),
-        ("preprocess", add_preprocess_arguments, run_preprocess,
-         "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
-        ("samples", add_samples_arguments, run_samples,
-         "print the training samples in the order training reads them (the flags of `ptdp train`)"),
-        ("generate", add_generate_arguments, run_generate, "continue a prompt with a checkpoint (any layout, one process)"),
-        ("export", add_export_arguments, run_export,
-         "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model, or as a "
-         "Megatron-LM torch_dist save (--format megatron)"),
-        ("import", add_import_arguments, run_import,
-         "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) or a Megatron-LM save "
-         "(--format megatron) as a ptdp checkpoint"),
-        ("timeline", add_timeline_arguments, run_timeline, "merge the per-rank Chrome traces of a --timeline run"),
-    ):
+    add_simulate_arguments(p)
+    p.set_defaults(run=run_simulate)
+
+
+def _preprocess(p: argparse.ArgumentParser) -> None:
+    from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
+
+    add_preprocess_arguments(p)
+    p.set_defaults(run=run_preprocess)
+
+
+def _samples(p: argparse.ArgumentParser) -> None:
+    from ptdp.cli.samples import add_samples_arguments, run_samples
+
+    add_samples_arguments(p)
+    p.set_defaults(run=run_samples)
+
+
+def _generate(p: argparse.ArgumentParser) -> None:
+    from ptdp.cli.generate import add_generate_arguments, run_generate
+
+    add_generate_arguments(p)
+    p.set_defaults(run=run_generate)
+
+
+def _export(p: argparse.ArgumentParser) -> None:
+    from ptdp.hf.convert import add_export_arguments
+    from ptdp.megatron.command import run_export
+
+    add_export_arguments(p)
+    p.set_defaults(run=run_export)
+
+
+def _import(p: argparse.ArgumentParser) -> None:
+    from ptdp.megatron.command import add_import_arguments, run_import
+
+    add_import_arguments(p)
+    p.set_defaults(run=run_import)
+
+
+def _timeline(p: argparse.ArgumentParser) -> None:
+    from ptdp.observability.timeline import add_timeline_arguments, run_timeline
+
+    add_timeline_arguments(p)
+    p.set_defaults(run=run_timeline)
+
+
+# The sub-commands besides train: (name, what declares its flags and its run function, help). Each module
+# declares its flags and runs its command.
+_OTHER_COMMANDS = (
+    ("plan", _plan, "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
+    ("simulate", _simulate, "simulate a pipeline schedule and draw its timeline"),
+    ("preprocess", _preprocess,
+     "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
+    ("samples", _samples, "print the training samples in the order training reads them (the flags of `ptdp train`)"),
+    ("generate", _generate, "continue a prompt with a checkpoint (any layout, one process)"),
+    ("export", _export,
+     "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model, or as a "
+     "Megatron-LM torch_dist save (--format megatron)"),
+    ("import", _import,
+     "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) or a Megatron-LM save "
+     "(--format megatron) as a ptdp checkpoint"),
+    ("timeline", _timeline, "merge the per-rank Chrome traces of a --timeline run"),
+)
+
+
+def _other_parsers(sub, command: str | None = None) -> None:
+    """The sub-commands besides train. With ``command`` (the one this process runs), only that command's
+    module is imported and its flags declared: the others' modules (the planner, the simulator, the
+    conversions, ...) cost 0.2-0.4 s of CPU, which every training worker paid for flags it never reads
+    (BENCHMARKS.md, "Process start-up"). Their sub-parsers stay, without flags, so ``ptdp --help`` and a
+    misspelt command still name them all."""
+    for name, declare, help_text in _OTHER_COMMANDS:
         p = sub.add_parser(name, help=help_text)
-        add_arguments(p)
-        p.set_defaults(run=run)
+        if command is None or command == name:
+            declare(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ptdp`` parser: every sub-command's flags, or with ``command`` only that one's (the others are
+    named, without flags: see :func:`_other_parsers`)."""
     from ptdp import __version__
     from ptdp.cli.parser import Parser
 
@@ -239,8 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ptdp {__version__} ({_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    _other_parsers(sub)
+    _other_parsers(sub, command)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The sub-command ``argv`` names (its first argument that is not an option: ``ptdp`` itself has only
+    ``--help`` and ``--version``), or None."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def _torch_version() -> str:
@@ -257,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from ptdp.runtime.interrupt import install_for_command
 
     if argv is None:  # the `ptdp` console script (not a call from Python): Ctrl-C as ptdp/runtime/interrupt.py says
+        collector.pause()  # until the imports are done: ptdp/runtime/collector.py
         install_for_command(sys.argv[1:])
         # torch's OpenMP threads (libgomp) spin 300,000 times while they wait for each other: on a machine busy
         # with other work a one-process run then went 5x slower; spinning 10,000 times, then sleeping, holds up
@@ -265,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-    args = parse(build_parser(), argv)
+    args = parse(build_parser(_command_of(sys.argv[1:] if argv is None else argv)), argv)
+    if args.command != "train":  # train resumes once its imports are done (as launcher or as worker)
+        collector.resume()
     code = args.run(args)
     if argv is None and args.command == "train":
         exit_now(code)  # a process of its own: skip the interpreter's teardown (ptdp.runtime.exit)

@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 
 from ptdp.config import Config, ConfigError
-from ptdp.runtime import interrupt
+from ptdp.runtime import collector, interrupt
 from ptdp.runtime.errors import print_error
 
 
@@ -26,6 +26,7 @@ def run_worker(config: Config) -> int:
 
         with phase("importing torch and the training code"):
             from ptdp.train.loop import train
+        collector.resume()  # paused by ptdp.cli.main.main in a process of its own
         train(config)
         code = interrupt.exit_code() or 0
     except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy

@@ -23,6 +23,7 @@ from torch import nn
 
 from ptdp.config import OptimizerConfig
 from ptdp.config.optimizers import STATE_FIELD_BYTES, optimizer_spec
+from ptdp.optim import eager
 from ptdp.optim.muon import MuonLayout, muon, placement_of
 from ptdp.optim.muon_units import is_hidden_matrix
 from ptdp.optim.offload import HostOffloadAdamW, HostOffloadSGD, fused_adamw_on
@@ -86,12 +87,12 @@ def adamw(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements) 
     if cfg.optimizer_cpu_offload:  # state and step on the host
         return HostOffloadAdamW(groups, **kwargs)
     device = stepped[0].tensor.device.type if stepped else "cpu"
-    return torch.optim.AdamW(groups, fused=fused_adamw_on(device) or None, **kwargs)
+    return eager.AdamW(groups, fused=fused_adamw_on(device) or None, **kwargs)
 
 
 def _sgd(stepped: list[Stepped], cfg: OptimizerConfig, placements: Placements, layout: MuonLayout | None):
     groups = _decay_groups(stepped, placements, cfg.weight_decay)
-    cls = HostOffloadSGD if cfg.optimizer_cpu_offload else torch.optim.SGD
+    cls = HostOffloadSGD if cfg.optimizer_cpu_offload else eager.SGD
     return cls(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ptdp.config import OptimizerConfig
+from ptdp.optim.eager import Eager
 from ptdp.optim.muon_exchange import ROLES, Exchange, Grid, Shards
 from ptdp.optim.muon_units import QKVLayout, Unit, is_hidden_matrix, units_of
 from ptdp.optim.newton_schulz import coefficient_schedule, newton_schulz
@@ -57,7 +58,7 @@ def placement_of(param: nn.Parameter, placements: Placements) -> Placement:
     return found if found is not None else Placement(f"param{id(param)}", weight_decay=param.dim() >= 2)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(Eager, torch.optim.Optimizer):
     """Muon over tensors that are this rank's pieces of hidden matrices (module docstring). ``origin[t] =
     (param, start)``: the parameter tensor ``t`` is a piece of, and where the piece starts in its ``view(-1)``."""
 

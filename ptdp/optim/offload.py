@@ -28,19 +28,21 @@ import functools
 
 import torch
 
+from ptdp.optim.eager import AdamW, Eager
+
 
 @functools.cache
 def fused_adamw_on(device_type: str) -> bool:
     """Whether this torch has a fused AdamW kernel for ``device_type`` (asked of torch itself: its
     constructor refuses a device it has none for)."""
     try:
-        torch.optim.AdamW([torch.zeros(1, device=device_type, requires_grad=True)], fused=True)
+        AdamW([torch.zeros(1, device=device_type, requires_grad=True)], fused=True)
     except (RuntimeError, ValueError):
         return False
     return True
 
 
-class HostOffload(torch.optim.Optimizer):
+class HostOffload(Eager, torch.optim.Optimizer):
     """An element-wise torch optimizer (the next class in the MRO) over device parameters whose state and
     arithmetic live on the host."""
 

@@ -33,6 +33,8 @@ KNOWN = {
     "runtime/interrupt.py:_STATE": "Ctrl-C state: interrupt.install never runs in the pool, no signal reaches it",
     "runtime/interrupt.py:_LAUNCHER": "the launcher's (not in the pool)",
     "runtime/launch.py:_REPORTED_BY_WORKERS": "the launcher's (not in the pool)",
+    "runtime/collector.py:_paused": "paused only by the `ptdp` command's own process (main() without argv), "
+                                    "never in the pool; resume() there finds it unset",
     "runtime/signals.py:_CALLBACKS": "installed by interrupt.install only (not in the pool)",
     "runtime/signals.py:_INSTALLED": "installed by interrupt.install only (not in the pool)",
     "runtime/signals.py:_THREAD": "installed by interrupt.install only (not in the pool)",

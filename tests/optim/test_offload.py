@@ -63,8 +63,9 @@ def test_offloaded_state_checkpoints_and_resumes(tmp_path):
 
 def test_the_flag_selects_the_host_optimizer():
     from ptdp.config import OptimizerConfig
+    from ptdp.optim import eager
     from ptdp.optim.optimizer import build_optimizer
 
     params = _params(0)
-    assert type(build_optimizer(params, OptimizerConfig())) is torch.optim.AdamW
+    assert type(build_optimizer(params, OptimizerConfig())) is eager.AdamW  # torch's AdamW (ptdp.optim.eager)
     assert isinstance(build_optimizer(params, OptimizerConfig(optimizer_cpu_offload=True)), HostOffloadAdamW)
