@@ -41,9 +41,10 @@ def outside_compile(fn: Callable) -> Callable:
     return call
 
 
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GeLU(y + bias), tanh approximation (GPT-2's)."""
-    return F.gelu(y + bias, approximate="tanh")
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeLU(y + bias): the tanh approximation (GPT-2's, Megatron's fused kernel's) or, ``approximate="none"``,
+    the exact erf form (``ModelConfig.gelu_approximate``)."""
+    return F.gelu(y + bias, approximate=approximate)
 
 
 def bias_dropout_add(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
@@ -98,8 +99,9 @@ def _probe(ops: FusedOps) -> None:
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         y = torch.randn(2, 3, 4, requires_grad=True)
         bias = torch.zeros(4, requires_grad=True)
-        out = ops.bias_dropout_add(ops.bias_gelu(y, bias), bias, y, 0.1, True)
-        out.sum().backward()
+        for approximate in ("tanh", "none"):  # both GeLU forms: each is its own compiled graph
+            out = ops.bias_dropout_add(ops.bias_gelu(y, bias, approximate), bias, y, 0.1, True)
+            out.sum().backward()
 
 
 def compile_layers(layers, sample_shape: tuple[int, ...], dtype) -> bool:
