@@ -284,9 +284,10 @@ def nanogpt_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
     the plain iteration runs in place of the loop's call of ``train_step``, before it. Returns what
     :func:`step_comparison` does, each block the mean of ``--iters`` consecutive iterations."""
     import ptdp.train.loop as loop
+    import ptdp.train.steppers as steppers  # the loop's plain stepper calls its train_step
 
     config = ptdp_config(args)
-    real_step = loop.train_step
+    real_step = steppers.train_step
     plain: list[NanoGPTLoop] = []
     losses = {"ptdp": [], "plain": []}
     seconds = {"ptdp": [], "plain": []}  # (wall, CPU) per iteration
@@ -307,12 +308,12 @@ def nanogpt_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
             seconds["plain"].append((mark[0][0] - begin[0], mark[0][1] - begin[1]))
         return real_step(trainer, iteration)
 
-    loop.train_step = alternate
+    steppers.train_step = alternate
     try:
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # both sides' log lines
             metrics = loop.train(config)
     finally:
-        loop.train_step = real_step
+        steppers.train_step = real_step
     losses["ptdp"] = [r["loss"] for r in metrics]
     n = args.iters
     times, cpu = {}, {}
