@@ -11,8 +11,9 @@ preprocess``) in a scratch directory, once.
 Both sides run nanoGPT's README CPU recipe: 4 layers, h = 128, 4 heads, s = 64, b = 12, no biases, dropout 0,
 AdamW (lr 1e-3, beta2 0.99, weight decay 0.1), clip 1.0, warm-up 100 and cosine decay to 1e-4 over the run,
 ``--compile=False``, a log line every iteration. ptdp's vocabulary is 66 (NullTokenizer's 65 ids + its eod id)
-against nanoGPT's 65. The MLP activation differs: nanoGPT's exact GeLU, ptdp's GPT-2 tanh form (the slower
-kernel on a CPU; BENCHMARKS.md). Evaluation: nanoGPT's ``eval_interval`` and ptdp's ``--eval-interval`` are past the
+against nanoGPT's 65. The MLP activation is the same: nanoGPT's ``nn.GELU()`` is the exact (erf) GeLU, and
+so is ptdp's without linear biases (Megatron-LM's rule, docs/cli.md#gelu); ``--openai-gelu`` runs ptdp with
+the tanh form instead (its only GeLU before, the slower kernel on a CPU; BENCHMARKS.md). Evaluation: nanoGPT's ``eval_interval`` and ptdp's ``--eval-interval`` are past the
 run, so neither evaluates inside the timed window (nanoGPT evaluates at iteration 0, ptdp after its last).
 
 The runs alternate (nanoGPT, ptdp, nanoGPT, ptdp, ...), ``--pairs`` pairs, each side under the same
@@ -106,7 +107,7 @@ def commands(args, prefix: Path) -> tuple[list[str], list[str]]:
             "--lr-decay-style", "cosine", "--lr-decay-iters", n, "--weight-decay", "0.1", "--adam-beta2", "0.99",
             "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
             "--disable-bias-norm", "--log-interval", "1", "--eval-interval", str(10 * args.iters),
-            "--eval-iters", "1"]
+            "--eval-iters", "1", *(["--openai-gelu"] if args.openai_gelu else [])]
     return nano, ptdp
 
 
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="the timed window starts at this iteration")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/ptdp-nanogpt-bench"))
+    parser.add_argument("--openai-gelu", action="store_true", help="ptdp with the tanh GeLU (nanoGPT's is exact)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not (args.nanogpt / "train.py").exists() or not (args.nanogpt / "data/shakespeare_char/meta.pkl").exists():
@@ -145,7 +147,7 @@ def main() -> None:
               "nanogpt_ms": [n[0] * 1e3 for n in runs["nanogpt"]], "ptdp_ms": [p[0] * 1e3 for p in runs["ptdp"]],
               "nanogpt_cpu_ms": [n[1] * 1e3 for n in runs["nanogpt"]],
               "ptdp_cpu_ms": [p[1] * 1e3 for p in runs["ptdp"]],
-              "iters": args.iters, "window": [first, last], "threads": args.threads, "load_average": os.getloadavg(),
+              "iters": args.iters, "window": [first, last], "ptdp_gelu": "tanh" if args.openai_gelu else "exact", "threads": args.threads, "load_average": os.getloadavg(),
               "machine": platform.machine(), "processor": platform.processor()}
     if args.json:
         print(json.dumps(result))

@@ -3,7 +3,7 @@
     python benchmarks/overhead.py --json          # one JSON object on stdout
     python benchmarks/overhead.py --iters 8 --repeats 5 --threads 1
 
-The same small GPT (GPT-2 block: pre-LN, fused-qkv linear, SDPA causal, tanh-GeLU MLP, tied embedding;
+The same small GPT (GPT-2 block: pre-LN, fused-qkv linear, SDPA causal, GeLU MLP, tied embedding;
 AdamW with ptdp's decay groups, global-norm clipping, m microbatches of gradient accumulation) is trained
 by ``ptdp.train.step.train_step`` at t = p = d = 1 and by :class:`PlainGPT` + a 15-line loop that uses no
 ptdp code, in one process, starting from the same weights on the same batches. Repeats alternate between
@@ -16,7 +16,8 @@ attention with ``--groups`` K/V heads, untied output, no biases) against :class:
 with plain PyTorch as well.
 
 ``--nanogpt`` is nanoGPT's CPU recipe (4 layers, h = 128, 4 heads, s = 64, b = 12, no biases, one
-microbatch) with every iteration logged on both sides: ptdp's whole training loop (``ptdp.train.loop.train``:
+microbatch; the exact GeLU, nanoGPT's ``nn.GELU()`` and ptdp's without biases; ``--openai-gelu``: the tanh
+one on both sides) with every iteration logged on both sides: ptdp's whole training loop (``ptdp.train.loop.train``:
 the step, the metrics record with its memory and straggler report, the progress line, the checkpoint and
 signal checks) against a nanoGPT-style loop (:func:`nanogpt_iteration`: get_batch, forward, backward, clip,
 AdamW, ``zero_grad(set_to_none=True)``, ``loss.item()``, a log line). The plain iteration runs inside ptdp's
@@ -45,9 +46,9 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, h: int, heads: int, bias: bool = True):
+    def __init__(self, h: int, heads: int, bias: bool = True, approximate: str = "tanh"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.approximate = heads, approximate
         self.ln1, self.ln2 = nn.LayerNorm(h, bias=bias), nn.LayerNorm(h, bias=bias)
         self.qkv, self.proj = nn.Linear(h, 3 * h, bias=bias), nn.Linear(h, h, bias=bias)
         self.fc1, self.fc2 = nn.Linear(h, 4 * h, bias=bias), nn.Linear(4 * h, h, bias=bias)
@@ -57,14 +58,15 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.approximate))
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int, bias: bool = True):
+    def __init__(self, vocab: int, seq: int, h: int, heads: int, layers: int, bias: bool = True,
+                 approximate: str = "tanh"):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(Block(h, heads, bias) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(h, heads, bias, approximate) for _ in range(layers))
         self.ln_f = nn.LayerNorm(h, bias=bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -188,7 +190,8 @@ def ptdp_config(args):
     tr.train_iters = 10**6
     o.lr_warmup_iters, o.lr_decay_style = 0, "constant"
     if args.nanogpt:  # nanoGPT's bias=False: no bias in the linears nor the LayerNorms
-        m.disable_bias_linear = m.disable_bias_norm = True
+        m.disable_bias_linear = m.disable_bias_norm = True  # and so the exact GeLU, nanoGPT's nn.GELU()
+        m.openai_gelu = args.openai_gelu
         tr.train_iters, tr.log_interval = 2 + args.iters * args.repeats, 1
     errors = validate(c, 1)
     if errors:
@@ -215,7 +218,7 @@ def plain_from(trainer) -> tuple[PlainGPT, torch.optim.Optimizer]:
                            m.num_layers, m.num_query_groups, m.ffn_size)
     else:
         model = PlainGPT(trainer.chunks[0].vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads,
-                         m.num_layers, bias=m.add_bias_linear)
+                         m.num_layers, bias=m.add_bias_linear, approximate=m.gelu_approximate)
     src = dict(trainer.chunks[0].named_parameters())
     rename = {"wte.weight": "embedding.word_embeddings.weight", "wpe.weight": "embedding.position_embeddings.weight",
               "ln_f.weight": "final_layernorm.weight", "ln_f.bias": "final_layernorm.bias",
@@ -281,9 +284,10 @@ def nanogpt_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
     the plain iteration runs in place of the loop's call of ``train_step``, before it. Returns what
     :func:`step_comparison` does, each block the mean of ``--iters`` consecutive iterations."""
     import ptdp.train.loop as loop
+    import ptdp.train.steppers as steppers  # the loop's plain stepper calls its train_step
 
     config = ptdp_config(args)
-    real_step = loop.train_step
+    real_step = steppers.train_step
     plain: list[NanoGPTLoop] = []
     losses = {"ptdp": [], "plain": []}
     seconds = {"ptdp": [], "plain": []}  # (wall, CPU) per iteration
@@ -304,12 +308,12 @@ def nanogpt_comparison(args) -> tuple[dict, dict, dict, nn.Module]:
             seconds["plain"].append((mark[0][0] - begin[0], mark[0][1] - begin[1]))
         return real_step(trainer, iteration)
 
-    loop.train_step = alternate
+    steppers.train_step = alternate
     try:
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # both sides' log lines
             metrics = loop.train(config)
     finally:
-        loop.train_step = real_step
+        steppers.train_step = real_step
     losses["ptdp"] = [r["loss"] for r in metrics]
     n = args.iters
     times, cpu = {}, {}
@@ -337,6 +341,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="key/value groups with --llama")
     parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's CPU recipe, ptdp's whole training loop "
                         "against a nanoGPT-style loop, every iteration logged (sets the sizes)")
+    parser.add_argument("--openai-gelu", action="store_true", help="with --nanogpt: the tanh GeLU on both sides "
+                        "(ptdp's only GeLU before the exact one; nanoGPT's is exact)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.nanogpt and args.llama:
@@ -359,7 +365,7 @@ def main() -> None:
         "median_paired_cpu_ratio": statistics.median(a / b for a, b in zip(cpu["ptdp"], cpu["plain"], strict=True)),
         "ptdp_cpu_iteration_s": statistics.median(cpu["ptdp"]), "plain_cpu_iteration_s": statistics.median(cpu["plain"]),
         "loss_max_rel_diff": diff, "final_loss": losses["ptdp"][-1],
-        "model": {"family": "llama" if args.llama else "gpt2", "layers": args.layers, "hidden": args.hidden,
+        "model": {"family": "llama" if args.llama else "gpt2", "openai_gelu": args.openai_gelu, "layers": args.layers, "hidden": args.hidden,
                   "heads": args.heads, "seq": args.seq, "micro_batch": args.micro_batch,
                   "microbatches": args.microbatches, "params": sum(p.numel() for p in model.parameters())},
         "iters": args.iters, "repeats": args.repeats, "threads": args.threads, "load_average": os.getloadavg(),

@@ -61,6 +61,15 @@ def model_shape(model: ModelConfig, vocab_size: int, padded_vocab_size: int) -> 
     return {**_fields(model), "vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
 
 
+def _saved_gelu(saved: dict) -> str:
+    """The GeLU form (``ModelConfig.gelu_approximate``) of a checkpoint's plain GeLU MLP; before
+    ``--no-bias-gelu-fusion`` and ``--openai-gelu`` existed, ptdp's GeLU was always the tanh one."""
+    if "bias_gelu_fusion" not in saved:
+        return "tanh"
+    fused = saved["bias_gelu_fusion"] and not saved.get("disable_bias_linear")
+    return "tanh" if saved.get("openai_gelu") or fused else "none"
+
+
 def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: int) -> str | None:
     """One line naming every shape flag whose value differs from the checkpoint's, or None."""
     here, default = _fields(model), _fields(ModelConfig())  # checkpoints from before the Llama options: defaults
@@ -74,6 +83,11 @@ def model_mismatch(saved: dict, model: ModelConfig, vocab_size: int | None, tp: 
               if saved.get(key, default[key]) != here[key]
               and (key != "num_query_groups" or model.group_query_attention)
               and (key != "disable_bias_norm" or model.normalization != "RMSNorm")]  # RMSNorm has no bias
+    gelu = _saved_gelu(saved)
+    if not model.gated_mlp and not diffs and gelu != model.gelu_approximate:
+        name = {"tanh": "tanh", "none": "exact"}
+        diffs.append(f"the GeLU {name[gelu]} there, {name[model.gelu_approximate]} here (--openai-gelu, "
+                     "--no-bias-gelu-fusion, --disable-bias-linear: docs/cli.md#gelu)")
     # --seq-length is a training setting (any length up to the positions the model was built for); a learned
     # position table's rows are a shape (checkpoints from before --max-position-embeddings: their --seq-length)
     rows, here_rows = saved.get("max_position_embeddings") or saved.get("seq_length"), (model.max_position_embeddings

@@ -25,7 +25,6 @@ NO_OP_FLAGS: dict[str, str] = {
     "--use-mcore-models": "ptdp always builds its own core models (there are no legacy models to choose from)",
     "--log-throughput": "ptdp's progress line always shows tokens/s and TFLOP/s/GPU",
     "--no-masked-softmax-fusion": _NO_FUSED,
-    "--no-bias-gelu-fusion": _NO_FUSED,
     "--no-bias-dropout-fusion": _NO_FUSED,
     "--no-bias-swiglu-fusion": _NO_FUSED,
     "--no-rope-fusion": _NO_FUSED,

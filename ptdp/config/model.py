@@ -37,6 +37,13 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "LayerNorm (GPT-2) or RMSNorm (Llama)", choices=["LayerNorm", "RMSNorm"])
     swiglu: bool = opt(False, "SwiGLU MLP down(silu(gate(x)) * up(x)); default --ffn-hidden-size becomes "
                        "int(8h/3 / 64) * 64")
+    openai_gelu: bool = opt(False, "the GeLU MLP computes the tanh approximation (GPT-2's, OpenAI's) whatever "
+                            "the biases and --no-bias-gelu-fusion say (Megatron-LM's legacy models' flag; "
+                            "docs/cli.md#gelu)")
+    bias_gelu_fusion: bool = opt(True, "the exact (erf) GeLU also with linear biases: Megatron-LM's fused bias-GeLU, "
+                                 "its default wherever there are biases, is the tanh approximation, its unfused "
+                                 "GeLU the exact one (so the default is tanh with biases, exact with "
+                                 "--disable-bias-linear; docs/cli.md#gelu)", flag="--no-bias-gelu-fusion")
     group_query_attention: bool = opt(False, "grouped-query attention: --num-query-groups K/V heads")
     num_query_groups: int = opt(1, "key/value head groups G with --group-query-attention (t must divide G)")
     untie_embeddings_and_output_weights: bool = opt(False, "a separate output layer instead of the input "
@@ -144,6 +151,13 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         """A gated MLP (SwiGLU, GeGLU or quick-GeGLU): fc1 is [gate; up], three ffn matrices."""
         return self.swiglu or self.geglu or self.quick_geglu
+
+    @property
+    def gelu_approximate(self) -> str:
+        """The plain GeLU MLP's ``F.gelu(approximate=...)``: "tanh" where Megatron-LM computes the tanh form
+        (``--openai-gelu``, or its fused bias-GeLU: biases and ``bias_gelu_fusion``), else "none" (exact erf)."""
+        tanh = self.openai_gelu or (self.bias_gelu_fusion and not self.disable_bias_linear)
+        return "tanh" if tanh else "none"
 
     @property
     def head_dim(self) -> int:

@@ -86,6 +86,9 @@ def _gpt_oss_errors(config: Config) -> list[str]:
     if (m.glu_linear_offset or m.activation_func_clamp_value is not None) and not m.gated_mlp:
         errors.append("--glu-linear-offset and --activation-func-clamp-value act on a gated MLP; add --swiglu, "
                       "--geglu or --quick-geglu")
+    if m.openai_gelu and m.gated_mlp:
+        errors.append("--openai-gelu picks the plain GeLU MLP's tanh form; a gated MLP (--swiglu, --geglu, "
+                      "--quick-geglu) has its own activation: drop the flag")
     if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
         errors.append(f"--activation-func-clamp-value must be > 0, got {m.activation_func_clamp_value}")
     if m.softmax_type != "vanilla":

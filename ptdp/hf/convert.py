@@ -229,9 +229,11 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "activation_func_clamp_value", "yarn_correction_range_round_to_int", "rotary_percent",
                 "attention_output_gate", "experimental_attention_variant", "linear_attention_freq",
                 "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads", "attn_logit_softcapping", "final_logit_softcapping")
+                "linear_num_value_heads", "attn_logit_softcapping", "final_logit_softcapping", "openai_gelu",
+                "bias_gelu_fusion")
 # Boolean fields whose default is True: their flag turns them off (``--no-...``).
-_NEGATED = {"yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
+_NEGATED = {"yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int",
+            "bias_gelu_fusion": "--no-bias-gelu-fusion"}
 
 
 def train_flags(cfg: ModelConfig, moe: MoEConfig | None = None) -> str:

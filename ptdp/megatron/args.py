@@ -5,9 +5,12 @@ tensor is read, whether ptdp computes the same model. Everything that would chan
 activation, a norm ptdp lacks, an attention variant) is refused with one line naming Megatron's argument,
 so a checkpoint never imports as a different model.
 
-GeLU: ptdp's GeLU is the tanh approximation. Megatron computes it too with ``--openai-gelu`` or with its
-default fused bias-GeLU (``bias_gelu_fusion`` with linear biases); an unfused GeLU there is the exact erf
-form, which ptdp refuses.
+GeLU: Megatron-Core's MLP computes the tanh approximation only in its fused bias-GeLU (``bias_gelu_fusion``,
+on by default, active only with linear biases) and the exact erf ``F.gelu`` otherwise; ``openai_gelu`` is
+read by Megatron-LM's legacy models only (``use_legacy_models``), where it means the tanh form. The import
+sets ptdp's same-named flags so that ``ModelConfig.gelu_approximate`` is what the checkpoint computed; the
+export writes them so that Megatron-Core computes ptdp's GeLU, and refuses the one ptdp model it cannot: a
+tanh GeLU without biases (``--openai-gelu --disable-bias-linear``).
 """
 
 from __future__ import annotations
@@ -80,9 +83,9 @@ def model_from_args(args: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
         raise _refusal("rope_type", args["rope_type"], None)
     bias = bool(args.get("add_bias_linear", True))
     cfg.disable_bias_linear = not bias
-    if not cfg.swiglu and not args.get("openai_gelu", False) and not (bias and args.get("bias_gelu_fusion", True)):
-        raise MegatronError("--in: the checkpoint's GeLU is the exact erf form (bias_gelu_fusion off, or no "
-                            "add_bias_linear, without openai_gelu); ptdp computes the tanh approximation")
+    if not cfg.swiglu:  # the GeLU form the checkpoint's model computed (tanh or exact), as ptdp's flags
+        cfg.bias_gelu_fusion = not bias or bool(args.get("bias_gelu_fusion", True))  # no biases: exact either way
+        cfg.openai_gelu = bool(args.get("use_legacy_models")) and bool(args.get("openai_gelu"))
     heads, groups = cfg.num_attention_heads, args.get("num_query_groups")
     if args.get("group_query_attention") and groups and groups != heads:
         cfg.group_query_attention, cfg.num_query_groups = True, int(groups)
@@ -105,8 +108,9 @@ def args_from_model(cfg: ModelConfig, moe: MoEConfig, padded_vocab: int) -> dict
     args.update(
         ffn_hidden_size=cfg.ffn_size, normalization=cfg.normalization, position_embedding_type=cfg.position_embedding_type,
         add_bias_linear=not cfg.disable_bias_linear, group_query_attention=cfg.group_query_attention,
-        num_query_groups=cfg.query_groups, kv_channels=cfg.head_dim, openai_gelu=not cfg.swiglu,
-        bias_gelu_fusion=not cfg.disable_bias_linear, padded_vocab_size=padded_vocab, vocab_size=cfg.vocab_size,
+        num_query_groups=cfg.query_groups, kv_channels=cfg.head_dim, openai_gelu=cfg.openai_gelu,
+        bias_gelu_fusion=cfg.add_bias_linear and (cfg.swiglu or cfg.gelu_approximate == "tanh"),
+        padded_vocab_size=padded_vocab, vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings or cfg.seq_length,
     )
     if moe.num_experts:
@@ -122,6 +126,9 @@ def export_problem(cfg: ModelConfig, moe: MoEConfig) -> str | None:
         return "the model uses Gemma 3 blocks (sliding windows, sandwich norms, GeGLU, ...), which this export lacks"
     if cfg.multi_latent_attention or cfg.mtp_num_layers:
         return "multi-latent attention and multi-token prediction do not export to Megatron checkpoints yet"
+    if not cfg.gated_mlp and cfg.gelu_approximate == "tanh" and cfg.disable_bias_linear:
+        return ("a tanh GeLU without linear biases (--openai-gelu with --disable-bias-linear): Megatron-Core "
+                "computes it only in its fused bias-GeLU, and the exact GeLU without biases")
     if cfg.use_rope_scaling:
         return "--use-rope-scaling does not export to Megatron checkpoints yet"
     if moe.num_experts and (moe.moe_layer_freq != "1" or moe.moe_shared_expert_gate):

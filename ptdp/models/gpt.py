@@ -103,7 +103,7 @@ def on_meta() -> Iterator[None]:
         yield
 
 class MLP(nn.Module):
-    """GeLU MLP fc2(gelu(fc1(x))), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]
+    """GeLU MLP fc2(gelu(fc1(x))) (tanh or exact: ``ModelConfig.gelu_approximate``), or with ``--swiglu`` fc2(silu(gate(x)) * up(x)) where fc1 = [gate; up]
     (``--geglu``: the tanh GeLU for the SiLU; ``--quick-geglu``: GPT-OSS's; ``ptdp.models.glu``)."""
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps):
@@ -115,13 +115,16 @@ class MLP(nn.Module):
                           skip_bias_add=self.fuse)
         self.fc2 = Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear, skip_bias_add=ops.compiled)
         self.ops = ops
+        self.approximate = cfg.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """The output, or (compiled ops) the output before its bias and the bias."""
         fc1, fc2 = self.fc1, self.fc2
         if self.glu is not None:  # the gate rows, then the up rows (fc1's weight is [2, ffn, h])
             return fc2(self.glu(fc1(x)))
-        h = self.ops.bias_gelu(*fc1(x)) if self.fuse else F.gelu(fc1(x), approximate="tanh")
+        if self.fuse:
+            return fc2(self.ops.bias_gelu(*fc1(x), self.approximate))
+        h = F.gelu(fc1(x), approximate=self.approximate)
         return fc2(h)
 
 

@@ -81,6 +81,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_size
         self.glu, self.grouped = gated_activation(cfg), moe.moe_grouped_gemm
+        self.approximate = cfg.gelu_approximate  # the dense MLP's GeLU form (tanh or exact)
         g = 2 if cfg.gated_mlp else 1
         self.fc1_weight = nn.Parameter(torch.empty(moe.num_experts, g, ffn, cfg.hidden_size))
         self.fc2_weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, ffn))
@@ -97,7 +98,7 @@ class GroupedExperts(nn.Module):
         if self.fc1_adapter is not None:
             h = h + self.fc1_adapter(x, tokens_per_expert)
         # this rank's gate rows, then its up rows (as the dense MLP's fc1)
-        h = self.glu(h) if self.glu is not None else F.gelu(h, approximate="tanh")
+        h = self.glu(h) if self.glu is not None else F.gelu(h, approximate=self.approximate)
         y = _add_bias(grouped_linear(h, self.fc2_weight, tokens_per_expert, self.grouped), self.fc2_bias,
                       tokens_per_expert)
         return y if self.fc2_adapter is None else y + self.fc2_adapter(h, tokens_per_expert)

@@ -41,9 +41,10 @@ def outside_compile(fn: Callable) -> Callable:
     return call
 
 
-def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GeLU(y + bias), tanh approximation (GPT-2's)."""
-    return F.gelu(y + bias, approximate="tanh")
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeLU(y + bias): the tanh approximation (GPT-2's, Megatron's fused kernel's) or, ``approximate="none"``,
+    the exact erf form (``ModelConfig.gelu_approximate``)."""
+    return F.gelu(y + bias, approximate=approximate)
 
 
 def bias_dropout_add(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,

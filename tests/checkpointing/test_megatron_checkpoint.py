@@ -235,7 +235,6 @@ def _edit_args(save: Path, **changes) -> None:
     ({"squared_relu": True}, "squared_relu"),
     ({"normalization": "LayerNorm1P"}, "normalization"),
     ({"position_embedding_type": "yarn"}, "position_embedding_type"),
-    ({"bias_gelu_fusion": False}, "bias_gelu_fusion"),
     ({"rotary_interleaved": True}, "rotary_interleaved"),
     ({"consumed_train_samples": 72}, "rampup_batch_size"),
 ])

@@ -23,17 +23,26 @@ def _inputs() -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).requires_grad_(True) for s in shapes]
 
 
-@pytest.mark.parametrize("name", ["bias_gelu", "bias_dropout_add"])
+@pytest.mark.parametrize("name", ["bias_gelu", "bias_gelu_exact", "bias_dropout_add"])
 def test_compiled_matches_eager_outputs_and_grads(compiled, name):
     results = []
     for ops in (fused.EAGER, compiled):
         y, bias, residual = _inputs()
         torch.manual_seed(5)  # dropout p=0.3 in training mode: the masks must be the same too
-        out = ops.bias_gelu(y, bias) if name == "bias_gelu" else ops.bias_dropout_add(y, bias, residual, 0.3, True)
+        if name.startswith("bias_gelu"):  # the tanh form (GPT-2's) and the exact one (--no-bias-gelu-fusion)
+            out = ops.bias_gelu(y, bias, "none" if name == "bias_gelu_exact" else "tanh")
+        else:
+            out = ops.bias_dropout_add(y, bias, residual, 0.3, True)
         out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
-        results.append([out.detach(), y.grad, bias.grad] + ([residual.grad] if name != "bias_gelu" else []))
+        results.append([out.detach(), y.grad, bias.grad] + ([residual.grad] if name == "bias_dropout_add" else []))
     for eager, comp in zip(*results, strict=True):
         torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_the_two_gelu_forms_differ():
+    """Guards the exact form's comparison above: it is not the tanh form under another name."""
+    y, bias, _ = _inputs()
+    assert (fused.bias_gelu(y, bias, "none") - fused.bias_gelu(y, bias)).abs().max() > 1e-4
 
 
 def test_dropout_really_drops():

@@ -1,11 +1,13 @@
 """Hugging Face ``GPT2LMHeadModel`` import and export (``ptdp import/export --format hf``).
 
-ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU-tanh MLP, tied embedding; see
+ptdp's GPT *is* the GPT-2 architecture (pre-LN, learned positions, GeLU MLP, tied embedding; see
 ptdp/models/gpt.py), so conversion is a renaming plus three layout changes:
 
 - HF GPT-2 uses ``Conv1D`` layers whose weights are ``[in, out]``; ptdp's linears are ``[out, in]``.
 - ptdp's fused QKV weight is ``[3, h, h]`` (q, k, v blocks, heads contiguous in each) and HF's ``c_attn``
   is ``[h, 3h]`` with the same q|k|v column order, so it is a flatten and a transpose.
+- HF's ``activation_function`` is ptdp's GeLU form: ``gelu_new``/``gelu_pytorch_tanh`` (GPT-2's) the tanh
+  approximation, ptdp's default with biases; ``gelu`` the exact erf GeLU, ``--no-bias-gelu-fusion``.
 - ptdp pads the vocabulary (``--make-vocab-size-divisible-by``, and t); HF holds only the real rows.
   Token ids are not remapped: the byte-level tokenizer's ids are the model's ids on both sides.
 """
@@ -21,8 +23,9 @@ if TYPE_CHECKING:
 
 EMBEDDING = "embedding.word_embeddings.weight"
 HF_PREFIX = "transformer."
-# HF activations that are exactly ptdp's GeLU with the tanh approximation.
+# HF activations that are exactly ptdp's GeLU with the tanh approximation, and with none (the erf form).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+EXACT_GELUS = ("gelu", "gelu_python")
 
 # ptdp name suffix inside layers.N -> (HF name suffix inside h.N, whether the weight is transposed)
 _LAYER_MAP = {
@@ -84,7 +87,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None) -> dict:
     return {
         "vocab_size": cfg.vocab_size, "n_positions": cfg.max_position_embeddings or cfg.seq_length, "n_embd": cfg.hidden_size,
         "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_epsilon,
+        "activation_function": "gelu_new" if cfg.gelu_approximate == "tanh" else "gelu", "layer_norm_epsilon": cfg.norm_epsilon,
         "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
         "attn_pdrop": cfg.attention_dropout,
         "initializer_range": cfg.init_method_std, "tie_word_embeddings": True,
@@ -130,8 +133,9 @@ def from_hf_state(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 def model_config_from_hf(hf_config: dict) -> ModelConfig:
     """ptdp's model flags for an HF GPT-2 ``config.json``; refuses variants ptdp does not compute."""
     by_layer_idx = hf_config.get("scale_attn_by_inverse_layer_idx", False)
+    activation = hf_config.get("activation_function", "gelu_new")
     checks = [
-        ("activation_function", hf_config.get("activation_function", "gelu_new") in TANH_GELUS, "gelu_new"),
+        ("activation_function", activation in TANH_GELUS + EXACT_GELUS, "gelu_new, gelu_pytorch_tanh or gelu"),
         ("scale_attn_weights", hf_config.get("scale_attn_weights", True), "true"),
         ("scale_attn_by_inverse_layer_idx", not by_layer_idx, "false"),
         ("add_cross_attention", not hf_config.get("add_cross_attention", False), "false"),
@@ -148,4 +152,5 @@ def model_config_from_hf(hf_config: dict) -> ModelConfig:
         hidden_dropout=hf_config.get("resid_pdrop", 0.1), attention_dropout=hf_config.get("attn_pdrop", 0.1),
         init_method_std=hf_config.get("initializer_range", 0.02),
         norm_epsilon=hf_config.get("layer_norm_epsilon", 1e-5), vocab_size=hf_config["vocab_size"],
+        bias_gelu_fusion=activation in TANH_GELUS,  # off: the exact GeLU (GPT-2 has biases)
     )
