@@ -11,7 +11,9 @@ while the backward runs, in buckets of ``BUCKET`` elements) and DistributedOptim
 iteration 2 (``fully_reshardable``, in ``DIR/dp_reshardable`` Megatron-LM's default format and in
 ``DIR/torch`` the torch format's ``distrib_optim.pt``), then the third step; its loss, gradient norm and weights go to ``DIR/next.pt``.
 
-Stand-ins, for a CPU-only torch without triton: the few megatron modules that import triton at module level
+Its import trimmed (``_import_megatron``: eager fusions, no wandb or tensorboard, no multiprocessing manager
+per saving rank): each process of these jobs then costs about half the CPU. Stand-ins, for a CPU-only torch
+without triton: the few megatron modules that import triton at module level
 (none on the GPT path in megatron-core 0.16; stubbed if they are reached) and the CUDA calls of the
 checkpoint writer (``torch.cuda.synchronize``, ``current_device``), the tied embedding's ``.cuda()``, the
 RNG tracker's fork and the router's Transformer Engine GEMM; for the distributed optimizer, ``Tensor.type()``
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import queue
 import sys
 import types
 
@@ -38,10 +41,35 @@ TRITON_MODULES = ("megatron.core.transformer.custom_layers.batch_invariant_kerne
                   "megatron.core.inference.contexts.attention_context.triton.tensor_ops")
 
 
-def stand_ins() -> None:
+def _eager(model=None, **_):
+    """``torch.compile`` as Megatron's fusions see it while megatron imports: their functions as written."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def _import_megatron() -> None:
+    """Megatron-Core's import without what these jobs never use, about half its CPU time (each of the
+    jobs' processes pays it): its fused element-wise functions eager (``jit_fuser`` is ``torch.compile``,
+    applied at import, which imports dynamo and inductor), no wandb and no tensorboard (imported if
+    present, for logging these jobs do not do). Then the writer's results queue: a sync save fills and
+    reads it in the saving process itself, but Megatron makes it a spawned multiprocessing manager's (a
+    process importing this script and torch again, on every saving rank), so a plain queue stands in."""
     if importlib.util.find_spec("triton") is None:
         for name in TRITON_MODULES:  # the modules, not triton itself (torch would believe triton exists)
             sys.modules.setdefault(name, types.ModuleType(name))
+    for name in ("wandb", "torch.utils.tensorboard"):
+        sys.modules.setdefault(name, None)  # an ImportError, which megatron catches
+    compile_ = torch.compile
+    torch.compile = _eager
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    finally:
+        torch.compile = compile_
+    filesystem_async._get_write_results_queue = queue.Queue
+
+
+def stand_ins() -> None:
+    _import_megatron()
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.current_device = lambda: "cpu"

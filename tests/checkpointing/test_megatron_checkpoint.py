@@ -3,7 +3,7 @@
 With megatron-core installed (CI installs it; ``pip install --no-deps megatron-core``), one module fixture
 runs Megatron-Core's side in two process starts (tests/checkpointing/megatron_script.py under torchrun with
 gloo): tiny GPT-2-style, Llama-style and MoE (4 SwiGLU experts, top-2) models saved at (t, p) = (2, 2),
-which ptdp imports in one process and must give Megatron's logits, ptdp's export loaded back into
+which ptdp imports (``ptdp import`` in the test's own process) and must give Megatron's logits, ptdp's export loaded back into
 Megatron-Core at another layout with ptdp's logits, and a run of Megatron's DistributedOptimizer whose Adam
 state ptdp must continue exactly. Without megatron-core those tests are skipped; the rest (the formats,
 round trips, the refusals) use files written here.
@@ -12,16 +12,19 @@ round trips, the refusals) use files written here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_run, assert_same_training, run_command, run_layouts, run_ptdp, worker_env
+from helpers import assert_same_run, assert_same_training, run_command, run_layouts, worker_env
 
 from ptdp.checkpointing import read_full_model_state, write_full_model_state
 from ptdp.hf.convert import full_model_from_state
@@ -37,6 +40,20 @@ from megatron_script import TOKENS, VOCAB, run_args  # noqa: E402
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     or importlib.util.find_spec("megatron.core") is None,
                                     reason="megatron-core is not installed (pip install --no-deps megatron-core)")
+
+
+def _ptdp(args: list[str]) -> subprocess.CompletedProcess:
+    """``ptdp ARGS`` (import, export: one process, no training) in the test's own process, its exit status
+    and output as a process would give them, without a Python and torch start for each (~4 s of CPU)."""
+    from ptdp.cli.main import main as ptdp_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = ptdp_main(args)
+        except SystemExit as e:  # the argument parser's refusal: the exit status a process would have
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def _megatron_jobs(root: Path, name: str, nproc: int, jobs: list[dict]) -> None:
@@ -78,8 +95,9 @@ def megatron(tmp_path_factory) -> Path:
                  "out": str(root / "batches.pt")})
     _megatron_jobs(root, "saves", 4, jobs)
     for kind in KINDS:
-        result = run_ptdp(["import", "--format", "megatron", "--in", str(root / "saves" / kind),
-                           "--save", str(root / "ptdp" / kind)])
+        result = _ptdp(["import", "--format", "megatron", "--in", str(root / "saves" / kind),
+                        "--save", str(root / "ptdp" / kind)])
+        assert result.returncode == 0, result.stderr
         (root / "ptdp" / f"{kind}.txt").write_text(result.stdout)
         export_megatron(root / "ptdp" / kind, root / "back" / kind)
     _megatron_jobs(root, "loads", 2, [{"mode": "load", "kind": kind, "t": t, "p": p, "dir": str(root / "back" / kind),
@@ -247,7 +265,7 @@ def test_what_ptdp_cannot_compute_is_refused_by_name(tmp_path, change, named):
 
 
 def _refused_in_one_line(save: Path, out: Path, text: str) -> None:
-    result = run_ptdp(["import", "--format", "megatron", "--in", str(save), "--save", str(out)], check=False)
+    result = _ptdp(["import", "--format", "megatron", "--in", str(save), "--save", str(out)])
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("ptdp import: error: --in") and text in lines[0], result.stderr
@@ -294,8 +312,7 @@ def test_optimizer_state_needs_no_load_optim(tmp_path):
 def test_export_needs_a_fresh_directory(tmp_path):
     model = _ptdp_model(tmp_path, "gpt")
     export_megatron(model, tmp_path / "m")
-    result = run_ptdp(["export", "--format", "megatron", "--load", str(model), "--out", str(tmp_path / "m")],
-                      check=False)
+    result = _ptdp(["export", "--format", "megatron", "--load", str(model), "--out", str(tmp_path / "m")])
     assert result.returncode == 2 and "already holds a Megatron-LM save" in result.stderr
     assert sorted(os.listdir(tmp_path / "m")) == ["latest_checkpointed_iteration.txt", "release"]
 
@@ -334,8 +351,10 @@ def test_megatron_adam_state_continues_as_megatrons_next_step(megatron, tmp_path
     continued step)."""
     stdout = {}
     for name in ("dp_reshardable", "torch"):
-        stdout[name] = run_ptdp(["import", "--format", "megatron", "--in", str(megatron / "adam" / name),
-                                 "--save", str(tmp_path / name)]).stdout
+        result = _ptdp(["import", "--format", "megatron", "--in", str(megatron / "adam" / name),
+                        "--save", str(tmp_path / name)])
+        assert result.returncode == 0, result.stderr
+        stdout[name] = result.stdout
         assert "iteration 2, 16 samples consumed" in stdout[name]
     flags = stdout["torch"].split("ptdp train ", 1)[1].split()
     assert stdout["dp_reshardable"].split("ptdp train ", 1)[1].split()[2:] == flags[2:]  # all but --load

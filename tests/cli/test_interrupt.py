@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, losses, run_ptdp, start_command, worker_env
+from helpers import TINY, losses, run_ptdp, start_command, train_metrics, worker_env
 
 from ptdp.checkpointing import read_full_model_state, read_latest
 
@@ -137,10 +137,9 @@ def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, momen
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> list[float]:
     """The losses of an uninterrupted run, in one process: what an interrupted and resumed run must log
-    (d = 2 sums in another order: relative 1e-7, far inside the comparison's 1e-5)."""
-    metrics = tmp_path_factory.mktemp("straight") / "straight.jsonl"
-    run_ptdp(["train", *LONG, "--metrics-file", str(metrics)])
-    return losses(records(metrics))
+    (d = 2 sums in another order: relative 1e-7, far inside the comparison's 1e-5). In a rank of the
+    session's pool (``helpers.train_metrics``): the same ``train()`` as a ``ptdp train`` process."""
+    return losses(train_metrics(tmp_path_factory.mktemp("straight"), 1, ["--train-iters", str(ITERS)]))
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
@@ -170,9 +169,8 @@ def test_ctrl_c_saves_at_the_stopped_iteration_and_resumes_exactly(tmp_path, npr
                   else "ptdp train: one process, layout t=1 p=1 d=1: checking")
     assert out.startswith(first_line), out[:300]  # the first line, before anything slow
 
-    resumed = tmp_path / "resumed.jsonl"
-    run_ptdp(["train", *LONG, *launch, "--load", str(ckpt), "--metrics-file", str(resumed)])
-    got = losses(first) + losses(records(resumed))
+    # the resumed run is no Ctrl-C test: in ranks of the session's pool, the same train() as the workers
+    got = losses(first) + losses(train_metrics(tmp_path, nproc, ["--train-iters", str(ITERS), "--load", str(ckpt)]))
     assert len(got) == ITERS
     if nproc == 1:
         assert got == straight  # the same layout: bit for bit

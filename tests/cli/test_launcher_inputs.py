@@ -3,16 +3,19 @@ problem is ONE line on stderr with exit 2: no worker started (none touched its m
 torchrun (``Sending process ... closing signal SIGTERM``, ``failed (exitcode: 2)``) or the launcher beside
 it. A worker's own error (found only once training runs: a NaN loss) is one line too.
 
-Four workers, as in the reference command; the launcher refuses before starting them, so this costs one process."""
+Four workers, as in the reference command; the launcher refuses before starting them, so each refusal
+runs in the test's own process (``helpers.refused_in_process``, with ``tests/faults`` on PYTHONPATH as a
+real run has it, so a worker the launcher did start would touch its marker all the same)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TINY, run_ptdp
+from helpers import FAULTS, TINY, refused_in_process, run_ptdp, train_run
 
 from ptdp.data.indexed_dataset import IndexedDatasetWriter
 
@@ -23,7 +26,7 @@ FOUR = ["--nproc-per-node", "4"]
 def files(tmp_path_factory) -> dict[str, Path]:
     """A checkpoint (one process, one iteration) and a small dataset; the tests damage copies of them."""
     root = tmp_path_factory.mktemp("inputs")
-    run_ptdp(["train", *TINY, "--train-iters", "1", "--save", str(root / "ck")])
+    train_run(root, 1, ["--train-iters", "1", "--save", str(root / "ck")])
     writer = IndexedDatasetWriter(str(root / "corpus"), vocab_size=257)
     for k in range(64):
         writer.add_document(list(range(k % 7, 200)))
@@ -77,12 +80,13 @@ CASES = {  # name: (the flags, given the module's files and this test's tmp_path
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_file_input_is_one_line_before_any_worker_starts(files, tmp_path, case):
+def test_a_bad_file_input_is_one_line_before_any_worker_starts(files, tmp_path, case, monkeypatch, capfd):
     flags, expected = CASES[case]
     markers = tmp_path / "workers"
     markers.mkdir()
-    proc = run_ptdp(["train", *TINY, *FOUR, *flags(files, tmp_path)], check=False,
-                    env={"PTDP_TEST_WORKER_MARKER": str(markers)})
+    monkeypatch.setenv("PTDP_TEST_WORKER_MARKER", str(markers))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p))
+    proc = refused_in_process(["train", *TINY, *FOUR, *flags(files, tmp_path)], capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ptdp train: error: "), proc.stderr[-3000:]
