@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -201,80 +202,34 @@ def _fail(message: str, command: str | None = None) -> int:
     return 2
 
 
-def _plan(p: argparse.ArgumentParser) -> None:
-    from ptdp.planner import add_plan_arguments, run_plan
-
-    add_plan_arguments(p)
-    p.set_defaults(run=run_plan)
-
-
-def _simulate(p: argparse.ArgumentParser) -> None:
-    from ptdp.simulate.command import add_simulate_arguments, run_simulate
-
-    add_simulate_arguments(p)
-    p.set_defaults(run=run_simulate)
-
-
-def _preprocess(p: argparse.ArgumentParser) -> None:
-    from ptdp.data.preprocess import add_preprocess_arguments, run_preprocess
-
-    add_preprocess_arguments(p)
-    p.set_defaults(run=run_preprocess)
-
-
-def _samples(p: argparse.ArgumentParser) -> None:
-    from ptdp.cli.samples import add_samples_arguments, run_samples
-
-    add_samples_arguments(p)
-    p.set_defaults(run=run_samples)
-
-
-def _generate(p: argparse.ArgumentParser) -> None:
-    from ptdp.cli.generate import add_generate_arguments, run_generate
-
-    add_generate_arguments(p)
-    p.set_defaults(run=run_generate)
-
-
-def _export(p: argparse.ArgumentParser) -> None:
-    from ptdp.hf.convert import add_export_arguments
-    from ptdp.megatron.command import run_export
-
-    add_export_arguments(p)
-    p.set_defaults(run=run_export)
-
-
-def _import(p: argparse.ArgumentParser) -> None:
-    from ptdp.megatron.command import add_import_arguments, run_import
-
-    add_import_arguments(p)
-    p.set_defaults(run=run_import)
-
-
-def _timeline(p: argparse.ArgumentParser) -> None:
-    from ptdp.observability.timeline import add_timeline_arguments, run_timeline
-
-    add_timeline_arguments(p)
-    p.set_defaults(run=run_timeline)
-
-
-# The sub-commands besides train: (name, what declares its flags and its run function, help). Each module
-# declares its flags and runs its command.
+# The sub-commands besides train: (name, the module declaring its flags and its function, the module
+# running it and its function, help). Each is imported only when its command runs (``_other_parsers``).
 _OTHER_COMMANDS = (
-    ("plan", _plan, "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
-    ("simulate", _simulate, "simulate a pipeline schedule and draw its timeline"),
-    ("preprocess", _preprocess,
+    ("plan", "ptdp.planner:add_plan_arguments", "ptdp.planner:run_plan",
+     "the fastest layout that fits (t, c, p, d, e, v, b, recomputation, ZeRO) for a model on a cluster"),
+    ("simulate", "ptdp.simulate.command:add_simulate_arguments", "ptdp.simulate.command:run_simulate",
+     "simulate a pipeline schedule and draw its timeline"),
+    ("preprocess", "ptdp.data.preprocess:add_preprocess_arguments", "ptdp.data.preprocess:run_preprocess",
      "tokenize JSONL, Parquet, Arrow or saved Hugging Face datasets into indexed .bin/.idx files"),
-    ("samples", _samples, "print the training samples in the order training reads them (the flags of `ptdp train`)"),
-    ("generate", _generate, "continue a prompt with a checkpoint (any layout, one process)"),
-    ("export", _export,
+    ("samples", "ptdp.cli.samples:add_samples_arguments", "ptdp.cli.samples:run_samples",
+     "print the training samples in the order training reads them (the flags of `ptdp train`)"),
+    ("generate", "ptdp.cli.generate:add_generate_arguments", "ptdp.cli.generate:run_generate",
+     "continue a prompt with a checkpoint (any layout, one process)"),
+    ("export", "ptdp.hf.convert:add_export_arguments", "ptdp.megatron.command:run_export",
      "write a checkpoint (any layout) as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model, or as a "
      "Megatron-LM torch_dist save (--format megatron)"),
-    ("import", _import,
+    ("import", "ptdp.megatron.command:add_import_arguments", "ptdp.megatron.command:run_import",
      "write a Hugging Face model (model_type gpt2, llama, mixtral or qwen2_moe) or a Megatron-LM save "
      "(--format megatron) as a ptdp checkpoint"),
-    ("timeline", _timeline, "merge the per-rank Chrome traces of a --timeline run"),
+    ("timeline", "ptdp.observability.timeline:add_timeline_arguments", "ptdp.observability.timeline:run_timeline",
+     "merge the per-rank Chrome traces of a --timeline run"),
 )
+
+
+def _function(where: str):
+    """``"package.module:name"``, imported."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _other_parsers(sub, command: str | None = None) -> None:
@@ -283,10 +238,11 @@ def _other_parsers(sub, command: str | None = None) -> None:
     conversions, ...) cost 0.2-0.4 s of CPU, which every training worker paid for flags it never reads
     (BENCHMARKS.md, "Process start-up"). Their sub-parsers stay, without flags, so ``ptdp --help`` and a
     misspelt command still name them all."""
-    for name, declare, help_text in _OTHER_COMMANDS:
+    for name, declare, run, help_text in _OTHER_COMMANDS:
         p = sub.add_parser(name, help=help_text)
         if command is None or command == name:
-            declare(p)
+            _function(declare)(p)
+            p.set_defaults(run=_function(run))
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
