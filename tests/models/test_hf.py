@@ -12,6 +12,7 @@ from helpers import (
     assert_hf_track,
     hf_adamw_track,
     hf_layout_training,
+    hf_train_flags,
     run_layouts,
     train_batches,
 )
@@ -113,9 +114,7 @@ def test_import_then_export_is_the_identity(tmp_path):
         assert after[name].numpy().tobytes() == value.numpy().tobytes(), name
 
 
-EXACT_TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
-               "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--weight-decay", "0", "--hidden-dropout",
-               "0", "--attention-dropout", "0", "--seq-length", "16", "--log-interval", "1"]
+EXACT_TRAIN = hf_train_flags(16, 1e-2)
 
 
 def _max_rel_diff(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> float:
@@ -131,7 +130,7 @@ def exact_gelu(tmp_path_factory):
     hf = random_hf_model(tmp / "hf", activation="gelu", scale=0.5)
     tanh = transformers.GPT2LMHeadModel.from_pretrained(tmp / "hf", activation_function="gelu_new")
     layouts = {"t2": (2, ["--tensor-model-parallel-size", "2"]), "p2": (2, ["--pipeline-model-parallel-size", "2"])}
-    runs, hf_track, initial = hf_layout_training(tmp, hf, layouts, EXACT_TRAIN, 300)
+    runs, hf_track, initial = hf_layout_training(tmp, hf, layouts, 300, 16)
     tanh_track = hf_adamw_track(tanh, train_batches([*EXACT_TRAIN, "--vocab-size", "300"], 3, 8), 1e-2, 300)
     return tmp, hf, runs, hf_track, initial, tanh_track
 
