@@ -10,15 +10,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # every test module imports ``he
 sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is_dir() and any(p.glob("test_*.py"))]
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (the README's test command): the tests that start processes
-    in one worker, the in-process ones in the other (tests/scheduling.py)."""
-    if config.pluginmanager.hasplugin("xdist"):
-        from scheduling import group_tests
-
-        group_tests(items)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _shared_corpus_cache(tmp_path_factory):
     """Build the default corpus once per test session (into a private cache, never the user's)."""
