@@ -94,11 +94,11 @@ def assert_latest_loads(ckpt: Path, line: str) -> None:
     assert not [p for p in ckpt.glob(".tmp-*") if p.is_dir()] or "at once" in line
 
 
-# Ctrl-C at 1, 3, 8 and 15 s after the launch of the reference command (smaller: 2 workers, p = 2), while a
+# Ctrl-C at 1, 3 and 8 s after the launch of the reference command (smaller: 2 workers, p = 2), while a
 # save is being written, and during a long evaluation: wherever the run is then (launch, imports,
-# rendezvous, data, model build, the first iterations, a save, an evaluation), one line within 5 s, exit
+# rendezvous, data, model build, iterations between saves, a save, an evaluation), one line within 5 s, exit
 # 130, and the latest checkpoint loads.
-@pytest.mark.parametrize("moment", ["1", "3", "8", "15", "save", "evaluation"])
+@pytest.mark.parametrize("moment", ["1", "3", "8", "save", "evaluation"])
 def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, moment):
     ckpt = tmp_path / "ck"
     flags = ["--train-iters", "100000", "--log-interval", "1000"]

@@ -16,6 +16,7 @@ PTDP = Path(__file__).resolve().parents[2] / "ptdp"
 KNOWN = {
     "checkpointing/storage.py:_VERIFIED": "cleared before each run (helpers._forget_earlier_runs)",
     "data/mix_state.py:_IDENTITIES": "cleared before each run (helpers._forget_earlier_runs)",
+    "data/default_corpus.py:_NAMES": "the standard library's file list and sizes: the same for a process's life",
     "optim/memory.py:_lifetime_peak": "reset before each run, with /proc/self/clear_refs (helpers._forget_earlier_runs)",
     "parallel/tensor/random.py:_TRACKER": "rebuilt and reseeded by every run (model_parallel_seed)",
     "ops/weight_grad.py:_AT_ONCE": "weak references: an entry leaves with its parameter",
