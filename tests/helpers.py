@@ -431,9 +431,11 @@ class _RankPool:
     def _grow(self, world_size: int) -> None:
         """Start the ranks a call needs that are not running yet: a session whose tests train on two ranks
         at most never starts eight."""
+        import pool_rank
+
         while len(self.procs) < world_size:
             rank, inbox = len(self.procs), self.ctx.SimpleQueue()
-            proc = self.ctx.Process(target=_pool_rank, args=(rank, inbox, self.outbox), daemon=True)
+            proc = self.ctx.Process(target=pool_rank.serve, args=(rank, inbox, self.outbox), daemon=True)
             proc.start()
             self.inboxes.append(inbox)
             self.procs.append(proc)
@@ -463,24 +465,6 @@ class _RankPool:
         for proc in self.procs:
             proc.join()
         _POOL = None
-
-
-def _pool_rank(rank: int, inbox, outbox) -> None:
-    import traceback
-
-    try:  # die with the test session, even one killed without its clean-up (CI's timeout): Linux's prctl
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    while True:
-        fn, world_size, store, args = inbox.get()
-        try:
-            _entry(rank, fn, world_size, store, args)
-            outbox.put((rank, None))
-        except BaseException:  # noqa: BLE001 -- reported to the test, which fails and kills the pool
-            outbox.put((rank, traceback.format_exc()))
 
 
 _POOL: _RankPool | None = None
