@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 
 from ptdp.config import Config, ConfigError
-from ptdp.runtime import collector, interrupt
+from ptdp.runtime import allocator, collector, interrupt
 from ptdp.runtime.errors import print_error
 
 
@@ -27,6 +27,10 @@ def run_worker(config: Config) -> int:
         with phase("importing torch and the training code"):
             from ptdp.train.loop import train
         collector.resume()  # paused by ptdp.cli.main.main in a process of its own
+        import torch
+
+        if not torch.cuda.is_available():  # a CPU run: iterations without page faults (ptdp/runtime/allocator.py)
+            allocator.keep_freed_memory()
         train(config)
         code = interrupt.exit_code() or 0
     except (ConfigError, DataError) as e:  # raised alike on every rank: the groups are still healthy

@@ -54,3 +54,34 @@ def test_the_flag_is_the_launchers_and_a_bad_value_is_one_line():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("--cpu-mmap-threshold: expected a number of bytes >= 0, "
                                                          "got '-1'")
+
+
+_FAULTS = """
+import resource, sys
+from ptdp.runtime import allocator
+print(allocator.keep_freed_memory() if sys.argv[1] == "keep" else None)
+for _ in range(3):
+    blocks = [bytearray(4 << 20) for _ in range(4)]  # an iteration's activations: allocated, written, freed
+    del blocks
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    blocks = [bytearray(4 << 20) for _ in range(4)]
+    del blocks
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_one_process_run_reuses_what_it_freed_without_page_faults():
+    """Four 4 MiB blocks allocated and freed again and again: by default glibc gives the freed top of its heap
+    back to the kernel each time (its trim threshold follows the mmap threshold to 8 MiB), and takes the pages
+    back with a fault each (4,096 per round); with ``keep_freed_memory`` the heap keeps them
+    (ptdp/runtime/allocator.py)."""
+    env = {k: v for k, v in worker_env().items() if not k.startswith("MALLOC_")}
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, env=env,
+                             check=True).stdout.split()
+        faults[mode] = int(out[1])
+        assert out[0] == ("True" if mode == "keep" else "None")
+    assert faults["default"] > 20 * 2000 and faults["keep"] < 100, faults
