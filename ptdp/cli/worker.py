@@ -29,7 +29,9 @@ def run_worker(config: Config) -> int:
         collector.resume()  # paused by ptdp.cli.main.main in a process of its own
         import torch
 
-        if not torch.cuda.is_available():  # a CPU run: iterations without page faults (ptdp/runtime/allocator.py)
+        # One CPU process of its own: iterations without page faults (ptdp/runtime/allocator.py). The launcher's
+        # workers (torchrun's restart count set) follow --cpu-mmap-threshold, 0 included.
+        if not torch.cuda.is_available() and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
             allocator.keep_freed_memory()
         train(config)
         code = interrupt.exit_code() or 0
