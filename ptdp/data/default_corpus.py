@@ -44,11 +44,11 @@ def cache_dir() -> str:
 _NAMES: dict[str, str] = {}
 
 
-def corpus_name(root: str | None = None) -> str:
+def corpus_name() -> str:
     """``stdlib-<python version>-<hash of the file list and sizes>``: the cached corpus's file name."""
-    root = root or sysconfig.get_paths()["stdlib"]
+    root = sysconfig.get_paths()["stdlib"]
     if root not in _NAMES:
-        root, files = stdlib_sources(root)
+        _, files = stdlib_sources(root)
         digest = hashlib.sha256(FORMAT_TAG.encode())
         for rel in files:
             digest.update(f"{rel}\0{os.path.getsize(os.path.join(root, rel))}\n".encode())
