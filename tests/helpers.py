@@ -15,10 +15,15 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-# A tiny GPT that every layout in the tests can split: 4 layers, 4 heads, dropout off.
+# A tiny GPT that every layout in the tests can split: 4 layers, 4 heads, dropout off. Four microbatches an
+# iteration at d = 1 (two at d = 2, one at d = 4): a tensor-parallel microbatch is ~20 gloo all-reduces of ~1 ms
+# each on two cores, so the microbatch count sets most of a layout's time; schedules that need more (DualPipeV
+# at p = 4) raise --global-batch-size themselves.
+MICRO_BATCH, GLOBAL_BATCH = 2, 8
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--lr", "1e-3",
-        "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", "3",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--log-interval", "1"]
 
 # (t, p, d, v) = (2, 2, 2, 2) with the interleaved schedule, on 8 processes: every parallelism at once.
 LAYOUT_2222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -24,7 +24,8 @@ Z3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--tensor-model
 
 def small() -> list[str]:
     base = list(TINY)
-    for flag, value in (("--num-layers", "2"), ("--hidden-size", "16"), ("--num-attention-heads", "2")):
+    for flag, value in (("--num-layers", "2"), ("--hidden-size", "16"), ("--num-attention-heads", "2"),
+                        ("--global-batch-size", "16")):  # the recorded run's batch
         base[base.index(flag) + 1] = value
     return base + ["--train-iters", "4"]
 

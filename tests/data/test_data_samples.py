@@ -10,7 +10,7 @@ import signal
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
-from helpers import TINY, spawn
+from helpers import GLOBAL_BATCH, MICRO_BATCH, TINY, spawn
 from test_data_megatron import megatron_blend, megatron_indices, megatron_sample, random_corpus
 
 from ptdp.cli.main import main
@@ -84,7 +84,7 @@ def test_samples_iteration_equals_what_every_rank_trained_on_across_a_kill_and_r
                 got.setdefault((it, rec["dp_rank"], rec["microbatch"]), []).append(rec["tokens"] + rec["labels"][-1:])
             want = {k: v for k, v in part.items() if k[0] == it}
             assert got == want  # the same ids, ranks and microbatch indices, in order
-            assert len(got) == 2 * 4  # d = 2 replicas x m = 16 / (2 x 2) microbatches
+            assert len(got) == GLOBAL_BATCH // MICRO_BATCH  # d = 2 replicas x m = B / (b x d) microbatches
 
 
 @pytest.mark.parametrize("seed", [1, 99])

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, assert_equivalent, run_layouts, track
+from helpers import GLOBAL_BATCH, MICRO_BATCH, TINY, assert_equivalent, run_layouts, track
 
 from ptdp.checkpointing import read_full_model_state
 from ptdp.cli.main import build_parser
@@ -148,8 +148,8 @@ def test_full_validation_evaluates_every_whole_global_batch_of_the_split(runs, c
     valid = build_datasets(None, "969,30,1", 16, 1234, (48, None, 32), whole_valid=True,
                            per_split=[[corpora["a"]], [corpora["b"]], [corpora["c"]]]).valid
     batches = evaluation_iters(config, valid)
-    assert batches == len(valid) // 16 > 2  # more than --eval-iters 2: the whole split
-    assert skip["val_loss"] == pytest.approx(_dense_loss(runs["trained"].ckpt, valid, batches, 16, 2), rel=1e-5)
+    assert batches == len(valid) // GLOBAL_BATCH > 2  # more than --eval-iters 2: the whole split
+    assert skip["val_loss"] == pytest.approx(_dense_loss(runs["trained"].ckpt, valid, batches, GLOBAL_BATCH, MICRO_BATCH), rel=1e-5)
 
 
 def test_no_norm_bias_trains_the_same_on_t2_with_sequence_parallelism(runs):

@@ -4,7 +4,7 @@ norm, and the same weights at the end, to fp32 tolerance."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_equivalent, losses, run_layouts, train_metrics
+from helpers import GLOBAL_BATCH, assert_equivalent, losses, run_layouts, train_metrics
 
 RTOL = 1e-4  # fp32: TP splits sums across ranks, so the last bits differ
 LAYOUTS = {f"t{t}d{d}": (t * d, ["--tensor-model-parallel-size", str(t)]) for t, d in [(2, 1), (4, 1), (1, 2), (2, 2)]}
@@ -26,7 +26,7 @@ def test_metrics_records(reference):
     for r in records:
         for key in ("loss", "lr", "grad_norm", "iteration_time_s", "tokens_per_s", "tflops_per_gpu"):
             assert isinstance(r[key], float), key
-        assert r["tokens_per_s"] == pytest.approx(16 * 16 / r["iteration_time_s"])
+        assert r["tokens_per_s"] == pytest.approx(GLOBAL_BATCH * 16 / r["iteration_time_s"])
 
 
 def test_dropout_on_still_trains(tmp_path):

@@ -20,10 +20,12 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, assert_equivalent, assert_same_run, run_layouts
 
-# micro-batch 1 of 16 samples: m = 16/d microbatches, at least the 2p dualpipev needs in every layout below
+# micro-batch 1: m = B/d microbatches, at least the 2p dualpipev needs; B = 8 where that is enough (m = 4 at
+# p = 2, d = 2), B = 16 (against a reference of its own) at p = 4, d = 2 and at p = 2, d = 4
 MOE = [*TINY, "--num-layers", "8", "--micro-batch-size", "1", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-aux-loss-coeff", "0.01", "--moe-layer-freq", "2", "--moe-token-dispatcher-type", "alltoall",
        "--train-iters", "2"]
+B16 = ["--global-batch-size", "16"]
 FOUR = ["--train-iters", "4"]
 E2, E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
@@ -41,8 +43,8 @@ LAYOUTS = {
     "p2e2-recompute": (4, [*DUALPIPEV, *E2, "--recompute-granularity", "full", "--recompute-method", "uniform",
                            "--recompute-num-layers", "1"]),
     "p2e2-allgather-selective": (4, [*DUALPIPEV, *E2, *ALLGATHER, "--recompute-granularity", "selective"]),
-    "p4e2": (8, [*pipeline(4, "dualpipev"), *E2]),
-    "p2e4-allgather": (8, [*DUALPIPEV, *E4, *ALLGATHER]),
+    "p4e2": (8, [*B16, *pipeline(4, "dualpipev"), *E2]),
+    "p2e4-allgather": (8, [*B16, *DUALPIPEV, *E4, *ALLGATHER]),
     "p2e2-zero3": (4, [*DUALPIPEV, *E2, "--data-parallel-sharding-strategy", "optim_grads_params"]),
     "p2-vocab": (2, [*DUALPIPEV, "--enable-vocab-parallel"]),
     "p2t2c2-sp": (8, [*DUALPIPEV, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
@@ -60,7 +62,7 @@ RESHARDS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dualpipe")
-    plan = {"one": (1, []), "one-four": (1, FOUR), **LAYOUTS}
+    plan = {"one": (1, []), "one-b16": (1, B16), "one-four": (1, FOUR), **LAYOUTS}
     for saver, ((n, flags), loaders) in RESHARDS.items():
         ckpt = str(tmp / f"{saver}-save")
         plan[f"{saver}-save"] = (n, [*FOUR, *flags, "--save", ckpt, "--exit-interval", "2"])
@@ -71,7 +73,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_overlapped_pairs_train_as_one_process(runs, name):
-    assert_equivalent(runs[name], runs["one"])
+    assert_equivalent(runs[name], runs["one-b16" if B16[0] in LAYOUTS[name][1] else "one"])
 
 
 @pytest.mark.parametrize("saver", RESHARDS)
@@ -87,6 +89,6 @@ def test_checkpoints_reshard_to_and_from_dualpipev(runs, saver):
 
 
 def test_dualpipev_reports_its_bubble_formula(runs):
-    """(p-1)/(3m) = 1/24 of the ideal time with m = 8 at p = 2 (d = 2), the closed form of (PP/2-1)(F&B+B-3W);
-    the record gives it as a share of the whole iteration, 1/25."""
-    assert runs["p2e2-recompute"].records[-1]["bubble_fraction_formula"] == pytest.approx(1 / 25)
+    """(p-1)/(3m) = 1/12 of the ideal time with m = 4 at p = 2 (d = 2), the closed form of (PP/2-1)(F&B+B-3W);
+    the record gives it as a share of the whole iteration, 1/13."""
+    assert runs["p2e2-recompute"].records[-1]["bubble_fraction_formula"] == pytest.approx(1 / 13)

@@ -5,9 +5,10 @@ processes (``helpers.run_layouts``)."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_equivalent, run_layouts
+from helpers import GLOBAL_BATCH, MICRO_BATCH, assert_equivalent, run_layouts
 
 RTOL = 1e-4
+M = GLOBAL_BATCH // MICRO_BATCH  # microbatches per iteration at d = 1
 
 
 def layout(t: int, p: int, v: int, schedule: str) -> list[str]:
@@ -47,7 +48,7 @@ def runs(tmp_path_factory):
 def test_pipeline_layouts_match_single_process(runs, reference, t, p, d, v, schedule):
     records = runs[f"t{t}p{p}d{d}v{v}-{schedule}"]
     assert_equivalent(records, reference, RTOL)
-    m = 16 // (2 * d)
+    m = M // d
     assert records.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction((p - 1) / (v * m)))
     assert all(0 <= r["bubble_fraction"] <= 1 for r in records.records if "bubble_fraction" in r)
 
@@ -55,7 +56,7 @@ def test_pipeline_layouts_match_single_process(runs, reference, t, p, d, v, sche
 def test_interleaved_four_stages_two_chunks(runs, reference_8_layers):
     got = runs["p4v2-8-layers"]
     assert_equivalent(got, reference_8_layers, RTOL)
-    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(3 / (2 * 8)))
+    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(3 / (2 * M)))
 
 
 def test_scatter_gather_off_gives_same_training(runs, reference):
@@ -65,12 +66,12 @@ def test_scatter_gather_off_gives_same_training(runs, reference):
 def test_megatron_layers_per_virtual_stage_flag(runs, reference):
     got = runs["p2-layers-per-virtual-stage"]
     assert_equivalent(got, reference, RTOL)
-    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(1 / (2 * 8)))  # v = 4 / (1 * 2) = 2
+    assert got.records[-1]["bubble_fraction_formula"] == pytest.approx(_fraction(1 / (2 * M)))  # v = 4 / (1 * 2) = 2
 
 
-@pytest.mark.parametrize("schedule,expected", [("gpipe", 8), ("1f1b", 2)])
+@pytest.mark.parametrize("schedule,expected", [("gpipe", M), ("1f1b", 2)])
 def test_activation_memory_in_flight(runs, schedule, expected):
-    """GPipe stashes all m = 8 microbatches; 1F1B at most p = 2 (paper §2.2)."""
+    """GPipe stashes all m = 4 microbatches; 1F1B at most p = 2 (paper §2.2)."""
     for record in runs[f"t1p2d1v1-{schedule}"].records:
         assert record["peak_in_flight_microbatches"] == expected
         assert record["peak_activation_bytes"] > 0

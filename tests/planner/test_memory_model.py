@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import run_layouts
+from helpers import GLOBAL_BATCH, MICRO_BATCH, run_layouts
 
 from ptdp.planner import activation_microbatches_in_flight
 
@@ -29,6 +29,6 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("schedule,p,v,d", CASES)
 def test_planner_in_flight_count_matches_runtime(runs, schedule, p, v, d):
     record = runs[_name((schedule, p, v, d))].records[0]
-    m = 16 // (2 * d)
+    m = GLOBAL_BATCH // (MICRO_BATCH * d)
     predicted = max(activation_microbatches_in_flight(schedule, p, v, m, r) for r in range(p))
     assert record["peak_in_flight_microbatches"] == predicted

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import TINY, assert_same_run, run_layouts, run_ptdp, worker_env
+from helpers import GLOBAL_BATCH, TINY, assert_same_run, run_layouts, run_ptdp, worker_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from elastic import kill  # noqa: E402  (the benchmark's: SIGKILL an agent and its workers)
@@ -93,7 +93,7 @@ def test_elastic_scale_down_and_up_keeps_the_losses(tmp_path):
     for record in map(json.loads, metrics.read_text().splitlines()):
         by_iteration[record["iteration"]] = record  # a restarted iteration: its last (resumed) record counts
     assert sorted(by_iteration) == list(range(1, ITERS + 1))
-    assert [by_iteration[i]["consumed_samples"] for i in range(1, ITERS + 1)] == [16 * i for i in range(1, ITERS + 1)]
+    assert [by_iteration[i]["consumed_samples"] for i in range(1, ITERS + 1)] == [GLOBAL_BATCH * i for i in range(1, ITERS + 1)]
 
     # The references: fresh runs of each new size loaded from the checkpoint that size resumed from; the d = 1
     # one stops where the job grew (the same --train-iters keeps the learning-rate schedule). Both in one spawn.
@@ -120,7 +120,7 @@ def test_a_world_size_that_cannot_hold_the_layout_names_the_ones_that_can(monkey
     assert capsys.readouterr().err.splitlines() == [
         "ptdp train: error: world size 3 cannot run this job (world size 3 is not divisible by "
         "--tensor-model-parallel-size x --pipeline-model-parallel-size = 1x2; use a world size that is a multiple "
-        "of 2); these would: --nproc-per-node 2, 4, 8, 16"]
+        "of 2); these would: --nproc-per-node 2, 4, 8"]
 
 
 def test_nnodes_range_needs_a_rendezvous_endpoint():

@@ -7,13 +7,13 @@ import json
 from collections import Counter
 
 import pytest
-from helpers import TINY, _run_layouts, pooled_spawn
+from helpers import GLOBAL_BATCH, MICRO_BATCH, TINY, _run_layouts, pooled_spawn
 
 from ptdp.cli.main import main as ptdp_main
 from ptdp.observability.timeline import MERGED
 
 P, D, V, ITERS, TIMELINE_ITERS = 2, 2, 2, 3, 2
-M = 16 // (2 * D)  # microbatches per pipeline: B / (b * d)
+M = GLOBAL_BATCH // (MICRO_BATCH * D)  # microbatches per pipeline: B / (b * d)
 
 
 def _train_printing_to(rank: int, world_size: int, root: str, plan: list) -> None:
@@ -111,7 +111,7 @@ def test_final_summary_line(run):
     root, stdout, records = run
     (line,) = [x for x in stdout.splitlines() if "run summary" in x]
     assert f"iterations: {ITERS}" in line
-    assert f"tokens seen: {ITERS * 16 * 16:,}" in line  # iterations x B x s
+    assert f"tokens seen: {ITERS * GLOBAL_BATCH * 16:,}" in line  # iterations x B x s
     assert f"final lm loss: {records[-1]['loss']:.6E}" in line
     assert f"checkpoint: {root / 'ckpt' / 'iter_0000003'}" in line
     assert "average TFLOP/s/GPU: " in line
