@@ -16,7 +16,9 @@ line naming the file and nothing half-written. Parquet and Arrow need ``pyarrow`
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
@@ -210,3 +212,19 @@ def bounded_imap(pool, fn: Callable, tasks: Iterable, max_pending: int) -> Itera
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
+
+
+def fork_pool(workers: int, initializer: Callable, initargs: tuple):
+    """A pool of ``workers`` forked processes (the tokenizer in ``initargs`` is inherited, never pickled),
+    each started with the default SIGTERM action before ``initializer(*initargs)``.
+
+    ``Pool.terminate`` stops a worker blocked on the task queue with SIGTERM. A worker forked from a process
+    that handles SIGTERM in Python (torchrun's agent does, and so may any program that calls the
+    preprocessor) inherits that handler, which runs only between bytecodes of a main thread that is stuck in
+    the queue's lock: the worker never exits and ``terminate`` waits for it forever."""
+    return mp.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(initializer, *initargs))
+
+
+def _start_worker(initializer: Callable, *initargs) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    initializer(*initargs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from ptdp.data.inputs import (
     check_columns,
     document_text,
     expand_inputs,
+    fork_pool,
     read_tasks,
 )
 from ptdp.data.preprocess_sft import run_sft_preprocess
@@ -225,8 +225,8 @@ def run_preprocess(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     progress = Progress("preprocess", total_bytes, interval=args.progress_interval)
     try:
-        if args.workers > 1:  # fork: the tokenizer object is inherited, never pickled
-            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
+        if args.workers > 1:
+            pool = fork_pool(args.workers, _init_worker, init)
             results = bounded_imap(pool, _encode_chunk, read_tasks(files, keys), 2 * args.workers)
         else:
             _init_worker(*init)

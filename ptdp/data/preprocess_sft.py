@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import time
 
@@ -31,7 +30,7 @@ from ptdp.data.chat import (
 )
 from ptdp.data.errors import DataError
 from ptdp.data.indexed_dataset import IndexedDatasetWriter
-from ptdp.data.inputs import Task, bounded_imap, check_columns, expand_inputs, read_tasks
+from ptdp.data.inputs import Task, bounded_imap, check_columns, expand_inputs, fork_pool, read_tasks
 from ptdp.data.progress import Progress
 from ptdp.data.sft_dataset import LOSS_MASK_SUFFIX
 from ptdp.data.tokenizer import TOKENIZER_SUFFIX
@@ -114,8 +113,8 @@ def run_sft_preprocess(args: argparse.Namespace) -> tuple[int, str | dict]:
     pool, failure = None, None
     assistant = 0
     try:
-        if args.workers > 1:  # fork: the tokenizer is inherited, never pickled
-            pool = mp.get_context("fork").Pool(args.workers, initializer=_init_worker, initargs=init)
+        if args.workers > 1:
+            pool = fork_pool(args.workers, _init_worker, init)
             results = bounded_imap(pool, _encode_chunk, read_tasks(files, ["messages"], rows=True), 2 * args.workers)
         else:
             _init_worker(*init)

@@ -158,3 +158,30 @@ def test_tokenizer_file_shares_vocab_for_blends(tmp_path, capsys):
     assert IndexedDataset(b).document(0).tolist() == tok.encode(TEXTS[150]) + [tok.eod_id]
     splits = build_datasets(["0.5", a, "0.5", b], "1,0,0", 16, 0)
     assert splits.tokenizer.fingerprint == load_tokenizer(b).fingerprint and len(splits.train) > 0
+
+
+
+
+
+POOL_UNDER_A_SIGTERM_HANDLER = """
+import signal
+from ptdp.data.inputs import fork_pool
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+pool = fork_pool(2, dict, ())
+print(pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL, flush=True)
+pool.terminate()
+pool.join()
+"""
+
+
+def test_pool_workers_take_sigterms_default_action_whatever_the_caller_handles():
+    """``Pool.terminate`` stops a worker still waiting for the task queue's lock (which ``terminate`` takes
+    and keeps) by SIGTERM alone. A worker forked from a process that handles SIGTERM in Python (torchrun's
+    agent does, and so may any program that runs the preprocessor) would inherit a handler that returns, wait
+    for that lock forever, and ``terminate`` with it: the preprocessor's workers start with the default."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", POOL_UNDER_A_SIGTERM_HANDLER], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError("the pool did not stop") from err
+    assert proc.stdout == "True\n", proc.stdout + proc.stderr[-2000:]
