@@ -216,12 +216,12 @@ def bounded_imap(pool, fn: Callable, tasks: Iterable, max_pending: int) -> Itera
 
 def fork_pool(workers: int, initializer: Callable, initargs: tuple):
     """A pool of ``workers`` forked processes (the tokenizer in ``initargs`` is inherited, never pickled),
-    each started with the default SIGTERM action before ``initializer(*initargs)``.
+    each started with SIGTERM's default action before ``initializer(*initargs)``.
 
-    ``Pool.terminate`` stops a worker blocked on the task queue with SIGTERM. A worker forked from a process
-    that handles SIGTERM in Python (torchrun's agent does, and so may any program that calls the
-    preprocessor) inherits that handler, which runs only between bytecodes of a main thread that is stuck in
-    the queue's lock: the worker never exits and ``terminate`` waits for it forever."""
+    ``Pool.terminate`` takes the task queue's lock and keeps it, and stops a worker still waiting for that
+    lock by SIGTERM alone. A worker forked from a process that handles SIGTERM in Python (a program that
+    calls the preprocessor may) would inherit the handler; one that returns, as a handler that only records
+    the signal does, leaves the worker waiting for the lock and ``terminate`` waiting for the worker."""
     return mp.get_context("fork").Pool(workers, initializer=_start_worker, initargs=(initializer, *initargs))
 
 

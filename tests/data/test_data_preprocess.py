@@ -176,9 +176,9 @@ pool.join()
 
 def test_pool_workers_take_sigterms_default_action_whatever_the_caller_handles():
     """``Pool.terminate`` stops a worker still waiting for the task queue's lock (which ``terminate`` takes
-    and keeps) by SIGTERM alone. A worker forked from a process that handles SIGTERM in Python (torchrun's
-    agent does, and so may any program that runs the preprocessor) would inherit a handler that returns, wait
-    for that lock forever, and ``terminate`` with it: the preprocessor's workers start with the default."""
+    and keeps) by SIGTERM alone. A worker forked from a process whose Python SIGTERM handler returns would
+    inherit it, wait for that lock forever, and ``terminate`` with it: the preprocessor's workers start with
+    SIGTERM's default action whatever the caller handles."""
     try:
         proc = subprocess.run([sys.executable, "-c", POOL_UNDER_A_SIGTERM_HANDLER], capture_output=True, text=True,
                               timeout=120)
