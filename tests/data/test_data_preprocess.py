@@ -160,9 +160,6 @@ def test_tokenizer_file_shares_vocab_for_blends(tmp_path, capsys):
     assert splits.tokenizer.fingerprint == load_tokenizer(b).fingerprint and len(splits.train) > 0
 
 
-
-
-
 POOL_UNDER_A_SIGTERM_HANDLER = """
 import signal
 from ptdp.data.inputs import fork_pool
