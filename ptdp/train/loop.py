@@ -26,20 +26,36 @@ from ptdp.train.report import (
     startup_summary,
     validation_record,
 )
-from ptdp.train.state import setup
+from ptdp.train.state import TrainState, setup
 from ptdp.train.steppers import build_stepper
 from ptdp.train.throughput import IterationFlops
 
 
 def train(config: Config) -> list[dict]:
-    """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record)."""
+    """Run the whole training job on this rank; returns the per-iteration metrics (rank 0's record).
+
+    The run controller takes over SIGTERM for the job; it gives it back however the job ends (a refused
+    checkpoint included), so that a process calling ``train`` keeps its own handling afterwards."""
     trainer = setup(config)
     groups = trainer.plan.groups
     controller = RunController(groups.rank, trainer.plan.world, groups.device, groups.mesh is not None,
                                config.parallel.hang_timeout_s,
                                run_directory(config.checkpoint.save, config.training.metrics_file))
-    controller.watch(trainer.chunks)
-    checkpoints = CheckpointManager(trainer)
+    checkpoints = None
+    try:
+        controller.watch(trainer.chunks)
+        checkpoints = CheckpointManager(trainer)
+        return _train(config, trainer, controller, checkpoints)
+    finally:
+        controller.close()
+        if checkpoints is not None:
+            checkpoints.close()
+
+
+def _train(config: Config, trainer: TrainState, controller: RunController,
+           checkpoints: CheckpointManager) -> list[dict]:
+    """The job itself: resume, then train, log, evaluate and save until the last iteration or a stop."""
+    groups = trainer.plan.groups
     with phase(f"loading the checkpoint {config.checkpoint.load}"):
         resumed = checkpoints.resume()
     controller.resumed(resumed)
@@ -48,11 +64,7 @@ def train(config: Config) -> list[dict]:
     first_iteration = resumed + 1  # data and LR are functions of the iteration alone
     tr, m = config.training, config.model
     if tr.skip_train:  # Megatron's --skip-train: evaluate the checkpoint and exit
-        try:
-            evaluate_checkpoint(trainer, first_iteration - 1)
-        finally:
-            controller.close()
-            checkpoints.close()
+        evaluate_checkpoint(trainer, first_iteration - 1)
         return trainer.metrics
     for chunk in trainer.chunks:
         chunk.train()
@@ -161,8 +173,6 @@ def train(config: Config) -> list[dict]:
     finally:
         stepper.close()
         observer.close()
-        controller.close()
-        checkpoints.close()
         if metrics_file:
             metrics_file.close()
     return trainer.metrics

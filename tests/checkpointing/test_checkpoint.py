@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -266,6 +267,24 @@ def test_bad_checkpoint_input_is_one_line_without_traceback(crashed, tmp_path, f
     line = assert_one_line_error(proc, "--load")
     assert proc.returncode == 2 and ("does not exist" in line or "--hidden-size 32 there, 64 here" in line)
     assert tree_digest(ckpt) == before  # a rejected load touches nothing
+
+
+def test_a_load_refused_inside_training_gives_sigterm_back(monkeypatch, capsys):
+    """``train`` takes SIGTERM over for the job (a graceful stop at the next iteration); a job refused while
+    loading, past the checks that run before it, must give the calling process its own handling back: a
+    handler left behind would swallow every later SIGTERM to that process."""
+    from ptdp.checkpointing import CheckpointManager
+    from ptdp.config import ConfigError
+
+    def refuse(self):
+        raise ConfigError("--load: the checkpoint was refused while loading")
+
+    monkeypatch.setattr(CheckpointManager, "resume", refuse)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    proc = refused_in_process(["train", *SIX], capsys)
+    assert_one_line_error(proc, "refused while loading")
+    assert proc.returncode == 2
+    assert signal.getsignal(signal.SIGTERM) is sigterm
 
 
 def test_each_bad_checkpoint_flag_names_itself(crashed, tmp_path):
