@@ -179,9 +179,10 @@ def test_ctrl_c_saves_at_the_stopped_iteration_and_resumes_exactly(tmp_path, npr
 
 def test_second_ctrl_c_during_the_save_stops_at_once_and_the_previous_checkpoint_loads(tmp_path):
     ckpt = tmp_path / "ck"
-    # A wider model than TINY, so the save lasts long enough to be interrupted in the middle.
-    args = [*LONG, "--hidden-size", "256", "--save", str(ckpt), "--save-interval", "2"]
-    run = Run([*args, "--nproc-per-node", "2"])
+    args = [*LONG, "--save", str(ckpt), "--save-interval", "2"]
+    # Every save after iteration 2's waits a minute between its data files and its commit: the second Ctrl-C
+    # lands inside it however fast (or, beside other work, however late) it comes.
+    run = Run([*args, "--nproc-per-node", "2"], env={"PTDP_TEST_SLOW_SAVE": "3:60"})
     run.wait_for(r"iteration\s+3/")
     assert read_latest(ckpt) == 2
     run.interrupt()

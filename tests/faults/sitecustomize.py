@@ -29,6 +29,9 @@ table is the one place to update.
   it), ``hashed`` after the files are fsynced and hashed, ``before-latest`` after the rename into place but
   before ``latest`` moves. Several comma-separated entries (``4:hashed,6:before-latest``) crash one job
   at each in turn (with ``--max-restarts`` enough for all).
+- ``PTDP_TEST_SLOW_SAVE=N:SECONDS``: every rank sleeps SECONDS once the data files of a checkpoint of
+  iteration N or later are written, before the commit: a save a test can signal while it is under way,
+  however fast the machine writes.
 - ``PTDP_TEST_WORKER_MARKER=DIR``: every worker process (``LOCAL_RANK`` set) touches ``DIR/worker-<rank>``
   as it starts, so a test can tell that a launcher refused before any worker existed.
 - ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
@@ -187,6 +190,16 @@ def crash_before_latest(original, path, *args, **kwargs):
     return result
 
 
+def slow_after_data_files(original, *args, **kwargs):
+    """Wraps the DCP save of a checkpoint's data files, as ``crash_after_data_files`` does."""
+    result = original(*args, **kwargs)
+    tmp = kwargs.get("checkpoint_id")
+    at, _, seconds = os.environ["PTDP_TEST_SLOW_SAVE"].partition(":")
+    if tmp is not None and (iteration := _iteration_of(Path(tmp))) is not None and iteration >= int(at):
+        time.sleep(float(seconds))
+    return result
+
+
 # -- PTDP_TEST_BUG ---------------------------------------------------------------------------------------
 
 def dp_sum_instead_of_average(original, reducer, bucket, *args, **kwargs):
@@ -221,6 +234,9 @@ PATCHES = {
         ("torch.distributed.checkpoint:save", crash_after_data_files),
         ("ptdp.checkpointing.storage:fsync_and_hash", crash_after_hashing),
         ("ptdp.checkpointing.storage:_fsync", crash_before_latest),
+    ],
+    "PTDP_TEST_SLOW_SAVE": [
+        ("torch.distributed.checkpoint:save", slow_after_data_files),
     ],
     "PTDP_TEST_BUG=dp-sum": [
         ("ptdp.parallel.data.reducer:NoShard._launch", dp_sum_instead_of_average),

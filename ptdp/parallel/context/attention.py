@@ -33,7 +33,7 @@ from ptdp.models.sinks import sink_attention
 from ptdp.models.window import local_window_attention
 from ptdp.parallel.collectives import gather_from_sequence_parallel_region, group_rank, group_size
 from ptdp.parallel.context.layout import (  # noqa: F401  (the layout's names, re-exported)
-    _allgather_mask,
+    allgather_mask,
     load_balanced_chunks,
     load_balanced_positions,
     natural_order,
@@ -128,7 +128,7 @@ def _allgather_attention(q, k, v, group, scale: float, window: int | None = None
         return torch.cat([_local(q[:, :, i * n:(i + 1) * n], k, v, scale, window, sinks, q_start=chunk * n,
                                  softcap=softcap)
                           for i, chunk in enumerate(load_balanced_chunks(c, r))], dim=2)
-    mask = _allgather_mask(s, c, r, q.device)
+    mask = allgather_mask(s, c, r, q.device)
     if sinks is not None:
         return sink_attention(q, k, v, sinks, mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -48,7 +48,7 @@ def natural_order(cp_size: int, n: int, device: torch.device) -> tuple[torch.Ten
 
 
 @functools.lru_cache(maxsize=32)
-def _allgather_mask(seq_length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+def allgather_mask(seq_length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
     """[s/c, s] bool, True = attend: this rank's queries against the rank-major gathered keys. Built once
     per (s, c, rank, device) on the device."""
     q_pos = load_balanced_positions(seq_length, cp_size, cp_rank)
