@@ -15,10 +15,10 @@ sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is
 
 def pytest_configure(config):
     """Compile ptdp and the tests' helpers to bytecode once, before any process starts. The suite starts
-    hundreds of Python processes (launchers, workers, the pool's ranks); where ``PYTHONDONTWRITEBYTECODE``
-    is set, as on this project's development machines, none of them leaves its bytecode behind, and each
-    compiled the ~180 ptdp modules a worker imports again (0.1-0.4 s of CPU a start). Compiled here (in
-    the controller only, under pytest-xdist), they all read it."""
+    many Python processes (launchers, workers, the pool's ranks); where ``PYTHONDONTWRITEBYTECODE`` is set,
+    as on this project's development machines, none of them leaves its bytecode behind, and each compiled
+    the ~180 ptdp modules a worker imports again (0.1-0.4 s of CPU a start). Compiled here (in the
+    controller only, under pytest-xdist), they all read it."""
     if hasattr(config, "workerinput"):
         return
     for folder in [*importlib.util.find_spec("ptdp").submodule_search_locations, Path(__file__).parent]:
