@@ -76,10 +76,11 @@ def _on_main_thread(work, probe, delay_s: float = 0.4):
     return result[0]
 
 
-def _matmuls(seconds: float) -> None:
+def _matmuls(seconds: float, stop: threading.Event | None = None) -> None:
+    """Compute for ``seconds``, or until ``stop`` is set if that comes first."""
     a = torch.randn(512, 512)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (stop and stop.is_set()):
         a = torch.tanh(a @ a)
 
 
@@ -127,13 +128,8 @@ def test_the_heartbeat_of_a_rank_inside_a_long_operation_says_computing(tmp_path
         read_it.set()
         return heartbeat
 
-    def matmuls() -> None:  # one silence, as long as the reading takes
-        a = torch.randn(512, 512)
-        while not read_it.is_set():
-            a = torch.tanh(a @ a)
-
-    try:
-        heartbeat = _on_main_thread(matmuls, read, delay_s=0.0)
+    try:  # one silence, as long as the reading takes
+        heartbeat = _on_main_thread(lambda: _matmuls(60, read_it), read, delay_s=0.0)
     finally:
         watchdog.stop()
         flight_recorder.enable(False)
