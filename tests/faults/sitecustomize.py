@@ -155,9 +155,9 @@ def _crash_in_save(iteration: int, point: str, tmp: Path, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _iteration_of(tmp: Path) -> int | None:
+def _iteration_of(tmp: Path | None) -> int | None:
     """The iteration of a checkpoint's temporary directory (``.tmp-iter_NNNNNNN``), else None."""
-    name = Path(tmp).name
+    name = Path(tmp).name if tmp is not None else ""
     return int(name.rpartition("_")[2]) if name.startswith(".tmp-iter_") else None
 
 
@@ -165,7 +165,7 @@ def crash_after_data_files(original, *args, **kwargs):
     """Wraps the DCP save of a checkpoint's data files (into its temporary directory)."""
     result = original(*args, **kwargs)
     tmp = kwargs.get("checkpoint_id")
-    if tmp is not None and (iteration := _iteration_of(Path(tmp))) is not None:
+    if (iteration := _iteration_of(tmp)) is not None:
         _crash_in_save(iteration, "written", Path(tmp), _rank())
     return result
 
@@ -193,9 +193,8 @@ def crash_before_latest(original, path, *args, **kwargs):
 def slow_after_data_files(original, *args, **kwargs):
     """Wraps the DCP save of a checkpoint's data files, as ``crash_after_data_files`` does."""
     result = original(*args, **kwargs)
-    tmp = kwargs.get("checkpoint_id")
     at, _, seconds = os.environ["PTDP_TEST_SLOW_SAVE"].partition(":")
-    if tmp is not None and (iteration := _iteration_of(Path(tmp))) is not None and iteration >= int(at):
+    if (iteration := _iteration_of(kwargs.get("checkpoint_id"))) is not None and iteration >= int(at):
         time.sleep(float(seconds))
     return result
 
