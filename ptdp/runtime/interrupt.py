@@ -15,10 +15,14 @@ thread acts on it at once), and:
   one, stops at once (:func:`stop_now`): ``os._exit`` on every rank, no traceback, no teardown; a save cut
   short leaves only a ``.tmp-iter_*`` directory that the next start removes, ``latest`` still naming the
   previous checkpoint. The line is :func:`immediate_line`.
-- **The launcher** (``ptdp train --nproc-per-node N``) is the one process the terminal talks to: torchrun
+- **The launcher** (``ptdp train --nproc-per-node N``; :mod:`ptdp.runtime.launcher_stop`) is the one process
+  the terminal talks to: torchrun
   starts the workers in sessions of their own. It passes each SIGINT on to the workers, and prints the one
   line itself: rank 0 leaves what it knows (phase, iteration, the final line) in ``PTDP_STATUS_FILE``, so
-  workers print nothing. The launcher's monitor (:class:`_Stop`) enforces the promise: workers that are
+  workers print nothing. A worker is passed a SIGINT only once it has said (a file named after its pid in
+  ``PTDP_READY_DIR``) that ptdp's handler is in: before that, during the interpreter's own start-up, a
+  SIGINT would be Python's KeyboardInterrupt, a fatal error with a traceback. The wait is a fraction of a
+  second, and a worker that never says so is passed the signal after :data:`NOTICE_S` all the same. The launcher's monitor (:class:`_Stop`) enforces the promise: workers that are
   still there 2 s after a peer left (they wait for it in a collective), or 2 s after a second Ctrl-C, are
   killed; a third Ctrl-C kills them at once. Workers exit 0 to torchrun (a non-zero exit is a failure it
   would restart) and the launcher exits 130.
@@ -33,9 +37,7 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 from ptdp.runtime import signals
@@ -44,6 +46,7 @@ from ptdp.runtime.errors import write_line
 EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
 LAUNCHER_ENV = "PTDP_LAUNCHER_PID"
 STATUS_ENV = "PTDP_STATUS_FILE"  # where rank 0 tells the launcher what a stop left behind
+READY_ENV = "PTDP_READY_DIR"  # where each worker marks that a SIGINT reaches ptdp's handler, not Python's
 NOTICE_S = 5.0  # a graceful stop still running after this long says what it waits for
 GRACE_S = 2.0  # the launcher kills workers left this long after a peer (or the second Ctrl-C) stopped
 
@@ -77,12 +80,22 @@ def install_for_command(argv: list[str]) -> None:
         _STATE.update(rank=int(os.environ.get("RANK", "0")))
         signals.on(signal.SIGINT, _worker_signal)  # before the signal is routed: none arrives unheard
         signals.install(signal.SIGINT)
+        _say_ready()
+
+
+def _say_ready() -> None:
+    """Under the launcher: tell it that from now on a SIGINT reaches :func:`_worker_signal`."""
+    ready = os.environ.get(READY_ENV)
+    if ready and launched():
+        try:
+            Path(ready, str(os.getpid())).touch()
+        except OSError:
+            pass  # the launcher passes the signal on after NOTICE_S anyway
 
 
 def know_save(save: str | None) -> None:
     """``--save``, as soon as the arguments are parsed: what a stop at once says is (not) on disk."""
     _STATE["save"] = save
-    _LAUNCHER["save"] = save
 
 
 def install(rank: int, save: str | None) -> None:
@@ -180,7 +193,7 @@ def _notice() -> None:
 def stop_now() -> None:
     """Leave at once on this rank: rank 0 says what is on disk; no traceback, no teardown."""
     if _STATE["rank"] == 0:  # under the launcher, it words the line (it knows --save from the start)
-        _report(immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"], _step()),
+        _report(immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"], step_under_way()),
                 final=not launched())
     try:
         sys.stdout.flush()
@@ -204,7 +217,7 @@ def _report(line: str | None, final: bool = False) -> None:
             _write(line)
         return
     status = {"phase": _STATE["phase"], "iteration": _STATE["iteration"], "loaded": _STATE["loaded"],
-              "step": _step(), "line": line if final else None}
+              "step": step_under_way(), "line": line if final else None}
     try:
         tmp = f"{path}.{os.getpid()}"
         Path(tmp).write_text(json.dumps(status))
@@ -213,7 +226,7 @@ def _report(line: str | None, final: bool = False) -> None:
         pass
 
 
-def _step() -> str | None:
+def step_under_way() -> str | None:
     """The start-up step under way, lowercase and without the first iteration's own phase."""
     from ptdp.runtime.phases import current
 
@@ -223,155 +236,3 @@ def _step() -> str | None:
 
 def _write(line: str) -> None:
     write_line(sys.stderr, line)
-
-
-# --- the launcher's side -------------------------------------------------------------------------------
-
-
-class _Stop:
-    """The launcher's stop in progress (see the module docstring): one per run, made by the first SIGINT."""
-
-    def __init__(self, save: str | None, status: str) -> None:
-        self.save, self.status = save, status
-        self.count, self.started = 0, time.monotonic()
-        self.second: float | None = None
-        self.workers = _children()
-        self.first_exit: float | None = None
-        self._done = threading.Lock()
-        self._noticed = False
-
-    def signal(self) -> None:
-        self.count += 1
-        if self.count == 1:
-            if not self.workers:  # none started (yet): one may be forking right now, so look again
-                time.sleep(0.3)
-                self.workers = _children()
-            if not self.workers:
-                self.finish()
-            threading.Thread(target=self._monitor, name="ptdp-stop", daemon=True).start()
-        elif self.count == 2:
-            self.second = time.monotonic()
-        sig = signal.SIGKILL if self.count >= 3 else signal.SIGINT
-        for pid in self.workers:
-            _kill(pid, sig)
-        if self.count >= 3:
-            self.finish()
-
-    def _monitor(self) -> None:
-        while True:
-            time.sleep(0.05)
-            alive = [pid for pid in self.workers if _running(pid)]
-            now = time.monotonic()
-            if not alive:
-                self.finish()
-            if len(alive) < len(self.workers) and self.first_exit is None:
-                self.first_exit = now
-            late = [t for t in (self.first_exit, self.second) if t is not None and now - t > GRACE_S]
-            if late:  # waiting for a peer that left, or still there after a second Ctrl-C
-                self.finish()
-            if not self._noticed and self.count == 1 and now - self.started > NOTICE_S:
-                self._noticed = True
-                status = self._status()
-                if status.get("phase") == "training":
-                    _write(f"ptdp train: Ctrl-C: the workers finish iteration {status.get('iteration')}, then save "
-                           "(if --save) and stop; Ctrl-C again stops at once")
-
-    def _status(self) -> dict:
-        try:
-            return json.loads(Path(self.status).read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def finish(self) -> None:
-        """Kill what is left, print the one line, exit 130 (once, from whichever thread gets here)."""
-        if not self._done.acquire(blocking=False):
-            time.sleep(60)  # the other thread is exiting the process
-            return
-        _quiet_torchrun()
-        pids = self.workers + _children()
-        status = self._status()
-        line = status.get("line") or immediate_line(status.get("phase", "setup"), status.get("iteration"),
-                                                     self.save, status.get("loaded") or 0,
-                                                     status.get("step") or _step())
-        _write(line)
-        try:
-            os.unlink(self.status)
-        except OSError:
-            pass
-        # Last, with no call between that could let torchrun's thread see a killed worker and restart it.
-        for pid in pids:
-            _kill(pid, signal.SIGKILL)
-        os._exit(EXIT_CODE)
-
-
-_LAUNCHER: dict = {"stop": None, "save": None, "status": None}
-
-
-def install_launcher(save: str | None) -> None:
-    """Pass SIGINT on to the workers and report their stop (see the module docstring); torchrun keeps
-    SIGTERM and the rest. ``save``: ``--save``, to say what is on disk."""
-    fd, status = tempfile.mkstemp(prefix="ptdp-status-", suffix=".json")
-    os.close(fd)
-    os.unlink(status)  # rank 0 creates it when it has something to say
-    _LAUNCHER.update(stop=None, save=save, status=status)
-    os.environ[LAUNCHER_ENV] = str(os.getpid())
-    os.environ[STATUS_ENV] = status
-    signals.on(signal.SIGINT, _launcher_signal)
-    signals.install(signal.SIGINT)
-
-
-def launcher_interrupted() -> bool:
-    return _LAUNCHER["stop"] is not None
-
-
-def finish_launcher_stop() -> None:
-    """torchrun returned after a Ctrl-C (the workers stopped, exit 0): print the line and exit 130."""
-    stop = _LAUNCHER["stop"]
-    if stop is not None:
-        stop.finish()
-
-
-def _launcher_signal(signum: int) -> None:
-    if _LAUNCHER["stop"] is None:
-        _LAUNCHER["stop"] = _Stop(_LAUNCHER["save"], _LAUNCHER["status"])
-    _LAUNCHER["stop"].signal()
-
-
-def _quiet_torchrun() -> None:
-    """Nothing from torchrun's loggers once we stop the workers ourselves."""
-    import logging
-
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is alive (a zombie, exited but not yet reaped by torchrun, is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _children() -> list[int]:
-    """This process's running child processes (Linux /proc): the workers torchrun started."""
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == me and fields[0] != "Z":
-            out.append(int(entry))
-    return out

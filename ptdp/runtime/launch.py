@@ -19,7 +19,7 @@ def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str,
     which counts against ``--max-restarts``) or one joins (which does not), and ptdp derives d from the new
     world size (docs/multinode.md, §Elastic training). Without it, ``--standalone``: a rendezvous on a port
     the OS picks, so concurrent jobs cannot collide."""
-    # SIGINT is not torchrun's: ptdp.runtime.interrupt passes Ctrl-C on to the workers as a graceful stop.
+    # SIGINT is not torchrun's: ptdp.runtime.launcher_stop passes Ctrl-C on to the workers as a graceful stop.
     flags = [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
              "--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT"]
     if not rendezvous:
@@ -73,16 +73,16 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args([
         *launcher_flags(nproc_per_node, max_restarts, rendezvous), "--module", "ptdp", *worker_args])
-    from ptdp.runtime import interrupt
+    from ptdp.runtime import launcher_stop
 
-    interrupt.install_launcher(save)  # Ctrl-C goes to the workers as a graceful stop (ptdp/runtime/interrupt.py)
+    launcher_stop.install_launcher(save)  # Ctrl-C goes to the workers as a graceful stop
     failures = _WorkerFailures(max_restarts, single_node=not rendezvous, hang_dir=run_dir and run_dir / "hang")
     failures.attach()
     try:
         run(launcher_args)
     except ChildFailedError as e:
-        if interrupt.launcher_interrupted():  # workers killed by the stop in progress: it reports
-            interrupt.finish_launcher_stop()
+        if launcher_stop.launcher_interrupted():  # workers killed by the stop in progress: it reports
+            launcher_stop.finish_launcher_stop()
         codes = sorted({f.exitcode for f in e.failures.values()})
         # Negative codes are signals, mostly the launcher's own SIGTERM to the workers still running when
         # the first one failed: the workers' own exit code (2: bad input on every rank) is the answer.
@@ -96,8 +96,10 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
         return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     finally:
         failures.detach()
+        if not launcher_stop.launcher_interrupted():  # a stop in progress reads its status file, then removes it
+            launcher_stop.close_launcher()
     # After Ctrl-C the workers stopped (rank 0 left the line) and exited 0, so torchrun did not restart them.
-    interrupt.finish_launcher_stop()
+    launcher_stop.finish_launcher_stop()
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 from helpers import worker_env
 
 from ptdp.cli.main import _worker_argv, build_parser
-from ptdp.runtime import interrupt, launch
+from ptdp.runtime import launch, launcher_stop
 
 
 @pytest.fixture
@@ -21,8 +21,8 @@ def launched(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(torchrun, "run", lambda _args: seen.update(env=dict(__import__("os").environ)))
-    monkeypatch.setattr(interrupt, "install_launcher", lambda *_: None)
-    monkeypatch.setattr(interrupt, "launcher_interrupted", lambda: False)
+    monkeypatch.setattr(launcher_stop, "install_launcher", lambda *_: None)
+    monkeypatch.setattr(launcher_stop, "launcher_interrupted", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
 

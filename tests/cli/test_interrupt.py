@@ -134,6 +134,24 @@ def test_ctrl_c_at_any_moment_stops_within_seconds_with_one_line(tmp_path, momen
         assert n == 4 and "validation loss at iteration 4" not in out, out[-2000:]
 
 
+def test_ctrl_c_while_the_workers_start_python_waits_for_their_handler(tmp_path):
+    """A worker still in the interpreter's own start-up would meet a SIGINT with Python's fatal error and
+    its traceback: the launcher passes it on once the worker's handler is in, a moment later."""
+    markers = tmp_path / "workers"
+    markers.mkdir()
+    run = Run([*LONG, "--nproc-per-node", "2"],
+              env={"PTDP_TEST_WORKER_MARKER": str(markers), "PTDP_TEST_SLOW_WORKER_START": "2"})
+    deadline = time.monotonic() + 60
+    while len(list(markers.iterdir())) < 2 and time.monotonic() < deadline and run.proc.poll() is None:
+        time.sleep(0.002)
+    assert len(list(markers.iterdir())) == 2, "the workers never started:\n" + "\n".join(run.out + run.err)[-3000:]
+    sent = run.interrupt()  # both workers sleep inside Python's start-up now
+    code, out, err = run.finish()
+    assert time.monotonic() - sent <= STOP_S
+    assert code == 130, err[-3000:]
+    assert err.startswith("ptdp train: stopped at once during start-up") and len(err.splitlines()) == 1, err
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> list[float]:
     """The losses of an uninterrupted run, in one process: what an interrupted and resumed run must log

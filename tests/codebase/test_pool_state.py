@@ -32,7 +32,7 @@ KNOWN = {
     "data/preprocess_sft.py:_worker": "`ptdp preprocess --sft`'s worker processes only (as preprocess.py's)",
     "runtime/phases.py:_RUNNING": "a stack of `with` blocks, unwound at their end",
     "runtime/interrupt.py:_STATE": "Ctrl-C state: interrupt.install never runs in the pool, no signal reaches it",
-    "runtime/interrupt.py:_LAUNCHER": "the launcher's (not in the pool)",
+    "runtime/launcher_stop.py:_LAUNCHER": "the launcher's (not in the pool)",
     "runtime/launch.py:_REPORTED_BY_WORKERS": "the launcher's (not in the pool)",
     "runtime/collector.py:_paused": "paused only by the `ptdp` command's own process (main() without argv), "
                                     "never in the pool; resume() there finds it unset",

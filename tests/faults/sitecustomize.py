@@ -34,6 +34,8 @@ table is the one place to update.
   however fast the machine writes.
 - ``PTDP_TEST_WORKER_MARKER=DIR``: every worker process (``LOCAL_RANK`` set) touches ``DIR/worker-<rank>``
   as it starts, so a test can tell that a launcher refused before any worker existed.
+- ``PTDP_TEST_SLOW_WORKER_START=SECONDS``: every worker process sleeps SECONDS right after that marker,
+  still inside Python's own start-up (``site``), before any ptdp code: a moment a test can signal.
 - ``PTDP_TEST_BUG=dp-sum|tp-grad``: a deliberate scaling bug, so tests can show the equivalence helpers
   catch it: ``dp-sum`` sums the data-parallel gradients instead of averaging them (a wrong 1/d factor);
   ``tp-grad`` drops the all-reduce of the input gradient in the backward of the tensor-parallel ``f``
@@ -267,6 +269,8 @@ def install() -> None:
     marker = os.environ.get("PTDP_TEST_WORKER_MARKER")
     if marker and "LOCAL_RANK" in os.environ:
         Path(marker, f"worker-{_rank()}").touch()
+    if os.environ.get("PTDP_TEST_SLOW_WORKER_START") and "LOCAL_RANK" in os.environ:
+        time.sleep(float(os.environ["PTDP_TEST_SLOW_WORKER_START"]))
     for key, patches in PATCHES.items():
         var, _, value = key.partition("=")
         if os.environ.get(var) and (not value or os.environ[var] == value):
