@@ -133,11 +133,11 @@ def open_hf_dir(path: str | Path) -> HFDirectory:
 
 def check_recipes(source: HFDirectory, padded_vocab: int) -> None:
     """Every tensor the recipes take exists, with the rows they take: else one line naming it."""
-    from ptdp.models.hf_recipe import RecipeError, shape_of
+    from ptdp.models.hf_recipe import RecipeError
 
     for name, recipe in source.recipes(padded_vocab).items():
         try:
-            shape_of(recipe, source.shapes)
+            recipe.built_shape(source.shapes)
         except RecipeError as e:
             raise CheckpointError(f"{source.path}: {e} (needed for {name}); is it a {source.family_name} model?") \
                 from None

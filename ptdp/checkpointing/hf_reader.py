@@ -4,7 +4,7 @@
 (every saved tensor's global shape and chunks) and, per rank, read items ("elements [a, b) x [c, d) of
 tensor X, into this region of mine"). :class:`HFStorageReader` presents the directory as a checkpoint that
 holds every ptdp parameter (``model.<logical name>``, fp32, the full shape, one chunk) and answers each read
-item by evaluating the family's recipe over just that box (``ptdp.models.hf_recipe.read_box``): each HF
+item by evaluating the family's recipe over just that box (``read`` of ``ptdp.models.hf_recipe``'s records): each HF
 tensor is opened lazily (``safe_open(...).get_slice``) and only the rows and columns that land in the box
 are read from disk.
 
@@ -31,14 +31,14 @@ from torch.futures import Future
 from ptdp.checkpointing.hf_dir import HFDirectory, open_hf_dir
 from ptdp.checkpointing.validation import model_shape
 from ptdp.config import ModelConfig
-from ptdp.models.hf_recipe import Recipe, read_box, shape_of
+from ptdp.models.hf_recipe import Recipe
 
 
 def hf_metadata(recipes: dict[str, Recipe], shapes: dict[str, tuple[int, ...]]) -> Metadata:
     """DCP metadata of the checkpoint the recipes describe: one fp32 chunk per ptdp parameter."""
     entries = {}
     for name, recipe in recipes.items():
-        size = torch.Size(shape_of(recipe, shapes))
+        size = torch.Size(recipe.built_shape(shapes))
         entries[f"model.{name}"] = TensorStorageMetadata(
             properties=TensorProperties(dtype=torch.float32), size=size,
             chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
@@ -86,7 +86,7 @@ class HFStorageReader(StorageReader):
         for item in plan.items:
             recipe = self.recipes[item.storage_index.fqn.removeprefix("model.")]
             box = tuple((a, a + n) for a, n in zip(item.storage_offsets, item.lengths, strict=True))
-            value = read_box(recipe, box, self.source.shapes, fetch)
+            value = recipe.read(box, self.source.shapes, fetch)
             target = planner.resolve_tensor(item).detach()
             target.copy_(value)
             planner.commit_tensor(item, target)

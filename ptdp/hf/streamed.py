@@ -97,7 +97,7 @@ def write_streamed(model: FullModelReader, family: ModelFamily, cfg, moe, out: P
     the files written."""
     import torch
 
-    from ptdp.models.hf_recipe import assemble, scatter, takes
+    from ptdp.models.hf_tensors import assemble
 
     padded = model.shape("embedding.word_embeddings.weight")[0]
     recipes = family.hf_recipes(cfg, moe, padded)
@@ -105,12 +105,12 @@ def write_streamed(model: FullModelReader, family: ModelFamily, cfg, moe, out: P
         odd = sorted(recipes.keys() ^ model.sources.keys())
         raise ConfigError(f"--load: the checkpoint's parameters are not the {family.name} family's ({odd[:3]})")
     writer = ShardWriter(out, max_bytes)
-    left = Counter(hf_name for recipe in recipes.values() for hf_name in {t.name for t in takes(recipe)})
+    left = Counter(hf_name for recipe in recipes.values() for hf_name in {t.name for t in recipe.takes()})
     pieces: dict[str, list] = {}
     for name, recipe in recipes.items():
-        for hf_name, rows, value in scatter(recipe, model.tensor(name)):
+        for hf_name, rows, value in recipe.scatter(model.tensor(name)):
             pieces.setdefault(hf_name, []).append((rows, value))
-        left.subtract({t.name for t in takes(recipe)})
+        left.subtract({t.name for t in recipe.takes()})
         for hf_name in [n for n in pieces if left[n] <= 0]:  # complete (a copy's count is 0 from the start)
             value = assemble(pieces.pop(hf_name), hf_name).detach().to(torch.float32)
             writer.add(hf_name, value.clone(memory_format=torch.contiguous_format))  # own, packed storage

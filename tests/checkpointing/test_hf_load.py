@@ -512,7 +512,8 @@ def test_bad_hf_dir_is_refused_before_workers_start(tmp_path, capsys, damage, fr
 def test_transpose_and_unflatten_read_any_box_and_scatter_back():
     """GPT-2's recipe ops: a box of ``Unflatten(Transpose(c_attn))`` reads, per q/k/v block, just its columns
     of the ``[in, out]`` tensor, and matches the whole tensor's slice; ``scatter`` gives the HF tensors back."""
-    from ptdp.models.hf_recipe import Take, Transpose, Unflatten, materialize, read_box, scatter
+    from ptdp.models.hf_recipe import Take, Transpose, Unflatten
+    from ptdp.models.hf_tensors import materialize
 
     hf = {"w": torch.arange(24.0).view(4, 6), "b": torch.arange(6.0)}  # Conv1D [in 4, out 3·2]
     recipes = {"qkv": Unflatten(Transpose(Take("w")), 3), "bias": Unflatten(Take("b"), 3)}
@@ -525,10 +526,10 @@ def test_transpose_and_unflatten_read_any_box_and_scatter_back():
         return hf[name][tuple(slice(a, b) for a, b in box)]
 
     shapes = {name: tuple(t.shape) for name, t in hf.items()}
-    assert torch.equal(read_box(recipes["qkv"], ((0, 3), (1, 2), (1, 3)), shapes, fetch), full["qkv"][:, 1:2, 1:3])
+    assert torch.equal(recipes["qkv"].read(((0, 3), (1, 2), (1, 3)), shapes, fetch), full["qkv"][:, 1:2, 1:3])
     assert reads == [("w", ((1, 3), (2 * j + 1, 2 * j + 2))) for j in range(3)]
     for name, recipe in recipes.items():
-        (hf_name, rows, value), = scatter(recipe, full[name])
+        (hf_name, rows, value), = recipe.scatter(full[name])
         assert rows is None and torch.equal(value, hf[hf_name]), name
 
 
@@ -539,7 +540,7 @@ def test_an_mxfp4_box_decodes_only_its_rows_and_blocks():
     the unquantized layout's (``transformers``' dequantization: ``test_gpt_oss.py``). Export (``scatter``)
     writes the unquantized tensor."""
     from ptdp.models.gpt_oss.hf import gpt_oss_recipes
-    from ptdp.models.hf_recipe import materialize, read_box, scatter
+    from ptdp.models.hf_tensors import materialize
     from ptdp.models.mxfp4 import dequantize_mxfp4
 
     g = torch.Generator().manual_seed(0)
@@ -560,13 +561,13 @@ def test_an_mxfp4_box_decodes_only_its_rows_and_blocks():
     unquantized = dequantize_mxfp4(hf[layer + "_blocks"], hf[layer + "_scales"])  # HF's [E, h, 2f]
     assert torch.equal(whole, torch.stack([unquantized[..., 0::2], unquantized[..., 1::2]], 1).transpose(2, 3))
     box = ((0, e), (0, 2), (f // 2, f), (0, h))
-    assert torch.equal(read_box(recipe, box, shapes, fetch), whole[:, :, f // 2:])
+    assert torch.equal(recipe.read(box, shapes, fetch), whole[:, :, f // 2:])
     assert reads == [(layer + "_blocks", ((0, e), (f, 2 * f), (0, 2), (0, 16))),
                      (layer + "_scales", ((0, e), (f, 2 * f), (0, 2)))]
     reads.clear()
-    assert torch.equal(read_box(recipe, ((1, 2), (1, 2), (0, f), (40, 50)), shapes, fetch), whole[1:, 1:, :, 40:50])
+    assert torch.equal(recipe.read(((1, 2), (1, 2), (0, f), (40, 50)), shapes, fetch), whole[1:, 1:, :, 40:50])
     assert [box[-2:] if "blocks" in name else box[-1:] for name, box in reads] == [((1, 2), (0, 16)), ((1, 2),)]
-    (name, rows, value), = scatter(recipe, whole)
+    (name, rows, value), = recipe.scatter(whole)
     assert name == layer and rows is None and torch.equal(value, unquantized)
 
 

@@ -119,7 +119,8 @@ def gpt2_recipes(cfg: ModelConfig, padded_vocab: int) -> dict:
 def from_hf_state(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF GPT-2 tensors (with or without the ``transformer.`` prefix) -> ptdp full tensors, unpadded
     (``write_full_model_state`` pads the embedding): :func:`gpt2_recipes` evaluated whole."""
-    from ptdp.models.hf_recipe import RecipeError, materialize
+    from ptdp.models.hf_recipe import RecipeError
+    from ptdp.models.hf_tensors import materialize
 
     hf = {HF_PREFIX + k.removeprefix(HF_PREFIX): v for k, v in hf_tensors.items()}
     recipes = gpt2_recipes(cfg, cfg.vocab_size)

@@ -168,7 +168,7 @@ def write_gpt_oss(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoECo
     """ptdp's full tensors as HF's (unquantized): the recipes run backwards."""
     import torch
 
-    from ptdp.models.hf_recipe import unmaterialize
+    from ptdp.models.hf_tensors import unmaterialize
 
     recipes = gpt_oss_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
     return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}

@@ -149,7 +149,8 @@ def import_state(recipes_for: Callable[[int], dict], hf: dict[str, torch.Tensor]
     """``ptdp import`` of any family built on Llama's vocabulary layout: ``recipes_for(padded_vocab)``
     evaluated over the whole of ``hf``, the untied output layer padded like the embedding (the embedding
     left unpadded: ``write_full_model_state`` pads it); a missing tensor raises ``error(message)``."""
-    from ptdp.models.hf_recipe import Cat, RecipeError, materialize
+    from ptdp.models.hf_recipe import Cat, RecipeError
+    from ptdp.models.hf_tensors import materialize
 
     head = hf.get(LM_HEAD)
     recipes = recipes_for(cfg.padded_vocab_size(head.shape[0] if head is not None else cfg.vocab_size, 1))

@@ -198,7 +198,7 @@ def write_qwen3_next(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: Mo
     """ptdp's full tensors as HF's, the experts per expert: the recipes run backwards."""
     import torch
 
-    from ptdp.models.hf_recipe import unmaterialize
+    from ptdp.models.hf_tensors import unmaterialize
 
     recipes = qwen3_next_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
     return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
