@@ -87,8 +87,11 @@ def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_
     ``beats``: every rank's latest heartbeat (None: none written). A live heartbeat's silence is its
     ``idle_s`` plus the time since the next one was due: the ``POLL_S`` a heartbeat waits for its successor
     is no silence (counted, a rank ticking every 0.5 s read as silent for 1 s half the time, and was called
-    hung under a 1 s timeout)."""
-    alive = {r: b for r, b in beats.items() if b is not None and _age(b, now) <= stale_s}
+    hung under a 1 s timeout). A heartbeat older than ``stale_s`` is a stopped process's, unless the
+    process runs on this host (:func:`_running_here`): then its heartbeat thread only waited for a loaded
+    CPU, and it is stopped once its heartbeat is ``timeout_s`` older still."""
+    alive = {r: b for r, b in beats.items()
+             if b is not None and _age(b, now) <= stale_s + (timeout_s if _running_here(b) else 0.0)}
     for b in alive.values():
         if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s or computing(b):
             return None
@@ -105,6 +108,18 @@ def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_
     culprits = sorted(r for r, b in alive.items() if (b["iteration"], b["seq"]) == low)
     return Verdict(culprits, "every rank waits in communication; these are at the fewest operations "
                              "(a collective the others never reach?)")
+
+
+def _running_here(beat: dict) -> bool:
+    """Whether the heartbeat's process runs on this host and is neither stopped (SIGSTOP, a debugger),
+    nor a zombie, nor gone (Linux ``/proc``; elsewhere, or on another host, False)."""
+    if beat.get("host") != socket.gethostname() or "pid" not in beat:
+        return False
+    try:
+        stat = Path(f"/proc/{int(beat['pid'])}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("T", "t", "Z", "X")
 
 
 class Watchdog:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import torch
 from helpers import TINY, run_ptdp
@@ -54,6 +58,32 @@ def test_diagnose_waits_while_any_rank_progresses_and_names_the_kind_of_silence(
     # Everyone waits in communication: the ranks at the fewest operations (a collective never reached).
     behind = diagnose({0: beat(), 1: beat(seq=4), 2: beat(seq=4)}, NOW, timeout, stale)
     assert behind.culprits == [1, 2] and "every rank waits in communication" in behind.how
+
+
+def test_a_late_heartbeat_of_a_process_running_on_this_host_is_no_stop(tmp_path):
+    """On a loaded machine a computing rank's heartbeat thread can wait longer for a CPU than the stale limit:
+    a process that runs here (not SIGSTOPped) gets ``timeout_s`` more before it counts as stopped; a stopped
+    one does not, and a process on another host is judged by its heartbeat's age alone."""
+    timeout, stale = 2.0, 1.5
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        here = {"pid": child.pid, "host": socket.gethostname(), "comm": False, "in_op": True, "cpu_share": 0.9}
+        late = beat(time=NOW - 2.5, idle_s=0.3, **here)  # computing, its heartbeat 1 s past the stale limit
+        assert diagnose({0: beat(), 1: late}, NOW, timeout, stale) is None
+        way_late = beat(time=NOW - 4.0, idle_s=0.3, **here)  # past stale + timeout: stopped after all
+        assert diagnose({0: beat(), 1: way_late}, NOW, timeout, stale).culprits == [1]
+        elsewhere = diagnose({0: beat(), 1: {**late, "host": "another-node"}}, NOW, timeout, stale)
+        assert elsewhere.culprits == [1] and "stopped responding" in elsewhere.how
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the child never stopped"
+            time.sleep(0.01)
+        stopped = diagnose({0: beat(), 1: late}, NOW, timeout, stale)
+        assert stopped.culprits == [1] and "stopped responding (last heartbeat 2.5 s ago" in stopped.how
+    finally:
+        child.kill()
+        child.wait()
 
 
 class FakeEvent:
