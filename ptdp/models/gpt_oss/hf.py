@@ -30,15 +30,12 @@ YaRN's attention_factor/mscale overrides, another layer kind.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ptdp.config import ConfigError, ModelConfig, MoEConfig
 from ptdp.config.validate_window import window_layers
 from ptdp.models.gemma3.hf import FULL, SLIDING, window_pattern
 from ptdp.models.llama import hf as llama
-
-if TYPE_CHECKING:
-    import torch
 
 P = llama.HF_PREFIX
 _EXPERTS = ("gate_up_proj", "down_proj")
@@ -156,22 +153,10 @@ def gpt_oss_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return _config(hf_config)
 
 
-def read_gpt_oss(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    """The flags and ptdp tensors of a GPT-OSS checkpoint: :func:`gpt_oss_recipes` evaluated whole."""
-    cfg, moe = _config(hf_config)
-    tensors = llama.import_state(lambda padded: gpt_oss_recipes(cfg, moe, padded), hf, cfg,
+# ``ptdp import``: the recipes evaluated whole; the whole-model export (unquantized): run backwards.
+read_gpt_oss = llama.recipe_read(_config, gpt_oss_recipes,
                                  lambda e: GptOssConversionError(f"--in: {e}; is it a GPT-OSS model?"))
-    return cfg, moe, tensors
-
-
-def write_gpt_oss(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
-    """ptdp's full tensors as HF's (unquantized): the recipes run backwards."""
-    import torch
-
-    from ptdp.models.hf_tensors import unmaterialize
-
-    recipes = gpt_oss_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
+write_gpt_oss = llama.recipe_write(gpt_oss_recipes)
 
 
 def gpt_oss_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ptdp.config import ConfigError, ModelConfig
+from ptdp.config import ConfigError, ModelConfig, MoEConfig
 
 if TYPE_CHECKING:
     import torch
@@ -160,6 +160,32 @@ def import_state(recipes_for: Callable[[int], dict], hf: dict[str, torch.Tensor]
         return materialize(recipes, hf)
     except RecipeError as e:
         raise error(str(e)) from None
+
+
+def recipe_read(model_of: Callable[[dict], tuple[ModelConfig, MoEConfig]],
+                recipes_of: Callable[[ModelConfig, MoEConfig, int], dict], error: Callable[[str], Exception]):
+    """A family's ``read`` (``ptdp import``) that is its recipes evaluated whole: ``model_of(config_json)``
+    gives the flags, :func:`import_state` the tensors; a missing tensor raises ``error(message)``."""
+
+    def read(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
+        cfg, moe = model_of(hf_config)
+        return cfg, moe, import_state(lambda padded: recipes_of(cfg, moe, padded), hf, cfg, error)
+
+    return read
+
+
+def recipe_write(recipes_of: Callable[[ModelConfig, MoEConfig, int], dict]):
+    """A family's ``write`` (whole-model export) that is its recipes run backwards, into fp32 HF tensors."""
+
+    def write(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
+        import torch
+
+        from ptdp.models.hf_tensors import unmaterialize
+
+        recipes = recipes_of(cfg, moe, tensors[EMBEDDING].shape[0])
+        return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
+
+    return write
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

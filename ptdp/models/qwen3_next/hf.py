@@ -32,8 +32,6 @@ from ptdp.models.llama import hf as llama
 from ptdp.models.mixtral import hf as mixtral
 
 if TYPE_CHECKING:
-    import torch
-
     from ptdp.models import hf_recipe
 
 P = llama.HF_PREFIX
@@ -186,22 +184,11 @@ def qwen3_next_model(hf_config: dict) -> tuple[ModelConfig, MoEConfig]:
     return _config(hf_config)
 
 
-def read_qwen3_next(hf_config: dict, hf: dict[str, torch.Tensor]) -> tuple[ModelConfig, MoEConfig, dict]:
-    """``ptdp import``: :func:`qwen3_next_recipes` evaluated whole, over either expert layout."""
-    cfg, moe = _config(hf_config)
-    tensors = llama.import_state(lambda padded: qwen3_next_recipes(cfg, moe, padded), hf, cfg,
-                                 lambda e: Qwen3NextConversionError(f"--in: {e}; is it a Qwen3-Next model?"))
-    return cfg, moe, tensors
-
-
-def write_qwen3_next(tensors: dict[str, torch.Tensor], cfg: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
-    """ptdp's full tensors as HF's, the experts per expert: the recipes run backwards."""
-    import torch
-
-    from ptdp.models.hf_tensors import unmaterialize
-
-    recipes = qwen3_next_recipes(cfg, moe, tensors[llama.EMBEDDING].shape[0])
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in unmaterialize(recipes, tensors).items()}
+# ``ptdp import``: the recipes evaluated whole, over either expert layout; the whole-model export, the
+# experts per expert: run backwards.
+read_qwen3_next = llama.recipe_read(_config, qwen3_next_recipes,
+                                    lambda e: Qwen3NextConversionError(f"--in: {e}; is it a Qwen3-Next model?"))
+write_qwen3_next = llama.recipe_write(qwen3_next_recipes)
 
 
 def qwen3_next_config(cfg: ModelConfig, moe: MoEConfig, bos: int | None, eos: int | None) -> dict[str, Any]:
