@@ -45,6 +45,15 @@ def _names(recipe: Recipe) -> list[str]:
     return [t.name for t in recipe.takes()]
 
 
+def _split(recipe: Unflatten | Interleaved, shapes: Shapes, need: str) -> tuple[int, ...]:
+    """The part's shape with dimension ``dim`` as two, ``[n, size / n]``; RecipeError saying ``need`` if it
+    cannot be."""
+    inner, dim, n = recipe.part.built_shape(shapes), recipe.dim, recipe.n
+    if len(inner) <= dim or inner[dim] % n:
+        raise RecipeError(f"{_names(recipe)} has shape {inner}; {need}")
+    return (*inner[:dim], n, inner[dim] // n, *inner[dim + 1:])
+
+
 class _Parts:
     """A step over several parts: it takes what they take."""
 
@@ -228,11 +237,7 @@ class Unflatten(_OnePart):
     dim: int = 0
 
     def built_shape(self, shapes: Shapes) -> tuple[int, ...]:
-        inner, dim = self.part.built_shape(shapes), self.dim
-        if len(inner) <= dim or inner[dim] % self.n:
-            raise RecipeError(f"{_names(self)} has shape {inner}; {self.n} equal blocks along dimension {dim} "
-                              "are needed")
-        return (*inner[:dim], self.n, inner[dim] // self.n, *inner[dim + 1:])
+        return _split(self, shapes, f"{self.n} equal blocks along dimension {self.dim} are needed")
 
     def read(self, box: Box, shapes: Shapes, fetch: Fetch) -> torch.Tensor:
         """Block i's rows ``[c, d)`` are the part's rows ``[i·m + c, i·m + d)``."""
@@ -289,11 +294,7 @@ class Interleaved(_OnePart):
     dim: int = 0
 
     def built_shape(self, shapes: Shapes) -> tuple[int, ...]:
-        inner, dim = self.part.built_shape(shapes), self.dim
-        if len(inner) <= dim or inner[dim] % self.n:
-            raise RecipeError(f"{_names(self)} has shape {inner}; dimension {dim} must hold {self.n} interleaved "
-                              "parts")
-        return (*inner[:dim], self.n, inner[dim] // self.n, *inner[dim + 1:])
+        return _split(self, shapes, f"dimension {self.dim} must hold {self.n} interleaved parts")
 
     def read(self, box: Box, shapes: Shapes, fetch: Fetch) -> torch.Tensor:
         n, dim = self.n, self.dim
