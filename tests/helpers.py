@@ -754,30 +754,46 @@ def hf_family_tests(name: str, hf_model: Callable, layouts: dict, vocab: int, se
     ``hf_model(directory)`` saves a random HF model there and returns it; ``layouts``: ``name: (world size,
     flags)``, trained in one pool with one process (``hf_layout_training``). With ``kinds`` the module holds
     several models: ``hf_model(directory, kind)``, ``layouts`` per kind (a kind may have none), and each test
-    runs per kind (a layout a kind lacks is skipped). The one-process run also ends in HF's weights (``rel``:
-    ``assert_weights_equal_hf``)."""
+    runs per kind, each layout test for the kinds that have the layout. The one-process run also ends in HF's
+    weights (``rel``: ``assert_weights_equal_hf``)."""
     import pytest
 
-    @pytest.fixture(scope="module", name="trained", params=kinds)
-    def trained(request, tmp_path_factory):
-        """One process and every layout from one imported checkpoint, and HF's training on the same batches."""
-        kind = getattr(request, "param", None)
-        tmp = tmp_path_factory.mktemp(name if kind is None else f"{name}-{kind}")
-        hf = hf_model(tmp / "hf") if kind is None else hf_model(tmp / "hf", kind)
-        runs, track, initial = hf_layout_training(tmp, hf, layouts if kind is None else layouts.get(kind, {}),
-                                                  vocab, seq_length, lr=lr)
-        return runs, track, hf, initial
+    @pytest.fixture(scope="module", name="trained")
+    def trained(tmp_path_factory):
+        """Per model kind, at its first test: one process and every layout from one imported checkpoint, and
+        HF's training on the same batches."""
+        done: dict = {}
 
-    def test_one_process(trained):
-        runs, track, hf, initial = trained
+        def of(kind: str | None) -> tuple:
+            if kind not in done:
+                tmp = tmp_path_factory.mktemp(name if kind is None else f"{name}-{kind}")
+                hf = hf_model(tmp / "hf") if kind is None else hf_model(tmp / "hf", kind)
+                runs, track, initial = hf_layout_training(tmp, hf, layouts if kind is None else layouts.get(kind, {}),
+                                                          vocab, seq_length, lr=lr)
+                done[kind] = runs, track, hf, initial
+            return done[kind]
+
+        return of
+
+    def one_process(runs: dict, track, hf, initial) -> None:
         assert_hf_track(runs["one"], track)
         assert_weights_equal_hf(runs["one"], hf, initial, rel=rel)
 
-    @pytest.mark.parametrize("layout", sorted({n for ls in (layouts.values() if kinds else [layouts]) for n in ls}))
-    def test_layout(trained, layout):
-        runs, track, _, _ = trained
-        if layout not in runs:
-            pytest.skip(f"{layout} is not among this family's layouts")
+    if kinds:
+        @pytest.mark.parametrize("kind", kinds)
+        def test_one_process(trained, kind):
+            one_process(*trained(kind))
+    else:
+        def test_one_process(trained):
+            one_process(*trained(None))
+
+    cases = [(kind, layout) for kind in (kinds or [None])
+             for layout in sorted(layouts if kind is None else layouts.get(kind, {}))]
+
+    @pytest.mark.parametrize("kind, layout", cases, ids=[layout if kind is None else f"{kind}-{layout}"
+                                                          for kind, layout in cases])
+    def test_layout(trained, kind, layout):
+        runs, track, _, _ = trained(kind)
         assert_hf_track(runs[layout], track)
 
     return trained, test_one_process, test_layout
