@@ -89,11 +89,14 @@ def diagnose(beats: dict[int, dict | None], now: float, timeout_s: float, stale_
     is no silence (counted, a rank ticking every 0.5 s read as silent for 1 s half the time, and was called
     hung under a 1 s timeout). A heartbeat older than ``stale_s`` is a stopped process's, unless the
     process runs on this host (:func:`_running_here`): then its heartbeat thread only waited for a loaded
-    CPU, and it is stopped once its heartbeat is ``timeout_s`` older still."""
+    CPU, its lateness is no silence either, and it is stopped once its heartbeat is ``timeout_s`` older
+    still."""
+    here = {r for r, b in beats.items() if b is not None and _running_here(b)}
     alive = {r: b for r, b in beats.items()
-             if b is not None and _age(b, now) <= stale_s + (timeout_s if _running_here(b) else 0.0)}
-    for b in alive.values():
-        if b.get("announced") or b["idle_s"] + max(0.0, _age(b, now) - POLL_S) < timeout_s or computing(b):
+             if b is not None and _age(b, now) <= stale_s + (timeout_s if r in here else 0.0)}
+    for r, b in alive.items():
+        late = 0.0 if r in here else max(0.0, _age(b, now) - POLL_S)
+        if b.get("announced") or b["idle_s"] + late < timeout_s or computing(b):
             return None
     stopped = sorted(r for r in beats if r not in alive)
     if stopped:

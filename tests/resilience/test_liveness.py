@@ -62,14 +62,19 @@ def test_diagnose_waits_while_any_rank_progresses_and_names_the_kind_of_silence(
 
 def test_a_late_heartbeat_of_a_process_running_on_this_host_is_no_stop(tmp_path):
     """On a loaded machine a computing rank's heartbeat thread can wait longer for a CPU than the stale limit:
-    a process that runs here (not SIGSTOPped) gets ``timeout_s`` more before it counts as stopped; a stopped
-    one does not, and a process on another host is judged by its heartbeat's age alone."""
+    a process that runs here (not SIGSTOPped) gets ``timeout_s`` more before it counts as stopped, and its
+    heartbeat's lateness is no silence; a stopped one gets neither, nor does a process on another host
+    (judged by its heartbeat's age alone)."""
     timeout, stale = 2.0, 1.5
     child = subprocess.Popen(["sleep", "60"])
     try:
         here = {"pid": child.pid, "host": socket.gethostname(), "comm": False, "in_op": True, "cpu_share": 0.9}
         late = beat(time=NOW - 2.5, idle_s=0.3, **here)  # computing, its heartbeat 1 s past the stale limit
         assert diagnose({0: beat(), 1: late}, NOW, timeout, stale) is None
+        # Ticking 1.8 s before a heartbeat written 1.2 s ago: the heartbeat's lateness is no silence here.
+        assert diagnose({0: beat(), 1: beat(time=NOW - 1.2, idle_s=1.8, pid=child.pid, host=here["host"])},
+                        NOW, timeout, stale) is None
+        assert diagnose({0: beat(), 1: beat(time=NOW - 1.2, idle_s=1.8)}, NOW, timeout, stale) is not None
         way_late = beat(time=NOW - 4.0, idle_s=0.3, **here)  # past stale + timeout: stopped after all
         assert diagnose({0: beat(), 1: way_late}, NOW, timeout, stale).culprits == [1]
         elsewhere = diagnose({0: beat(), 1: {**late, "host": "another-node"}}, NOW, timeout, stale)
