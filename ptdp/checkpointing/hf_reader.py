@@ -4,9 +4,9 @@
 (every saved tensor's global shape and chunks) and, per rank, read items ("elements [a, b) x [c, d) of
 tensor X, into this region of mine"). :class:`HFStorageReader` presents the directory as a checkpoint that
 holds every ptdp parameter (``model.<logical name>``, fp32, the full shape, one chunk) and answers each read
-item by evaluating the family's recipe over just that box (``read`` of ``ptdp.models.hf_recipe``'s records): each HF
-tensor is opened lazily (``safe_open(...).get_slice``) and only the rows and columns that land in the box
-are read from disk.
+item by evaluating the family's recipe over just that box (``Recipe.read``, ``ptdp.models.hf_recipe``):
+each HF tensor is opened lazily (``safe_open(...).get_slice``) and only the rows and columns that land in
+the box are read from disk.
 
 So ``load_checkpoint`` (``state.py``) loads an HF directory exactly as it loads an imported checkpoint:
 the same requests from the same placements (TP splits, pipeline stages, vocabulary and expert shards,

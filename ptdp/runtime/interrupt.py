@@ -15,17 +15,17 @@ thread acts on it at once), and:
   one, stops at once (:func:`stop_now`): ``os._exit`` on every rank, no traceback, no teardown; a save cut
   short leaves only a ``.tmp-iter_*`` directory that the next start removes, ``latest`` still naming the
   previous checkpoint. The line is :func:`immediate_line`.
-- **The launcher** (``ptdp train --nproc-per-node N``; :mod:`ptdp.runtime.launcher_stop`) is the one process
-  the terminal talks to: torchrun
-  starts the workers in sessions of their own. It passes each SIGINT on to the workers, and prints the one
-  line itself: rank 0 leaves what it knows (phase, iteration, the final line) in ``PTDP_STATUS_FILE``, so
-  workers print nothing. A worker is passed a SIGINT only once it has said (a file named after its pid in
-  ``PTDP_READY_DIR``) that ptdp's handler is in: before that, during the interpreter's own start-up, a
-  SIGINT would be Python's KeyboardInterrupt, a fatal error with a traceback. The wait is a fraction of a
-  second, and a worker that never says so is passed the signal after :data:`NOTICE_S` all the same. The launcher's monitor (:class:`_Stop`) enforces the promise: workers that are
-  still there 2 s after a peer left (they wait for it in a collective), or 2 s after a second Ctrl-C, are
-  killed; a third Ctrl-C kills them at once. Workers exit 0 to torchrun (a non-zero exit is a failure it
-  would restart) and the launcher exits 130.
+- **The launcher** (``ptdp train --nproc-per-node N``; :mod:`ptdp.runtime.launcher_stop`) is the one
+  process the terminal talks to: torchrun starts the workers in sessions of their own. It passes each
+  SIGINT on to the workers, and prints the one line itself: rank 0 leaves what it knows (phase, iteration,
+  the final line) in ``PTDP_STATUS_FILE``, so workers print nothing. A worker is passed a SIGINT only once
+  it has said (a file named after its pid in ``PTDP_READY_DIR``) that ptdp's handler is in: before that,
+  inside the interpreter's own start-up, a SIGINT is Python's KeyboardInterrupt, a fatal error with a
+  traceback. The wait is a fraction of a second; a worker that never says so is passed the signal after
+  :data:`NOTICE_S` all the same. The launcher's monitor enforces the promise: workers that are still there
+  2 s after a peer left (they wait for it in a collective), or 2 s after a second Ctrl-C, are killed; a
+  third Ctrl-C kills them at once. Workers exit 0 to torchrun (a non-zero exit is a failure it would
+  restart) and the launcher exits 130.
 
 A graceful stop that takes more than :data:`NOTICE_S` (a long iteration, a big save) says so once, so the
 terminal is never silent for long. Processes launched by ptdp know it from ``PTDP_LAUNCHER_PID``.
@@ -193,8 +193,9 @@ def _notice() -> None:
 def stop_now() -> None:
     """Leave at once on this rank: rank 0 says what is on disk; no traceback, no teardown."""
     if _STATE["rank"] == 0:  # under the launcher, it words the line (it knows --save from the start)
-        _report(immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"], step_under_way()),
-                final=not launched())
+        line = immediate_line(_STATE["phase"], _STATE["iteration"], _STATE["save"], _STATE["loaded"],
+                              step_under_way())
+        _report(line, final=not launched())
     try:
         sys.stdout.flush()
     except (OSError, ValueError):

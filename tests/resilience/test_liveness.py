@@ -60,7 +60,7 @@ def test_diagnose_waits_while_any_rank_progresses_and_names_the_kind_of_silence(
     assert behind.culprits == [1, 2] and "every rank waits in communication" in behind.how
 
 
-def test_a_late_heartbeat_of_a_process_running_on_this_host_is_no_stop(tmp_path):
+def test_a_late_heartbeat_of_a_process_running_on_this_host_is_no_stop():
     """On a loaded machine a computing rank's heartbeat thread can wait longer for a CPU than the stale limit:
     a process that runs here (not SIGSTOPped) gets ``timeout_s`` more before it counts as stopped, and its
     heartbeat's lateness is no silence; a stopped one gets neither, nor does a process on another host
