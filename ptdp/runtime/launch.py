@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ptdp.runtime.errors import print_error
+from ptdp.runtime.launcher_stop import TORCHRUN_LOGGERS
 
 
 def launcher_flags(nproc_per_node: int, max_restarts: int, rendezvous: dict[str, str] | None = None) -> list[str]:
@@ -105,7 +106,6 @@ def launch_workers(nproc_per_node: int, max_restarts: int, worker_args: list[str
 
 # Exit codes whose worker printed its own one-line error (2: bad input; 3: a hang report, naming the rank).
 _REPORTED_BY_WORKERS = {2, 3}
-_TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
 
 def exit_description(code: int) -> str:
@@ -146,7 +146,7 @@ class _WorkerFailures(logging.Handler):
         return new
 
     def attach(self) -> None:
-        for name in _TORCHRUN_LOGGERS:
+        for name in TORCHRUN_LOGGERS:
             logger = logging.getLogger(name)
             self._saved.append((logger, logger.level, logger.propagate))
             logger.addHandler(self)

@@ -104,6 +104,8 @@ class _Stop:
         os._exit(interrupt.EXIT_CODE)
 
 
+# the loggers of torchrun's agent, which the launcher keeps off the terminal
+TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 _LAUNCHER: dict = {"stop": None, "save": None, "status": None, "ready": None}
 
 
@@ -151,7 +153,7 @@ def _quiet_torchrun() -> None:
     """Nothing from torchrun's loggers once we stop the workers ourselves."""
     import logging
 
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+    for name in TORCHRUN_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
